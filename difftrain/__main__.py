@@ -1,0 +1,5 @@
+import sys
+
+from difftrain.cli.app import main
+
+sys.exit(main())

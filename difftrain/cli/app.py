@@ -1,0 +1,106 @@
+"""The `difftrain` command: a thin Typer app.
+
+Each command lives in its own module under `difftrain/cli/` and exposes `register(app)`. Commands
+parse arguments, call the library, and render results; they hold no training or model logic.
+Heavy imports (torch, lightning) happen inside the commands so that `difftrain --help` is instant.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+import click
+import typer
+
+from difftrain import __version__
+from difftrain.errors import DifftrainError
+
+# Modules under difftrain.cli that register commands, in the order they appear in --help.
+COMMAND_MODULES = [
+    "recipes",
+    "prepare",
+    "pretrain",
+    "finetune",
+    "generate",
+    "evaluate",
+    "compare",
+    "interop",
+    "bench",
+    "plan",
+]
+
+app = typer.Typer(
+    name="difftrain",
+    help="Pretrain, fine-tune, evaluate and sample Differential Transformers from YAML recipes.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    rich_markup_mode="rich",
+)
+
+
+def _version(value: bool) -> None:
+    if value:
+        typer.echo(f"difftrain {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: bool = typer.Option(
+        False, "--version", callback=_version, is_eager=True, help="Print the version and exit."
+    ),
+    debug: bool = typer.Option(False, "--debug", help="Show full tracebacks for errors."),
+) -> None:
+    """difftrain — Differential Transformer training toolkit."""
+
+
+def _register_all() -> None:
+    for name in COMMAND_MODULES:
+        try:
+            module = importlib.import_module(f"difftrain.cli.{name}")
+        except ModuleNotFoundError as e:  # a command whose module has not landed yet
+            if e.name == f"difftrain.cli.{name}":
+                continue
+            raise
+        module.register(app)
+
+
+_register_all()
+
+
+def error_line(message: str) -> None:
+    """Print a user-facing error as one red line on stderr."""
+    from rich.console import Console
+
+    Console(stderr=True, highlight=False, soft_wrap=True).print(f"[bold red]error:[/] {message}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the console script; returns the process exit code."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in args
+    try:
+        result = app(args=args, prog_name="difftrain", standalone_mode=False)
+    except DifftrainError as e:
+        if debug:
+            raise
+        error_line(str(e))
+        return e.exit_code
+    except click.exceptions.Exit as e:
+        return e.exit_code
+    except click.exceptions.Abort:
+        error_line("aborted")
+        return 130
+    except click.ClickException as e:
+        e.show()
+        return e.exit_code
+    except KeyboardInterrupt:
+        error_line("interrupted")
+        return 130
+    return result if isinstance(result, int) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

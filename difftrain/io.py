@@ -1,0 +1,99 @@
+"""Atomic file writes: a file difftrain writes is either the old version or the complete new one.
+
+Every write goes to a temporary file in the destination folder, is flushed and fsynced, then
+renamed over the destination with `os.replace` (atomic on POSIX), and the folder is fsynced so
+the rename itself survives a power loss. A process killed at any instant never leaves a
+half-written file under the final name. Disk-full and permission errors become DifftrainErrors
+that name the file, and the previous version stays intact.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import os
+import tempfile
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import IO, Any
+
+from difftrain.errors import DifftrainError
+
+
+def fsync_dir(path: str | os.PathLike[str]) -> None:
+    """fsync a directory so that renames inside it are durable (no-op where unsupported)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _os_error_message(path: Path, e: OSError) -> str:
+    if e.errno == errno.ENOSPC:
+        return f"disk full while writing {path}; free some space and retry (the previous version of the file is intact)"
+    if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        return f"cannot write {path}: {e.strerror}; choose a writable location"
+    return f"could not write {path}: {e.strerror or e}"
+
+
+@contextlib.contextmanager
+def atomic_path(path: str | os.PathLike[str]) -> Iterator[Path]:
+    """Yield a temporary path next to `path`; on success it is fsynced and renamed onto `path`.
+
+    For writers that want a file name (torch.save, safetensors, numpy). On any exception the
+    temporary file is removed and `path` is untouched.
+    """
+    dest = Path(path)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp_name = tempfile.mkstemp(prefix=f".{dest.name}.", suffix=".tmp", dir=dest.parent)
+    os.close(fd)
+    tmp = Path(tmp_name)
+    try:
+        yield tmp
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, dest)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise DifftrainError(_os_error_message(dest, e)) from e
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    fsync_dir(dest.parent)
+
+
+def atomic_write(path: str | os.PathLike[str], write: Callable[[IO[bytes]], Any]) -> None:
+    """Call `write(f)` on a binary file object and atomically install the result at `path`."""
+    with atomic_path(path) as tmp, open(tmp, "wb") as f:
+        write(f)
+        f.flush()
+
+
+def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> None:
+    atomic_write(path, lambda f: f.write(data))
+
+
+def atomic_write_text(path: str | os.PathLike[str], text: str) -> None:
+    atomic_write_bytes(path, text.encode("utf-8"))
+
+
+def atomic_write_json(path: str | os.PathLike[str], obj: Any) -> None:
+    atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=False) + "\n")
+
+
+def atomic_save_safetensors(
+    path: str | os.PathLike[str], tensors: dict[str, Any], metadata: dict[str, str] | None = None
+) -> None:
+    """Save a dict of torch tensors as safetensors, atomically (tensors made contiguous first)."""
+    from safetensors.torch import save_file
+
+    tensors = {k: v.detach().contiguous().cpu() for k, v in tensors.items()}
+    with atomic_path(path) as tmp:
+        save_file(tensors, str(tmp), metadata=metadata)
