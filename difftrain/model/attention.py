@@ -1,0 +1,181 @@
+"""Attention modules: projections, RoPE, KV-cache bookkeeping, the per-arch core, o_proj.
+
+Notation: x (B, T, D) the normalised residual stream, H = n_heads, Hkv = n_kv_heads,
+d = head_dim. All three modules own `q_proj`, `k_proj`, `v_proj`, `o_proj` (no biases) with
+HF Llama names; the arch-specific math lives in the `core` method and in `kernels.py`.
+
+    baseline  q_proj D → H·d    k/v_proj D → Hkv·d   o_proj H·d → D
+    diff      q_proj D → H·d    k/v_proj D → Hkv·d   o_proj H·d → D   + λq1, λk1, λq2, λk2 (d,), subln (2d,)
+    diff2     q_proj D → 2H·d   k/v_proj D → Hkv·d   o_proj H·d → D   + lambda_proj D → H
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, NamedTuple
+
+import torch
+from torch import Tensor, nn
+
+from difftrain.model.config import ModelConfig, lambda_init
+from difftrain.model.kernels import (
+    AttnMask,
+    AttnResult,
+    baseline_attention,
+    diff2_attention,
+    diff_attention,
+)
+from difftrain.model.rope import apply_rotary
+
+if TYPE_CHECKING:
+    from difftrain.model.transformer import KVCache
+
+# fn(scaled_scores (B, heads, T, S) with −inf where masked, layer_idx) -> transformed scores
+AttnLogitTransform = Callable[[Tensor, int], Tensor]
+
+
+class RMSNorm(nn.Module):
+    """y = w ⊙ x / √(mean(x²) + ε), the statistics in fp32 (HF Llama's order of casts)."""
+
+    def __init__(self, dim: int, eps: float = 1e-5) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class AttnOptions(NamedTuple):
+    """Per-forward settings shared by all layers."""
+
+    impl: str = "sdpa"
+    output_attentions: bool = False
+    logit_transform: AttnLogitTransform | None = None
+
+
+class _Attention(nn.Module):
+    """Shared projection / RoPE / cache logic; subclasses implement `core`."""
+
+    def __init__(self, config: ModelConfig, layer_idx: int, n_q: int, n_v: int, v_dim: int) -> None:
+        """n_q query heads of width d from q_proj; the core reads V as n_v heads of width v_dim."""
+        super().__init__()
+        assert config.head_dim is not None and config.n_kv_heads is not None
+        self.layer_idx = layer_idx
+        self.n_q, self.n_v, self.v_dim = n_q, n_v, v_dim
+        self.n_heads, self.n_kv, self.head_dim = config.n_heads, config.n_kv_heads, config.head_dim
+        D, d = config.d_model, config.head_dim
+        self.q_proj = nn.Linear(D, self.n_q * d, bias=False)
+        self.k_proj = nn.Linear(D, self.n_kv * d, bias=False)
+        self.v_proj = nn.Linear(D, self.n_kv * d, bias=False)
+        self.o_proj = nn.Linear(self.n_heads * d, D, bias=False)
+
+    def forward(
+        self,
+        x: Tensor,
+        cos: Tensor,
+        sin: Tensor,
+        mask: AttnMask,
+        cache: KVCache | None = None,
+        opts: AttnOptions = AttnOptions(),
+    ) -> AttnResult:
+        B, T, _ = x.shape
+        d = self.head_dim
+        q = self.q_proj(x).view(B, T, self.n_q, d).transpose(1, 2)
+        k = self.k_proj(x).view(B, T, self.n_kv, d).transpose(1, 2)
+        v = self.v_proj(x).view(B, T, self.n_v, self.v_dim).transpose(1, 2)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if cache is not None:
+            k, v = cache.update(self.layer_idx, k, v)
+        transform = None
+        if opts.logit_transform is not None:
+            fn, layer = opts.logit_transform, self.layer_idx
+            transform = lambda s: fn(s, layer)  # noqa: E731
+        r = self.core(x, q, k, v, mask, opts.impl, opts.output_attentions, transform)
+        out = r.out.transpose(1, 2).reshape(B, T, self.n_heads * d)
+        return AttnResult(self.o_proj(out), r.maps, r.logits)
+
+    def core(self, x, q, k, v, mask, impl, return_maps, transform) -> AttnResult:  # pragma: no cover
+        raise NotImplementedError
+
+
+class BaselineAttention(_Attention):
+    """LLaMA attention: out_h = softmax(Q_h K_gᵀ/√d + causal)·V_g, g = h // (H/Hkv)."""
+
+    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+        assert config.head_dim is not None and config.n_kv_heads is not None
+        super().__init__(config, layer_idx, config.n_heads, config.n_kv_heads, config.head_dim)
+
+    def core(self, x, q, k, v, mask, impl, return_maps, transform) -> AttnResult:
+        return baseline_attention(q, k, v, mask, impl, return_maps=return_maps, logit_transform=transform)
+
+
+class DiffAttention(_Attention):
+    """Differential attention V1 (Ye et al., ICLR 2025).
+
+    Differential head i (of H/2) uses query heads 2i, 2i+1 and, with g = i // n_rep, key heads
+    2g, 2g+1 and the 2d-wide value head g (V viewed as Hkv/2 heads of width 2d):
+
+        λ     = exp(λq1·λk1) − exp(λq2·λk2) + λinit,   λinit = 0.8 − 0.6·exp(−0.3·l)   (fp32)
+        out_i = (1 − λinit) · subln((A1 − λ·A2)·V_g),  A_c = softmax(Q_c K_cᵀ/√d + causal)
+
+    subln is an RMSNorm over the 2d features of each head (weight shared across heads, ε = 1e-5).
+    """
+
+    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+        assert config.head_dim is not None and config.n_kv_heads is not None
+        d = config.head_dim
+        super().__init__(config, layer_idx, config.n_heads, config.n_kv_heads // 2, 2 * d)
+        self.lambda_init = lambda_init(layer_idx)
+        self.lambda_std = config.lambda_std
+        self.lambda_q1 = nn.Parameter(torch.zeros(d))
+        self.lambda_k1 = nn.Parameter(torch.zeros(d))
+        self.lambda_q2 = nn.Parameter(torch.zeros(d))
+        self.lambda_k2 = nn.Parameter(torch.zeros(d))
+        self.subln = RMSNorm(2 * d, eps=1e-5)
+        self.reset_lambda()
+
+    def reset_lambda(self) -> None:
+        """λ vectors ~ N(0, lambda_std²)."""
+        for p in (self.lambda_q1, self.lambda_k1, self.lambda_q2, self.lambda_k2):
+            nn.init.normal_(p, mean=0.0, std=self.lambda_std)
+
+    def lam(self) -> Tensor:
+        """The layer's scalar λ as a 0-d fp32 tensor."""
+        l1 = torch.exp(torch.sum(self.lambda_q1.float() * self.lambda_k1.float()))
+        l2 = torch.exp(torch.sum(self.lambda_q2.float() * self.lambda_k2.float()))
+        return l1 - l2 + self.lambda_init
+
+    def core(self, x, q, k, v, mask, impl, return_maps, transform) -> AttnResult:
+        r = diff_attention(
+            q, k, v, self.lam(), mask, impl, return_maps=return_maps, logit_transform=transform
+        )
+        return AttnResult(self.subln(r.out) * (1.0 - self.lambda_init), r.maps, r.logits)
+
+
+class Diff2Attention(_Attention):
+    """Differential attention V2: 2H query heads in one causal GQA attention, combined per pair
+
+        out_i = a_{2i} − sigmoid(λ_{t,i})·a_{2i+1},   λ = lambda_proj(x)  (per token t and head i)
+
+    where a_j = softmax(Q_j K_gᵀ/√d + causal)·V_g, g = j // (2H/Hkv). No subln, no λinit.
+    """
+
+    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+        assert config.head_dim is not None and config.n_kv_heads is not None
+        super().__init__(config, layer_idx, 2 * config.n_heads, config.n_kv_heads, config.head_dim)
+        self.lambda_proj = nn.Linear(config.d_model, config.n_heads, bias=False)
+
+    def core(self, x, q, k, v, mask, impl, return_maps, transform) -> AttnResult:
+        lam = self.lambda_proj(x).transpose(1, 2)  # (B, H, T)
+        return diff2_attention(q, k, v, lam, mask, impl, return_maps=return_maps, logit_transform=transform)
+
+
+ATTENTION_CLASSES: dict[str, type[_Attention]] = {
+    "baseline": BaselineAttention,
+    "diff": DiffAttention,
+    "diff2": Diff2Attention,
+}

@@ -1,0 +1,307 @@
+"""Attention cores: pure functions from projected, rotated heads to per-head outputs.
+
+Each architecture has one core, and each core has interchangeable implementations chosen by
+`attn_impl`; all of them compute the same function and are tested against `eager`:
+
+- `eager`  materialises the softmax maps (fp32 softmax). The only one that can return the maps
+           and logits (for probes) or apply a logit transform (quantisation probe).
+- `sdpa`   `torch.nn.functional.scaled_dot_product_attention` (flash / memory-efficient kernels
+           on CUDA, a fused kernel on CPU). GQA through `enable_gqa`, so K/V are never copied.
+- `flex`   `torch.nn.attention.flex_attention` under `torch.compile` (compiled once per shape;
+           the first call takes tens of seconds on CPU). Flex has no backward on CPU, so it is
+           refused there when gradients are needed.
+- `auto`   `sdpa` on every device: fastest on CPU in `benchmarks/attention_layer.py`, and on CUDA
+           it dispatches to flash attention without flex's compile warm-up.
+
+Shapes (B batch, T queries, S keys, d = head_dim, H = n_heads, Hkv = n_kv_heads):
+
+    baseline  q (B, H, T, d)   k (B, Hkv, S, d)   v (B, Hkv, S, d)      → out (B, H, T, d)
+    diff      q (B, H, T, d)   k (B, Hkv, S, d)   v (B, Hkv/2, S, 2d)   → out (B, H/2, T, 2d)
+    diff2     q (B, 2H, T, d)  k (B, Hkv, S, d)   v (B, Hkv, S, d)      → out (B, H, T, d)
+
+Masking (`AttnMask`): query t sits at key slot `q_offset + t` (the KV-cache length before this
+chunk) and sees key slot s iff s ≤ q_offset + t and the key is a real token
+(`key_padding_mask[b, s]`). A query always sees its own slot, so the rows of left-padding
+tokens are never empty (no NaN); real tokens never see padding.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from difftrain.errors import ConfigError, DeviceError
+
+IMPLS = ("eager", "sdpa", "flex")
+LogitTransform = Callable[[Tensor], Tensor]
+
+
+class AttnResult(NamedTuple):
+    """`out` per output head; `maps` the effective attention maps and `logits` the scaled scores
+    that entered the softmax (eager with `return_maps=True` only, else None)."""
+
+    out: Tensor
+    maps: Tensor | None = None
+    logits: Tensor | None = None
+
+
+@dataclass
+class AttnMask:
+    """Causal mask with an offset and optional key padding; see the module docstring.
+
+    q_len, kv_len: T and S. q_offset: slot of the first query (S − T when the queries are the
+    newest tokens). key_padding_mask: (B, S) bool, True = real token.
+    """
+
+    q_len: int
+    kv_len: int
+    q_offset: int = 0
+    key_padding_mask: Tensor | None = None
+    _dense: Tensor | None = field(default=None, repr=False)
+    _block: object | None = field(default=None, repr=False)
+
+    @property
+    def plain_causal(self) -> bool:
+        """True when this is the ordinary lower-triangular mask (no cache prefix, no padding)."""
+        return self.q_offset == 0 and self.q_len == self.kv_len and self.key_padding_mask is None
+
+    def dense(self, device: torch.device) -> Tensor:
+        """Boolean (B or 1, 1, T, S) mask, True where attention is allowed (cached per forward)."""
+        if self._dense is None or self._dense.device != device:
+            q_slot = torch.arange(self.q_len, device=device)[:, None] + self.q_offset
+            k_slot = torch.arange(self.kv_len, device=device)[None, :]
+            allowed = (k_slot <= q_slot)[None, None]  # (1, 1, T, S)
+            if self.key_padding_mask is not None:
+                real = self.key_padding_mask.to(device=device, dtype=torch.bool)[:, None, None, :]
+                allowed = allowed & (real | (k_slot == q_slot)[None, None])
+            self._dense = allowed
+        return self._dense
+
+
+def resolve_impl(impl: str, device: torch.device) -> str:
+    """Map `auto` to a concrete implementation for `device` (see module docstring)."""
+    if impl == "auto":
+        return "sdpa"
+    if impl not in IMPLS:
+        raise ConfigError(f"model.attn_impl={impl!r} is unknown; choose one of auto, {', '.join(IMPLS)}")
+    return impl
+
+
+def repeat_kv(x: Tensor, n_rep: int) -> Tensor:
+    """(B, h, S, e) → (B, h·n_rep, S, e) with head j reading head j // n_rep (GQA)."""
+    if n_rep == 1:
+        return x
+    B, h, S, e = x.shape
+    return x[:, :, None].expand(B, h, n_rep, S, e).reshape(B, h * n_rep, S, e)
+
+
+# ----- eager -----------------------------------------------------------------------------------
+def softmax_maps(
+    q: Tensor, k: Tensor, mask: AttnMask, logit_transform: LogitTransform | None = None
+) -> tuple[Tensor, Tensor]:
+    """A = softmax(Q Kᵀ/√d + mask) in fp32, for q (B, h, T, d), k (B, h, S, d) with equal h.
+
+    Returns (A, logits): both (B, h, T, S) fp32; logits are the scaled scores after the optional
+    transform, with −inf where the mask forbids attention (the transform sees −inf there too,
+    and cannot unmask them).
+    """
+    scores = (q @ k.transpose(-2, -1)).float() * (1.0 / math.sqrt(q.shape[-1]))
+    allowed = mask.dense(q.device)
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    if logit_transform is not None:
+        scores = logit_transform(scores).masked_fill(~allowed, float("-inf"))
+    return torch.softmax(scores, dim=-1), scores
+
+
+def _eager_baseline(q, k, v, mask, logit_transform):
+    n_rep = q.shape[1] // k.shape[1]
+    A, logits = softmax_maps(q, repeat_kv(k, n_rep), mask, logit_transform)
+    return AttnResult(A.to(v.dtype) @ repeat_kv(v, n_rep), A, logits)
+
+
+def _eager_diff(q, k, v, lam, mask, logit_transform):
+    B, H, T, _ = q.shape
+    n_rep = H // k.shape[1]  # = (H/2) / (Hkv/2)
+    A1, l1 = softmax_maps(q[:, 0::2], repeat_kv(k[:, 0::2], n_rep), mask, logit_transform)
+    A2, l2 = softmax_maps(q[:, 1::2], repeat_kv(k[:, 1::2], n_rep), mask, logit_transform)
+    A = A1 - lam.float() * A2  # (B, H/2, T, S)
+    logits = torch.stack((l1, l2), dim=2).reshape(B, H, T, -1)  # back to query-head order
+    return AttnResult(A.to(v.dtype) @ repeat_kv(v, n_rep), A, logits)
+
+
+def _eager_diff2(q, k, v, lam, mask, logit_transform):
+    n_rep = q.shape[1] // k.shape[1]  # = 2H / Hkv, even: heads 2i and 2i+1 share a kv head
+    P, logits = softmax_maps(q, repeat_kv(k, n_rep), mask, logit_transform)
+    A = P[:, 0::2] - torch.sigmoid(lam.float())[..., None] * P[:, 1::2]  # (B, H, T, S)
+    return AttnResult(A.to(v.dtype) @ repeat_kv(v, n_rep)[:, 0::2], A, logits)
+
+
+# ----- sdpa ------------------------------------------------------------------------------------
+def _sdpa(q: Tensor, k: Tensor, v: Tensor, mask: AttnMask) -> Tensor:
+    gqa = q.shape[1] != k.shape[1]
+    if mask.plain_causal:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask.dense(q.device), enable_gqa=gqa)
+
+
+def diff_sdpa_two_calls(q: Tensor, k: Tensor, v: Tensor, lam: Tensor, mask: AttnMask) -> Tensor:
+    """(A1 − λA2)V = A1·V − λ·A2·V: one sdpa call per map, each with the 2d-wide V (GQA: the
+    n_rep differential heads of a group read key heads 2g, 2g+1 and value head g)."""
+    o1 = _sdpa(q[:, 0::2], k[:, 0::2], v, mask)
+    o2 = _sdpa(q[:, 1::2], k[:, 1::2], v, mask)
+    return o1 - lam.to(o2.dtype) * o2
+
+
+def diff_sdpa_one_call(q: Tensor, k: Tensor, v: Tensor, lam: Tensor, mask: AttnMask) -> Tensor:
+    """The same in one sdpa call over H heads: queries reordered [maps 1 | maps 2], keys
+    likewise, V duplicated, so GQA head j' = c·H/2 + i reads kv head c·Hkv/2 + i // n_rep."""
+    qq = torch.cat((q[:, 0::2], q[:, 1::2]), dim=1)
+    kk = torch.cat((k[:, 0::2], k[:, 1::2]), dim=1)
+    o1, o2 = _sdpa(qq, kk, torch.cat((v, v), dim=1), mask).chunk(2, dim=1)
+    return o1 - lam.to(o2.dtype) * o2
+
+
+# Measured by benchmarks/attention_layer.py --variants on the 2-core CPU (B=8, T=512, H=8, d=64,
+# forward+backward): two calls 1.0×, one call ≈1.3× slower (it copies Q, K and a doubled V).
+DIFF_SDPA = diff_sdpa_two_calls
+
+
+# ----- flex ------------------------------------------------------------------------------------
+@functools.cache
+def _compiled_flex() -> Callable[..., Tensor]:
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention, dynamic=False)
+
+
+@functools.lru_cache(maxsize=32)
+def _causal_block_mask(q_len: int, kv_len: int, device: str) -> object:
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    def causal(b, h, q_idx, kv_idx):
+        return kv_idx <= q_idx
+
+    return create_block_mask(causal, None, None, q_len, kv_len, device=device)
+
+
+def _block_mask(mask: AttnMask, device: torch.device) -> object:
+    if mask.plain_causal:
+        return _causal_block_mask(mask.q_len, mask.kv_len, str(device))
+    if mask._block is None:
+        from torch.nn.attention.flex_attention import create_block_mask
+
+        off = mask.q_offset
+        if mask.key_padding_mask is None:
+
+            def mask_mod(b, h, q_idx, kv_idx):
+                return kv_idx <= q_idx + off
+
+            batch = None
+        else:
+            real = mask.key_padding_mask.to(device=device, dtype=torch.bool)
+
+            def mask_mod(b, h, q_idx, kv_idx):
+                return (kv_idx <= q_idx + off) & (real[b, kv_idx] | (kv_idx == q_idx + off))
+
+            batch = real.shape[0]
+        mask._block = create_block_mask(mask_mod, batch, None, mask.q_len, mask.kv_len, device=str(device))
+    return mask._block
+
+
+def _flex(q: Tensor, k: Tensor, v: Tensor, mask: AttnMask) -> Tensor:
+    if q.device.type == "cpu" and torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+        raise DeviceError(
+            "attn_impl=flex has no backward pass on CPU in this torch; train on CPU with "
+            "model.attn_impl=sdpa (or auto), or use flex on a CUDA GPU"
+        )
+    return _compiled_flex()(
+        q, k, v, block_mask=_block_mask(mask, q.device), enable_gqa=q.shape[1] != k.shape[1]
+    )
+
+
+# ----- the three cores -------------------------------------------------------------------------
+def baseline_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    mask: AttnMask,
+    impl: str = "sdpa",
+    *,
+    return_maps: bool = False,
+    logit_transform: LogitTransform | None = None,
+) -> AttnResult:
+    """out_h = softmax(Q_h K_gᵀ/√d + mask)·V_g with g = h // (H/Hkv)."""
+    if impl == "eager" or return_maps or logit_transform is not None:
+        r = _eager_baseline(q, k, v, mask, logit_transform)
+        return r if return_maps else AttnResult(r.out)
+    if impl == "sdpa":
+        return AttnResult(_sdpa(q, k, v, mask))
+    if impl == "flex":
+        return AttnResult(_flex(q, k, v, mask))
+    raise ConfigError(f"attn_impl={impl!r} is unknown; choose one of {', '.join(IMPLS)}")
+
+
+def diff_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    lam: Tensor,
+    mask: AttnMask,
+    impl: str = "sdpa",
+    *,
+    return_maps: bool = False,
+    logit_transform: LogitTransform | None = None,
+) -> AttnResult:
+    """Differential attention (V1): out_i = (A1 − λ·A2)·V_g for differential head i, g = i // n_rep.
+
+    A_c = softmax(Q_{2i+c−1} K_{2g+c−1}ᵀ/√d + mask), c = 1, 2; V_g is the g-th 2d-wide value
+    head; λ a 0-d fp32 tensor. `maps` are A1 − λ·A2 (B, H/2, T, S); `logits` (B, H, T, S) in
+    query-head order.
+    """
+    if impl == "eager" or return_maps or logit_transform is not None:
+        r = _eager_diff(q, k, v, lam, mask, logit_transform)
+        return r if return_maps else AttnResult(r.out)
+    if impl == "sdpa":
+        return AttnResult(DIFF_SDPA(q, k, v, lam, mask))
+    if impl == "flex":
+        o1 = _flex(q[:, 0::2], k[:, 0::2], v, mask)
+        o2 = _flex(q[:, 1::2], k[:, 1::2], v, mask)
+        return AttnResult(o1 - lam.to(o2.dtype) * o2)
+    raise ConfigError(f"attn_impl={impl!r} is unknown; choose one of {', '.join(IMPLS)}")
+
+
+def diff2_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    lam: Tensor,
+    mask: AttnMask,
+    impl: str = "sdpa",
+    *,
+    return_maps: bool = False,
+    logit_transform: LogitTransform | None = None,
+) -> AttnResult:
+    """Differential attention V2: out_i = a_{2i} − sigmoid(λ_{t,i})·a_{2i+1}.
+
+    a_j = softmax(Q_j K_gᵀ/√d + mask)·V_g over the 2H query heads, g = j // (2H/Hkv); λ is
+    (B, H, T) (sigmoid taken in fp32). `maps` are A_{2i} − σ(λ)·A_{2i+1} (B, H, T, S);
+    `logits` (B, 2H, T, S).
+    """
+    if impl == "eager" or return_maps or logit_transform is not None:
+        r = _eager_diff2(q, k, v, lam, mask, logit_transform)
+        return r if return_maps else AttnResult(r.out)
+    if impl == "sdpa":
+        o = _sdpa(q, k, v, mask)
+    elif impl == "flex":
+        o = _flex(q, k, v, mask)
+    else:
+        raise ConfigError(f"attn_impl={impl!r} is unknown; choose one of {', '.join(IMPLS)}")
+    gate = torch.sigmoid(lam.float()).to(o.dtype)[..., None]
+    return AttnResult(o[:, 0::2] - gate * o[:, 1::2])

@@ -1,0 +1,55 @@
+"""Rotary position embedding (RoPE), rotate-half convention exactly as HF Llama.
+
+For a head of width d, inverse frequencies ω_i = θ^(−2i/d), i = 0 … d/2−1. A token at position p
+gets angles p·[ω, ω] (the d/2 frequencies repeated twice, not interleaved), and a query or key x
+becomes
+
+    x·cos(p·[ω, ω]) + rotate_half(x)·sin(p·[ω, ω]),   rotate_half([x1, x2]) = [−x2, x1]
+
+with x1, x2 the first and second halves of x. Angles are computed in fp32 from explicit positions
+(B, T), so left-padded batches and KV-cache decoding use each token's own position.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+
+class RotaryEmbedding(nn.Module):
+    """Computes (cos, sin) of shape (B, T, d) for positions (B, T); buffers are not saved."""
+
+    inv_freq: Tensor
+
+    def __init__(self, head_dim: int, theta: float = 10000.0) -> None:
+        super().__init__()
+        self.head_dim = head_dim
+        self.theta = theta
+        self.register_buffer("inv_freq", self._inv_freq(), persistent=False)
+
+    def _inv_freq(self) -> Tensor:
+        d = self.head_dim
+        return 1.0 / (self.theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+
+    def _apply(self, fn, recurse=True):  # type: ignore[no-untyped-def]
+        # `model.to(torch.bfloat16)` would round ω; recompute it in fp32 (on CPU, as HF does) instead.
+        super()._apply(fn, recurse)
+        self.inv_freq = self._inv_freq().to(self.inv_freq.device)
+        return self
+
+    def forward(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        freqs = positions.to(torch.float32)[..., None] * self.inv_freq.to(positions.device)  # (B, T, d/2)
+        emb = torch.cat((freqs, freqs), dim=-1)  # (B, T, d)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def rotate_half(x: Tensor) -> Tensor:
+    """[x1, x2] → [−x2, x1] over the last dimension."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate x (B, heads, T, d) by angles given as cos, sin (B, T, d)."""
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    return x * cos + rotate_half(x) * sin
