@@ -7,11 +7,11 @@ fully explicit.
 
 Construction paths and their errors:
 
-- `ModelConfig(**fields)` and `ModelConfig.from_dict(d)` raise `difftrain.errors.ConfigError`
-  whose one-line message names each bad field and the fix.
-- Nested inside a larger pydantic schema (the recipe), the validators raise plain `ValueError`s,
-  so the enclosing schema sees an ordinary `pydantic.ValidationError` with field locations (the
-  recipe loader maps them to YAML lines); `config_error_from_validation` formats one.
+- `ModelConfig.from_dict(d)` and `ModelConfig.from_json(path)` raise `difftrain.errors.ConfigError`
+  whose one-line message names each bad field (`model.n_heads=3 must be even ...`) and the fix.
+- `ModelConfig(**fields)` and validation nested inside a larger pydantic schema (the recipe)
+  raise an ordinary `pydantic.ValidationError` with field locations, so the recipe loader can map
+  them to YAML lines; `config_error_from_validation(err, where)` formats one as a ConfigError.
 - `config.model_copy(update=...)` does *not* validate (pydantic's contract); use
   `config.replace(**updates)` to change fields with validation, e.g. to resolve
   `vocab_size="auto"` from the tokenizer: `config.replace(vocab_size=tokenizer.get_vocab_size())`.
@@ -52,7 +52,10 @@ def config_error_from_validation(err: ValidationError, where: str = "model") -> 
         msg = str(e["msg"]).removeprefix("Value error, ")
         if e["type"] == "extra_forbidden":
             msg = f"unknown key; valid keys are: {', '.join(ModelConfig.model_fields)}"
-        parts.append(f"{loc}: {msg}")
+        if e["type"] == "value_error" and msg.split("=")[0] in ModelConfig.model_fields:
+            parts.append(f"{loc}.{msg}")  # a cross-field check whose message starts with `field=`
+        else:
+            parts.append(f"{loc}: {msg}")
     return ConfigError("; ".join(parts))
 
 
@@ -136,14 +139,6 @@ class ModelConfig(BaseModel):
         ),
     )
 
-    def __init__(self, **data: Any) -> None:
-        # Direct construction gives a ConfigError (one readable line); nested validation inside
-        # a recipe schema does not go through __init__ and keeps pydantic's located errors.
-        try:
-            super().__init__(**data)
-        except ValidationError as e:
-            raise config_error_from_validation(e) from None
-
     @model_validator(mode="after")
     def _fill_and_check(self) -> ModelConfig:
         H = self.n_heads
@@ -174,11 +169,8 @@ class ModelConfig(BaseModel):
                     f"n_kv_heads={kv} must be even for arch=diff: differential heads pair key heads "
                     "2j and 2j+1 and read V as n_kv_heads/2 heads of width 2·head_dim"
                 )
-        if self.arch == "diff2" and (2 * H // kv) % 2:
-            raise ValueError(
-                f"arch=diff2 with n_heads={H}, n_kv_heads={kv}: 2·n_heads/n_kv_heads={2 * H // kv} must be "
-                "even so that query heads 2i and 2i+1 share a kv head; lower n_kv_heads"
-            )
+        # diff2 needs 2H/Hkv even so that query heads 2i and 2i+1 share a kv head; that follows
+        # from Hkv | H (2H/Hkv = 2·(H/Hkv)), checked above.
         return self
 
     # ----- derived quantities --------------------------------------------------------------
