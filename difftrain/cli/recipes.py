@@ -1,0 +1,87 @@
+"""`difftrain recipes list | show | cp | explain`: the shipped recipes and the recipe reference."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import typer
+
+from difftrain.errors import RecipeError
+
+recipes_app = typer.Typer(help="List, show, copy and explain recipes.", no_args_is_help=True)
+
+
+@recipes_app.command("list")
+def list_recipes() -> None:
+    """List the shipped recipes with a one-line description each."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from difftrain.recipe import recipe_summary, shipped_recipes
+
+    table = Table(title="shipped recipes", title_justify="left")
+    table.add_column("name", style="bold cyan", no_wrap=True)
+    table.add_column("description")
+    for name, path in shipped_recipes().items():
+        table.add_row(name, recipe_summary(path))
+    Console().print(table)
+
+
+@recipes_app.command("show")
+def show(name: str = typer.Argument(..., help="Shipped recipe name or recipe path.")) -> None:
+    """Print a recipe file as written (comments included)."""
+    from rich.console import Console
+    from rich.syntax import Syntax
+
+    from difftrain.recipe import find_recipe
+
+    path = find_recipe(name)
+    Console().print(Syntax(path.read_text(encoding="utf-8"), "yaml", theme="ansi_dark", background_color="default"))
+
+
+@recipes_app.command("cp")
+def cp(
+    name: str = typer.Argument(..., help="Shipped recipe name."),
+    dest: Path = typer.Argument(..., help="Destination file or folder."),
+    force: bool = typer.Option(False, "--force", help="Overwrite an existing file."),
+) -> None:
+    """Copy a shipped recipe to DEST so you can edit it (like `tune cp`)."""
+    from difftrain.recipe import find_recipe
+
+    src = find_recipe(name)
+    target = dest / src.name if dest.is_dir() else dest
+    if target.exists() and not force:
+        raise RecipeError(f"{target} already exists; pass --force to overwrite it or pick another name")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(src, target)
+    typer.echo(f"copied {src.name} to {target}")
+
+
+@recipes_app.command("explain")
+def explain(
+    section: str = typer.Argument(None, help="Section: model, data, tokenizer, train, optim, logging, ..."),
+    markdown: bool = typer.Option(False, "--markdown", help="Print the reference as a Markdown table (the README's)."),
+) -> None:
+    """Print every recipe key with its type, default and description: the recipe reference."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from difftrain.recipe import explain_rows, recipe_reference_markdown
+
+    if markdown:
+        typer.echo(recipe_reference_markdown(), nl=False)
+        return
+    rows = explain_rows(section)
+    table = Table(title=f"recipe keys{': ' + section if section else ''}", title_justify="left", show_lines=False)
+    table.add_column("key", style="bold cyan", no_wrap=True)
+    table.add_column("type", style="magenta")
+    table.add_column("default", style="green")
+    table.add_column("description")
+    for row in rows:
+        table.add_row(*row)
+    Console().print(table)
+
+
+def register(app: typer.Typer) -> None:
+    app.add_typer(recipes_app, name="recipes")

@@ -1,0 +1,183 @@
+"""The run directory: the one artifact every command reads (DESIGN.md §1).
+
+    runs/<name>/
+      recipe.yaml        the fully resolved recipe
+      config.json        ModelConfig
+      tokenizer.json     HF `tokenizers` format
+      model.safetensors  latest weights (no pickle)
+      checkpoints/       Lightning checkpoints for resuming (last.ckpt, step-N.ckpt, index.json)
+      metrics.csv        per-step metrics
+      summary.json       final figures
+
+This module reads and writes the inference files. It sits beside recipe.py (above model/ and
+data/) because train/, infer/, evals/ and interop/ all load runs and none of them should import
+another. Weights are verified against the config on load: missing, unexpected or mis-shaped
+tensors are a CheckpointError that says which.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from difftrain.errors import CheckpointError, RunDirError
+from difftrain.io import atomic_save_safetensors
+
+CONFIG = "config.json"
+WEIGHTS = "model.safetensors"
+TOKENIZER = "tokenizer.json"
+RECIPE = "recipe.yaml"
+SUMMARY = "summary.json"
+METRICS = "metrics.csv"
+CHECKPOINTS = "checkpoints"
+
+
+def weights_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The model's state dict as saved: a tied lm_head is dropped (it is the embedding)."""
+    sd = model.state_dict()
+    head = getattr(model, "lm_head", None)
+    emb = getattr(getattr(model, "model", None), "embed_tokens", None)
+    if head is not None and emb is not None and head.weight is emb.weight:
+        sd.pop("lm_head.weight", None)
+    return sd
+
+
+def save_weights(path: Path, model: torch.nn.Module, metadata: dict[str, str] | None = None) -> None:
+    """Write model.safetensors atomically."""
+    meta = {"format": "pt", "producer": "difftrain"}
+    meta.update(metadata or {})
+    atomic_save_safetensors(path, weights_state_dict(model), metadata=meta)
+
+
+def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    try:
+        return load_file(str(path))
+    except (SafetensorError, OSError, ValueError, RuntimeError) as e:
+        raise CheckpointError(
+            f"{path} is damaged or not a safetensors file ({e}); restore it, or rewrite it from the last checkpoint "
+            f"with `difftrain pretrain {path.parent / RECIPE} --resume`"
+        ) from e
+
+
+def check_state_dict(
+    sd: dict[str, torch.Tensor], model: torch.nn.Module, source: Path, allow_missing: tuple[str, ...] = ()
+) -> None:
+    """Raise a CheckpointError unless `sd` has exactly the model's tensors with the model's shapes."""
+    expected = weights_state_dict(model)
+    missing = [k for k in expected if k not in sd and k not in allow_missing]
+    unexpected = [k for k in sd if k not in expected and not (k == "lm_head.weight" and "lm_head.weight" not in expected)]
+    if missing or unexpected:
+        parts = []
+        if missing:
+            parts.append(f"missing {len(missing)} tensors (e.g. {missing[0]})")
+        if unexpected:
+            parts.append(f"{len(unexpected)} unexpected tensors (e.g. {unexpected[0]})")
+        raise CheckpointError(
+            f"{source} does not match its config.json: {', '.join(parts)}; were the weights copied from another run?"
+        )
+    for k, t in expected.items():
+        if k in sd and tuple(sd[k].shape) != tuple(t.shape):
+            raise CheckpointError(
+                f"{source}: tensor {k} has shape {tuple(sd[k].shape)} but config.json implies {tuple(t.shape)}; "
+                "the config and the weights come from different models"
+            )
+
+
+@dataclass
+class Run:
+    """A loaded run: the model in eval mode, its config and tokenizer."""
+
+    path: Path
+    model: torch.nn.Module
+    config: object
+    tokenizer: object
+
+
+def require_run_dir(path: Path) -> Path:
+    path = Path(path)
+    if not path.exists():
+        raise RunDirError(f"no run directory {path}; train one with `difftrain pretrain RECIPE` (or check the path)")
+    if not path.is_dir():
+        raise RunDirError(f"{path} is a file, not a run directory")
+    return path
+
+
+def require_weights(path: Path) -> Path:
+    """model.safetensors of a run, or a RunDirError that says where training stands and what to do."""
+    weights = path / WEIGHTS
+    if weights.is_file():
+        return weights
+    ckpts = sorted((path / CHECKPOINTS).glob("*.ckpt")) if (path / CHECKPOINTS).is_dir() else []
+    if ckpts:
+        raise RunDirError(
+            f"{path} has no {WEIGHTS} yet but has checkpoints ({ckpts[-1].name}); training was stopped before the "
+            f"first save — resume it with `difftrain pretrain {path / RECIPE} --resume`"
+        )
+    if (path / RECIPE).is_file():
+        raise RunDirError(
+            f"{path} has no {WEIGHTS} yet (training still running or stopped before its first save); "
+            f"resume it with `difftrain pretrain {path / RECIPE} --resume`"
+        )
+    raise RunDirError(f"{path} is not a difftrain run directory (no {WEIGHTS}, no {RECIPE})")
+
+
+def load_config(path: Path):
+    from difftrain.model import ModelConfig
+
+    cfg_path = path / CONFIG
+    if not cfg_path.is_file():
+        raise RunDirError(f"{path} has no {CONFIG}; it is not a complete run directory")
+    return ModelConfig.from_json(cfg_path)
+
+
+def load_run(path: Path | str, device: str | torch.device = "cpu", dtype: torch.dtype | None = None) -> Run:
+    """Load config.json + model.safetensors + tokenizer.json from a run directory (never a pickle).
+
+    A run made by `difftrain finetune` with LoRA and not merged holds only its adapter; the
+    base weights come from the run it references, and the adapter is applied on top.
+    """
+    from difftrain.data.tokenizer import load_tokenizer
+    from difftrain.model import Transformer
+
+    path = require_run_dir(Path(path))
+    adapter = path / "adapter.json"
+    if adapter.is_file() and not (path / WEIGHTS).is_file():
+        from difftrain.train.lora import load_adapter_run
+
+        return load_adapter_run(path, device=device, dtype=dtype)
+    weights = require_weights(path)
+    config = load_config(path)
+    tok_path = path / TOKENIZER
+    if not tok_path.is_file():
+        raise RunDirError(f"{path} has no {TOKENIZER}; copy the tokenizer the run was trained with into it")
+    tokenizer = load_tokenizer(tok_path)
+    if tokenizer.vocab_size > config.vocab_size:
+        raise RunDirError(
+            f"{tok_path} has {tokenizer.vocab_size} tokens but config.json says vocab_size={config.vocab_size}; "
+            "the tokenizer belongs to another run"
+        )
+    model = Transformer(config)
+    sd = read_safetensors(weights)
+    check_state_dict(sd, model, weights)
+    model.load_state_dict(sd, strict=False)
+    model.to(device)
+    if dtype is not None:
+        model = model.to(dtype=dtype)
+    model.eval()
+    return Run(path=path, model=model, config=config, tokenizer=tokenizer)
+
+
+def read_summary(path: Path) -> dict:
+    f = Path(path) / SUMMARY
+    if not f.is_file():
+        return {}
+    try:
+        return json.loads(f.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise RunDirError(f"{f} is not valid JSON ({e}); delete it, it is rewritten at the end of training") from e

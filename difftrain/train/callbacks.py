@@ -1,0 +1,266 @@
+"""Lightning callbacks: saving, graceful stops, progress, throughput/MFU and the final summary.
+
+`RunCallback` owns the run directory while training:
+- every `save_every` optimizer steps and at the end: a checkpoint (atomic, checksummed, pruned),
+  then `model.safetensors` for inference;
+- SIGINT / SIGTERM: the current step finishes, a checkpoint is written, the resume command is
+  printed, and the process exits 130 / 143 (the CLI maps `StopRequested`). A second Ctrl-C exits
+  at once; since every write is atomic, nothing is corrupted;
+- metrics every `log_every` steps (loss, lr, tokens, tokens/s, grad norm, λ per `diff` layer);
+- a rich progress line (step, loss, tokens/s, lr, ETA).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+
+from difftrain.rundir import save_weights
+from difftrain.train.checkpoint import record_checkpoint, step_file
+
+# Peak dense bf16 FLOP/s (no sparsity) for MFU; matched on a substring of the device name.
+PEAK_FLOPS = {
+    "H200": 989e12,
+    "H100": 989e12,
+    "A100": 312e12,
+    "L40S": 362e12,
+    "L4": 121e12,
+    "A10G": 125e12,
+    "A6000": 155e12,
+    "4090": 165e12,
+    "4080": 97e12,
+    "4070": 58e12,
+    "3090": 71e12,
+    "3080": 60e12,
+    "T4": 65e12,
+    "V100": 125e12,
+}
+
+
+def peak_flops(device: torch.device) -> float | None:
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    for key, flops in PEAK_FLOPS.items():
+        if key in name:
+            return flops
+    return None
+
+
+def flops_per_token(n_params_no_embedding: int, n_layers: int, d_attn: int, seq_len: int) -> float:
+    """Training FLOPs per token: 6·N (matmuls, fwd + bwd) + 12·L·d_attn·T (attention scores and values).
+
+    `diff` has the same count as `baseline`: its two maps use H heads of width d for QKᵀ and H/2
+    heads of width 2d for AV.
+    """
+    return 6 * n_params_no_embedding + 12 * n_layers * d_attn * seq_len
+
+
+class StopRequested(Exception):
+    """Raised after a graceful stop (signal) once the checkpoint is written."""
+
+    def __init__(self, signum: int, step: int) -> None:
+        super().__init__(f"stopped by signal {signum} at step {step}")
+        self.signum = signum
+        self.step = step
+
+
+@dataclass
+class RunState:
+    """Figures gathered while training, read by the summary."""
+
+    start_time: float = field(default_factory=time.perf_counter)
+    peak_rss_mb: float = 0.0
+    best_val: float = math.inf
+    last_val: float = math.nan
+    saved_step: int = -1
+    history: list[tuple[int, float]] = field(default_factory=list)
+
+
+def peak_rss_mb() -> float:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+
+
+class RunCallback(L.Callback):
+    def __init__(
+        self,
+        run_dir: Path,
+        *,
+        save_every: int,
+        keep: int,
+        log_every: int,
+        tokens_per_step: int,
+        flops_per_token: float,
+        progress: bool = True,
+        console: Any = None,
+        resume_command: str = "",
+    ) -> None:
+        self.run_dir = Path(run_dir)
+        self.ckpt_dir = self.run_dir / "checkpoints"
+        self.save_every = save_every
+        self.keep = keep
+        self.log_every = log_every
+        self.tokens_per_step = tokens_per_step
+        self.flops_per_token = flops_per_token
+        self.show_progress = progress
+        self.console = console
+        self.resume_command = resume_command
+        self.state = RunState()
+        self._stop_signal: int | None = None
+        self._old_handlers: dict[int, Any] = {}
+        self._progress = None
+        self._task = None
+        self._window_t = time.perf_counter()
+        self._window_step = 0
+        self.tokens_per_s = 0.0
+        self.peak_flops: float | None = None
+
+    # ---- signals ---------------------------------------------------------------------------
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        if self._stop_signal is not None:  # second signal: leave now (all writes are atomic)
+            os._exit(128 + signum)
+        self._stop_signal = signum
+        if self.console is not None:
+            self.console.print(
+                f"[yellow]received {signal.Signals(signum).name}: finishing this step and saving… "
+                "(press Ctrl-C again to quit at once)[/]"
+            )
+
+    def _install_signals(self) -> None:
+        import threading
+
+        if threading.current_thread() is not threading.main_thread():
+            return
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            self._old_handlers[sig] = signal.getsignal(sig)
+            signal.signal(sig, self._on_signal)
+
+    def _restore_signals(self) -> None:
+        for sig, handler in self._old_handlers.items():
+            signal.signal(sig, handler)
+        self._old_handlers.clear()
+
+    # ---- lifecycle -------------------------------------------------------------------------
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._install_signals()
+        self.state.start_time = time.perf_counter()
+        self._window_t = time.perf_counter()
+        self._window_step = trainer.global_step
+        self.state.saved_step = trainer.global_step if trainer.global_step > 0 else -1
+        self.peak_flops = peak_flops(pl_module.device)
+        if self.show_progress and trainer.is_global_zero:
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+            self._progress = Progress(
+                TextColumn("[bold]step"),
+                MofNCompleteColumn(),
+                BarColumn(),
+                TextColumn("{task.fields[info]}"),
+                TimeRemainingColumn(),
+                console=self.console,
+                transient=False,
+                refresh_per_second=4,
+            )
+            self._progress.start()
+            self._task = self._progress.add_task(
+                "train", total=trainer.max_steps, completed=trainer.global_step, info="starting…"
+            )
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if not getattr(pl_module, "stepped", False):
+            if self._stop_signal is not None and pl_module._micro == 0:
+                self._stop(trainer, pl_module)
+            return
+        step = trainer.global_step
+        if step % self.log_every == 0 or step == 1:
+            self._log(trainer, pl_module, step)
+        if self._progress is not None:
+            lr = trainer.optimizers[0].param_groups[0]["lr"]
+            self._progress.update(
+                self._task,
+                completed=step,
+                info=f"loss {pl_module.last_loss:.4f} · {self.tokens_per_s:,.0f} tok/s · lr {lr:.2e}"
+                + (f" · val {self.state.last_val:.4f}" if math.isfinite(self.state.last_val) else ""),
+            )
+        if step % self.save_every == 0 and step < trainer.max_steps:
+            self.save(trainer, pl_module)
+        if self._stop_signal is not None:
+            self._stop(trainer, pl_module)
+
+    def _log(self, trainer: L.Trainer, pl_module: Any, step: int) -> None:
+        now = time.perf_counter()
+        steps = step - self._window_step
+        if steps > 0 and now > self._window_t:
+            self.tokens_per_s = steps * self.tokens_per_step / (now - self._window_t)
+        self._window_t, self._window_step = now, step
+        metrics = {
+            "train/loss": pl_module.last_loss,
+            "train/lr": trainer.optimizers[0].param_groups[0]["lr"],
+            "train/grad_norm": pl_module.last_grad_norm,
+            "train/tokens": float(pl_module.tokens_seen),
+            "train/tokens_per_s": self.tokens_per_s,
+            "train/time_s": pl_module.train_time,
+        }
+        if self.peak_flops:
+            metrics["train/mfu"] = self.tokens_per_s * self.flops_per_token / self.peak_flops
+        metrics.update(pl_module.lambda_values())
+        self.state.history.append((step, pl_module.last_loss))
+        self.state.peak_rss_mb = max(self.state.peak_rss_mb, peak_rss_mb())
+        for logger in trainer.loggers:
+            logger.log_metrics(metrics, step=step)
+
+    def on_validation_end(self, trainer: L.Trainer, pl_module: Any) -> None:
+        val = trainer.callback_metrics.get("val/loss")
+        if val is not None:
+            v = float(val)
+            self.state.last_val = v
+            self.state.best_val = min(self.state.best_val, v)
+            for logger in trainer.loggers:
+                logger.log_metrics(
+                    {"val/loss": v, "val/ppl": math.exp(min(v, 50.0)), "train/tokens": float(pl_module.tokens_seen),
+                     "train/time_s": pl_module.train_time},
+                    step=trainer.global_step,
+                )
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: Any) -> None:
+        if self.state.saved_step != trainer.global_step and trainer.global_step > 0:
+            self.save(trainer, pl_module)
+        self._finish()
+
+    def on_exception(self, trainer: L.Trainer, pl_module: Any, exception: BaseException) -> None:
+        self._finish()
+
+    def _finish(self) -> None:
+        self.state.peak_rss_mb = max(self.state.peak_rss_mb, peak_rss_mb())
+        if self._progress is not None:
+            self._progress.stop()
+            self._progress = None
+        self._restore_signals()
+
+    # ---- saving ----------------------------------------------------------------------------
+    def save(self, trainer: L.Trainer, pl_module: Any) -> None:
+        step = trainer.global_step
+        path = self.ckpt_dir / step_file(step)
+        trainer.save_checkpoint(path)
+        if trainer.is_global_zero:
+            record_checkpoint(self.ckpt_dir, path, step, self.keep)
+            save_weights(self.run_dir / "model.safetensors", pl_module.model, {"step": str(step)})
+        trainer.strategy.barrier()
+        self.state.saved_step = step
+
+    def _stop(self, trainer: L.Trainer, pl_module: Any) -> None:
+        signum = self._stop_signal or signal.SIGINT
+        if self.state.saved_step != trainer.global_step:
+            self.save(trainer, pl_module)
+        self._finish()
+        raise StopRequested(signum, trainer.global_step)

@@ -1,0 +1,156 @@
+"""Checkpoints of a run: atomic, verified, pruned, and resumable.
+
+Layout under `runs/<name>/checkpoints/`:
+
+    step-00000500.ckpt   Lightning checkpoints (weights, optimizer, scheduler, loops, data position)
+    last.ckpt            a hard link to the newest step file (always a complete checkpoint)
+    index.json           [{file, step, sha256, bytes}] newest last: what `--resume` trusts
+
+Every file is written to a temporary name, fsynced and renamed (`AtomicCheckpointIO`), so a kill
+at any instant leaves the previous checkpoint intact. On resume the newest checkpoint whose
+SHA-256 matches the index is used; a damaged one (truncated, bit-flipped) is skipped with a
+warning and the previous good one is taken. Pruning keeps the newest `keep` step files and never
+deletes the only good one. Checkpoints are loaded with `weights_only=True`: a pickle planted in
+their place cannot run code.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
+
+from difftrain.errors import CheckpointError
+from difftrain.io import atomic_path, atomic_write_json, fsync_dir
+
+INDEX = "index.json"
+LAST = "last.ckpt"
+
+
+class AtomicCheckpointIO(CheckpointIO):
+    """Lightning CheckpointIO: torch.save to a temp file in the same folder, fsync, rename."""
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any = None) -> None:
+        with atomic_path(path) as tmp:
+            torch.save(checkpoint, tmp)
+
+    def load_checkpoint(self, path: Any, map_location: Any = None, weights_only: bool | None = None) -> dict[str, Any]:
+        return load_checkpoint_file(Path(path), map_location=map_location)
+
+    def remove_checkpoint(self, path: Any) -> None:
+        Path(path).unlink(missing_ok=True)
+
+
+def load_checkpoint_file(path: Path, map_location: Any = "cpu") -> dict[str, Any]:
+    """torch.load with weights_only=True; anything else is a CheckpointError."""
+    try:
+        return torch.load(path, map_location=map_location, weights_only=True)
+    except FileNotFoundError as e:
+        raise CheckpointError(f"checkpoint {path} does not exist") from e
+    except Exception as e:  # unpickling refused, truncated zip, bad magic...
+        raise CheckpointError(
+            f"checkpoint {path} cannot be loaded safely ({type(e).__name__}: {str(e).splitlines()[0][:160]}); "
+            "it is damaged or not a difftrain checkpoint"
+        ) from e
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def step_file(step: int) -> str:
+    return f"step-{step:08d}.ckpt"
+
+
+def read_index(ckpt_dir: Path) -> list[dict[str, Any]]:
+    f = ckpt_dir / INDEX
+    if not f.is_file():
+        return []
+    try:
+        entries = json.loads(f.read_text())["checkpoints"]
+        return [e for e in entries if isinstance(e, dict) and "file" in e and "sha256" in e]
+    except (OSError, ValueError, KeyError, TypeError):
+        return []
+
+
+def record_checkpoint(ckpt_dir: Path, path: Path, step: int, keep: int) -> list[str]:
+    """Add `path` to the index, point last.ckpt at it, prune to `keep` step files.
+
+    Returns the names of the files that were deleted.
+    """
+    entry = {"file": path.name, "step": step, "sha256": sha256_file(path), "bytes": path.stat().st_size}
+    entries = [e for e in read_index(ckpt_dir) if e["file"] != path.name and (ckpt_dir / e["file"]).is_file()]
+    entries.append(entry)
+    entries.sort(key=lambda e: e["step"])
+    # last.ckpt: a hard link to the newest file, installed atomically (link to a temp name, rename)
+    tmp = ckpt_dir / f".{LAST}.tmp"
+    tmp.unlink(missing_ok=True)
+    try:
+        os.link(path, tmp)
+    except OSError:  # filesystems without hard links: copy
+        import shutil
+
+        shutil.copyfile(path, tmp)
+    os.replace(tmp, ckpt_dir / LAST)
+    removed = []
+    while len(entries) > max(keep, 1):
+        old = entries.pop(0)
+        (ckpt_dir / old["file"]).unlink(missing_ok=True)
+        removed.append(old["file"])
+    atomic_write_json(ckpt_dir / INDEX, {"checkpoints": entries, "last": entry["file"]})
+    fsync_dir(ckpt_dir)
+    return removed
+
+
+@dataclass
+class ResumePoint:
+    path: Path
+    step: int
+    warnings: list[str]
+
+
+def find_resume_checkpoint(ckpt_dir: Path) -> ResumePoint | None:
+    """The newest checkpoint whose contents match its recorded SHA-256 (None if there is none).
+
+    Damaged newer files are skipped, each with a warning. Without an index (a run from an older
+    version, or an index lost in a crash), step files are tried newest first and accepted if they
+    load.
+    """
+    if not ckpt_dir.is_dir():
+        return None
+    warnings: list[str] = []
+    entries = read_index(ckpt_dir)
+    if entries:
+        for e in reversed(entries):
+            path = ckpt_dir / e["file"]
+            if not path.is_file():
+                warnings.append(f"checkpoint {path.name} is listed but missing; trying an older one")
+                continue
+            if sha256_file(path) != e["sha256"]:
+                warnings.append(f"checkpoint {path.name} is damaged (checksum mismatch); falling back to an older one")
+                continue
+            return ResumePoint(path, int(e["step"]), warnings)
+    for path in sorted(ckpt_dir.glob("step-*.ckpt"), reverse=True):
+        if any(path.name == e["file"] for e in entries):
+            continue  # already judged above
+        try:
+            ckpt = load_checkpoint_file(path)
+        except CheckpointError:
+            warnings.append(f"checkpoint {path.name} cannot be loaded; falling back to an older one")
+            continue
+        return ResumePoint(path, int(ckpt.get("global_step", 0)), warnings)
+    if warnings:
+        raise CheckpointError(
+            f"no intact checkpoint in {ckpt_dir} ({'; '.join(warnings)}); start the run again with --overwrite"
+        )
+    return None

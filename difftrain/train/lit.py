@@ -1,0 +1,169 @@
+"""The LightningModule: next-token loss, validation, and an explicit optimizer step.
+
+Optimization is manual (Lightning's `automatic_optimization = False`) so that one training step
+is exactly what the recipe says and nothing else:
+
+    for each micro-batch:   loss_m = CE(model(x_m), y_m);  backward(loss_m / accumulate)
+    every `accumulate`:     if loss or ‖g‖ is not finite → drop the gradients, count a skip
+                            else clip ‖g‖ to grad_clip, optimizer.step(), scheduler.step()
+
+A skipped step does not advance `global_step`; `nan_skip_limit` skips in a row stop training with
+a TrainingError that names the step, the learning rate and the first parameter whose gradient was
+not finite. The compiled forward (torch.compile) is kept outside the module tree so state-dict
+keys never carry compile's `_orig_mod.` prefix.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import lightning as L
+import torch
+
+from difftrain.errors import TrainingError
+from difftrain.recipe import OptimConfig
+from difftrain.train.optim import build_optimizer, lr_multiplier
+
+
+class LitLM(L.LightningModule):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optim: OptimConfig,
+        *,
+        total_steps: int,
+        accumulate: int,
+        grad_clip: float | None,
+        nan_skip_limit: int = 3,
+        compile: bool = False,
+        tokens_per_micro_batch: int = 0,
+        check_grads: bool = True,
+    ) -> None:
+        super().__init__()
+        self.model = model
+        self.optim_cfg = optim
+        self.total_steps = total_steps
+        self.accumulate = accumulate
+        self.grad_clip = grad_clip
+        self.nan_skip_limit = nan_skip_limit
+        self.tokens_per_micro_batch = tokens_per_micro_batch
+        self.check_grads = check_grads  # False under 16-mixed: the grad scaler handles inf/nan grads
+        self.automatic_optimization = False
+        self._forward = torch.compile(model) if compile else model
+        self._micro = 0
+        self._loss_sum = 0.0
+        self._bad_steps = 0
+        self.micro_batches_seen = 0  # saved in checkpoints: the data position for exact resume
+        self.tokens_seen = 0
+        self.skipped_steps = 0
+        self.stepped = False  # True right after an optimizer step (read by the run callback)
+        self.last_loss = float("nan")
+        self.last_grad_norm = float("nan")
+        self.train_time = 0.0  # seconds spent in training steps (resumed runs add to it)
+        self._t0: float | None = None
+        # test hook: a callable(step, loss) -> loss, used by reliability tests to inject faults
+        self.fault_hook = None
+
+    # ---- optimizer -------------------------------------------------------------------------
+    def configure_optimizers(self):
+        device_type = self.device.type if isinstance(self.device, torch.device) else "cpu"
+        opt = build_optimizer(self.model, self.optim_cfg, device_type)
+        for g in opt.param_groups:
+            g["initial_lr"] = self.optim_cfg.lr
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_multiplier(self.optim_cfg, self.total_steps))
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+    # ---- training --------------------------------------------------------------------------
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
+        if self._t0 is None:
+            self._t0 = time.perf_counter()
+        self.stepped = False
+        opt = self.optimizers()
+        out = self._forward(batch["input_ids"], batch["targets"])
+        loss = out.loss
+        if self.fault_hook is not None:
+            loss = self.fault_hook(self.global_step, loss)
+        self.manual_backward(loss / self.accumulate)
+        self._loss_sum += loss.detach().float()
+        self._micro += 1
+        self.micro_batches_seen += 1
+        self.tokens_seen += self.tokens_per_micro_batch or batch["input_ids"].numel()
+        if self._micro < self.accumulate:
+            return
+        self._micro = 0
+        loss_mean = (self._loss_sum / self.accumulate).item()
+        self._loss_sum = 0.0
+        grad_norm = self._grad_norm() if self.check_grads else 0.0
+        if not math.isfinite(loss_mean) or not math.isfinite(grad_norm):
+            self._skip(opt, loss_mean, grad_norm)
+            return
+        self._bad_steps = 0
+        if self.grad_clip is not None:
+            if self.check_grads:
+                torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
+            else:
+                self.clip_gradients(opt, gradient_clip_val=self.grad_clip, gradient_clip_algorithm="norm")
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        self.lr_schedulers().step()
+        now = time.perf_counter()
+        self.train_time += now - self._t0
+        self._t0 = now
+        self.stepped = True
+        self.last_loss = loss_mean
+        self.last_grad_norm = grad_norm
+
+    def _grad_norm(self) -> float:
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        if not grads:
+            return 0.0
+        return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads])).item()
+
+    def _skip(self, opt, loss: float, grad_norm: float) -> None:
+        bad_param = next(
+            (n for n, p in self.model.named_parameters() if p.grad is not None and not torch.isfinite(p.grad).all()),
+            None,
+        )
+        opt.zero_grad(set_to_none=True)
+        self._bad_steps += 1
+        self.skipped_steps += 1
+        lr = opt.param_groups[0]["lr"]
+        what = f"loss={loss:.4g}, grad norm={grad_norm:.4g}" + (f", first non-finite grad in {bad_param}" if bad_param else "")
+        self.last_skip = f"step {self.global_step + 1}: {what}, lr={lr:.3g}"
+        if self._bad_steps > self.nan_skip_limit:
+            raise TrainingError(
+                f"training diverged: {self._bad_steps} steps in a row had a non-finite loss or gradient "
+                f"(last at {self.last_skip}); the last good checkpoint is kept — lower optim.lr, raise "
+                "optim.warmup_steps, or set train.grad_clip, then resume with --resume"
+            )
+
+    # ---- validation ------------------------------------------------------------------------
+    def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
+        out = self.model(batch["input_ids"], batch["targets"])
+        self.log("val/loss", out.loss, on_step=False, on_epoch=True, sync_dist=True, batch_size=batch["input_ids"].shape[0])
+
+    # ---- state that must survive a resume --------------------------------------------------
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        checkpoint["difftrain"] = {
+            "micro_batches_seen": self.micro_batches_seen,
+            "tokens_seen": self.tokens_seen,
+            "skipped_steps": self.skipped_steps,
+            "train_time": self.train_time,
+        }
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        state = checkpoint.get("difftrain", {})
+        self.micro_batches_seen = int(state.get("micro_batches_seen", 0))
+        self.tokens_seen = int(state.get("tokens_seen", 0))
+        self.skipped_steps = int(state.get("skipped_steps", 0))
+        self.train_time = float(state.get("train_time", 0.0))
+
+    def lambda_values(self) -> dict[str, float]:
+        """λ of every `diff` layer (the scalar the paper's Figure plots), for logging."""
+        out = {}
+        for i, layer in enumerate(getattr(self.model.model, "layers", [])):
+            attn = layer.self_attn
+            if hasattr(attn, "lambda_full"):
+                out[f"lambda/layer{i}"] = float(attn.lambda_full().detach().float().mean())
+        return out

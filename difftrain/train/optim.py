@@ -1,0 +1,136 @@
+"""Optimizers and learning-rate schedules.
+
+Parameter groups follow nanoGPT/LLaMA practice: weight decay only on matrices (>= 2-D weights of
+the projections), never on norms, the differential-attention λ vectors, or biases; embeddings (and
+a tied output head, which is the same tensor) are decayed only when `optim.decay_embeddings`.
+
+8-bit optimizers come from bitsandbytes. Their state is two uint8 tensors per parameter plus one
+fp32 absmax per 256-element block (≈2.03 bytes/param for Adam, ≈1.02 for Lion) instead of 8 bytes
+for fp32 AdamW. Tensors with fewer than 4096 elements keep 32-bit state (bitsandbytes' default).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from difftrain.errors import DeviceError
+from difftrain.recipe import OptimConfig
+
+BNB_OPTIMIZERS = {"adamw8bit": "AdamW8bit", "paged_adamw8bit": "PagedAdamW8bit", "lion8bit": "Lion8bit"}
+
+
+def param_groups(model: nn.Module, weight_decay: float, decay_embeddings: bool = False) -> list[dict]:
+    """Split trainable parameters into a decayed group (matrices) and a non-decayed one."""
+    decay, no_decay, seen = [], [], set()
+    for name, p in model.named_parameters():
+        if not p.requires_grad or id(p) in seen:
+            continue
+        seen.add(id(p))  # a tied lm_head is the embedding: count it once
+        is_embedding = "embed_tokens" in name or (name.endswith("lm_head.weight") and _is_tied(model))
+        if p.ndim >= 2 and (decay_embeddings or not is_embedding):
+            decay.append(p)
+        else:
+            no_decay.append(p)
+    groups = []
+    if decay:
+        groups.append({"params": decay, "weight_decay": weight_decay})
+    if no_decay:
+        groups.append({"params": no_decay, "weight_decay": 0.0})
+    return groups
+
+
+def _is_tied(model: nn.Module) -> bool:
+    head = getattr(model, "lm_head", None)
+    emb = getattr(getattr(model, "model", None), "embed_tokens", None)
+    return head is not None and emb is not None and head.weight is emb.weight
+
+
+def bitsandbytes_optim():
+    """Import bitsandbytes.optim or raise a DeviceError that says how to get it working."""
+    try:
+        import bitsandbytes as bnb  # noqa: F401
+        from bitsandbytes import optim as bnb_optim
+    except Exception as e:  # ImportError, or a broken native library
+        raise DeviceError(
+            f"bitsandbytes cannot be used here ({type(e).__name__}: {e}); use optim.name=adamw, "
+            "or install a bitsandbytes build for this machine (`pip install -U bitsandbytes`)"
+        ) from e
+    return bnb_optim
+
+
+def build_optimizer(model: nn.Module, cfg: OptimConfig, device_type: str) -> torch.optim.Optimizer:
+    """The optimizer named by `cfg.name` ('auto' must already be resolved) over `model`'s groups."""
+    groups = param_groups(model, cfg.weight_decay, cfg.decay_embeddings)
+    if cfg.name == "adamw":
+        kwargs: dict = {}
+        if device_type == "cuda":
+            kwargs["fused"] = True
+        else:
+            kwargs["foreach"] = True
+        return torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, **kwargs)
+    if cfg.name in BNB_OPTIMIZERS:
+        if cfg.name == "paged_adamw8bit" and device_type != "cuda":
+            raise DeviceError(
+                "optim.name=paged_adamw8bit pages optimizer state between GPU and CPU memory and needs CUDA; "
+                "on this machine use optim.name=adamw8bit or adamw"
+            )
+        bnb_optim = bitsandbytes_optim()
+        cls = getattr(bnb_optim, BNB_OPTIMIZERS[cfg.name])
+        if cfg.stable_embedding:
+            # bitsandbytes' StableEmbedding keeps the embedding's optimizer state in 32 bits (and adds
+            # a LayerNorm). We keep the 32-bit state — the part that stabilises 8-bit training — but
+            # not the extra LayerNorm, so the architecture (and HF export) stays the same.
+            manager = bnb_optim.GlobalOptimManager.get_instance()
+            for module in model.modules():
+                if isinstance(module, nn.Embedding):
+                    manager.register_module_override(module, "weight", {"optim_bits": 32})
+        kwargs = {"lr": cfg.lr, "betas": cfg.betas}
+        if cfg.name != "lion8bit":
+            kwargs["eps"] = cfg.eps
+        return cls(groups, **kwargs)
+    raise DeviceError(f"unknown optimizer `{cfg.name}`; resolve optim.name=auto before building the optimizer")
+
+
+def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """Bytes held by the optimizer's state tensors (for the 8-bit memory figures)."""
+    total = 0
+    for state in optimizer.state.values():
+        for v in state.values():
+            if torch.is_tensor(v):
+                total += v.numel() * v.element_size()
+    return total
+
+
+def lr_multiplier(cfg: OptimConfig, total_steps: int) -> Callable[[int], float]:
+    """step → lr / peak lr for the configured schedule.
+
+    warmup: linear from 1/(warmup+1) to 1 over `warmup_steps`; then
+      cosine:   min + (1 − min)·½(1 + cos(π·p)),  p = progress through the remaining steps
+      linear:   min + (1 − min)·(1 − p)
+      constant: 1
+      wsd:      1 until the last `decay_fraction` of the steps, then linear to min
+    """
+    warmup = min(cfg.warmup_steps, max(total_steps - 1, 0))
+    floor = cfg.min_lr_ratio
+    decay_steps = max(total_steps - warmup, 1)
+
+    def f(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / (warmup + 1)
+        p = min(max((step - warmup) / decay_steps, 0.0), 1.0)
+        if cfg.schedule == "cosine":
+            return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * p))
+        if cfg.schedule == "linear":
+            return floor + (1 - floor) * (1 - p)
+        if cfg.schedule == "wsd":
+            start = 1 - cfg.decay_fraction
+            if p <= start:
+                return 1.0
+            return floor + (1 - floor) * (1 - (p - start) / cfg.decay_fraction)
+        return 1.0
+
+    return f

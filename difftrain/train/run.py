@@ -1,0 +1,433 @@
+"""Entry points for training, used by the CLI and by tests: `plan_run` checks a recipe against the
+machine without writing anything; `pretrain` runs it and returns the figures of the run.
+
+Everything a user can get wrong is checked before the first step: device and precision, batch
+arithmetic, sequence length, the run directory (a different run already there is refused unless
+--overwrite; resuming a run with a different model or data is refused), and the tokenizer's fit
+to the model's vocabulary.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import shutil
+import time
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from difftrain.errors import DeviceError, RecipeError, RunDirError
+from difftrain.io import atomic_write_json, atomic_write_text
+from difftrain.recipe import Recipe, resolve_auto
+from difftrain.rundir import CHECKPOINTS, CONFIG, METRICS, RECIPE, SUMMARY, TOKENIZER
+
+# Keys that may change between a run and its resume (how long, how often, where to log).
+RESUMABLE_CHANGES = {
+    "train.max_steps",
+    "train.max_tokens",
+    "train.resume",
+    "train.log_every",
+    "train.val_every",
+    "train.save_every",
+    "train.keep_checkpoints",
+    "train.nan_skip_limit",
+    "train.devices",
+    "train.num_nodes",
+    "train.strategy",
+    "data.val_windows",
+    "logging",
+    "description",
+    "data.num_workers",
+    "data.pin_memory",
+    "data.cache_dir",
+}
+
+
+@dataclass
+class Plan:
+    """What a recipe resolves to on this machine (no files written)."""
+
+    recipe: Recipe
+    accelerator: str
+    devices: int
+    world_size: int
+    seq_len: int
+    accumulate: int
+    global_batch_size: int
+    tokens_per_step: int
+    max_steps: int | None  # None until max_tokens is converted (needs nothing else: known here)
+    run_dir: Path
+    notes: list[str] = field(default_factory=list)
+
+
+@dataclass
+class TrainResult:
+    run_dir: Path
+    summary: dict[str, Any]
+    resumed_from: int | None = None
+    warnings: list[str] = field(default_factory=list)
+
+
+def _cuda_facts() -> tuple[bool, bool]:
+    cuda = torch.cuda.is_available()
+    bf16 = cuda and torch.cuda.is_bf16_supported()
+    return cuda, bf16
+
+
+def plan_run(recipe: Recipe) -> Plan:
+    """Resolve `auto` values for this machine and check everything that can be checked early."""
+    cuda, bf16 = _cuda_facts()
+    t = recipe.train
+    accelerator = t.accelerator
+    if accelerator == "auto":
+        accelerator = "cuda" if cuda else "cpu"
+    if accelerator == "cuda" and not cuda:
+        raise DeviceError("train.accelerator=cuda but no CUDA GPU is visible here; use train.accelerator=auto or cpu")
+    if accelerator == "mps" and not (hasattr(torch.backends, "mps") and torch.backends.mps.is_available()):
+        raise DeviceError("train.accelerator=mps but Apple MPS is not available here; use train.accelerator=auto")
+    resolved = resolve_auto(recipe, cuda=accelerator == "cuda", bf16=bf16 and accelerator == "cuda")
+    t = resolved.train
+    if accelerator != "cuda":
+        if t.precision == "16-mixed":
+            raise DeviceError(
+                "train.precision=16-mixed needs a CUDA GPU; on CPU use 32-true (or bf16-mixed)"
+            )
+        if resolved.optim.name == "paged_adamw8bit":
+            raise DeviceError("optim.name=paged_adamw8bit needs CUDA; on this machine use optim.name=adamw or adamw8bit")
+    elif t.precision in ("bf16-mixed", "bf16-true") and not bf16:
+        raise DeviceError(f"train.precision={t.precision} but this GPU has no bf16 support; use 16-mixed")
+    if t.devices == "auto":
+        devices = torch.cuda.device_count() if accelerator == "cuda" else 1
+    else:
+        devices = int(t.devices)
+        if devices < 1:
+            raise RecipeError(f"train.devices={devices}: need at least 1 (or auto)")
+        if accelerator == "cuda" and devices > torch.cuda.device_count():
+            raise DeviceError(
+                f"train.devices={devices} but only {torch.cuda.device_count()} CUDA GPU(s) are visible; lower train.devices"
+            )
+    world = devices * t.num_nodes
+    m = resolved.model
+    seq_len = t.seq_len or m.max_seq_len
+    if seq_len > m.max_seq_len:
+        raise RecipeError(
+            f"train.seq_len={seq_len} is longer than model.max_seq_len={m.max_seq_len}; lower train.seq_len or raise model.max_seq_len"
+        )
+    per_step = t.micro_batch_size * world
+    global_bs = t.global_batch_size or per_step
+    if global_bs % per_step:
+        raise RecipeError(
+            f"train.global_batch_size={global_bs} is not divisible by micro_batch_size×devices×nodes = "
+            f"{t.micro_batch_size}×{devices}×{t.num_nodes} = {per_step}; pick a multiple of {per_step}"
+        )
+    accumulate = global_bs // per_step
+    tokens_per_step = global_bs * seq_len
+    max_steps = t.max_steps or math.ceil(t.max_tokens / tokens_per_step)  # type: ignore[operator]
+    return Plan(
+        recipe=resolved,
+        accelerator=accelerator,
+        devices=devices,
+        world_size=world,
+        seq_len=seq_len,
+        accumulate=accumulate,
+        global_batch_size=global_bs,
+        tokens_per_step=tokens_per_step,
+        max_steps=max_steps,
+        run_dir=resolved.run_dir,
+    )
+
+
+def _flatten(d: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(d, dict):
+        out: dict[str, Any] = {}
+        for k, v in d.items():
+            out.update(_flatten(v, f"{prefix}{k}."))
+        return out
+    return {prefix[:-1]: d}
+
+
+def recipe_differences(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
+    """Dotted keys whose values differ, ignoring those a resume may change."""
+    a, b = _flatten(old), _flatten(new)
+    diffs = []
+    for k in sorted(set(a) | set(b)):
+        if any(k == r or k.startswith(r + ".") for r in RESUMABLE_CHANGES):
+            continue
+        va, vb = a.get(k), b.get(k)
+        if isinstance(va, list):
+            va = [tuple(x) if isinstance(x, list) else x for x in va]
+        if isinstance(vb, list):
+            vb = [tuple(x) if isinstance(x, list) else x for x in vb]
+        if va != vb and not (k.startswith("model.") and vb == "auto"):
+            diffs.append(k)
+    return diffs
+
+
+def prepare_run_dir(plan: Plan, *, resume: bool | str, overwrite: bool) -> tuple[bool, Any]:
+    """Decide between a fresh start and a resume; refuse to clobber a different run.
+
+    Returns (resuming, ResumePoint | None).
+    """
+    import yaml
+
+    from difftrain.train.checkpoint import find_resume_checkpoint
+
+    run_dir = plan.run_dir
+    existing = run_dir / RECIPE
+    has_files = run_dir.is_dir() and any(run_dir.iterdir())
+    if overwrite and run_dir.exists():
+        if resume is True:
+            raise RecipeError("--overwrite and --resume contradict each other; pick one")
+        shutil.rmtree(run_dir)
+        return False, None
+    if not has_files:
+        if resume is True:
+            raise RunDirError(f"--resume: {run_dir} holds no run yet; start it without --resume")
+        return False, None
+    if not existing.is_file():
+        raise RunDirError(
+            f"{run_dir} exists and is not a difftrain run directory; choose another `name`/`out_dir` or remove it"
+        )
+    try:
+        old = yaml.safe_load(existing.read_text(encoding="utf-8")) or {}
+    except yaml.YAMLError as e:
+        raise RunDirError(f"{existing} is not valid YAML ({e}); use --overwrite to start the run again") from e
+    new = plan.recipe.model_dump(mode="json")
+    diffs = recipe_differences(old, new)
+    if resume is False:
+        raise RunDirError(
+            f"{run_dir} already holds a run; continue it with --resume, start again with --overwrite, "
+            "or choose another `name`"
+        )
+    if diffs:
+        raise RunDirError(
+            f"{run_dir} holds a different run ({', '.join(diffs[:4])}{'…' if len(diffs) > 4 else ''} differ); "
+            "use --overwrite to replace it or choose another `name`"
+        )
+    point = find_resume_checkpoint(run_dir / CHECKPOINTS)
+    if point is None:
+        if resume is True:
+            raise RunDirError(f"--resume: {run_dir} has no checkpoint yet; start it again with --overwrite")
+        shutil.rmtree(run_dir / CHECKPOINTS, ignore_errors=True)
+        return False, None
+    return True, point
+
+
+def _quiet_lightning() -> None:
+    for name in ("lightning", "lightning.pytorch", "lightning.fabric", "pytorch_lightning"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore", message=".*does not have many workers.*")
+    warnings.filterwarnings("ignore", message=".*TensorBoard.*")
+    warnings.filterwarnings("ignore", message=".*LeafSpec.*")
+    warnings.filterwarnings("ignore", message=".*`isinstance.*treespec.*")
+    warnings.filterwarnings("ignore", message=".*Checkpoint directory.*exists and is not empty.*")
+
+
+def pretrain(
+    recipe: Recipe,
+    *,
+    resume: bool | str | None = None,
+    overwrite: bool = False,
+    progress: bool | None = None,
+    console: Any = None,
+    on_start: Any = None,
+    extra_callbacks: list[Any] | None = None,
+    fault_hook: Any = None,
+    data_progress: Any = None,
+) -> TrainResult:
+    """Train a model from scratch (or resume one) as the recipe says; returns the run's figures.
+
+    `on_start(info: dict)` is called once everything is set up (the CLI prints the start summary
+    from it). `fault_hook` is a test hook passed to the LightningModule.
+    """
+    import lightning as L
+    from lightning.pytorch.loggers import CSVLogger
+
+    from difftrain.data.modules import PretrainDataModule
+    from difftrain.data.shards import prepare_data
+    from difftrain.data.tokenizer import check_vocab_fits, load_tokenizer
+    from difftrain.model import Transformer
+    from difftrain.train.callbacks import RunCallback, flops_per_token
+    from difftrain.train.checkpoint import AtomicCheckpointIO
+    from difftrain.train.lit import LitLM
+
+    _quiet_lightning()
+    plan = plan_run(recipe)
+    r = plan.recipe
+    resume_flag: bool | str = r.train.resume if resume is None else resume
+    resuming, point = prepare_run_dir(plan, resume=resume_flag, overwrite=overwrite)
+
+    # data + tokenizer (cached: a second run reuses both)
+    prepared = prepare_data(r.data, r.tokenizer, seed=r.seed, base_dir=r.recipe_dir, progress=data_progress)
+    tokenizer = load_tokenizer(prepared.tokenizer_path)
+    model_cfg = r.model
+    if model_cfg.vocab_size == "auto":
+        model_cfg = model_cfg.replace(vocab_size=64 * math.ceil(tokenizer.vocab_size / 64))
+    check_vocab_fits(tokenizer, model_cfg.vocab_size)
+    r = r.model_copy(update={"model": model_cfg})
+    r._recipe_dir, r._source = plan.recipe.recipe_dir, plan.recipe.source
+
+    run_dir = plan.run_dir
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / CHECKPOINTS).mkdir(exist_ok=True)
+    if not resuming:
+        atomic_write_text(run_dir / RECIPE, r.to_yaml())
+        model_cfg.to_json(run_dir / CONFIG)
+        tokenizer.save(run_dir / TOKENIZER)
+
+    L.seed_everything(r.seed, workers=True, verbose=False)
+    model = Transformer(model_cfg)
+    if r.train.activation_checkpointing:
+        model.set_activation_checkpointing(True)
+    t = r.train
+    lit = LitLM(
+        model,
+        r.optim,
+        total_steps=plan.max_steps,
+        accumulate=plan.accumulate,
+        grad_clip=t.grad_clip,
+        nan_skip_limit=t.nan_skip_limit,
+        compile=bool(t.compile),
+        tokens_per_micro_batch=t.micro_batch_size * plan.seq_len,
+        check_grads=t.precision != "16-mixed",
+    )
+    lit.fault_hook = fault_hook
+    dm = PretrainDataModule(
+        prepared,
+        seq_len=plan.seq_len,
+        micro_batch_size=t.micro_batch_size,
+        seed=r.seed,
+        val_windows=r.data.val_windows,
+        num_workers=r.data.num_workers,
+        pin_memory=r.data.pin_memory,
+    )
+    counts = model.num_params()
+    n_total = counts["total"] if isinstance(counts, dict) else int(counts)
+    n_emb = counts.get("embedding", 0) if isinstance(counts, dict) else 0
+    fpt = flops_per_token(n_total - n_emb, model_cfg.n_layers, model_cfg.n_heads * model_cfg.head_dim, plan.seq_len)
+    show = r.logging.progress if progress is None else progress
+    resume_cmd = f"difftrain pretrain {run_dir / RECIPE} --resume"
+    cb = RunCallback(
+        run_dir,
+        save_every=t.save_every,
+        keep=t.keep_checkpoints,
+        log_every=t.log_every,
+        tokens_per_step=plan.tokens_per_step,
+        flops_per_token=fpt,
+        progress=show,
+        console=console,
+        resume_command=resume_cmd,
+    )
+    loggers: list[Any] = [CSVLogger(save_dir=str(run_dir), name="", version="")]
+    tb = r.logging.tensorboard
+    if tb is True or (tb == "auto" and _has_tensorboard()):
+        from lightning.pytorch.loggers import TensorBoardLogger
+
+        loggers.append(TensorBoardLogger(save_dir=str(run_dir), name="tensorboard", version=""))
+    if r.logging.wandb_project:
+        try:
+            from lightning.pytorch.loggers import WandbLogger
+
+            loggers.append(WandbLogger(project=r.logging.wandb_project, entity=r.logging.wandb_entity, name=r.name))
+        except (ImportError, ModuleNotFoundError) as e:
+            raise DeviceError("logging.wandb_project is set but wandb is not installed; `pip install wandb`") from e
+    strategy: Any = t.strategy
+    if strategy == "auto" and plan.world_size > 1:
+        strategy = "ddp"
+    trainer = L.Trainer(
+        accelerator=plan.accelerator,
+        devices=plan.devices,
+        num_nodes=t.num_nodes,
+        strategy=strategy,
+        precision=t.precision,
+        max_steps=plan.max_steps,
+        max_epochs=-1,
+        val_check_interval=t.val_every * plan.accumulate,
+        check_val_every_n_epoch=None,
+        limit_val_batches=1.0 if r.data.val_windows > 0 else 0,
+        num_sanity_val_steps=0,
+        logger=loggers,
+        log_every_n_steps=1,
+        callbacks=[cb, *(extra_callbacks or [])],
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        use_distributed_sampler=False,
+        plugins=[AtomicCheckpointIO()],
+        default_root_dir=str(run_dir),
+    )
+    info = {
+        "run_dir": run_dir,
+        "recipe": r,
+        "plan": plan,
+        "params": counts,
+        "resumed_from": point.step if point else None,
+        "warnings": point.warnings if point else [],
+        "data": prepared,
+        "device": _device_name(plan.accelerator),
+    }
+    if on_start is not None:
+        on_start(info)
+    t0 = time.perf_counter()
+    trainer.fit(lit, datamodule=dm, ckpt_path=str(point.path) if point else None, weights_only=True)
+    wall = time.perf_counter() - t0
+    if trainer.global_step > 0:
+        trainer.validate(lit, datamodule=dm, verbose=False)
+        val = trainer.callback_metrics.get("val/loss")
+        if val is not None:
+            cb.state.last_val = float(val)
+            cb.state.best_val = min(cb.state.best_val, float(val))
+    summary = _summary(r, plan, lit, cb, wall, counts, trainer)
+    atomic_write_json(run_dir / SUMMARY, summary)
+    return TrainResult(run_dir=run_dir, summary=summary, resumed_from=point.step if point else None,
+                       warnings=point.warnings if point else [])
+
+
+def _has_tensorboard() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("tensorboard") is not None or importlib.util.find_spec("tensorboardX") is not None
+
+
+def _device_name(accelerator: str) -> str:
+    if accelerator == "cuda":
+        return torch.cuda.get_device_name(0)
+    import platform
+
+    return f"cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
+
+
+def _summary(r: Recipe, plan: Plan, lit: Any, cb: Any, wall: float, counts: Any, trainer: Any) -> dict[str, Any]:
+    steps = trainer.global_step
+    tokens = lit.tokens_seen
+    train_time = lit.train_time or wall
+    tps = tokens / train_time if train_time > 0 else 0.0
+    peak_mem = None
+    if plan.accelerator == "cuda":
+        peak_mem = torch.cuda.max_memory_allocated() / 2**20
+    mfu = tps * cb.flops_per_token / cb.peak_flops if cb.peak_flops else None
+    return {
+        "name": r.name,
+        "arch": r.model.arch,
+        "params": counts["total"] if isinstance(counts, dict) else int(counts),
+        "steps": steps,
+        "tokens": tokens,
+        "wall_time_s": round(wall, 2),
+        "train_time_s": round(train_time, 2),
+        "tokens_per_s": round(tps, 1),
+        "mfu": mfu,
+        "peak_rss_mb": round(cb.state.peak_rss_mb, 1),
+        "peak_gpu_mem_mb": peak_mem,
+        "final_train_loss": lit.last_loss,
+        "final_val_loss": cb.state.last_val if math.isfinite(cb.state.last_val) else None,
+        "best_val_loss": cb.state.best_val if math.isfinite(cb.state.best_val) else None,
+        "skipped_steps": lit.skipped_steps,
+        "precision": r.train.precision,
+        "optimizer": r.optim.name,
+        "device": _device_name(plan.accelerator),
+        "torch": torch.__version__,
+    }

@@ -1,0 +1,203 @@
+"""Recipes: loading, extends, overrides, and the error messages users see."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from difftrain.errors import RecipeError
+from difftrain.recipe import (
+    Recipe,
+    deep_merge,
+    explain_rows,
+    load_recipe,
+    recipe_reference_markdown,
+    run_dir_for,
+    shipped_recipes,
+)
+
+MINIMAL = """\
+name: tiny
+model:
+  d_model: 64
+  n_layers: 2
+  n_heads: 4
+  max_seq_len: 32
+data:
+  sources: [builtin:python-stdlib]
+train:
+  max_steps: 3
+  micro_batch_size: 2
+"""
+
+
+def write(tmp_path: Path, text: str, name: str = "r.yaml") -> Path:
+    p = tmp_path / name
+    p.write_text(text)
+    return p
+
+
+def test_minimal_recipe_fills_defaults(tmp_path):
+    r = load_recipe(write(tmp_path, MINIMAL))
+    assert r.model.n_kv_heads == 4 and r.model.head_dim == 16
+    assert r.optim.name == "auto" and r.train.precision == "auto"
+    assert r.recipe_dir == tmp_path.resolve()
+    assert r.run_dir == Path("runs/tiny")
+
+
+def test_unknown_key_names_line_and_suggests_the_right_key(tmp_path):
+    p = write(tmp_path, MINIMAL + "optim:\n  learning_rate: 0.001\n")
+    with pytest.raises(RecipeError) as e:
+        load_recipe(p)
+    msg = str(e.value)
+    assert "line 13" in msg and "unknown key `optim.learning_rate`" in msg and "did you mean `optim.lr`" in msg
+
+
+def test_close_misspelling_is_suggested(tmp_path):
+    p = write(tmp_path, MINIMAL.replace("micro_batch_size", "micro_bach_size"))
+    with pytest.raises(RecipeError, match=r"did you mean `train.micro_batch_size`"):
+        load_recipe(p)
+
+
+def test_wrong_type_names_key_and_value(tmp_path):
+    p = write(tmp_path, MINIMAL.replace("max_steps: 3", "max_steps: lots"))
+    with pytest.raises(RecipeError, match=r"line 10.*train.max_steps.*'lots'"):
+        load_recipe(p)
+
+
+def test_yaml_syntax_error_has_line_and_column(tmp_path):
+    p = write(tmp_path, "name: x\nmodel: {d_model: 64\n")
+    with pytest.raises(RecipeError, match=r"line \d+, column \d+: invalid YAML"):
+        load_recipe(p)
+
+
+@pytest.mark.parametrize(
+    "text, match",
+    [
+        ("", "is empty"),
+        ("- a\n- b\n", "must be a mapping"),
+        ("name: x\n", "missing key `model`"),
+        ("!!python/object/apply:os.system ['echo hi']\n", "invalid YAML"),
+    ],
+)
+def test_malformed_recipes_are_recipe_errors(tmp_path, text, match):
+    with pytest.raises(RecipeError, match=match):
+        load_recipe(write(tmp_path, text))
+
+
+def test_non_utf8_recipe_is_refused(tmp_path):
+    p = tmp_path / "r.yaml"
+    p.write_bytes(b"name: \xff\xfe\n")
+    with pytest.raises(RecipeError, match="not UTF-8"):
+        load_recipe(p)
+
+
+def test_alias_bomb_is_refused_quickly(tmp_path):
+    lines = ["a0: &a0 [x, x, x, x, x, x, x, x, x, x]"]
+    for i in range(1, 12):
+        lines.append(f"a{i}: &a{i} [" + ", ".join([f"*a{i - 1}"] * 10) + "]")
+    with pytest.raises(RecipeError, match="aliases"):
+        load_recipe(write(tmp_path, "\n".join(lines) + "\n"))
+
+
+def test_extends_merges_mappings_and_replaces_lists(tmp_path):
+    write(tmp_path, MINIMAL + "optim:\n  betas: [0.8, 0.9]\n  lr: 0.01\n", "base.yaml")
+    child = write(
+        tmp_path,
+        "extends: base.yaml\nname: child\nmodel: {arch: baseline}\noptim: {betas: [0.7, 0.8]}\n"
+        "data: {sources: [a.txt, b.txt]}\n",
+        "child.yaml",
+    )
+    r = load_recipe(child)
+    assert r.name == "child" and r.model.arch == "baseline"
+    assert r.model.d_model == 64  # merged from the base
+    assert r.optim.lr == 0.01 and r.optim.betas == (0.7, 0.8)
+    assert [s.source for s in r.data.sources] == ["a.txt", "b.txt"]  # list replaced, not appended
+
+
+def test_extends_cycle_is_reported(tmp_path):
+    write(tmp_path, "extends: b.yaml\nname: a\n", "a.yaml")
+    write(tmp_path, "extends: a.yaml\nname: b\n", "b.yaml")
+    with pytest.raises(RecipeError, match="cycle"):
+        load_recipe(tmp_path / "a.yaml")
+
+
+def test_extends_a_shipped_recipe_by_name(tmp_path):
+    r = load_recipe(write(tmp_path, "extends: quickstart\nname: mine\ntrain: {max_steps: 7}\n"))
+    assert r.name == "mine" and r.train.max_steps == 7 and r.model.arch == "diff"
+
+
+def test_overrides_are_typed_by_the_schema(tmp_path):
+    r = load_recipe(
+        write(tmp_path, MINIMAL),
+        ["train.max_steps=100", "optim.betas=[0.8, 0.99]", "model.tie_embeddings=true", "optim.lr=3e-4",
+         "train.grad_clip=null"],
+    )
+    assert r.train.max_steps == 100 and r.optim.betas == (0.8, 0.99)
+    assert r.model.tie_embeddings is True and r.optim.lr == pytest.approx(3e-4)
+    assert r.train.grad_clip is None
+
+
+def test_bad_override_says_override(tmp_path):
+    with pytest.raises(RecipeError, match=r"override `train.max_steps`"):
+        load_recipe(write(tmp_path, MINIMAL), ["train.max_steps=-5"])
+    with pytest.raises(RecipeError, match="not key=value"):
+        load_recipe(write(tmp_path, MINIMAL), ["train.max_steps"])
+    with pytest.raises(RecipeError, match="did you mean `train.max_steps`"):
+        load_recipe(write(tmp_path, MINIMAL), ["train.max_step=5"])
+
+
+def test_missing_recipe_suggests_a_shipped_one():
+    with pytest.raises(RecipeError, match="did you mean `quickstart`"):
+        load_recipe("quickstrat")
+
+
+def test_out_dir_cannot_climb_out_through_dotdot():
+    with pytest.raises(RecipeError, match=r"climbs out"):
+        run_dir_for("../elsewhere", "x")
+    assert run_dir_for("/abs/runs", "x") == Path("/abs/runs/x")
+
+
+@pytest.mark.parametrize("bad", ["../x", "a/b", "..", ""])
+def test_name_must_be_a_plain_folder_name(tmp_path, bad):
+    with pytest.raises(RecipeError, match="name"):
+        load_recipe(write(tmp_path, MINIMAL.replace("name: tiny", f"name: '{bad}'")))
+
+
+def test_every_field_is_documented():
+    rows = explain_rows()
+    assert len(rows) > 40
+    undocumented = [key for key, _, _, desc in rows if not desc.strip()]
+    assert undocumented == []
+    keys = {r[0] for r in rows}
+    for key in ("train.max_steps", "optim.lr", "model.arch", "data.sources", "tokenizer.train.vocab_size"):
+        assert key in keys
+
+
+def test_readme_recipe_table_is_generated_from_the_schema():
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    assert recipe_reference_markdown() in readme, "README's recipe table is stale: run `difftrain recipes explain --markdown`"
+
+
+def test_every_shipped_recipe_validates():
+    shipped = shipped_recipes()
+    assert {"quickstart", "quickstart-baseline", "diff-124m", "baseline-124m", "diff2-124m", "diff-350m-8gb"} <= set(shipped)
+    for name, path in shipped.items():
+        r = load_recipe(name)
+        assert isinstance(r, Recipe) and r.name == name
+        assert yaml.safe_load(path.read_text()).get("description") or r.description
+
+
+def test_resolved_recipe_round_trips(tmp_path):
+    r = load_recipe(write(tmp_path, MINIMAL))
+    again = load_recipe(write(tmp_path, r.to_yaml(), "resolved.yaml"))
+    assert again.model_dump() == r.model_dump()
+
+
+def test_deep_merge_does_not_mutate_inputs():
+    a = {"x": {"y": 1, "z": [1]}}
+    b = {"x": {"y": 2}}
+    out = deep_merge(a, b)
+    assert out == {"x": {"y": 2, "z": [1]}} and a == {"x": {"y": 1, "z": [1]}}
