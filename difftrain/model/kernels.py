@@ -216,11 +216,13 @@ def _block_mask(mask: AttnMask, device: torch.device) -> object:
 
 
 def _flex(q: Tensor, k: Tensor, v: Tensor, mask: AttnMask) -> Tensor:
-    if q.device.type == "cpu" and torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
-        raise DeviceError(
-            "attn_impl=flex has no backward pass on CPU in this torch; train on CPU with "
-            "model.attn_impl=sdpa (or auto), or use flex on a CUDA GPU"
-        )
+    if q.device.type == "cpu":
+        if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+            raise DeviceError(
+                "attn_impl=flex has no backward pass on CPU in this torch; train on CPU with "
+                "model.attn_impl=sdpa (or auto), or use flex on a CUDA GPU"
+            )
+        q, k, v = q.detach(), k.detach(), v.detach()  # flex refuses requires_grad inputs on CPU
     return _compiled_flex()(
         q, k, v, block_mask=_block_mask(mask, q.device), enable_gqa=q.shape[1] != k.shape[1]
     )

@@ -1,0 +1,164 @@
+"""Every attention implementation computes what `eager` computes, forward and backward.
+
+fp32, relative error (max |a − b| / max |b|) ≤ 1e-5, for all three archs, with and without GQA,
+under the plain causal mask and under a KV-cache-style mask (query offset + left padding).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from difftrain.errors import DeviceError
+from difftrain.model import AttnMask, ModelConfig, Transformer
+from difftrain.model.attention import AttnOptions
+from difftrain.model.kernels import (
+    baseline_attention,
+    diff2_attention,
+    diff_attention,
+    diff_sdpa_one_call,
+    diff_sdpa_two_calls,
+    resolve_impl,
+)
+
+B, H, d = 2, 4, 8
+ARCHS = ["baseline", "diff", "diff2"]
+KV = pytest.mark.parametrize("n_kv", [4, 2], ids=["mha", "gqa"])
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (a - b).abs().max().item() / max(b.abs().max().item(), 1e-30)
+
+
+def inputs(arch: str, n_kv: int, T: int, S: int, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Leaf tensors q, k, v, lam (shapes of kernels.py's table) requiring grad."""
+    g = torch.Generator().manual_seed(seed)
+    n_q = 2 * H if arch == "diff2" else H
+    n_v, v_dim = (n_kv // 2, 2 * d) if arch == "diff" else (n_kv, d)
+    t = {
+        "q": torch.randn(B, n_q, T, d, generator=g),
+        "k": torch.randn(B, n_kv, S, d, generator=g),
+        "v": torch.randn(B, n_v, S, v_dim, generator=g),
+    }
+    if arch == "diff":
+        t["lam"] = torch.tensor(0.37)
+    elif arch == "diff2":
+        t["lam"] = torch.randn(B, H, T, generator=g)
+    return {k: v.requires_grad_() for k, v in t.items()}
+
+
+def call(arch: str, t: dict[str, torch.Tensor], mask: AttnMask, impl: str) -> torch.Tensor:
+    if arch == "baseline":
+        return baseline_attention(t["q"], t["k"], t["v"], mask, impl).out
+    fn = diff_attention if arch == "diff" else diff2_attention
+    return fn(t["q"], t["k"], t["v"], t["lam"], mask, impl).out
+
+
+def masks(T: int) -> dict[str, AttnMask]:
+    pad = torch.ones(B, T + 3, dtype=torch.bool)
+    pad[1, :4] = False  # sequence 1 is left-padded by 4 slots
+    return {"causal": AttnMask(T, T), "cached+padded": AttnMask(T, T + 3, q_offset=3, key_padding_mask=pad)}
+
+
+def fwd_bwd(arch, t, mask, impl):
+    out = call(arch, t, mask, impl)
+    grad_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(1))
+    grads = torch.autograd.grad(out, list(t.values()), grad_out)
+    return out, dict(zip(t, grads, strict=True))
+
+
+@pytest.mark.parametrize("mask_kind", ["causal", "cached+padded"])
+@pytest.mark.parametrize("arch", ARCHS)
+@KV
+def test_sdpa_matches_eager_forward_and_backward(arch, n_kv, mask_kind):
+    T = 6
+    mask = masks(T)[mask_kind]
+    t = inputs(arch, n_kv, T, mask.kv_len)
+    out_e, g_e = fwd_bwd(arch, t, mask, "eager")
+    out_s, g_s = fwd_bwd(arch, t, mask, "sdpa")
+    assert rel_err(out_s, out_e) <= 1e-5
+    for name in t:
+        assert rel_err(g_s[name], g_e[name]) <= 1e-5, name
+    assert torch.isfinite(out_e).all()
+
+
+@KV
+def test_both_diff_sdpa_strategies_match_eager(n_kv):
+    T = 6
+    for mask in masks(T).values():
+        t = inputs("diff", n_kv, T, mask.kv_len)
+        ref = call("diff", t, mask, "eager")
+        for fn in (diff_sdpa_two_calls, diff_sdpa_one_call):
+            assert rel_err(fn(t["q"], t["k"], t["v"], t["lam"], mask), ref) <= 1e-5, fn.__name__
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@KV
+def test_attention_module_sdpa_gives_eager_gradients_for_lambda_params(arch, n_kv):
+    torch.manual_seed(0)
+    cfg = ModelConfig(arch=arch, vocab_size=11, d_model=32, n_layers=2, n_heads=H, n_kv_heads=n_kv)
+    attn = Transformer(cfg).model.layers[1].self_attn
+    T = 6
+    x = torch.randn(B, T, 32, requires_grad=True)
+    pos = torch.arange(T)[None].expand(B, T)
+    from difftrain.model.rope import RotaryEmbedding
+
+    cos, sin = RotaryEmbedding(d)(pos, x.dtype)
+    leaves = [x, *attn.parameters()]
+    results = {}
+    for impl in ("eager", "sdpa"):
+        out = attn(x, cos, sin, AttnMask(T, T), None, AttnOptions(impl)).out
+        results[impl] = (out, torch.autograd.grad(out.square().sum(), leaves))
+    (out_e, g_e), (out_s, g_s) = results["eager"], results["sdpa"]
+    assert rel_err(out_s, out_e) <= 1e-5
+    names = ["x"] + [n for n, _ in attn.named_parameters()]
+    for name, a, b in zip(names, g_s, g_e, strict=True):
+        assert rel_err(a, b) <= 1e-5, name
+    lam_names = [n for n in names if n.startswith("lambda")]
+    assert lam_names == ({"baseline": [], "diff": ["lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2"],
+                          "diff2": ["lambda_proj.weight"]}[arch])  # fmt: skip
+    for name in lam_names:
+        assert g_e[names.index(name)].abs().sum() > 0, f"{name} gets no gradient"
+
+
+def test_auto_resolves_to_sdpa_and_unknown_impl_is_refused():
+    assert resolve_impl("auto", torch.device("cpu")) == "sdpa"
+    assert resolve_impl("eager", torch.device("cpu")) == "eager"
+    from difftrain.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="attn_impl='flash' is unknown"):
+        resolve_impl("flash", torch.device("cpu"))
+
+
+def test_flex_on_cpu_refuses_backward_with_an_actionable_error():
+    t = inputs("baseline", 4, 4, 4)
+    with pytest.raises(DeviceError, match="attn_impl=sdpa"):
+        call("baseline", t, AttnMask(4, 4), "flex")
+
+
+def test_flex_matches_eager_forward_on_cpu():
+    # Few shapes on purpose: each new shape compiles flex attention (seconds on CPU).
+    T = 8
+    cases = [(arch, AttnMask(T, T)) for arch in ARCHS]
+    pad = torch.ones(B, T + 2, dtype=torch.bool)
+    pad[0, :3] = False
+    cases.append(("diff2", AttnMask(T, T + 2, q_offset=2, key_padding_mask=pad)))
+    with torch.no_grad():
+        for arch, mask in cases:
+            t = inputs(arch, 2, T, mask.kv_len)
+            assert rel_err(call(arch, t, mask, "flex"), call(arch, t, mask, "eager")) <= 1e-5, arch
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("impl", ["sdpa", "flex"])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_cuda_kernels_match_eager_forward_and_backward(arch, impl):
+    T = 64
+    for mask in masks(T).values():
+        mask.key_padding_mask = None if mask.key_padding_mask is None else mask.key_padding_mask.cuda()
+        t = {k: v.detach().cuda().requires_grad_() for k, v in inputs(arch, 2, T, mask.kv_len).items()}
+        out_e, g_e = fwd_bwd(arch, t, mask, "eager")
+        out_i, g_i = fwd_bwd(arch, t, mask, impl)
+        assert rel_err(out_i, out_e) <= 1e-4  # TF32 / kernel accumulation order on GPU
+        for name in t:
+            assert rel_err(g_i[name], g_e[name]) <= 1e-4, name
