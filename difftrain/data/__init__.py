@@ -1,0 +1,99 @@
+"""Data pipeline: sources → tokenizer → cached token shards → Lightning data modules.
+
+Public API (the rest of difftrain imports from here):
+
+- config: `DataConfig`, `SourceSpec`, `TokenizerConfig`, `TokenizerTrainConfig` (recipe schema)
+- `prepare_data(data_cfg, tok_cfg, *, seed, base_dir, progress=None) -> PreparedData`
+- `load_tokenizer(path) -> Tokenizer`, `check_vocab_fits(tokenizer, vocab_size)`, `StreamDecoder`
+- `PretrainDataModule`, `SFTDataModule`, `encode_sft_record`, `load_sft_records`
+- `make_needle_example` (builtin:needles, for the retrieval evaluation)
+
+Heavy modules (torch, lightning) load only when `modules` is first used.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from difftrain.data.config import (
+    SPECIAL_TOKENS,
+    DataConfig,
+    DocstringsSpec,
+    NeedlesSpec,
+    SourceSpec,
+    TokenizerConfig,
+    TokenizerTrainConfig,
+)
+
+if TYPE_CHECKING:
+    from difftrain.data.builtin import Needle, NeedleExample, make_needle_example
+    from difftrain.data.modules import (
+        IGNORE_INDEX,
+        PretrainDataModule,
+        PromptResponseTemplate,
+        SFTDataModule,
+        encode_sft_record,
+        load_sft_records,
+        pad_sft_batch,
+    )
+    from difftrain.data.shards import PreparedData, PrepareProgress, PrepareStats, prepare_data
+    from difftrain.data.tokenizer import StreamDecoder, Tokenizer, check_vocab_fits, load_tokenizer
+
+_LAZY = {
+    "Needle": "builtin",
+    "NeedleExample": "builtin",
+    "make_needle_example": "builtin",
+    "IGNORE_INDEX": "modules",
+    "PretrainDataModule": "modules",
+    "PromptResponseTemplate": "modules",
+    "SFTDataModule": "modules",
+    "encode_sft_record": "modules",
+    "load_sft_records": "modules",
+    "pad_sft_batch": "modules",
+    "PreparedData": "shards",
+    "PrepareProgress": "shards",
+    "PrepareStats": "shards",
+    "prepare_data": "shards",
+    "StreamDecoder": "tokenizer",
+    "Tokenizer": "tokenizer",
+    "check_vocab_fits": "tokenizer",
+    "load_tokenizer": "tokenizer",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        module = importlib.import_module(f"difftrain.data.{_LAZY[name]}")
+        return getattr(module, name)
+    raise AttributeError(f"module 'difftrain.data' has no attribute {name!r}")
+
+
+__all__ = [
+    "SPECIAL_TOKENS",
+    "DataConfig",
+    "DocstringsSpec",
+    "NeedlesSpec",
+    "SourceSpec",
+    "TokenizerConfig",
+    "TokenizerTrainConfig",
+    "Needle",
+    "NeedleExample",
+    "make_needle_example",
+    "IGNORE_INDEX",
+    "PretrainDataModule",
+    "PromptResponseTemplate",
+    "SFTDataModule",
+    "encode_sft_record",
+    "load_sft_records",
+    "pad_sft_batch",
+    "PreparedData",
+    "PrepareProgress",
+    "PrepareStats",
+    "prepare_data",
+    "StreamDecoder",
+    "Tokenizer",
+    "check_vocab_fits",
+    "load_tokenizer",
+]

@@ -1,0 +1,336 @@
+"""Recipe schema of the `data:` and `tokenizer:` sections.
+
+These pydantic models are the single place where a data or tokenizer setting is defined; each
+field's `description` is its user documentation (`difftrain recipes explain data` prints it).
+`difftrain/recipe.py` embeds `DataConfig` and `TokenizerConfig` in the full `Recipe`; the data
+library takes them explicitly (never the whole recipe), so `difftrain/data/` does not depend on
+the recipe loader.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+BUILTIN_SOURCES = ("python-stdlib", "needles", "python-docstrings")
+"""Names accepted after `builtin:` in a source."""
+
+
+class NeedlesSpec(BaseModel):
+    """Parameters of the synthetic multi-needle retrieval corpus (`builtin:needles`)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    context_tokens: int = Field(
+        1024,
+        ge=32,
+        description="Target length of each document's haystack in tokens. The corpus is generated "
+        "before the tokenizer exists, so the haystack holds context_tokens × chars_per_token "
+        "characters; the retrieval evaluation measures real token counts.",
+    )
+    chars_per_token: float = Field(
+        4.0,
+        gt=0,
+        description="Characters per token assumed when turning context_tokens into a character "
+        "budget (English filler text with a BPE tokenizer: about 3-4.5).",
+    )
+    n_needles: int = Field(
+        4,
+        ge=1,
+        le=64,
+        description="Number of needles (facts 'The magic number of <city> is <7 digits>.') "
+        "hidden in each haystack.",
+    )
+    n_queries: int = Field(
+        1,
+        ge=1,
+        description="How many of the needles are asked for at the end of each document (R in the "
+        "paper's multi-needle test); at most n_needles.",
+    )
+    depths: list[float] | None = Field(
+        None,
+        description="Depths (0 = start, 1 = end of the haystack) at which the needles are "
+        "inserted: one value per needle, or a single value for all. Unset: each document draws "
+        "its depths uniformly at random.",
+    )
+    num_documents: int = Field(
+        1000, ge=1, description="Number of documents (haystack + question + answer) generated."
+    )
+    seed: int = Field(
+        0,
+        description="Seed of the corpus generator; the corpus is a pure function of these "
+        "parameters (independent of the recipe's top-level seed).",
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> NeedlesSpec:
+        if self.n_queries > self.n_needles:
+            raise ValueError(
+                f"n_queries={self.n_queries} is larger than n_needles={self.n_needles}: "
+                "only hidden needles can be queried"
+            )
+        if self.depths is not None:
+            if len(self.depths) not in (1, self.n_needles):
+                raise ValueError(
+                    f"depths has {len(self.depths)} values; give one per needle "
+                    f"(n_needles={self.n_needles}) or a single value"
+                )
+            if any(not 0.0 <= d <= 1.0 for d in self.depths):
+                raise ValueError(f"depths must lie in [0, 1], got {self.depths}")
+        return self
+
+
+class DocstringsSpec(BaseModel):
+    """Parameters of the stdlib instruction dataset (`builtin:python-docstrings`)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    min_docstring_chars: int = Field(
+        20, ge=1, description="Skip functions whose docstring is shorter than this many characters."
+    )
+    max_response_lines: int = Field(
+        60,
+        ge=1,
+        description="Skip functions whose body (the response) is longer than this many lines.",
+    )
+
+
+class SourceSpec(BaseModel):
+    """One entry of `data.sources`: where documents come from and how much they weigh."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    source: str = Field(
+        ...,
+        min_length=1,
+        description="A file, a directory (read recursively), a glob ('corpus/**/*.md'), "
+        "'builtin:python-stdlib' | 'builtin:needles' | 'builtin:python-docstrings', or "
+        "'hf:<dataset>[:<config>][@<split>]' (Hugging Face `datasets`; a local folder saved with "
+        "save_to_disk also works, e.g. 'hf:./my_dataset'). Relative paths are resolved against the "
+        "recipe's folder. .txt/.md/code files are one document each; .jsonl/.json/.parquet hold "
+        "one document per record (see text_field); .gz files are decompressed.",
+    )
+    weight: float = Field(
+        1.0,
+        gt=0,
+        description="Repeat factor of this source in the training split: each training document "
+        "appears floor(weight) times plus once more with probability frac(weight) (seeded), so 2.0 "
+        "doubles a source and 0.5 keeps a random half. Validation documents always appear once, "
+        "so the validation loss measures the unweighted data.",
+    )
+    text_field: str = Field(
+        "text",
+        min_length=1,
+        description="Field (jsonl/json/hf) or column (parquet) that holds a record's text.",
+    )
+    prompt_field: str = Field(
+        "prompt",
+        min_length=1,
+        description="Field holding the prompt of an instruction record (fine-tuning only).",
+    )
+    response_field: str = Field(
+        "response",
+        min_length=1,
+        description="Field holding the response of an instruction record (fine-tuning only).",
+    )
+    data_files: list[str] | None = Field(
+        None,
+        description="hf: sources only: files (paths or globs, relative to the recipe's folder) "
+        "passed to datasets.load_dataset as data_files, e.g. source 'hf:json' with "
+        "data_files: [dump.jsonl].",
+    )
+    streaming: bool = Field(
+        False,
+        description="hf: sources only: stream the dataset instead of downloading it whole.",
+    )
+    max_documents: int | None = Field(
+        None,
+        ge=1,
+        description="Read at most this many documents (records) from this source; unset reads all.",
+    )
+    needles: NeedlesSpec | None = Field(
+        None,
+        description="Parameters of builtin:needles (defaults apply when unset).",
+    )
+    docstrings: DocstringsSpec | None = Field(
+        None,
+        description="Parameters of builtin:python-docstrings (defaults apply when unset).",
+    )
+
+    @field_validator("data_files", mode="before")
+    @classmethod
+    def _one_file(cls, v: Any) -> Any:
+        return [v] if isinstance(v, str) else v
+
+    @model_validator(mode="after")
+    def _check(self) -> SourceSpec:
+        src = self.source
+        if src.startswith("builtin:"):
+            name = src.removeprefix("builtin:")
+            if name not in BUILTIN_SOURCES:
+                known = ", ".join(f"builtin:{n}" for n in BUILTIN_SOURCES)
+                raise ValueError(f"unknown builtin source '{src}'; known: {known}")
+        if self.needles is not None and src != "builtin:needles":
+            raise ValueError("'needles' parameters apply only to source 'builtin:needles'")
+        if self.docstrings is not None and src != "builtin:python-docstrings":
+            raise ValueError("'docstrings' parameters apply only to source 'builtin:python-docstrings'")
+        if not src.startswith("hf:"):
+            if self.data_files is not None:
+                raise ValueError("'data_files' applies only to hf: sources (e.g. source: 'hf:json')")
+            if self.streaming:
+                raise ValueError("'streaming' applies only to hf: sources")
+        elif len(src) == 3:
+            raise ValueError(
+                "hf: source needs a dataset name, e.g. 'hf:json' or 'hf:wikitext:wikitext-2-raw-v1@train'"
+            )
+        return self
+
+    @property
+    def kind(self) -> Literal["builtin", "hf", "path"]:
+        if self.source.startswith("builtin:"):
+            return "builtin"
+        if self.source.startswith("hf:"):
+            return "hf"
+        return "path"
+
+
+class DataConfig(BaseModel):
+    """The `data:` section: sources, validation split, bad-record policy, cache and loaders."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    sources: list[SourceSpec] = Field(
+        default_factory=lambda: [SourceSpec(source="builtin:python-stdlib")],
+        min_length=1,
+        description="Where the text comes from: a list of sources, each a string (path, glob, "
+        "builtin:NAME, hf:NAME) or a mapping {source, weight, text_field, ...}.",
+    )
+    val_fraction: float = Field(
+        0.01,
+        ge=0.0,
+        lt=0.5,
+        description="Fraction of documents held out for validation (chosen by a hash of the seed "
+        "and the document's position, so the split is deterministic). A corpus too small to give "
+        "the validation split any document holds out the last val_fraction of its tokens instead.",
+    )
+    val_windows: int = Field(
+        64,
+        ge=0,
+        description="Number of fixed validation windows of max_seq_len+1 tokens, evenly spaced over "
+        "the validation split: the same windows for every run and architecture on the same data "
+        "and seed, so validation losses are comparable. 0 disables validation.",
+    )
+    on_bad_record: Literal["error", "skip"] = Field(
+        "error",
+        description="What a malformed record (jsonl line that is not JSON or lacks the text field, "
+        "non-UTF-8 text file, null value) does: 'error' stops with the file and line; 'skip' drops "
+        "it, counts it and reports the count.",
+    )
+    cache_dir: str | None = Field(
+        None,
+        description="Folder of the tokenizer and token-shard cache. Unset: $DIFFTRAIN_CACHE, else "
+        "$XDG_CACHE_HOME/difftrain, else ~/.cache/difftrain.",
+    )
+    num_workers: int = Field(
+        0,
+        ge=0,
+        description="DataLoader worker processes. Reading windows from memory-mapped shards is "
+        "cheap, so 0 (load in the training process) is usually fastest; raise it for SFT data "
+        "or slow disks.",
+    )
+    pin_memory: bool | Literal["auto"] = Field(
+        "auto",
+        description="Pin host memory of batches for faster copies to the GPU; 'auto' = on when "
+        "CUDA is available.",
+    )
+
+    @field_validator("sources", mode="before")
+    @classmethod
+    def _strings_to_specs(cls, v: Any) -> Any:
+        if isinstance(v, (str, dict)):
+            v = [v]
+        if isinstance(v, list):
+            return [{"source": s} if isinstance(s, str) else s for s in v]
+        return v
+
+    def resolved_cache_dir(self) -> Path:
+        """The cache folder this config points to (see `cache_dir`)."""
+        if self.cache_dir:
+            return Path(self.cache_dir).expanduser()
+        return default_cache_dir()
+
+
+def default_cache_dir() -> Path:
+    """$DIFFTRAIN_CACHE, else $XDG_CACHE_HOME/difftrain, else ~/.cache/difftrain."""
+    env = os.environ.get("DIFFTRAIN_CACHE")
+    if env:
+        return Path(env).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    if xdg:
+        return Path(xdg).expanduser() / "difftrain"
+    return Path.home() / ".cache" / "difftrain"
+
+
+SPECIAL_TOKENS = ("<|bos|>", "<|eos|>", "<|pad|>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>")
+"""Special tokens of every trained tokenizer, with ids 0..6 in this order. The chat tokens are
+reserved now so that fine-tuning with a chat template does not change the vocabulary."""
+
+
+class TokenizerTrainConfig(BaseModel):
+    """How to train a byte-level BPE tokenizer on the recipe's sources."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    vocab_size: int = Field(
+        8192,
+        ge=len(SPECIAL_TOKENS) + 256 + 1,
+        le=1 << 20,
+        description="Size of the trained vocabulary, special tokens and the 256 byte tokens included.",
+    )
+    min_frequency: int = Field(
+        2, ge=1, description="A pair of tokens is merged only if it occurs at least this often."
+    )
+    max_bytes: int = Field(
+        32_000_000,
+        ge=1,
+        description="At most this many bytes of text are used to train the tokenizer (documents "
+        "sampled evenly across the corpus by a fixed hash); BPE merges stabilise long before "
+        "that, and training time grows with it. 32 MB trains in under a minute on 2 cores.",
+    )
+    individual_digits: bool = Field(
+        True,
+        description="Split numbers into single digits before BPE (as Llama does): every number "
+        "is spelled digit by digit, which helps copying and arithmetic (and the needle task).",
+    )
+    extra_special_tokens: list[str] = Field(
+        default_factory=list,
+        description="Further special tokens to reserve, after <|bos|> <|eos|> <|pad|> <|system|> "
+        "<|user|> <|assistant|> <|end|>.",
+    )
+
+    @field_validator("extra_special_tokens")
+    @classmethod
+    def _no_duplicates(cls, v: list[str]) -> list[str]:
+        dup = [t for t in v if t in SPECIAL_TOKENS or v.count(t) > 1 or not t]
+        if dup:
+            raise ValueError(f"extra_special_tokens has duplicate or empty tokens: {sorted(set(dup))}")
+        return v
+
+
+class TokenizerConfig(BaseModel):
+    """The `tokenizer:` section: load an existing tokenizer.json, or train one."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    path: str | None = Field(
+        None,
+        description="An existing Hugging Face tokenizer.json (or a folder holding one), e.g. "
+        "GPT-2's or Llama's, relative to the recipe's folder. Unset: train one (see train).",
+    )
+    train: TokenizerTrainConfig = Field(
+        default_factory=TokenizerTrainConfig,
+        description="Settings of the byte-level BPE trained on the sources; ignored when path is set.",
+    )

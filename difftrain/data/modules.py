@@ -1,0 +1,643 @@
+"""Lightning data modules: pretraining windows from token shards, and SFT records.
+
+Both modules are *exactly resumable*: the batch at global sample index g is a pure function of
+(seed, g), and the module counts the samples the training loop has consumed (`state_dict()`
+holds the count; Lightning saves it in every checkpoint and calls `load_state_dict` on resume),
+so a resumed run sees the same batches an uninterrupted run would have seen. The count is taken
+in `on_after_batch_transfer` — when a batch reaches the training step, not when a DataLoader
+worker prefetches it. (A LightningModule must therefore not override `on_after_batch_transfer`.)
+
+Ranks: rank r of a world of w processes reads the global sample indices g = c + k·w + r
+(k = 0, 1, ...; c = samples consumed so far), so ranks are disjoint and together read the same
+samples as one process would. Rank and world size come from the attached Trainer unless given.
+Both modules use IterableDatasets so that Lightning does not inject a DistributedSampler.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import lightning as L
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+
+from difftrain.data.config import DataConfig
+from difftrain.data.shards import PreparedData, open_shards, unit_hash
+from difftrain.data.sources import SourceStats, _require_documents, resolve_sources
+from difftrain.data.tokenizer import Tokenizer
+from difftrain.errors import DataError
+
+IGNORE_INDEX = -100
+"""Target value that the cross-entropy loss ignores (prompt and padding positions)."""
+
+# ---------------------------------------------------------------------------------------------
+# counter-based randomness
+
+
+_MASK64 = (1 << 64) - 1
+
+
+def _splitmix64(x: np.ndarray) -> np.ndarray:
+    """SplitMix64 finaliser on a uint64 array: a bijective, well-mixed hash (wraps mod 2^64)."""
+    with np.errstate(over="ignore"):
+        z = x + np.uint64(0x9E3779B97F4A7C15)
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        return z ^ (z >> np.uint64(31))
+
+
+def window_offsets(seed: int, indices: np.ndarray, n_tokens: int, window: int) -> np.ndarray:
+    """Start offsets of the training windows with global sample indices `indices`.
+
+    offset(g) = h(h(seed) ⊕ g) mod (N − window + 1), with h = SplitMix64 and N the number of
+    training tokens: a counter-based generator, so any sample is computed directly from (seed, g)
+    without replaying a random stream (the modulo bias is < window·2⁻⁶⁴ · N, negligible).
+    """
+    span = n_tokens - window + 1
+    key = _splitmix64(np.array([seed & _MASK64], dtype=np.uint64))[0]
+    h = _splitmix64(np.asarray(indices, dtype=np.uint64) ^ key)
+    return (h % np.uint64(span)).astype(np.int64)
+
+
+# ---------------------------------------------------------------------------------------------
+# shared resumable machinery
+
+
+class _ResumableDataModule(L.LightningDataModule):
+    """Counts consumed training samples and restores the train loader's position."""
+
+    def __init__(
+        self,
+        *,
+        micro_batch_size: int,
+        seed: int,
+        num_workers: int,
+        pin_memory: bool | Literal["auto"],
+        rank: int | None,
+        world_size: int | None,
+    ) -> None:
+        super().__init__()
+        if micro_batch_size < 1:
+            raise DataError(f"micro_batch_size must be at least 1, got {micro_batch_size}")
+        self.micro_batch_size = micro_batch_size
+        self.seed = seed
+        self.num_workers = num_workers
+        self.pin_memory = pin_memory
+        self._rank = rank
+        self._world_size = world_size
+        self.consumed_samples = 0
+        """Global training samples consumed (all ranks); the next batch starts here."""
+
+    @property
+    def rank(self) -> int:
+        if self._rank is not None:
+            return self._rank
+        trainer = getattr(self, "trainer", None)
+        return trainer.global_rank if trainer is not None else 0
+
+    @property
+    def world_size(self) -> int:
+        if self._world_size is not None:
+            return self._world_size
+        trainer = getattr(self, "trainer", None)
+        return trainer.world_size if trainer is not None else 1
+
+    def _pin(self) -> bool:
+        return torch.cuda.is_available() if self.pin_memory == "auto" else bool(self.pin_memory)
+
+    def _loader(self, dataset: IterableDataset) -> DataLoader:
+        return DataLoader(
+            dataset,
+            batch_size=None,  # the datasets yield whole batches
+            num_workers=self.num_workers,
+            pin_memory=self._pin(),
+        )
+
+    def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        trainer = getattr(self, "trainer", None)
+        if trainer is not None and trainer.training:
+            self.consumed_samples += int(batch["input_ids"].shape[0]) * self.world_size
+        return batch
+
+    def advance(self, batches: int = 1) -> None:
+        """Mark `batches` micro-batches per rank as consumed (for loops without Lightning)."""
+        self.consumed_samples += batches * self.micro_batch_size * self.world_size
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"consumed_samples": self.consumed_samples, "seed": self.seed}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.consumed_samples = int(state_dict.get("consumed_samples", 0))
+
+
+def _worker_slice() -> tuple[int, int]:
+    info = get_worker_info()
+    return (0, 1) if info is None else (info.id, info.num_workers)
+
+
+# ---------------------------------------------------------------------------------------------
+# pretraining
+
+
+class _Memmap:
+    """A token file opened lazily in each process (picklable for DataLoader workers)."""
+
+    def __init__(self, path: Path, dtype: np.dtype, n_tokens: int) -> None:
+        self.path = str(path)
+        self.dtype = np.dtype(dtype)
+        self.n_tokens = n_tokens
+        self._mm: np.memmap | None = None
+        self._pid = -1
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_mm": None, "_pid": -1}
+
+    def windows(self, offsets: np.ndarray, length: int) -> torch.Tensor:
+        if self._mm is None or self._pid != os.getpid():
+            self._mm = np.memmap(self.path, dtype=self.dtype, mode="r", shape=(self.n_tokens,))
+            self._pid = os.getpid()
+        rows = np.stack([self._mm[o : o + length] for o in offsets.tolist()])
+        return torch.from_numpy(rows.astype(np.int64))
+
+
+class _TrainWindows(IterableDataset):
+    """Endless stream of training batches for one rank, starting after `start` global samples."""
+
+    def __init__(
+        self, data: _Memmap, seq_len: int, batch: int, seed: int, start: int, rank: int, world: int
+    ) -> None:
+        self.data, self.seq_len, self.batch, self.seed = data, seq_len, batch, seed
+        self.start, self.rank, self.world = start, rank, world
+
+    def batch_indices(self, j: int) -> np.ndarray:
+        """Global sample indices of this rank's local batch j."""
+        k = np.arange(j * self.batch, (j + 1) * self.batch, dtype=np.int64)
+        return self.start + k * self.world + self.rank
+
+    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+        worker, n_workers = _worker_slice()
+        j = worker  # DataLoader interleaves workers round-robin, preserving this order
+        while True:
+            g = self.batch_indices(j)
+            offsets = window_offsets(self.seed, g, self.data.n_tokens, self.seq_len + 1)
+            w = self.data.windows(offsets, self.seq_len + 1)
+            yield {"input_ids": w[:, :-1], "targets": w[:, 1:]}
+            j += n_workers
+
+
+class _ValWindows(IterableDataset):
+    """The fixed validation windows of one rank, in batches."""
+
+    def __init__(
+        self, data: _Memmap, seq_len: int, offsets: np.ndarray, batch: int, rank: int, world: int
+    ) -> None:
+        self.data, self.seq_len, self.batch = data, seq_len, batch
+        self.offsets = offsets[rank::world]
+
+    def __len__(self) -> int:
+        return -(-len(self.offsets) // self.batch)
+
+    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+        worker, n_workers = _worker_slice()
+        for j in range(worker, len(self), n_workers):
+            w = self.data.windows(self.offsets[j * self.batch : (j + 1) * self.batch], self.seq_len + 1)
+            yield {"input_ids": w[:, :-1], "targets": w[:, 1:]}
+
+
+def val_window_offsets(n_tokens: int, window: int, count: int) -> np.ndarray:
+    """`count` window starts evenly spaced over [0, n_tokens − window] (fixed: no randomness)."""
+    span = n_tokens - window
+    if count <= 1:
+        return np.zeros(min(count, 1), dtype=np.int64)
+    return np.floor(np.arange(count) * (span / (count - 1))).astype(np.int64)
+
+
+class PretrainDataModule(_ResumableDataModule):
+    """Windows of seq_len + 1 tokens from the token shards: input_ids = w[:-1], targets = w[1:].
+
+    Sampling: random offsets (as nanoGPT's memmap reader), not packed sequential windows.
+    Training sample g starts at offset(seed, g) (see `window_offsets`), uniformly over the
+    training tokens, crossing document boundaries (documents are separated by <|eos|>).
+    Why: a sample is a pure function of (seed, g), so resuming, changing the number of ranks or
+    workers, or changing seq_len needs no epoch bookkeeping and no shuffled index of all windows;
+    every position is equally likely to start a window, so no token is systematically cut at a
+    window boundary as in a fixed packing. The cost — windows are drawn with replacement, so an
+    "epoch" covers ≈ 63% of windows — is irrelevant for language-model pretraining, where data is
+    rarely repeated and the loss is averaged over millions of positions.
+
+    Validation: `val_windows` windows evenly spaced over the validation split — the same windows
+    for every run and architecture with the same data and seed — split over ranks.
+
+    `prepared`: the `PreparedData` of `prepare_data`, or a shard folder (with index.json).
+    """
+
+    def __init__(
+        self,
+        prepared: PreparedData | str | os.PathLike[str],
+        *,
+        seq_len: int,
+        micro_batch_size: int,
+        seed: int,
+        val_windows: int = 64,
+        num_workers: int = 0,
+        pin_memory: bool | Literal["auto"] = False,
+        rank: int | None = None,
+        world_size: int | None = None,
+    ) -> None:
+        super().__init__(
+            micro_batch_size=micro_batch_size,
+            seed=seed,
+            num_workers=num_workers,
+            pin_memory=pin_memory,
+            rank=rank,
+            world_size=world_size,
+        )
+        if isinstance(prepared, PreparedData):
+            index, train_path, val_path = prepared.index, prepared.train_path, prepared.val_path
+        else:
+            index, train_path, val_path = open_shards(prepared)
+        self.index = index
+        dtype = np.dtype(index["dtype"])
+        self.seq_len = seq_len
+        self.val_windows = val_windows
+        self.train_data = _Memmap(train_path, dtype, index["train"]["tokens"])
+        self.val_data = _Memmap(val_path, dtype, index["val"]["tokens"])
+        window = seq_len + 1
+        if self.train_data.n_tokens < window:
+            raise DataError(
+                f"the training split has {self.train_data.n_tokens} tokens, fewer than one window of "
+                f"max_seq_len + 1 = {window}; add data or lower model.max_seq_len"
+            )
+        if val_windows > 0 and self.val_data.n_tokens < window:
+            raise DataError(
+                f"the validation split has {self.val_data.n_tokens} tokens, fewer than one window of "
+                f"max_seq_len + 1 = {window}; raise data.val_fraction, or set data.val_windows: 0"
+            )
+        self.val_offsets = (
+            val_window_offsets(self.val_data.n_tokens, window, val_windows)
+            if val_windows > 0
+            else np.zeros(0, dtype=np.int64)
+        )
+
+    @classmethod
+    def from_config(
+        cls,
+        prepared: PreparedData,
+        data_cfg: DataConfig,
+        *,
+        seq_len: int,
+        micro_batch_size: int,
+        seed: int,
+    ) -> PretrainDataModule:
+        """Build from the recipe's data section (workers, pinning, validation windows)."""
+        return cls(
+            prepared,
+            seq_len=seq_len,
+            micro_batch_size=micro_batch_size,
+            seed=seed,
+            val_windows=data_cfg.val_windows,
+            num_workers=data_cfg.num_workers,
+            pin_memory=data_cfg.pin_memory,
+        )
+
+    def train_dataset(self) -> _TrainWindows:
+        return _TrainWindows(
+            self.train_data,
+            self.seq_len,
+            self.micro_batch_size,
+            self.seed,
+            self.consumed_samples,
+            self.rank,
+            self.world_size,
+        )
+
+    def train_dataloader(self) -> DataLoader:
+        """Endless loader starting at the consumed position (bound the run with max_steps)."""
+        return self._loader(self.train_dataset())
+
+    def val_dataloader(self) -> DataLoader | list:
+        if len(self.val_offsets) == 0:
+            return []
+        ds = _ValWindows(
+            self.val_data, self.seq_len, self.val_offsets, self.micro_batch_size, self.rank, self.world_size
+        )
+        return self._loader(ds)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "seq_len": self.seq_len}
+
+
+# ---------------------------------------------------------------------------------------------
+# supervised fine-tuning
+
+Segment = tuple[str, bool]
+"""A piece of an SFT example: (text, trained) — trained pieces contribute to the loss."""
+
+Template = Callable[[Mapping[str, Any]], Sequence[Segment]]
+"""Turns a record into segments; the fine-tune issue adds chat templates for `messages`."""
+
+
+@dataclass(frozen=True)
+class PromptResponseTemplate:
+    """The default template: prompt_format.format(**record) (masked) + response_format (trained).
+
+    The formats are plain concatenated; put separators in them, e.g.
+    PromptResponseTemplate("### Instruction:\\n{prompt}\\n### Response:\\n", "{response}").
+    """
+
+    prompt_format: str = "{prompt}"
+    response_format: str = "{response}"
+
+    def __call__(self, record: Mapping[str, Any]) -> list[Segment]:
+        try:
+            return [
+                (self.prompt_format.format_map(record), False),
+                (self.response_format.format_map(record), True),
+            ]
+        except KeyError as e:
+            raise DataError(
+                f"the SFT template uses field {e} that a record lacks (fields: {', '.join(map(str, record))}); "
+                "fix the template or the data"
+            ) from e
+
+
+def _segments_to_example(
+    pieces: Sequence[tuple[list[int], bool]],
+    *,
+    max_seq_len: int,
+    bos_id: int | None,
+    eos_id: int | None,
+    train_on_prompt: bool,
+) -> tuple[list[int], list[int], bool]:
+    ids: list[int] = []
+    trained: list[bool] = []
+    if bos_id is not None:
+        ids.append(bos_id)
+        trained.append(False)
+    for toks, t in pieces:
+        ids.extend(toks)
+        trained.extend([t or train_on_prompt] * len(toks))
+    if eos_id is not None:
+        ids.append(eos_id)
+        trained.append(True)
+    limit = max_seq_len + 1
+    truncated = len(ids) > limit
+    if truncated:
+        # Keep the end of the prompt (nearest the response) and at least half the window of response.
+        first = next((i for i, t in enumerate(trained) if t), len(ids))
+        n_resp = len(ids) - first
+        keep_resp = min(n_resp, max(limit - first, limit // 2))
+        keep_prompt = limit - keep_resp
+        sl = slice(first - keep_prompt, first + keep_resp)
+        ids, trained = ids[sl], trained[sl]
+    targets = [ids[i + 1] if trained[i + 1] else IGNORE_INDEX for i in range(len(ids) - 1)]
+    return ids[:-1], targets, truncated
+
+
+def encode_sft_record(
+    record: Mapping[str, Any],
+    tokenizer: Tokenizer,
+    *,
+    max_seq_len: int,
+    template: Template | None = None,
+    train_on_prompt: bool = False,
+    add_bos: bool = False,
+    add_eos: bool = True,
+) -> tuple[list[int], list[int]]:
+    """One record → (input_ids, targets) for next-token training with a loss mask.
+
+    tokens x = [bos] + tokens(segment₁) + ... + [eos]; input_ids = x[:-1];
+    targets[t] = x[t+1] if x[t+1] belongs to a trained segment (the response) or is the final
+    eos, else -100 (ignored). So the model learns the response and to stop, not the prompt
+    (unless train_on_prompt). Longer than max_seq_len + 1 tokens: the prompt is cut from the
+    left, the response from the right, keeping at least half the window for the response.
+    """
+    segments = (template or PromptResponseTemplate())(record)
+    pieces = [(tokenizer.encode(text), trained) for text, trained in segments]
+    ids, targets, _ = _segments_to_example(
+        pieces,
+        max_seq_len=max_seq_len,
+        bos_id=tokenizer.bos_id if add_bos else None,
+        eos_id=tokenizer.eos_id if add_eos else None,
+        train_on_prompt=train_on_prompt,
+    )
+    return ids, targets
+
+
+def pad_sft_batch(
+    examples: Sequence[tuple[Sequence[int], Sequence[int]]], pad_id: int, length: int | None = None
+) -> dict[str, torch.Tensor]:
+    """Right-pad examples to the longest (or `length`): input pad = pad_id, target pad = -100.
+
+    With causal attention, right padding never changes the real positions' outputs, so no
+    attention mask is needed.
+    """
+    T = length if length is not None else max(len(ids) for ids, _ in examples)
+    input_ids = torch.full((len(examples), T), pad_id, dtype=torch.long)
+    targets = torch.full((len(examples), T), IGNORE_INDEX, dtype=torch.long)
+    for b, (ids, tg) in enumerate(examples):
+        input_ids[b, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+        targets[b, : len(tg)] = torch.tensor(tg, dtype=torch.long)
+    return {"input_ids": input_ids, "targets": targets}
+
+
+class _SFTTrain(IterableDataset):
+    """Endless SFT batches: sample g is record perm_e[g mod N] with e = g div N (epoch e)."""
+
+    def __init__(
+        self,
+        examples: list[tuple[list[int], list[int]]],
+        batch: int,
+        seed: int,
+        start: int,
+        rank: int,
+        world: int,
+        pad_id: int,
+        length: int | None,
+    ) -> None:
+        self.examples, self.batch, self.seed = examples, batch, seed
+        self.start, self.rank, self.world = start, rank, world
+        self.pad_id, self.length = pad_id, length
+        self._perms: dict[int, np.ndarray] = {}
+
+    def record_index(self, g: int) -> int:
+        n = len(self.examples)
+        epoch, pos = divmod(g, n)
+        perm = self._perms.get(epoch)
+        if perm is None:
+            perm = np.random.default_rng([self.seed & _MASK64, epoch]).permutation(n)
+            self._perms = {epoch: perm}  # keep only the current epoch's permutation
+        return int(perm[pos])
+
+    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+        worker, n_workers = _worker_slice()
+        j = worker
+        while True:
+            g0 = j * self.batch
+            idx = [
+                self.record_index(self.start + (g0 + b) * self.world + self.rank) for b in range(self.batch)
+            ]
+            yield pad_sft_batch([self.examples[i] for i in idx], self.pad_id, self.length)
+            j += n_workers
+
+
+class _SFTVal(IterableDataset):
+    def __init__(
+        self,
+        examples: list[tuple[list[int], list[int]]],
+        batch: int,
+        rank: int,
+        world: int,
+        pad_id: int,
+        length: int | None,
+    ) -> None:
+        self.examples = examples[rank::world]
+        self.batch, self.pad_id, self.length = batch, pad_id, length
+
+    def __len__(self) -> int:
+        return -(-len(self.examples) // self.batch)
+
+    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+        worker, n_workers = _worker_slice()
+        for j in range(worker, len(self), n_workers):
+            yield pad_sft_batch(
+                self.examples[j * self.batch : (j + 1) * self.batch], self.pad_id, self.length
+            )
+
+
+class SFTDataModule(_ResumableDataModule):
+    """Prompt/response records → right-padded batches {"input_ids", "targets"} with a loss mask.
+
+    Records are tokenized once in `setup` (segments encoded in parallel batches). Training
+    sample g is the record at position g mod N of the seeded permutation of epoch g div N —
+    a pure function of (seed, g), hence exactly resumable like the pretraining module.
+    `template` turns a record into (text, trained) segments (default: prompt masked, response
+    trained; see `PromptResponseTemplate`); `pad_to_max_seq_len` gives static shapes (for
+    torch.compile) instead of padding to the longest example of each batch.
+    """
+
+    def __init__(
+        self,
+        train_records: Sequence[Mapping[str, Any]],
+        val_records: Sequence[Mapping[str, Any]] = (),
+        *,
+        tokenizer: Tokenizer,
+        max_seq_len: int,
+        micro_batch_size: int,
+        seed: int,
+        template: Template | None = None,
+        train_on_prompt: bool = False,
+        add_bos: bool = False,
+        pad_to_max_seq_len: bool = False,
+        num_workers: int = 0,
+        pin_memory: bool | Literal["auto"] = False,
+        rank: int | None = None,
+        world_size: int | None = None,
+    ) -> None:
+        super().__init__(
+            micro_batch_size=micro_batch_size,
+            seed=seed,
+            num_workers=num_workers,
+            pin_memory=pin_memory,
+            rank=rank,
+            world_size=world_size,
+        )
+        if not train_records:
+            raise DataError("no fine-tuning records: the training set is empty; check data.sources")
+        self.tokenizer = tokenizer
+        self.max_seq_len = max_seq_len
+        self.template = template or PromptResponseTemplate()
+        self.train_on_prompt = train_on_prompt
+        self.add_bos = add_bos
+        self.length = max_seq_len if pad_to_max_seq_len else None
+        self._records = (list(train_records), list(val_records))
+        self.train_examples: list[tuple[list[int], list[int]]] = []
+        self.val_examples: list[tuple[list[int], list[int]]] = []
+        self.truncated = 0
+        self._encoded = False
+
+    def _encode(self, records: list[Mapping[str, Any]]) -> list[tuple[list[int], list[int]]]:
+        segs = [self.template(r) for r in records]
+        flat = [text for s in segs for text, _ in s]
+        ids = self.tokenizer.encode_batch(flat) if flat else []
+        out, k = [], 0
+        for s in segs:
+            pieces = []
+            for _, trained in s:
+                pieces.append((ids[k], trained))
+                k += 1
+            inp, tgt, cut = _segments_to_example(
+                pieces,
+                max_seq_len=self.max_seq_len,
+                bos_id=self.tokenizer.bos_id if self.add_bos else None,
+                eos_id=self.tokenizer.eos_id,
+                train_on_prompt=self.train_on_prompt,
+            )
+            self.truncated += cut
+            out.append((inp, tgt))
+        return out
+
+    def setup(self, stage: str | None = None) -> None:
+        if not self._encoded:
+            self.train_examples = self._encode(self._records[0])
+            self.val_examples = self._encode(self._records[1])
+            self._encoded = True
+
+    def train_dataloader(self) -> DataLoader:
+        self.setup()
+        ds = _SFTTrain(
+            self.train_examples,
+            self.micro_batch_size,
+            self.seed,
+            self.consumed_samples,
+            self.rank,
+            self.world_size,
+            self.tokenizer.pad_id,
+            self.length,
+        )
+        return self._loader(ds)
+
+    def val_dataloader(self) -> DataLoader | list:
+        self.setup()
+        if not self.val_examples:
+            return []
+        ds = _SFTVal(
+            self.val_examples,
+            self.micro_batch_size,
+            self.rank,
+            self.world_size,
+            self.tokenizer.pad_id,
+            self.length,
+        )
+        return self._loader(ds)
+
+
+def load_sft_records(
+    data_cfg: DataConfig, *, seed: int, base_dir: str | os.PathLike[str]
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[SourceStats]]:
+    """Read the recipe's instruction records and split them like the token shards.
+
+    Record d of source s goes to validation when u("val", seed, s, d) < val_fraction; a
+    training record of a source with weight w appears ⌊w⌋ times plus once more with probability
+    w − ⌊w⌋. Returns (train records, val records, per-source stats).
+    """
+    from difftrain.data.shards import _repeats
+
+    train: list[dict[str, Any]] = []
+    val: list[dict[str, Any]] = []
+    all_stats = []
+    for src in resolve_sources(data_cfg, base_dir):
+        stats = SourceStats(src.spec.source)
+        all_stats.append(stats)
+        for d, rec in enumerate(src.records(stats, data_cfg.on_bad_record)):
+            if data_cfg.val_fraction > 0 and unit_hash("val", seed, src.index, d) < data_cfg.val_fraction:
+                val.append(rec)
+            else:
+                train.extend([rec] * _repeats(src.spec.weight, seed, src.index, d))
+        _require_documents(src, stats)
+    return train, val, all_stats

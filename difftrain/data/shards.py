@@ -1,0 +1,524 @@
+"""Token shards and the data cache: `prepare_data` tokenizes the corpus once.
+
+Layout of the cache (default ~/.cache/difftrain, see `DataConfig.cache_dir`):
+
+    tokenizers/<key>/tokenizer.json   trained (or copied) tokenizer; key = hash(sources, config)
+    shards/<key>/index.json           token counts, documents, bytes, fingerprint, tokenizer hash
+    shards/<key>/train.bin            uint16 (vocab ≤ 65536) or uint32 token ids, flat
+    shards/<key>/val.bin
+
+Each document's tokens are followed by <|eos|>, so the flat stream is doc₁ eos doc₂ eos ...
+A document goes to validation when u(seed, source, position) < val_fraction, with u a hash
+mapped to [0, 1): the split is by document and deterministic for the seed. A training document
+of a source with weight w is written ⌊w⌋ times, plus once more when u'(seed, ...) < w − ⌊w⌋.
+
+Cache keys are hashes of the source fingerprints (spec, paths, sizes, mtimes), the settings,
+and — for shards — the tokenizer's hash, so a second run with unchanged data reuses both
+without reading the text. Every entry is built in a temporary folder and renamed into place
+when complete: a crash half-way leaves only a `.tmp-*` folder, never an entry that looks valid.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import math
+import os
+import shutil
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from difftrain.data.config import DataConfig, TokenizerConfig
+from difftrain.data.sources import (
+    Source,
+    SourceStats,
+    _require_documents,
+    resolve_sources,
+    sources_fingerprint,
+)
+from difftrain.data.tokenizer import Tokenizer, load_tokenizer, train_tokenizer
+from difftrain.errors import DataError
+from difftrain.io import atomic_write_json, fsync_dir
+
+FORMAT_VERSION = 1
+
+
+@dataclass(frozen=True)
+class PrepareProgress:
+    """A progress report from `prepare_data` (the CLI renders it; the library never prints).
+
+    stage: "tokenizer" (reading text to train the tokenizer) or "shards" (tokenizing);
+    total_bytes is an estimate of the stage's text size, or None when unknown.
+    """
+
+    stage: str
+    source: str
+    documents: int
+    bytes: int
+    tokens: int
+    total_bytes: int | None
+
+
+ProgressFn = Callable[[PrepareProgress], None]
+
+
+@dataclass
+class PrepareStats:
+    """Figures of a prepared dataset (the `difftrain prepare` table)."""
+
+    documents: int
+    bytes: int
+    tokens: int
+    train_tokens: int
+    val_tokens: int
+    train_documents: int
+    val_documents: int
+    bad_records: int
+    vocab_size: int
+    seconds: float
+    tokenizer_seconds: float
+    shard_seconds: float
+    cache_bytes: int
+    split: str
+    sources: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def tokens_per_byte(self) -> float:
+        return self.tokens / self.bytes if self.bytes else 0.0
+
+
+@dataclass(frozen=True)
+class PreparedData:
+    """The result of `prepare_data`: where the tokenizer and token shards are."""
+
+    tokenizer_path: Path
+    train_path: Path
+    val_path: Path
+    index: dict[str, Any]
+    cache_dir: Path
+    stats: PrepareStats
+    from_cache: bool
+    tokenizer_from_cache: bool
+
+    @property
+    def dtype(self) -> np.dtype:
+        return np.dtype(self.index["dtype"])
+
+    def tokenizer(self) -> Tokenizer:
+        return load_tokenizer(self.tokenizer_path)
+
+
+# ---------------------------------------------------------------------------------------------
+# hashing helpers
+
+
+def unit_hash(*parts: object) -> float:
+    """A deterministic u ∈ [0, 1) from the parts (blake2b; stable across runs and machines)."""
+    digest = hashlib.blake2b(":".join(map(str, parts)).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") / 2.0**64
+
+
+def _key(obj: Any) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:20]
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    """uint16 when every id fits in 16 bits, else uint32."""
+    return np.dtype(np.uint16) if vocab_size <= 1 << 16 else np.dtype(np.uint32)
+
+
+# ---------------------------------------------------------------------------------------------
+# atomic cache entries
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True
+    return True
+
+
+def _clean_stale_tmp(parent: Path) -> None:
+    """Remove temporary folders left by crashed builds (their process is gone)."""
+    if not parent.is_dir():
+        return
+    for p in parent.glob(".tmp-*"):
+        try:
+            pid = int(p.name.rsplit("-", 2)[1])
+        except (IndexError, ValueError):
+            continue
+        if not _pid_alive(pid):
+            shutil.rmtree(p, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def _building(final: Path) -> Iterator[Path]:
+    """Yield a temp folder next to `final`; rename it to `final` if the block completes."""
+    final.parent.mkdir(parents=True, exist_ok=True)
+    _clean_stale_tmp(final.parent)
+    tmp2 = final.parent / f".tmp-{final.name}-{os.getpid()}-{os.urandom(4).hex()}"
+    tmp2.mkdir()
+    try:
+        yield tmp2
+        for p in tmp2.iterdir():
+            with open(p, "rb") as f:
+                os.fsync(f.fileno())
+        fsync_dir(tmp2)
+        try:
+            os.rename(tmp2, final)
+        except OSError:
+            if not final.exists():
+                raise
+            shutil.rmtree(tmp2, ignore_errors=True)  # another process finished the same entry first
+        fsync_dir(final.parent)
+    except BaseException:
+        shutil.rmtree(tmp2, ignore_errors=True)
+        raise
+
+
+def _dir_bytes(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.iterdir() if p.is_file())
+
+
+# ---------------------------------------------------------------------------------------------
+# tokenizer stage
+
+
+def _training_texts(
+    sources: list[Source], data_cfg: DataConfig, max_bytes: int, progress: ProgressFn | None
+) -> Iterator[str]:
+    """Documents for tokenizer training: at most `max_bytes`, sampled evenly over the corpus.
+
+    With an estimated corpus size S > max_bytes, document d of source s is kept when
+    u("tok", s, d) < max_bytes / S (a fixed hash: the same tokenizer for every seed).
+    """
+    estimates = [s.estimated_bytes() for s in sources]
+    known = sum(e for e in estimates if e)
+    keep = min(1.0, max_bytes / known) if known and None not in estimates else 1.0
+    total = min(known, max_bytes) if known else None
+    used = docs = 0
+    for s in sources:
+        stats = SourceStats(s.spec.source)
+        for d, text in enumerate(s.documents(stats, data_cfg.on_bad_record)):
+            if keep < 1.0 and unit_hash("tok", s.index, d) >= keep:
+                continue
+            if used >= max_bytes:
+                break
+            used += len(text)
+            docs += 1
+            if progress is not None and docs % 64 == 0:
+                progress(PrepareProgress("tokenizer", s.spec.source, docs, used, 0, total))
+            yield text
+        if stats.documents == 0:
+            _require_documents(s, stats)
+    if progress is not None:
+        progress(PrepareProgress("tokenizer", "", docs, used, 0, total))
+
+
+def prepare_tokenizer(
+    data_cfg: DataConfig,
+    tok_cfg: TokenizerConfig,
+    *,
+    base_dir: Path,
+    sources: list[Source] | None = None,
+    progress: ProgressFn | None = None,
+) -> tuple[Path, bool, float]:
+    """Load or train the tokenizer into the cache; returns (tokenizer.json path, from cache, seconds)."""
+    t0 = time.perf_counter()
+    root = data_cfg.resolved_cache_dir() / "tokenizers"
+    if tok_cfg.path is not None:
+        p = Path(os.path.expanduser(tok_cfg.path))
+        tok = load_tokenizer(p if p.is_absolute() else base_dir / p)
+        final = root / f"file-{tok.sha256[:20]}"
+        if (final / "tokenizer.json").is_file():
+            return final / "tokenizer.json", True, time.perf_counter() - t0
+        with _building(final) as tmp:
+            tok.save(tmp / "tokenizer.json")
+        return final / "tokenizer.json", False, time.perf_counter() - t0
+
+    sources = resolve_sources(data_cfg, base_dir) if sources is None else sources
+    import tokenizers
+
+    key = _key(
+        {
+            "format": FORMAT_VERSION,
+            "sources": [s.fingerprint() for s in sources],
+            "on_bad_record": data_cfg.on_bad_record,
+            "train": tok_cfg.train.model_dump(mode="json"),
+            "tokenizers": ".".join(tokenizers.__version__.split(".")[:2]),
+        }
+    )
+    final = root / key
+    path = final / "tokenizer.json"
+    if path.is_file():
+        try:
+            load_tokenizer(path)
+            return path, True, time.perf_counter() - t0
+        except DataError:
+            shutil.rmtree(final, ignore_errors=True)  # damaged entry: rebuild it
+    texts = _training_texts(sources, data_cfg, tok_cfg.train.max_bytes, progress)
+    tok = train_tokenizer(texts, tok_cfg.train)
+    with _building(final) as tmp:
+        tok.save(tmp / "tokenizer.json")
+        atomic_write_json(
+            tmp / "meta.json",
+            {
+                "train": tok_cfg.train.model_dump(mode="json"),
+                "sha256": tok.sha256,
+                "vocab_size": tok.vocab_size,
+            },
+        )
+    return path, False, time.perf_counter() - t0
+
+
+# ---------------------------------------------------------------------------------------------
+# shard stage
+
+
+class _ShardWriter:
+    """Appends token arrays to a flat binary file."""
+
+    def __init__(self, path: Path, dtype: np.dtype) -> None:
+        self.path = path
+        self.dtype = dtype
+        self.f = open(path, "wb")
+        self.tokens = 0
+        self.documents = 0
+
+    def write(self, ids: np.ndarray, copies: int = 1) -> None:
+        data = ids.tobytes()
+        for _ in range(copies):
+            self.f.write(data)
+        self.tokens += len(ids) * copies
+        self.documents += copies
+
+    def close(self) -> None:
+        self.f.flush()
+        os.fsync(self.f.fileno())
+        self.f.close()
+
+
+def _repeats(weight: float, seed: int, source: int, doc: int) -> int:
+    whole = math.floor(weight)
+    frac = weight - whole
+    return whole + (1 if frac > 0 and unit_hash("weight", seed, source, doc) < frac else 0)
+
+
+def _build_shards(
+    out: Path,
+    sources: list[Source],
+    tok: Tokenizer,
+    data_cfg: DataConfig,
+    seed: int,
+    progress: ProgressFn | None,
+) -> dict[str, Any]:
+    dtype = token_dtype(tok.vocab_size)
+    eos = np.array([tok.eos_id], dtype=dtype)
+    train = _ShardWriter(out / "train.bin", dtype)
+    val = _ShardWriter(out / "val.bin", dtype)
+    estimates = [s.estimated_bytes() for s in sources]
+    total_est = sum(e for e in estimates if e) if None not in estimates else None
+    all_stats: list[SourceStats] = []
+    seen_bytes = seen_docs = seen_tokens = 0
+    try:
+        for s in sources:
+            stats = SourceStats(s.spec.source)
+            all_stats.append(stats)
+            doc_index = 0
+            batch: list[str] = []
+            batch_bytes = 0
+
+            def flush(batch: list[str], first: int, src: Source = s) -> int:
+                nonlocal seen_tokens
+                n = 0
+                for i, ids in enumerate(tok.encode_batch(batch)):
+                    arr = np.empty(len(ids) + 1, dtype=dtype)
+                    arr[:-1] = ids
+                    arr[-1] = eos[0]
+                    d = first + i
+                    if (
+                        data_cfg.val_fraction > 0
+                        and unit_hash("val", seed, src.index, d) < data_cfg.val_fraction
+                    ):
+                        val.write(arr)
+                    else:
+                        copies = _repeats(src.spec.weight, seed, src.index, d)
+                        if copies:
+                            train.write(arr, copies)
+                    n += len(arr)
+                seen_tokens += n
+                return n
+
+            for text in s.documents(stats, data_cfg.on_bad_record):
+                batch.append(text)
+                batch_bytes += len(text)
+                if batch_bytes >= 1 << 20 or len(batch) >= 4096:
+                    flush(batch, doc_index)
+                    doc_index += len(batch)
+                    seen_docs += len(batch)
+                    seen_bytes += batch_bytes
+                    batch, batch_bytes = [], 0
+                    if progress is not None:
+                        progress(
+                            PrepareProgress(
+                                "shards", s.spec.source, seen_docs, seen_bytes, seen_tokens, total_est
+                            )
+                        )
+            if batch:
+                flush(batch, doc_index)
+                seen_docs += len(batch)
+                seen_bytes += batch_bytes
+            _require_documents(s, stats)
+            if progress is not None:
+                progress(
+                    PrepareProgress("shards", s.spec.source, seen_docs, seen_bytes, seen_tokens, total_est)
+                )
+    finally:
+        train.close()
+        val.close()
+
+    split = "document"
+    if data_cfg.val_fraction > 0 and val.tokens == 0:
+        # Too few documents for a document split (e.g. one big text file): hold out the tail.
+        n_val = max(1, math.ceil(train.tokens * data_cfg.val_fraction))
+        mm = np.memmap(train.path, dtype=dtype, mode="r")
+        tail = np.array(mm[train.tokens - n_val :])
+        del mm
+        with open(val.path, "wb") as f:
+            f.write(tail.tobytes())
+        with open(train.path, "rb+") as f:
+            f.truncate((train.tokens - n_val) * dtype.itemsize)
+        train.tokens -= n_val
+        val.tokens = n_val
+        split = "tail"
+    if train.tokens == 0:
+        raise DataError(
+            "the training split is empty (every document went to validation); lower data.val_fraction "
+            "or add data"
+        )
+    return {
+        "dtype": dtype.name,
+        "train": {"file": "train.bin", "tokens": train.tokens, "documents": train.documents},
+        "val": {"file": "val.bin", "tokens": val.tokens, "documents": val.documents},
+        "documents": sum(st.documents for st in all_stats),
+        "bytes": sum(st.bytes for st in all_stats),
+        "tokens": seen_tokens,
+        "bad_records": sum(st.bad_records for st in all_stats),
+        "split": split,
+        "sources": [st.as_dict() for st in all_stats],
+    }
+
+
+def _valid_entry(final: Path) -> dict[str, Any] | None:
+    """The index of a complete cache entry, or None if it is missing or damaged."""
+    try:
+        index = json.loads((final / "index.json").read_text())
+        itemsize = np.dtype(index["dtype"]).itemsize
+        for split in ("train", "val"):
+            if (final / index[split]["file"]).stat().st_size != index[split]["tokens"] * itemsize:
+                return None
+        if index.get("format") != FORMAT_VERSION:
+            return None
+        return index
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def prepare_data(
+    data_cfg: DataConfig,
+    tok_cfg: TokenizerConfig,
+    *,
+    seed: int,
+    base_dir: str | os.PathLike[str],
+    progress: ProgressFn | None = None,
+) -> PreparedData:
+    """Tokenizer + token shards for a recipe's data, built once and then served from the cache.
+
+    base_dir: folder that relative source paths (and tokenizer.path) are resolved against — the
+    recipe's folder. progress: called with `PrepareProgress` reports while text is read.
+    """
+    t0 = time.perf_counter()
+    base = Path(base_dir).expanduser().resolve()
+    sources = resolve_sources(data_cfg, base)
+    tok_path, tok_cached, tok_seconds = prepare_tokenizer(
+        data_cfg, tok_cfg, base_dir=base, sources=sources, progress=progress
+    )
+    tok = load_tokenizer(tok_path)
+    fingerprint = sources_fingerprint(sources)
+    settings = {
+        "val_fraction": data_cfg.val_fraction,
+        "on_bad_record": data_cfg.on_bad_record,
+        "seed": seed,
+        "weights": [s.spec.weight for s in sources],
+    }
+    key = _key({"format": FORMAT_VERSION, "fingerprint": fingerprint, "tokenizer": tok.sha256, **settings})
+    final = data_cfg.resolved_cache_dir() / "shards" / key
+    index = _valid_entry(final)
+    from_cache = index is not None
+    t1 = time.perf_counter()
+    if index is None:
+        if final.exists():
+            shutil.rmtree(final, ignore_errors=True)  # damaged entry: rebuild it
+        with _building(final) as tmp:
+            built = _build_shards(tmp, sources, tok, data_cfg, seed, progress)
+            index = {
+                "format": FORMAT_VERSION,
+                "fingerprint": fingerprint,
+                "tokenizer_sha256": tok.sha256,
+                "vocab_size": tok.vocab_size,
+                "eos_id": tok.eos_id,
+                **settings,
+                **built,
+                "build_seconds": round(time.perf_counter() - t1, 3),
+                "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            }
+            atomic_write_json(tmp / "index.json", index)
+    shard_seconds = time.perf_counter() - t1
+    stats = PrepareStats(
+        documents=index["documents"],
+        bytes=index["bytes"],
+        tokens=index["tokens"],
+        train_tokens=index["train"]["tokens"],
+        val_tokens=index["val"]["tokens"],
+        train_documents=index["train"]["documents"],
+        val_documents=index["val"]["documents"],
+        bad_records=index["bad_records"],
+        vocab_size=tok.vocab_size,
+        seconds=time.perf_counter() - t0,
+        tokenizer_seconds=tok_seconds,
+        shard_seconds=shard_seconds,
+        cache_bytes=_dir_bytes(final) + _dir_bytes(tok_path.parent),
+        split=index["split"],
+        sources=index["sources"],
+    )
+    return PreparedData(
+        tokenizer_path=tok_path,
+        train_path=final / index["train"]["file"],
+        val_path=final / index["val"]["file"],
+        index=index,
+        cache_dir=final,
+        stats=stats,
+        from_cache=from_cache,
+        tokenizer_from_cache=tok_cached,
+    )
+
+
+def open_shards(shard_dir: str | os.PathLike[str]) -> tuple[dict[str, Any], Path, Path]:
+    """(index, train path, val path) of a shard folder written by `prepare_data`."""
+    d = Path(shard_dir)
+    index = _valid_entry(d)
+    if index is None:
+        raise DataError(
+            f"{d} is not a complete token-shard folder (no valid index.json); run `difftrain prepare` "
+            "on the recipe to build it"
+        )
+    return index, d / index["train"]["file"], d / index["val"]["file"]

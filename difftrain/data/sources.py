@@ -1,0 +1,556 @@
+"""Data sources: turn `data.sources` entries into streams of documents (or SFT records).
+
+A source is a local path (file, directory read recursively, or glob), `builtin:NAME`
+(see builtin.py) or `hf:<dataset>[:<config>][@<split>]` (Hugging Face `datasets`). Reading is
+lazy and in a deterministic order (sorted paths). Each source has a *fingerprint* — a hash of
+its spec and of its files' paths, sizes and mtimes — that keys the token-shard cache, so a
+second `prepare` with unchanged data never re-reads the text.
+
+File formats: `.jsonl` / `.json` / `.parquet` hold one document per record (the `text_field`
+of each record); any other file is one document (UTF-8 text). `.gz` files are decompressed.
+
+Malformed input raises a DataError naming the file (and line or row) and the fix; with
+`data.on_bad_record: skip` a malformed record is dropped instead and counted in `SourceStats`.
+"""
+
+from __future__ import annotations
+
+import glob
+import gzip
+import hashlib
+import json
+import os
+import sys
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import IO, Any, Literal
+
+from difftrain.data import builtin
+from difftrain.data.config import DataConfig, SourceSpec
+from difftrain.errors import DataError
+
+RECORD_SUFFIXES = frozenset({".jsonl", ".json", ".parquet"})
+TEXT_SUFFIXES = frozenset(
+    ".txt .text .md .markdown .rst .tex .org .py .pyi .c .h .cc .cpp .cxx .hpp .cu .cuh .rs .go "
+    ".java .kt .scala .js .mjs .ts .jsx .tsx .rb .php .sh .bash .zsh .fish .lua .pl .r .jl .swift .m "
+    ".mm .sql .html .htm .css .scss .xml .yaml .yml .toml .ini .cfg .csv .tsv .hs .ml .mli .ex .exs "
+    ".el .clj .vim .cs .fs .dart .zig .nim .f90 .v .sv .proto .cmake .mk".split()
+)
+"""File types read when walking a directory (an explicitly named file is read whatever its type)."""
+
+BadRecordPolicy = Literal["error", "skip"]
+_MAX_BAD_EXAMPLES = 5
+
+
+@dataclass
+class SourceStats:
+    """What was read from one source."""
+
+    source: str
+    documents: int = 0
+    bytes: int = 0
+    files: int = 0
+    bad_records: int = 0
+    bad_examples: list[str] = field(default_factory=list)
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _suffix(path: Path) -> str:
+    """The format suffix of a file, looking through a trailing .gz."""
+    suffixes = [s.lower() for s in path.suffixes]
+    if suffixes and suffixes[-1] == ".gz":
+        suffixes = suffixes[:-1]
+    return suffixes[-1] if suffixes else ""
+
+
+def _open(path: Path) -> IO[bytes]:
+    return gzip.open(path, "rb") if path.suffix.lower() == ".gz" else open(path, "rb")
+
+
+class Source:
+    """One resolved entry of `data.sources`."""
+
+    def __init__(self, spec: SourceSpec, index: int, base_dir: Path) -> None:
+        self.spec = spec
+        self.index = index
+        self.base_dir = base_dir
+        self.files: list[Path] = []
+        if spec.kind == "path":
+            self.files = self._expand_paths()
+        elif spec.source in ("builtin:python-stdlib", "builtin:python-docstrings"):
+            self.files = builtin.stdlib_files()
+
+    # -- naming ------------------------------------------------------------------------------
+    @property
+    def label(self) -> str:
+        return f"data.sources[{self.index}] ('{self.spec.source}')"
+
+    def _resolve(self, raw: str) -> Path:
+        p = Path(os.path.expanduser(raw))
+        return p if p.is_absolute() else self.base_dir / p
+
+    # -- local files -------------------------------------------------------------------------
+    def _walk(self, root: Path) -> list[Path]:
+        found = []
+        for p in root.rglob("*"):
+            rel = p.relative_to(root)
+            if any(part.startswith(".") for part in rel.parts) or not p.is_file():
+                continue
+            if _suffix(p) in TEXT_SUFFIXES or _suffix(p) in RECORD_SUFFIXES:
+                found.append(p)
+        return sorted(found)
+
+    def _expand_paths(self) -> list[Path]:
+        raw = self.spec.source
+        path = self._resolve(raw)
+        if glob.has_magic(raw):
+            matches = sorted(Path(m) for m in glob.glob(str(path), recursive=True))
+            if not matches:
+                raise DataError(
+                    f"{self.label}: the pattern matches no files (looked for {path}); fix the pattern "
+                    f"(relative paths start at {self.base_dir})"
+                )
+            files: list[Path] = []
+            for m in matches:
+                files.extend(self._walk(m) if m.is_dir() else [m])
+        elif path.is_dir():
+            files = self._walk(path)
+            if not files:
+                raise DataError(
+                    f"{self.label}: folder {path} holds no text files (.txt, .md, code, .jsonl, .json, "
+                    ".parquet); put documents there or point the source at them"
+                )
+        elif path.is_file():
+            files = [path]
+        else:
+            raise DataError(
+                f"{self.label}: {path} does not exist; fix the path in the recipe (relative paths "
+                f"start at {self.base_dir})"
+            )
+        return files
+
+    # -- identity ----------------------------------------------------------------------------
+    def _file_stats(self, files: list[Path]) -> list[tuple[str, int, int]]:
+        out = []
+        for f in files:
+            try:
+                st = f.stat()
+            except OSError as e:
+                raise DataError(f"{self.label}: cannot read {f} ({e.strerror})") from e
+            out.append((str(f), st.st_size, st.st_mtime_ns))
+        return out
+
+    def fingerprint(self) -> str:
+        """Hash of everything the documents depend on, computed without reading them."""
+        ident: dict[str, Any] = {
+            "spec": self.spec.model_dump(mode="json"),
+            "files": self._file_stats(self.files),
+        }
+        if self.spec.kind == "builtin":
+            ident["python"] = sys.version
+            ident["generator"] = 1  # bump when a builtin corpus generator changes its output
+        if self.spec.kind == "hf":
+            ident["data_files"] = self._file_stats(self._hf_data_files() or [])
+            local = self._hf_local_dir()
+            if local is not None:
+                ident["local"] = self._file_stats(sorted(p for p in local.rglob("*") if p.is_file()))
+        blob = json.dumps(ident, sort_keys=True).encode("utf-8")
+        return hashlib.sha256(blob).hexdigest()
+
+    def estimated_bytes(self) -> int | None:
+        """Rough size of the text, for progress bars (None when unknown)."""
+        if self.spec.source == "builtin:needles":
+            return builtin.needles_estimated_bytes(self.spec.needles)
+        if self.spec.kind == "hf":
+            return None
+        total = 0
+        for f in self.files:
+            try:
+                total += f.stat().st_size * (4 if f.suffix.lower() == ".gz" else 1)
+            except OSError:
+                pass
+        return total
+
+    # -- bad records -------------------------------------------------------------------------
+    def _bad(self, stats: SourceStats, policy: BadRecordPolicy, message: str) -> None:
+        if policy == "error":
+            raise DataError(f"{message}, or set data.on_bad_record: skip to drop such records")
+        stats.bad_records += 1
+        if len(stats.bad_examples) < _MAX_BAD_EXAMPLES:
+            stats.bad_examples.append(message)
+
+    # -- reading -----------------------------------------------------------------------------
+    def _text_file(self, path: Path, stats: SourceStats, policy: BadRecordPolicy) -> Iterator[str]:
+        try:
+            with _open(path) as f:
+                data = f.read()
+        except OSError as e:
+            raise DataError(f"{self.label}: cannot read {path} ({e.strerror or e})") from e
+        try:
+            yield data.decode("utf-8-sig")
+        except UnicodeDecodeError as e:
+            self._bad(
+                stats,
+                policy,
+                f"{path}: not UTF-8 text (byte {e.start}: {e.reason}); convert the file to UTF-8 or remove it",
+            )
+
+    def _json_objects(
+        self, path: Path, stats: SourceStats, policy: BadRecordPolicy
+    ) -> Iterator[tuple[str, dict[str, Any]]]:
+        """(where, record) for each JSON object of a .jsonl / .json file."""
+        if _suffix(path) == ".json":
+            try:
+                with _open(path) as f:
+                    obj = json.loads(f.read())
+            except json.JSONDecodeError as e:
+                if e.msg != "Extra data":
+                    raise DataError(
+                        f"{path}, line {e.lineno}: not valid JSON ({e.msg}); fix the file (a .json source "
+                        "holds a list of records or JSON lines)"
+                    ) from e
+                obj = None  # JSON lines in a .json file
+            except (OSError, UnicodeDecodeError) as e:
+                raise DataError(f"{self.label}: cannot read {path} ({e})") from e
+            if obj is not None:
+                items = obj if isinstance(obj, list) else [obj]
+                for i, item in enumerate(items):
+                    where = f"{path}, record {i}"
+                    if isinstance(item, dict):
+                        yield where, item
+                    elif isinstance(item, str):
+                        yield where, {self.spec.text_field: item}
+                    else:
+                        self._bad(
+                            stats,
+                            policy,
+                            f"{where}: a JSON {type(item).__name__}, not an object; fix the record",
+                        )
+                return
+        try:
+            with _open(path) as f:
+                for n, raw in enumerate(f, start=1):
+                    if not raw.strip():
+                        continue
+                    where = f"{path}, line {n}"
+                    try:
+                        obj = json.loads(raw)
+                    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+                        reason = e.msg if isinstance(e, json.JSONDecodeError) else "not UTF-8"
+                        self._bad(
+                            stats, policy, f"{where}: not valid JSON ({reason}); fix or delete the line"
+                        )
+                        continue
+                    if not isinstance(obj, dict):
+                        self._bad(
+                            stats,
+                            policy,
+                            f"{where}: a JSON {type(obj).__name__}, not an object; fix the line",
+                        )
+                        continue
+                    yield where, obj
+        except OSError as e:
+            raise DataError(f"{self.label}: cannot read {path} ({e.strerror or e})") from e
+
+    def _parquet_rows(self, path: Path, columns: list[str]) -> Iterator[tuple[str, dict[str, Any]]]:
+        try:
+            import pyarrow.parquet as pq
+        except ImportError as e:
+            raise DataError(
+                f"{path}: reading Parquet needs pyarrow; install it with pip install 'difftrain[parquet]'"
+            ) from e
+        try:
+            pf = pq.ParquetFile(path)
+        except Exception as e:
+            raise DataError(f"{path}: not a readable Parquet file ({e}); check the file") from e
+        names = pf.schema_arrow.names
+        missing = [c for c in columns if c not in names]
+        if missing:
+            raise DataError(
+                f"{path}: Parquet file has no column {', '.join(repr(c) for c in missing)} (columns: "
+                f"{', '.join(names)}); set text_field (or prompt_field/response_field) on {self.label}"
+            )
+        row = 0
+        for batch in pf.iter_batches(columns=columns, batch_size=1024):
+            cols = [batch.column(i).to_pylist() for i in range(len(columns))]
+            for values in zip(*cols, strict=True):
+                yield f"{path}, row {row}", dict(zip(columns, values, strict=True))
+                row += 1
+
+    def _hf_parts(self) -> tuple[str, str | None, str]:
+        rest = self.spec.source[3:]
+        split = "train"
+        if "@" in rest:
+            rest, split = rest.rsplit("@", 1)
+        config = None
+        if ":" in rest:
+            rest, config = rest.split(":", 1)
+        return rest, config or None, split
+
+    def _hf_data_files(self) -> list[Path] | None:
+        if not self.spec.data_files:
+            return None
+        files: list[Path] = []
+        for raw in self.spec.data_files:
+            p = self._resolve(raw)
+            matches = (
+                sorted(Path(m) for m in glob.glob(str(p), recursive=True)) if glob.has_magic(raw) else [p]
+            )
+            for m in matches:
+                if not m.is_file():
+                    raise DataError(f"{self.label}: data_files entry {m} does not exist; fix data_files")
+            if not matches:
+                raise DataError(f"{self.label}: data_files pattern {p} matches no files; fix data_files")
+            files.extend(matches)
+        return files
+
+    def _hf_local_dir(self) -> Path | None:
+        name = self._hf_parts()[0]
+        if not (name.startswith((".", "/", "~")) or os.sep in name and self._resolve(name).exists()):
+            return None
+        p = self._resolve(name)
+        if not p.exists():
+            raise DataError(f"{self.label}: local dataset folder {p} does not exist; fix the path")
+        return p
+
+    def _hf_dataset(self) -> Any:
+        try:
+            import datasets
+        except ImportError as e:
+            raise DataError(
+                f"{self.label}: hf: sources need the `datasets` library; install it with "
+                "pip install 'difftrain[hf]'"
+            ) from e
+        name, config, split = self._hf_parts()
+        local = self._hf_local_dir()
+        try:
+            if (
+                local is not None
+                and local.is_dir()
+                and any(
+                    (local / f).exists() for f in ("state.json", "dataset_dict.json", "dataset_info.json")
+                )
+                and not self.spec.data_files
+            ):
+                ds = datasets.load_from_disk(str(local))
+                if isinstance(ds, datasets.DatasetDict):
+                    if split not in ds:
+                        raise DataError(
+                            f"{self.label}: no split '{split}' in {local} (splits: {', '.join(ds)}); "
+                            "choose one with hf:<path>@<split>"
+                        )
+                    ds = ds[split]
+                return ds
+            files = self._hf_data_files()
+            return datasets.load_dataset(
+                str(local) if local is not None else name,
+                config,
+                split=split,
+                data_files=[str(f) for f in files] if files else None,
+                streaming=self.spec.streaming,
+            )
+        except DataError:
+            raise
+        except Exception as e:
+            text = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+            if "split" in str(e).lower() and isinstance(e, (ValueError, KeyError)):
+                hint = "choose an existing split with hf:<dataset>[:<config>]@<split>"
+            else:
+                hint = (
+                    "if this machine is offline, download the dataset where there is network, "
+                    "save it with dataset.save_to_disk(DIR) and use source 'hf:DIR' (or set "
+                    "HF_DATASETS_OFFLINE=1 to use the local Hugging Face cache); for local files "
+                    "use e.g. source 'hf:json' with data_files"
+                )
+            raise DataError(
+                f"{self.label}: could not load Hugging Face dataset '{name}' ({text}); {hint}"
+            ) from e
+
+    def _hf_rows(self, columns: list[str]) -> Iterator[tuple[str, dict[str, Any]]]:
+        ds = self._hf_dataset()
+        names = getattr(ds, "column_names", None)
+        if names is not None:
+            missing = [c for c in columns if c not in names]
+            if missing:
+                raise DataError(
+                    f"{self.label}: dataset has no column {', '.join(repr(c) for c in missing)} (columns: "
+                    f"{', '.join(names)}); set text_field (or prompt_field/response_field) on this source"
+                )
+            ds = ds.select_columns(columns)
+        row = 0
+        for batch in ds.iter(batch_size=1000):
+            for values in zip(
+                *(batch.get(c, [None] * len(next(iter(batch.values())))) for c in columns), strict=True
+            ):
+                yield f"{self.label}, row {row}", dict(zip(columns, values, strict=True))
+                row += 1
+
+    def _records(
+        self, columns: list[str], stats: SourceStats, policy: BadRecordPolicy
+    ) -> Iterator[tuple[str, dict[str, Any]]]:
+        """(where, record) from record-shaped inputs (jsonl/json/parquet/hf)."""
+        if self.spec.kind == "hf":
+            yield from self._hf_rows(columns)
+            return
+        for path in self.files:
+            stats.files += 1
+            suffix = _suffix(path)
+            if suffix == ".parquet":
+                yield from self._parquet_rows(path, columns)
+            elif suffix in (".jsonl", ".json"):
+                yield from self._json_objects(path, stats, policy)
+            else:
+                raise DataError(
+                    f"{path}: plain text files hold documents, not prompt/response records; use a .jsonl, "
+                    ".json or .parquet file for fine-tuning data"
+                )
+
+    def _field(
+        self,
+        where: str,
+        rec: dict[str, Any],
+        name: str,
+        key: str,
+        stats: SourceStats,
+        policy: BadRecordPolicy,
+    ) -> str | None:
+        if name not in rec:
+            have = ", ".join(sorted(map(str, rec))) or "none"
+            self._bad(
+                stats,
+                policy,
+                f"{where}: record has no field '{name}' (fields: {have}); set {key}: <field> on {self.label}",
+            )
+            return None
+        value = rec[name]
+        if not isinstance(value, str):
+            self._bad(
+                stats,
+                policy,
+                f"{where}: field '{name}' is {'null' if value is None else type(value).__name__}, not a string; "
+                "fix the record",
+            )
+            return None
+        return value
+
+    def documents(self, stats: SourceStats, policy: BadRecordPolicy = "error") -> Iterator[str]:
+        """The documents of this source, in a deterministic order; updates `stats`."""
+        limit = self.spec.max_documents
+        for text in self._raw_documents(stats, policy):
+            if not text:
+                continue
+            stats.documents += 1
+            stats.bytes += len(text.encode("utf-8"))
+            yield text
+            if limit is not None and stats.documents >= limit:
+                return
+
+    def _raw_documents(self, stats: SourceStats, policy: BadRecordPolicy) -> Iterator[str]:
+        src = self.spec.source
+        if src == "builtin:python-stdlib":
+            stats.files = len(self.files)
+            yield from builtin.python_stdlib_documents(self.files)
+        elif src == "builtin:python-docstrings":
+            stats.files = len(self.files)
+            for rec in builtin.python_docstring_records(self.spec.docstrings, self.files):
+                yield rec["prompt"] + rec["response"]
+        elif src == "builtin:needles":
+            yield from builtin.needle_documents(self.spec.needles)
+        elif self.spec.kind == "hf":
+            f = self.spec.text_field
+            for where, rec in self._hf_rows([f]):
+                text = self._field(where, rec, f, "text_field", stats, policy)
+                if text is not None:
+                    yield text
+        else:
+            f = self.spec.text_field
+            for path in self.files:
+                suffix = _suffix(path)
+                if suffix in RECORD_SUFFIXES:
+                    stats.files += 1
+                    rows = (
+                        self._parquet_rows(path, [f])
+                        if suffix == ".parquet"
+                        else self._json_objects(path, stats, policy)
+                    )
+                    for where, rec in rows:
+                        text = self._field(where, rec, f, "text_field", stats, policy)
+                        if text is not None:
+                            yield text
+                else:
+                    stats.files += 1
+                    yield from self._text_file(path, stats, policy)
+
+    def records(self, stats: SourceStats, policy: BadRecordPolicy = "error") -> Iterator[dict[str, Any]]:
+        """Instruction records {"prompt", "response", ...} of this source (fine-tuning data).
+
+        `prompt_field` / `response_field` are renamed to "prompt" / "response"; other fields of
+        jsonl/json records are kept (a chat template may use them).
+        """
+        limit = self.spec.max_documents
+        count = 0
+        src = self.spec.source
+        if src == "builtin:python-docstrings":
+            stats.files = len(self.files)
+            gen: Iterator[dict[str, Any]] = builtin.python_docstring_records(self.spec.docstrings, self.files)
+        elif self.spec.kind == "builtin":
+            raise DataError(
+                f"{self.label}: '{src}' holds plain documents, not prompt/response records; fine-tune on "
+                "builtin:python-docstrings or on a .jsonl of records"
+            )
+        else:
+            gen = self._checked_records(stats, policy)
+        for rec in gen:
+            stats.documents += 1
+            stats.bytes += len(rec["prompt"].encode("utf-8")) + len(rec["response"].encode("utf-8"))
+            yield rec
+            count += 1
+            if limit is not None and count >= limit:
+                return
+
+    def _checked_records(self, stats: SourceStats, policy: BadRecordPolicy) -> Iterator[dict[str, Any]]:
+        pf, rf = self.spec.prompt_field, self.spec.response_field
+        for where, rec in self._records([pf, rf], stats, policy):
+            prompt = self._field(where, rec, pf, "prompt_field", stats, policy)
+            if prompt is None:
+                continue
+            response = self._field(where, rec, rf, "response_field", stats, policy)
+            if response is None:
+                continue
+            out = {k: v for k, v in rec.items() if k not in (pf, rf)}
+            out["prompt"], out["response"] = prompt, response
+            yield out
+
+
+def resolve_sources(data_cfg: DataConfig, base_dir: str | os.PathLike[str]) -> list[Source]:
+    """Resolve every entry of `data.sources` (paths checked now, text read later)."""
+    base = Path(base_dir).expanduser().resolve()
+    return [Source(spec, i, base) for i, spec in enumerate(data_cfg.sources)]
+
+
+def sources_fingerprint(sources: list[Source]) -> str:
+    """One hash over all sources, in order."""
+    h = hashlib.sha256()
+    for s in sources:
+        h.update(s.fingerprint().encode())
+    return h.hexdigest()
+
+
+def iter_documents(data_cfg: DataConfig, base_dir: str | os.PathLike[str]) -> Iterator[str]:
+    """All documents of all sources, in order (weights not applied). For quick inspection."""
+    for src in resolve_sources(data_cfg, base_dir):
+        stats = SourceStats(src.spec.source)
+        yield from src.documents(stats, data_cfg.on_bad_record)
+        _require_documents(src, stats)
+
+
+def _require_documents(src: Source, stats: SourceStats) -> None:
+    if stats.documents == 0:
+        why = f" ({stats.bad_records} malformed records skipped)" if stats.bad_records else ""
+        raise DataError(
+            f"{src.label}: the source yielded no documents{why}; it is empty — point it at text, or "
+            "remove it from data.sources"
+        )

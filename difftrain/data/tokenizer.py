@@ -1,0 +1,324 @@
+"""Tokenizers: train a byte-level BPE, load any HF `tokenizer.json`, stream-decode.
+
+A trained tokenizer is byte-level BPE (GPT-2 style) built with the `tokenizers` library (Rust,
+parallel over all cores):
+
+- pre-tokenization: numbers split into single digits (Llama-style, optional), then GPT-2's
+  regex and the byte-to-unicode map, so every UTF-8 byte sequence is representable and
+  decode(encode(x)) == x for any string x — no normalisation, no unknown token;
+- special tokens <|bos|> <|eos|> <|pad|> <|system|> <|user|> <|assistant|> <|end|> get ids 0..6
+  (the chat tokens are reserved now for the fine-tuning templates);
+- no post-processor: `encode` adds <|bos|> / <|eos|> only when asked.
+
+Any HF tokenizer.json (GPT-2, Llama, ...) loads too; its bos/eos/pad are found by their usual
+names. `Tokenizer` is a small wrapper with the handful of operations training and sampling need.
+"""
+
+from __future__ import annotations
+
+import codecs
+import hashlib
+import json
+import os
+from collections.abc import Iterable, Iterator, Sequence
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+import tokenizers
+from tokenizers import decoders, models, pre_tokenizers, trainers
+
+from difftrain.data.config import SPECIAL_TOKENS, TokenizerTrainConfig
+from difftrain.errors import DifftrainError, TokenizerError
+from difftrain.io import atomic_write_text
+
+BOS, EOS, PAD = "<|bos|>", "<|eos|>", "<|pad|>"
+CHAT_TOKENS = ("<|system|>", "<|user|>", "<|assistant|>", "<|end|>")
+
+# Names under which other tokenizers spell the same roles (first match wins).
+_EOS_NAMES = (EOS, "<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>", "<|im_end|>", "[SEP]")
+_BOS_NAMES = (BOS, "<s>", "<|begin_of_text|>", "<bos>", "<|startoftext|>", "[CLS]")
+_PAD_NAMES = (PAD, "<pad>", "[PAD]", "<|finetune_right_pad_id|>")
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible map from the 256 byte values to printable unicode characters."""
+    bs = (
+        list(range(ord("!"), ord("~") + 1))
+        + list(range(ord("¡"), ord("¬") + 1))
+        + list(range(ord("®"), ord("ÿ") + 1))
+    )
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return dict(zip(bs, (chr(c) for c in cs), strict=True))
+
+
+_UNICODE_TO_BYTE = {c: b for b, c in _bytes_to_unicode().items()}
+
+
+class Tokenizer:
+    """A `tokenizers.Tokenizer` with difftrain's conventions (special-token ids, hashing, saving)."""
+
+    def __init__(self, tk: tokenizers.Tokenizer, path: Path | None = None) -> None:
+        self.tk = tk
+        self.path = path
+        self.eos_id = self._find(_EOS_NAMES)
+        if self.eos_id is None:
+            where = f"{path}: " if path else ""
+            raise TokenizerError(
+                f"{where}tokenizer has no end-of-document token (looked for {', '.join(_EOS_NAMES)}); "
+                "add one as a special token, or let difftrain train a tokenizer (unset tokenizer.path)"
+            )
+        bos = self._find(_BOS_NAMES)
+        pad = self._find(_PAD_NAMES)
+        self.bos_id: int = self.eos_id if bos is None else bos
+        self.pad_id: int = self.eos_id if pad is None else pad
+
+    def _find(self, names: Sequence[str]) -> int | None:
+        for name in names:
+            i = self.tk.token_to_id(name)
+            if i is not None:
+                return i
+        return None
+
+    # -- basic operations --------------------------------------------------------------------
+    @property
+    def vocab_size(self) -> int:
+        """Number of ids, added tokens included (max id + 1)."""
+        return self.tk.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str, add_bos: bool = False, add_eos: bool = False) -> list[int]:
+        ids = self.tk.encode(text, add_special_tokens=False).ids
+        if add_bos:
+            ids.insert(0, self.bos_id)
+        if add_eos:
+            ids.append(self.eos_id)
+        return ids
+
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        """Encode many texts in parallel (Rust threads); no special tokens added."""
+        fast = getattr(self.tk, "encode_batch_fast", None) or self.tk.encode_batch
+        return [e.ids for e in fast(list(texts), add_special_tokens=False)]
+
+    def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
+        return self.tk.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self.tk.token_to_id(token)
+
+    def id_to_token(self, i: int) -> str | None:
+        return self.tk.id_to_token(i)
+
+    @property
+    def special_tokens(self) -> dict[str, int]:
+        """Added special tokens and their ids."""
+        return {t.content: i for i, t in self.tk.get_added_tokens_decoder().items() if t.special}
+
+    # -- identity and persistence ------------------------------------------------------------
+    def to_str(self) -> str:
+        return self.tk.to_str()
+
+    @cached_property
+    def sha256(self) -> str:
+        """Hash of the serialised tokenizer: the identity token shards are keyed by."""
+        return hashlib.sha256(self.tk.to_str().encode("utf-8")).hexdigest()
+
+    def save(self, path: str | os.PathLike[str]) -> Path:
+        """Write tokenizer.json atomically."""
+        path = Path(path)
+        atomic_write_text(path, self.tk.to_str(pretty=True))
+        return path
+
+    # -- streaming ---------------------------------------------------------------------------
+    @cached_property
+    def is_byte_level(self) -> bool:
+        spec = json.loads(self.tk.to_str())
+        dec = spec.get("decoder") or {}
+        return dec.get("type") == "ByteLevel" and (spec.get("normalizer") is None)
+
+    @cached_property
+    def _id_bytes(self) -> list[bytes]:
+        """For byte-level tokenizers: the raw bytes each id stands for."""
+        out: list[bytes] = []
+        added = {i: t.content for i, t in self.tk.get_added_tokens_decoder().items()}
+        for i in range(self.vocab_size):
+            if i in added:
+                out.append(added[i].encode("utf-8"))
+                continue
+            tok = self.tk.id_to_token(i) or ""
+            try:
+                out.append(bytes(_UNICODE_TO_BYTE[c] for c in tok))
+            except KeyError:
+                out.append(tok.encode("utf-8"))
+        return out
+
+    def stream_decoder(self, skip_special_tokens: bool = False) -> StreamDecoder:
+        return StreamDecoder(self, skip_special_tokens=skip_special_tokens)
+
+    def __repr__(self) -> str:
+        return (
+            f"Tokenizer(vocab_size={self.vocab_size}, bos={self.bos_id}, eos={self.eos_id}, path={self.path})"
+        )
+
+
+class StreamDecoder:
+    """Incremental detokenizer: `push(id)` returns the text that became complete.
+
+    A token may end in the middle of a multi-byte UTF-8 character (an emoji is 4 bytes, often
+    split over tokens); text is emitted only once its bytes form whole characters, so streaming
+    output never shows replacement characters that later change. For byte-level tokenizers the
+    bytes of each id are fed to an incremental UTF-8 decoder (O(1) per token); for others the
+    tail of the id sequence is re-decoded from a moving offset (as vLLM does) and text is held
+    back while it ends in U+FFFD. `flush()` returns what is left at the end of generation.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = False) -> None:
+        self.tok = tokenizer
+        self.skip = set(tokenizer.special_tokens.values()) if skip_special_tokens else set()
+        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._ids: list[int] = []
+        self._prefix = 0  # start of the window re-decoded (generic path)
+        self._read = 0  # ids whose text has been emitted (generic path)
+
+    def push(self, token_id: int) -> str:
+        if token_id in self.skip:
+            return ""
+        if self.tok.is_byte_level:
+            return self._utf8.decode(self.tok._id_bytes[token_id])
+        self._ids.append(token_id)
+        prefix_text = self.tok.decode(self._ids[self._prefix : self._read])
+        new_text = self.tok.decode(self._ids[self._prefix :])
+        if len(new_text) > len(prefix_text) and not new_text.endswith("\ufffd"):
+            out = new_text[len(prefix_text) :]
+            self._prefix, self._read = self._read, len(self._ids)
+            return out
+        return ""
+
+    def push_many(self, ids: Iterable[int]) -> str:
+        return "".join(self.push(i) for i in ids)
+
+    def flush(self) -> str:
+        if self.tok.is_byte_level:
+            return self._utf8.decode(b"", final=True)
+        prefix_text = self.tok.decode(self._ids[self._prefix : self._read])
+        new_text = self.tok.decode(self._ids[self._prefix :])
+        self._prefix = self._read = len(self._ids)
+        return new_text[len(prefix_text) :]
+
+
+def load_tokenizer(path: str | os.PathLike[str]) -> Tokenizer:
+    """Load a HF tokenizer.json (or a folder holding one) into a `Tokenizer`."""
+    p = Path(path).expanduser()
+    if p.is_dir():
+        p = p / "tokenizer.json"
+    if not p.is_file():
+        raise TokenizerError(
+            f"tokenizer file {p} does not exist; point tokenizer.path to a Hugging Face tokenizer.json "
+            "(or a folder holding one), or unset it to train a tokenizer on the data"
+        )
+    try:
+        tk = tokenizers.Tokenizer.from_file(str(p))
+    except Exception as e:  # the Rust side raises plain Exception with a serde message
+        raise TokenizerError(
+            f"{p}: not a valid tokenizer.json ({str(e).splitlines()[0] if str(e) else type(e).__name__}); "
+            "use a file written by the `tokenizers` library (tokenizer.save / save_pretrained), or "
+            "unset tokenizer.path to train one"
+        ) from e
+    return Tokenizer(tk, path=p)
+
+
+def check_vocab_fits(tokenizer: Tokenizer, vocab_size: int | str) -> int:
+    """Check that every token id has a row in the model's embedding; return the size to use.
+
+    `vocab_size="auto"` takes the tokenizer's size. A model vocabulary larger than the
+    tokenizer's is fine (unused rows, e.g. padding to a multiple of 64 for speed).
+    """
+    if vocab_size == "auto":
+        return tokenizer.vocab_size
+    if not isinstance(vocab_size, int) or vocab_size < tokenizer.vocab_size:
+        where = f" ({tokenizer.path})" if tokenizer.path else ""
+        raise TokenizerError(
+            f"the tokenizer{where} has {tokenizer.vocab_size} tokens but model.vocab_size is {vocab_size}: "
+            f"ids up to {tokenizer.vocab_size - 1} would have no embedding; set model.vocab_size: auto "
+            f"(or at least {tokenizer.vocab_size})"
+        )
+    return vocab_size
+
+
+def new_bpe_tokenizer(cfg: TokenizerTrainConfig) -> tuple[tokenizers.Tokenizer, trainers.BpeTrainer]:
+    """An untrained byte-level BPE and its trainer, configured by `cfg`."""
+    tk = tokenizers.Tokenizer(models.BPE())
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    if cfg.individual_digits:
+        tk.pre_tokenizer = pre_tokenizers.Sequence(
+            [pre_tokenizers.Digits(individual_digits=True), byte_level]
+        )
+    else:
+        tk.pre_tokenizer = byte_level
+    tk.decoder = decoders.ByteLevel()
+    specials = [*SPECIAL_TOKENS, *cfg.extra_special_tokens]
+    trainer = trainers.BpeTrainer(
+        vocab_size=cfg.vocab_size,
+        min_frequency=cfg.min_frequency,
+        special_tokens=specials,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    return tk, trainer
+
+
+def train_tokenizer(
+    texts: Iterable[str], cfg: TokenizerTrainConfig, *, length: int | None = None
+) -> Tokenizer:
+    """Train a byte-level BPE on `texts` (deterministic for the same texts and config).
+
+    The BPE trainer counts pre-tokenized words in parallel, then repeatedly merges the most
+    frequent adjacent pair (ties broken by the pair itself, so the result is deterministic)
+    until the vocabulary holds `cfg.vocab_size` tokens (fewer if the text runs out of pairs
+    occurring `min_frequency` times).
+    """
+    tk, trainer = new_bpe_tokenizer(cfg)
+
+    def batches() -> Iterator[list[str]]:
+        batch: list[str] = []
+        size = 0
+        for t in texts:
+            batch.append(t)
+            size += len(t)
+            if size >= 1 << 20:
+                yield batch
+                batch, size = [], 0
+        if batch:
+            yield batch
+
+    seen = {"any": False}
+
+    def counted() -> Iterator[list[str]]:
+        for b in batches():
+            seen["any"] = True
+            yield b
+
+    try:
+        tk.train_from_iterator(counted(), trainer=trainer, length=length)
+    except DifftrainError:
+        raise  # a data error raised while reading the sources
+    except Exception as e:
+        raise TokenizerError(f"tokenizer training failed: {e}") from e
+    if not seen["any"]:
+        raise TokenizerError("no text to train the tokenizer on: the data sources yielded no documents")
+    return Tokenizer(tk)
+
+
+def tokenizer_summary(tok: Tokenizer) -> dict[str, Any]:
+    return {
+        "vocab_size": tok.vocab_size,
+        "bos_id": tok.bos_id,
+        "eos_id": tok.eos_id,
+        "pad_id": tok.pad_id,
+        "sha256": tok.sha256,
+    }
