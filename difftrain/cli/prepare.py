@@ -1,0 +1,82 @@
+"""`difftrain prepare RECIPE [key=value ...]`: build (or find) the tokenizer and token shards."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import typer
+
+from difftrain.cli.common import console, data_progress, err_console, fmt_count, kv_table
+
+
+def _bytes(n: float) -> str:
+    for unit, div in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if n >= div:
+            return f"{n / div:.1f} {unit}"
+    return f"{n:.0f} B"
+
+
+def prepare_table(prepared: Any) -> Any:
+    """The summary table of a `PreparedData` (also used by `pretrain` if it wants it)."""
+    s = prepared.stats
+    cached = "reused from cache" if prepared.from_cache else "built now"
+    tok_note = "cached" if prepared.tokenizer_from_cache else f"trained in {s.tokenizer_seconds:.1f} s"
+    rows = [
+        ("documents", f"{s.documents:,} ({s.train_documents:,} train · {s.val_documents:,} val)"),
+        ("bytes", _bytes(s.bytes)),
+        ("tokens", f"{s.tokens:,} ({fmt_count(s.tokens)})"),
+        ("tokens/byte", f"{s.tokens_per_byte:.3f}"),
+        ("train tokens", f"{s.train_tokens:,}"),
+        (
+            "val tokens",
+            f"{s.val_tokens:,}"
+            + ("  (held out from the end: too few documents to split)" if s.split == "tail" else ""),
+        ),
+        ("vocabulary", f"{s.vocab_size:,} tokens ({tok_note}) · shards {prepared.index['dtype']}"),
+        ("time", f"{s.seconds:.1f} s ({cached})"),
+        ("cache", f"{prepared.cache_dir}  ({_bytes(s.cache_bytes)})"),
+        ("tokenizer", str(prepared.tokenizer_path)),
+    ]
+    if s.bad_records:
+        rows.insert(1, ("skipped records", f"{s.bad_records:,} malformed (data.on_bad_record: skip)"))
+    return kv_table("difftrain prepare", rows)
+
+
+def prepare_command(
+    recipe: str = typer.Argument(
+        ..., help="Recipe file or shipped recipe name (see `difftrain recipes list`)."
+    ),
+    overrides: list[str] = typer.Argument(
+        None, help="Overrides as key.sub=value, e.g. data.val_fraction=0.02."
+    ),
+    progress: bool = typer.Option(
+        True, "--progress/--no-progress", help="Show progress bars while preparing."
+    ),
+) -> None:
+    """Train (or load) the tokenizer and tokenize RECIPE's data into cached shards; print a summary.
+
+    Later commands (`pretrain`) reuse the cache, so running this first is optional; it is the way
+    to check the data (counts, bad records, tokens per byte) before training.
+    """
+    from difftrain.data.shards import prepare_data
+    from difftrain.recipe import load_recipe
+
+    r = load_recipe(recipe, overrides or [])
+    if progress:
+        with data_progress() as update:
+            prepared = prepare_data(r.data, r.tokenizer, seed=r.seed, base_dir=r.recipe_dir, progress=update)
+    else:
+        prepared = prepare_data(r.data, r.tokenizer, seed=r.seed, base_dir=r.recipe_dir)
+    console.print(prepare_table(prepared))
+    for src in prepared.stats.sources:
+        for example in src.get("bad_examples", []):
+            err_console.print(f"[yellow]skipped:[/] {example}")
+    vocab = getattr(r.model, "vocab_size", "auto")
+    if vocab != "auto":
+        from difftrain.data.tokenizer import check_vocab_fits, load_tokenizer
+
+        check_vocab_fits(load_tokenizer(prepared.tokenizer_path), vocab)
+
+
+def register(app: typer.Typer) -> None:
+    app.command("prepare")(prepare_command)
