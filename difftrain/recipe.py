@@ -26,7 +26,15 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from difftrain.data.config import DataConfig, TokenizerConfig
 from difftrain.errors import ConfigError, RecipeError
@@ -86,12 +94,18 @@ class TrainConfig(_Section):
         description="Sequences per optimizer step over all devices; gradient accumulation = global / (micro x devices x nodes). Default: micro_batch_size x devices x nodes.",
     )
     log_every: int = Field(10, ge=1, description="Log training metrics every N optimizer steps.")
-    val_every: int = Field(100, ge=1, description="Compute the validation loss every N optimizer steps (and at the end).")
+    val_every: int = Field(
+        100, ge=1, description="Compute the validation loss every N optimizer steps (and at the end)."
+    )
     save_every: int = Field(
-        500, ge=1, description="Write a checkpoint and model.safetensors every N optimizer steps (and at the end)."
+        500,
+        ge=1,
+        description="Write a checkpoint and model.safetensors every N optimizer steps (and at the end).",
     )
     keep_checkpoints: int = Field(
-        3, ge=1, description="Keep the last K step checkpoints (last.ckpt is kept too; the only good one is never deleted)."
+        3,
+        ge=1,
+        description="Keep the last K step checkpoints (last.ckpt is kept too; the only good one is never deleted).",
     )
     precision: Literal["auto", "32-true", "bf16-mixed", "16-mixed", "bf16-true"] = Field(
         "auto",
@@ -100,17 +114,24 @@ class TrainConfig(_Section):
     compile: Literal["auto", True, False] = Field(
         "auto", description="torch.compile the model. auto: on for CUDA, off for CPU."
     )
-    grad_clip: float | None = Field(1.0, gt=0, description="Clip the global gradient norm to this value (null: no clipping).")
+    grad_clip: float | None = Field(
+        1.0, gt=0, description="Clip the global gradient norm to this value (null: no clipping)."
+    )
     activation_checkpointing: bool = Field(
-        False, description="Recompute each block's activations in the backward pass: less memory, ~30% more compute."
+        False,
+        description="Recompute each block's activations in the backward pass: less memory, ~30% more compute.",
     )
     resume: Literal["auto", True, False] = Field(
         False,
         description="Continue from the run directory's last good checkpoint. auto: resume if one exists, else start fresh.",
     )
-    accelerator: Literal["auto", "cpu", "cuda", "mps"] = Field("auto", description="Device type. auto: CUDA when present, else CPU.")
+    accelerator: Literal["auto", "cpu", "cuda", "mps"] = Field(
+        "auto", description="Device type. auto: CUDA when present, else CPU."
+    )
     devices: int | Literal["auto"] = Field(1, description="Devices per node (int or auto = all visible).")
-    num_nodes: int = Field(1, ge=1, description="Machines taking part (multi-node runs are launched with torchrun or SLURM).")
+    num_nodes: int = Field(
+        1, ge=1, description="Machines taking part (multi-node runs are launched with torchrun or SLURM)."
+    )
     strategy: Literal["auto", "ddp", "fsdp", "deepspeed_stage_2"] = Field(
         "auto", description="Distribution strategy (Lightning). auto: single device, or DDP for several."
     )
@@ -120,7 +141,8 @@ class TrainConfig(_Section):
         description="Optimizer steps with a non-finite loss or gradient skipped in a row before training stops with a diagnosis.",
     )
     seed_offset_per_rank: bool = Field(
-        True, description="Give each rank its own dropout/sampling RNG stream (seed + rank); data is always rank-disjoint."
+        True,
+        description="Give each rank its own dropout/sampling RNG stream (seed + rank); data is always rank-disjoint.",
     )
 
     @model_validator(mode="after")
@@ -136,8 +158,14 @@ class OptimConfig(_Section):
         description="Optimizer. adamw: torch (fused/foreach). adamw8bit, paged_adamw8bit, lion8bit: bitsandbytes 8-bit states. auto: adamw8bit on CUDA, adamw on CPU.",
     )
     lr: float = Field(3e-4, gt=0, description="Peak learning rate.")
-    weight_decay: float = Field(0.1, ge=0, description="Decoupled weight decay, applied only to >=2-D weights (not norms, lambdas or biases).")
-    decay_embeddings: bool = Field(False, description="Also apply weight decay to the embedding (and untied output head).")
+    weight_decay: float = Field(
+        0.1,
+        ge=0,
+        description="Decoupled weight decay, applied only to >=2-D weights (not norms, lambdas or biases).",
+    )
+    decay_embeddings: bool = Field(
+        False, description="Also apply weight decay to the embedding (and untied output head)."
+    )
     betas: tuple[float, float] = Field((0.9, 0.95), description="Adam/Lion beta1, beta2.")
     eps: float = Field(1e-8, gt=0, description="Adam epsilon.")
     warmup_steps: int = Field(100, ge=0, description="Linear warmup from 0 to lr over this many steps.")
@@ -146,7 +174,9 @@ class OptimConfig(_Section):
         description="After warmup: cosine or linear decay to min_lr_ratio x lr, constant, or warmup-stable-decay (wsd: constant, then linear decay over the last decay_fraction of steps).",
     )
     min_lr_ratio: float = Field(0.1, ge=0, le=1, description="Final learning rate as a fraction of lr.")
-    decay_fraction: float = Field(0.2, gt=0, le=1, description="wsd only: fraction of the steps spent in the final decay.")
+    decay_fraction: float = Field(
+        0.2, gt=0, le=1, description="wsd only: fraction of the steps spent in the final decay."
+    )
     stable_embedding: bool = Field(
         False,
         description="With an 8-bit optimizer, use bitsandbytes' StableEmbedding (layer norm + 32-bit optimizer state for the embedding).",
@@ -155,9 +185,12 @@ class OptimConfig(_Section):
 
 class LoggingConfig(_Section):
     tensorboard: Literal["auto", True, False] = Field(
-        "auto", description="Write TensorBoard logs to <run>/tensorboard. auto: when tensorboard is installed."
+        "auto",
+        description="Write TensorBoard logs to <run>/tensorboard. auto: when tensorboard is installed.",
     )
-    wandb_project: str | None = Field(None, description="Weights & Biases project to log to (needs `pip install wandb`).")
+    wandb_project: str | None = Field(
+        None, description="Weights & Biases project to log to (needs `pip install wandb`)."
+    )
     wandb_entity: str | None = Field(None, description="Weights & Biases entity (team or user).")
     progress: bool = Field(True, description="Show the rich progress bar (off in non-interactive logs).")
 
@@ -166,14 +199,24 @@ class Recipe(_Section):
     """A whole recipe. `name` and the sections are required; everything else has a default."""
 
     name: str = Field(description="Run name; the run directory is out_dir/name.")
-    description: str = Field("", description="One line saying what this recipe is (shown by `difftrain recipes list`).")
-    seed: int = Field(1337, description="Seed for initialisation, data order and sampling: same seed, same run.")
-    out_dir: str = Field("runs", description="Folder that holds run directories (relative to the current directory).")
+    description: str = Field(
+        "", description="One line saying what this recipe is (shown by `difftrain recipes list`)."
+    )
+    seed: int = Field(
+        1337, description="Seed for initialisation, data order and sampling: same seed, same run."
+    )
+    out_dir: str = Field(
+        "runs", description="Folder that holds run directories (relative to the current directory)."
+    )
     model: ModelConfig = Field(description="The model (see `difftrain recipes explain model`).")
     data: DataConfig = Field(description="Training data sources and splits.")
-    tokenizer: TokenizerConfig = Field(default_factory=TokenizerConfig, description="Tokenizer: trained on the data, or loaded.")
+    tokenizer: TokenizerConfig = Field(
+        default_factory=TokenizerConfig, description="Tokenizer: trained on the data, or loaded."
+    )
     train: TrainConfig = Field(description="Training loop settings.")
-    optim: OptimConfig = Field(default_factory=OptimConfig, description="Optimizer and learning-rate schedule.")
+    optim: OptimConfig = Field(
+        default_factory=OptimConfig, description="Optimizer and learning-rate schedule."
+    )
     logging: LoggingConfig = Field(default_factory=LoggingConfig, description="Metrics logging.")
 
     _recipe_dir: Path = PrivateAttr(default_factory=Path.cwd)
@@ -267,7 +310,9 @@ def find_recipe(ref: str | os.PathLike[str], relative_to: Path | None = None) ->
         if c.is_file():
             return c
         if c.is_dir():
-            raise RecipeError(f"{c} is a folder, not a recipe file; pass a .yaml file or a shipped recipe name")
+            raise RecipeError(
+                f"{c} is a folder, not a recipe file; pass a .yaml file or a shipped recipe name"
+            )
     shipped = shipped_recipes()
     name = ref_s[:-5] if ref_s.endswith(".yaml") else ref_s
     if name in shipped and os.sep not in ref_s:
@@ -342,7 +387,9 @@ def read_yaml(path: Path) -> tuple[dict[str, Any], dict[str, int]]:
     except RecursionError as e:
         raise RecipeError(f"{path}: YAML aliases refer to themselves; write the recipe out plainly") from e
     if not isinstance(data, dict):
-        raise RecipeError(f"{path}: a recipe must be a mapping of keys (name:, model:, ...), not {type(data).__name__}")
+        raise RecipeError(
+            f"{path}: a recipe must be a mapping of keys (name:, model:, ...), not {type(data).__name__}"
+        )
     lines: dict[str, int] = {}
     _key_lines(node, "", lines)
     return data, lines
@@ -359,7 +406,9 @@ def deep_merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _load_tree(path: Path, chain: tuple[Path, ...] = ()) -> tuple[dict[str, Any], dict[str, tuple[Path, int]]]:
+def _load_tree(
+    path: Path, chain: tuple[Path, ...] = ()
+) -> tuple[dict[str, Any], dict[str, tuple[Path, int]]]:
     """Read a recipe and everything it extends; return merged data and key → (file, line)."""
     resolved = path.resolve()
     if resolved in chain:
@@ -373,7 +422,9 @@ def _load_tree(path: Path, chain: tuple[Path, ...] = ()) -> tuple[dict[str, Any]
     if parent is None:
         return data, where
     if not isinstance(parent, str):
-        raise RecipeError(f"{path}, line {lines.get('extends', '?')}: `extends` must be a recipe path or name")
+        raise RecipeError(
+            f"{path}, line {lines.get('extends', '?')}: `extends` must be a recipe path or name"
+        )
     parent_path = find_recipe(parent, relative_to=path.parent)
     base, base_where = _load_tree(parent_path, (*chain, resolved))
     base_where.update(where)
@@ -448,7 +499,9 @@ def format_validation_error(
 ) -> str:
     msgs = []
     for err in e.errors():
-        loc = tuple(p for p in err["loc"] if not (isinstance(p, str) and p in ("function-after", "function-before")))
+        loc = tuple(
+            p for p in err["loc"] if not (isinstance(p, str) and p in ("function-after", "function-before"))
+        )
         dotted = ".".join(str(p) for p in loc)
         place = source
         if where and dotted in where:
@@ -595,13 +648,27 @@ def explain_rows(section: str | None = None) -> list[tuple[str, str, str, str]]:
         for name, field in model.model_fields.items():
             sub = _model_in(field.annotation)
             if sub is not None and typing.get_origin(field.annotation) is list:
-                rows.append((f"{prefix}{name}", f"list[{sub.__name__}]", _default_repr(field), field.description or ""))
+                rows.append(
+                    (
+                        f"{prefix}{name}",
+                        f"list[{sub.__name__}]",
+                        _default_repr(field),
+                        field.description or "",
+                    )
+                )
                 walk(sub, f"{prefix}{name}[].")
                 continue
             if sub is not None:
                 walk(sub, f"{prefix}{name}.")
                 continue
-            rows.append((f"{prefix}{name}", _type_name(field.annotation), _default_repr(field), field.description or ""))
+            rows.append(
+                (
+                    f"{prefix}{name}",
+                    _type_name(field.annotation),
+                    _default_repr(field),
+                    field.description or "",
+                )
+            )
 
     if section is None:
         top = [(n, f) for n, f in Recipe.model_fields.items() if n not in SECTIONS]

@@ -71,7 +71,11 @@ def check_state_dict(
     """Raise a CheckpointError unless `sd` has exactly the model's tensors with the model's shapes."""
     expected = weights_state_dict(model)
     missing = [k for k in expected if k not in sd and k not in allow_missing]
-    unexpected = [k for k in sd if k not in expected and not (k == "lm_head.weight" and "lm_head.weight" not in expected)]
+    unexpected = [
+        k
+        for k in sd
+        if k not in expected and not (k == "lm_head.weight" and "lm_head.weight" not in expected)
+    ]
     if missing or unexpected:
         parts = []
         if missing:
@@ -102,7 +106,9 @@ class Run:
 def require_run_dir(path: Path) -> Path:
     path = Path(path)
     if not path.exists():
-        raise RunDirError(f"no run directory {path}; train one with `difftrain pretrain RECIPE` (or check the path)")
+        raise RunDirError(
+            f"no run directory {path}; train one with `difftrain pretrain RECIPE` (or check the path)"
+        )
     if not path.is_dir():
         raise RunDirError(f"{path} is a file, not a run directory")
     return path
@@ -180,4 +186,6 @@ def read_summary(path: Path) -> dict:
     try:
         return json.loads(f.read_text())
     except (OSError, json.JSONDecodeError) as e:
-        raise RunDirError(f"{f} is not valid JSON ({e}); delete it, it is rewritten at the end of training") from e
+        raise RunDirError(
+            f"{f} is not valid JSON ({e}); delete it, it is rewritten at the end of training"
+        ) from e

@@ -52,7 +52,9 @@ def test_unknown_key_names_line_and_suggests_the_right_key(tmp_path):
     with pytest.raises(RecipeError) as e:
         load_recipe(p)
     msg = str(e.value)
-    assert "line 13" in msg and "unknown key `optim.learning_rate`" in msg and "did you mean `optim.lr`" in msg
+    assert (
+        "line 13" in msg and "unknown key `optim.learning_rate`" in msg and "did you mean `optim.lr`" in msg
+    )
 
 
 def test_close_misspelling_is_suggested(tmp_path):
@@ -132,8 +134,13 @@ def test_extends_a_shipped_recipe_by_name(tmp_path):
 def test_overrides_are_typed_by_the_schema(tmp_path):
     r = load_recipe(
         write(tmp_path, MINIMAL),
-        ["train.max_steps=100", "optim.betas=[0.8, 0.99]", "model.tie_embeddings=true", "optim.lr=3e-4",
-         "train.grad_clip=null"],
+        [
+            "train.max_steps=100",
+            "optim.betas=[0.8, 0.99]",
+            "model.tie_embeddings=true",
+            "optim.lr=3e-4",
+            "train.grad_clip=null",
+        ],
     )
     assert r.train.max_steps == 100 and r.optim.betas == (0.8, 0.99)
     assert r.model.tie_embeddings is True and r.optim.lr == pytest.approx(3e-4)
@@ -178,12 +185,21 @@ def test_every_field_is_documented():
 
 def test_readme_recipe_table_is_generated_from_the_schema():
     readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
-    assert recipe_reference_markdown() in readme, "README's recipe table is stale: run `difftrain recipes explain --markdown`"
+    assert recipe_reference_markdown() in readme, (
+        "README's recipe table is stale: run `difftrain recipes explain --markdown`"
+    )
 
 
 def test_every_shipped_recipe_validates():
     shipped = shipped_recipes()
-    assert {"quickstart", "quickstart-baseline", "diff-124m", "baseline-124m", "diff2-124m", "diff-350m-8gb"} <= set(shipped)
+    assert {
+        "quickstart",
+        "quickstart-baseline",
+        "diff-124m",
+        "baseline-124m",
+        "diff2-124m",
+        "diff-350m-8gb",
+    } <= set(shipped)
     for name, path in shipped.items():
         r = load_recipe(name)
         assert isinstance(r, Recipe) and r.name == name

@@ -33,28 +33,32 @@ def kv_table(title: str, rows: list[tuple[str, str]]) -> Table:
 
 @contextlib.contextmanager
 def data_progress() -> Iterator[Any]:
-    """A rich progress display for data preparation; yields the callback the data library calls.
+    """A rich progress display for data preparation; yields the callback `prepare_data` calls.
 
-    The callback is `progress(stage, done, total=None, **info)`: stage is a label ("reading",
-    "tokenizer", "tokenizing", ...), done/total count documents or bytes.
+    The callback receives `difftrain.data.shards.PrepareProgress` reports (stage, source,
+    documents, bytes, tokens, total_bytes) and shows one bar per stage.
     """
-    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeElapsedColumn
 
     bars = Progress(
         TextColumn("[bold]{task.description}"),
         BarColumn(),
+        DownloadColumn(),
         TextColumn("{task.fields[info]}"),
         TimeElapsedColumn(),
         console=err_console,
         transient=True,
     )
     tasks: dict[str, Any] = {}
+    labels = {"tokenizer": "training tokenizer", "shards": "tokenizing"}
 
-    def update(stage: str, done: int = 0, total: int | None = None, **info: Any) -> None:
-        text = " · ".join(f"{k} {fmt_count(v) if isinstance(v, (int, float)) else v}" for k, v in info.items())
-        if stage not in tasks:
-            tasks[stage] = bars.add_task(stage, total=total, info=text)
-        bars.update(tasks[stage], completed=done, total=total, info=text)
+    def update(p: Any) -> None:
+        info = f"{p.source} · {fmt_count(p.documents)} docs" + (
+            f" · {fmt_count(p.tokens)} tokens" if p.tokens else ""
+        )
+        if p.stage not in tasks:
+            tasks[p.stage] = bars.add_task(labels.get(p.stage, p.stage), total=p.total_bytes, info=info)
+        bars.update(tasks[p.stage], completed=p.bytes, total=p.total_bytes, info=info)
 
     with bars:
         yield update

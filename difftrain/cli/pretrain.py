@@ -13,17 +13,34 @@ def _start_table(info: dict[str, Any]) -> None:
     plan, r, counts = info["plan"], info["recipe"], info["params"]
     m, t = r.model, r.train
     rows = [
-        ("run", str(info["run_dir"]) + (f"  (resuming from step {info['resumed_from']})" if info["resumed_from"] else "")),
-        ("model", f"{m.arch} · d_model {m.d_model} · {m.n_layers} layers · {m.n_heads} heads"
-                  + (f" ({m.n_kv_heads} kv)" if m.n_kv_heads != m.n_heads else "") + f" · head_dim {m.head_dim}"),
+        (
+            "run",
+            str(info["run_dir"])
+            + (f"  (resuming from step {info['resumed_from']})" if info["resumed_from"] else ""),
+        ),
+        (
+            "model",
+            f"{m.arch} · d_model {m.d_model} · {m.n_layers} layers · {m.n_heads} heads"
+            + (f" ({m.n_kv_heads} kv)" if m.n_kv_heads != m.n_heads else "")
+            + f" · head_dim {m.head_dim}",
+        ),
         ("parameters", " · ".join(f"{k} {fmt_count(v)}" for k, v in counts.items() if v)),
         ("vocabulary", f"{m.vocab_size} (tokenizer {info['data'].tokenizer_path.name})"),
-        ("batch", f"{plan.global_batch_size} seq × {plan.seq_len} tok = {fmt_count(plan.tokens_per_step)} tok/step "
-                  f"(micro {t.micro_batch_size} × accum {plan.accumulate} × devices {plan.world_size})"),
+        (
+            "batch",
+            f"{plan.global_batch_size} seq × {plan.seq_len} tok = {fmt_count(plan.tokens_per_step)} tok/step "
+            f"(micro {t.micro_batch_size} × accum {plan.accumulate} × devices {plan.world_size})",
+        ),
         ("steps", f"{plan.max_steps} ({fmt_count(plan.max_steps * plan.tokens_per_step)} tokens)"),
-        ("optimizer", f"{r.optim.name} · lr {r.optim.lr:g} · {r.optim.schedule} · warmup {r.optim.warmup_steps}"),
-        ("precision", f"{t.precision} · compile {'on' if t.compile else 'off'} · attention {m.attn_impl}"
-                      + (" · activation checkpointing" if t.activation_checkpointing else "")),
+        (
+            "optimizer",
+            f"{r.optim.name} · lr {r.optim.lr:g} · {r.optim.schedule} · warmup {r.optim.warmup_steps}",
+        ),
+        (
+            "precision",
+            f"{t.precision} · compile {'on' if t.compile else 'off'} · attention {m.attn_impl}"
+            + (" · activation checkpointing" if t.activation_checkpointing else ""),
+        ),
         ("device", info["device"]),
     ]
     console.print(kv_table("difftrain pretrain", rows))
@@ -38,9 +55,20 @@ def _end_table(summary: dict[str, Any], run_dir: Any) -> None:
     rows = [
         ("steps", f"{summary['steps']} ({fmt_count(summary['tokens'])} tokens)"),
         ("wall time", f"{summary['wall_time_s']:.1f} s"),
-        ("throughput", f"{summary['tokens_per_s']:,.0f} tokens/s" + (f" · MFU {summary['mfu']:.1%}" if summary.get("mfu") else "")),
-        ("loss", f"train {f(summary['final_train_loss'])} · val {f(summary['final_val_loss'])} · best val {f(summary['best_val_loss'])}"),
-        ("peak memory", f"RSS {summary['peak_rss_mb']:.0f} MB" + (f" · GPU {summary['peak_gpu_mem_mb']:.0f} MB" if summary.get("peak_gpu_mem_mb") else "")),
+        (
+            "throughput",
+            f"{summary['tokens_per_s']:,.0f} tokens/s"
+            + (f" · MFU {summary['mfu']:.1%}" if summary.get("mfu") else ""),
+        ),
+        (
+            "loss",
+            f"train {f(summary['final_train_loss'])} · val {f(summary['final_val_loss'])} · best val {f(summary['best_val_loss'])}",
+        ),
+        (
+            "peak memory",
+            f"RSS {summary['peak_rss_mb']:.0f} MB"
+            + (f" · GPU {summary['peak_gpu_mem_mb']:.0f} MB" if summary.get("peak_gpu_mem_mb") else ""),
+        ),
     ]
     if summary.get("skipped_steps"):
         rows.append(("skipped steps", str(summary["skipped_steps"])))
@@ -49,12 +77,22 @@ def _end_table(summary: dict[str, Any], run_dir: Any) -> None:
 
 
 def pretrain_command(
-    recipe: str = typer.Argument(..., help="Recipe file or shipped recipe name (see `difftrain recipes list`)."),
+    recipe: str = typer.Argument(
+        ..., help="Recipe file or shipped recipe name (see `difftrain recipes list`)."
+    ),
     overrides: list[str] = typer.Argument(None, help="Overrides as key.sub=value, e.g. train.max_steps=100."),
-    resume: bool = typer.Option(None, "--resume/--no-resume", help="Continue from the last good checkpoint (default: train.resume)."),
-    overwrite: bool = typer.Option(False, "--overwrite", help="Replace a run directory that holds another run."),
-    dry_run: bool = typer.Option(False, "--dry-run", help="Validate the recipe and show the plan; train nothing, write nothing."),
-    progress: bool = typer.Option(None, "--progress/--no-progress", help="Show the progress bar (default: logging.progress)."),
+    resume: bool = typer.Option(
+        None, "--resume/--no-resume", help="Continue from the last good checkpoint (default: train.resume)."
+    ),
+    overwrite: bool = typer.Option(
+        False, "--overwrite", help="Replace a run directory that holds another run."
+    ),
+    dry_run: bool = typer.Option(
+        False, "--dry-run", help="Validate the recipe and show the plan; train nothing, write nothing."
+    ),
+    progress: bool = typer.Option(
+        None, "--progress/--no-progress", help="Show the progress bar (default: logging.progress)."
+    ),
 ) -> None:
     """Train a model from scratch as RECIPE says; writes runs/<name>/ (see the README)."""
     from difftrain.recipe import load_recipe
@@ -67,10 +105,16 @@ def pretrain_command(
         rows = [
             ("recipe", r.source),
             ("run", str(plan.run_dir)),
-            ("model", f"{plan.recipe.model.arch} d_model={plan.recipe.model.d_model} n_layers={plan.recipe.model.n_layers}"),
+            (
+                "model",
+                f"{plan.recipe.model.arch} d_model={plan.recipe.model.d_model} n_layers={plan.recipe.model.n_layers}",
+            ),
             ("batch", f"{plan.global_batch_size} × {plan.seq_len} (accumulate {plan.accumulate})"),
             ("steps", str(plan.max_steps)),
-            ("device", f"{plan.accelerator} × {plan.world_size} · {plan.recipe.train.precision} · {plan.recipe.optim.name}"),
+            (
+                "device",
+                f"{plan.accelerator} × {plan.world_size} · {plan.recipe.train.precision} · {plan.recipe.optim.name}",
+            ),
         ]
         console.print(kv_table("dry run: the recipe is valid", rows))
         return
@@ -89,11 +133,20 @@ def _train(r: Any, *, resume: bool | None, overwrite: bool, progress: bool | Non
 
     try:
         with data_progress() as dp:
-            result = pretrain(r, resume=resume, overwrite=overwrite, progress=progress, console=console,
-                              on_start=_start_table, data_progress=dp)
+            result = pretrain(
+                r,
+                resume=resume,
+                overwrite=overwrite,
+                progress=progress,
+                console=console,
+                on_start=_start_table,
+                data_progress=dp,
+            )
     except StopRequested as stop:
         cmd = f"difftrain pretrain {r.run_dir / 'recipe.yaml'} --resume"
-        err_console.print(f"[yellow]stopped at step {stop.step}; checkpoint saved.[/] Resume with: [bold]{cmd}[/]")
+        err_console.print(
+            f"[yellow]stopped at step {stop.step}; checkpoint saved.[/] Resume with: [bold]{cmd}[/]"
+        )
         raise typer.Exit(130 if stop.signum == signal.SIGINT else 143) from None
     except torch.OutOfMemoryError as e:
         raise DeviceError(

@@ -37,7 +37,9 @@ def show(name: str = typer.Argument(..., help="Shipped recipe name or recipe pat
     from difftrain.recipe import find_recipe
 
     path = find_recipe(name)
-    Console().print(Syntax(path.read_text(encoding="utf-8"), "yaml", theme="ansi_dark", background_color="default"))
+    Console().print(
+        Syntax(path.read_text(encoding="utf-8"), "yaml", theme="ansi_dark", background_color="default")
+    )
 
 
 @recipes_app.command("cp")
@@ -61,7 +63,9 @@ def cp(
 @recipes_app.command("explain")
 def explain(
     section: str = typer.Argument(None, help="Section: model, data, tokenizer, train, optim, logging, ..."),
-    markdown: bool = typer.Option(False, "--markdown", help="Print the reference as a Markdown table (the README's)."),
+    markdown: bool = typer.Option(
+        False, "--markdown", help="Print the reference as a Markdown table (the README's)."
+    ),
 ) -> None:
     """Print every recipe key with its type, default and description: the recipe reference."""
     from rich.console import Console
@@ -73,7 +77,9 @@ def explain(
         typer.echo(recipe_reference_markdown(), nl=False)
         return
     rows = explain_rows(section)
-    table = Table(title=f"recipe keys{': ' + section if section else ''}", title_justify="left", show_lines=False)
+    table = Table(
+        title=f"recipe keys{': ' + section if section else ''}", title_justify="left", show_lines=False
+    )
     table.add_column("key", style="bold cyan", no_wrap=True)
     table.add_column("type", style="magenta")
     table.add_column("default", style="green")

@@ -176,7 +176,9 @@ class RunCallback(L.Callback):
                 "train", total=trainer.max_steps, completed=trainer.global_step, info="starting…"
             )
 
-    def on_train_batch_end(self, trainer: L.Trainer, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: Any, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         if not getattr(pl_module, "stepped", False):
             if self._stop_signal is not None and pl_module._micro == 0:
                 self._stop(trainer, pl_module)
@@ -227,8 +229,12 @@ class RunCallback(L.Callback):
             self.state.best_val = min(self.state.best_val, v)
             for logger in trainer.loggers:
                 logger.log_metrics(
-                    {"val/loss": v, "val/ppl": math.exp(min(v, 50.0)), "train/tokens": float(pl_module.tokens_seen),
-                     "train/time_s": pl_module.train_time},
+                    {
+                        "val/loss": v,
+                        "val/ppl": math.exp(min(v, 50.0)),
+                        "train/tokens": float(pl_module.tokens_seen),
+                        "train/time_s": pl_module.train_time,
+                    },
                     step=trainer.global_step,
                 )
 
@@ -255,6 +261,8 @@ class RunCallback(L.Callback):
         if trainer.is_global_zero:
             record_checkpoint(self.ckpt_dir, path, step, self.keep)
             save_weights(self.run_dir / "model.safetensors", pl_module.model, {"step": str(step)})
+            for logger in trainer.loggers:
+                logger.save()
         trainer.strategy.barrier()
         self.state.saved_step = step
 

@@ -40,7 +40,9 @@ class AtomicCheckpointIO(CheckpointIO):
         with atomic_path(path) as tmp:
             torch.save(checkpoint, tmp)
 
-    def load_checkpoint(self, path: Any, map_location: Any = None, weights_only: bool | None = None) -> dict[str, Any]:
+    def load_checkpoint(
+        self, path: Any, map_location: Any = None, weights_only: bool | None = None
+    ) -> dict[str, Any]:
         return load_checkpoint_file(Path(path), map_location=map_location)
 
     def remove_checkpoint(self, path: Any) -> None:
@@ -137,7 +139,9 @@ def find_resume_checkpoint(ckpt_dir: Path) -> ResumePoint | None:
                 warnings.append(f"checkpoint {path.name} is listed but missing; trying an older one")
                 continue
             if sha256_file(path) != e["sha256"]:
-                warnings.append(f"checkpoint {path.name} is damaged (checksum mismatch); falling back to an older one")
+                warnings.append(
+                    f"checkpoint {path.name} is damaged (checksum mismatch); falling back to an older one"
+                )
                 continue
             return ResumePoint(path, int(e["step"]), warnings)
     for path in sorted(ckpt_dir.glob("step-*.ckpt"), reverse=True):

@@ -118,18 +118,26 @@ class LitLM(L.LightningModule):
         grads = [p.grad for p in self.model.parameters() if p.grad is not None]
         if not grads:
             return 0.0
-        return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads])).item()
+        return torch.linalg.vector_norm(
+            torch.stack([torch.linalg.vector_norm(g.float()) for g in grads])
+        ).item()
 
     def _skip(self, opt, loss: float, grad_norm: float) -> None:
         bad_param = next(
-            (n for n, p in self.model.named_parameters() if p.grad is not None and not torch.isfinite(p.grad).all()),
+            (
+                n
+                for n, p in self.model.named_parameters()
+                if p.grad is not None and not torch.isfinite(p.grad).all()
+            ),
             None,
         )
         opt.zero_grad(set_to_none=True)
         self._bad_steps += 1
         self.skipped_steps += 1
         lr = opt.param_groups[0]["lr"]
-        what = f"loss={loss:.4g}, grad norm={grad_norm:.4g}" + (f", first non-finite grad in {bad_param}" if bad_param else "")
+        what = f"loss={loss:.4g}, grad norm={grad_norm:.4g}" + (
+            f", first non-finite grad in {bad_param}" if bad_param else ""
+        )
         self.last_skip = f"step {self.global_step + 1}: {what}, lr={lr:.3g}"
         if self._bad_steps > self.nan_skip_limit:
             raise TrainingError(
@@ -141,7 +149,15 @@ class LitLM(L.LightningModule):
     # ---- validation ------------------------------------------------------------------------
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
         out = self.model(batch["input_ids"], batch["targets"])
-        self.log("val/loss", out.loss, on_step=False, on_epoch=True, sync_dist=True, batch_size=batch["input_ids"].shape[0])
+        self.log(
+            "val/loss",
+            out.loss,
+            on_step=False,
+            on_epoch=True,
+            sync_dist=True,
+            logger=False,
+            batch_size=batch["input_ids"].shape[0],
+        )
 
     # ---- state that must survive a resume --------------------------------------------------
     def on_save_checkpoint(self, checkpoint: dict) -> None:
@@ -164,6 +180,6 @@ class LitLM(L.LightningModule):
         out = {}
         for i, layer in enumerate(getattr(self.model.model, "layers", [])):
             attn = layer.self_attn
-            if hasattr(attn, "lambda_full"):
-                out[f"lambda/layer{i}"] = float(attn.lambda_full().detach().float().mean())
+            if hasattr(attn, "lam"):
+                out[f"lambda/layer{i}"] = float(attn.lam().detach())
         return out

@@ -35,12 +35,7 @@ def param_groups(model: nn.Module, weight_decay: float, decay_embeddings: bool =
             decay.append(p)
         else:
             no_decay.append(p)
-    groups = []
-    if decay:
-        groups.append({"params": decay, "weight_decay": weight_decay})
-    if no_decay:
-        groups.append({"params": no_decay, "weight_decay": 0.0})
-    return groups
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
 def _is_tied(model: nn.Module) -> bool:
@@ -64,7 +59,7 @@ def bitsandbytes_optim():
 
 def build_optimizer(model: nn.Module, cfg: OptimConfig, device_type: str) -> torch.optim.Optimizer:
     """The optimizer named by `cfg.name` ('auto' must already be resolved) over `model`'s groups."""
-    groups = param_groups(model, cfg.weight_decay, cfg.decay_embeddings)
+    groups = [g for g in param_groups(model, cfg.weight_decay, cfg.decay_embeddings) if g["params"]]
     if cfg.name == "adamw":
         kwargs: dict = {}
         if device_type == "cuda":
@@ -92,7 +87,9 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig, device_type: str) -> tor
         if cfg.name != "lion8bit":
             kwargs["eps"] = cfg.eps
         return cls(groups, **kwargs)
-    raise DeviceError(f"unknown optimizer `{cfg.name}`; resolve optim.name=auto before building the optimizer")
+    raise DeviceError(
+        f"unknown optimizer `{cfg.name}`; resolve optim.name=auto before building the optimizer"
+    )
 
 
 def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:

@@ -86,18 +86,22 @@ def plan_run(recipe: Recipe) -> Plan:
     if accelerator == "auto":
         accelerator = "cuda" if cuda else "cpu"
     if accelerator == "cuda" and not cuda:
-        raise DeviceError("train.accelerator=cuda but no CUDA GPU is visible here; use train.accelerator=auto or cpu")
+        raise DeviceError(
+            "train.accelerator=cuda but no CUDA GPU is visible here; use train.accelerator=auto or cpu"
+        )
     if accelerator == "mps" and not (hasattr(torch.backends, "mps") and torch.backends.mps.is_available()):
-        raise DeviceError("train.accelerator=mps but Apple MPS is not available here; use train.accelerator=auto")
+        raise DeviceError(
+            "train.accelerator=mps but Apple MPS is not available here; use train.accelerator=auto"
+        )
     resolved = resolve_auto(recipe, cuda=accelerator == "cuda", bf16=bf16 and accelerator == "cuda")
     t = resolved.train
     if accelerator != "cuda":
         if t.precision == "16-mixed":
-            raise DeviceError(
-                "train.precision=16-mixed needs a CUDA GPU; on CPU use 32-true (or bf16-mixed)"
-            )
+            raise DeviceError("train.precision=16-mixed needs a CUDA GPU; on CPU use 32-true (or bf16-mixed)")
         if resolved.optim.name == "paged_adamw8bit":
-            raise DeviceError("optim.name=paged_adamw8bit needs CUDA; on this machine use optim.name=adamw or adamw8bit")
+            raise DeviceError(
+                "optim.name=paged_adamw8bit needs CUDA; on this machine use optim.name=adamw or adamw8bit"
+            )
     elif t.precision in ("bf16-mixed", "bf16-true") and not bf16:
         raise DeviceError(f"train.precision={t.precision} but this GPU has no bf16 support; use 16-mixed")
     if t.devices == "auto":
@@ -195,7 +199,9 @@ def prepare_run_dir(plan: Plan, *, resume: bool | str, overwrite: bool) -> tuple
     try:
         old = yaml.safe_load(existing.read_text(encoding="utf-8")) or {}
     except yaml.YAMLError as e:
-        raise RunDirError(f"{existing} is not valid YAML ({e}); use --overwrite to start the run again") from e
+        raise RunDirError(
+            f"{existing} is not valid YAML ({e}); use --overwrite to start the run again"
+        ) from e
     new = plan.recipe.model_dump(mode="json")
     diffs = recipe_differences(old, new)
     if resume is False:
@@ -225,6 +231,7 @@ def _quiet_lightning() -> None:
     warnings.filterwarnings("ignore", message=".*LeafSpec.*")
     warnings.filterwarnings("ignore", message=".*`isinstance.*treespec.*")
     warnings.filterwarnings("ignore", message=".*Checkpoint directory.*exists and is not empty.*")
+    warnings.filterwarnings("ignore", message=".*`IterableDataset` has `__len__` defined.*")
 
 
 def pretrain(
@@ -245,7 +252,6 @@ def pretrain(
     from it). `fault_hook` is a test hook passed to the LightningModule.
     """
     import lightning as L
-    from lightning.pytorch.loggers import CSVLogger
 
     from difftrain.data.modules import PretrainDataModule
     from difftrain.data.shards import prepare_data
@@ -296,19 +302,15 @@ def pretrain(
         check_grads=t.precision != "16-mixed",
     )
     lit.fault_hook = fault_hook
-    dm = PretrainDataModule(
-        prepared,
-        seq_len=plan.seq_len,
-        micro_batch_size=t.micro_batch_size,
-        seed=r.seed,
-        val_windows=r.data.val_windows,
-        num_workers=r.data.num_workers,
-        pin_memory=r.data.pin_memory,
+    dm = PretrainDataModule.from_config(
+        prepared, r.data, seq_len=plan.seq_len, micro_batch_size=t.micro_batch_size, seed=r.seed
     )
     counts = model.num_params()
     n_total = counts["total"] if isinstance(counts, dict) else int(counts)
     n_emb = counts.get("embedding", 0) if isinstance(counts, dict) else 0
-    fpt = flops_per_token(n_total - n_emb, model_cfg.n_layers, model_cfg.n_heads * model_cfg.head_dim, plan.seq_len)
+    fpt = flops_per_token(
+        n_total - n_emb, model_cfg.n_layers, model_cfg.n_heads * model_cfg.head_dim, plan.seq_len
+    )
     show = r.logging.progress if progress is None else progress
     resume_cmd = f"difftrain pretrain {run_dir / RECIPE} --resume"
     cb = RunCallback(
@@ -322,7 +324,9 @@ def pretrain(
         console=console,
         resume_command=resume_cmd,
     )
-    loggers: list[Any] = [CSVLogger(save_dir=str(run_dir), name="", version="")]
+    from difftrain.train.metrics import MetricsCSV
+
+    loggers: list[Any] = [MetricsCSV(run_dir / METRICS, resume_step=point.step if point else None)]
     tb = r.logging.tensorboard
     if tb is True or (tb == "auto" and _has_tensorboard()):
         from lightning.pytorch.loggers import TensorBoardLogger
@@ -332,9 +336,13 @@ def pretrain(
         try:
             from lightning.pytorch.loggers import WandbLogger
 
-            loggers.append(WandbLogger(project=r.logging.wandb_project, entity=r.logging.wandb_entity, name=r.name))
+            loggers.append(
+                WandbLogger(project=r.logging.wandb_project, entity=r.logging.wandb_entity, name=r.name)
+            )
         except (ImportError, ModuleNotFoundError) as e:
-            raise DeviceError("logging.wandb_project is set but wandb is not installed; `pip install wandb`") from e
+            raise DeviceError(
+                "logging.wandb_project is set but wandb is not installed; `pip install wandb`"
+            ) from e
     strategy: Any = t.strategy
     if strategy == "auto" and plan.world_size > 1:
         strategy = "ddp"
@@ -352,7 +360,7 @@ def pretrain(
         num_sanity_val_steps=0,
         logger=loggers,
         log_every_n_steps=1,
-        callbacks=[cb, *(extra_callbacks or [])],
+        callbacks=[*(extra_callbacks or []), cb],
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
@@ -383,14 +391,21 @@ def pretrain(
             cb.state.best_val = min(cb.state.best_val, float(val))
     summary = _summary(r, plan, lit, cb, wall, counts, trainer)
     atomic_write_json(run_dir / SUMMARY, summary)
-    return TrainResult(run_dir=run_dir, summary=summary, resumed_from=point.step if point else None,
-                       warnings=point.warnings if point else [])
+    return TrainResult(
+        run_dir=run_dir,
+        summary=summary,
+        resumed_from=point.step if point else None,
+        warnings=point.warnings if point else [],
+    )
 
 
 def _has_tensorboard() -> bool:
     import importlib.util
 
-    return importlib.util.find_spec("tensorboard") is not None or importlib.util.find_spec("tensorboardX") is not None
+    return (
+        importlib.util.find_spec("tensorboard") is not None
+        or importlib.util.find_spec("tensorboardX") is not None
+    )
 
 
 def _device_name(accelerator: str) -> str:
@@ -401,7 +416,9 @@ def _device_name(accelerator: str) -> str:
     return f"cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
 
 
-def _summary(r: Recipe, plan: Plan, lit: Any, cb: Any, wall: float, counts: Any, trainer: Any) -> dict[str, Any]:
+def _summary(
+    r: Recipe, plan: Plan, lit: Any, cb: Any, wall: float, counts: Any, trainer: Any
+) -> dict[str, Any]:
     steps = trainer.global_step
     tokens = lit.tokens_seen
     train_time = lit.train_time or wall

@@ -1,0 +1,202 @@
+"""`difftrain pretrain`: run directory, exact resume, checkpoints, refusals, CLI."""
+
+from __future__ import annotations
+
+import csv
+import json
+import signal
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from difftrain.cli.app import main
+from difftrain.errors import RecipeError, RunDirError
+from difftrain.recipe import load_recipe
+from difftrain.train.callbacks import RunCallback, StopRequested
+from difftrain.train.checkpoint import find_resume_checkpoint, load_checkpoint_file
+from difftrain.train.run import pretrain
+
+WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu".split()
+
+
+def make_corpus(root: Path, n_docs: int = 40) -> Path:
+    """A small deterministic corpus of Python-ish text files."""
+    corpus = root / "corpus"
+    corpus.mkdir()
+    g = torch.Generator().manual_seed(0)
+    for i in range(n_docs):
+        lines = []
+        for j in range(12):
+            w = [WORDS[int(k)] for k in torch.randint(len(WORDS), (4,), generator=g)]
+            lines.append(f"def {w[0]}_{i}_{j}({w[1]}, {w[2]}):\n    return {w[3]} + {j}\n")
+        (corpus / f"doc{i:03d}.py").write_text("".join(lines))
+    return corpus
+
+
+RECIPE = """\
+name: {name}
+seed: 7
+out_dir: {out}
+model:
+  arch: {arch}
+  d_model: 32
+  n_layers: 2
+  n_heads: 4
+  max_seq_len: 32
+data:
+  sources: [{corpus}]
+  val_fraction: 0.1
+  val_windows: 4
+  cache_dir: {cache}
+tokenizer:
+  train: {{vocab_size: 320}}
+train:
+  max_steps: {steps}
+  micro_batch_size: 2
+  global_batch_size: 4
+  log_every: 1
+  val_every: 4
+  save_every: {save_every}
+optim:
+  lr: 3.0e-3
+  warmup_steps: 2
+logging:
+  progress: false
+  tensorboard: false
+"""
+
+
+@pytest.fixture()
+def workspace(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    corpus = make_corpus(tmp_path)
+
+    def recipe(name="r", arch="diff", steps=6, save_every=3) -> Path:
+        p = tmp_path / f"{name}.yaml"
+        p.write_text(
+            RECIPE.format(
+                name=name,
+                arch=arch,
+                steps=steps,
+                save_every=save_every,
+                corpus=corpus,
+                out=tmp_path / "runs",
+                cache=tmp_path / "cache",
+            )
+        )
+        return p
+
+    return recipe
+
+
+def losses(run_dir: Path) -> dict[int, float]:
+    with open(run_dir / "metrics.csv", newline="") as f:
+        return {
+            int(float(r["step"])): float(r["train/loss"]) for r in csv.DictReader(f) if r.get("train/loss")
+        }
+
+
+def test_pretrain_writes_a_complete_run_directory(workspace):
+    result = pretrain(load_recipe(workspace(steps=4, save_every=2)))
+    run = result.run_dir
+    for f in (
+        "recipe.yaml",
+        "config.json",
+        "tokenizer.json",
+        "model.safetensors",
+        "metrics.csv",
+        "summary.json",
+    ):
+        assert (run / f).is_file(), f
+    assert (run / "checkpoints" / "last.ckpt").is_file()
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["steps"] == 4 and summary["tokens"] == 4 * 4 * 32
+    assert summary["final_val_loss"] is not None and summary["tokens_per_s"] > 0
+    cfg = json.loads((run / "config.json").read_text())
+    assert cfg["vocab_size"] % 64 == 0 and cfg["arch"] == "diff"
+    # model.safetensors holds exactly the final weights of the last checkpoint
+    ckpt = load_checkpoint_file(run / "checkpoints" / "last.ckpt")
+    weights = load_file(run / "model.safetensors")
+    for k, v in weights.items():
+        assert torch.equal(ckpt["state_dict"][f"model.{k}"], v), k
+    # λ of every diff layer is logged
+    header = (run / "metrics.csv").read_text().splitlines()[0]
+    assert "lambda/layer0" in header and "lambda/layer1" in header
+
+
+class StopAt(L.Callback):
+    """Ask the run to stop gracefully (as SIGTERM would) after optimizer step `step`."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.global_step == self.step and pl_module.stepped:
+            run_cb = next(c for c in trainer.callbacks if isinstance(c, RunCallback))
+            run_cb._stop_signal = signal.SIGTERM
+
+
+@pytest.mark.parametrize("arch", ["diff", "baseline"])
+def test_resume_continues_the_exact_loss_curve(workspace, arch):
+    full = pretrain(load_recipe(workspace(name="full", arch=arch, steps=6, save_every=4)))
+    with pytest.raises(StopRequested) as stop:
+        pretrain(
+            load_recipe(workspace(name="split", arch=arch, steps=6, save_every=4)),
+            extra_callbacks=[StopAt(3)],
+        )
+    assert stop.value.step == 3
+    resumed = pretrain(load_recipe(workspace(name="split", arch=arch, steps=6, save_every=4)), resume=True)
+    assert resumed.resumed_from == 3
+    a, b = losses(full.run_dir), losses(resumed.run_dir)
+    assert sorted(a) == sorted(b) == [1, 2, 3, 4, 5, 6]
+    assert a == b  # bit-identical fp32 losses: data position, optimizer, schedule all restored
+    wa, wb = load_file(full.run_dir / "model.safetensors"), load_file(resumed.run_dir / "model.safetensors")
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+def test_checkpoints_are_pruned_to_keep_and_indexed(workspace):
+    r = load_recipe(workspace(steps=8, save_every=2), ["train.keep_checkpoints=2"])
+    run = pretrain(r).run_dir
+    files = sorted(p.name for p in (run / "checkpoints").glob("step-*.ckpt"))
+    assert files == ["step-00000006.ckpt", "step-00000008.ckpt"]
+    point = find_resume_checkpoint(run / "checkpoints")
+    assert point is not None and point.step == 8 and point.warnings == []
+
+
+def test_damaged_newest_checkpoint_falls_back_to_the_previous_one(workspace):
+    run = pretrain(load_recipe(workspace(steps=4, save_every=2))).run_dir
+    newest = run / "checkpoints" / "step-00000004.ckpt"
+    data = bytearray(newest.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # one flipped bit in the middle
+    newest.write_bytes(bytes(data))
+    point = find_resume_checkpoint(run / "checkpoints")
+    assert point.step == 2 and "damaged" in point.warnings[0]
+
+
+def test_a_different_run_in_the_directory_is_refused(workspace):
+    pretrain(load_recipe(workspace(steps=2, save_every=2)))
+    with pytest.raises(RunDirError, match="already holds a run"):
+        pretrain(load_recipe(workspace(steps=2, save_every=2)))
+    with pytest.raises(RunDirError, match="different run.*model.d_model"):
+        pretrain(load_recipe(workspace(steps=4, save_every=2), ["model.d_model=64"]), resume=True)
+
+
+def test_batch_arithmetic_is_checked_before_training(workspace):
+    with pytest.raises(RecipeError, match="not divisible"):
+        pretrain(load_recipe(workspace(), ["train.global_batch_size=5"]))
+    with pytest.raises(RecipeError, match="longer than model.max_seq_len"):
+        pretrain(load_recipe(workspace(), ["train.seq_len=64"]))
+
+
+def test_cli_pretrain_and_errors_exit_2(workspace, capsys):
+    p = workspace(steps=2, save_every=2)
+    assert main(["pretrain", str(p), "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert "done" in out and "difftrain generate" in out
+    assert main(["pretrain", str(p)]) == 2
+    assert "already holds a run" in capsys.readouterr().err
+    assert main(["pretrain", str(p), "train.micro_batch_size=3"]) == 2
+    assert main(["pretrain", str(p), "--dry-run", "train.max_steps=9", "--overwrite"]) == 0
