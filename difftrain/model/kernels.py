@@ -127,12 +127,14 @@ def _eager_baseline(q, k, v, mask, logit_transform):
 
 
 def _eager_diff(q, k, v, lam, mask, logit_transform):
-    B, H, T, _ = q.shape
+    B, H, T, d = q.shape
     n_rep = H // k.shape[1]  # = (H/2) / (Hkv/2)
-    A1, l1 = softmax_maps(q[:, 0::2], repeat_kv(k[:, 0::2], n_rep), mask, logit_transform)
-    A2, l2 = softmax_maps(q[:, 1::2], repeat_kv(k[:, 1::2], n_rep), mask, logit_transform)
-    A = A1 - lam.float() * A2  # (B, H/2, T, S)
-    logits = torch.stack((l1, l2), dim=2).reshape(B, H, T, -1)  # back to query-head order
+    # Key for query head j = 2i + c is key head 2·(i // n_rep) + c: expand both halves and
+    # interleave them back into query-head order, so one softmax call (and one logit transform)
+    # covers both maps.
+    k_q = torch.stack((repeat_kv(k[:, 0::2], n_rep), repeat_kv(k[:, 1::2], n_rep)), dim=2)
+    P, logits = softmax_maps(q, k_q.reshape(B, H, -1, d), mask, logit_transform)
+    A = P[:, 0::2] - lam.float() * P[:, 1::2]  # A1 − λ·A2, (B, H/2, T, S)
     return AttnResult(A.to(v.dtype) @ repeat_kv(v, n_rep), A, logits)
 
 
