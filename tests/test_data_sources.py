@@ -1,0 +1,203 @@
+"""Sources: local files / folders / globs / jsonl / parquet / hf, the stdlib, and bad input."""
+
+from __future__ import annotations
+
+import gzip
+import json
+from pathlib import Path
+
+import pytest
+
+from difftrain.data import builtin
+from difftrain.data.config import DataConfig
+from difftrain.data.sources import SourceStats, iter_documents, resolve_sources
+from difftrain.errors import DataError
+
+
+def docs(sources, base: Path, **kw) -> list[str]:
+    return list(iter_documents(DataConfig(sources=sources, **kw), base))
+
+
+def read_one(source, base: Path, policy: str = "error") -> tuple[list[str], SourceStats]:
+    (src,) = resolve_sources(DataConfig(sources=[source], on_bad_record=policy), base)
+    stats = SourceStats(src.spec.source)
+    return list(src.documents(stats, policy)), stats
+
+
+def test_folder_is_read_recursively_in_sorted_order_skipping_hidden_and_binary(tmp_path: Path) -> None:
+    (tmp_path / "c" / "sub").mkdir(parents=True)
+    (tmp_path / "c" / "b.txt").write_text("bee")
+    (tmp_path / "c" / "a.md").write_text("ay")
+    (tmp_path / "c" / "sub" / "z.py").write_text("print('z')")
+    (tmp_path / "c" / "image.png").write_bytes(b"\x89PNG\x00")
+    (tmp_path / "c" / ".git").mkdir()
+    (tmp_path / "c" / ".git" / "HEAD.txt").write_text("secret")
+    (tmp_path / "c" / "empty.txt").write_text("")
+    assert docs(["c"], tmp_path) == ["ay", "bee", "print('z')"]
+    assert docs(["c/**/*.py", "c/b.txt"], tmp_path) == ["print('z')", "bee"]
+
+
+def test_jsonl_json_and_gzip_read_the_configured_text_field(tmp_path: Path) -> None:
+    (tmp_path / "a.jsonl").write_text('{"body": "one"}\n\n{"body": "two", "x": 1}\n')
+    (tmp_path / "b.json").write_text(json.dumps([{"body": "three"}, "four"]))
+    with gzip.open(tmp_path / "c.jsonl.gz", "wt") as f:
+        f.write('{"body": "five"}\n')
+    spec = lambda p: {"source": p, "text_field": "body"}  # noqa: E731
+    assert docs([spec("a.jsonl"), spec("b.json"), spec("c.jsonl.gz")], tmp_path) == [
+        "one",
+        "two",
+        "three",
+        "four",
+        "five",
+    ]
+    (tmp_path / "lines.json").write_text('{"text": "l1"}\n{"text": "l2"}\n')  # JSON lines named .json
+    assert docs(["lines.json"], tmp_path) == ["l1", "l2"]
+
+
+def test_bad_jsonl_line_names_file_and_line_unless_skipped_then_counted(tmp_path: Path) -> None:
+    f = tmp_path / "d.jsonl"
+    f.write_text(
+        '{"text": "ok"}\n{"text": broken\n{"txt": "wrong field"}\n{"text": null}\n[1, 2]\n{"text": "fine"}\n'
+    )
+    with pytest.raises(DataError, match=r"d\.jsonl, line 2: not valid JSON .*on_bad_record: skip"):
+        read_one("d.jsonl", tmp_path)
+    out, stats = read_one("d.jsonl", tmp_path, policy="skip")
+    assert out == ["ok", "fine"]
+    assert stats.bad_records == 4 and stats.documents == 2
+    assert "line 3: record has no field 'text' (fields: txt); set text_field" in stats.bad_examples[1]
+    assert "line 4: field 'text' is null" in stats.bad_examples[2]
+    f.write_text('{"text": "ok"}\n{"body": "x"}\n')
+    with pytest.raises(DataError, match=r"line 2: record has no field 'text' \(fields: body\)"):
+        read_one("d.jsonl", tmp_path)
+
+
+def test_non_utf8_text_file_is_a_bad_record(tmp_path: Path) -> None:
+    (tmp_path / "c").mkdir()
+    (tmp_path / "c" / "latin1.txt").write_bytes("café".encode("latin-1"))
+    (tmp_path / "c" / "ok.txt").write_text("fine")
+    with pytest.raises(DataError, match=r"latin1\.txt: not UTF-8 text"):
+        read_one("c", tmp_path)
+    out, stats = read_one("c", tmp_path, policy="skip")
+    assert out == ["fine"] and stats.bad_records == 1
+
+
+def test_parquet_reads_a_column_and_names_the_columns_when_it_is_missing(tmp_path: Path) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"content": ["p1", "p2", None], "id": [1, 2, 3]}), tmp_path / "t.parquet")
+    with pytest.raises(
+        DataError, match=r"t\.parquet: Parquet file has no column 'text' \(columns: content, id\)"
+    ):
+        read_one("t.parquet", tmp_path)
+    with pytest.raises(DataError, match=r"t\.parquet, row 2: field 'content' is null"):
+        read_one({"source": "t.parquet", "text_field": "content"}, tmp_path)
+    out, stats = read_one({"source": "t.parquet", "text_field": "content"}, tmp_path, policy="skip")
+    assert out == ["p1", "p2"] and stats.bad_records == 1
+
+
+def test_parquet_without_pyarrow_says_how_to_install_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import sys
+
+    (tmp_path / "t.parquet").write_bytes(b"PAR1")
+    monkeypatch.setitem(sys.modules, "pyarrow.parquet", None)
+    with pytest.raises(DataError, match=r"needs pyarrow.*difftrain\[parquet\]"):
+        read_one("t.parquet", tmp_path)
+
+
+def test_missing_path_and_empty_glob_say_where_they_looked(tmp_path: Path) -> None:
+    with pytest.raises(
+        DataError, match=r"data\.sources\[0\] \('nope/'\): .*nope does not exist; fix the path"
+    ):
+        docs(["nope/"], tmp_path)
+    with pytest.raises(DataError, match="matches no files"):
+        docs(["*.txt"], tmp_path)
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin" / "x.png").write_bytes(b"\x00")
+    with pytest.raises(DataError, match="holds no text files"):
+        docs(["bin"], tmp_path)
+
+
+def test_empty_corpus_is_an_error_naming_the_source(tmp_path: Path) -> None:
+    (tmp_path / "e.txt").write_text("")
+    with pytest.raises(DataError, match=r"data\.sources\[0\] \('e\.txt'\): the source yielded no documents"):
+        docs(["e.txt"], tmp_path)
+    (tmp_path / "all_bad.jsonl").write_text("nope\n")
+    with pytest.raises(DataError, match=r"no documents \(1 malformed records skipped\)"):
+        docs(["all_bad.jsonl"], tmp_path, on_bad_record="skip")
+
+
+def test_max_documents_caps_a_source(tmp_path: Path) -> None:
+    (tmp_path / "a.jsonl").write_text("".join(json.dumps({"text": f"d{i}"}) + "\n" for i in range(10)))
+    assert docs([{"source": "a.jsonl", "max_documents": 3}], tmp_path) == ["d0", "d1", "d2"]
+
+
+def test_fingerprint_changes_with_content_and_settings_but_not_with_reading(tmp_path: Path) -> None:
+    f = tmp_path / "a.txt"
+    f.write_text("one")
+    fp = lambda **kw: resolve_sources(DataConfig(sources=[{"source": "a.txt", **kw}]), tmp_path)[
+        0
+    ].fingerprint()  # noqa: E731
+    first = fp()
+    assert fp() == first
+    f.write_text("one, longer")
+    assert fp() != first
+    assert fp(text_field="body") != fp()
+
+
+def test_stdlib_files_are_sorted_real_sources_without_test_suites() -> None:
+    files = builtin.stdlib_files()
+    root = builtin.stdlib_dir()
+    rel = [f.relative_to(root).as_posix() for f in files]
+    assert rel == sorted(rel) and len(rel) > 300
+    assert "ast.py" in rel and "json/decoder.py" in rel
+    for r in rel:
+        parts = r.split("/")
+        assert not {"test", "tests", "idle_test", "site-packages"} & set(parts), r
+    assert not any(r.startswith(("lib2to3/tests", "idlelib/idle_test", "unittest/test")) for r in rel)
+
+
+def test_missing_stdlib_sources_are_a_clear_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "os.pyc").write_bytes(b"\x00")
+    monkeypatch.setattr(builtin, "stdlib_dir", lambda: tmp_path)
+    with pytest.raises(DataError, match="builtin:python-stdlib: no Python standard library sources under"):
+        docs(["builtin:python-stdlib"], tmp_path)
+
+
+def test_hf_source_loads_local_json_through_datasets(tmp_path: Path) -> None:
+    (tmp_path / "d.jsonl").write_text('{"text": "h1"}\n{"text": "h2"}\n')
+    assert docs([{"source": "hf:json", "data_files": ["d.jsonl"]}], tmp_path) == ["h1", "h2"]
+    with pytest.raises(DataError, match=r"dataset has no column 'body' \(columns: text\)"):
+        docs([{"source": "hf:json", "data_files": ["d.jsonl"], "text_field": "body"}], tmp_path)
+
+
+def test_hf_source_loads_a_dataset_saved_to_disk_with_its_split(tmp_path: Path) -> None:
+    import datasets
+
+    dd = datasets.DatasetDict(
+        {
+            "train": datasets.Dataset.from_dict({"text": ["a", "b"]}),
+            "test": datasets.Dataset.from_dict({"text": ["t"]}),
+        }
+    )
+    dd.save_to_disk(str(tmp_path / "saved"))
+    assert docs(["hf:./saved"], tmp_path) == ["a", "b"]
+    assert docs(["hf:./saved@test"], tmp_path) == ["t"]
+    with pytest.raises(DataError, match="no split 'dev'.*splits: train, test"):
+        docs(["hf:./saved@dev"], tmp_path)
+
+
+def test_hf_source_offline_is_a_clear_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import datasets
+
+    def offline(*args, **kwargs):
+        raise ConnectionError("Couldn't reach 'someone/corpus' on the Hub (LocalEntryNotFoundError)")
+
+    monkeypatch.setattr(datasets, "load_dataset", offline)
+    with pytest.raises(
+        DataError,
+        match=r"could not load Hugging Face dataset 'someone/corpus' \(ConnectionError.*save_to_disk",
+    ):
+        docs(["hf:someone/corpus:default@train"], tmp_path)

@@ -1,0 +1,146 @@
+"""Byte-level BPE: exact round trips, reserved special tokens, determinism, streaming, bad files."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import tokenizers
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from difftrain.data.config import SPECIAL_TOKENS, TokenizerTrainConfig
+from difftrain.data.tokenizer import Tokenizer, check_vocab_fits, load_tokenizer, train_tokenizer
+from difftrain.errors import TokenizerError
+
+CORPUS = [
+    "def add(a, b):\n    return a + b\n",
+    "The quick brown fox jumps over the lazy dog. " * 3,
+    "Ünïcödé façade — naïve café. 日本語のテキスト。 Привет, мир! 🎉🚀",
+    "for i in range(10):\n    print(i * 2)\n" * 2,
+]
+HARD = "héllo wörld 日本語 한국어 עברית العربية 🎉👩‍👩‍👧🏳️‍🌈 \x00\x01\x7f\t\r\n  \u200b\ufeff  <|eos|> 0123456789 \U0010ffff"
+
+
+@pytest.fixture(scope="module")
+def tok() -> Tokenizer:
+    return train_tokenizer(CORPUS * 5, TokenizerTrainConfig(vocab_size=300, min_frequency=2))
+
+
+def test_decode_inverts_encode_on_multilingual_emoji_and_control_text(tok: Tokenizer) -> None:
+    ids = tok.encode(HARD)
+    assert tok.decode(ids) == HARD
+    assert all(0 <= i < tok.vocab_size for i in ids)
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.text(max_size=60))
+def test_any_string_round_trips_exactly(tok: Tokenizer, text: str) -> None:
+    assert tok.decode(tok.encode(text)) == text
+
+
+def test_special_tokens_are_reserved_with_fixed_ids_and_added_only_on_request(tok: Tokenizer) -> None:
+    for i, name in enumerate(SPECIAL_TOKENS):
+        assert tok.token_to_id(name) == i
+    assert (tok.bos_id, tok.eos_id, tok.pad_id) == (0, 1, 2)
+    assert tok.token_to_id("<|assistant|>") == 5
+    plain = tok.encode("hi")
+    assert tok.encode("hi", add_bos=True, add_eos=True) == [0, *plain, 1]
+    assert tok.vocab_size == 300
+    assert tok.decode(tok.encode("x", add_eos=True), skip_special_tokens=True) == "x"
+
+
+def test_digits_are_split_one_token_each(tok: Tokenizer) -> None:
+    ids = tok.encode("2024")
+    assert [tok.decode([i]) for i in ids] == ["2", "0", "2", "4"]
+
+
+def test_training_is_deterministic_for_the_same_text() -> None:
+    cfg = TokenizerTrainConfig(vocab_size=320)
+    a = train_tokenizer(iter(CORPUS * 4), cfg)
+    b = train_tokenizer(iter(CORPUS * 4), cfg)
+    assert a.to_str() == b.to_str() and a.sha256 == b.sha256
+
+
+def test_stream_decoder_emits_only_complete_characters(tok: Tokenizer) -> None:
+    ids = tok.encode(HARD)
+    dec = tok.stream_decoder()
+    chunks = [dec.push(i) for i in ids]
+    out = "".join(chunks) + dec.flush()
+    assert out == HARD
+    assert all("\ufffd" not in c for c in chunks)
+    # an emoji split over byte tokens produces nothing until its last byte arrives
+    emoji = tok.encode("🎉")
+    dec = tok.stream_decoder()
+    assert [dec.push(i) for i in emoji][:-1] == [""] * (len(emoji) - 1) and len(emoji) > 1
+
+
+def test_stream_decoder_works_for_non_byte_level_tokenizers() -> None:
+    # a WordLevel tokenizer (no byte-level decoder) takes the generic re-decoding path
+    vocab = {"<|eos|>": 0, "hello": 1, "world": 2, "[UNK]": 3}
+    tk = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="[UNK]"))
+    tk.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    tk.decoder = tokenizers.decoders.WordPiece()
+    t = Tokenizer(tk)
+    assert not t.is_byte_level
+    dec = t.stream_decoder()
+    out = "".join(dec.push(i) for i in [1, 2, 1]) + dec.flush()
+    assert out == t.decode([1, 2, 1])
+
+
+def test_save_is_loadable_and_keeps_the_hash(tok: Tokenizer, tmp_path: Path) -> None:
+    path = tok.save(tmp_path / "sub" / "tokenizer.json")
+    loaded = load_tokenizer(path)
+    assert loaded.sha256 == tok.sha256
+    assert load_tokenizer(tmp_path / "sub").sha256 == tok.sha256  # a folder holding tokenizer.json
+    assert not list((tmp_path / "sub").glob(".*tmp"))
+
+
+def test_gpt2_style_tokenizer_finds_its_end_of_text_token(tmp_path: Path) -> None:
+    tk = tokenizers.Tokenizer(tokenizers.models.BPE())
+    tk.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tk.decoder = tokenizers.decoders.ByteLevel()
+    trainer = tokenizers.trainers.BpeTrainer(
+        vocab_size=280,
+        special_tokens=["<|endoftext|>"],
+        initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tk.train_from_iterator(CORPUS, trainer)
+    tk.save(str(tmp_path / "gpt2.json"))
+    t = load_tokenizer(tmp_path / "gpt2.json")
+    assert t.eos_id == t.bos_id == t.pad_id == tk.token_to_id("<|endoftext|>")
+    assert t.decode(t.encode(HARD)) == HARD
+
+
+def test_tokenizer_without_an_end_token_is_refused(tmp_path: Path) -> None:
+    tk = tokenizers.Tokenizer(tokenizers.models.WordLevel({"a": 0, "[UNK]": 1}, unk_token="[UNK]"))
+    tk.save(str(tmp_path / "t.json"))
+    with pytest.raises(TokenizerError, match="no end-of-document token"):
+        load_tokenizer(tmp_path / "t.json")
+
+
+def test_unparseable_or_missing_tokenizer_json_names_the_file_and_the_fix(tmp_path: Path) -> None:
+    bad = tmp_path / "tokenizer.json"
+    bad.write_text(json.dumps({"model": {"type": "Nope"}}))
+    with pytest.raises(
+        TokenizerError, match=r"tokenizer\.json: not a valid tokenizer\.json.*tokenizer\.path"
+    ):
+        load_tokenizer(bad)
+    bad.write_text("{ not json")
+    with pytest.raises(TokenizerError, match="not a valid tokenizer.json"):
+        load_tokenizer(bad)
+    with pytest.raises(TokenizerError, match="does not exist"):
+        load_tokenizer(tmp_path / "missing.json")
+
+
+def test_vocab_larger_than_the_model_is_refused_and_auto_takes_the_tokenizer_size(tok: Tokenizer) -> None:
+    assert check_vocab_fits(tok, "auto") == 300
+    assert check_vocab_fits(tok, 384) == 384
+    with pytest.raises(TokenizerError, match="300 tokens but model.vocab_size is 256.*auto"):
+        check_vocab_fits(tok, 256)
+
+
+def test_training_on_no_text_is_a_clear_error() -> None:
+    with pytest.raises(TokenizerError, match="no text"):
+        train_tokenizer(iter([]), TokenizerTrainConfig(vocab_size=300))
