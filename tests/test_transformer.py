@@ -38,7 +38,12 @@ def test_state_dict_uses_hf_llama_names(arch):
     per_layer += ["self_attn.o_proj.weight", "input_layernorm.weight", "post_attention_layernorm.weight"]
     per_layer += ["mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight"]
     if arch == "diff":
-        per_layer += ["self_attn.lambda_q1", "self_attn.lambda_k1", "self_attn.lambda_q2", "self_attn.lambda_k2"]
+        per_layer += [
+            "self_attn.lambda_q1",
+            "self_attn.lambda_k1",
+            "self_attn.lambda_q2",
+            "self_attn.lambda_k2",
+        ]
         per_layer += ["self_attn.subln.weight"]
     if arch == "diff2":
         per_layer += ["self_attn.lambda_proj.weight"]
@@ -53,7 +58,9 @@ def test_initialisation_follows_the_documented_scheme():
     assert layer.self_attn.o_proj.weight.std().item() == pytest.approx(0.02 / math.sqrt(8), rel=0.1)
     assert layer.mlp.down_proj.weight.std().item() == pytest.approx(0.02 / math.sqrt(8), rel=0.1)
     assert model.model.embed_tokens.weight.std().item() == pytest.approx(0.02, rel=0.1)
-    lam = torch.cat([getattr(l.self_attn, f"lambda_{n}") for l in model.model.layers for n in ("q1", "k1", "q2", "k2")])
+    lam = torch.cat(
+        [getattr(b.self_attn, f"lambda_{n}") for b in model.model.layers for n in ("q1", "k1", "q2", "k2")]
+    )
     assert lam.std().item() == pytest.approx(0.1, rel=0.2)
     assert torch.equal(layer.self_attn.subln.weight, torch.ones(32))
     assert torch.equal(layer.input_layernorm.weight, torch.ones(64))
@@ -137,7 +144,9 @@ def test_output_attentions_returns_effective_maps_and_masked_logits(arch):
     elif arch == "diff":
         expected = (1 - attn.lam()).expand_as(rows)
     else:
-        h = model.model.layers[1].input_layernorm(out.hidden_states[0] if out.hidden_states else _h0(model, x))
+        h = model.model.layers[1].input_layernorm(
+            out.hidden_states[0] if out.hidden_states else _h0(model, x)
+        )
         expected = 1 - torch.sigmoid(attn.lambda_proj(h)).transpose(1, 2)
     assert torch.allclose(rows, expected, atol=1e-5)
 
