@@ -387,6 +387,11 @@ def _build_shards(
         val.close()
 
     split = "document"
+    if data_cfg.val_fraction > 0 and train.tokens == 0:
+        # Every document (e.g. the only one) landed in validation: make it the stream to split.
+        os.replace(val.path, train.path)
+        train.tokens, train.documents, val.tokens, val.documents = val.tokens, val.documents, 0, 0
+        val.path.touch()
     if data_cfg.val_fraction > 0 and val.tokens == 0:
         # Too few documents for a document split (e.g. one big text file): hold out the tail.
         n_val = max(1, math.ceil(train.tokens * data_cfg.val_fraction))
@@ -400,11 +405,6 @@ def _build_shards(
         train.tokens -= n_val
         val.tokens = n_val
         split = "tail"
-    if train.tokens == 0:
-        raise DataError(
-            "the training split is empty (every document went to validation); lower data.val_fraction "
-            "or add data"
-        )
     return {
         "dtype": dtype.name,
         "train": {"file": "train.bin", "tokens": train.tokens, "documents": train.documents},
