@@ -1,0 +1,75 @@
+"""`difftrain prepare`: builds then reuses the cache, prints the figures, fails in one red line."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from difftrain.cli.app import main
+
+RECIPE = """\
+name: prep
+model:
+  arch: diff
+  d_model: 32
+  n_layers: 1
+  n_heads: 4
+  max_seq_len: 32
+  vocab_size: {vocab}
+data:
+  sources: [corpus, {{source: extra.jsonl, weight: 2}}]
+  val_fraction: 0.1
+  on_bad_record: skip
+  cache_dir: {cache}
+tokenizer:
+  train: {{vocab_size: 300}}
+train:
+  max_steps: 10
+  micro_batch_size: 2
+"""
+
+
+def write_recipe(tmp_path: Path, vocab: str = "auto") -> Path:
+    (tmp_path / "corpus").mkdir()
+    for i in range(12):
+        (tmp_path / "corpus" / f"{i}.txt").write_text(f"text number {i} " * 30)
+    (tmp_path / "extra.jsonl").write_text('{"text": "jsonl record"}\nnot json\n')
+    recipe = tmp_path / "prep.yaml"
+    recipe.write_text(RECIPE.format(cache=tmp_path / "cache", vocab=vocab))
+    return recipe
+
+
+def test_prepare_prints_the_figures_and_reuses_the_cache(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    recipe = write_recipe(tmp_path)
+    monkeypatch.setenv("COLUMNS", "200")
+    assert main(["prepare", str(recipe), "--no-progress"]) == 0
+    out = capsys.readouterr()
+    for label in ("documents", "bytes", "tokens/byte", "train tokens", "val tokens", "time", "cache"):
+        assert label in out.out
+    assert "13 (" in out.out  # 12 files + 1 good jsonl record
+    assert "skipped records" in out.out and "extra.jsonl, line 2: not valid JSON" in out.err
+    assert "built now" in out.out and str(tmp_path / "cache") in out.out
+    assert main(["prepare", str(recipe), "data.val_fraction=0.1"]) == 0
+    assert "reused from cache" in capsys.readouterr().out
+
+
+def test_prepare_errors_are_one_red_line_with_exit_code_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    recipe = write_recipe(tmp_path)
+    assert main(["prepare", str(recipe), "data.sources=[missing_dir]", "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "error:" in err and "missing_dir does not exist" in err and "Traceback" not in err
+
+
+def test_prepare_refuses_a_tokenizer_larger_than_the_model_vocab(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    recipe = write_recipe(tmp_path, vocab="256")
+    assert main(["prepare", str(recipe), "--no-progress"]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert re.search(r"has \d+ tokens but model\.vocab_size is 256.*set model\.vocab_size: auto", err)
