@@ -1,0 +1,362 @@
+"""The generation engine: batched, KV-cached, streaming decoding for baseline, diff and diff2.
+
+`generate(model, prompts, config)` is a generator that yields a `Token` for every token a
+sequence produces and a `Finished` (with the `Completion`) when it stops; `generate_all` drains
+it. The CLI streams from it, the evaluations run greedy batches through it, the tests compare
+its two paths.
+
+How a batch runs. Prompts of lengths L_i are left-padded to P = max L_i; the padding slots are
+masked out of attention (`key_padding_mask`) and every sequence gets its own RoPE positions
+0 … L_i − 1 (counted over its real tokens), so each row computes exactly what it would alone.
+
+    prefill:  logits = model(ids (B, P), cache, key_padding_mask)[:, −1]   (fills the KV cache)
+    decode:   v_t ~ sampler(logits);  logits = model(v_t (B, 1), cache)[:, −1]
+
+With `use_cache=False` every step instead recomputes the whole sequence (prompt + generated
+so far) without a cache: O(n²) work, the reference the cached path is tested against.
+
+When a sequence stops (first match wins):
+- `eos`: it produced the end-of-document token (not part of the text);
+- `stop`: its text contains one of the stop strings (the text is cut before it; text that could
+  be the start of a stop string is held back while streaming, so a stop string is never shown);
+- `length`: it produced `max_new_tokens` tokens;
+- `context`: it filled the model's context. Policy: **stop, never slide**. The model reads at
+  most `max_seq_len` tokens (the length it was trained on), so a prompt of L tokens gets at most
+  max_seq_len − L + 1 new tokens (the last one is predicted from a full window and never fed
+  back). Sliding the window would either recompute it every step (slow) or keep cache entries
+  whose hidden states saw tokens that are no longer in the window (not what the model was
+  trained for); stopping with a clear reason is exact and honest.
+
+Sampling (see `sampling.py`) draws each row from its own generator, seeded `seeds[i]`
+(default `config.seed + i`), so a sample does not depend on what else is in its batch.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Literal, Protocol, Union
+
+import torch
+from torch import Tensor
+
+from difftrain.errors import ConfigError, DataError
+from difftrain.infer.sampling import Sampler, SamplingConfig
+
+FinishReason = Literal["eos", "stop", "length", "context"]
+
+
+class TextTokenizer(Protocol):
+    """What the engine needs from a tokenizer (`difftrain.data.tokenizer.Tokenizer` has it)."""
+
+    eos_id: int
+    pad_id: int
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def stream_decoder(self) -> object: ...
+
+
+@dataclass(frozen=True)
+class GenerationConfig:
+    """What to generate: how many tokens, how to sample, when to stop, which path to use."""
+
+    max_new_tokens: int = 256
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    stop: tuple[str, ...] = ()
+    stop_at_eos: bool = True
+    use_cache: bool = True
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.max_new_tokens, int) and self.max_new_tokens >= 1):
+            raise ConfigError(f"max_new_tokens={self.max_new_tokens} must be a whole number ≥ 1")
+        if any(s == "" for s in self.stop):
+            raise ConfigError("a stop string is empty: every --stop needs at least one character")
+        object.__setattr__(self, "stop", tuple(self.stop))
+
+
+@dataclass
+class Completion:
+    """One finished sequence. `token_ids` are all tokens produced (the final eos included);
+    `text` is their text without the eos and cut before a stop string."""
+
+    seq: int
+    prompt_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: FinishReason
+    first_token_s: float
+    time_s: float
+
+    @property
+    def tokens_per_s(self) -> float:
+        return len(self.token_ids) / self.time_s if self.time_s > 0 else float("inf")
+
+
+@dataclass
+class Token:
+    """Sequence `seq` produced `token_id`; `text` is the text that became final with it ("" while
+    a multi-byte character or a possible stop string is incomplete, or without a tokenizer)."""
+
+    seq: int
+    token_id: int
+    text: str
+
+
+@dataclass
+class Finished:
+    seq: int
+    completion: Completion
+
+
+Event = Union[Token, Finished]
+
+
+# ----- prompts ---------------------------------------------------------------------------------
+def prompt_ids(tokenizer: TextTokenizer, text: str, *, document_start: bool = True) -> list[int]:
+    """Token ids of a text prompt. With `document_start`, the prompt is preceded by <|eos|>: the
+    pretraining stream is `doc eos doc eos …`, so eos is what a model has seen before the start of
+    every document (its bos token never occurs in pretraining). An empty text gives [eos]: sample
+    a document from scratch."""
+    ids = tokenizer.encode(text)
+    return [tokenizer.eos_id, *ids] if document_start else ids
+
+
+def check_prompts(prompts: Sequence[Sequence[int]], vocab_size: int, max_seq_len: int) -> None:
+    """DataError unless every prompt is non-empty, in the vocabulary and fits the context."""
+    if len(prompts) == 0:
+        raise DataError("no prompts to generate from")
+    for i, p in enumerate(prompts, start=1):
+        if len(p) == 0:
+            raise DataError(f"prompt {i} is empty (no tokens); give some text, or start from <|eos|>")
+        if len(p) > max_seq_len:
+            raise DataError(
+                f"prompt {i} is {len(p)} tokens but the model's context is max_seq_len={max_seq_len} tokens; "
+                f"shorten it by at least {len(p) - max_seq_len} tokens"
+            )
+        bad = [t for t in p if not 0 <= int(t) < vocab_size]
+        if bad:
+            raise DataError(
+                f"prompt {i} has token id {bad[0]} outside the model's vocabulary (0 … {vocab_size - 1}); "
+                "was it encoded with another tokenizer?"
+            )
+
+
+# ----- streaming text with stop strings --------------------------------------------------------
+class _Text:
+    """Decoded text of one sequence: emits what is final, holds back a possible stop string."""
+
+    def __init__(self, tokenizer: TextTokenizer, stops: tuple[str, ...]) -> None:
+        self.decoder = tokenizer.stream_decoder()
+        self.stops = stops
+        self.text = ""
+        self.emitted = 0
+
+    def push(self, token_id: int) -> tuple[str, bool]:
+        """Add a token; return (newly final text, whether a stop string was reached)."""
+        self.text += self.decoder.push(token_id)  # type: ignore[attr-defined]
+        return self._advance(final=False)
+
+    def finish(self) -> str:
+        """Flush the decoder at the end of generation; return the rest of the text."""
+        self.text += self.decoder.flush()  # type: ignore[attr-defined]
+        return self._advance(final=True)[0]
+
+    def _advance(self, final: bool) -> tuple[str, bool]:
+        # A stop string cannot start before `emitted`: the longest suffix that is a prefix of a
+        # stop string is always held back, and any earlier start would be a longer such suffix.
+        hits = [j for s in self.stops if (j := self.text.find(s, self.emitted)) >= 0]
+        if hits:
+            cut = min(hits)
+            out, self.text, self.emitted = self.text[self.emitted : cut], self.text[:cut], cut
+            return out, True
+        keep = 0 if final else self._partial_stop_len()
+        end = max(self.emitted, len(self.text) - keep)
+        out, self.emitted = self.text[self.emitted : end], end
+        return out, False
+
+    def _partial_stop_len(self) -> int:
+        """Length of the longest suffix of the text that is a proper prefix of a stop string."""
+        best = 0
+        for s in self.stops:
+            for k in range(min(len(s) - 1, len(self.text)), best, -1):
+                if self.text.endswith(s[:k]):
+                    best = k
+                    break
+        return best
+
+
+# ----- the two forward paths -------------------------------------------------------------------
+class _CachedForward:
+    """Prefill once into a preallocated KV cache, then feed one token per step."""
+
+    def __init__(self, model: torch.nn.Module, ids: Tensor, mask: Tensor | None, capacity: int) -> None:
+        self.model, self.ids, self.mask = model, ids, mask
+        self.cache = model.new_cache(ids.shape[0], max_len=capacity)  # type: ignore[operator]
+
+    def prefill(self) -> Tensor:
+        out = self.model(self.ids, cache=self.cache, key_padding_mask=self.mask)
+        return out.logits[:, -1].float()
+
+    def step(self, next_ids: Tensor) -> Tensor:
+        return self.model(next_ids[:, None], cache=self.cache).logits[:, -1].float()
+
+
+class _UncachedForward:
+    """Reference path: recompute the whole sequence every step (no cache)."""
+
+    def __init__(self, model: torch.nn.Module, ids: Tensor, mask: Tensor | None) -> None:
+        self.model, self.ids, self.mask = model, ids, mask
+
+    def prefill(self) -> Tensor:
+        return self.model(self.ids, key_padding_mask=self.mask).logits[:, -1].float()
+
+    def step(self, next_ids: Tensor) -> Tensor:
+        self.ids = torch.cat((self.ids, next_ids[:, None]), dim=1)
+        if self.mask is not None:
+            self.mask = torch.cat((self.mask, self.mask.new_ones(self.mask.shape[0], 1)), dim=1)
+        return self.prefill()
+
+
+# ----- the engine ------------------------------------------------------------------------------
+def generate(
+    model: torch.nn.Module,
+    prompts: Sequence[Sequence[int]],
+    config: GenerationConfig | None = None,
+    *,
+    tokenizer: TextTokenizer | None = None,
+    eos_id: int | None = None,
+    seeds: Sequence[int] | None = None,
+) -> Iterator[Event]:
+    """Generate continuations of `prompts` (token ids) as one batch, yielding events as they happen.
+
+    model: a `Transformer` (eval mode; its device and dtype are used). tokenizer: needed for
+    text (`Token.text`, `Completion.text`) and stop strings; eos_id defaults to the tokenizer's.
+    seeds: one per prompt (default config.seed + i). Events of one step come in sequence order.
+    """
+    config = config or GenerationConfig()
+    mc = model.config  # type: ignore[attr-defined]
+    check_prompts(prompts, mc.vocab_size, mc.max_seq_len)
+    if config.stop and tokenizer is None:
+        raise ValueError("stop strings need a tokenizer to decode the generated text")
+    eos = eos_id if eos_id is not None else (tokenizer.eos_id if tokenizer is not None else None)
+    if not config.stop_at_eos:
+        eos = None
+    B = len(prompts)
+    seeds = [config.seed + i for i in range(B)] if seeds is None else list(seeds)
+    if len(seeds) != B:
+        raise ValueError(f"{len(seeds)} seeds for {B} prompts")
+    device = model.lm_head.weight.device  # type: ignore[union-attr]
+
+    # Left-pad into (B, P); each sequence may produce at most `limits[i]` tokens.
+    lens = [len(p) for p in prompts]
+    P = max(lens)
+    limits = [min(config.max_new_tokens, mc.max_seq_len - L + 1) for L in lens]
+    pad = tokenizer.pad_id if tokenizer is not None else 0
+    ids = torch.full((B, P), pad, dtype=torch.long)
+    mask = torch.zeros(B, P, dtype=torch.bool)
+    for i, p in enumerate(prompts):
+        ids[i, P - len(p) :] = torch.tensor([int(t) for t in p], dtype=torch.long)
+        mask[i, P - len(p) :] = True
+    ids = ids.to(device)
+    mask_arg = None if bool(mask.all()) else mask.to(device)
+
+    sampler = Sampler(config.sampling, seeds, device)
+    seen = None
+    if config.sampling.repetition_penalty != 1.0:
+        seen = torch.zeros(B, mc.vocab_size, dtype=torch.bool, device=device)
+        seen[mask.nonzero(as_tuple=True)[0].to(device), ids[mask.to(device)]] = True
+
+    texts = [_Text(tokenizer, config.stop) if tokenizer is not None else None for _ in range(B)]
+    produced: list[list[int]] = [[] for _ in range(B)]
+    done = [False] * B
+
+    with torch.inference_mode():
+        if config.use_cache:
+            run: _CachedForward | _UncachedForward = _CachedForward(model, ids, mask_arg, P + max(limits) - 1)
+        else:
+            run = _UncachedForward(model, ids, mask_arg)
+    t0 = time.perf_counter()
+    first_token_s = 0.0
+    with torch.inference_mode():
+        logits = run.prefill()
+    for step in range(max(limits)):
+        with torch.inference_mode():
+            next_ids = sampler(logits, seen)
+            if seen is not None:
+                seen.scatter_(1, next_ids[:, None], True)
+        toks = next_ids.tolist()
+        if step == 0:
+            first_token_s = time.perf_counter() - t0
+        for i in range(B):
+            if done[i]:
+                continue
+            tok = toks[i]
+            produced[i].append(tok)
+            text_state = texts[i]
+            reason: FinishReason | None = None
+            text = ""
+            if tok == eos:
+                reason = "eos"
+            elif text_state is not None:
+                text, stopped = text_state.push(tok)
+                reason = "stop" if stopped else None
+            if reason is None and len(produced[i]) >= limits[i]:
+                reason = "length" if len(produced[i]) >= config.max_new_tokens else "context"
+            if reason in ("eos", "length", "context") and text_state is not None:
+                text += text_state.finish()
+            yield Token(i, tok, text)
+            if reason is not None:
+                done[i] = True
+                yield Finished(
+                    i,
+                    Completion(
+                        seq=i,
+                        prompt_ids=[int(t) for t in prompts[i]],
+                        token_ids=produced[i],
+                        text=text_state.text if text_state is not None else "",
+                        finish_reason=reason,
+                        first_token_s=first_token_s,
+                        time_s=time.perf_counter() - t0,
+                    ),
+                )
+        if all(done):
+            break
+        with torch.inference_mode():
+            logits = run.step(next_ids)
+
+
+def generate_all(
+    model: torch.nn.Module,
+    prompts: Sequence[Sequence[int]],
+    config: GenerationConfig | None = None,
+    **kwargs: object,
+) -> list[Completion]:
+    """Run `generate` to the end; the completions in prompt order."""
+    out: list[Completion | None] = [None] * len(prompts)
+    for ev in generate(model, prompts, config, **kwargs):  # type: ignore[arg-type]
+        if isinstance(ev, Finished):
+            out[ev.seq] = ev.completion
+    return [c for c in out if c is not None]
+
+
+def greedy(
+    model: torch.nn.Module,
+    prompts: Sequence[Sequence[int]],
+    max_new_tokens: int,
+    *,
+    tokenizer: TextTokenizer | None = None,
+    eos_id: int | None = None,
+    stop: Sequence[str] = (),
+    use_cache: bool = True,
+) -> list[Completion]:
+    """Greedy completions of a batch (what the evaluations use)."""
+    cfg = GenerationConfig(
+        max_new_tokens=max_new_tokens,
+        sampling=SamplingConfig(greedy=True),
+        stop=tuple(stop),
+        use_cache=use_cache,
+    )
+    return generate_all(model, prompts, cfg, tokenizer=tokenizer, eos_id=eos_id)

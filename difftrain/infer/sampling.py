@@ -1,0 +1,155 @@
+"""Next-token sampling: logits z (B, V) → token ids (B,).
+
+The pipeline, in the order of Hugging Face transformers' logits processors and warpers:
+
+1. repetition penalty θ (CTRL, Keskar et al. 2019): for every token v already in the sequence
+   (prompt or generated), z_v ← z_v / θ if z_v > 0 else z_v · θ. θ = 1 is off.
+2. greedy (`greedy=True` or temperature T = 0): v = argmax_v z_v, and stop here.
+3. temperature: z ← z / T.
+4. top-k: keep the k largest z_v (tokens tied with the k-th are kept too). k = 0 is off.
+5. top-p (nucleus, Holtzman et al. 2020): sort p = softmax(z) descending and keep the smallest
+   prefix whose mass reaches p_top, i.e. token (j) is kept iff Σ_{i<j} p_(i) < p_top (the most
+   probable token always survives). p_top = 1 is off.
+6. min-p (Nguyen et al. 2024): keep v iff p_v ≥ min_p · max_u p_u, p = softmax(z) after the
+   steps above. min_p = 0 is off.
+7. p = softmax(z) over the survivors; draw v ~ p.
+
+The draw is an exponential race: v = argmax_v p_v / E_v with E_v ~ Exp(1) i.i.d., an exact
+sample from p (E_v/p_v ~ Exp(p_v), and the smallest of independent exponentials is v with
+probability p_v / Σ_u p_u). Each row has its own `torch.Generator`, so sample i of a seed is the
+same whether it is drawn alone or in a batch.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from difftrain.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    """How the next token is chosen from the logits (see the module docstring for the math)."""
+
+    temperature: float = 0.8
+    top_k: int = 50
+    top_p: float = 0.95
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    greedy: bool = False
+
+    def __post_init__(self) -> None:
+        t, k, p, m, r = self.temperature, self.top_k, self.top_p, self.min_p, self.repetition_penalty
+        # written as `not (ok)` so that NaN is rejected too
+        if not (t >= 0 and math.isfinite(t)):
+            raise ConfigError(
+                f"temperature={t} is invalid: it must be ≥ 0 (e.g. --temperature 0.8; 0 or --greedy "
+                "picks the most probable token)"
+            )
+        if not (isinstance(k, int) and k >= 0):
+            raise ConfigError(f"top_k={k} is invalid: it must be a whole number ≥ 0 (0 turns top-k off)")
+        if not (0 < p <= 1):
+            raise ConfigError(
+                f"top_p={p} is outside (0, 1]: it is the probability mass kept (e.g. --top-p 0.95; 1 turns it off)"
+            )
+        if not (0 <= m <= 1):
+            raise ConfigError(f"min_p={m} is outside [0, 1]: e.g. --min-p 0.05 (0 turns it off)")
+        if not (r > 0 and math.isfinite(r)):
+            raise ConfigError(
+                f"repetition_penalty={r} is invalid: it must be > 0 (1 is off, 1.1-1.3 discourages repeats)"
+            )
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.greedy or self.temperature == 0
+
+
+# ----- the steps ---------------------------------------------------------------------------------
+def apply_repetition_penalty(logits: Tensor, seen: Tensor, penalty: float) -> Tensor:
+    """z_v / θ for seen tokens with z_v > 0, z_v · θ for seen tokens with z_v ≤ 0; seen (B, V) bool."""
+    if penalty == 1.0:
+        return logits
+    penalized = torch.where(logits > 0, logits / penalty, logits * penalty)
+    return torch.where(seen, penalized, logits)
+
+
+def top_k_filter(logits: Tensor, k: int) -> Tensor:
+    """Set every logit below the k-th largest of its row to −inf (k = 0 or k ≥ V: unchanged)."""
+    if k <= 0 or k >= logits.shape[-1]:
+        return logits
+    kth = torch.topk(logits, k, dim=-1).values[..., -1:]
+    return logits.masked_fill(logits < kth, float("-inf"))
+
+
+def top_p_filter(logits: Tensor, p: float) -> Tensor:
+    """Keep the smallest set of most probable tokens whose probability sums to ≥ p."""
+    if p >= 1.0:
+        return logits
+    sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+    probs = torch.softmax(sorted_logits, dim=-1)
+    mass_before = torch.cumsum(probs, dim=-1) - probs
+    drop_sorted = mass_before >= p
+    drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+    return logits.masked_fill(drop, float("-inf"))
+
+
+def min_p_filter(logits: Tensor, min_p: float) -> Tensor:
+    """Drop tokens whose probability is below min_p times the row's largest probability."""
+    if min_p <= 0.0:
+        return logits
+    probs = torch.softmax(logits, dim=-1)
+    threshold = min_p * probs.max(dim=-1, keepdim=True).values
+    return logits.masked_fill(probs < threshold, float("-inf"))
+
+
+def filtered_logits(logits: Tensor, cfg: SamplingConfig, seen: Tensor | None = None) -> Tensor:
+    """Steps 1 and 3-6 of the pipeline on fp32 logits (B, V); −inf marks removed tokens."""
+    z = logits.float()
+    if seen is not None:
+        z = apply_repetition_penalty(z, seen, cfg.repetition_penalty)
+    if cfg.is_greedy:
+        return z
+    z = z / cfg.temperature
+    z = top_k_filter(z, cfg.top_k)
+    z = top_p_filter(z, cfg.top_p)
+    return min_p_filter(z, cfg.min_p)
+
+
+def next_token_probs(logits: Tensor, cfg: SamplingConfig, seen: Tensor | None = None) -> Tensor:
+    """The distribution the sampler draws from (B, V); one-hot on the argmax when greedy."""
+    z = filtered_logits(logits, cfg, seen)
+    if cfg.is_greedy:
+        return torch.nn.functional.one_hot(z.argmax(-1), z.shape[-1]).to(z.dtype)
+    return torch.softmax(z, dim=-1)
+
+
+def draw(probs: Tensor, generators: Sequence[torch.Generator]) -> Tensor:
+    """One token per row: argmax_v p_v / E_v, E_v ~ Exp(1) from the row's generator."""
+    noise = torch.empty_like(probs)
+    for row, g in zip(noise, generators, strict=True):
+        row.exponential_(generator=g)
+    return (probs / noise).argmax(dim=-1)
+
+
+class Sampler:
+    """Chooses the next tokens of a batch; row i draws from its own generator seeded `seeds[i]`."""
+
+    def __init__(self, cfg: SamplingConfig, seeds: Sequence[int], device: torch.device) -> None:
+        self.cfg = cfg
+        self.generators: list[torch.Generator] = []
+        if not cfg.is_greedy:
+            for s in seeds:
+                g = torch.Generator(device=device)
+                g.manual_seed(int(s))
+                self.generators.append(g)
+
+    def __call__(self, logits: Tensor, seen: Tensor | None = None) -> Tensor:
+        """logits (B, V) → token ids (B,) long."""
+        if self.cfg.is_greedy:
+            return filtered_logits(logits, self.cfg, seen).argmax(dim=-1)
+        return draw(next_token_probs(logits, self.cfg, seen), self.generators)
