@@ -17,6 +17,7 @@ from difftrain.model.kernels import (
     diff2_attention,
     diff_attention,
     diff_sdpa_one_call,
+    diff_sdpa_split_v,
     diff_sdpa_two_calls,
     resolve_impl,
 )
@@ -88,7 +89,7 @@ def test_both_diff_sdpa_strategies_match_eager(n_kv):
     for mask in masks(T).values():
         t = inputs("diff", n_kv, T, mask.kv_len)
         ref = call("diff", t, mask, "eager")
-        for fn in (diff_sdpa_two_calls, diff_sdpa_one_call):
+        for fn in (diff_sdpa_two_calls, diff_sdpa_one_call, diff_sdpa_split_v):
             assert rel_err(fn(t["q"], t["k"], t["v"], t["lam"], mask), ref) <= 1e-5, fn.__name__
 
 

@@ -170,9 +170,29 @@ def diff_sdpa_one_call(q: Tensor, k: Tensor, v: Tensor, lam: Tensor, mask: AttnM
     return o1 - lam.to(o2.dtype) * o2
 
 
-# Measured by benchmarks/attention_layer.py --variants on the 2-core CPU (B=8, T=512, H=8, d=64,
-# forward+backward): two calls 1.0×, one call ≈1.3× slower (it copies Q, K and a doubled V).
-DIFF_SDPA = diff_sdpa_two_calls
+def diff_sdpa_split_v(q: Tensor, k: Tensor, v: Tensor, lam: Tensor, mask: AttnMask) -> Tensor:
+    """The same with V split into its two d-wide halves (four sdpa calls, as the paper's
+    flash-attention code does): every call has equal q/k/v head widths, which the fused flash
+    kernels (CPU and CUDA) require; A1 and A2 are each computed twice."""
+    v1, v2 = v.chunk(2, dim=-1)
+    q1, q2, k1, k2 = q[:, 0::2], q[:, 1::2], k[:, 0::2], k[:, 1::2]
+    o1 = torch.cat((_sdpa(q1, k1, v1, mask), _sdpa(q1, k1, v2, mask)), dim=-1)
+    o2 = torch.cat((_sdpa(q2, k2, v1, mask), _sdpa(q2, k2, v2, mask)), dim=-1)
+    return o1 - lam.to(o2.dtype) * o2
+
+
+def diff_sdpa(q: Tensor, k: Tensor, v: Tensor, lam: Tensor, mask: AttnMask) -> Tensor:
+    """The diff sdpa strategy for q's device.
+
+    CPU: `diff_sdpa_one_call`. `benchmarks/attention_layer.py --variants` (B=8, T=512, H=8, d=64,
+    forward+backward, 2 cores shared with other jobs, round-robin medians of 7) measured
+    two calls 2566 ms, one call 1374 ms (0.54×), split V 1713 ms (0.67×).
+    CUDA: `diff_sdpa_split_v`, because sdpa's flash kernel needs equal q/k/v head widths and
+    the other two would fall back to the memory-efficient kernel. Not measured in this repo yet
+    (no GPU was available); the GPU test checks it against eager.
+    """
+    fn = diff_sdpa_split_v if q.device.type == "cuda" else diff_sdpa_one_call
+    return fn(q, k, v, lam, mask)
 
 
 # ----- flex ------------------------------------------------------------------------------------
@@ -273,7 +293,7 @@ def diff_attention(
         r = _eager_diff(q, k, v, lam, mask, logit_transform)
         return r if return_maps else AttnResult(r.out)
     if impl == "sdpa":
-        return AttnResult(DIFF_SDPA(q, k, v, lam, mask))
+        return AttnResult(diff_sdpa(q, k, v, lam, mask))
     if impl == "flex":
         o1 = _flex(q[:, 0::2], k[:, 0::2], v, mask)
         o2 = _flex(q[:, 1::2], k[:, 1::2], v, mask)

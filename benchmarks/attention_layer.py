@@ -1,0 +1,189 @@
+"""Forward+backward time of one decoder block (input norm + attention + residual + MLP) per arch
+and attention implementation, and the diff/baseline (and diff2/baseline) ratios from one run.
+
+    .venv/bin/python benchmarks/attention_layer.py                     # d_model=512, H=8, T=512, B=8
+    .venv/bin/python benchmarks/attention_layer.py --impls sdpa --reps 3 --json bench.json
+    .venv/bin/python benchmarks/attention_layer.py --variants          # diff sdpa: two calls vs one
+
+Each measurement: `--warmup` untimed iterations, then the median of `--reps` timed ones, the
+archs of one implementation timed round-robin so their ratio survives a change of machine load. flex
+attention has no backward on CPU, so on CPU its rows time the forward pass only (marked `fwd`)
+and its ratio compares like with like (flex forward vs flex forward). Machines are noisy: read
+the ratios, which come from one run, rather than the absolute times.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from difftrain.model import AttnMask, ModelConfig
+from difftrain.model.attention import AttnOptions
+from difftrain.model.kernels import diff_sdpa_one_call, diff_sdpa_split_v, diff_sdpa_two_calls
+from difftrain.model.rope import RotaryEmbedding
+from difftrain.model.transformer import Block
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def _time_interleaved(steps: dict[str, object], warmup: int, reps: int, device: torch.device) -> dict:
+    """Warm every step up, then time them round-robin (A B C A B C ...) so that a change of load
+    on the machine during the run hits all of them alike; returns each one's times in ms."""
+    for fn in steps.values():
+        for _ in range(warmup):
+            fn()
+    _sync(device)
+    times: dict[str, list[float]] = {name: [] for name in steps}
+    for _ in range(reps):
+        for name, fn in steps.items():
+            t0 = time.perf_counter()
+            fn()
+            _sync(device)
+            times[name].append((time.perf_counter() - t0) * 1e3)
+    return times
+
+
+def block_step(args: argparse.Namespace, arch: str, impl: str, device: torch.device):
+    """A closure running one block forward+backward (forward only for flex on CPU), and its mode."""
+    torch.manual_seed(0)
+    cfg = ModelConfig(
+        arch=arch,
+        vocab_size=256,
+        d_model=args.d_model,
+        n_layers=1,
+        n_heads=args.n_heads,
+        max_seq_len=args.seq,
+    )
+    block = Block(cfg, layer_idx=0).to(device)
+    B, T = args.batch, args.seq
+    x = torch.randn(B, T, cfg.d_model, device=device, requires_grad=True)
+    grad = torch.randn_like(x)
+    assert cfg.head_dim is not None
+    cos, sin = RotaryEmbedding(cfg.head_dim, cfg.rope_theta).to(device)(
+        torch.arange(T, device=device)[None].expand(B, T), x.dtype
+    )
+    mask, opts = AttnMask(T, T), AttnOptions(impl)
+    backward = not (impl == "flex" and device.type == "cpu")
+
+    def step() -> None:
+        if backward:
+            block.zero_grad(set_to_none=True)
+            x.grad = None
+            out = block(x, cos, sin, mask, None, opts)[0]
+            out.backward(grad)
+        else:
+            with torch.no_grad():
+                block(x, cos, sin, mask, None, opts)
+
+    return step, "fwd+bwd" if backward else "fwd"
+
+
+def bench_blocks(args: argparse.Namespace, impl: str, device: torch.device) -> list[dict]:
+    steps, modes = {}, {}
+    for arch in args.archs:
+        steps[arch], modes[arch] = block_step(args, arch, impl, device)
+    times = _time_interleaved(steps, args.warmup, args.reps, device)
+    return [
+        {
+            "arch": arch,
+            "impl": impl,
+            "mode": modes[arch],
+            "ms": statistics.median(times[arch]),
+            "ms_all": [round(t, 2) for t in times[arch]],
+        }
+        for arch in args.archs
+    ]
+
+
+def bench_diff_variants(args: argparse.Namespace, device: torch.device) -> list[dict]:
+    """The diff core alone (fwd+bwd): the sdpa strategies of kernels.py, relative to the first."""
+    torch.manual_seed(0)
+    B, T, H, d = args.batch, args.seq, args.n_heads, args.d_model // args.n_heads
+    q = torch.randn(B, H, T, d, device=device, requires_grad=True)
+    k = torch.randn(B, H, T, d, device=device, requires_grad=True)
+    v = torch.randn(B, H // 2, T, 2 * d, device=device, requires_grad=True)
+    lam = torch.tensor(0.3, device=device, requires_grad=True)
+    mask = AttnMask(T, T)
+    steps = {}
+    for fn in (diff_sdpa_two_calls, diff_sdpa_one_call, diff_sdpa_split_v):
+
+        def step(fn=fn) -> None:
+            out = fn(q, k, v, lam, mask)
+            torch.autograd.grad(out.sum(), (q, k, v, lam))
+
+        steps[fn.__name__] = step
+    times = _time_interleaved(steps, args.warmup, args.reps, device)
+    return [
+        {"variant": name, "ms": statistics.median(t), "ms_all": [round(x, 2) for x in t]}
+        for name, t in times.items()
+    ]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--d-model", type=int, default=512)
+    p.add_argument("--n-heads", type=int, default=8)
+    p.add_argument("--seq", type=int, default=512)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--archs", nargs="+", default=["baseline", "diff", "diff2"])
+    p.add_argument("--impls", nargs="+", default=["eager", "sdpa", "flex"])
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--variants", action="store_true", help="only compare the two diff sdpa strategies")
+    p.add_argument("--json", type=Path, help="also write the results as JSON to this path")
+    args = p.parse_args(argv)
+    device = torch.device(args.device)
+    setup = {
+        "d_model": args.d_model,
+        "n_heads": args.n_heads,
+        "seq": args.seq,
+        "batch": args.batch,
+        "device": str(device),
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "warmup": args.warmup,
+        "reps": args.reps,
+    }
+    print(
+        f"one decoder block, d_model={args.d_model} H={args.n_heads} T={args.seq} B={args.batch} "
+        f"on {device} ({torch.get_num_threads()} threads), median of {args.reps}"
+    )
+    if args.variants:
+        rows = bench_diff_variants(args, device)
+        for r in rows:
+            print(f"  {r['variant']:<22} {r['ms']:9.1f} ms   {r['ms'] / rows[0]['ms']:.2f}x")
+        result: dict = {"setup": setup, "diff_sdpa_variants": rows}
+    else:
+        results = [r for impl in args.impls for r in bench_blocks(args, impl, device)]
+        ms = {(r["arch"], r["impl"]): r for r in results}
+        header = f"  {'impl':<6} {'mode':<8}" + "".join(f"{a:>12}" for a in args.archs)
+        ratio_archs = [a for a in args.archs if a != "baseline" and "baseline" in args.archs]
+        header += "".join(f"{a + '/base':>13}" for a in ratio_archs)
+        print(header + "   (ms)")
+        ratios = {}
+        for impl in args.impls:
+            line = f"  {impl:<6} {ms[(args.archs[0], impl)]['mode']:<8}"
+            line += "".join(f"{ms[(a, impl)]['ms']:12.1f}" for a in args.archs)
+            for a in ratio_archs:
+                ratios[f"{a}/baseline[{impl}]"] = ms[(a, impl)]["ms"] / ms[("baseline", impl)]["ms"]
+                line += f"{ratios[f'{a}/baseline[{impl}]']:13.2f}"
+            print(line)
+        result = {"setup": setup, "results": results, "ratios": ratios}
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(result, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
