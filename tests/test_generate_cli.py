@@ -1,0 +1,235 @@
+"""`difftrain generate` end to end on a tiny run directory: streaming, JSON, prompt files, REPL, errors."""
+
+from __future__ import annotations
+
+import builtins
+import json
+
+import pytest
+import torch
+
+from difftrain.cli.app import main
+from difftrain.data.config import TokenizerTrainConfig
+from difftrain.data.tokenizer import train_tokenizer
+from difftrain.model import ModelConfig, Transformer
+from difftrain.rundir import save_weights
+
+TEXTS = ["def fibonacci(n):\n    return n if n < 2 else fibonacci(n - 1)\n"] * 10 + [
+    "hello world, the quick brown fox"
+] * 10
+
+
+def make_run(path, *, vocab_size: int | None = None, weights: bool = True, arch: str = "diff"):
+    path.mkdir(parents=True, exist_ok=True)
+    tok = train_tokenizer(TEXTS, TokenizerTrainConfig(vocab_size=300))
+    tok.save(path / "tokenizer.json")
+    torch.manual_seed(0)
+    cfg = ModelConfig(
+        arch=arch,
+        vocab_size=vocab_size or tok.vocab_size,
+        d_model=32,
+        n_layers=2,
+        n_heads=4,
+        max_seq_len=64,
+        init_std=0.2,
+    )
+    cfg.to_json(path / "config.json")
+    if weights:
+        save_weights(path / "model.safetensors", Transformer(cfg))
+    else:
+        (path / "recipe.yaml").write_text("name: x\n")
+    return path
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+    return make_run(tmp_path_factory.mktemp("runs") / "tiny")
+
+
+def gen(capsys, *args) -> tuple[int, str, str]:
+    capsys.readouterr()
+    code = main(["generate", *map(str, args)])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def json_results(capsys, *args) -> list[dict]:
+    code, out, err = gen(capsys, *args, "--json")
+    assert code == 0, err
+    return json.loads(out)["results"]
+
+
+def test_generate_streams_prompt_and_completion_then_a_footer(run_dir, capsys):
+    code, out, err = gen(capsys, run_dir, "--prompt", "def f(n):", "--max-new-tokens", 8, "--seed", 1)
+    assert code == 0, err
+    assert out.startswith("def f(n):")
+    assert "tokens/s" in err and "seed 1" in err
+
+
+def test_json_output_parses_and_holds_every_prompt_times_samples(run_dir, capsys):
+    code, out, _ = gen(
+        capsys, run_dir, "-p", "hello", "-p", "def", "--num-samples", 2, "-n", 6, "--seed", 3, "--json"
+    )
+    assert code == 0
+    doc = json.loads(out)
+    assert doc["settings"]["seed"] == 3 and doc["arch"] == "diff"
+    res = doc["results"]
+    assert [(r["prompt"], r["sample"], r["seed"]) for r in res] == [
+        ("hello", 0, 3),
+        ("hello", 1, 4),
+        ("def", 0, 5),
+        ("def", 1, 6),
+    ]
+    for r in res:
+        assert 1 <= r["completion_tokens"] == len(r["token_ids"]) <= 6
+        assert r["finish_reason"] in ("eos", "length")
+        assert r["tokens_per_s"] > 0
+    assert doc["total"]["completion_tokens"] == sum(r["completion_tokens"] for r in res)
+
+
+def test_a_seed_reproduces_the_samples_streamed_or_batched(run_dir, capsys):
+    args = (run_dir, "-p", "hello", "-p", "def fib", "--num-samples", 2, "-n", 10, "--seed", 5)
+    first = json_results(capsys, *args)
+    again = json_results(capsys, *args, "--batch-size", 1)
+    assert [r["token_ids"] for r in first] == [r["token_ids"] for r in again]
+    code, out, _ = gen(capsys, *args)  # streamed one by one: the same text
+    assert code == 0
+    for r in first:
+        assert r["prompt"] + r["completion"] in out
+    other = json_results(capsys, *args[:-1], 6)
+    assert [r["token_ids"] for r in other] != [r["token_ids"] for r in first]
+
+
+def test_greedy_no_stream_prints_the_same_completion_as_json(run_dir, capsys):
+    (r,) = json_results(capsys, run_dir, "-p", "the quick", "--greedy", "-n", 12)
+    code, out, err = gen(capsys, run_dir, "-p", "the quick", "--greedy", "-n", 12, "--no-stream")
+    assert code == 0
+    assert out == "the quick" + r["completion"] + "\n"
+    assert "tokens/s" in err
+
+
+def test_prompt_file_of_lines_and_jsonl(run_dir, tmp_path, capsys):
+    lines = tmp_path / "prompts.txt"
+    lines.write_text("first prompt\n\nsecond\\n prompt\n")
+    res = json_results(capsys, run_dir, "--prompt-file", lines, "-n", 2, "--seed", 0)
+    assert [(r["prompt"], r["source"]) for r in res] == [
+        ("first prompt", f"{lines}, line 1"),
+        ("second\\n prompt", f"{lines}, line 3"),  # file lines are literal
+    ]
+    records = tmp_path / "prompts.jsonl"
+    records.write_text(json.dumps({"prompt": "a\nb", "id": 1}) + "\n" + json.dumps({"prompt": "c"}) + "\n")
+    res = json_results(capsys, run_dir, "--prompt-file", records, "-n", 2)
+    assert [r["prompt"] for r in res] == ["a\nb", "c"]
+
+
+def test_escapes_in_prompt_become_newlines(run_dir, capsys):
+    (r,) = json_results(capsys, run_dir, "-p", "def f(n):\\n    return", "-n", 1)
+    assert r["prompt"] == "def f(n):\n    return"
+
+
+def test_no_prompt_samples_a_document_from_the_separator(run_dir, capsys):
+    (r,) = json_results(capsys, run_dir, "-n", 3, "--seed", 2)
+    assert r["prompt"] == "" and r["prompt_tokens"] == 1
+
+
+def test_a_full_context_stops_generation_with_a_note(run_dir, capsys):
+    prompt = "hello world " * 9  # 54 tokens (+ the leading eos) of a 64-token context
+    code, _, err = gen(capsys, run_dir, "-p", prompt, "-n", 200, "--greedy")
+    assert code == 0
+    (r,) = json_results(capsys, run_dir, "-p", prompt, "-n", 200, "--greedy")
+    assert r["finish_reason"] == "context"
+    assert (r["prompt_tokens"], r["completion_tokens"]) == (55, 64 - 55 + 1)
+    assert "context is full" in err
+
+
+def test_interactive_ctrl_c_interrupts_a_generation_without_quitting(run_dir, capsys, monkeypatch):
+    inputs = iter(["hello", KeyboardInterrupt, "/set top_p 2", "/set temperature 0.5", "def", "/quit"])
+
+    def fake_input(prompt=""):
+        x = next(inputs)
+        if x is KeyboardInterrupt:
+            raise KeyboardInterrupt
+        return x
+
+    calls = {"n": 0}
+    forward = Transformer.forward
+
+    def interrupting_forward(self, *a, **kw):
+        calls["n"] += 1
+        if calls["n"] == 3:  # in the middle of the first generation
+            raise KeyboardInterrupt
+        return forward(self, *a, **kw)
+
+    monkeypatch.setattr(builtins, "input", fake_input)
+    monkeypatch.setattr(Transformer, "forward", interrupting_forward)
+    code, out, err = gen(capsys, run_dir, "--interactive", "-n", 4, "--seed", 0)
+    assert code == 0
+    assert "interrupted" in err
+    assert "top_p=2.0 is outside (0, 1]" in err
+    assert err.count("tokens/s") == 1  # the second prompt ran to its end
+    assert "def" in out
+    assert calls["n"] > 3
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--prompt", ""], "--prompt is empty"),
+        (["--prompt", "hello world " * 40], "tokens (with the leading <|eos|>) but"),
+        (["--top-p", "1.5"], "top_p=1.5 is outside (0, 1]"),
+        (["--top-p", "0"], "top_p=0.0 is outside (0, 1]"),
+        (["--temperature", "-1"], "temperature=-1.0 is invalid"),
+        (["--num-samples", "0"], "--num-samples 0 must be ≥ 1"),
+        (["--max-new-tokens", "0"], "max_new_tokens=0"),
+        (["--stop", ""], "a stop string is empty"),
+        (["--prompt", "a", "--interactive"], "--interactive reads prompts from the keyboard"),
+        (["--dtype", "float8"], "--dtype 'float8' is unknown"),
+    ],
+)
+def test_bad_arguments_exit_2_with_one_line(run_dir, capsys, args, message):
+    code, out, err = gen(capsys, run_dir, *args)
+    assert code == 2
+    assert len(err.strip().splitlines()) == 1, err
+    assert message in err
+
+
+def test_bad_prompt_files_exit_2_with_the_line(run_dir, tmp_path, capsys):
+    f = tmp_path / "p.jsonl"
+    f.write_text('{"prompt": "ok"}\n{"text": "no prompt"}\n')
+    code, _, err = gen(capsys, run_dir, "--prompt-file", f)
+    assert code == 2 and f'{f}, line 2: no "prompt" field' in err
+    f.write_text('{"prompt": "ok"}\n{"prompt": \n')
+    code, _, err = gen(capsys, run_dir, "--prompt-file", f)
+    assert code == 2 and f"{f}, line 2: invalid JSON" in err
+    code, _, err = gen(capsys, run_dir, "--prompt-file", tmp_path / "missing.txt")
+    assert code == 2 and "does not exist" in err
+    empty = tmp_path / "empty.txt"
+    empty.write_text("\n\n")
+    code, _, err = gen(capsys, run_dir, "--prompt-file", empty)
+    assert code == 2 and "holds no prompts" in err
+    code, _, err = gen(capsys, run_dir, "--prompt-file", empty, "--prompt", "x")
+    assert code == 2 and "not both" in err
+
+
+def test_a_run_without_weights_says_so_and_how_to_resume(tmp_path, capsys):
+    run = make_run(tmp_path / "unfinished", weights=False)
+    code, _, err = gen(capsys, run, "--prompt", "x")
+    assert code == 2 and len(err.strip().splitlines()) == 1
+    assert "has no model.safetensors yet" in err and "--resume" in err
+
+
+def test_a_tokenizer_from_another_run_is_refused(tmp_path, capsys):
+    run = make_run(tmp_path / "mismatch", vocab_size=200)
+    code, _, err = gen(capsys, run, "--prompt", "x")
+    assert code == 2 and "tokenizer belongs to another run" in err
+
+
+def test_a_missing_run_directory_is_an_error(tmp_path, capsys):
+    code, _, err = gen(capsys, tmp_path / "nope", "--prompt", "x")
+    assert code == 2 and "no run directory" in err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message shown when no GPU is present")
+def test_asking_for_cuda_without_a_gpu_is_an_error(run_dir, capsys):
+    code, _, err = gen(capsys, run_dir, "--device", "cuda", "--prompt", "x")
+    assert code == 2 and "no CUDA GPU is visible" in err
