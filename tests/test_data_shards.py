@@ -219,3 +219,13 @@ def test_cache_entries_are_not_world_writable_temp_names(tmp_path: Path) -> None
     assert index["tokenizer_sha256"] == load_tokenizer(p.tokenizer_path).sha256
     assert index["fingerprint"] and index["eos_id"] == 1
     assert not any(n.startswith(".tmp") for n in os.listdir(p.cache_dir.parent))
+
+
+def test_a_document_spelling_a_special_token_cannot_forge_a_document_boundary(tmp_path: Path) -> None:
+    make_corpus(tmp_path, n=5)
+    (tmp_path / "corpus" / "tricky.txt").write_text("before <|eos|> after <|bos|>")
+    p = prepare_data(cfg(tmp_path, val_fraction=0.0), TOK, seed=0, base_dir=tmp_path)
+    tok = load_tokenizer(p.tokenizer_path)
+    docs = read_docs(p.train_path, p.dtype, tok.eos_id)
+    assert len(docs) == 6 and "before <|eos|> after <|bos|>" in [tok.decode(d) for d in docs]
+    assert tok.bos_id not in np.fromfile(p.train_path, p.dtype).tolist()

@@ -296,9 +296,10 @@ class TokenizerTrainConfig(BaseModel):
     max_bytes: int = Field(
         32_000_000,
         ge=1,
-        description="At most this many bytes of text are used to train the tokenizer (documents "
-        "sampled evenly across the corpus by a fixed hash); BPE merges stabilise long before "
-        "that, and training time grows with it. 32 MB trains in under a minute on 2 cores.",
+        description="At most this many bytes of text are used to train the tokenizer: documents "
+        "sampled evenly across the corpus by a fixed hash when its size is known (local files, "
+        "builtin sources), else the first max_bytes (hf: sources). BPE merges stabilise long "
+        "before that, and training time grows with it.",
     )
     individual_digits: bool = Field(
         True,

@@ -340,7 +340,7 @@ def _build_shards(
             def flush(batch: list[str], first: int, src: Source = s) -> int:
                 nonlocal seen_tokens
                 n = 0
-                for i, ids in enumerate(tok.encode_batch(batch)):
+                for i, ids in enumerate(tok.encode_batch(batch, allow_special=False)):
                     arr = np.empty(len(ids) + 1, dtype=dtype)
                     arr[:-1] = ids
                     arr[-1] = eos[0]

@@ -100,10 +100,20 @@ class Tokenizer:
             ids.append(self.eos_id)
         return ids
 
-    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
-        """Encode many texts in parallel (Rust threads); no special tokens added."""
+    def encode_batch(self, texts: Sequence[str], allow_special: bool = True) -> list[list[int]]:
+        """Encode many texts in parallel (Rust threads); no special tokens added.
+
+        allow_special=False encodes text that spells a special token ("<|eos|>") as ordinary
+        bytes, so raw documents can never forge a document boundary (the token shards use this).
+        """
         fast = getattr(self.tk, "encode_batch_fast", None) or self.tk.encode_batch
-        return [e.ids for e in fast(list(texts), add_special_tokens=False)]
+        if allow_special:
+            return [e.ids for e in fast(list(texts), add_special_tokens=False)]
+        self.tk.encode_special_tokens = True
+        try:
+            return [e.ids for e in fast(list(texts), add_special_tokens=False)]
+        finally:
+            self.tk.encode_special_tokens = False
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
         return self.tk.decode(list(ids), skip_special_tokens=skip_special_tokens)
@@ -189,7 +199,9 @@ class StreamDecoder:
         if token_id in self.skip:
             return ""
         if self.tok.is_byte_level:
-            return self._utf8.decode(self.tok._id_bytes[token_id])
+            # ids past the tokenizer's vocabulary (the model's padded rows) stand for no text
+            table = self.tok._id_bytes
+            return self._utf8.decode(table[token_id] if 0 <= token_id < len(table) else b"")
         self._ids.append(token_id)
         prefix_text = self.tok.decode(self._ids[self._prefix : self._read])
         new_text = self.tok.decode(self._ids[self._prefix :])
