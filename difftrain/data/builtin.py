@@ -417,7 +417,9 @@ def make_needle_example(
             haystack, offsets = _assemble(sentences, needle_specs)
         n_tokens = len(tokenizer.encode(haystack))
         while n_tokens > context_tokens and sentences:
-            sentences = sentences[:-1]
+            per_sentence = n_tokens / (len(sentences) + len(needle_specs))
+            drop = max(1, int((n_tokens - context_tokens) / per_sentence))
+            sentences = sentences[:-drop]
             haystack, offsets = _assemble(sentences, needle_specs)
             n_tokens = len(tokenizer.encode(haystack))
     query_keys = [keys[i] for i in queried]
