@@ -27,8 +27,8 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from difftrain.data.config import DataConfig
-from difftrain.data.shards import PreparedData, open_shards, unit_hash
-from difftrain.data.sources import SourceStats, _require_documents, resolve_sources
+from difftrain.data.shards import PreparedData, open_shards, training_repeats, unit_hash
+from difftrain.data.sources import SourceStats, require_documents, resolve_sources
 from difftrain.data.tokenizer import Tokenizer
 from difftrain.errors import DataError
 
@@ -626,7 +626,6 @@ def load_sft_records(
     training record of a source with weight w appears ⌊w⌋ times plus once more with probability
     w − ⌊w⌋. Returns (train records, val records, per-source stats).
     """
-    from difftrain.data.shards import _repeats
 
     train: list[dict[str, Any]] = []
     val: list[dict[str, Any]] = []
@@ -638,6 +637,6 @@ def load_sft_records(
             if data_cfg.val_fraction > 0 and unit_hash("val", seed, src.index, d) < data_cfg.val_fraction:
                 val.append(rec)
             else:
-                train.extend([rec] * _repeats(src.spec.weight, seed, src.index, d))
-        _require_documents(src, stats)
+                train.extend([rec] * training_repeats(src.spec.weight, seed, src.index, d))
+        require_documents(src, stats)
     return train, val, all_stats

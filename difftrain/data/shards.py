@@ -38,7 +38,7 @@ from difftrain.data.config import DataConfig, TokenizerConfig
 from difftrain.data.sources import (
     Source,
     SourceStats,
-    _require_documents,
+    require_documents,
     resolve_sources,
     sources_fingerprint,
 )
@@ -219,7 +219,7 @@ def _training_texts(
                 progress(PrepareProgress("tokenizer", s.spec.source, docs, used, 0, total))
             yield text
         if stats.documents == 0:
-            _require_documents(s, stats)
+            require_documents(s, stats)
     if progress is not None:
         progress(PrepareProgress("tokenizer", "", docs, used, 0, total))
 
@@ -307,7 +307,9 @@ class _ShardWriter:
         self.f.close()
 
 
-def _repeats(weight: float, seed: int, source: int, doc: int) -> int:
+def training_repeats(weight: float, seed: int, source: int, doc: int) -> int:
+    """How often training document `doc` of a source with weight w is written: ⌊w⌋, plus one
+    when u("weight", seed, source, doc) < w − ⌊w⌋."""
     whole = math.floor(weight)
     frac = weight - whole
     return whole + (1 if frac > 0 and unit_hash("weight", seed, source, doc) < frac else 0)
@@ -351,7 +353,7 @@ def _build_shards(
                     ):
                         val.write(arr)
                     else:
-                        copies = _repeats(src.spec.weight, seed, src.index, d)
+                        copies = training_repeats(src.spec.weight, seed, src.index, d)
                         if copies:
                             train.write(arr, copies)
                     n += len(arr)
@@ -377,7 +379,7 @@ def _build_shards(
                 flush(batch, doc_index)
                 seen_docs += len(batch)
                 seen_bytes += batch_bytes
-            _require_documents(s, stats)
+            require_documents(s, stats)
             if progress is not None:
                 progress(
                     PrepareProgress("shards", s.spec.source, seen_docs, seen_bytes, seen_tokens, total_est)

@@ -488,7 +488,8 @@ class Source:
         """Instruction records {"prompt", "response", ...} of this source (fine-tuning data).
 
         `prompt_field` / `response_field` are renamed to "prompt" / "response"; other fields of
-        jsonl/json records are kept (a chat template may use them).
+        jsonl/json records are kept (a chat template may use them). A .jsonl/.json record with
+        `messages` (a list of {role, content}) and no prompt field is passed on as it is.
         """
         limit = self.spec.max_documents
         count = 0
@@ -505,7 +506,10 @@ class Source:
             gen = self._checked_records(stats, policy)
         for rec in gen:
             stats.documents += 1
-            stats.bytes += len(rec["prompt"].encode("utf-8")) + len(rec["response"].encode("utf-8"))
+            if "messages" in rec and "prompt" not in rec:
+                stats.bytes += sum(len(str(m.get("content", "")).encode("utf-8")) for m in rec["messages"])
+            else:
+                stats.bytes += len(rec["prompt"].encode("utf-8")) + len(rec["response"].encode("utf-8"))
             yield rec
             count += 1
             if limit is not None and count >= limit:
@@ -514,6 +518,12 @@ class Source:
     def _checked_records(self, stats: SourceStats, policy: BadRecordPolicy) -> Iterator[dict[str, Any]]:
         pf, rf = self.spec.prompt_field, self.spec.response_field
         for where, rec in self._records([pf, rf], stats, policy):
+            if pf not in rec and "messages" in rec:  # a chat record, rendered by the chat template
+                if isinstance(rec["messages"], list) and all(isinstance(m, dict) for m in rec["messages"]):
+                    yield rec
+                else:
+                    self._bad(stats, policy, f"{where}: 'messages' must be a list of {{role, content}} objects")
+                continue
             prompt = self._field(where, rec, pf, "prompt_field", stats, policy)
             if prompt is None:
                 continue
@@ -544,10 +554,10 @@ def iter_documents(data_cfg: DataConfig, base_dir: str | os.PathLike[str]) -> It
     for src in resolve_sources(data_cfg, base_dir):
         stats = SourceStats(src.spec.source)
         yield from src.documents(stats, data_cfg.on_bad_record)
-        _require_documents(src, stats)
+        require_documents(src, stats)
 
 
-def _require_documents(src: Source, stats: SourceStats) -> None:
+def require_documents(src: Source, stats: SourceStats) -> None:
     if stats.documents == 0:
         why = f" ({stats.bad_records} malformed records skipped)" if stats.bad_records else ""
         raise DataError(

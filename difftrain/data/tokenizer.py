@@ -23,7 +23,6 @@ import os
 from collections.abc import Iterable, Iterator, Sequence
 from functools import cached_property
 from pathlib import Path
-from typing import Any
 
 import tokenizers
 from tokenizers import decoders, models, pre_tokenizers, trainers
@@ -324,13 +323,3 @@ def train_tokenizer(
     if not seen["any"]:
         raise TokenizerError("no text to train the tokenizer on: the data sources yielded no documents")
     return Tokenizer(tk)
-
-
-def tokenizer_summary(tok: Tokenizer) -> dict[str, Any]:
-    return {
-        "vocab_size": tok.vocab_size,
-        "bos_id": tok.bos_id,
-        "eos_id": tok.eos_id,
-        "pad_id": tok.pad_id,
-        "sha256": tok.sha256,
-    }
