@@ -1,0 +1,485 @@
+"""Interop with transformers: exported runs compute what difftrain computes, and come back bit for bit.
+
+Every test uses tiny random models whose subln weights, λ vectors and RMSNorm weights are pushed
+away from their initial values, so a missing fold, a wrong head permutation or a dropped λ shows
+up in the logits.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from difftrain.cli.app import main
+from difftrain.data.config import TokenizerTrainConfig
+from difftrain.data.tokenizer import Tokenizer, train_tokenizer
+from difftrain.errors import DifftrainError, InteropError, RunDirError
+from difftrain.interop.hf import (
+    SIDECAR,
+    SUBLN_EPS,
+    config_from_hf,
+    deinterleave_heads,
+    export_hf,
+    import_hf,
+    interleave_heads,
+)
+from difftrain.model import ModelConfig, Transformer
+from difftrain.rundir import load_run, save_weights
+
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ["TRANSFORMERS_OFFLINE"] = "1"
+transformers = pytest.importorskip("transformers")  # a dev dependency: present in CI
+
+TEXT = "Grüße, 世界! مرحبا 👋 def f(x): return x"
+CORPUS = [
+    "Grüße aus Köln, schöne Grüße! 世界你好，世界。 مرحبا بالعالم 👋🙂",
+    "def f(x):\n    return x * 2\n\nclass A:\n    pass\n",
+    "The quick brown fox jumps over the lazy dog 0123456789.",
+]
+
+
+@pytest.fixture(scope="module")
+def tok() -> Tokenizer:
+    return train_tokenizer(CORPUS * 20, TokenizerTrainConfig(vocab_size=320))
+
+
+def build_model(
+    tok: Tokenizer, arch: str, n_heads: int = 4, n_kv: int = 4, tied: bool = False, seed: int = 0, **kw
+) -> Transformer:
+    torch.manual_seed(seed)
+    cfg = ModelConfig(
+        arch=arch,
+        vocab_size=tok.vocab_size + 3,
+        d_model=64,
+        n_layers=2,
+        n_heads=n_heads,
+        n_kv_heads=n_kv,
+        max_seq_len=64,
+        tie_embeddings=tied,
+        **kw,
+    )
+    model = Transformer(cfg).eval()
+    with torch.no_grad():
+        for p in model.parameters():  # larger weights: differences between layouts show in the logits
+            p.mul_(3.0)
+        for layer in model.model.layers:
+            layer.input_layernorm.weight.uniform_(0.5, 1.5)
+            layer.post_attention_layernorm.weight.uniform_(0.5, 1.5)
+            if arch == "diff":
+                a = layer.self_attn
+                a.subln.weight.uniform_(0.3, 2.0)
+                for n in ("q1", "k1", "q2", "k2"):
+                    getattr(a, f"lambda_{n}").normal_(0.0, 0.4)
+        model.model.norm.weight.uniform_(0.5, 1.5)
+    return model
+
+
+def write_run(path: Path, model: Transformer, tok: Tokenizer) -> Path:
+    path.mkdir(parents=True)
+    model.config.to_json(path / "config.json")
+    save_weights(path / "model.safetensors", model)
+    tok.save(path / "tokenizer.json")
+    return path
+
+
+def load_hf(path: Path):
+    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def tokens(vocab: int, B: int = 2, T: int = 24, seed: int = 1) -> torch.Tensor:
+    return torch.randint(0, vocab, (B, T), generator=torch.Generator().manual_seed(seed))
+
+
+@torch.no_grad()
+def greedy(model: Transformer, ids: torch.Tensor, n: int) -> torch.Tensor:
+    """The reference decoder: recompute the whole sequence, take the argmax, n times."""
+    for _ in range(n):
+        nxt = model(ids).logits[:, -1].argmax(-1, keepdim=True)
+        ids = torch.cat([ids, nxt], dim=1)
+    return ids
+
+
+def sd_of(path: Path) -> dict[str, torch.Tensor]:
+    return load_file(str(path / "model.safetensors"))
+
+
+# ----- the permutation --------------------------------------------------------------------------
+def test_deinterleave_puts_pair_members_in_halves_and_interleave_inverts_it():
+    n, d = 6, 3
+    w = torch.arange(n)[:, None, None].expand(n, d, 2).reshape(n * d, 2).float()  # row value = head index
+    hf = deinterleave_heads(w, n)
+    heads = hf.reshape(n, d, 2)[:, 0, 0].long().tolist()
+    assert heads == [2 * (j % (n // 2)) + j // (n // 2) for j in range(n)] == [0, 2, 4, 1, 3, 5]
+    assert torch.equal(interleave_heads(hf, n), w)
+
+
+def test_subln_eps_constant_is_the_models(tok):
+    model = build_model(tok, "diff")
+    assert model.model.layers[0].self_attn.subln.eps == SUBLN_EPS
+
+
+# ----- export: same logits, same greedy tokens ---------------------------------------------------
+CASES = [
+    ("baseline", 4, 4, False),
+    ("baseline", 8, 4, True),  # GQA (2 query heads per kv head), tied
+    ("baseline", 8, 2, False),  # GQA 4:1
+    ("diff", 4, 4, False),
+    ("diff", 4, 4, True),
+    ("diff", 8, 4, False),  # GQA: differential heads 0,1 share key pair 0; the k/v permutation is not trivial
+    ("diff", 8, 4, True),
+    ("diff", 8, 2, False),
+]
+
+
+@pytest.mark.parametrize(("arch", "n_heads", "n_kv", "tied"), CASES)
+def test_exported_model_gives_our_logits_and_greedy_tokens(tmp_path, tok, arch, n_heads, n_kv, tied):
+    model = build_model(tok, arch, n_heads, n_kv, tied)
+    run = write_run(tmp_path / "run", model, tok)
+    res = export_hf(run, tmp_path / "hf")
+    assert res.hf_class == {"baseline": "LlamaForCausalLM", "diff": "DiffLlamaForCausalLM"}[arch]
+    hf = load_hf(tmp_path / "hf")
+    assert type(hf).__name__ == res.hf_class
+    assert (hf.lm_head.weight is hf.model.embed_tokens.weight) == tied
+    ids = tokens(model.config.vocab_size)
+    with torch.no_grad():
+        ours, theirs = model(ids).logits, hf(ids).logits
+    assert ours.abs().max() > 1.0  # the comparison is not between near-zero numbers
+    assert (ours - theirs).abs().max().item() <= 1e-4
+    prompt = ids[:1, :8]
+    out = hf.generate(
+        prompt, attention_mask=torch.ones_like(prompt), do_sample=False, max_new_tokens=32, eos_token_id=None
+    )
+    assert out.shape[1] == 8 + 32
+    assert torch.equal(out, greedy(model, prompt, 32))
+
+
+def test_diff_export_is_exact_when_norm_eps_is_not_subln_eps(tmp_path, tok):
+    """DiffLlama's groupnorm uses rms_norm_eps; the export rescales V so that it acts like ε=1e-5."""
+    model = build_model(tok, "diff", 8, 4, norm_eps=1e-6)
+    run = write_run(tmp_path / "run", model, tok)
+    res = export_hf(run, tmp_path / "hf")
+    assert any("V scaled" in n for n in res.notes)
+    ids = tokens(model.config.vocab_size)
+    with torch.no_grad():
+        assert (model(ids).logits - load_hf(tmp_path / "hf")(ids).logits).abs().max().item() <= 1e-4
+    import_hf(tmp_path / "hf", tmp_path / "back")
+    assert_same_tensors(sd_of(run), sd_of(tmp_path / "back"))
+
+
+def test_bfloat16_export_loads_and_stays_close(tmp_path, tok):
+    model = build_model(tok, "diff", 8, 4)
+    run = write_run(tmp_path / "run", model, tok)
+    export_hf(run, tmp_path / "hf", dtype="bfloat16")
+    assert all(t.dtype == torch.bfloat16 for t in sd_of(tmp_path / "hf").values())
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["dtype"] == "bfloat16"
+    ids = tokens(model.config.vocab_size)
+    with torch.no_grad():
+        ours, theirs = model(ids).logits, load_hf(tmp_path / "hf")(ids).logits
+    assert (ours - theirs).abs().max().item() / ours.abs().max().item() < 0.05
+
+
+# ----- tokenizer and generation config ---------------------------------------------------------
+def test_exported_tokenizer_encodes_and_decodes_like_ours(tmp_path, tok):
+    run = write_run(tmp_path / "run", build_model(tok, "baseline"), tok)
+    export_hf(run, tmp_path / "hf")
+    ht = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
+    ids = tok.encode(TEXT)
+    assert len(ids) > 10
+    assert ht(TEXT)["input_ids"] == ids  # no special tokens added, as in pretraining
+    assert ht.decode(ids) == TEXT == tok.decode(ids)
+    assert (ht.bos_token_id, ht.eos_token_id, ht.pad_token_id) == (tok.bos_id, tok.eos_id, tok.pad_id)
+    assert ht.convert_tokens_to_ids("<|assistant|>") == tok.token_to_id("<|assistant|>")
+    assert ht.model_max_length == 64
+    gen = json.loads((tmp_path / "hf" / "generation_config.json").read_text())
+    assert gen == {"bos_token_id": tok.bos_id, "eos_token_id": tok.eos_id, "pad_token_id": tok.pad_id}
+    hf = load_hf(tmp_path / "hf")
+    assert (hf.generation_config.eos_token_id, hf.config.pad_token_id) == (tok.eos_id, tok.pad_id)
+
+
+# ----- round trips ------------------------------------------------------------------------------
+def assert_same_tensors(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), k
+
+
+@pytest.mark.parametrize(
+    ("arch", "n_heads", "n_kv", "tied"),
+    [("baseline", 8, 4, True), ("diff", 8, 4, False), ("diff", 4, 4, True)],
+)
+def test_export_then_import_gives_bit_identical_run(tmp_path, tok, arch, n_heads, n_kv, tied):
+    model = build_model(tok, arch, n_heads, n_kv, tied, attn_impl="eager", lambda_std=0.05)
+    run = write_run(tmp_path / "run", model, tok)
+    export_hf(run, tmp_path / "hf")
+    res = import_hf(tmp_path / "hf", tmp_path / "back")
+    back = tmp_path / "back"
+    assert_same_tensors(sd_of(run), sd_of(back))
+    assert json.loads((back / "config.json").read_text()) == json.loads((run / "config.json").read_text())
+    assert (back / "tokenizer.json").read_bytes() == (run / "tokenizer.json").read_bytes()
+    assert res.exact_sidecar == (arch == "diff")  # baseline needs no extra tensors
+    loaded = load_run(back)
+    ids = tokens(model.config.vocab_size)
+    with torch.no_grad():
+        assert torch.equal(loaded.model(ids).logits, model(ids).logits)
+
+
+def test_recipe_of_an_imported_run_loads_and_points_at_its_tokenizer(tmp_path, tok):
+    from difftrain.recipe import load_recipe
+
+    run = write_run(tmp_path / "run", build_model(tok, "diff"), tok)
+    export_hf(run, tmp_path / "hf")
+    import_hf(tmp_path / "hf", tmp_path / "runs" / "imported")
+    r = load_recipe(tmp_path / "runs" / "imported" / "recipe.yaml")
+    assert r.name == "imported" and r.run_dir.resolve() == (tmp_path / "runs" / "imported").resolve()
+    assert r.model == ModelConfig.from_json(tmp_path / "runs" / "imported" / "config.json")
+    assert (r.recipe_dir / r.tokenizer.path).resolve() == (
+        tmp_path / "runs" / "imported" / "tokenizer.json"
+    ).resolve()
+
+
+def test_import_without_the_sidecar_computes_the_same_function_with_unit_subln(tmp_path, tok):
+    model = build_model(tok, "diff", 8, 4)
+    run = write_run(tmp_path / "run", model, tok)
+    export_hf(run, tmp_path / "hf")
+    (tmp_path / "hf" / SIDECAR).unlink()
+    res = import_hf(tmp_path / "hf", tmp_path / "back")
+    assert not res.exact_sidecar and any("set to ones" in n for n in res.notes)
+    sd = sd_of(tmp_path / "back")
+    assert torch.equal(sd["model.layers.1.self_attn.subln.weight"], torch.ones(2 * 8))
+    ids = tokens(model.config.vocab_size)
+    with torch.no_grad():
+        assert (load_run(tmp_path / "back").model(ids).logits - model(ids).logits).abs().max().item() <= 1e-4
+
+
+def test_sidecar_is_ignored_when_the_weights_changed_after_export(tmp_path, tok):
+    model = build_model(tok, "diff", 8, 4)
+    run = write_run(tmp_path / "run", model, tok)
+    export_hf(run, tmp_path / "hf")
+    sd = sd_of(tmp_path / "hf")
+    sd["model.layers.0.self_attn.o_proj.weight"] *= 1.5  # "fine-tuned elsewhere"
+    save_file(sd, str(tmp_path / "hf" / "model.safetensors"), metadata={"format": "pt"})
+    res = import_hf(tmp_path / "hf", tmp_path / "back")
+    assert not res.exact_sidecar and any("changed after the export" in n for n in res.notes)
+    ids = tokens(model.config.vocab_size)
+    with torch.no_grad():
+        ours, theirs = load_run(tmp_path / "back").model(ids).logits, load_hf(tmp_path / "hf")(ids).logits
+    assert (ours - theirs).abs().max().item() <= 1e-4
+
+
+# ----- import of checkpoints made by transformers ------------------------------------------------
+def hf_checkpoint(tok: Tokenizer, kind: str, **kw) -> torch.nn.Module:
+    torch.manual_seed(3)
+    common = dict(
+        vocab_size=tok.vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        max_position_embeddings=64,
+    )
+    if kind == "llama":
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**common, **kw))
+    else:
+        model = transformers.DiffLlamaForCausalLM(transformers.DiffLlamaConfig(**common, **kw))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.add_(torch.randn_like(p) * (0.3 if "lambda" in name or "norm" in name else 0.1))
+    model.eval()
+    return model
+
+
+@pytest.mark.parametrize("kind", ["llama", "diffllama"])
+def test_imports_a_sharded_transformers_checkpoint_and_computes_the_same_logits(tmp_path, tok, kind):
+    hf = hf_checkpoint(tok, kind, rms_norm_eps=1e-6)
+    hf.save_pretrained(tmp_path / "hf", max_shard_size="40KB")
+    assert (tmp_path / "hf" / "model.safetensors.index.json").is_file()
+    tok.save(tmp_path / "hf" / "tokenizer.json")
+    res = import_hf(tmp_path / "hf", tmp_path / "run")
+    assert res.config.arch == {"llama": "baseline", "diffllama": "diff"}[kind]
+    assert res.config.norm_eps == 1e-6 and res.config.n_kv_heads == 4
+    ids = tokens(tok.vocab_size)
+    with torch.no_grad():
+        ours, theirs = load_run(tmp_path / "run").model(ids).logits, hf(ids).logits
+    assert (ours - theirs).abs().max().item() <= 1e-4
+
+
+def test_bfloat16_checkpoint_imports_as_exact_float32(tmp_path, tok):
+    hf = hf_checkpoint(tok, "llama", tie_word_embeddings=True).to(torch.bfloat16)
+    hf.save_pretrained(tmp_path / "hf")
+    tok.save(tmp_path / "hf" / "tokenizer.json")
+    res = import_hf(tmp_path / "hf", tmp_path / "run")
+    assert any("bfloat16" in n for n in res.notes) and res.config.tie_embeddings
+    sd = sd_of(tmp_path / "run")
+    assert "lm_head.weight" not in sd
+    for name, p in hf.state_dict().items():
+        if name != "lm_head.weight":
+            assert sd[name].dtype == torch.float32 and torch.equal(sd[name], p.float()), name
+
+
+def test_diffllama_checkpoint_carrying_subln_weights_keeps_them(tmp_path, tok):
+    hf = hf_checkpoint(tok, "diffllama")
+    hf.save_pretrained(tmp_path / "hf")
+    tok.save(tmp_path / "hf" / "tokenizer.json")
+    sd = sd_of(tmp_path / "hf")
+    w = torch.linspace(0.5, 1.5, 16)
+    sd["model.layers.1.self_attn.subln.weight"] = w  # e.g. converted from Microsoft's code
+    save_file(sd, str(tmp_path / "hf" / "model.safetensors"), metadata={"format": "pt"})
+    import_hf(tmp_path / "hf", tmp_path / "run")
+    got = sd_of(tmp_path / "run")
+    assert torch.equal(got["model.layers.1.self_attn.subln.weight"], w)
+    assert torch.equal(got["model.layers.0.self_attn.subln.weight"], torch.ones(16))
+
+
+# ----- bad input ---------------------------------------------------------------------------------
+def test_exporting_a_run_without_weights_is_a_clear_error(tmp_path, tok):
+    run = write_run(tmp_path / "run", build_model(tok, "baseline"), tok)
+    (run / "model.safetensors").unlink()
+    with pytest.raises(RunDirError, match="no model.safetensors"):
+        export_hf(run, tmp_path / "hf")
+    assert not (tmp_path / "hf").exists()
+    assert main(["export", str(run), "--format", "hf", str(tmp_path / "hf")]) == 2
+
+
+def test_diff2_export_is_refused_before_anything_is_written(tmp_path, tok):
+    run = write_run(tmp_path / "run", build_model(tok, "diff2"), tok)
+    with pytest.raises(
+        InteropError, match=r"arch=diff2 has no transformers class.*baseline → LlamaForCausalLM"
+    ):
+        export_hf(run, tmp_path / "hf")
+    assert not (tmp_path / "hf").exists()
+
+
+def exported(tmp_path: Path, tok: Tokenizer, arch: str = "diff") -> Path:
+    run = write_run(tmp_path / "run", build_model(tok, arch, 8, 4), tok)
+    export_hf(run, tmp_path / "hf")
+    return tmp_path / "hf"
+
+
+def edit_config(path: Path, **changes) -> None:
+    cfg = json.loads((path / "config.json").read_text())
+    cfg.update(changes)
+    (path / "config.json").write_text(json.dumps(cfg))
+
+
+def test_unsupported_architecture_is_named_with_the_supported_ones(tmp_path, tok):
+    hf = exported(tmp_path, tok, "baseline")
+    edit_config(hf, architectures=["MistralForCausalLM"], model_type="mistral")
+    with pytest.raises(
+        InteropError, match=r"MistralForCausalLM is not supported.*LlamaForCausalLM.*DiffLlamaForCausalLM"
+    ):
+        import_hf(hf, tmp_path / "back")
+    assert main(["import", str(hf), str(tmp_path / "back")]) == 2
+    assert not (tmp_path / "back").exists()
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        (
+            {"intermediate_size": 160},
+            r"mlp\.\w+_proj\.weight has shape \(\d+, \d+\) but .* implies .*intermediate_size",
+        ),
+        ({"num_key_value_heads": 2}, r"k_proj.weight has shape \(32, 64\) but .* implies \(16, 64\)"),
+        ({"num_hidden_layers": 3}, r"model.layers.2.* is missing"),
+        ({"num_hidden_layers": 1}, r"unexpected tensor model.layers.1"),
+        (
+            {"vocab_size": 400},
+            r"has shape \(\d+, 64\) but .* implies \(400, 64\) \(vocab_size × hidden_size\)",
+        ),
+        (
+            {"num_attention_heads": 6, "head_dim": None},
+            r"hidden_size=64 is not divisible by num_attention_heads=6",
+        ),
+        ({"num_attention_heads": 6}, r"num_attention_heads=6 is not a multiple of num_key_value_heads=4"),
+        ({"num_attention_heads": 12, "num_key_value_heads": 3}, r"DiffLlama needs even"),
+        (
+            {"rope_parameters": {"rope_type": "llama3", "rope_theta": 1e4, "factor": 8.0}},
+            r"rope_type='llama3' is not supported",
+        ),
+        ({"hidden_act": "gelu"}, r"hidden_act='gelu' is not supported"),
+        ({"attention_bias": True}, r"attention_bias=true is not supported"),
+        ({"hidden_size": "64"}, r"`hidden_size`='64' must be a positive integer"),
+    ],
+)
+def test_hand_edited_config_is_a_clear_error(tmp_path, tok, changes, message):
+    hf = exported(tmp_path, tok)
+    edit_config(hf, **changes)
+    with pytest.raises(InteropError, match=message):
+        import_hf(hf, tmp_path / "back")
+    assert not (tmp_path / "back").exists()
+
+
+def test_pickle_only_and_incomplete_checkpoints_are_clear_errors(tmp_path, tok):
+    hf = exported(tmp_path, tok, "baseline")
+    (hf / "model.safetensors").rename(hf / "pytorch_model.bin")
+    with pytest.raises(InteropError, match="only pytorch_model.bin .* safetensors only"):
+        import_hf(hf, tmp_path / "back")
+    (hf / "pytorch_model.bin").unlink()
+    (hf / "model.safetensors.index.json").write_text(
+        json.dumps({"weight_map": {"a": "model-00001-of-00002.safetensors"}})
+    )
+    with pytest.raises(
+        InteropError, match="lists shard model-00001-of-00002.safetensors but .* does not exist"
+    ):
+        import_hf(hf, tmp_path / "back")
+    with pytest.raises(InteropError, match="no checkpoint folder"):
+        import_hf(tmp_path / "nowhere", tmp_path / "back")
+    (hf / "tokenizer.json").unlink()
+    with pytest.raises(InteropError, match="has no tokenizer.json"):
+        import_hf(hf, tmp_path / "back")
+
+
+def test_a_non_empty_destination_is_refused_unless_overwrite(tmp_path, tok):
+    hf = exported(tmp_path, tok)
+    (tmp_path / "back").mkdir()
+    (tmp_path / "back" / "notes.txt").write_text("mine")
+    with pytest.raises(InteropError, match="not empty; .* --overwrite"):
+        import_hf(hf, tmp_path / "back")
+    import_hf(hf, tmp_path / "back", overwrite=True)
+    assert (tmp_path / "back" / "notes.txt").read_text() == "mine"
+    with pytest.raises(InteropError, match="not empty"):
+        export_hf(tmp_path / "run", hf)
+
+
+def test_cli_exports_and_imports_and_rejects_unknown_formats(tmp_path, tok, capsys):
+    run = write_run(tmp_path / "run", build_model(tok, "diff", 8, 4), tok)
+    assert main(["export", str(run), "--format", "onnx", str(tmp_path / "x")]) == 2
+    assert "--format 'onnx' is not supported" in capsys.readouterr().err
+    assert main(["export", str(run), "--format", "hf", str(tmp_path / "hf")]) == 0
+    assert "DiffLlamaForCausalLM" in capsys.readouterr().out
+    assert main(["import", str(tmp_path / "hf"), str(tmp_path / "back")]) == 0
+    assert "difftrain generate" in capsys.readouterr().out
+    assert_same_tensors(sd_of(run), sd_of(tmp_path / "back"))
+
+
+def test_config_from_hf_reads_legacy_rope_theta_and_model_type_only_configs(tmp_path):
+    cfg, cls = config_from_hf(
+        {
+            "model_type": "llama",
+            "hidden_size": 64,
+            "num_hidden_layers": 1,
+            "num_attention_heads": 4,
+            "vocab_size": 50,
+            "intermediate_size": 96,
+            "rope_theta": 500000.0,
+            "rope_scaling": None,
+        },
+        tmp_path / "config.json",
+    )
+    assert (
+        cls == "LlamaForCausalLM"
+        and cfg.rope_theta == 500000.0
+        and cfg.head_dim == 16
+        and cfg.n_kv_heads == 4
+    )
+
+
+def test_export_errors_are_difftrain_errors_for_a_missing_run(tmp_path):
+    with pytest.raises(DifftrainError, match="no run directory"):
+        export_hf(tmp_path / "missing", tmp_path / "hf")
