@@ -33,7 +33,7 @@ from difftrain.rundir import load_run, save_weights
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["TRANSFORMERS_OFFLINE"] = "1"
-transformers = pytest.importorskip("transformers")  # a dev dependency: present in CI
+import transformers  # noqa: E402  (a dev dependency; imported after HF_HUB_OFFLINE is set)
 
 TEXT = "Grüße, 世界! مرحبا 👋 def f(x): return x"
 CORPUS = [
