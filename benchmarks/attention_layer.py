@@ -37,19 +37,31 @@ def _sync(device: torch.device) -> None:
 
 def _time_interleaved(steps: dict[str, object], warmup: int, reps: int, device: torch.device) -> dict:
     """Warm every step up, then time them round-robin (A B C A B C ...) so that a change of load
-    on the machine during the run hits all of them alike; returns each one's times in ms."""
+    on the machine during the run hits all of them alike. Returns, per step, the wall-clock and
+    the process CPU times (ms) of each rep: on a CPU shared with other jobs the CPU time (work
+    done by all our threads) is far steadier than the wall clock."""
     for fn in steps.values():
         for _ in range(warmup):
             fn()
     _sync(device)
-    times: dict[str, list[float]] = {name: [] for name in steps}
+    times: dict[str, dict[str, list[float]]] = {name: {"wall": [], "cpu": []} for name in steps}
     for _ in range(reps):
         for name, fn in steps.items():
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             fn()
             _sync(device)
-            times[name].append((time.perf_counter() - t0) * 1e3)
+            times[name]["wall"].append((time.perf_counter() - t0) * 1e3)
+            times[name]["cpu"].append((time.process_time() - c0) * 1e3)
     return times
+
+
+def _summary(t: dict[str, list[float]]) -> dict:
+    return {
+        "ms": statistics.median(t["wall"]),
+        "cpu_ms": statistics.median(t["cpu"]),
+        "ms_all": [round(x, 1) for x in t["wall"]],
+        "cpu_ms_all": [round(x, 1) for x in t["cpu"]],
+    }
 
 
 def block_step(args: argparse.Namespace, arch: str, impl: str, device: torch.device):
@@ -92,16 +104,7 @@ def bench_blocks(args: argparse.Namespace, impl: str, device: torch.device) -> l
     for arch in args.archs:
         steps[arch], modes[arch] = block_step(args, arch, impl, device)
     times = _time_interleaved(steps, args.warmup, args.reps, device)
-    return [
-        {
-            "arch": arch,
-            "impl": impl,
-            "mode": modes[arch],
-            "ms": statistics.median(times[arch]),
-            "ms_all": [round(t, 2) for t in times[arch]],
-        }
-        for arch in args.archs
-    ]
+    return [{"arch": arch, "impl": impl, "mode": modes[arch], **_summary(times[arch])} for arch in args.archs]
 
 
 def bench_diff_variants(args: argparse.Namespace, device: torch.device) -> list[dict]:
@@ -122,10 +125,7 @@ def bench_diff_variants(args: argparse.Namespace, device: torch.device) -> list[
 
         steps[fn.__name__] = step
     times = _time_interleaved(steps, args.warmup, args.reps, device)
-    return [
-        {"variant": name, "ms": statistics.median(t), "ms_all": [round(x, 2) for x in t]}
-        for name, t in times.items()
-    ]
+    return [{"variant": name, **_summary(t)} for name, t in times.items()]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -154,30 +154,36 @@ def main(argv: list[str] | None = None) -> int:
         "warmup": args.warmup,
         "reps": args.reps,
     }
+    what = "the diff attention core (sdpa strategies)" if args.variants else "one decoder block"
     print(
-        f"one decoder block, d_model={args.d_model} H={args.n_heads} T={args.seq} B={args.batch} "
+        f"{what}, d_model={args.d_model} H={args.n_heads} T={args.seq} B={args.batch} "
         f"on {device} ({torch.get_num_threads()} threads), median of {args.reps}"
     )
     if args.variants:
         rows = bench_diff_variants(args, device)
+        print(f"  {'variant':<22} {'wall ms':>9} {'ratio':>6} {'cpu ms':>9} {'ratio':>6}")
         for r in rows:
-            print(f"  {r['variant']:<22} {r['ms']:9.1f} ms   {r['ms'] / rows[0]['ms']:.2f}x")
+            print(
+                f"  {r['variant']:<22} {r['ms']:9.1f} {r['ms'] / rows[0]['ms']:6.2f}"
+                f" {r['cpu_ms']:9.1f} {r['cpu_ms'] / rows[0]['cpu_ms']:6.2f}"
+            )
         result: dict = {"setup": setup, "diff_sdpa_variants": rows}
     else:
         results = [r for impl in args.impls for r in bench_blocks(args, impl, device)]
-        ms = {(r["arch"], r["impl"]): r for r in results}
-        header = f"  {'impl':<6} {'mode':<8}" + "".join(f"{a:>12}" for a in args.archs)
-        ratio_archs = [a for a in args.archs if a != "baseline" and "baseline" in args.archs]
-        header += "".join(f"{a + '/base':>13}" for a in ratio_archs)
-        print(header + "   (ms)")
+        by = {(r["arch"], r["impl"]): r for r in results}
+        others = [a for a in args.archs if a != "baseline"] if "baseline" in args.archs else []
         ratios = {}
-        for impl in args.impls:
-            line = f"  {impl:<6} {ms[(args.archs[0], impl)]['mode']:<8}"
-            line += "".join(f"{ms[(a, impl)]['ms']:12.1f}" for a in args.archs)
-            for a in ratio_archs:
-                ratios[f"{a}/baseline[{impl}]"] = ms[(a, impl)]["ms"] / ms[("baseline", impl)]["ms"]
-                line += f"{ratios[f'{a}/baseline[{impl}]']:13.2f}"
-            print(line)
+        for clock, key in (("wall", "ms"), ("cpu", "cpu_ms")):
+            print(f"  {clock + ' ms':<8} {'mode':<8}" + "".join(f"{a:>10}" for a in args.archs), end="")
+            print("".join(f"{a + '/base':>12}" for a in others))
+            for impl in args.impls:
+                line = f"  {impl:<8} {by[(args.archs[0], impl)]['mode']:<8}"
+                line += "".join(f"{by[(a, impl)][key]:10.1f}" for a in args.archs)
+                for a in others:
+                    r = by[(a, impl)][key] / by[("baseline", impl)][key]
+                    ratios[f"{a}/baseline[{impl},{clock}]"] = round(r, 3)
+                    line += f"{r:12.2f}"
+                print(line)
         result = {"setup": setup, "results": results, "ratios": ratios}
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)

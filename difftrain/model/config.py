@@ -125,7 +125,8 @@ class ModelConfig(BaseModel):
         description=(
             "Attention kernel. `eager`: explicit softmax maps (slowest; what the probes use). `sdpa`: "
             "torch scaled_dot_product_attention (flash / memory-efficient kernels on GPU). `flex`: "
-            "torch flex attention under torch.compile (compiles on first use; no backward on CPU). "
+            "torch flex attention under torch.compile (compiles on first use; no backward on CPU; KV-cache "
+            "decoding uses sdpa). "
             "`auto`: sdpa on every device (the fastest measured without compile warm-up). All give the "
             "same result to float rounding."
         ),

@@ -9,7 +9,8 @@ Each architecture has one core, and each core has interchangeable implementation
            on CUDA, a fused kernel on CPU). GQA through `enable_gqa`, so K/V are never copied.
 - `flex`   `torch.nn.attention.flex_attention` under `torch.compile` (compiled once per shape;
            the first call takes tens of seconds on CPU). Flex has no backward on CPU, so it is
-           refused there when gradients are needed.
+           refused there when gradients are needed. `Transformer` decodes with a KV cache
+           through sdpa instead (each step's new key length would recompile flex).
 - `auto`   `sdpa` on every device: fastest on CPU in `benchmarks/attention_layer.py`, and on CUDA
            it dispatches to flash attention without flex's compile warm-up.
 

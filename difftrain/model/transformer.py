@@ -268,7 +268,9 @@ class Transformer(nn.Module):
                 raise ValueError(
                     f"key_padding_mask has shape {tuple(key_padding_mask.shape)}, expected (B, S) = ({B}, {S})"
                 )
-        if positions is None:
+        if positions is not None:
+            positions = positions.to(device)
+        else:
             if key_padding_mask is not None:
                 positions = (key_padding_mask.long().cumsum(1) - 1).clamp(min=0)[:, offset:]
             elif cache is not None:
@@ -286,6 +288,8 @@ class Transformer(nn.Module):
         mask = AttnMask(T, S, offset, key_padding_mask)
 
         impl = resolve_impl(self.attn_impl, device)
+        if impl == "flex" and cache is not None:
+            impl = "sdpa"  # every decode step has a new key length: flex would recompile each time
         opts = AttnOptions(impl, output_attentions, self._logit_transform)
         h = self.model.embed_tokens(input_ids)
         cos, sin = self.model.rotary_emb(positions, h.dtype)
