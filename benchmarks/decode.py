@@ -189,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
     cols = ["arch", "cached tok/s", "no-cache tok/s", "cache speedup", "agreeing tokens"]
     if args.compile:
         cols += ["compiled tok/s", "compile s"]
-    for col in [*cols, "HF tok/s", "vs HF"]:
+    for col in [*cols, "HF tok/s", "ours vs HF", "HF agreeing"]:
         table.add_column(col, justify="right")
     for r in rows:
         cells = [
@@ -203,7 +203,8 @@ def main(argv: list[str] | None = None) -> int:
             cells += [f"{r['compiled_tokens_per_s']:.1f}", f"{r['compile_s']:.0f}"]
         cells += [
             f"{r['hf_tokens_per_s']:.1f}" if "hf_s" in r else "—",
-            f"{r['vs_hf']:.2f}× ({r['hf_agreeing_tokens']}/{args.new_tokens} agree)" if "vs_hf" in r else "—",
+            f"{r['vs_hf']:.2f}×" if "vs_hf" in r else "—",
+            f"{r['hf_agreeing_tokens']}/{args.new_tokens}" if "vs_hf" in r else "—",
         ]
         table.add_row(*cells)
     Console().print(table)
