@@ -195,6 +195,101 @@ class LoggingConfig(_Section):
     progress: bool = Field(True, description="Show the rich progress bar (off in non-interactive logs).")
 
 
+DEFAULT_LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+class LoRAConfig(_Section):
+    rank: int = Field(8, ge=1, description="LoRA rank r: each adapted layer learns B·A with A r×in, B out×r.")
+    alpha: float = Field(
+        16.0, gt=0, description="LoRA scale α: the update is (α/r)·B·A (α = 2r is a common choice)."
+    )
+    dropout: float = Field(
+        0.05, ge=0, lt=1, description="Dropout on the input of the LoRA path (not the frozen layer)."
+    )
+    target_modules: list[str] = Field(
+        default_factory=lambda: list(DEFAULT_LORA_TARGETS),
+        description="Linear layers to adapt, as fnmatch patterns matched against a full module name "
+        "(model.layers.0.self_attn.q_proj) or a dotted suffix of it: q_proj, mlp.*, layers.1[01].*. "
+        "Default: every attention and MLP projection.",
+    )
+
+
+class ChatTemplateConfig(_Section):
+    roles: dict[str, str] = Field(
+        default_factory=lambda: {
+            "system": "<|system|>\n{content}<|end|>\n",
+            "user": "<|user|>\n{content}<|end|>\n",
+            "assistant": "<|assistant|>\n{content}<|end|>\n",
+        },
+        description="How a `messages` record is rendered: for each role, a format holding {content} "
+        "once; the messages are concatenated in order. A message of a role not listed is an error.",
+    )
+    trained_roles: list[str] = Field(
+        default_factory=lambda: ["assistant"],
+        description="Roles whose messages are learned: the loss covers their {content} and what follows "
+        "it in the format (the <|end|>), not the role header before it.",
+    )
+    special_tokens: list[str] = Field(
+        default_factory=lambda: ["<|system|>", "<|user|>", "<|assistant|>", "<|end|>"],
+        description="Tokens the formats use that must be single special tokens. Ones the base "
+        "tokenizer lacks are added, growing the embedding and output head (new rows start at the "
+        "mean of the old ones, and are trained: with LoRA the embedding and head become trainable).",
+    )
+
+    @model_validator(mode="after")
+    def _formats(self) -> ChatTemplateConfig:
+        for role, fmt in self.roles.items():
+            if fmt.count("{content}") != 1:
+                raise ValueError(f"roles.{role} must contain {{content}} exactly once, got {fmt!r}")
+        unknown = [r for r in self.trained_roles if r not in self.roles]
+        if unknown:
+            raise ValueError(f"trained_roles {unknown} are not among roles ({', '.join(self.roles)})")
+        return self
+
+
+class FinetuneConfig(_Section):
+    base: str = Field(
+        description="The run directory to start from (relative to the current folder, like out_dir), "
+        "e.g. runs/quickstart. Its config.json gives the model and its tokenizer.json the tokenizer."
+    )
+    method: Literal["full", "lora", "qlora"] = Field(
+        "lora",
+        description="full: train every weight. lora: freeze the base, train low-rank adapters (saved "
+        "alone as adapter.safetensors). qlora: lora over base weights stored in 4-bit NF4 "
+        "(bitsandbytes): about 4x less memory for the frozen weights.",
+    )
+    lora: LoRAConfig = Field(default_factory=LoRAConfig, description="LoRA settings (lora and qlora).")
+    train_lambdas: bool = Field(
+        True,
+        description="lora/qlora: also train the differential-attention lambdas in full (diff: "
+        "lambda_q1, k1, q2, k2; diff2: lambda_proj) — few parameters that set how much noise each "
+        "layer cancels. false: freeze them.",
+    )
+    data_format: Literal["auto", "instruction", "text"] = Field(
+        "auto",
+        description="instruction: prompt/response or messages records, loss on responses only. text: "
+        "plain documents (continued pretraining). auto: instruction for builtin:python-docstrings "
+        "and .jsonl/.json/.parquet/hf: sources, text for everything else.",
+    )
+    train_on_prompt: bool = Field(
+        False,
+        description="Instruction data: compute the loss on prompt tokens too (default: responses only).",
+    )
+    prompt_format: str = Field(
+        "{prompt}",
+        description="How a prompt/response record's prompt is written ({field} = any record field); "
+        "not trained.",
+    )
+    response_format: str = Field(
+        "{response}",
+        description="How the response is written after the prompt; trained, followed by <|eos|>.",
+    )
+    chat_template: ChatTemplateConfig = Field(
+        default_factory=ChatTemplateConfig,
+        description="Rendering of `messages: [{role, content}, ...]` records.",
+    )
+
+
 class Recipe(_Section):
     """A whole recipe. `name` and the sections are required; everything else has a default."""
 
@@ -208,7 +303,12 @@ class Recipe(_Section):
     out_dir: str = Field(
         "runs", description="Folder that holds run directories (relative to the current directory)."
     )
-    model: ModelConfig = Field(description="The model (see `difftrain recipes explain model`).")
+    model: ModelConfig | None = Field(
+        None,
+        description="The model (see `difftrain recipes explain model`). Required for pretraining; a "
+        "fine-tune takes it from finetune.base (settings given here must match, except "
+        "attn_impl and max_seq_len).",
+    )
     data: DataConfig = Field(description="Training data sources and splits.")
     tokenizer: TokenizerConfig = Field(
         default_factory=TokenizerConfig, description="Tokenizer: trained on the data, or loaded."
@@ -218,9 +318,37 @@ class Recipe(_Section):
         default_factory=OptimConfig, description="Optimizer and learning-rate schedule."
     )
     logging: LoggingConfig = Field(default_factory=LoggingConfig, description="Metrics logging.")
+    finetune: FinetuneConfig | None = Field(
+        None,
+        description="Fine-tuning from an existing run (`difftrain finetune`); see "
+        "`difftrain recipes explain finetune`.",
+    )
 
     _recipe_dir: Path = PrivateAttr(default_factory=Path.cwd)
     _source: str = PrivateAttr(default="")
+    _model_keys: frozenset[str] = PrivateAttr(default=frozenset())
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _model_section(cls, data: Any, handler: Any) -> Recipe:
+        """A recipe without `model:` must be a fine-tune; remember which model keys were given
+        (a fine-tune applies only those to the base run's config)."""
+        if isinstance(data, dict) and data.get("model") is None:
+            ft = data.get("finetune")
+            if not (isinstance(ft, dict) and ft.get("base")):
+                raise ValueError(
+                    "missing key `model`: a pretraining recipe needs a model: section "
+                    "(a fine-tune takes it from finetune.base)"
+                )
+        recipe = handler(data)
+        if isinstance(data, dict) and isinstance(data.get("model"), dict):
+            recipe._model_keys = frozenset(data["model"])
+        return recipe
+
+    @property
+    def model_keys(self) -> frozenset[str]:
+        """The `model:` keys the recipe itself set (the rest are defaults)."""
+        return self._model_keys
 
     @field_validator("name")
     @classmethod
@@ -598,6 +726,9 @@ def register_section(name: str, model: type[BaseModel]) -> None:
     SECTIONS[name] = model
 
 
+register_section("finetune", FinetuneConfig)
+
+
 def _type_name(annotation: Any) -> str:
     origin = typing.get_origin(annotation)
     args = typing.get_args(annotation)
@@ -706,7 +837,7 @@ def resolve_auto(recipe: Recipe, *, cuda: bool, bf16: bool) -> Recipe:
     kernel (`model.attn_impl: auto`) is resolved by the model itself at run time per device.
     """
     r = recipe.model_copy(deep=True)
-    r._recipe_dir, r._source = recipe._recipe_dir, recipe._source
+    r._recipe_dir, r._source, r._model_keys = recipe._recipe_dir, recipe._source, recipe._model_keys
     if r.train.precision == "auto":
         r.train.precision = ("bf16-mixed" if bf16 else "16-mixed") if cuda else "32-true"
     if r.train.compile == "auto":
