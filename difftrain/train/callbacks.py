@@ -2,7 +2,8 @@
 
 `RunCallback` owns the run directory while training:
 - every `save_every` optimizer steps and at the end: a checkpoint (atomic, checksummed, pruned),
-  then `model.safetensors` for inference;
+  then the inference weights: `model.safetensors`, or what `export` writes instead (a LoRA
+  fine-tune writes adapter.safetensors + adapter.json);
 - SIGINT / SIGTERM: the current step finishes, a checkpoint is written, the resume command is
   printed, and the process exits 130 / 143 (the CLI maps `StopRequested`). A second Ctrl-C exits
   at once; since every write is atomic, nothing is corrupted;
@@ -16,6 +17,7 @@ import math
 import os
 import signal
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -104,6 +106,7 @@ class RunCallback(L.Callback):
         progress: bool = True,
         console: Any = None,
         resume_command: str = "",
+        export: Callable[[Path, torch.nn.Module, int], None] | None = None,
     ) -> None:
         self.run_dir = Path(run_dir)
         self.ckpt_dir = self.run_dir / "checkpoints"
@@ -115,6 +118,7 @@ class RunCallback(L.Callback):
         self.show_progress = progress
         self.console = console
         self.resume_command = resume_command
+        self.export = export
         self.state = RunState()
         self._stop_signal: int | None = None
         self._old_handlers: dict[int, Any] = {}
@@ -122,6 +126,7 @@ class RunCallback(L.Callback):
         self._task = None
         self._window_t = time.perf_counter()
         self._window_step = 0
+        self._window_tokens = 0
         self.tokens_per_s = 0.0
         self.peak_flops: float | None = None
 
@@ -156,6 +161,7 @@ class RunCallback(L.Callback):
         self.state.start_time = time.perf_counter()
         self._window_t = time.perf_counter()
         self._window_step = trainer.global_step
+        self._window_tokens = pl_module.tokens_seen
         self.state.saved_step = trainer.global_step if trainer.global_step > 0 else -1
         self.peak_flops = peak_flops(pl_module.device)
         if self.show_progress and trainer.is_global_zero:
@@ -203,8 +209,11 @@ class RunCallback(L.Callback):
         now = time.perf_counter()
         steps = step - self._window_step
         if steps > 0 and now > self._window_t:
-            self.tokens_per_s = steps * self.tokens_per_step / (now - self._window_t)
-        self._window_t, self._window_step = now, step
+            # tokens actually seen on all ranks (SFT batches vary in length; for pretraining this is
+            # steps × tokens_per_step)
+            seen = (pl_module.tokens_seen - self._window_tokens) * trainer.world_size
+            self.tokens_per_s = seen / (now - self._window_t)
+        self._window_t, self._window_step, self._window_tokens = now, step, pl_module.tokens_seen
         metrics = {
             "train/loss": pl_module.last_loss,
             "train/lr": trainer.optimizers[0].param_groups[0]["lr"],
@@ -260,7 +269,10 @@ class RunCallback(L.Callback):
         trainer.save_checkpoint(path)
         if trainer.is_global_zero:
             record_checkpoint(self.ckpt_dir, path, step, self.keep)
-            save_weights(self.run_dir / "model.safetensors", pl_module.model, {"step": str(step)})
+            if self.export is not None:
+                self.export(self.run_dir, pl_module.model, step)
+            else:
+                save_weights(self.run_dir / "model.safetensors", pl_module.model, {"step": str(step)})
             for logger in trainer.loggers:
                 logger.save()
         trainer.strategy.barrier()

@@ -11,6 +11,11 @@ A skipped step does not advance `global_step`; `nan_skip_limit` skips in a row s
 a TrainingError that names the step, the learning rate and the first parameter whose gradient was
 not finite. The compiled forward (torch.compile) is kept outside the module tree so state-dict
 keys never carry compile's `_orig_mod.` prefix.
+
+Fine-tuning options: `save_frozen=False` keeps only trainable parameters in checkpoints (a LoRA
+run's frozen base is reloaded from its base run on resume, not copied into every checkpoint);
+`step_seed` reseeds the RNG before each micro-batch from (step_seed, micro-batches seen), so
+dropout masks are a function of the position in training and a resumed run draws the same ones.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ import time
 import lightning as L
 import torch
 
-from difftrain.errors import TrainingError
+from difftrain.errors import CheckpointError, TrainingError
 from difftrain.recipe import OptimConfig
 from difftrain.train.optim import build_optimizer, lr_multiplier
 
@@ -39,6 +44,8 @@ class LitLM(L.LightningModule):
         compile: bool = False,
         tokens_per_micro_batch: int = 0,
         check_grads: bool = True,
+        save_frozen: bool = True,
+        step_seed: int | None = None,
     ) -> None:
         super().__init__()
         self.model = model
@@ -50,6 +57,9 @@ class LitLM(L.LightningModule):
         self.tokens_per_micro_batch = tokens_per_micro_batch
         self.check_grads = check_grads  # False under 16-mixed: the grad scaler handles inf/nan grads
         self.automatic_optimization = False
+        self.save_frozen = save_frozen
+        self.strict_loading = save_frozen
+        self.step_seed = step_seed
         self._forward = torch.compile(model) if compile else model
         self._micro = 0
         self._loss_sum = 0.0
@@ -80,6 +90,9 @@ class LitLM(L.LightningModule):
             self._t0 = time.perf_counter()
         self.stepped = False
         opt = self.optimizers()
+        if self.step_seed is not None:
+            seq = (self.step_seed * 1_000_003 + self.micro_batches_seen) * 65_537 + self.global_rank
+            torch.manual_seed(seq % 2**63)
         out = self._forward(batch["input_ids"], batch["targets"])
         loss = out.loss
         if self.fault_hook is not None:
@@ -161,6 +174,9 @@ class LitLM(L.LightningModule):
 
     # ---- state that must survive a resume --------------------------------------------------
     def on_save_checkpoint(self, checkpoint: dict) -> None:
+        if not self.save_frozen:
+            keep = self._trainable_keys()
+            checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if k in keep}
         checkpoint["difftrain"] = {
             "micro_batches_seen": self.micro_batches_seen,
             "tokens_seen": self.tokens_seen,
@@ -168,7 +184,17 @@ class LitLM(L.LightningModule):
             "train_time": self.train_time,
         }
 
+    def _trainable_keys(self) -> set[str]:
+        return {n for n, p in self.named_parameters() if p.requires_grad}
+
     def on_load_checkpoint(self, checkpoint: dict) -> None:
+        if not self.save_frozen:
+            missing = sorted(self._trainable_keys() - set(checkpoint.get("state_dict", {})))
+            if missing:
+                raise CheckpointError(
+                    f"the checkpoint lacks {len(missing)} trained tensors (e.g. {missing[0]}): it was written "
+                    "by a different fine-tune; start again with --overwrite"
+                )
         state = checkpoint.get("difftrain", {})
         self.micro_batches_seen = int(state.get("micro_batches_seen", 0))
         self.tokens_seen = int(state.get("tokens_seen", 0))

@@ -1,5 +1,7 @@
 """Entry points for training, used by the CLI and by tests: `plan_run` checks a recipe against the
-machine without writing anything; `pretrain` runs it and returns the figures of the run.
+machine without writing anything; `pretrain` runs it and returns the figures of the run. `fit`
+is the loop itself (Lightning module, callbacks, loggers, Trainer, summary), shared with
+`difftrain.train.finetune`.
 
 Everything a user can get wrong is checked before the first step: device and precision, batch
 arithmetic, sequence length, the run directory (a different run already there is refused unless
@@ -116,6 +118,11 @@ def plan_run(recipe: Recipe) -> Plan:
             )
     world = devices * t.num_nodes
     m = resolved.model
+    if m is None:
+        raise RecipeError(
+            f"{recipe.source or recipe.name}: no model: section; a pretraining recipe needs one "
+            "(a fine-tune fills it from finetune.base)"
+        )
     seq_len = t.seq_len or m.max_seq_len
     if seq_len > m.max_seq_len:
         raise RecipeError(
@@ -257,11 +264,13 @@ def pretrain(
     from difftrain.data.shards import prepare_data
     from difftrain.data.tokenizer import check_vocab_fits, load_tokenizer
     from difftrain.model import Transformer
-    from difftrain.train.callbacks import RunCallback, flops_per_token
-    from difftrain.train.checkpoint import AtomicCheckpointIO
-    from difftrain.train.lit import LitLM
 
     _quiet_lightning()
+    if recipe.finetune is not None:
+        raise RecipeError(
+            f"{recipe.source or recipe.name} is a fine-tuning recipe (finetune.base: {recipe.finetune.base}); "
+            f"run it with `difftrain finetune {recipe.source or 'RECIPE'}`"
+        )
     plan = plan_run(recipe)
     r = plan.recipe
     resume_flag: bool | str = r.train.resume if resume is None else resume
@@ -271,6 +280,7 @@ def pretrain(
     prepared = prepare_data(r.data, r.tokenizer, seed=r.seed, base_dir=r.recipe_dir, progress=data_progress)
     tokenizer = load_tokenizer(prepared.tokenizer_path)
     model_cfg = r.model
+    assert model_cfg is not None  # plan_run checked it
     if model_cfg.vocab_size == "auto":
         model_cfg = model_cfg.replace(vocab_size=64 * math.ceil(tokenizer.vocab_size / 64))
     check_vocab_fits(tokenizer, model_cfg.vocab_size)
@@ -289,7 +299,73 @@ def pretrain(
     model = Transformer(model_cfg)
     if r.train.activation_checkpointing:
         model.set_activation_checkpointing(True)
+    dm = PretrainDataModule.from_config(
+        prepared, r.data, seq_len=plan.seq_len, micro_batch_size=r.train.micro_batch_size, seed=r.seed
+    )
+    return fit(
+        r,
+        plan,
+        model,
+        dm,
+        point=point,
+        counts=model.num_params(),
+        has_val=r.data.val_windows > 0,
+        resume_command=f"difftrain pretrain {run_dir / RECIPE} --resume",
+        progress=progress,
+        console=console,
+        on_start=on_start,
+        extra_callbacks=extra_callbacks,
+        fault_hook=fault_hook,
+        info={"data": prepared},
+        tokens_per_micro_batch=r.train.micro_batch_size * plan.seq_len,
+    )
+
+
+def fit(
+    r: Recipe,
+    plan: Plan,
+    model: torch.nn.Module,
+    datamodule: Any,
+    *,
+    point: Any,
+    counts: dict[str, int],
+    has_val: bool,
+    resume_command: str,
+    progress: bool | None = None,
+    console: Any = None,
+    on_start: Any = None,
+    extra_callbacks: list[Any] | None = None,
+    fault_hook: Any = None,
+    info: dict[str, Any] | None = None,
+    export: Any = None,
+    save_frozen: bool = True,
+    step_seed: int | None = None,
+    validate_first: bool = False,
+    tokens_per_micro_batch: int = 0,
+    summary_extra: dict[str, Any] | None = None,
+) -> TrainResult:
+    """The training loop shared by `pretrain` and `finetune`: Lightning module, callbacks, loggers,
+    Trainer, fit (resuming from `point`), final validation, summary.json.
+
+    `r` has its `model` resolved and the run directory holds recipe.yaml, config.json and
+    tokenizer.json. `counts`: parameter counts to report. `export(run_dir, model, step)` replaces
+    the model.safetensors written at each save (LoRA: the adapter files); `save_frozen=False`
+    keeps frozen parameters out of checkpoints; `step_seed` makes dropout resumable (see LitLM);
+    `validate_first` measures the validation loss before the first step of a fresh run
+    (summary `initial_val_loss`). `tokens_per_micro_batch=0` counts the tokens of each batch.
+    """
+    import lightning as L
+
+    from difftrain.model.lora import count_params
+    from difftrain.train.callbacks import RunCallback, flops_per_token
+    from difftrain.train.checkpoint import AtomicCheckpointIO
+    from difftrain.train.lit import LitLM
+    from difftrain.train.metrics import MetricsCSV, read_metrics
+
     t = r.train
+    model_cfg = r.model
+    assert model_cfg is not None
+    run_dir = plan.run_dir
     lit = LitLM(
         model,
         r.optim,
@@ -298,21 +374,26 @@ def pretrain(
         grad_clip=t.grad_clip,
         nan_skip_limit=t.nan_skip_limit,
         compile=bool(t.compile),
-        tokens_per_micro_batch=t.micro_batch_size * plan.seq_len,
+        tokens_per_micro_batch=tokens_per_micro_batch,
         check_grads=t.precision != "16-mixed",
+        save_frozen=save_frozen,
+        step_seed=step_seed,
     )
     lit.fault_hook = fault_hook
-    dm = PretrainDataModule.from_config(
-        prepared, r.data, seq_len=plan.seq_len, micro_batch_size=t.micro_batch_size, seed=r.seed
-    )
-    counts = model.num_params()
-    n_total = counts["total"] if isinstance(counts, dict) else int(counts)
-    n_emb = counts.get("embedding", 0) if isinstance(counts, dict) else 0
-    fpt = flops_per_token(
-        n_total - n_emb, model_cfg.n_layers, model_cfg.n_heads * model_cfg.head_dim, plan.seq_len
+    # Training FLOPs per token: 6·N for trained weights, 4·N for frozen ones (forward + the
+    # backward to their inputs, no weight gradient), embeddings excluded.
+    n_total, n_trainable = count_params(model)
+    emb = model.model.embed_tokens.weight  # type: ignore[union-attr]
+    n_emb = emb.numel()
+    n_train_body = n_trainable - (n_emb if emb.requires_grad else 0)
+    n_frozen_body = n_total - n_emb - n_train_body
+    fpt = (
+        flops_per_token(
+            n_train_body, model_cfg.n_layers, model_cfg.n_heads * model_cfg.head_dim, plan.seq_len
+        )
+        + 4 * n_frozen_body
     )
     show = r.logging.progress if progress is None else progress
-    resume_cmd = f"difftrain pretrain {run_dir / RECIPE} --resume"
     cb = RunCallback(
         run_dir,
         save_every=t.save_every,
@@ -322,10 +403,9 @@ def pretrain(
         flops_per_token=fpt,
         progress=show,
         console=console,
-        resume_command=resume_cmd,
+        resume_command=resume_command,
+        export=export,
     )
-    from difftrain.train.metrics import MetricsCSV
-
     loggers: list[Any] = [MetricsCSV(run_dir / METRICS, resume_step=point.step if point else None)]
     tb = r.logging.tensorboard
     if tb is True or (tb == "auto" and _has_tensorboard()):
@@ -356,7 +436,7 @@ def pretrain(
         max_epochs=-1,
         val_check_interval=t.val_every * plan.accumulate,
         check_val_every_n_epoch=None,
-        limit_val_batches=1.0 if r.data.val_windows > 0 else 0,
+        limit_val_batches=1.0 if has_val else 0,
         num_sanity_val_steps=0,
         logger=loggers,
         log_every_n_steps=1,
@@ -368,28 +448,44 @@ def pretrain(
         plugins=[AtomicCheckpointIO()],
         default_root_dir=str(run_dir),
     )
-    info = {
+    start_info = {
         "run_dir": run_dir,
         "recipe": r,
         "plan": plan,
         "params": counts,
+        "trainable_params": n_trainable,
+        "total_params": n_total,
         "resumed_from": point.step if point else None,
         "warnings": point.warnings if point else [],
-        "data": prepared,
         "device": _device_name(plan.accelerator),
+        **(info or {}),
     }
     if on_start is not None:
-        on_start(info)
+        on_start(start_info)
+    initial_val = None
+    if validate_first and point is None and has_val:
+        trainer.validate(lit, datamodule=datamodule, verbose=False)
+        if math.isfinite(cb.state.last_val):
+            initial_val = cb.state.last_val
+        cb.state.last_val, cb.state.best_val = math.nan, math.inf
     t0 = time.perf_counter()
-    trainer.fit(lit, datamodule=dm, ckpt_path=str(point.path) if point else None, weights_only=True)
+    trainer.fit(lit, datamodule=datamodule, ckpt_path=str(point.path) if point else None, weights_only=True)
     wall = time.perf_counter() - t0
-    if trainer.global_step > 0:
-        trainer.validate(lit, datamodule=dm, verbose=False)
+    if trainer.global_step > 0 and has_val:
+        trainer.validate(lit, datamodule=datamodule, verbose=False)
         val = trainer.callback_metrics.get("val/loss")
         if val is not None:
             cb.state.last_val = float(val)
             cb.state.best_val = min(cb.state.best_val, float(val))
     summary = _summary(r, plan, lit, cb, wall, counts, trainer)
+    summary["trainable_params"] = n_trainable
+    if summary_extra:
+        summary.update(summary_extra)
+    if validate_first:
+        if initial_val is None and point is not None:  # a resumed run: logged at step 0
+            rows = [x for x in read_metrics(run_dir / METRICS) if x.get("step") == 0 and "val/loss" in x]
+            initial_val = rows[0]["val/loss"] if rows else None
+        summary["initial_val_loss"] = initial_val
     atomic_write_json(run_dir / SUMMARY, summary)
     return TrainResult(
         run_dir=run_dir,
