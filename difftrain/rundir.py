@@ -154,7 +154,7 @@ def load_run(path: Path | str, device: str | torch.device = "cpu", dtype: torch.
     path = require_run_dir(Path(path))
     adapter = path / "adapter.json"
     if adapter.is_file() and not (path / WEIGHTS).is_file():
-        from difftrain.train.lora import load_adapter_run
+        from difftrain.adapters import load_adapter_run
 
         return load_adapter_run(path, device=device, dtype=dtype)
     weights = require_weights(path)
