@@ -186,11 +186,13 @@ def diff_sdpa(q: Tensor, k: Tensor, v: Tensor, lam: Tensor, mask: AttnMask) -> T
     """The diff sdpa strategy for q's device.
 
     CPU: `diff_sdpa_one_call`. `benchmarks/attention_layer.py --variants` (B=8, T=512, H=8, d=64,
-    forward+backward, 2 cores shared with other jobs, round-robin medians of 7) measured
-    two calls 2566 ms, one call 1374 ms (0.54×), split V 1713 ms (0.67×).
-    CUDA: `diff_sdpa_split_v`, because sdpa's flash kernel needs equal q/k/v head widths and
-    the other two would fall back to the memory-efficient kernel. Not measured in this repo yet
-    (no GPU was available); the GPU test checks it against eager.
+    forward+backward, 2 cores shared with other jobs, round-robin medians of 7), relative to two
+    calls: one call 0.47× wall / 0.39× CPU time, split V 0.56× / 0.42×. (sdpa's CPU flash kernel
+    refuses a V wider than Q, so one and two calls run the math path; split V runs flash but
+    computes each map twice.)
+    CUDA: `diff_sdpa_split_v`, because the flash kernel needs equal q/k/v head widths and the
+    other two would fall back to the memory-efficient kernel. Not measured in this repo yet (no
+    GPU was available); the GPU test checks it against eager.
     """
     fn = diff_sdpa_split_v if q.device.type == "cuda" else diff_sdpa_one_call
     return fn(q, k, v, lam, mask)
