@@ -1,0 +1,187 @@
+"""`difftrain finetune RECIPE [key=value ...]` and `difftrain merge RUN_DIR [OUT_DIR]`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import typer
+
+from difftrain.cli.common import console, err_console, fmt_count, kv_table
+
+
+def _start_table(info: dict[str, Any]) -> None:
+    plan, r = info["plan"], info["recipe"]
+    m, t, ft = r.model, r.train, r.finetune
+    total, trainable = info["total_params"], info["trainable_params"]
+    rows = [
+        (
+            "run",
+            str(info["run_dir"])
+            + (f"  (resuming from step {info['resumed_from']})" if info["resumed_from"] else ""),
+        ),
+        (
+            "base",
+            f"{info['base']} · {m.arch} · d_model {m.d_model} · {m.n_layers} layers · vocab {m.vocab_size}",
+        ),
+    ]
+    method = ft.method
+    if method != "full":
+        targets = info.get("lora_targets", [])
+        kinds = sorted({n.rsplit(".", 1)[-1] for n in targets})
+        method += f" · rank {ft.lora.rank} · alpha {ft.lora.alpha:g} · dropout {ft.lora.dropout:g}"
+        method += f" · {len(targets)} layers ({', '.join(kinds)})"
+        if method.startswith("qlora"):
+            method += " · base in 4-bit NF4"
+    rows.append(("method", method))
+    rows.append(
+        (
+            "trainable",
+            f"{trainable:,} of {total:,} parameters ({100 * trainable / max(total, 1):.2f}%)"
+            + (
+                f" · trained in full: {len(info['trained_in_full'])} tensors"
+                if info.get("trained_in_full")
+                else ""
+            ),
+        )
+    )
+    if info["data_format"] == "instruction":
+        data = f"instruction records: {info['train_records']:,} train · {info['val_records']:,} val"
+        if info.get("truncated"):
+            data += f" · {info['truncated']} truncated to {plan.seq_len} tokens"
+        if not ft.train_on_prompt:
+            data += " · loss on responses only"
+    else:
+        data = f"plain text (continued pretraining) · {fmt_count(info['data'].index['train']['tokens'])} train tokens"
+    rows.append(("data", data))
+    if info.get("new_tokens"):
+        rows.append(("new tokens", ", ".join(f"{k} → {v}" for k, v in info["new_tokens"].items())))
+    rows += [
+        (
+            "batch",
+            f"{plan.global_batch_size} seq × ≤{plan.seq_len} tok "
+            f"(micro {t.micro_batch_size} × accum {plan.accumulate} × devices {plan.world_size})",
+        ),
+        ("steps", str(plan.max_steps)),
+        (
+            "optimizer",
+            f"{r.optim.name} · lr {r.optim.lr:g} · {r.optim.schedule} · warmup {r.optim.warmup_steps}",
+        ),
+        ("precision", f"{t.precision} · compile {'on' if t.compile else 'off'} · attention {m.attn_impl}"),
+        ("device", info["device"]),
+    ]
+    console.print(kv_table("difftrain finetune", rows))
+    for w in info["warnings"]:
+        err_console.print(f"[yellow]warning:[/] {w}")
+
+
+def _end_table(summary: dict[str, Any], run_dir: Path) -> None:
+    def f(v: Any) -> str:
+        return "—" if v is None else f"{v:.4f}"
+
+    rows = [
+        ("steps", f"{summary['steps']} ({fmt_count(summary['tokens'])} tokens)"),
+        ("wall time", f"{summary['wall_time_s']:.1f} s"),
+        ("throughput", f"{summary['tokens_per_s']:,.0f} tokens/s"),
+        (
+            "val loss",
+            f"before {f(summary.get('initial_val_loss'))} → after {f(summary['final_val_loss'])}"
+            f" · train {f(summary['final_train_loss'])}",
+        ),
+        (
+            "peak memory",
+            f"RSS {summary['peak_rss_mb']:.0f} MB"
+            + (f" · GPU {summary['peak_gpu_mem_mb']:.0f} MB" if summary.get("peak_gpu_mem_mb") else ""),
+        ),
+    ]
+    if summary.get("method") in ("lora", "qlora"):
+        rows.append(("saved", f"{run_dir / 'adapter.safetensors'} (adapter; base: {summary['base']})"))
+        rows.append(("merge", f"difftrain merge {run_dir}"))
+    rows.append(("next", f"difftrain generate {run_dir}"))
+    console.print(kv_table("done", rows))
+
+
+def finetune_command(
+    recipe: str = typer.Argument(
+        ..., help="Fine-tune recipe file or shipped recipe name (see `difftrain recipes list`)."
+    ),
+    overrides: list[str] = typer.Argument(
+        None, help="Overrides as key.sub=value, e.g. finetune.method=full train.max_steps=50."
+    ),
+    resume: bool = typer.Option(
+        None, "--resume/--no-resume", help="Continue from the last good checkpoint (default: train.resume)."
+    ),
+    overwrite: bool = typer.Option(
+        False, "--overwrite", help="Replace a run directory that holds another run."
+    ),
+    progress: bool = typer.Option(
+        None, "--progress/--no-progress", help="Show the progress bar (default: logging.progress)."
+    ),
+) -> None:
+    """Fine-tune the run named by finetune.base (full, LoRA or QLoRA) into runs/<name>/."""
+    import signal
+
+    import torch
+
+    from difftrain.cli.common import data_progress
+    from difftrain.errors import DeviceError
+    from difftrain.recipe import load_recipe
+    from difftrain.train.callbacks import StopRequested
+    from difftrain.train.finetune import finetune
+
+    r = load_recipe(recipe, overrides or [])
+    try:
+        with data_progress() as dp:
+            result = finetune(
+                r,
+                resume=resume,
+                overwrite=overwrite,
+                progress=progress,
+                console=console,
+                on_start=_start_table,
+                data_progress=dp,
+            )
+    except StopRequested as stop:
+        cmd = f"difftrain finetune {r.run_dir / 'recipe.yaml'} --resume"
+        err_console.print(
+            f"[yellow]stopped at step {stop.step}; checkpoint saved.[/] Resume with: [bold]{cmd}[/]"
+        )
+        raise typer.Exit(130 if stop.signum == signal.SIGINT else 143) from None
+    except torch.OutOfMemoryError as e:
+        raise DeviceError(
+            "out of GPU memory; lower train.micro_batch_size (keep global_batch_size: accumulation grows), "
+            "set train.activation_checkpointing=true, shorten train.seq_len, or use finetune.method=qlora"
+        ) from e
+    _end_table(result.summary, result.run_dir)
+
+
+def merge_command(
+    run_dir: Path = typer.Argument(..., help="A LoRA/QLoRA fine-tune's run directory."),
+    out_dir: Path = typer.Argument(None, help="Where to write the merged run (default: RUN_DIR-merged)."),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Replace OUT_DIR if it exists."),
+) -> None:
+    """Fold a LoRA adapter into its base run's weights and write a plain run directory."""
+    from difftrain.adapters import merge_run, read_adapter_spec
+
+    out = merge_run(run_dir, out_dir, overwrite=overwrite)
+    spec = read_adapter_spec(run_dir)
+    size = (out / "model.safetensors").stat().st_size
+    rows = [
+        (
+            "adapter",
+            f"{run_dir} ({spec.method}, rank {spec.rank}, {len(spec.targets)} layers, step {spec.step})",
+        ),
+        ("base", str(spec.base.get("abs_path"))),
+        ("merged", f"{out} (model.safetensors, {size / 2**20:.1f} MB)"),
+    ]
+    if spec.method == "qlora":
+        rows.append(
+            ("note", "4-bit base layers were dequantized: the merged weights are the model QLoRA trained")
+        )
+    rows.append(("next", f"difftrain generate {out}"))
+    console.print(kv_table("merged", rows))
+
+
+def register(app: typer.Typer) -> None:
+    app.command("finetune")(finetune_command)
+    app.command("merge")(merge_command)

@@ -1,0 +1,427 @@
+"""`finetune`: continue training an existing run — in full, with LoRA, or with QLoRA — into a new run.
+
+    base run ──► model (config.json + weights) and tokenizer ──► [grow vocab for new template tokens]
+             ──► full: every weight trains          → model.safetensors
+                 lora: base frozen, B·A trains      → adapter.safetensors + adapter.json
+                 qlora: base frozen in 4-bit NF4    → adapter.safetensors + adapter.json
+    data ──► instruction records (prompt/response, or messages through the chat template; loss on
+             the responses) or plain text (continued pretraining: the pretraining windows)
+
+The loop itself — optimizer, precision, checkpoints, exact resume, progress, summary — is
+`difftrain.train.run.fit`, the same one pretraining uses. What differs is what is built before it
+(the model from the base run, the data module) and what each save writes (`export`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from difftrain.errors import DataError, DeviceError, RecipeError, RunDirError
+from difftrain.io import atomic_write_text
+from difftrain.recipe import ChatTemplateConfig, FinetuneConfig, Recipe
+from difftrain.rundir import CONFIG, RECIPE, TOKENIZER, load_config, require_run_dir
+from difftrain.train.run import Plan, TrainResult, _quiet_lightning, fit, plan_run, prepare_run_dir
+
+# Model settings a fine-tune may change; everything else must equal the base run's.
+CHANGEABLE_MODEL_KEYS = {"attn_impl", "max_seq_len", "init_std", "lambda_std"}
+
+Segment = tuple[str, bool]
+
+
+# --------------------------------------------------------------------------------------------
+# templates
+
+
+def render_messages(messages: Any, chat: ChatTemplateConfig) -> list[Segment]:
+    """A `messages` list → (text, trained) segments with the chat template.
+
+    Each message becomes roles[role] with {content} filled in. For a trained role the text from
+    {content} to the end of its format (the content and its <|end|>) is trained; the header before
+    it is not. Consecutive pieces with the same flag are joined.
+    """
+    if not isinstance(messages, list) or not messages:
+        raise DataError("a `messages` record must hold a non-empty list of {role, content} objects")
+    segments: list[Segment] = []
+
+    def add(text: str, trained: bool) -> None:
+        if not text:
+            return
+        if segments and segments[-1][1] == trained:
+            segments[-1] = (segments[-1][0] + text, trained)
+        else:
+            segments.append((text, trained))
+
+    for i, m in enumerate(messages):
+        if (
+            not isinstance(m, Mapping)
+            or not isinstance(m.get("role"), str)
+            or not isinstance(m.get("content"), str)
+        ):
+            raise DataError(
+                f"message {i} of a `messages` record is {str(m)[:80]!r}; each message needs a string "
+                "`role` and a string `content`"
+            )
+        role, content = m["role"], m["content"]
+        fmt = chat.roles.get(role)
+        if fmt is None:
+            snippet = content[:40] + ("…" if len(content) > 40 else "")
+            raise DataError(
+                f"message {i} of a `messages` record has role '{role}' ({snippet!r}), which the chat template "
+                f"does not know (roles: {', '.join(chat.roles)}); fix the record or add a format for it under "
+                "finetune.chat_template.roles"
+            )
+        head, tail = fmt.split("{content}")
+        trained = role in chat.trained_roles
+        add(head, False)
+        add(content + tail, trained)
+    if not any(t for _, t in segments):
+        raise DataError(
+            f"a `messages` record has no message of a trained role ({', '.join(chat.trained_roles)}): nothing "
+            "to learn from it; add the reply, or change finetune.chat_template.trained_roles"
+        )
+    return segments
+
+
+@dataclass(frozen=True)
+class SFTTemplate:
+    """Prompt/response records through prompt_format/response_format; `messages` records through
+    the chat template. Called by the SFT data module on every record."""
+
+    prompt_format: str
+    response_format: str
+    chat: ChatTemplateConfig
+
+    @classmethod
+    def from_config(cls, ft: FinetuneConfig) -> SFTTemplate:
+        return cls(ft.prompt_format, ft.response_format, ft.chat_template)
+
+    def __call__(self, record: Mapping[str, Any]) -> list[Segment]:
+        if "messages" in record and "prompt" not in record:
+            return render_messages(record["messages"], self.chat)
+        try:
+            return [
+                (self.prompt_format.format_map(record), False),
+                (self.response_format.format_map(record), True),
+            ]
+        except KeyError as e:
+            raise DataError(
+                f"finetune.prompt_format/response_format use field {e} that a record lacks (fields: "
+                f"{', '.join(map(str, record))}); fix the format or the data"
+            ) from e
+
+
+# --------------------------------------------------------------------------------------------
+# resolving a fine-tune recipe against its base run
+
+
+def base_run_dir(ft: FinetuneConfig) -> Path:
+    base = Path(ft.base).expanduser()
+    if not base.exists():
+        raise RunDirError(
+            f"finetune.base: no run directory {base}; train it first (e.g. `difftrain pretrain quickstart` "
+            "writes runs/quickstart) or fix the path (relative to the current folder)"
+        )
+    require_run_dir(base)
+    if not (base / CONFIG).is_file():
+        raise RunDirError(f"finetune.base: {base} has no {CONFIG}; it is not a difftrain run directory")
+    return base
+
+
+def resolve_model(recipe: Recipe, base: Path) -> Any:
+    """The base run's ModelConfig with the recipe's own `model:` keys applied; a key that would
+    change the architecture is a RecipeError."""
+    base_cfg = load_config(base)
+    if recipe.model is None or not recipe.model_keys:
+        return base_cfg
+    updates = {k: getattr(recipe.model, k) for k in recipe.model_keys}
+    if updates.get("vocab_size") == "auto":
+        updates.pop("vocab_size")
+    for k, v in updates.items():
+        if k not in CHANGEABLE_MODEL_KEYS and v != getattr(base_cfg, k):
+            raise RecipeError(
+                f"model.{k}={v} but the base run {base} has {k}={getattr(base_cfg, k)}: a fine-tune keeps the "
+                f"base's architecture (only {', '.join(sorted(CHANGEABLE_MODEL_KEYS))} may change); remove "
+                f"model.{k} from the recipe"
+            )
+    return base_cfg.replace(**updates)
+
+
+def resolve_data_format(recipe: Recipe) -> str:
+    """finetune.data_format with `auto` decided by the first source."""
+    assert recipe.finetune is not None
+    fmt = recipe.finetune.data_format
+    if fmt != "auto":
+        return fmt
+    src = recipe.data.sources[0]
+    if src.source == "builtin:python-docstrings":
+        return "instruction"
+    if src.kind == "builtin":
+        return "text"
+    if src.kind == "hf":
+        return "instruction"
+    name = src.source.lower().removesuffix(".gz")
+    return "instruction" if name.endswith((".jsonl", ".json", ".parquet")) else "text"
+
+
+def add_special_tokens(tokenizer: Any, tokens: Sequence[str]) -> tuple[Any, list[int]]:
+    """The tokenizer with `tokens` added as special tokens where missing; (tokenizer, new ids)."""
+    from difftrain.data.tokenizer import Tokenizer
+
+    missing = [t for t in tokens if tokenizer.token_to_id(t) is None]
+    if not missing:
+        return tokenizer, []
+    tk = tokenizer.tk
+    tk.add_special_tokens(missing)
+    grown = Tokenizer(tk, path=None)
+    return grown, [grown.token_to_id(t) for t in missing]
+
+
+def _check_method(method: str, plan: Plan) -> None:
+    if method != "qlora":
+        return
+    from difftrain.model.lora import import_bitsandbytes
+
+    if plan.accelerator == "mps":
+        raise DeviceError(
+            "finetune.method=qlora needs bitsandbytes' 4-bit kernels, which do not run on Apple MPS; "
+            "use finetune.method=lora"
+        )
+    import_bitsandbytes()
+    if plan.world_size > 1:
+        raise DeviceError(
+            f"finetune.method=qlora trains on one device (the plan has {plan.world_size}); use "
+            "finetune.method=lora to fine-tune on several"
+        )
+    if plan.recipe.train.precision == "bf16-true":
+        raise DeviceError(
+            "finetune.method=qlora keeps 4-bit weights that a whole-model cast to bf16 (train.precision="
+            "bf16-true) would break; use train.precision=bf16-mixed"
+        )
+
+
+def _compute_dtype(precision: str) -> torch.dtype:
+    if precision.startswith("bf16"):
+        return torch.bfloat16
+    if precision.startswith("16"):
+        return torch.float16
+    return torch.float32
+
+
+# --------------------------------------------------------------------------------------------
+# the entry point
+
+
+def finetune(
+    recipe: Recipe,
+    *,
+    resume: bool | str | None = None,
+    overwrite: bool = False,
+    progress: bool | None = None,
+    console: Any = None,
+    on_start: Any = None,
+    extra_callbacks: list[Any] | None = None,
+    fault_hook: Any = None,
+    data_progress: Any = None,
+) -> TrainResult:
+    """Fine-tune `recipe.finetune.base` as the recipe says into a new run directory.
+
+    Same keyword arguments and result as `pretrain`. `on_start(info)` receives, besides what
+    pretrain passes, `base`, `method`, `data_format`, `trainable_params`, `total_params`,
+    `lora_targets`, `new_tokens` and the record counts.
+    """
+    import lightning as L
+
+    from difftrain.adapters import (
+        adapt_model,
+        base_reference,
+        plan_adapter,
+        read_adapter_spec,
+        resolve_base,
+        save_adapter,
+    )
+    from difftrain.data.config import TokenizerConfig
+    from difftrain.data.tokenizer import load_tokenizer
+    from difftrain.model.lora import grow_vocab
+    from difftrain.rundir import load_run
+
+    _quiet_lightning()
+    ft = recipe.finetune
+    if ft is None:
+        raise RecipeError(
+            f"{recipe.source or recipe.name} has no finetune: section; add one with at least "
+            "`finetune: {base: runs/NAME}`, or train from scratch with `difftrain pretrain`"
+        )
+    base = base_run_dir(ft)
+    model_cfg = resolve_model(recipe, base)
+    base_tok_path = (base / TOKENIZER).resolve()
+    if (
+        recipe.tokenizer.path is not None
+        and Path(recipe.tokenizer.path).expanduser().resolve() != base_tok_path
+    ):
+        raise RecipeError(
+            f"tokenizer.path={recipe.tokenizer.path}: a fine-tune uses its base run's tokenizer ({base_tok_path}); "
+            "remove tokenizer.path from the recipe"
+        )
+    r = recipe.model_copy(update={"model": model_cfg, "tokenizer": TokenizerConfig(path=str(base_tok_path))})
+    r._recipe_dir, r._source, r._model_keys = recipe.recipe_dir, recipe.source, recipe.model_keys
+    plan = plan_run(r)
+    _check_method(ft.method, plan)
+    r = plan.recipe
+    t = r.train
+    data_format = resolve_data_format(r)
+
+    # data and tokenizer (the base's, grown by the chat template's tokens if records need them)
+    tokenizer = load_tokenizer(base / TOKENIZER)
+    base_vocab_rows = tokenizer.vocab_size
+    new_ids: list[int] = []
+    info: dict[str, Any] = {"base": base, "method": ft.method, "data_format": data_format}
+    template = SFTTemplate.from_config(ft)
+    if data_format == "instruction":
+        from difftrain.data.modules import SFTDataModule, load_sft_records
+
+        try:
+            train_records, val_records, stats = load_sft_records(r.data, seed=r.seed, base_dir=r.recipe_dir)
+        except DataError as e:
+            if "has no field" in str(e) or "plain documents" in str(e):
+                raise DataError(f"{e} (for plain text, set finetune.data_format: text)") from e
+            raise
+        if any("messages" in x and "prompt" not in x for x in (*train_records, *val_records)):
+            tokenizer, new_ids = add_special_tokens(tokenizer, ft.chat_template.special_tokens)
+        dm: Any = SFTDataModule(
+            train_records,
+            val_records,
+            tokenizer=tokenizer,
+            max_seq_len=plan.seq_len,
+            micro_batch_size=t.micro_batch_size,
+            seed=r.seed,
+            template=template,
+            train_on_prompt=ft.train_on_prompt,
+            pad_to_max_seq_len=bool(t.compile),
+            num_workers=r.data.num_workers,
+            pin_memory=r.data.pin_memory,
+        )
+        dm.setup()  # tokenizes every record now: bad records fail before anything is written
+        has_val = len(dm.val_examples) > 0
+        info.update(
+            train_records=len(dm.train_examples),
+            val_records=len(dm.val_examples),
+            truncated=dm.truncated,
+            sources=stats,
+        )
+        tokens_per_micro_batch = 0
+    else:
+        from difftrain.data.modules import PretrainDataModule
+        from difftrain.data.shards import prepare_data
+
+        prepared = prepare_data(
+            r.data, r.tokenizer, seed=r.seed, base_dir=r.recipe_dir, progress=data_progress
+        )
+        dm = PretrainDataModule.from_config(
+            prepared, r.data, seq_len=plan.seq_len, micro_batch_size=t.micro_batch_size, seed=r.seed
+        )
+        has_val = r.data.val_windows > 0
+        info["data"] = prepared
+        tokens_per_micro_batch = t.micro_batch_size * plan.seq_len
+    vocab_size = max(int(model_cfg.vocab_size), 64 * math.ceil(tokenizer.vocab_size / 64))
+    if vocab_size != model_cfg.vocab_size:
+        model_cfg = model_cfg.replace(vocab_size=vocab_size)
+    r = r.model_copy(update={"model": model_cfg})
+    r._recipe_dir, r._source, r._model_keys = plan.recipe.recipe_dir, plan.recipe.source, recipe.model_keys
+    plan.recipe = r
+    info["new_tokens"] = {tokenizer.id_to_token(i): i for i in new_ids}
+
+    resume_flag: bool | str = t.resume if resume is None else resume
+    resuming, point = prepare_run_dir(plan, resume=resume_flag, overwrite=overwrite)
+    run_dir = plan.run_dir
+    if resuming and ft.method != "full" and (run_dir / "adapter.json").is_file():
+        resolve_base(run_dir, read_adapter_spec(run_dir))  # the base must be the one trained on
+
+    # the model: base weights, grown vocabulary, then LoRA (and 4-bit) or all weights trainable
+    L.seed_everything(r.seed, workers=True, verbose=False)
+    model = load_run(base).model
+    if new_ids:
+        grow_vocab(model, new_ids, vocab_size, used_rows=base_vocab_rows)
+    model.config = model_cfg
+    model.attn_impl = model_cfg.attn_impl
+    counts = model.num_params()
+    model.train()
+    export = None
+    if ft.method == "full":
+        model.requires_grad_(True)
+    else:
+        spec = plan_adapter(
+            model,
+            method=ft.method,
+            rank=ft.lora.rank,
+            alpha=ft.lora.alpha,
+            dropout=ft.lora.dropout,
+            target_modules=ft.lora.target_modules,
+            train_lambdas=ft.train_lambdas,
+            train_embeddings=bool(new_ids),
+        )
+        device = torch.device("cuda", torch.cuda.current_device()) if plan.accelerator == "cuda" else "cpu"
+        adapt_model(
+            model,
+            spec,
+            quantize_on=device if ft.method == "qlora" else None,
+            compute_dtype=_compute_dtype(t.precision),
+        )
+        if ft.method == "qlora" and not spec.quantized:
+            raise RecipeError(
+                "finetune.method=qlora but the model has no decoder linear layers to store in 4 bits"
+            )
+        spec.base = base_reference(base, run_dir)
+        spec.vocab = {
+            "base_vocab_size": int(load_config(base).vocab_size),
+            "vocab_size": vocab_size,
+            "new_ids": new_ids,
+            "used_rows": base_vocab_rows,
+        }
+        info["lora_targets"] = spec.targets
+        info["trained_in_full"] = spec.trained
+
+        def export(run_dir: Path, m: torch.nn.Module, step: int, spec: Any = spec) -> None:
+            save_adapter(run_dir, m, spec, step)
+
+    if t.activation_checkpointing:
+        model.set_activation_checkpointing(True)
+
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "checkpoints").mkdir(exist_ok=True)
+    if not resuming:
+        atomic_write_text(run_dir / RECIPE, r.to_yaml())
+        model_cfg.to_json(run_dir / CONFIG)
+        tokenizer.save(run_dir / TOKENIZER)
+    return fit(
+        r,
+        plan,
+        model,
+        dm,
+        point=point,
+        counts=counts,
+        has_val=has_val,
+        resume_command=f"difftrain finetune {run_dir / RECIPE} --resume",
+        progress=progress,
+        console=console,
+        on_start=on_start,
+        extra_callbacks=extra_callbacks,
+        fault_hook=fault_hook,
+        info=info,
+        export=export,
+        save_frozen=ft.method == "full",
+        step_seed=r.seed,
+        validate_first=True,
+        tokens_per_micro_batch=tokens_per_micro_batch,
+        summary_extra={
+            "method": ft.method,
+            "base": str(base),
+            "data_format": data_format,
+            **({"lora_rank": ft.lora.rank, "lora_alpha": ft.lora.alpha} if ft.method != "full" else {}),
+        },
+    )

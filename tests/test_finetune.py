@@ -1,0 +1,422 @@
+"""`difftrain finetune` (full, LoRA, QLoRA) and `difftrain merge`, end to end on a tiny base run."""
+
+from __future__ import annotations
+
+import csv
+import json
+import signal
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from difftrain.adapters import load_adapter_run, merge_run, read_adapter_spec
+from difftrain.cli.app import main
+from difftrain.errors import CheckpointError, ConfigError, DataError, RecipeError, RunDirError
+from difftrain.model.lora import LoRALinear
+from difftrain.recipe import load_recipe, shipped_recipes
+from difftrain.rundir import load_run
+from difftrain.train.callbacks import RunCallback, StopRequested
+from difftrain.train.finetune import finetune
+from difftrain.train.run import pretrain
+
+WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu".split()
+
+BASE_RECIPE = """\
+name: base
+seed: 3
+out_dir: {out}
+model: {{arch: diff, d_model: 32, n_layers: 2, n_heads: 4, max_seq_len: 48, tie_embeddings: true}}
+data: {{sources: [{corpus}], val_fraction: 0.1, val_windows: 2, cache_dir: {cache}}}
+tokenizer: {{train: {{vocab_size: 320}}}}
+train: {{max_steps: 2, micro_batch_size: 4, log_every: 1, save_every: 2}}
+optim: {{lr: 3.0e-3, warmup_steps: 1}}
+logging: {{progress: false, tensorboard: false}}
+"""
+
+FT_RECIPE = """\
+name: {name}
+seed: 5
+out_dir: {out}
+finetune:
+  base: {base}
+  method: {method}
+  lora: {{rank: 4, alpha: 8, dropout: {dropout}}}
+data:
+  sources: [{data}]
+  val_fraction: 0.2
+  cache_dir: {cache}
+train: {{max_steps: {steps}, micro_batch_size: 2, global_batch_size: 4, log_every: 1, val_every: 2, save_every: {save_every}}}
+optim: {{lr: 1.0e-2, warmup_steps: 1, weight_decay: 0.0}}
+logging: {{progress: false, tensorboard: false}}
+"""
+
+
+@pytest.fixture(scope="module")
+def base_run(tmp_path_factory) -> Path:
+    """A tiny pretrained `diff` run (2 steps) and the folder holding it."""
+    root = tmp_path_factory.mktemp("base")
+    corpus = root / "corpus"
+    corpus.mkdir()
+    g = torch.Generator().manual_seed(0)
+    for i in range(20):
+        lines = []
+        for j in range(10):
+            w = [WORDS[int(k)] for k in torch.randint(len(WORDS), (3,), generator=g)]
+            lines.append(
+                f'def {w[0]}_{j}({w[1]}, {w[2]}):\n    """Return {w[1]} plus {w[2]}."""\n    return {w[1]} + {w[2]}\n'
+            )
+        (corpus / f"doc{i:02d}.py").write_text("".join(lines))
+    p = root / "base.yaml"
+    p.write_text(BASE_RECIPE.format(out=root / "runs", corpus=corpus, cache=root / "cache"))
+    return pretrain(load_recipe(p)).run_dir
+
+
+@pytest.fixture()
+def ws(tmp_path, base_run, monkeypatch):
+    """Writes fine-tune recipes (and their data) into tmp_path; returns a recipe factory."""
+    monkeypatch.chdir(tmp_path)
+    records = tmp_path / "sft.jsonl"
+    with open(records, "w") as f:
+        for i in range(20):
+            w = WORDS[i % len(WORDS)]
+            f.write(
+                json.dumps(
+                    {
+                        "prompt": f'def {w}_{i}(a, b):\n    """Return a plus b."""\n',
+                        "response": "    return a + b\n",
+                    }
+                )
+                + "\n"
+            )
+
+    def recipe(
+        name="ft", method="lora", steps=3, save_every=3, dropout=0.0, data=None, extra="", base=None
+    ) -> Path:
+        p = tmp_path / f"{name}.yaml"
+        p.write_text(
+            FT_RECIPE.format(
+                name=name,
+                out=tmp_path / "runs",
+                base=base or base_run,
+                method=method,
+                dropout=dropout,
+                data=data or records,
+                cache=base_run.parent.parent / "cache",
+                steps=steps,
+                save_every=save_every,
+            )
+            + extra
+        )
+        return p
+
+    return recipe
+
+
+def losses(run_dir: Path) -> dict[int, float]:
+    with open(run_dir / "metrics.csv", newline="") as f:
+        return {
+            int(float(r["step"])): float(r["train/loss"]) for r in csv.DictReader(f) if r.get("train/loss")
+        }
+
+
+class Grab(L.Callback):
+    """Keeps the trained model and the first training batch."""
+
+    def __init__(self) -> None:
+        self.model = None
+        self.batch = None
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if self.batch is None:
+            self.batch = {k: v.clone() for k, v in batch.items()}
+
+    def on_train_end(self, trainer, pl_module):
+        self.model = pl_module.model
+
+
+def test_lora_trains_only_the_adapters_and_leaves_the_base_bit_identical(ws, base_run):
+    grab = Grab()
+    result = finetune(load_recipe(ws(steps=3)), extra_callbacks=[grab])
+    run = result.run_dir
+    model = grab.model
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    lambdas = {f"model.layers.{i}.self_attn.lambda_{v}" for i in range(2) for v in ("q1", "k1", "q2", "k2")}
+    loras = {
+        f"model.layers.{i}.{m}.{ab}"
+        for i in range(2)
+        for m in (
+            "self_attn.q_proj",
+            "self_attn.k_proj",
+            "self_attn.v_proj",
+            "self_attn.o_proj",
+            "mlp.gate_proj",
+            "mlp.up_proj",
+            "mlp.down_proj",
+        )
+        for ab in ("lora_A", "lora_B")
+    }
+    assert trainable == loras | lambdas
+    # every frozen tensor is bit-identical to the base run's weights
+    base = load_file(base_run / "model.safetensors")
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            key = name.replace(".base.weight", ".weight")
+            assert torch.equal(p.detach(), base[key]), name
+    # the trainable ones moved: B away from 0, λ away from the base
+    adapter = load_file(run / "adapter.safetensors")
+    assert set(adapter) == trainable
+    assert all(adapter[n].abs().sum() > 0 for n in loras if n.endswith("lora_B"))
+    assert any(not torch.equal(adapter[n], base[n]) for n in lambdas)
+    # the count in the summary is r·(in + out) per adapted layer + 4·head_dim λ values per layer
+    d, f = 32, model.config.ffn_hidden
+    per_layer = 4 * (4 * (d + d)) + 4 * 2 * (d + f) + 4 * (d + f) + 4 * 8
+    assert result.summary["trainable_params"] == 2 * per_layer
+    spec = read_adapter_spec(run)
+    assert spec.method == "lora" and spec.step == 3 and len(spec.targets) == 14
+    assert Path(spec.base["abs_path"]) == base_run.resolve()
+    assert not (run / "model.safetensors").exists()
+    assert (run / "adapter.safetensors").stat().st_size < (base_run / "model.safetensors").stat().st_size / 2
+    assert result.summary["initial_val_loss"] is not None and result.summary["final_val_loss"] is not None
+
+
+def test_merged_run_gives_the_logits_of_base_plus_adapter(ws, tmp_path):
+    run = finetune(load_recipe(ws(steps=2, save_every=2))).run_dir
+    unmerged = load_adapter_run(run, merge=False).model
+    assert any(isinstance(m, LoRALinear) for m in unmerged.modules())
+    merged_dir = merge_run(run)
+    assert merged_dir == run.parent / "ft-merged"
+    merged = load_run(merged_dir)
+    assert not any(isinstance(m, LoRALinear) for m in merged.model.modules())
+    ids = torch.randint(0, 300, (2, 20), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        a, b = unmerged(ids).logits, merged.model(ids).logits
+        c = load_run(run).model(ids).logits  # an adapter run loads as base + adapter
+    assert (a - b).abs().max() <= 1e-5 and (a - c).abs().max() <= 1e-5
+    for f in ("config.json", "tokenizer.json", "recipe.yaml", "summary.json"):
+        assert (merged_dir / f).is_file()
+    assert json.loads((merged_dir / "summary.json").read_text())["merged_from"]["method"] == "lora"
+    with pytest.raises(RunDirError, match="already exists"):
+        merge_run(run)
+    with pytest.raises(RunDirError, match="nothing to merge"):
+        merge_run(merged_dir, tmp_path / "again")
+
+
+class StopAt(L.Callback):
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.global_step == self.step and pl_module.stepped:
+            next(c for c in trainer.callbacks if isinstance(c, RunCallback))._stop_signal = signal.SIGTERM
+
+
+def test_lora_resume_continues_the_exact_loss_curve(ws):
+    """With LoRA dropout on: the masks come from (seed, micro-batch index), so they resume too."""
+    full = finetune(load_recipe(ws(name="full", steps=5, save_every=2, dropout=0.2)))
+    with pytest.raises(StopRequested):
+        finetune(
+            load_recipe(ws(name="split", steps=5, save_every=2, dropout=0.2)), extra_callbacks=[StopAt(3)]
+        )
+    ckpt = torch.load(
+        next((full.run_dir / "checkpoints").glob("step-*.ckpt")), map_location="cpu", weights_only=True
+    )
+    assert all("lora_" in k or "lambda_" in k for k in ckpt["state_dict"])  # frozen base not copied
+    resumed = finetune(load_recipe(ws(name="split", steps=5, save_every=2, dropout=0.2)), resume=True)
+    assert resumed.resumed_from == 3
+    a, b = losses(full.run_dir), losses(resumed.run_dir)
+    assert sorted(a) == [1, 2, 3, 4, 5] and a == b
+    wa, wb = (
+        load_file(full.run_dir / "adapter.safetensors"),
+        load_file(resumed.run_dir / "adapter.safetensors"),
+    )
+    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+    assert resumed.summary["initial_val_loss"] == full.summary["initial_val_loss"]
+
+
+def test_full_finetune_trains_every_weight_and_writes_model_safetensors(ws, base_run):
+    result = finetune(load_recipe(ws(name="fullft", method="full", steps=2, save_every=2)))
+    run = result.run_dir
+    assert (run / "model.safetensors").is_file() and not (run / "adapter.json").exists()
+    before, after = load_file(base_run / "model.safetensors"), load_file(run / "model.safetensors")
+    assert before.keys() == after.keys()
+    assert all(not torch.equal(before[k], after[k]) for k in before if "lambda" not in k and "norm" not in k)
+    assert result.summary["trainable_params"] == load_run(base_run).model.num_params()["total"]
+
+
+def test_sft_batches_train_only_on_responses_end_to_end(ws, tmp_path, base_run):
+    data = tmp_path / "one.jsonl"
+    data.write_text(json.dumps({"prompt": "def f(a):\n", "response": "    return a\n"}) + "\n")
+    grab = Grab()
+    r = load_recipe(ws(name="mask", steps=1, save_every=1, data=data), ["data.val_fraction=0"])
+    finetune(r, extra_callbacks=[grab])
+    tok = load_run(base_run).tokenizer
+    p, resp = tok.encode("def f(a):\n"), tok.encode("    return a\n")
+    ids = p + resp + [tok.eos_id]
+    expected_targets = [-100] * (len(p) - 1) + resp + [tok.eos_id]
+    assert grab.batch["input_ids"][0].tolist() == ids[:-1]
+    assert grab.batch["targets"][0].tolist() == expected_targets
+    r2 = load_recipe(
+        ws(name="mask2", steps=1, save_every=1, data=data),
+        ["data.val_fraction=0", "finetune.train_on_prompt=true"],
+    )
+    grab2 = Grab()
+    finetune(r2, extra_callbacks=[grab2])
+    assert grab2.batch["targets"][0].tolist() == ids[1:]
+
+
+def test_messages_are_rendered_with_the_chat_template_and_only_replies_trained(ws, tmp_path, base_run):
+    data = tmp_path / "chat.jsonl"
+    msgs = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "add a b"},
+        {"role": "assistant", "content": "a + b"},
+    ]
+    data.write_text(json.dumps({"messages": msgs}) + "\n")
+    grab = Grab()
+    finetune(
+        load_recipe(ws(name="chat", steps=1, save_every=1, data=data), ["data.val_fraction=0"]),
+        extra_callbacks=[grab],
+    )
+    tok = load_run(base_run).tokenizer
+    prompt = tok.encode("<|system|>\nBe brief.<|end|>\n<|user|>\nadd a b<|end|>\n<|assistant|>\n")
+    reply = tok.encode("a + b<|end|>\n") + [tok.eos_id]
+    assert tok.token_to_id("<|assistant|>") in prompt  # a special token, not split
+    assert grab.batch["targets"][0].tolist() == [-100] * (len(prompt) - 1) + reply
+
+
+def test_a_template_token_the_base_lacks_grows_embedding_and_head(ws, tmp_path, base_run):
+    data = tmp_path / "tool.jsonl"
+    msgs = [
+        {"role": "user", "content": "x"},
+        {"role": "tool", "content": "42"},
+        {"role": "assistant", "content": "ok"},
+    ]
+    data.write_text(json.dumps({"messages": msgs}) + "\n")
+    extra = """\
+  chat_template:
+    roles: {user: "<|user|>{content}<|end|>", tool: "<|tool|>{content}<|end|>", assistant: "<|assistant|>{content}<|end|>"}
+    special_tokens: ["<|user|>", "<|tool|>", "<|assistant|>", "<|end|>"]
+"""
+    text = (
+        ws(name="grow", steps=2, save_every=2, data=data)
+        .read_text()
+        .replace("  lora: {rank: 4", extra + "  lora: {rank: 4")
+    )
+    p = tmp_path / "grow.yaml"
+    p.write_text(text)
+    result = finetune(load_recipe(p, ["data.val_fraction=0"]))
+    run = result.run_dir
+    base_cfg = json.loads((base_run / "config.json").read_text())
+    cfg = json.loads((run / "config.json").read_text())
+    assert base_cfg["vocab_size"] == 320 and cfg["vocab_size"] == 384
+    loaded = load_run(run)
+    new_id = loaded.tokenizer.token_to_id("<|tool|>")
+    assert new_id == 320 and loaded.tokenizer.encode("<|tool|>") == [new_id]
+    emb = loaded.model.model.embed_tokens.weight
+    assert emb.shape == (384, 32) and loaded.model.lm_head.weight is emb
+    base_emb = load_file(base_run / "model.safetensors")["model.embed_tokens.weight"]
+    mean = base_emb[: base_cfg["vocab_size"]].mean(0)
+    assert not torch.allclose(emb[new_id], mean)  # started at the mean, then trained
+    assert "model.embed_tokens.weight" in load_file(run / "adapter.safetensors")
+    assert read_adapter_spec(run).vocab["new_ids"] == [new_id]
+
+
+def test_qlora_on_cpu_trains_adapters_over_a_4bit_base_and_merges_to_what_was_trained(ws):
+    pytest.importorskip("bitsandbytes")
+    grab = Grab()
+    run = finetune(
+        load_recipe(ws(name="q", method="qlora", steps=2, save_every=2)), extra_callbacks=[grab]
+    ).run_dir
+    spec = read_adapter_spec(run)
+    assert spec.method == "qlora" and len(spec.quantized) == 14
+    assert type(grab.model.model.layers[0].self_attn.q_proj.base).__name__ == "Linear4bit"
+    ids = torch.randint(0, 300, (1, 12), generator=torch.Generator().manual_seed(1))
+    grab.model.eval()
+    with torch.no_grad():
+        trained = grab.model(ids).logits
+        loaded = load_run(run).model(ids).logits
+    assert (trained - loaded).abs().max() <= 1e-4
+
+
+def test_continued_pretraining_on_plain_text(ws, base_run):
+    corpus = base_run.parent.parent / "corpus"
+    r = load_recipe(ws(name="text", steps=2, save_every=2, data=corpus), ["data.val_windows=2"])
+    result = finetune(r)
+    assert result.summary["data_format"] == "text" and result.summary["steps"] == 2
+
+
+def test_bad_input_is_a_clear_error(ws, tmp_path, base_run, capsys):
+    with pytest.raises(RunDirError, match="no run directory .*train it first"):
+        finetune(load_recipe(ws(name="nobase", base=tmp_path / "runs" / "missing")))
+    with pytest.raises(RecipeError, match="model.d_model=64 but the base run .* has d_model=32"):
+        finetune(load_recipe(ws(name="incompat"), ["model.d_model=64"]))
+    with pytest.raises(RecipeError, match="model.arch=baseline .* has arch=diff"):
+        finetune(load_recipe(ws(name="incompat2"), ["model.arch=baseline"]))
+    with pytest.raises(ConfigError, match="`qkv` matches no linear layer; available: self_attn.q_proj"):
+        finetune(load_recipe(ws(name="pat"), ["finetune.lora.target_modules=[qkv]"]))
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"messages": [{"role": "bot", "content": "hi"}]}) + "\n")
+    with pytest.raises(DataError, match="role 'bot'.*roles: system, user, assistant"):
+        finetune(load_recipe(ws(name="role", data=bad)))
+    with pytest.raises(RecipeError, match="fine-tuning recipe"):
+        pretrain(load_recipe(ws(name="wrongcmd")))
+    with pytest.raises(RecipeError, match="no finetune: section"):
+        finetune(load_recipe(base_run / "recipe.yaml"))
+    # through the CLI: one red line, exit 2
+    assert main(["finetune", str(ws(name="role2", data=bad)), "--no-progress"]) == 2
+    assert "role 'bot'" in capsys.readouterr().err
+    assert main(["merge", str(base_run)]) == 2
+    assert "nothing to merge" in capsys.readouterr().err
+
+
+def test_a_changed_base_is_detected_when_loading_the_adapter(ws, tmp_path, base_run):
+    import shutil
+
+    base_copy = tmp_path / "basecopy"
+    shutil.copytree(base_run, base_copy)
+    run = finetune(load_recipe(ws(name="chg", steps=1, save_every=1, base=base_copy))).run_dir
+    assert load_run(run).model is not None
+    sd = load_file(base_copy / "model.safetensors")
+    sd["model.norm.weight"] = sd["model.norm.weight"] + 1
+    from safetensors.torch import save_file
+
+    save_file(sd, str(base_copy / "model.safetensors"))
+    with pytest.raises(CheckpointError, match="has changed since"):
+        load_run(run)
+    shutil.rmtree(base_copy)
+    with pytest.raises(RunDirError, match="base run is gone"):
+        load_run(run)
+
+
+def test_cli_prints_the_trainable_count_and_merges(ws, capsys):
+    p = ws(name="cli", steps=1, save_every=1)
+    assert main(["finetune", str(p), "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    summary = json.loads((Path("runs") / "cli" / "summary.json").read_text())
+    assert f"{summary['trainable_params']:,} of" in out and "lora · rank 4" in out
+    assert "difftrain merge" in out
+    assert main(["merge", "runs/cli", "runs/cli-m"]) == 0
+    assert (Path("runs") / "cli-m" / "model.safetensors").is_file()
+
+
+def test_shipped_finetune_recipes_validate_and_quickstart_runs_on_a_stand_in_base(ws, base_run, tmp_path):
+    for name in ("finetune-quickstart", "finetune-lora-124m", "finetune-qlora-350m-8gb"):
+        r = load_recipe(name)
+        assert r.finetune is not None and r.model is None and name in shipped_recipes()
+    assert load_recipe("finetune-qlora-350m-8gb").finetune.method == "qlora"
+    r = load_recipe(
+        "finetune-quickstart",
+        [
+            f"finetune.base={base_run}",
+            f"out_dir={tmp_path / 'runs'}",
+            "train.max_steps=2",
+            "train.micro_batch_size=2",
+            "train.global_batch_size=2",
+            "data.sources=[{source: builtin:python-docstrings, max_documents: 30}]",
+        ],
+    )
+    result = finetune(r)
+    assert result.summary["steps"] == 2 and result.summary["method"] == "lora"
