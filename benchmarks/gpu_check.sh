@@ -1,0 +1,238 @@
+#!/usr/bin/env bash
+# benchmarks/gpu_check.sh — the checks that need a CUDA GPU, run whenever one is available.
+#
+#   bash benchmarks/gpu_check.sh              # every section
+#   bash benchmarks/gpu_check.sh qlora        # only the named sections
+#
+# Each section writes RESULTS_DIR/<section>.json (default benchmarks/results/gpu_check/):
+# {"section", "ok", "device", "checks": {name: {"ok", "detail"}}, "figures": {...}, "error"?}.
+# The script exits 0 when every section it ran is ok, 1 otherwise, and 0 with "skipped" results
+# when no CUDA GPU is visible. It writes nothing outside RESULTS_DIR and a temporary folder
+# (removed at exit; the data cache goes there too), touches no GPU settings, and needs no network.
+#
+# Testing the script itself without a GPU: GPU_CHECK_DEVICE=cpu runs every section on the CPU at
+# tiny sizes (the figures then mean nothing).
+#
+# Sections
+#   qlora  QLoRA fine-tuning on CUDA: a small diff base is pretrained, then fine-tuned with its
+#          decoder weights in 4-bit NF4 (bitsandbytes Linear4bit) under bf16-mixed and 8-bit AdamW.
+#          Checks: the 4-bit layers live on the GPU as uint8; only LoRA matrices and λ train; the
+#          dense base tensors are bit-identical afterwards; the validation loss improves; the
+#          adapter loads (on CPU, through the NF4 round trip) and merges into a plain run whose
+#          logits match the trained 4-bit model's. Figures: peak GPU memory and tokens/s of
+#          lora vs qlora on a ~200M-parameter base (random weights, activation checkpointing).
+set -uo pipefail
+
+cd "$(dirname "$0")/.." || exit 1
+PY=${PYTHON:-.venv/bin/python}
+[ -x "$PY" ] || PY=python3
+RESULTS_DIR=${RESULTS_DIR:-benchmarks/results/gpu_check}
+DEVICE=${GPU_CHECK_DEVICE:-cuda}
+mkdir -p "$RESULTS_DIR"
+WORK=$(mktemp -d "${TMPDIR:-/tmp}/difftrain-gpu-check.XXXXXX")
+trap 'rm -rf "$WORK"' EXIT
+export DIFFTRAIN_CACHE="$WORK/cache"
+
+ALL_SECTIONS=(qlora)
+if [ "$#" -gt 0 ]; then SECTIONS=("$@"); else SECTIONS=("${ALL_SECTIONS[@]}"); fi
+
+skipped() {  # section reason
+  printf '{"section": "%s", "ok": true, "skipped": "%s"}\n' "$1" "$2" >"$RESULTS_DIR/$1.json"
+  echo "gpu_check: $1 skipped ($2)"
+}
+
+if [ "$DEVICE" = "cuda" ] && ! "$PY" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)"; then
+  for s in "${SECTIONS[@]}"; do skipped "$s" "no CUDA GPU visible"; done
+  exit 0
+fi
+
+# ------------------------------------------------------------------------------------------
+section_qlora() {
+  "$PY" - "$RESULTS_DIR/qlora.json" "$WORK/qlora" "$DEVICE" <<'PY'
+import gc, json, platform, sys, time, traceback
+from pathlib import Path
+
+import torch
+
+out, work, device = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3]
+cpu = device == "cpu"
+work.mkdir(parents=True)
+res = {"section": "qlora", "ok": False, "device": "", "checks": {}, "figures": {}}
+
+
+def check(name, ok, detail):
+    res["checks"][name] = {"ok": bool(ok), "detail": detail}
+    print(f"  {'ok  ' if ok else 'FAIL'} {name}: {detail}", flush=True)
+
+
+def write_recipe(name, text):
+    p = work / f"{name}.yaml"
+    p.write_text(text)
+    return p
+
+
+try:
+    import lightning as L
+
+    from difftrain.adapters import read_adapter_spec
+    from difftrain.model import ModelConfig, Transformer
+    from difftrain.recipe import load_recipe
+    from difftrain.rundir import load_run, save_weights
+    from difftrain.train.finetune import finetune
+    from difftrain.train.run import pretrain
+    from safetensors.torch import load_file
+
+    res["device"] = torch.cuda.get_device_name(0) if not cpu else f"cpu ({platform.machine()})"
+    res["torch"] = torch.__version__
+    import bitsandbytes
+
+    res["bitsandbytes"] = bitsandbytes.__version__
+
+    # a small synthetic corpus and a tiny diff base pretrained on it
+    corpus = work / "corpus"
+    corpus.mkdir()
+    words = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi".split()
+    g = torch.Generator().manual_seed(0)
+    for i in range(120):
+        lines = []
+        for j in range(30):
+            a, b, c = (words[int(k)] for k in torch.randint(len(words), (3,), generator=g))
+            lines.append(f'def {a}_{j}({b}, {c}):\n    """Return {b} combined with {c}."""\n    return {b} + {c} * {j}\n\n')
+        (corpus / f"m{i:03d}.py").write_text("".join(lines))
+    acc = "cpu" if cpu else "cuda"
+    d_model, layers, heads, seq = (64, 2, 4, 64) if cpu else (256, 4, 8, 256)
+    base_recipe = write_recipe(
+        "base",
+        f"""name: base
+out_dir: {work / 'runs'}
+model: {{arch: diff, d_model: {d_model}, n_layers: {layers}, n_heads: {heads}, max_seq_len: {seq}, tie_embeddings: false}}
+data: {{sources: [{corpus}], val_windows: 8}}
+tokenizer: {{train: {{vocab_size: 1024}}}}
+train: {{max_steps: {10 if cpu else 60}, micro_batch_size: 16, accelerator: {acc}, compile: false, log_every: 10, save_every: 1000}}
+optim: {{lr: 3.0e-3, warmup_steps: 5}}
+logging: {{progress: false, tensorboard: false}}
+""",
+    )
+    t0 = time.perf_counter()
+    base = pretrain(load_recipe(base_recipe)).run_dir
+    res["figures"]["base_pretrain_s"] = round(time.perf_counter() - t0, 1)
+
+    class Grab(L.Callback):
+        model = None
+
+        def on_train_end(self, trainer, pl_module):
+            Grab.model = pl_module.model
+
+    steps = 6 if cpu else 40
+    ft_recipe = write_recipe(
+        "ft",
+        f"""name: ft
+out_dir: {work / 'runs'}
+finetune: {{base: {base}, method: qlora, lora: {{rank: 8, alpha: 16, dropout: 0.05}}}}
+data: {{sources: [{{source: builtin:python-docstrings, max_documents: {80 if cpu else 600}}}], val_fraction: 0.1}}
+train: {{max_steps: {steps}, micro_batch_size: 8, accelerator: {acc}, compile: false, log_every: 5, val_every: 1000, save_every: 1000}}
+optim: {{lr: 2.0e-3, warmup_steps: 3, weight_decay: 0.0}}
+logging: {{progress: false, tensorboard: false}}
+""",
+    )
+    if not cpu:
+        torch.cuda.reset_peak_memory_stats()
+    result = finetune(load_recipe(ft_recipe), extra_callbacks=[Grab()])
+    run, model, s = result.run_dir, Grab.model, result.summary
+    res["figures"]["qlora_small"] = {
+        k: s.get(k) for k in ("precision", "optimizer", "steps", "tokens_per_s", "peak_gpu_mem_mb",
+                              "initial_val_loss", "final_val_loss", "trainable_params", "params")
+    }
+    spec = read_adapter_spec(run)
+    four = [model.get_submodule(n) if n not in spec.targets else model.get_submodule(n).base for n in spec.quantized]
+    on_dev = all(type(m).__name__ == "Linear4bit" and m.weight.dtype == torch.uint8 and m.weight.device.type == acc for m in four)
+    check("4bit_layers_on_device", on_dev and len(four) == 7 * layers,
+          f"{len(four)} Linear4bit layers, uint8 weights on {acc}")
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    only = all(".lora_" in n or ".lambda_" in n for n in trainable)
+    check("only_adapters_train", only, f"{len(trainable)} trainable tensors ({s['trainable_params']:,} values)")
+    base_sd = load_file(base / "model.safetensors")
+    dense_frozen = {n: p for n, p in model.named_parameters() if not p.requires_grad and p.dtype != torch.uint8}
+    same = all(torch.equal(p.detach().cpu(), base_sd[n]) for n, p in dense_frozen.items() if n in base_sd)
+    check("dense_base_unchanged", same and len(dense_frozen) > 0, f"{len(dense_frozen)} dense frozen tensors bit-identical")
+    iv, fv = s.get("initial_val_loss"), s.get("final_val_loss")
+    check("val_loss_improves", iv is not None and fv is not None and fv < iv, f"val loss {iv} -> {fv}")
+    # the trained 4-bit model (fp32 compute, no autocast) vs the adapter loaded on CPU and merged
+    ids = torch.randint(0, model.config.vocab_size, (2, 48), generator=torch.Generator().manual_seed(1))
+    model.eval()
+    for m in model.modules():
+        if type(m).__name__ == "Linear4bit":
+            m.compute_dtype = torch.float32
+    with torch.no_grad():
+        trained = model(ids.to(next(model.parameters()).device)).logits.float().cpu()
+        loaded = load_run(run).model(ids).logits
+    diff = (trained - loaded).abs().max().item()
+    scale = trained.abs().max().item()
+    check("merged_matches_trained", diff <= 2e-3 * max(1.0, scale),
+          f"max |logit diff| {diff:.2e} (logits up to {scale:.1f}); CPU NF4 round trip vs {acc} 4-bit kernels")
+    from difftrain.adapters import merge_run
+    merged = merge_run(run)
+    with torch.no_grad():
+        m2 = load_run(merged).model(ids).logits
+    check("merge_run_equals_unmerged", (m2 - loaded).abs().max().item() <= 1e-5,
+          f"merged run vs base + adapter: {(m2 - loaded).abs().max().item():.1e}")
+    ad, full = (run / "adapter.safetensors").stat().st_size, (base / "model.safetensors").stat().st_size
+    res["figures"]["adapter_bytes"], res["figures"]["base_bytes"] = ad, full
+    del model, Grab.model, result
+    gc.collect()
+
+    # memory: lora vs qlora on a bigger base (random weights; only memory and speed matter)
+    D, Lyr, H, T = (64, 2, 4, 64) if cpu else (1024, 16, 16, 512)
+    big = work / "runs" / "big"
+    big.mkdir(parents=True)
+    cfg = ModelConfig(arch="diff", vocab_size=1024, d_model=D, n_layers=Lyr, n_heads=H, max_seq_len=T)
+    save_weights(big / "model.safetensors", Transformer(cfg))
+    cfg.to_json(big / "config.json")
+    (big / "tokenizer.json").write_text((base / "tokenizer.json").read_text())
+    (big / "recipe.yaml").write_text((base / "recipe.yaml").read_text())
+    mem = {}
+    for method in ("lora", "qlora"):
+        p = write_recipe(
+            f"mem-{method}",
+            f"""name: mem-{method}
+out_dir: {work / 'runs'}
+finetune: {{base: {big}, method: {method}, lora: {{rank: 16, alpha: 32}}}}
+data: {{sources: [{{source: builtin:python-docstrings, max_documents: {80 if cpu else 600}}}], val_fraction: 0.0}}
+train: {{max_steps: {3 if cpu else 8}, micro_batch_size: 4, accelerator: {acc}, compile: false, activation_checkpointing: true, log_every: 1, save_every: 1000}}
+optim: {{lr: 1.0e-3, warmup_steps: 1, weight_decay: 0.0}}
+logging: {{progress: false, tensorboard: false}}
+""",
+        )
+        gc.collect()
+        if not cpu:
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+        s = finetune(load_recipe(p)).summary
+        mem[method] = {k: s.get(k) for k in ("peak_gpu_mem_mb", "tokens_per_s", "params", "trainable_params", "final_train_loss")}
+    res["figures"]["memory_200m"] = mem
+    if not cpu:
+        a, b = mem["lora"]["peak_gpu_mem_mb"], mem["qlora"]["peak_gpu_mem_mb"]
+        check("qlora_uses_less_memory", b < a, f"peak GPU memory lora {a:.0f} MB vs qlora {b:.0f} MB ({b / a:.2f}x)")
+    res["ok"] = all(c["ok"] for c in res["checks"].values())
+except Exception as e:  # a failure is a result too
+    res["error"] = f"{type(e).__name__}: {e}"
+    res["traceback"] = traceback.format_exc()[-4000:]
+    print(res["traceback"], file=sys.stderr)
+out.write_text(json.dumps(res, indent=2) + "\n")
+print(f"gpu_check: qlora {'ok' if res['ok'] else 'FAILED'} -> {out}")
+sys.exit(0 if res["ok"] else 1)
+PY
+}
+
+# ------------------------------------------------------------------------------------------
+status=0
+for s in "${SECTIONS[@]}"; do
+  if ! declare -F "section_$s" >/dev/null; then
+    echo "gpu_check: unknown section '$s' (sections: ${ALL_SECTIONS[*]})" >&2
+    status=1
+    continue
+  fi
+  echo "gpu_check: $s"
+  "section_$s" || status=1
+done
+exit "$status"
