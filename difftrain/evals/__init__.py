@@ -1,0 +1,115 @@
+"""Evaluations that check the paper's claims on any run (`difftrain eval`, `difftrain compare`).
+
+Suites (each a module with `run(run, opts, progress) -> SuiteOutput`):
+
+- `ppl`        loss, perplexity and bits per byte on held-out text
+- `needle`     multi-needle retrieval grid (context length × depth × N/R), heat map
+- `attention`  attention mass on the answer span vs the noise during retrieval (Table 3)
+- `outliers`   top activations and kurtosis of attention logits and hidden states (Table 5)
+- `quant`      degradation under attention-logit quantization to 8/6/4 bits (Figure 8)
+- `icl-order`  in-context classification accuracy across orders of the demonstrations
+
+`evaluate(run, suite, opts)` runs one suite and returns its result document; `save_result`
+writes it to RUN_DIR/eval/<suite>.json.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib
+import time
+from typing import Any
+
+from difftrain.errors import ConfigError
+from difftrain.evals.common import (
+    EvalOptions,
+    Progress,
+    SuiteOutput,
+    _no_progress,
+    finish,
+    load_result,
+    result_path,
+    save_result,
+    stale,
+)
+
+SUITES: dict[str, str] = {
+    "ppl": "ppl",
+    "needle": "needle",
+    "attention": "attention",
+    "outliers": "outliers",
+    "quant": "quant",
+    "icl-order": "icl",
+}
+"""Suite name → module under difftrain.evals."""
+
+SUITE_HELP = {
+    "ppl": "loss, perplexity, bits per byte on the validation split (or --data)",
+    "needle": "multi-needle retrieval accuracy: context length × depth × (N, R)",
+    "attention": "attention mass on the answer span vs noise during retrieval",
+    "outliers": "top-k, median, kurtosis of attention logits and hidden states",
+    "quant": "loss (and --with-needle accuracy) with attention logits at 8/6/4 bits",
+    "icl-order": "in-context classification accuracy over orders of the demonstrations",
+}
+
+
+def check_suite(name: str) -> str:
+    """The suite called `name`, or a ConfigError with a did-you-mean and the list of suites."""
+    key = name.strip().lower()
+    if key in SUITES:
+        return key
+    close = difflib.get_close_matches(key, list(SUITES), n=1, cutoff=0.5)
+    hint = f"did you mean `{close[0]}`? " if close else ""
+    raise ConfigError(f"unknown suite `{name}`; {hint}suites: {', '.join(SUITES)}")
+
+
+def preflight(run: Any, suite: str, opts: EvalOptions) -> None:
+    """Check a suite's options against the loaded run (grid fits the context, ...) without
+    running it, so that `eval --suite ppl,needle` fails at once rather than after ppl."""
+    from dataclasses import replace
+
+    suite = check_suite(suite)
+    tok, max_len = run.tokenizer, run.config.max_seq_len
+    if suite == "needle" or (suite == "quant" and opts.with_needle):
+        from difftrain.evals.needle import default_grid
+
+        default_grid(tok, max_len, opts)
+    elif suite == "attention":
+        from difftrain.evals.attention import NEEDLES_DEFAULT
+        from difftrain.evals.needle import default_grid
+
+        default_grid(tok, max_len, replace(opts, needles=opts.needles or NEEDLES_DEFAULT), quick_lengths=1)
+
+
+def evaluate(
+    run: Any,
+    suite: str,
+    opts: EvalOptions | None = None,
+    *,
+    progress: Progress = _no_progress,
+) -> dict[str, Any]:
+    """Run one suite on a loaded run (`difftrain.rundir.load_run`) and return its result document."""
+    import torch
+
+    suite = check_suite(suite)
+    opts = opts or EvalOptions()
+    module = importlib.import_module(f"difftrain.evals.{SUITES[suite]}")
+    p = next(run.model.parameters())
+    t0 = time.perf_counter()
+    torch.manual_seed(opts.seed)
+    out: SuiteOutput = module.run(run, opts, progress)
+    return finish(run, suite, out, seconds=time.perf_counter() - t0, device=p.device, dtype=p.dtype)
+
+
+__all__ = [
+    "SUITES",
+    "SUITE_HELP",
+    "EvalOptions",
+    "check_suite",
+    "evaluate",
+    "preflight",
+    "load_result",
+    "result_path",
+    "save_result",
+    "stale",
+]

@@ -1,0 +1,97 @@
+"""`difftrain compare RUN_DIR RUN_DIR ... [--plot compare.png]`: runs side by side."""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Any
+
+import typer
+from rich.table import Table
+
+from difftrain.cli.common import console, err_console, fmt_count
+
+HELP = """Compare two or more runs side by side.
+
+One table: parameters, tokens, wall time, tokens/s, final and best validation loss (from each
+run's summary.json), then the headline figures of every eval suite present in all the runs
+(RUN_DIR/eval/<suite>.json, made by `difftrain eval`); the best value of each row is bold.
+--suite insists on given suites (an error names the runs that lack them). --plot draws the
+loss curves (train and validation, against tokens and against training time) as a PNG.
+"""
+
+
+def _cell(value: Any, fmt: str) -> str:
+    if value is None:
+        return "—"
+    if fmt == "count":
+        return fmt_count(value)
+    if isinstance(value, (int, float)) and fmt:
+        return format(value, fmt)
+    return str(value)
+
+
+def render(cmp: Any) -> None:
+    t = Table(title="difftrain compare", title_justify="left")
+    t.add_column("", style="bold", no_wrap=True)
+    for r in cmp.runs:
+        t.add_column(r.label, justify="right")
+
+    def add(rows: list[Any]) -> None:
+        for row in rows:
+            best = row.best()
+            cells = [_cell(v, row.format) for v in row.values]
+            if best is not None:
+                cells[best] = f"[bold green]{cells[best]}[/]"
+            t.add_row(
+                row.name + ("  ↓" if row.better == "lower" else "  ↑" if row.better == "higher" else ""),
+                *cells,
+            )
+
+    add(cmp.training)
+    for suite, rows in cmp.suites.items():
+        t.add_section()
+        t.add_row(f"[cyan]{suite}[/]", *[""] * len(cmp.runs))
+        add(rows)
+    console.print(t)
+    for suite, missing in cmp.partial.items():
+        err_console.print(
+            f"[yellow]note:[/] `{suite}` is not in every run (missing in {', '.join(missing)}); "
+            f"run `difftrain eval RUN --suite {suite}` on them to include it",
+            soft_wrap=True,
+        )
+    for note in cmp.notes:
+        err_console.print(f"[yellow]note:[/] {note}", soft_wrap=True)
+
+
+def compare_command(
+    run_dirs: list[str] = typer.Argument(..., help="Two or more run directories."),
+    plot: str = typer.Option(
+        None, "--plot", help="Write the loss curves to this PNG file (e.g. compare.png)."
+    ),
+    suite: list[str] = typer.Option(
+        None, "--suite", "-s", help="Show these eval suites (must exist in every run)."
+    ),
+    as_json: bool = typer.Option(False, "--json", help="Print the comparison as JSON on stdout."),
+) -> None:
+    from difftrain.evals.compare import compare_runs, plot_curves
+
+    suites = [p.strip() for s in suite or [] for p in s.split(",") if p.strip()]
+    if plot is not None:
+        from difftrain.evals import plots
+
+        plots.require()
+    cmp = compare_runs(run_dirs, suites or None)
+    written = plot_curves(cmp, plot) if plot is not None else None
+    if as_json:
+        doc = cmp.as_dict()
+        doc["plot"] = str(written) if written else None
+        sys.stdout.write(json.dumps(doc, indent=2) + "\n")
+        return
+    render(cmp)
+    if written is not None:
+        console.print(f"[dim]figure:[/] {written}")
+
+
+def register(app: typer.Typer) -> None:
+    app.command("compare", help=HELP)(compare_command)

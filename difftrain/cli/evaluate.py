@@ -1,0 +1,398 @@
+"""`difftrain eval RUN_DIR --suite SUITE`: measure a run — perplexity, retrieval, probes.
+
+Parses and checks the options (a typo fails before the model loads), loads the run, runs each
+suite through `difftrain.evals.evaluate`, writes RUN_DIR/eval/<suite>.json and renders a
+table per suite (or prints the JSON with --json).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Any
+
+import typer
+from rich.table import Table
+
+from difftrain.cli.common import console, err_console, fmt_count, kv_table
+from difftrain.errors import ConfigError
+
+HELP = """Evaluate a run: perplexity, needle retrieval, attention and outlier probes, quantization.
+
+Suites (--suite, repeatable or comma-separated; `all` runs every one):
+
+  ppl        loss, perplexity and bits per byte on the run's validation windows (or --data)
+  needle     multi-needle retrieval: accuracy over context length × depth × (N needles, R queried),
+             greedy decoding, heat map eval/needle.png
+  attention  attention mass on the answer span vs the rest of the context during retrieval,
+             per layer and depth (--plot draws the maps: eval/attention.png)
+  outliers   top-1/2/3/10/100, median and kurtosis of attention logits and hidden states
+  quant      the ppl figures with attention logits fake-quantized to --bits (default 8,6,4),
+             and needle accuracy too with --with-needle; plot eval/quant.png
+  icl-order  in-context classification accuracy over orders of the demonstrations
+
+Results go to RUN_DIR/eval/<suite>.json; `difftrain compare` puts them side by side. Defaults
+take about a minute per suite on a 2-core CPU for the quickstart model; --full runs the
+paper-sized grids, and the grid options set any part explicitly.
+"""
+
+
+def _split(text: str | None, what: str, cast: Any) -> list[Any] | None:
+    if text is None:
+        return None
+    out = []
+    for part in text.split(","):
+        part = part.strip()
+        if not part:
+            continue
+        try:
+            out.append(cast(part))
+        except ValueError:
+            raise ConfigError(
+                f"{what} {part!r} is not a number; give a comma-separated list, e.g. {what} 8,6,4"
+            ) from None
+    if not out:
+        raise ConfigError(f"{what} is empty; give a comma-separated list")
+    return out
+
+
+def parse_suites(values: list[str] | None) -> list[str]:
+    from difftrain.evals import SUITES, check_suite
+
+    names: list[str] = []
+    for v in values or ["ppl"]:
+        for part in v.split(","):
+            part = part.strip()
+            if not part:
+                continue
+            for s in list(SUITES) if part.lower() == "all" else [check_suite(part)]:
+                if s not in names:
+                    names.append(s)
+    if not names:
+        raise ConfigError("--suite is empty; choose from " + ", ".join(SUITES))
+    return names
+
+
+# ----- rendering -------------------------------------------------------------------------------
+def _f(v: Any, spec: str = ".4f") -> str:
+    if v is None:
+        return "—"
+    return format(v, spec)
+
+
+def _acc_cell(v: float | None) -> str:
+    if v is None:
+        return "—"
+    color = "green" if v >= 0.8 else "yellow" if v >= 0.4 else "red"
+    return f"[{color}]{v:.2f}[/]"
+
+
+def _heading(text: str) -> None:
+    console.print(f"[bold]{text}[/]", soft_wrap=True)
+
+
+def render(doc: dict[str, Any]) -> None:
+    """Print one suite's result as rich tables."""
+    suite, res, st = doc["suite"], doc["results"], doc["settings"]
+    title = f"{suite} · {doc['run']} ({doc['arch']})"
+    if suite == "ppl":
+        err = f" ± {res['loss_stderr']:.4f}" if res.get("loss_stderr") else ""
+        console.print(
+            kv_table(
+                title,
+                [
+                    ("data", res["source"]),
+                    (
+                        "windows",
+                        f"{res['windows']} × {st['seq_len']} tokens ({fmt_count(res['tokens'])} tokens, {fmt_count(res['bytes'])} bytes)",
+                    ),
+                    ("loss", f"{res['loss']:.4f}{err} nats/token"),
+                    ("perplexity", f"{res['ppl']:.3f}"),
+                    ("bits/token", f"{res['bits_per_token']:.4f}"),
+                    ("bits/byte", _f(res["bits_per_byte"])),
+                ],
+            )
+        )
+    elif suite == "needle":
+        for n, r in st["needles"]:
+            _heading(f"{title} · N={n} needles, R={r} queried · {st['samples']} samples per cell")
+            t = Table()
+            t.add_column("context", justify="right", style="bold")
+            for d in st["depths"]:
+                t.add_column(f"{d:.0%}", justify="right")
+            t.add_column("mean", justify="right", style="bold")
+            for L in st["lengths"]:
+                cells = [
+                    c
+                    for c in res["cells"]
+                    if (c["context_tokens"], c["n_needles"], c["n_queries"]) == (L, n, r)
+                ]
+                by_d = {c["depth"]: c["accuracy"] for c in cells}
+                vals = [v for v in by_d.values() if v is not None]
+                t.add_row(
+                    str(L),
+                    *[_acc_cell(by_d.get(d)) for d in st["depths"]],
+                    _acc_cell(sum(vals) / len(vals) if vals else None),
+                )
+            console.print(t)
+        console.print(
+            f"[bold]accuracy[/] {res['accuracy']:.3f} · exact match (all queries) {res['exact_match']:.3f}"
+        )
+    elif suite == "attention":
+        _heading(f"{title} · map {res['map']} · {res['prompts']} prompts")
+        t = Table()
+        t.add_column("needle depth", justify="right")
+        t.add_column("answer", justify="right")
+        t.add_column("noise", justify="right")
+        signed = doc["arch"] != "baseline"
+        if signed:
+            t.add_column("|noise|", justify="right")
+        t.add_column("answer/noise", justify="right")
+        for row in res["by_depth"] + [
+            {"depth": None, **{k: res[k] for k in ("answer", "noise", "noise_abs")}}
+        ]:
+            ratio = row["answer"] / row["noise"] if row["noise"] > 0 else None
+            cells = [
+                "mean" if row["depth"] is None else f"{row['depth']:.0%}",
+                f"{row['answer']:.3f}",
+                f"{row['noise']:.3f}",
+                *([f"{row['noise_abs']:.3f}"] if signed else []),
+                _f(ratio, ".2f"),
+            ]
+            t.add_row(*cells, style="bold" if row["depth"] is None else None)
+        console.print(t)
+        _heading("per layer (mean over depths)")
+        lt = Table()
+        lt.add_column("layer", justify="right")
+        lt.add_column("answer", justify="right")
+        lt.add_column("noise", justify="right")
+        for row in res["per_layer"]:
+            lt.add_row(str(row["layer"]), f"{row['answer']:.3f}", f"{row['noise']:.3f}")
+        console.print(lt)
+    elif suite == "outliers":
+        _heading(f"{title} · {fmt_count(res['tokens'])} tokens of the {res['source']}")
+        t = Table()
+        for c in ("", "top-1", "top-2", "top-3", "top-10", "top-100", "median", "kurtosis"):
+            t.add_column(c, justify="right" if c else "left", style="bold" if not c else None)
+        for name, key in (("attention logits", "attention_logits"), ("hidden states", "hidden_states")):
+            s = res[key]
+            t.add_row(
+                name,
+                *[_f(s[f"top{k}"], ".2f") for k in (1, 2, 3, 10, 100)],
+                _f(s["median"], ".3f"),
+                _f(s.get("kurtosis"), ".1f"),
+            )
+        console.print(t)
+        _heading("per layer")
+        lt = Table()
+        for c in ("layer", "logit top-1", "logit kurtosis", "hidden top-1", "hidden kurtosis"):
+            lt.add_column(c, justify="right")
+        for a, h in zip(res["attention_logits"]["per_layer"], res["hidden_states"]["per_layer"], strict=True):
+            lt.add_row(
+                str(a["layer"]),
+                _f(a["top1"], ".2f"),
+                _f(a.get("kurtosis"), ".1f"),
+                _f(h["top1"], ".2f"),
+                _f(h.get("kurtosis"), ".1f"),
+            )
+        console.print(lt)
+    elif suite == "quant":
+        _heading(f"{title} · attention logits, dynamic absmax {st['granularity']}")
+        t = Table()
+        for c in ("bits", "loss", "ppl", "Δloss", "ppl ratio"):
+            t.add_column(c, justify="right")
+        needle = "needle" in st
+        if needle:
+            t.add_column("needle acc", justify="right")
+            t.add_column("Δacc", justify="right")
+        for r in res["rows"]:
+            cells = [
+                f"{r['bits']}" + (" (ref)" if r["bits"] >= 16 else ""),
+                f"{r['loss']:.4f}",
+                f"{r['ppl']:.3f}",
+                f"{r['delta_loss']:+.4f}",
+                f"{r['ppl_ratio']:.3f}",
+            ]
+            if needle:
+                cells += [f"{r['needle_accuracy']:.3f}", f"{r['delta_accuracy']:+.3f}"]
+            t.add_row(*cells)
+        console.print(t)
+    elif suite == "icl-order":
+        console.print(
+            kv_table(
+                title,
+                [
+                    (
+                        "task",
+                        f"{st['demos']} demonstrations, {st['items']} test items, labels {' / '.join(st['labels'])}",
+                    ),
+                    ("orders", str(st["permutations"])),
+                    (
+                        "accuracy",
+                        f"mean {res['mean']:.3f} · std {res['std']:.3f} · best {res['best']:.3f} · worst {res['worst']:.3f} (chance {res['chance']:.2f})",
+                    ),
+                    ("order margin", f"{res['margin']:.3f} (best − worst)"),
+                    ("predicts 'high'", f"{res['predicted_high']:.0%} of the time"),
+                ],
+            )
+        )
+    for note in doc.get("notes", []):
+        err_console.print(f"[yellow]note:[/] {note}", soft_wrap=True)
+    for p in doc.get("plots", []):
+        console.print(f"[dim]figure:[/] {p}")
+
+
+def eval_command(
+    run_dir: str = typer.Argument(..., help="Run directory (e.g. runs/quickstart)."),
+    suite: list[str] = typer.Option(
+        None,
+        "--suite",
+        "-s",
+        help="Suite(s) to run: ppl, needle, attention, outliers, quant, icl-order, all (default ppl).",
+    ),
+    as_json: bool = typer.Option(
+        False, "--json", help="Print the result documents as JSON on stdout (no tables)."
+    ),
+    data: str = typer.Option(
+        None,
+        "--data",
+        help="ppl/outliers/quant: evaluate on this source (path, glob, builtin:NAME, hf:NAME) instead of the validation split.",
+    ),
+    full: bool = typer.Option(
+        False, "--full", help="Paper-sized grids (much slower); explicit options still win."
+    ),
+    seed: int = typer.Option(
+        0, "--seed", help="Seed of the generated prompts (needle, attention, icl-order)."
+    ),
+    device: str = typer.Option("auto", "--device", help="auto | cpu | cuda | cuda:N | mps."),
+    dtype: str = typer.Option(
+        "auto", "--dtype", help="auto (bf16 on GPU, fp32 on CPU) | float32 | bfloat16 | float16."
+    ),
+    batch_size: int = typer.Option(8, "--batch-size", help="Sequences per forward pass."),
+    windows: int = typer.Option(
+        None, "--windows", help="ppl/quant: number of windows (default: the run's data.val_windows)."
+    ),
+    lengths: str = typer.Option(
+        None, "--lengths", help="needle/attention: context lengths in tokens, e.g. 64,128,192."
+    ),
+    depths: str = typer.Option(
+        None, "--depths", help="needle/attention: needle depths in [0, 1] (default 0,0.25,0.5,0.75,1)."
+    ),
+    needles: str = typer.Option(
+        None, "--needles", help="needle/attention: N×R pairs (N needles, R queried), e.g. 1x1,4x2."
+    ),
+    samples: int = typer.Option(
+        None, "--samples", help="needle/attention: samples per grid cell (default 4; --full 20)."
+    ),
+    tokens: int = typer.Option(
+        None, "--tokens", help="outliers: tokens to collect (default 8192; --full 131072)."
+    ),
+    bits: str = typer.Option(
+        None, "--bits", help="quant: bit widths of the attention logits (default 8,6,4; 16 is the reference)."
+    ),
+    with_needle: bool = typer.Option(
+        False, "--with-needle", help="quant: also measure needle accuracy at each width."
+    ),
+    demos: int = typer.Option(
+        None, "--demos", help="icl-order: demonstrations per prompt (default 8; --full 16)."
+    ),
+    permutations: int = typer.Option(
+        None, "--permutations", help="icl-order: orders of the demonstrations (default 8; --full 24)."
+    ),
+    items: int = typer.Option(None, "--items", help="icl-order: test items (default 32; --full 100)."),
+    plot: bool = typer.Option(
+        None,
+        "--plot/--no-plot",
+        help="Draw figures (default: needle and quant yes, attention maps only with --plot).",
+    ),
+) -> None:
+    from difftrain.evals import EvalOptions
+    from difftrain.evals.common import check_depths, check_positive
+    from difftrain.evals.needle import parse_needles
+    from difftrain.evals.quant import check_bits
+
+    suites = parse_suites(suite)
+    opts = EvalOptions(
+        seed=seed,
+        full=full,
+        batch_size=batch_size,
+        data=data,
+        windows=windows,
+        lengths=_split(lengths, "--lengths", int),
+        depths=_split(depths, "--depths", float),
+        needles=parse_needles(needles) if needles is not None else None,
+        samples=samples,
+        tokens=tokens,
+        bits=_split(bits, "--bits", int),
+        with_needle=with_needle,
+        demos=demos,
+        permutations=permutations,
+        items=items,
+        plot=plot,
+    )
+    check_positive("--batch-size", batch_size)
+    for name, v in (("--windows", windows), ("--samples", samples), ("--tokens", tokens), ("--items", items)):
+        check_positive(name, v)
+    check_depths(opts.depths)
+    if opts.bits is not None:
+        check_bits(opts.bits)
+    if plot:
+        from difftrain.evals import plots
+
+        plots.require()
+
+    from difftrain.evals import preflight, save_result
+    from difftrain.infer.device import resolve_device, resolve_dtype
+    from difftrain.rundir import load_run
+
+    dev = resolve_device(device)
+    dt = resolve_dtype(dtype, dev)
+    run = load_run(run_dir, device=dev, dtype=dt)
+    for s in suites:
+        preflight(run, s, opts)
+    if not as_json:
+        n = sum(p.numel() for p in run.model.parameters())
+        err_console.print(
+            f"[dim]{run.path} · {run.config.arch} · {fmt_count(n)} parameters · max_seq_len {run.config.max_seq_len}"
+            f" · {dev} {str(dt).removeprefix('torch.')}",
+            soft_wrap=True,
+        )
+    docs = {}
+    for s in suites:
+        doc = _run_with_progress(run, s, opts, show=not as_json and err_console.is_terminal)
+        path = save_result(run.path, doc)
+        docs[s] = doc
+        if not as_json:
+            render(doc)
+            console.print(f"[dim]saved {path} ({doc['seconds']:.1f} s)[/]")
+    if as_json:
+        sys.stdout.write(json.dumps(docs, indent=2) + "\n")
+        sys.stdout.flush()
+
+
+def _run_with_progress(run: Any, suite: str, opts: Any, show: bool) -> dict[str, Any]:
+    from difftrain.evals import evaluate
+
+    if not show:
+        return evaluate(run, suite, opts)
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    bars = Progress(
+        TextColumn(f"[bold]{suite}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=err_console,
+        transient=True,
+    )
+    with bars:
+        task = bars.add_task(suite, total=None)
+
+        def update(done: int, total: int) -> None:
+            bars.update(task, completed=done, total=total)
+
+        return evaluate(run, suite, opts, progress=update)
+
+
+def register(app: typer.Typer) -> None:
+    app.command("eval", help=HELP)(eval_command)

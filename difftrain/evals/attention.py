@@ -1,0 +1,149 @@
+"""`attention`: where attention goes during retrieval — the paper's Table 3 probe.
+
+For a needle prompt followed by its (teacher-forced) answer, take the query positions that
+predict the digits of the j-th queried value and, in each layer's effective attention map A,
+split each of their rows into the mass on the j-th queried needle's sentence (the answer span)
+and the mass on every other position (the noise: filler, distractor needles, question):
+
+    answer_l = mean_{heads, query rows} Σ_{s ∈ span} A_l[h, t, s]
+    noise_l  = mean_{heads, query rows} Σ_{s ∉ span} A_l[h, t, s]
+
+The probed map is the softmax map for `baseline` (so answer + noise = 1), the differential
+map A1 − λ·A2 for `diff` (rows sum to 1 − λ, entries may be negative: `noise_abs` sums |A|
+over the noise positions), and the combined map A_2i − σ(λ)·A_2i+1 for `diff2`. The paper
+reports that differential attention puts more mass on the answer and far less on the noise.
+Results are given per layer and averaged over layers, for each depth of the queried needle.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+import numpy as np
+import torch
+
+from difftrain.evals.common import EvalOptions, Progress, SuiteOutput, _no_progress, headline, mean
+from difftrain.evals.needle import NeedlePrompt, default_grid, grid_prompts, grid_settings
+from difftrain.rundir import Run
+
+NEEDLES_DEFAULT = [(4, 1)]
+
+
+def spans(
+    tokenizer: Any, p: NeedlePrompt, max_len: int
+) -> tuple[list[int], list[tuple[list[int], list[int]]]]:
+    """Token ids of [eos] + prompt + answer, and per queried needle (answer-span key columns,
+    query rows), in sequence coordinates (the leading eos is position 0)."""
+    ex = p.example
+    text = ex.text
+    enc = tokenizer.tk.encode(text, add_special_tokens=False)
+    ids = [tokenizer.eos_id, *enc.ids][:max_len]
+    offs = enc.offsets
+    out = []
+    start = len(ex.prompt)
+    for key, value in zip(p.query_keys, p.expected, strict=True):
+        nd = next(n for n in ex.needles if n.key == key)
+        a, b = nd.char_offset, nd.char_offset + len(nd.sentence)
+        cols = [i + 1 for i, (s, e) in enumerate(offs) if s < b and e > a]
+        stem = f"{key} is "
+        vs = text.index(stem + value, start) + len(stem)
+        ve = vs + len(value)
+        start = ve
+        # token i of the text sits at sequence position i + 1 and is predicted at position i
+        rows = [i for i, (s, e) in enumerate(offs) if s < ve and e > vs and i + 1 < len(ids)]
+        out.append((cols, rows))
+    return ids, out
+
+
+@torch.inference_mode()
+def probe(model: Any, tokenizer: Any, p: NeedlePrompt) -> tuple[np.ndarray, list[np.ndarray]]:
+    """Per layer (answer, noise, noise_abs, total) masses, shape (layers, 4), and the maps."""
+    device = next(model.parameters()).device
+    ids, per_query = spans(tokenizer, p, model.config.max_seq_len)
+    out = model(torch.tensor([ids], device=device), output_attentions=True)
+    stats = np.zeros((len(out.attentions), 4))
+    for li, A in enumerate(out.attentions):
+        M = A[0].float()  # (heads, T, S)
+        acc = []
+        for cols, rows in per_query:
+            R = M[:, rows, :]  # (heads, q, S)
+            in_span = torch.zeros(R.shape[-1], dtype=torch.bool, device=R.device)
+            in_span[cols] = True
+            ans = R[..., in_span].sum(-1)
+            total = R.sum(-1)
+            noise_abs = R[..., ~in_span].abs().sum(-1)
+            acc.append(
+                [ans.mean().item(), (total - ans).mean().item(), noise_abs.mean().item(), total.mean().item()]
+            )
+        stats[li] = np.mean(acc, axis=0)
+    return stats, [a[0].float().cpu().numpy() for a in out.attentions]
+
+
+def run(run: Run, opts: EvalOptions, progress: Progress = _no_progress) -> SuiteOutput:
+    model, tok = run.model, run.tokenizer
+    grid = default_grid(
+        tok, run.config.max_seq_len, replace(opts, needles=opts.needles or NEEDLES_DEFAULT), quick_lengths=1
+    )  # type: ignore[attr-defined]
+    prompts = grid_prompts(tok, run.config.max_seq_len, grid, opts.seed)  # type: ignore[attr-defined]
+    all_stats = []
+    for i, p in enumerate(prompts):
+        s, _ = probe(model, tok, p)
+        all_stats.append(s)
+        progress(i + 1, len(prompts))
+    stats = np.stack(all_stats)  # (prompts, layers, 4)
+    names = ("answer", "noise", "noise_abs", "total")
+
+    def summary(sel: list[int]) -> dict[str, Any]:
+        per_layer = stats[sel].mean(axis=0)  # (layers, 4)
+        avg = per_layer.mean(axis=0)
+        return {
+            **{n: float(avg[k]) for k, n in enumerate(names)},
+            "per_layer": [
+                {"layer": li, **{n: float(per_layer[li, k]) for k, n in enumerate(names)}}
+                for li in range(len(per_layer))
+            ],
+        }
+
+    by_depth = [
+        {"depth": d, **summary([i for i, p in enumerate(prompts) if p.depth == d])} for d in grid.depths
+    ]
+    overall = summary(list(range(len(prompts))))
+    res = {
+        "map": {"baseline": "softmax", "diff": "A1 - lambda*A2", "diff2": "A_2i - sigmoid(lambda)*A_2i+1"}[
+            run.config.arch
+        ],  # type: ignore[attr-defined]
+        **{n: overall[n] for n in names},
+        "per_layer": overall["per_layer"],
+        "by_depth": by_depth,
+        "prompts": len(prompts),
+        "measured_depths": [mean(p.measured_depths) for p in prompts],
+    }
+    out = SuiteOutput(
+        settings=grid_settings(grid, opts.seed),
+        results=res,
+        headline=[
+            headline("answer mass", res["answer"], "higher", ".3f"),
+            headline("noise mass", res["noise"], "lower", ".3f"),
+        ],
+    )
+    if opts.plot:
+        from difftrain.evals import plots
+
+        plots.require()
+        mid = grid.depths[len(grid.depths) // 2]
+        p = next(q for q in prompts if q.depth == mid)
+        _, maps = probe(model, tok, p)
+        _, per_query = spans(tok, p, run.config.max_seq_len)  # type: ignore[attr-defined]
+        cols, rows = per_query[0]
+        path = run.path / "eval" / "attention.png"
+        plots.attention_maps(
+            maps,
+            path,
+            arch=run.config.arch,  # type: ignore[attr-defined]
+            answer_span=(min(cols), max(cols) + 1) if cols else None,
+            query_rows=rows,
+            title=f"{run.path.name}, needle at {mid:.0%} of {p.haystack_tokens} tokens",
+        )
+        out.plots.append(str(path))
+    return out

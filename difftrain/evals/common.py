@@ -1,0 +1,337 @@
+"""What every evaluation suite shares: options, the result file, seeds, token windows.
+
+A suite is a function `run(run, opts, progress) -> dict` (see `difftrain.evals.SUITES`). Its
+result is one JSON document, written atomically to `RUN_DIR/eval/<suite>.json`:
+
+    {
+      "suite": "ppl", "format": 1, "run": "runs/quickstart", "arch": "diff", "params": 4194304,
+      "weights": {"size": ..., "mtime_ns": ...},    which model.safetensors was evaluated
+      "created": "2025-01-01T12:00:00+0000", "seconds": 12.3, "device": "cpu", "dtype": "float32",
+      "settings": {...},     everything that decides the numbers (grid, seed, data, windows)
+      "results": {...},      the suite's figures
+      "headline": [{"name": "loss", "value": 3.2, "better": "lower", "format": ".4f"}, ...],
+      "plots": ["runs/quickstart/eval/needle.png"]
+    }
+
+`headline` is self-describing so that `difftrain compare` can put any suite side by side
+without knowing it; `settings` lets it warn when two runs were evaluated differently.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from difftrain.errors import ConfigError, DataError, RecipeError, RunDirError
+from difftrain.io import atomic_write_json
+from difftrain.rundir import RECIPE, TOKENIZER, WEIGHTS, Run
+
+FORMAT = 1
+EVAL_DIR = "eval"
+
+Progress = Callable[[int, int], None]
+"""progress(done, total): called by a suite as its work advances (the CLI draws a bar)."""
+
+
+def _no_progress(done: int, total: int) -> None:
+    pass
+
+
+@dataclass
+class EvalOptions:
+    """Settings of one `difftrain eval` invocation (each suite reads the ones it uses).
+
+    Unset (None) grid options take the suite's default, sized so that a suite finishes in about
+    a minute on a 2-core CPU for the quickstart model; `full` switches the defaults to the
+    paper-sized grids.
+    """
+
+    seed: int = 0
+    full: bool = False
+    batch_size: int = 8
+    data: str | None = None
+    windows: int | None = None
+    lengths: list[int] | None = None
+    depths: list[float] | None = None
+    needles: list[tuple[int, int]] | None = None
+    samples: int | None = None
+    tokens: int | None = None
+    bits: list[int] | None = None
+    with_needle: bool = False
+    demos: int | None = None
+    permutations: int | None = None
+    items: int | None = None
+    plot: bool | None = None
+    """None: the suite's default (needle and quant draw their figure, attention does not)."""
+
+
+@dataclass
+class SuiteOutput:
+    """What a suite function returns; `finish` wraps it into the result document."""
+
+    settings: dict[str, Any]
+    results: dict[str, Any]
+    headline: list[dict[str, Any]]
+    plots: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+
+def headline(name: str, value: float | None, better: str | None = None, fmt: str = ".4f") -> dict[str, Any]:
+    """One figure of a suite's summary: `better` is "lower", "higher" or None (no direction)."""
+    return {"name": name, "value": value, "better": better, "format": fmt}
+
+
+def stable_seed(*parts: object) -> int:
+    """A 63-bit seed from any parts (a stable hash, not Python's randomised hash())."""
+    digest = hashlib.blake2b(":".join(map(str, parts)).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
+
+
+def result_path(run_dir: Path | str, suite: str) -> Path:
+    return Path(run_dir) / EVAL_DIR / f"{suite}.json"
+
+
+def model_params(model: torch.nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+def finish(
+    run: Run, suite: str, out: SuiteOutput, *, seconds: float, device: torch.device, dtype: torch.dtype
+) -> dict[str, Any]:
+    """The result document of a suite run (see the module docstring)."""
+    w = run.path / WEIGHTS
+    st = w.stat() if w.is_file() else None
+    return {
+        "suite": suite,
+        "format": FORMAT,
+        "run": str(run.path),
+        "arch": run.config.arch,  # type: ignore[attr-defined]
+        "params": model_params(run.model),
+        "weights": {"size": st.st_size, "mtime_ns": st.st_mtime_ns} if st else None,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "seconds": round(seconds, 3),
+        "device": str(device),
+        "dtype": str(dtype).removeprefix("torch."),
+        "settings": out.settings,
+        "results": out.results,
+        "headline": out.headline,
+        "plots": out.plots,
+        "notes": out.notes,
+    }
+
+
+def save_result(run_dir: Path | str, doc: dict[str, Any]) -> Path:
+    """Write `RUN_DIR/eval/<suite>.json` atomically; returns its path."""
+    path = result_path(run_dir, doc["suite"])
+    atomic_write_json(path, doc)
+    return path
+
+
+def load_result(run_dir: Path | str, suite: str) -> dict[str, Any] | None:
+    """The stored result of `suite` for a run, or None when it was never run."""
+    path = result_path(run_dir, suite)
+    if not path.is_file():
+        return None
+    try:
+        doc = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise RunDirError(
+            f"{path} is not valid JSON ({e}); delete it and run `difftrain eval {run_dir} --suite {suite}` again"
+        ) from e
+    if not isinstance(doc, dict) or doc.get("suite") != suite or "headline" not in doc:
+        raise RunDirError(
+            f"{path} is not a difftrain eval result; delete it and run `difftrain eval {run_dir} --suite {suite}`"
+        )
+    return doc
+
+
+def stale(run_dir: Path | str, doc: dict[str, Any]) -> bool:
+    """Whether the weights changed since the result was computed (training continued)."""
+    w = Path(run_dir) / WEIGHTS
+    if not w.is_file() or not doc.get("weights"):
+        return False
+    st = w.stat()
+    return (st.st_size, st.st_mtime_ns) != (doc["weights"]["size"], doc["weights"]["mtime_ns"])
+
+
+# ---------------------------------------------------------------------------------------------
+# parsing grid options
+
+
+def check_positive(name: str, value: int | None, minimum: int = 1) -> None:
+    if value is not None and value < minimum:
+        raise ConfigError(f"{name} {value} must be ≥ {minimum}")
+
+
+def check_depths(depths: Sequence[float] | None) -> None:
+    if depths is not None:
+        if not depths:
+            raise ConfigError("--depths is empty; give fractions in [0, 1], e.g. 0,0.25,0.5,0.75,1")
+        bad = [d for d in depths if not 0.0 <= d <= 1.0]
+        if bad:
+            raise ConfigError(f"--depths {bad[0]:g} is outside [0, 1] (0 = start, 1 = end of the context)")
+
+
+# ---------------------------------------------------------------------------------------------
+# token windows for ppl, outliers, quant
+
+
+@dataclass
+class TokenWindows:
+    """Fixed windows of seq_len + 1 tokens: input = w[:-1], targets = w[1:].
+
+    `source` says where they come from; `split_tokens` is the size of the split they were cut
+    from; `target_bytes` holds the UTF-8 bytes each window's targets stand for (bits per byte).
+    """
+
+    windows: torch.Tensor
+    source: str
+    split: str
+    split_tokens: int
+    target_bytes: np.ndarray
+
+
+def _run_recipe(run_dir: Path):
+    from difftrain.recipe import load_recipe
+
+    path = run_dir / RECIPE
+    if not path.is_file():
+        raise RunDirError(
+            f"{run_dir} has no {RECIPE}, so its validation data is unknown; evaluate on a data source with --data SOURCE"
+        )
+    try:
+        return load_recipe(path)
+    except RecipeError as e:
+        raise RunDirError(
+            f"{path} cannot be read as a recipe ({e}); evaluate on a data source with --data SOURCE"
+        ) from e
+
+
+def _sources_base(data_cfg: Any, run_dir: Path) -> Path:
+    """Folder that the run's relative source paths resolve against.
+
+    The resolved recipe in a run directory keeps paths as the user wrote them (relative to the
+    folder the recipe was in, or to the current folder for a shipped recipe): the current
+    folder when they exist there, else the folder above `out_dir`.
+    """
+    rel = [
+        s.source
+        for s in data_cfg.sources
+        if s.kind == "path" and not Path(s.source).expanduser().is_absolute()
+    ]
+    candidates = [Path.cwd(), run_dir.resolve().parent.parent, run_dir.resolve()]
+    for base in candidates:
+        if all(any(base.glob(p)) if any(c in p for c in "*?[") else (base / p).exists() for p in rel):
+            return base
+    return Path.cwd()
+
+
+def token_byte_lengths(tokenizer: Any) -> np.ndarray:
+    """UTF-8 bytes of the text each token id stands for (special tokens: 0)."""
+    n = tokenizer.vocab_size
+    special = set(tokenizer.special_tokens.values())
+    if getattr(tokenizer, "is_byte_level", False):
+        table = [len(b) for b in tokenizer._id_bytes]
+    else:
+        table = [len(tokenizer.decode([i]).encode("utf-8")) for i in range(n)]
+    out = np.asarray(table, dtype=np.int64)
+    for i in special:
+        if i < n:
+            out[i] = 0
+    return out
+
+
+def eval_windows(
+    run: Run,
+    *,
+    data: str | None,
+    count: int | None,
+    full: bool,
+    default_count: int = 32,
+    max_tokens: int | None = None,
+) -> TokenWindows:
+    """The windows a perplexity-like suite evaluates, tokenized with the run's own tokenizer.
+
+    Without `data`: the run's validation split, rebuilt from its recipe through the shard cache
+    (the same split and — with count = data.val_windows — the same windows as the validation
+    loss in training). With `data`: all of that source (no split). Windows are evenly spaced
+    over the split (`val_window_offsets`); `full` takes every non-overlapping window.
+    """
+    from difftrain.data.config import DataConfig, SourceSpec, TokenizerConfig
+    from difftrain.data.modules import val_window_offsets
+    from difftrain.data.shards import prepare_data
+
+    recipe = _run_recipe(run.path) if data is None else None
+    seq_len = int(run.config.max_seq_len)  # type: ignore[attr-defined]
+    window = seq_len + 1
+    tok_cfg = TokenizerConfig(path=str((run.path / TOKENIZER).resolve()))
+    if recipe is not None:
+        data_cfg = recipe.data
+        seed = recipe.seed
+        base = _sources_base(data_cfg, run.path)
+        if count is None and not full:
+            count = data_cfg.val_windows or default_count
+    else:
+        try:
+            spec = SourceSpec(source=data)
+        except ValueError as e:
+            msg = str(e).splitlines()[-1].strip() if str(e) else "invalid source"
+            raise DataError(f"--data {data!r}: {msg}") from None
+        cache = None
+        try:
+            cache = _run_recipe(run.path).data.cache_dir
+        except RunDirError:
+            pass
+        data_cfg = DataConfig(sources=[spec], val_fraction=0.0, val_windows=0, cache_dir=cache)
+        seed = 0
+        base = Path.cwd()
+    prepared = prepare_data(data_cfg, tok_cfg, seed=seed, base_dir=base)
+    split = "val" if recipe is not None else "train"
+    path = prepared.val_path if split == "val" else prepared.train_path
+    n_tokens = int(prepared.index[split]["tokens"])
+    label = ", ".join(s.source for s in data_cfg.sources)
+    where = f"validation split of {label}" if recipe is not None else label
+    if n_tokens < window:
+        hint = (
+            "raise data.val_fraction when training, or evaluate on another source with --data"
+            if recipe is not None
+            else "give a larger source"
+        )
+        raise DataError(
+            f"the {where} has {n_tokens} tokens, fewer than one window of max_seq_len + 1 = {window}; {hint}"
+        )
+    if full:
+        count = n_tokens // window
+    assert count is not None
+    if max_tokens is not None:
+        count = min(count, max(1, max_tokens // seq_len))
+    count = max(1, min(count, n_tokens - window + 1))
+    offsets = val_window_offsets(n_tokens, window, count)
+    mm = np.memmap(path, dtype=prepared.dtype, mode="r", shape=(n_tokens,))
+    arr = np.stack([np.asarray(mm[o : o + window], dtype=np.int64) for o in offsets])
+    del mm
+    bytes_per_token = token_byte_lengths(run.tokenizer)
+    target_bytes = bytes_per_token[np.clip(arr[:, 1:], 0, len(bytes_per_token) - 1)].sum(axis=1)
+    return TokenWindows(
+        windows=torch.from_numpy(arr),
+        source=where,
+        split=split,
+        split_tokens=n_tokens,
+        target_bytes=target_bytes,
+    )
+
+
+def batches(n: int, size: int) -> list[tuple[int, int]]:
+    return [(i, min(i + size, n)) for i in range(0, n, size)]
+
+
+def mean(xs: Sequence[float]) -> float | None:
+    return float(sum(xs) / len(xs)) if xs else None

@@ -1,0 +1,210 @@
+"""`difftrain compare`: runs side by side — training figures, every shared eval suite, curves.
+
+Reads only what runs already hold: summary.json (params, tokens, wall time, tokens/s, losses),
+metrics.csv (curves) and eval/<suite>.json (the `headline` of each suite). Nothing is
+recomputed, so comparing is instant; `difftrain eval` fills in missing suites.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from difftrain.errors import ConfigError, RunDirError
+from difftrain.evals import SUITES, check_suite
+from difftrain.evals.common import load_result, result_path, stale
+from difftrain.rundir import CONFIG, METRICS, read_summary, require_run_dir
+
+
+@dataclass
+class RunRecord:
+    path: Path
+    label: str
+    summary: dict[str, Any]
+    config: dict[str, Any]
+    evals: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+
+@dataclass
+class Row:
+    """One line of the comparison: a value per run; `better` = "lower" | "higher" | None."""
+
+    name: str
+    values: list[Any]
+    better: str | None = None
+    format: str = ""
+
+    def best(self) -> int | None:
+        """Index of the best run (None without a direction, or with fewer than 2 values)."""
+        vals = [(v, i) for i, v in enumerate(self.values) if isinstance(v, (int, float))]
+        if self.better is None or len(vals) < 2:
+            return None
+        pick = min(vals) if self.better == "lower" else max(vals)
+        return pick[1]
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "values": self.values, "better": self.better, "format": self.format}
+
+
+@dataclass
+class Comparison:
+    runs: list[RunRecord]
+    training: list[Row]
+    suites: dict[str, list[Row]]
+    partial: dict[str, list[str]]
+    """Suites present in some runs only: suite → labels of the runs that lack it."""
+    notes: list[str]
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "runs": [
+                {"path": str(r.path), "label": r.label, "arch": r.config.get("arch")} for r in self.runs
+            ],
+            "training": [r.as_dict() for r in self.training],
+            "suites": {s: [r.as_dict() for r in rows] for s, rows in self.suites.items()},
+            "partial": self.partial,
+            "notes": self.notes,
+        }
+
+
+def _labels(paths: Sequence[Path]) -> list[str]:
+    names = [p.name for p in paths]
+    return [p.name if names.count(p.name) == 1 else str(p) for p in paths]
+
+
+def _config(path: Path) -> dict[str, Any]:
+    import json
+
+    f = path / CONFIG
+    if not f.is_file():
+        return {}
+    try:
+        return json.loads(f.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+
+
+def _params(rec: RunRecord) -> int | None:
+    if rec.summary.get("params") is not None:
+        return int(rec.summary["params"])
+    if rec.config:
+        from difftrain.model import ModelConfig
+        from difftrain.model.config import num_params
+
+        try:
+            return num_params(ModelConfig.from_dict(rec.config))["total"]
+        except Exception:  # a config another version wrote: the count is informative only
+            return None
+    return None
+
+
+def _diff_keys(a: Any, b: Any, prefix: str = "") -> list[str]:
+    if isinstance(a, dict) and isinstance(b, dict):
+        out = []
+        for k in sorted(set(a) | set(b)):
+            out += _diff_keys(a.get(k), b.get(k), f"{prefix}{k}.")
+        return out
+    return [] if a == b else [prefix.rstrip(".")]
+
+
+def compare_runs(paths: Sequence[str | Path], suites: Sequence[str] | None = None) -> Comparison:
+    """Gather the comparison of `paths` (two or more run directories).
+
+    suites: the eval suites to show (each must exist in every run, else a RunDirError says
+    which run lacks it and how to make it); default: every suite present in all runs.
+    """
+    if len(paths) < 2:
+        raise ConfigError("compare needs two or more run directories, e.g. `difftrain compare runs/a runs/b`")
+    dirs = [require_run_dir(Path(p)) for p in paths]
+    for d in dirs:
+        if not ((d / CONFIG).is_file() or (d / "summary.json").is_file() or (d / METRICS).is_file()):
+            raise RunDirError(
+                f"{d} is not a difftrain run directory (no config.json, summary.json or metrics.csv)"
+            )
+    wanted = [check_suite(s) for s in suites] if suites else None
+    labels = _labels(dirs)
+    runs = [RunRecord(d, lab, read_summary(d), _config(d)) for d, lab in zip(dirs, labels, strict=True)]
+    notes: list[str] = []
+    for r in runs:
+        if not r.summary:
+            notes.append(
+                f"{r.path} has no summary.json (training unfinished?): its training figures are missing"
+            )
+        for s in SUITES:
+            doc = load_result(r.path, s)
+            if doc is not None:
+                r.evals[s] = doc
+    if wanted:
+        for s in wanted:
+            for r in runs:
+                if s not in r.evals:
+                    raise RunDirError(
+                        f"{r.path} has no `{s}` result ({result_path(r.path, s)}); "
+                        f"run `difftrain eval {r.path} --suite {s}` first"
+                    )
+        shown = wanted
+    else:
+        shown = [s for s in SUITES if all(s in r.evals for r in runs)]
+    partial = {
+        s: [r.label for r in runs if s not in r.evals]
+        for s in SUITES
+        if s not in shown and any(s in r.evals for r in runs)
+    }
+
+    def get(key: str) -> list[Any]:
+        return [r.summary.get(key) for r in runs]
+
+    training = [
+        Row("arch", [r.config.get("arch") or r.summary.get("arch") for r in runs]),
+        Row("params", [_params(r) for r in runs], None, "count"),
+        Row("steps", get("steps"), None, "d"),
+        Row("tokens", get("tokens"), None, "count"),
+        Row("wall time (s)", get("wall_time_s"), "lower", ".1f"),
+        Row("tokens/s", get("tokens_per_s"), "higher", ",.0f"),
+        Row("final train loss", get("final_train_loss"), "lower", ".4f"),
+        Row("final val loss", get("final_val_loss"), "lower", ".4f"),
+        Row("best val loss", get("best_val_loss"), "lower", ".4f"),
+    ]
+    table: dict[str, list[Row]] = {}
+    for s in shown:
+        docs = [r.evals[s] for r in runs]
+        names: list[str] = []
+        meta: dict[str, dict[str, Any]] = {}
+        for d in docs:
+            for h in d["headline"]:
+                if h["name"] not in meta:
+                    names.append(h["name"])
+                    meta[h["name"]] = h
+        rows = []
+        for n in names:
+            vals = [next((h["value"] for h in d["headline"] if h["name"] == n), None) for d in docs]
+            rows.append(Row(n, vals, meta[n].get("better"), meta[n].get("format", ".4f")))
+        table[s] = rows
+        for r, d in zip(runs[1:], docs[1:], strict=True):
+            keys = _diff_keys(docs[0].get("settings"), d.get("settings"))
+            if keys:
+                notes.append(
+                    f"{s}: {runs[0].label} and {r.label} were evaluated with different settings "
+                    f"({', '.join(keys[:3])}); rerun `difftrain eval` with the same options to compare them fairly"
+                )
+        for r, d in zip(runs, docs, strict=True):
+            if stale(r.path, d):
+                notes.append(
+                    f"{s}: the result of {r.label} predates its current weights; rerun `difftrain eval {r.path} --suite {s}`"
+                )
+    return Comparison(runs=runs, training=training, suites=table, partial=partial, notes=notes)
+
+
+def plot_curves(comparison: Comparison, path: str | Path) -> Path:
+    """The loss curves of the compared runs (train and val, vs tokens and vs time) as a PNG."""
+    from difftrain.evals import plots
+    from difftrain.train.metrics import read_metrics
+
+    curves = [(r.label, read_metrics(r.path / METRICS)) for r in comparison.runs]
+    if not any(rows for _, rows in curves):
+        raise RunDirError(
+            "none of the runs has a metrics.csv with logged steps, so there are no curves to plot"
+        )
+    return plots.loss_curves(curves, path)

@@ -1,0 +1,185 @@
+"""`icl-order`: in-context classification and its sensitivity to the order of demonstrations.
+
+The paper (§3.6) finds differential attention less sensitive to the order of in-context
+examples. This suite builds a small binary task from the needle generator's facts: each item
+is a needle sentence "The magic number of <city> is <7 digits>." labelled `high` when the
+number is at least 5000000 and `low` otherwise. A prompt is D labelled demonstrations (half of
+each label) followed by an unlabelled test item:
+
+    The magic number of Oslo is 7120345.
+    Label: high
+
+    ...
+
+    The magic number of Lima is 2038871.
+    Label:
+
+The prediction is the label with the larger log-likelihood of its tokens. The same D
+demonstrations are presented in P different orders (seeded permutations), each scored on the
+same M test items (half of each label). Reported: accuracy per order, their mean, and the
+best − worst margin (the order sensitivity); chance is 0.5.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from difftrain.errors import ConfigError
+from difftrain.evals.common import (
+    EvalOptions,
+    Progress,
+    SuiteOutput,
+    _no_progress,
+    check_positive,
+    headline,
+    stable_seed,
+)
+from difftrain.rundir import Run
+
+LABELS = ("low", "high")
+QUICK = {"demos": 8, "permutations": 8, "items": 32}
+FULL = {"demos": 16, "permutations": 24, "items": 100}
+
+
+def items(seed: int, count: int, tag: str) -> list[tuple[str, int]]:
+    """`count` facts (sentence, label index), half of each label, in a seeded order."""
+    from difftrain.data.builtin import make_needle_example
+
+    want = [i % 2 for i in range(count)]
+    random.Random(stable_seed("icl-order", tag, seed)).shuffle(want)
+    out: list[tuple[str, int]] = []
+    k = 0
+    for label in want:
+        while True:
+            nd = make_needle_example(
+                context_chars=1, n_needles=1, seed=stable_seed("icl-fact", tag, seed, k)
+            ).needles[0]
+            k += 1
+            if int(int(nd.value) >= 5_000_000) == label:
+                out.append((nd.sentence, label))
+                break
+    return out
+
+
+def demo_block(sentence: str, label: str | None) -> str:
+    return f"{sentence}\nLabel:" + (f" {label}\n\n" if label is not None else "")
+
+
+@torch.inference_mode()
+def label_scores(
+    model: Any, prefix: list[int], suffixes: list[list[int]], cands: list[list[int]], batch_size: int = 8
+) -> np.ndarray:
+    """Σ log p(candidate tokens | prefix + suffix) for every suffix × candidate: (suffixes, candidates).
+
+    The demonstrations (`prefix`) are shared by every test item, so they are run once into a KV
+    cache whose entries are then copied to each row of a batch; each row reads only its test
+    item and one candidate (right-padded: a causal row never attends to the padding after it).
+    Equal to scoring every full sequence separately, at a fraction of the cost.
+    """
+    device = next(model.parameters()).device
+    rows = [(i, j) for i in range(len(suffixes)) for j in range(len(cands))]
+    longest = max(len(s) + len(c) for s in suffixes for c in cands)
+    base = model.new_cache(1, max_len=len(prefix) + longest)
+    model(torch.tensor([prefix], device=device), cache=base)
+    P = len(prefix)
+    out = np.zeros((len(suffixes), len(cands)))
+    for a in range(0, len(rows), batch_size):
+        chunk = rows[a : a + batch_size]
+        seqs = [suffixes[i] + cands[j] for i, j in chunk]
+        T = max(len(x) for x in seqs)
+        ids = torch.zeros(len(chunk), T, dtype=torch.long)
+        for r, x in enumerate(seqs):
+            ids[r, : len(x)] = torch.tensor(x)
+        cache = model.new_cache(len(chunk), max_len=P + T)
+        for layer in range(len(cache.keys)):
+            cache.keys[layer][:, :, :P] = base.keys[layer][:, :, :P]
+            cache.values[layer][:, :, :P] = base.values[layer][:, :, :P]
+        cache.length = P
+        cache.next_position.fill_(P)
+        logp = F.log_softmax(model(ids.to(device), cache=cache).logits.float(), dim=-1).cpu()
+        for r, (i, j) in enumerate(chunk):
+            n, c = len(suffixes[i]), cands[j]
+            pos = torch.arange(n - 1, n + len(c) - 1)
+            out[i, j] = logp[r, pos, torch.tensor(c)].sum().item()
+    return out
+
+
+def fitting_demos(tokenizer: Any, max_len: int, want: int, seed: int) -> int:
+    """The largest even number of demonstrations ≤ want whose prompts fit max_len (at least 2)."""
+    blocks = [len(tokenizer.encode(demo_block(s, LABELS[lab]))) for s, lab in items(seed, want, "demos")]
+    tail = max(len(tokenizer.encode(demo_block(s, None))) for s, _ in items(seed, 8, "tests")) + 4
+    d = want
+    while d > 2 and 1 + sum(sorted(blocks, reverse=True)[:d]) + tail > max_len:
+        d -= 2
+    return d
+
+
+def run(run: Run, opts: EvalOptions, progress: Progress = _no_progress) -> SuiteOutput:
+    base = FULL if opts.full else QUICK
+    D = opts.demos or base["demos"]
+    P = opts.permutations or base["permutations"]
+    M = opts.items or base["items"]
+    check_positive("--demos", D, 2)
+    check_positive("--permutations", P, 2)
+    check_positive("--items", M, 2)
+    tok, model = run.tokenizer, run.model
+    max_len = run.config.max_seq_len  # type: ignore[attr-defined]
+    if opts.demos is None:  # the default shrinks (in pairs) to what the model's context holds
+        D = fitting_demos(tok, max_len, D, opts.seed)
+    demos = items(opts.seed, D, "demos")
+    tests = items(opts.seed, M, "tests")
+    rng = random.Random(stable_seed("icl-order", "orders", opts.seed))
+    orders: list[list[int]] = []
+    seen: set[tuple[int, ...]] = set()
+    for _ in range(100 * P):
+        o = list(range(D))
+        rng.shuffle(o)
+        if tuple(o) not in seen:
+            seen.add(tuple(o))
+            orders.append(o)
+        if len(orders) == P:
+            break
+    cands = [tok.encode(f" {lab}") for lab in LABELS]
+    suffixes = [tok.encode(demo_block(sentence, None)) for sentence, _ in tests]
+    prefixes = [
+        [tok.eos_id, *tok.encode("".join(demo_block(demos[i][0], LABELS[demos[i][1]]) for i in o))]
+        for o in orders
+    ]
+    longest = max(len(p) for p in prefixes) + max(len(x) for x in suffixes) + max(len(c) for c in cands)
+    if longest > max_len:
+        per = longest / (D + 1)
+        raise ConfigError(
+            f"--demos {D}: the prompts are up to {longest} tokens but max_seq_len={max_len}; "
+            f"use --demos {max(2, int(max_len / per) - 1)} or fewer"
+        )
+    scores = np.zeros((len(orders), M, len(cands)))
+    for k, prefix in enumerate(prefixes):
+        scores[k] = label_scores(model, prefix, suffixes, cands, max(1, opts.batch_size))
+        progress(k + 1, len(prefixes))
+    pred = scores.argmax(-1)
+    gold = np.array([lab for _, lab in tests])
+    acc = (pred == gold[None]).mean(axis=1)
+    res = {
+        "per_order": [{"order": o, "accuracy": float(a)} for o, a in zip(orders, acc, strict=True)],
+        "mean": float(acc.mean()),
+        "std": float(acc.std()),
+        "best": float(acc.max()),
+        "worst": float(acc.min()),
+        "margin": float(acc.max() - acc.min()),
+        "chance": 0.5,
+        "predicted_high": float(pred.mean()),
+        "prompt_tokens": longest,
+    }
+    return SuiteOutput(
+        settings={"demos": D, "permutations": P, "items": M, "seed": opts.seed, "labels": list(LABELS)},
+        results=res,
+        headline=[
+            headline("icl accuracy", res["mean"], "higher", ".3f"),
+            headline("order margin", res["margin"], "lower", ".3f"),
+        ],
+    )

@@ -1,0 +1,267 @@
+"""Figures of the evaluations and of `difftrain compare`, as PNG files.
+
+matplotlib is an optional dependency (`pip install 'difftrain[plot]'`); every function here
+imports it lazily and raises a DifftrainError that says how to install it when it is missing.
+Figures use matplotlib's object API (no pyplot global state, no GUI backend) and are written
+atomically.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from difftrain.errors import DifftrainError
+from difftrain.io import atomic_path
+
+MISSING = (
+    "matplotlib is not installed, so no figure was drawn; install it with `pip install 'difftrain[plot]'`"
+)
+
+
+def available() -> bool:
+    return importlib.util.find_spec("matplotlib") is not None
+
+
+def require() -> None:
+    """Raise a DifftrainError with the install command when matplotlib is missing."""
+    if not available():
+        raise DifftrainError(
+            "plotting needs matplotlib, which is not installed; install it with `pip install 'difftrain[plot]'`"
+        )
+
+
+def _figure(w: float, h: float) -> Any:
+    require()
+    from matplotlib.figure import Figure
+
+    return Figure(figsize=(w, h), dpi=110, layout="constrained")
+
+
+def _save(fig: Any, path: Path | str) -> Path:
+    path = Path(path)
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, format="png")
+    return path
+
+
+def _grid_shape(n: int, max_cols: int = 3) -> tuple[int, int]:
+    cols = min(n, max_cols)
+    return -(-n // cols), cols
+
+
+# ---------------------------------------------------------------------------------------------
+# needle retrieval
+
+
+def needle_heatmap(
+    results: dict[str, Any], settings: dict[str, Any], path: Path | str, title: str = ""
+) -> Path:
+    """Accuracy per context length (rows) × needle depth (columns), one panel per (N, R)."""
+    lengths = settings["lengths"]
+    depths = settings["depths"]
+    needles = [tuple(x) for x in settings["needles"]]
+    rows, cols = _grid_shape(len(needles))
+    fig = _figure(1.0 + 4.2 * cols, 0.9 + (0.45 * len(lengths) + 1.4) * rows)
+    axes = np.atleast_1d(fig.subplots(rows, cols, squeeze=False)).ravel()
+    cells = {
+        (c["context_tokens"], c["depth"], c["n_needles"], c["n_queries"]): c["accuracy"]
+        for c in results["cells"]
+    }
+    image = None
+    for ax, (n, r) in zip(axes, needles, strict=False):
+        grid = np.array([[cells.get((L, d, n, r)) or 0.0 for d in depths] for L in lengths])
+        image = ax.imshow(grid, vmin=0.0, vmax=1.0, cmap="RdYlGn", aspect="auto", origin="lower")
+        for i in range(len(lengths)):
+            for j in range(len(depths)):
+                v = grid[i, j]
+                ax.text(
+                    j,
+                    i,
+                    f"{v:.2f}",
+                    ha="center",
+                    va="center",
+                    fontsize=8,
+                    color="black" if 0.25 < v < 0.8 else "white",
+                )
+        ax.set_xticks(range(len(depths)), [f"{d:.0%}" for d in depths])
+        ax.set_yticks(range(len(lengths)), [str(L) for L in lengths])
+        ax.set_xlabel("depth of the queried needle")
+        ax.set_ylabel("context length (tokens)")
+        acc = next(
+            (b["accuracy"] for b in results["by_needles"] if (b["n_needles"], b["n_queries"]) == (n, r)), None
+        )
+        ax.set_title(
+            f"N={n} needles, R={r} queried" + (f" — mean {acc:.2f}" if acc is not None else ""), fontsize=10
+        )
+    for ax in axes[len(needles) :]:
+        ax.set_visible(False)
+    if image is not None:
+        fig.colorbar(image, ax=list(axes[: len(needles)]), label="retrieval accuracy", shrink=0.9)
+    fig.suptitle(
+        f"Multi-needle retrieval{' — ' + title if title else ''} ({settings['samples']} samples per cell)"
+    )
+    return _save(fig, path)
+
+
+# ---------------------------------------------------------------------------------------------
+# attention maps
+
+
+def attention_maps(
+    maps: Sequence[np.ndarray],
+    path: Path | str,
+    *,
+    arch: str,
+    answer_span: tuple[int, int] | None = None,
+    query_rows: Sequence[int] = (),
+    title: str = "",
+) -> Path:
+    """A grid of layers (rows) × heads (columns) of one prompt's effective attention maps.
+
+    maps[l] is (heads, T, S). All panels share one colour scale with a square-root stretch
+    (most mass sits on a few keys, and √ keeps the rest visible): sequential for softmax maps
+    (baseline), diverging around 0 for the signed differential maps (A1 − λA2, A_2i − σ(λ)A_2i+1).
+    The answer span's key columns are outlined in blue; the query rows that the `attention`
+    suite probes are marked with black ticks on the left edge.
+    """
+    from matplotlib.colors import FuncNorm
+
+    n_layers, n_heads = len(maps), maps[0].shape[0]
+    fig = _figure(max(7.5, 1.4 + 2.0 * n_heads), 1.2 + 2.0 * n_layers)
+    axes = fig.subplots(n_layers, n_heads, squeeze=False)
+    signed = arch != "baseline"
+    lim = max(float(np.abs(m).max()) for m in maps) or 1.0
+
+    def fwd(x: np.ndarray) -> np.ndarray:
+        return np.sign(x) * np.sqrt(np.abs(x))
+
+    def inv(y: np.ndarray) -> np.ndarray:
+        return np.sign(y) * y * y
+
+    norm = FuncNorm((fwd, inv), vmin=-lim if signed else 0.0, vmax=lim)
+    cmap = "RdBu_r" if signed else "magma"
+    image = None
+    for li, m in enumerate(maps):
+        for h in range(n_heads):
+            ax = axes[li, h]
+            image = ax.imshow(m[h], cmap=cmap, norm=norm, interpolation="nearest")
+            if answer_span is not None:
+                ax.axvspan(
+                    answer_span[0] - 0.5, answer_span[1] - 0.5, fill=False, edgecolor="tab:blue", lw=0.9
+                )
+            for q in query_rows:
+                ax.plot([-0.5], [q], marker="_", color="black", markersize=5, clip_on=False)
+            ax.set_xticks([])
+            ax.set_yticks([])
+            if li == 0:
+                ax.set_title(f"head {h}", fontsize=9)
+            if h == 0:
+                ax.set_ylabel(f"layer {li}\nquery position", fontsize=8)
+            if li == n_layers - 1:
+                ax.set_xlabel("key position", fontsize=8)
+    if image is not None:
+        label = (
+            "A1 − λ·A2 (√ scale)"
+            if arch == "diff"
+            else "A2i − σ(λ)·A2i+1 (√ scale)"
+            if signed
+            else "attention probability (√ scale)"
+        )
+        fig.colorbar(image, ax=axes.ravel().tolist(), label=label, shrink=0.7)
+    kind = {
+        "baseline": "softmax maps",
+        "diff": "differential maps A1 − λA2",
+        "diff2": "combined maps A2i − σ(λ)A2i+1",
+    }
+    fig.suptitle(
+        f"Attention {kind.get(arch, 'maps')}{' — ' + title if title else ''}\n"
+        "blue box: answer span (keys) · black ticks: query rows predicting the value",
+        fontsize=10,
+    )
+    return _save(fig, path)
+
+
+# ---------------------------------------------------------------------------------------------
+# quantization
+
+
+def quant_curve(rows: Sequence[dict[str, Any]], path: Path | str, title: str = "") -> Path:
+    """Loss (and needle accuracy, when measured) against the bits of the attention logits."""
+    has_needle = any(r.get("needle_accuracy") is not None for r in rows)
+    fig = _figure(5.0 + (4.5 if has_needle else 0.0), 3.6)
+    axes = fig.subplots(1, 2 if has_needle else 1, squeeze=False)[0]
+    bits = [r["bits"] for r in rows]
+    x = list(range(len(bits)))
+    ax = axes[0]
+    losses = [r["loss"] for r in rows]
+    ax.plot(x, losses, marker="o", color="tab:red")
+    # at least ±0.01 nats of room, so that rounding noise does not look like a cliff
+    pad = max(0.01, 0.1 * (max(losses) - min(losses)))
+    ax.set_ylim(min(losses) - pad, max(losses) + pad)
+    ax.ticklabel_format(axis="y", useOffset=False)
+    ax.set_xticks(x, [f"{b}" + (" (ref)" if b >= 16 else "") for b in bits])
+    ax.set_xlabel("bits of the attention logits")
+    ax.set_ylabel("loss (nats/token)")
+    ax.set_title("loss", fontsize=10)
+    ax.grid(alpha=0.3)
+    if has_needle:
+        ax = axes[1]
+        ax.plot(x, [r.get("needle_accuracy") for r in rows], marker="o", color="tab:green")
+        ax.set_xticks(x, [str(b) for b in bits])
+        ax.set_ylim(-0.02, 1.02)
+        ax.set_xlabel("bits of the attention logits")
+        ax.set_ylabel("needle retrieval accuracy")
+        ax.set_title("retrieval", fontsize=10)
+        ax.grid(alpha=0.3)
+    fig.suptitle(f"Attention-logit quantization (dynamic absmax){' — ' + title if title else ''}")
+    return _save(fig, path)
+
+
+# ---------------------------------------------------------------------------------------------
+# loss curves of several runs
+
+
+def loss_curves(runs: Sequence[tuple[str, list[dict[str, Any]]]], path: Path | str) -> Path:
+    """Train and validation loss of each run against tokens seen and against training time."""
+    fig = _figure(12.0, 4.4)
+    axes = fig.subplots(1, 2)
+    colors = [f"C{i % 10}" for i in range(len(runs))]
+    for (label, rows), color in zip(runs, colors, strict=True):
+        train = [r for r in rows if "train/loss" in r]
+        val = [r for r in rows if "val/loss" in r]
+        for ax, key in zip(axes, ("train/tokens", "train/time_s"), strict=True):
+            t = [r for r in train if key in r]
+            if t:
+                ax.plot(
+                    [r[key] for r in t],
+                    [r["train/loss"] for r in t],
+                    color=color,
+                    lw=1.0,
+                    alpha=0.55,
+                    label=f"{label} train",
+                )
+            v = [r for r in val if key in r]
+            if v:
+                ax.plot(
+                    [r[key] for r in v],
+                    [r["val/loss"] for r in v],
+                    color=color,
+                    lw=1.8,
+                    marker="o",
+                    markersize=3.5,
+                    label=f"{label} val",
+                )
+    axes[0].set_xlabel("tokens seen")
+    axes[1].set_xlabel("training time (s)")
+    for ax, what in zip(axes, ("tokens", "wall-clock time"), strict=True):
+        ax.set_ylabel("loss (nats/token)")
+        ax.set_title(f"loss vs {what}", fontsize=10)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.suptitle("Training curves (thin: train loss, dots: validation loss)")
+    return _save(fig, path)

@@ -1,0 +1,144 @@
+"""`quant`: how much the model suffers when its attention logits are quantized (paper Fig. 8).
+
+Every layer's scaled scores S = QKᵀ/√d are fake-quantized before the softmax with dynamic
+absmax quantization to b bits (symmetric, round to nearest):
+
+    s_max = max |S|  over the unmasked entries of one (sequence, head) map
+    Δ     = s_max / (2^(b−1) − 1)
+    Ŝ     = clamp(round(S / Δ), −(2^(b−1) − 1), 2^(b−1) − 1) · Δ
+
+The scale is per (sequence, head), so a sequence's result never depends on what else is in
+its batch. Smaller outliers (see the `outliers` suite) mean a finer Δ for the same bits, so a
+model with fewer outliers should degrade less. 16 bits is the reference: the unquantized
+model (the paper's 16-bit baseline), run through the same eager attention path as the
+quantized rows so that differences are due to quantization alone. Reported: the `ppl` figures
+at each width and the degradation Δloss = loss_b − loss_16 (and, with --with-needle, the
+needle accuracy at each width).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from difftrain.errors import ConfigError
+from difftrain.evals.common import (
+    EvalOptions,
+    Progress,
+    SuiteOutput,
+    _no_progress,
+    check_positive,
+    eval_windows,
+    headline,
+)
+from difftrain.evals.ppl import summarize, window_nll
+from difftrain.rundir import Run
+
+BITS = [8, 6, 4]
+REFERENCE_BITS = 16
+
+
+def fake_quantize(scores: torch.Tensor, bits: int) -> torch.Tensor:
+    """Dynamic symmetric absmax fake quantization of attention scores (B, H, T, S) to `bits`;
+    −inf (masked) entries stay −inf and do not count towards the scale. bits ≥ 16: unchanged."""
+    if bits >= REFERENCE_BITS:
+        return scores
+    finite = torch.isfinite(scores)
+    x = scores.masked_fill(~finite, 0.0)
+    qmax = 2 ** (bits - 1) - 1
+    scale = x.abs().amax(dim=(-2, -1), keepdim=True).clamp(min=1e-12) / qmax
+    q = torch.clamp(torch.round(x / scale), -qmax, qmax) * scale
+    return q.masked_fill(~finite, float("-inf"))
+
+
+def quantizer(bits: int) -> Callable[[torch.Tensor, int], torch.Tensor]:
+    """An attention-logit transform for `Transformer.set_attn_logit_transform`."""
+    return lambda scores, layer: fake_quantize(scores, bits)
+
+
+def check_bits(bits: list[int] | None) -> list[int]:
+    bits = list(BITS if bits is None else bits)
+    if not bits:
+        raise ConfigError("--bits is empty; give bit widths such as 8,6,4")
+    bad = [b for b in bits if not 2 <= b <= 16]
+    if bad:
+        raise ConfigError(f"--bits {bad[0]} is out of range; widths go from 2 to 16 (16 = no quantization)")
+    return [REFERENCE_BITS] + sorted({b for b in bits if b < REFERENCE_BITS}, reverse=True)
+
+
+def run(run: Run, opts: EvalOptions, progress: Progress = _no_progress) -> SuiteOutput:
+    from difftrain.evals import needle as needle_suite
+
+    check_positive("--windows", opts.windows)
+    widths = check_bits(opts.bits)
+    model = run.model
+    tw = eval_windows(run, data=opts.data, count=opts.windows, full=opts.full)
+    grid = None
+    if opts.with_needle:
+        grid = needle_suite.default_grid(run.tokenizer, run.config.max_seq_len, opts, quick_lengths=1)  # type: ignore[attr-defined]
+    n_ppl = -(-len(tw.windows) // opts.batch_size)
+    n_needle = 0
+    if grid is not None:
+        n_needle = len(grid.lengths) * len(grid.needles) * len(grid.depths) * grid.samples
+    total = len(widths) * (n_ppl + n_needle)
+    rows: list[dict[str, Any]] = []
+    done = 0
+
+    def step(base: int) -> Progress:
+        return lambda d, t: progress(base + d, total)
+
+    try:
+        for b in widths:
+            model.set_attn_logit_transform(quantizer(b))  # 16: identity, but the same eager path
+            nll = window_nll(model, tw.windows, batch_size=opts.batch_size, progress=step(done))
+            done += n_ppl
+            row: dict[str, Any] = {"bits": b, **summarize(nll, tw)}
+            if grid is not None:
+                res = needle_suite.evaluate_grid(
+                    model,
+                    run.tokenizer,
+                    grid,
+                    seed=opts.seed,
+                    batch_size=opts.batch_size,
+                    progress=step(done),
+                )
+                done += n_needle
+                row["needle_accuracy"] = res["accuracy"]
+            rows.append(row)
+    finally:
+        model.set_attn_logit_transform(None)
+    ref = rows[0]
+    for r in rows:
+        r["delta_loss"] = r["loss"] - ref["loss"]
+        r["ppl_ratio"] = r["ppl"] / ref["ppl"]
+        if grid is not None:
+            r["delta_accuracy"] = r["needle_accuracy"] - ref["needle_accuracy"]
+    settings: dict[str, Any] = {
+        "bits": widths,
+        "data": opts.data or "validation",
+        "windows": len(tw.windows),
+        "seq_len": tw.windows.shape[1] - 1,
+        "granularity": "per (sequence, head)",
+    }
+    if grid is not None:
+        settings["needle"] = needle_suite.grid_settings(grid, opts.seed)
+    heads = [headline("loss@16", ref["loss"], "lower", ".4f")]
+    for r in rows[1:]:
+        heads.append(headline(f"Δloss@{r['bits']}", r["delta_loss"], "lower", "+.4f"))
+        if grid is not None:
+            heads.append(headline(f"Δacc@{r['bits']}", r["delta_accuracy"], "higher", "+.3f"))
+    out = SuiteOutput(settings=settings, results={"source": tw.source, "rows": rows}, headline=heads)
+    if opts.plot is not False:
+        from difftrain.evals import plots
+
+        if plots.available():
+            path = run.path / "eval" / "quant.png"
+            plots.quant_curve(rows, path, title=f"{run.path.name} ({run.config.arch})")  # type: ignore[attr-defined]
+            out.plots.append(str(path))
+        elif opts.plot:
+            plots.require()
+        else:
+            out.notes.append(plots.MISSING)
+    return out

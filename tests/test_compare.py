@@ -1,0 +1,131 @@
+"""`difftrain compare`: the side-by-side table, shared suites, curves, and refusals."""
+
+from __future__ import annotations
+
+import csv
+import json
+
+import pytest
+from test_eval import make_run
+
+from difftrain.cli.app import main
+from difftrain.evals import EvalOptions, evaluate, save_result
+from difftrain.evals.compare import compare_runs
+from difftrain.rundir import load_run
+
+
+def write_training_files(
+    run, *, tokens_per_step: int, seconds_per_step: float, loss0: float, params: int
+) -> None:
+    """summary.json and metrics.csv as `difftrain pretrain` writes them (same columns)."""
+    rows = []
+    for step in range(1, 11):
+        loss = loss0 / (1 + 0.1 * step)
+        row = {
+            "step": step,
+            "train/loss": loss,
+            "train/tokens": step * tokens_per_step,
+            "train/time_s": step * seconds_per_step,
+        }
+        if step % 5 == 0:
+            row["val/loss"] = loss + 0.05
+        rows.append(row)
+    keys = ["step", "train/loss", "train/time_s", "train/tokens", "val/loss"]
+    with open(run / "metrics.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=keys)
+        w.writeheader()
+        w.writerows(rows)
+    summary = {
+        "name": run.name,
+        "params": params,
+        "steps": 10,
+        "tokens": 10 * tokens_per_step,
+        "wall_time_s": 10 * seconds_per_step + 1.0,
+        "tokens_per_s": tokens_per_step / seconds_per_step,
+        "final_train_loss": rows[-1]["train/loss"],
+        "final_val_loss": rows[-1]["val/loss"],
+        "best_val_loss": min(r["val/loss"] for r in rows if "val/loss" in r),
+    }
+    (run / "summary.json").write_text(json.dumps(summary))
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    root = tmp_path_factory.mktemp("compare")
+    a = make_run(root, "a-diff", "diff")
+    b = make_run(root, "b-base", "baseline", tokenizer=load_run(a).tokenizer)
+    write_training_files(a, tokens_per_step=1000, seconds_per_step=2.0, loss0=6.0, params=61_000)
+    write_training_files(b, tokens_per_step=1000, seconds_per_step=1.0, loss0=6.5, params=60_000)
+    for run in (a, b):
+        save_result(run, evaluate(load_run(run), "ppl", EvalOptions(windows=2)))
+    save_result(a, evaluate(load_run(a), "icl-order", EvalOptions(demos=2, permutations=2, items=2)))
+    return a, b
+
+
+def test_compare_puts_training_figures_and_every_shared_suite_side_by_side(pair):
+    a, b = pair
+    cmp = compare_runs([a, b])
+    rows = {r.name: r for r in cmp.training}
+    assert rows["params"].values == [61_000, 60_000]
+    assert rows["tokens"].values == [10_000, 10_000]
+    assert rows["wall time (s)"].values == [21.0, 11.0] and rows["wall time (s)"].best() == 1
+    assert rows["tokens/s"].values == [500.0, 1000.0] and rows["tokens/s"].best() == 1
+    assert rows["final val loss"].values == pytest.approx([6.0 / 2 + 0.05, 6.5 / 2 + 0.05])
+    assert rows["final val loss"].best() == 0 and rows["best val loss"].best() == 0
+    assert rows["arch"].values == ["diff", "baseline"]
+    assert list(cmp.suites) == ["ppl"]  # icl-order exists in one run only
+    assert cmp.partial == {"icl-order": ["b-base"]}
+    ppl = {r.name: r for r in cmp.suites["ppl"]}
+    for i, run in enumerate((a, b)):
+        stored = json.loads((run / "eval" / "ppl.json").read_text())
+        assert ppl["loss"].values[i] == stored["results"]["loss"]
+    assert not cmp.notes
+
+
+def test_compare_cli_prints_the_table_and_writes_the_curves(pair, tmp_path, capsys):
+    a, b = pair
+    png = tmp_path / "curves.png"
+    assert main(["compare", str(a), str(b), "--plot", str(png)]) == 0
+    out, err = capsys.readouterr()
+    assert "a-diff" in out and "b-base" in out and "final val loss" in out and "bits/byte" in out
+    assert str(png) in out
+    assert "`icl-order` is not in every run (missing in b-base)" in err
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 20_000
+
+
+def test_compare_json_holds_rows_with_a_value_per_run(pair, capsys):
+    a, b = pair
+    assert main(["compare", str(a), str(b), "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert [r["label"] for r in doc["runs"]] == ["a-diff", "b-base"]
+    assert all(len(r["values"]) == 2 for r in doc["training"] + doc["suites"]["ppl"])
+
+
+def test_compare_notes_results_computed_with_different_settings(pair, tmp_path):
+    a, _ = pair
+    c = make_run(tmp_path, "c", "diff2", tokenizer=load_run(a).tokenizer)
+    save_result(c, evaluate(load_run(c), "ppl", EvalOptions(windows=3)))
+    cmp = compare_runs([a, c])
+    assert any("ppl: a-diff and c were evaluated with different settings (windows)" in n for n in cmp.notes)
+    assert any("c has no summary.json" in n for n in cmp.notes)
+
+
+def _error(capsys) -> str:
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    return err
+
+
+def test_compare_refusals_are_one_line_with_exit_code_2(pair, tmp_path, capsys):
+    a, b = pair
+    assert main(["compare", str(a)]) == 2
+    assert "compare needs two or more run directories" in _error(capsys)
+    assert main(["compare", str(a), str(b), "--suite", "icl-order"]) == 2
+    assert f"{b} has no `icl-order` result" in _error(capsys)
+    assert main(["compare", str(a), str(b), "--suite", "needel"]) == 2
+    assert "did you mean `needle`?" in _error(capsys)
+    assert main(["compare", str(a), str(tmp_path / "nope")]) == 2
+    assert "no run directory" in _error(capsys)
+    (tmp_path / "empty").mkdir()
+    assert main(["compare", str(a), str(tmp_path / "empty")]) == 2
+    assert "is not a difftrain run directory" in _error(capsys)

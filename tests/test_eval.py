@@ -1,0 +1,434 @@
+"""`difftrain eval`: every suite on tiny random models — schema, exact figures, determinism, errors."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+import yaml
+from torch import nn
+
+from difftrain.cli.app import main
+from difftrain.data.builtin import filler_sentence, needle_documents
+from difftrain.data.config import NeedlesSpec, TokenizerTrainConfig
+from difftrain.data.tokenizer import train_tokenizer
+from difftrain.errors import ConfigError
+from difftrain.evals import EvalOptions, evaluate, save_result
+from difftrain.evals.attention import spans
+from difftrain.evals.common import eval_windows, load_result
+from difftrain.evals.icl import label_scores
+from difftrain.evals.needle import (
+    NeedleGrid,
+    build_prompt,
+    evaluate_grid,
+    grid_prompts,
+    parse_needles,
+    score,
+)
+from difftrain.evals.quant import fake_quantize
+from difftrain.model import ModelConfig, Transformer
+from difftrain.model.transformer import LMOutput
+from difftrain.rundir import load_run, save_weights
+
+SEQ = 160
+
+
+def make_corpus(root: Path) -> Path:
+    corpus = root / "corpus"
+    corpus.mkdir(parents=True, exist_ok=True)
+    rng = random.Random(0)
+    for i in range(24):
+        (corpus / f"d{i:02d}.txt").write_text(" ".join(filler_sentence(rng) for _ in range(30)))
+    return corpus
+
+
+def make_run(
+    root: Path, name: str, arch: str, *, seed: int = 0, tokenizer=None, init_std: float = 0.1
+) -> Path:
+    """A run directory holding a random tiny model: config, weights, tokenizer, recipe.yaml."""
+    corpus = make_corpus(root)
+    if tokenizer is None:
+        texts = list(needle_documents(NeedlesSpec(context_tokens=64, num_documents=30)))
+        texts += [p.read_text() for p in sorted(corpus.iterdir())]
+        tokenizer = train_tokenizer(texts, TokenizerTrainConfig(vocab_size=420))
+    run = root / name
+    run.mkdir(parents=True)
+    torch.manual_seed(seed)
+    # vocab 448 > the tokenizer's 420 ids: the padded rows a real run has too
+    cfg = ModelConfig(
+        arch=arch, vocab_size=448, d_model=32, n_layers=2, n_heads=4, max_seq_len=SEQ, init_std=init_std
+    )
+    cfg.to_json(run / "config.json")
+    save_weights(run / "model.safetensors", Transformer(cfg))
+    tokenizer.save(run / "tokenizer.json")
+    recipe = {
+        "name": name,
+        "seed": 3,
+        "out_dir": str(root),
+        "model": cfg.model_dump(mode="json"),
+        "data": {
+            "sources": [str(corpus)],
+            "val_fraction": 0.25,
+            "val_windows": 4,
+            "cache_dir": str(root / "cache"),
+        },
+        "train": {"max_steps": 1, "micro_batch_size": 1},
+    }
+    (run / "recipe.yaml").write_text(yaml.safe_dump(recipe))
+    return run
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("evalruns")
+    first = make_run(root, "baseline", "baseline")
+    tok = load_run(first).tokenizer
+    return {
+        "baseline": first,
+        "diff": make_run(root, "diff", "diff", tokenizer=tok),
+        "diff2": make_run(root, "diff2", "diff2", tokenizer=tok),
+    }
+
+
+SMALL_NEEDLE = EvalOptions(lengths=[70], depths=[0.0, 0.5, 1.0], needles=[(1, 1)], samples=1, plot=False)
+
+
+# ----- ppl -------------------------------------------------------------------------------------
+def test_ppl_reports_the_loss_of_the_validation_windows_and_bits_per_byte(runs, capsys, monkeypatch):
+    monkeypatch.chdir(runs["diff"].parent)
+    assert main(["eval", str(runs["diff"]), "--suite", "ppl", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)["ppl"]
+    assert doc == load_result(runs["diff"], "ppl")
+    for key in (
+        "suite",
+        "format",
+        "run",
+        "arch",
+        "params",
+        "weights",
+        "settings",
+        "results",
+        "headline",
+        "plots",
+    ):
+        assert key in doc
+    res = doc["results"]
+    assert res["windows"] == 4  # the recipe's data.val_windows: the windows of the training val loss
+
+    # independent reference: the same windows through the model's own loss
+    run = load_run(runs["diff"])
+    tw = eval_windows(run, data=None, count=4, full=False)
+    with torch.no_grad():
+        ref = run.model(tw.windows[:, :-1], tw.windows[:, 1:]).loss.item()
+    text = "".join(run.tokenizer.decode(w[1:].tolist(), skip_special_tokens=True) for w in tw.windows)
+    n_tok = tw.windows[:, 1:].numel()
+    assert res["loss"] == pytest.approx(ref, abs=1e-5)
+    assert res["ppl"] == pytest.approx(math.exp(ref), rel=1e-5)
+    assert res["bytes"] == len(text.encode("utf-8"))
+    assert res["bits_per_byte"] == pytest.approx(ref * n_tok / math.log(2) / res["bytes"], rel=1e-5)
+    assert {h["name"] for h in doc["headline"]} == {"loss", "ppl", "bits/byte"}
+
+
+def test_ppl_on_another_source_reads_all_of_it(runs, tmp_path):
+    src = tmp_path / "other.txt"
+    rng = random.Random(5)
+    src.write_text(" ".join(filler_sentence(rng) for _ in range(80)))
+    run = load_run(runs["baseline"])
+    doc = evaluate(run, "ppl", EvalOptions(data=str(src), windows=3))
+    assert doc["settings"]["data"] == str(src) and doc["results"]["source"] == str(src)
+    tokens = len(run.tokenizer.encode(src.read_text())) + 1  # + the document's eos
+    assert doc["results"]["split_tokens"] == tokens and doc["results"]["windows"] == 3
+
+
+# ----- needle ----------------------------------------------------------------------------------
+def test_needle_generator_places_the_queried_needles_at_the_requested_depths(runs):
+    tok = load_run(runs["baseline"]).tokenizer
+    for depth in (0.0, 0.25, 0.5, 0.75, 1.0):
+        for seed in range(3):
+            p = build_prompt(tok, 2048, 1200, 5, 2, depth, seed)
+            ex = p.example
+            filler = [s + "." for s in ex.haystack.split(".") if s.strip() and "magic number" not in s]
+            step = max(len(s) + 1 for s in filler) / (
+                len(ex.haystack) - sum(len(n.sentence) for n in ex.needles)
+            )
+            assert len(p.measured_depths) == 2
+            for got in p.measured_depths:
+                assert abs(got - depth) <= step, (depth, got, step)
+            queried = [n for n in ex.needles if n.key in ex.query_keys]
+            assert [n.requested_depth for n in queried] == [depth, depth]
+            assert p.ids[0] == tok.eos_id and tok.decode(p.ids[1:]) == ex.prompt
+            assert 1080 <= p.haystack_tokens <= 1200
+
+
+def test_needle_prompts_shrink_to_fit_the_context_or_fail_clearly(runs):
+    tok = load_run(runs["baseline"]).tokenizer
+    p = build_prompt(tok, SEQ, SEQ - 20, 1, 1, 0.5, 7)
+    assert len(p.ids) + p.answer_tokens < SEQ  # the haystack was trimmed to leave room
+    with pytest.raises(ConfigError, match="does not fit max_seq_len=60"):
+        build_prompt(tok, 60, 50, 2, 1, 0.5, 7)
+
+
+def test_needle_score_is_exact_match_of_values_in_query_order():
+    assert score(" The magic number of Oslo is 1234567.", ["1234567"]) == [True]
+    assert score(" The magic number of Oslo is 12345678.", ["1234567"]) == [False]
+    assert score(" Oslo is 7654321. Lima is 1234567.", ["1234567", "7654321"]) == [False, False]
+    assert score(" Lima is 1234567. Oslo is 7654321.", ["1234567", "7654321"]) == [True, True]
+    assert score(" nothing", ["1234567"]) == [False]
+    assert parse_needles("1x1, 4×2,6:2,3") == [(1, 1), (4, 2), (6, 2), (3, 1)]
+    with pytest.raises(ConfigError, match="R \\(queried\\) must be in 1 … N=2"):
+        parse_needles("2x3")
+
+
+class Oracle(nn.Module):
+    """A stand-in LM that answers each needle prompt from a table (through the real generate
+    engine): right for prompts whose queried needle is at depth ≤ 0.5, one digit off beyond."""
+
+    def __init__(self, answers: dict[tuple[int, ...], list[int]], vocab: int) -> None:
+        super().__init__()
+        self.config = ModelConfig(vocab_size=vocab, d_model=8, n_layers=1, n_heads=2, max_seq_len=SEQ)
+        self.lm_head = nn.Linear(1, 1)
+        self.answers = answers
+
+    def new_cache(self, batch_size, max_len=None, **_):
+        return {"rows": None, "step": 0}
+
+    def forward(self, ids, cache=None, key_padding_mask=None, **_):
+        if cache["rows"] is None:
+            mask = (
+                key_padding_mask if key_padding_mask is not None else torch.ones_like(ids, dtype=torch.bool)
+            )
+            cache["rows"] = [self.answers[tuple(r[m].tolist())] for r, m in zip(ids, mask, strict=True)]
+        logits = torch.zeros(ids.shape[0], ids.shape[1], self.config.vocab_size)
+        for i, ans in enumerate(cache["rows"]):
+            logits[i, -1, ans[min(cache["step"], len(ans) - 1)]] = 1.0
+        cache["step"] += 1
+        return LMOutput(logits=logits)
+
+
+def test_needle_accuracy_counts_exactly_the_retrieved_values_through_the_generate_engine(runs):
+    tok = load_run(runs["baseline"]).tokenizer
+    grid = NeedleGrid(lengths=[70, 90], depths=[0.0, 0.5, 1.0], needles=[(1, 1), (2, 1)], samples=2)
+    answers = {}
+    for p in grid_prompts(tok, SEQ, grid, seed=1):
+        value = p.expected[0] if p.depth <= 0.5 else str(int(p.expected[0]) + 1)
+        answers[tuple(p.ids)] = tok.encode(f" The magic number of {p.query_keys[0]} is {value}.\n")
+    res = evaluate_grid(Oracle(answers, 448), tok, grid, seed=1, batch_size=3)
+    for c in res["cells"]:
+        assert c["accuracy"] == (1.0 if c["depth"] <= 0.5 else 0.0) and c["samples"] == 2
+    assert res["accuracy"] == pytest.approx(2 / 3)
+    assert [d["accuracy"] for d in res["by_depth"]] == [1.0, 1.0, 0.0]
+    assert all(s["completion"].startswith(" The magic number of") for s in res["samples"])
+
+
+def test_needle_suite_is_deterministic_for_a_seed_and_draws_new_prompts_for_another(runs):
+    run = load_run(runs["diff2"])
+    a = evaluate(run, "needle", SMALL_NEEDLE)
+    b = evaluate(run, "needle", SMALL_NEEDLE)
+    c = evaluate(run, "needle", EvalOptions(**{**SMALL_NEEDLE.__dict__, "seed": 1}))
+    assert a["results"] == b["results"]
+    assert [s["expected"] for s in a["results"]["samples"]] != [
+        s["expected"] for s in c["results"]["samples"]
+    ]
+    assert a["settings"] == {
+        "lengths": [70],
+        "depths": [0.0, 0.5, 1.0],
+        "needles": [[1, 1]],
+        "samples": 1,
+        "seed": 0,
+    }
+    assert len(a["results"]["cells"]) == 3 and len(a["results"]["samples"]) == 3
+
+
+def test_needle_heat_map_is_a_png_in_the_eval_folder(runs):
+    run = load_run(runs["baseline"])
+    doc = evaluate(run, "needle", EvalOptions(**{**SMALL_NEEDLE.__dict__, "plot": None}))
+    png = Path(doc["plots"][0])
+    assert png == runs["baseline"] / "eval" / "needle.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+# ----- attention -------------------------------------------------------------------------------
+def test_attention_probe_spans_cover_the_needle_and_the_rows_that_predict_its_value(runs):
+    run = load_run(runs["baseline"])
+    tok = run.tokenizer
+    p = build_prompt(tok, SEQ, 90, 2, 2, 0.5, 3)
+    ids, per_query = spans(tok, p, SEQ)
+    for (cols, rows), key, value in zip(per_query, p.query_keys, p.expected, strict=True):
+        sentence = next(n.sentence for n in p.example.needles if n.key == key)
+        assert sentence in tok.decode([ids[c] for c in cols])
+        assert tok.decode([ids[r + 1] for r in rows]) == value  # row r predicts token r + 1
+
+
+def test_attention_masses_of_softmax_maps_sum_to_one_and_differential_rows_to_one_minus_lambda(runs):
+    opts = EvalOptions(lengths=[90], depths=[0.0, 1.0], needles=[(2, 1)], samples=2, plot=False)
+    base = evaluate(load_run(runs["baseline"]), "attention", opts)["results"]
+    assert base["map"] == "softmax"
+    for d in base["by_depth"]:
+        for layer in d["per_layer"]:
+            assert layer["answer"] + layer["noise"] == pytest.approx(1.0, abs=1e-5)
+            assert 0.0 <= layer["answer"] <= 1.0
+    run = load_run(runs["diff"])
+    diff = evaluate(run, "attention", opts)["results"]
+    for li, layer in enumerate(diff["per_layer"]):
+        lam = run.model.model.layers[li].self_attn.lam().item()
+        assert layer["total"] == pytest.approx(1.0 - lam, abs=1e-5)
+        assert layer["answer"] + layer["noise"] == pytest.approx(layer["total"], abs=1e-6)
+        assert layer["noise_abs"] >= abs(layer["noise"]) - 1e-7
+
+
+def test_attention_plot_draws_the_maps_of_every_layer_and_head(runs):
+    run = load_run(runs["diff2"])
+    opts = EvalOptions(lengths=[70], depths=[0.5], needles=[(1, 1)], samples=1, plot=True)
+    doc = evaluate(run, "attention", opts)
+    assert doc["plots"] == [str(runs["diff2"] / "eval" / "attention.png")]
+    assert Path(doc["plots"][0]).stat().st_size > 10_000
+
+
+# ----- outliers --------------------------------------------------------------------------------
+def test_outliers_equal_a_direct_computation_over_the_same_tokens(runs):
+    run = load_run(runs["diff"])
+    doc = evaluate(run, "outliers", EvalOptions(tokens=2 * SEQ, batch_size=1))
+    res = doc["results"]
+    tw = eval_windows(run, data=None, count=2, full=False)
+    with torch.no_grad():
+        out = run.model(tw.windows[:, :-1], output_attentions=True, output_hidden_states=True)
+    h = torch.cat([x.reshape(-1) for x in out.hidden_states]).double()
+    s = torch.cat([x[torch.isfinite(x)] for x in out.attn_logits]).double()
+    for got, x in ((res["hidden_states"], h), (res["attention_logits"], s)):
+        top = x.abs().sort(descending=True).values
+        assert got["count"] == x.numel()
+        for k in (1, 2, 3, 10, 100):
+            assert got[f"top{k}"] == pytest.approx(top[k - 1].item(), rel=1e-6)
+        assert got["median"] == pytest.approx(x.abs().float().median().item(), rel=1e-6)
+        kurt = ((x - x.mean()) ** 4).mean() / x.var(unbiased=False) ** 2
+        assert got["kurtosis"] == pytest.approx(kurt.item(), rel=1e-6)
+        assert len(got["per_layer"]) == 2
+    assert {h["name"] for h in doc["headline"]} >= {"attn logit top-1", "hidden top-1", "hidden kurtosis"}
+
+
+# ----- quant -----------------------------------------------------------------------------------
+def test_fake_quantization_rounds_to_the_absmax_grid_and_keeps_the_mask():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 3, 5, 5, generator=g) * 4
+    x = x.masked_fill(torch.triu(torch.ones(5, 5, dtype=torch.bool), 1), float("-inf"))
+    assert fake_quantize(x, 16) is x
+    finite = torch.isfinite(x)
+    for bits in (8, 4):
+        q = fake_quantize(x, bits)
+        assert torch.equal(torch.isfinite(q), finite)
+        amax = x.masked_fill(~finite, 0).abs().amax(dim=(-2, -1), keepdim=True)
+        step = amax / (2 ** (bits - 1) - 1)
+        err = (q - x).masked_fill(~finite, 0).abs()
+        assert bool((err <= step / 2 + 1e-6).all())
+        k = (q.masked_fill(~finite, 0) / step).expand_as(x)[finite]
+        assert torch.allclose(k, k.round(), atol=1e-4)
+    assert not torch.equal(fake_quantize(x, 4), fake_quantize(x, 8))
+
+
+def test_quant_at_16_bits_equals_the_unquantized_model_and_4_bits_differs_from_8(runs):
+    run = load_run(runs["diff2"])
+    doc = evaluate(run, "quant", EvalOptions(bits=[8, 4], windows=3, plot=False))
+    rows = {r["bits"]: r for r in doc["results"]["rows"]}
+    assert list(rows) == [16, 8, 4]
+    run.model.attn_impl = "eager"  # the quant rows all run the eager core
+    ppl = evaluate(run, "ppl", EvalOptions(windows=3))["results"]
+    assert rows[16]["loss"] == ppl["loss"] and rows[16]["delta_loss"] == 0.0
+    assert rows[4]["loss"] != rows[8]["loss"]
+    assert rows[4]["delta_loss"] == pytest.approx(rows[4]["loss"] - ppl["loss"])
+    assert run.model._logit_transform is None  # the probe leaves the model as it found it
+
+
+# ----- icl-order -------------------------------------------------------------------------------
+def test_icl_scores_from_the_shared_prefix_cache_equal_full_forwards(runs):
+    run = load_run(runs["diff"])
+    tok, model = run.tokenizer, run.model
+    prefix = [tok.eos_id, *tok.encode("The magic number of Oslo is 7000001.\nLabel: high\n\n")]
+    suffixes = [
+        tok.encode("The magic number of Lima is 2000002.\nLabel:"),
+        tok.encode("The magic number of Rome is 9.\nLabel:"),
+    ]
+    cands = [tok.encode(" low"), tok.encode(" high"), tok.encode(" maybe not")]
+    got = label_scores(model, prefix, suffixes, cands, batch_size=4)
+    for i, s in enumerate(suffixes):
+        for j, c in enumerate(cands):
+            ids = torch.tensor([prefix + s + c])
+            with torch.no_grad():
+                logp = F.log_softmax(model(ids).logits.float(), dim=-1)[0]
+            n = len(prefix) + len(s)
+            ref = sum(logp[n - 1 + t, c[t]].item() for t in range(len(c)))
+            assert got[i, j] == pytest.approx(ref, abs=1e-4)
+
+
+def test_icl_order_reports_accuracy_per_order_deterministically(runs):
+    run = load_run(runs["baseline"])
+    opts = EvalOptions(demos=4, permutations=3, items=6)
+    a = evaluate(run, "icl-order", opts)
+    b = evaluate(run, "icl-order", opts)
+    assert a["results"] == b["results"]
+    res = a["results"]
+    accs = [o["accuracy"] for o in res["per_order"]]
+    assert len(accs) == 3 and len({tuple(o["order"]) for o in res["per_order"]}) == 3
+    assert res["margin"] == pytest.approx(max(accs) - min(accs)) and res["mean"] == pytest.approx(
+        np.mean(accs)
+    )
+    assert all(a * 6 == round(a * 6) for a in accs)
+
+
+# ----- CLI -------------------------------------------------------------------------------------
+def _error(capsys) -> str:
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    return err
+
+
+def test_eval_refuses_a_run_without_weights_in_one_line(runs, tmp_path, capsys):
+    run = make_run(tmp_path, "fresh", "diff", tokenizer=load_run(runs["diff"]).tokenizer)
+    (run / "model.safetensors").unlink()
+    assert main(["eval", str(run), "--suite", "ppl"]) == 2
+    assert "has no model.safetensors" in _error(capsys)
+
+
+def test_eval_unknown_suite_suggests_the_closest_name(runs, capsys):
+    assert main(["eval", str(runs["diff"]), "--suite", "neelde"]) == 2
+    assert "unknown suite `neelde`; did you mean `needle`?" in _error(capsys)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--depths", "0,1.5"], "--depths 1.5 is outside [0, 1]"),
+        (["--needles", "4x0"], "R (queried) must be in 1 … N=4"),
+        (["--bits", "8,1"], "--bits 1 is out of range"),
+        (["--samples", "0"], "--samples 0 must be ≥ 1"),
+        (["--lengths", "64,abc"], "--lengths 'abc' is not a number"),
+        (["--suite", "needle", "--lengths", "40", "--needles", "4x1"], "too short for 4 needles"),
+    ],
+)
+def test_eval_rejects_bad_options_with_one_line(runs, capsys, args, message):
+    assert main(["eval", str(runs["baseline"]), *args]) == 2
+    assert message in _error(capsys)
+
+
+def test_eval_runs_several_suites_and_renders_tables(runs, capsys, monkeypatch):
+    monkeypatch.chdir(runs["baseline"].parent)
+    code = main(
+        ["eval", str(runs["baseline"]), "--suite", "ppl,quant", "--bits", "6", "--windows", "2", "--no-plot"]
+    )
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "bits/byte" in out and "Δloss" in out and "16 (ref)" in out
+    assert (runs["baseline"] / "eval" / "quant.json").is_file()
+    assert not (runs["baseline"] / "eval" / "quant.png").exists()
+
+
+def test_saved_results_round_trip(runs, tmp_path):
+    run = load_run(runs["baseline"])
+    doc = evaluate(run, "ppl", EvalOptions(windows=2))
+    save_result(tmp_path, doc)
+    assert load_result(tmp_path, "ppl") == doc and load_result(tmp_path, "needle") is None
