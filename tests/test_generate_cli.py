@@ -175,7 +175,7 @@ def test_interactive_ctrl_c_interrupts_a_generation_without_quitting(run_dir, ca
     ("args", "message"),
     [
         (["--prompt", ""], "--prompt is empty"),
-        (["--prompt", "hello world " * 40], "tokens (with the leading <|eos|>) but"),
+        (["--prompt", "hello world " * 40], "has max_seq_len=64; shorten it by at least"),
         (["--top-p", "1.5"], "top_p=1.5 is outside (0, 1]"),
         (["--top-p", "0"], "top_p=0.0 is outside (0, 1]"),
         (["--temperature", "-1"], "temperature=-1.0 is invalid"),
@@ -233,3 +233,93 @@ def test_a_missing_run_directory_is_an_error(tmp_path, capsys):
 def test_asking_for_cuda_without_a_gpu_is_an_error(run_dir, capsys):
     code, _, err = gen(capsys, run_dir, "--device", "cuda", "--prompt", "x")
     assert code == 2 and "no CUDA GPU is visible" in err
+
+
+# ----- how fine-tuned runs read prompts, and chat ------------------------------------------------
+def finetuned_run(path, finetune: dict):
+    import yaml
+
+    make_run(path)
+    (path / "recipe.yaml").write_text(yaml.safe_dump({"name": "ft", "finetune": finetune}))
+    return path
+
+
+def test_a_pretrained_run_reads_the_prompt_after_the_document_separator(run_dir, capsys):
+    from difftrain.data.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(run_dir / "tokenizer.json")
+    (r,) = json_results(capsys, run_dir, "-p", "def f", "-n", 1)
+    assert r["prompt_tokens"] == 1 + len(tok.encode("def f"))
+
+
+def test_an_instruction_tuned_run_reads_its_prompt_format_without_a_leading_token(tmp_path, capsys):
+    from difftrain.data.tokenizer import load_tokenizer
+
+    run = finetuned_run(
+        tmp_path / "ft", {"data_format": "instruction", "prompt_format": "Q: {prompt}\nA ({lang}):"}
+    )
+    tok = load_tokenizer(run / "tokenizer.json")
+    code, _, err = gen(capsys, run, "-p", "hello", "--json")
+    assert code == 2 and "needs the field 'lang'" in err and ".jsonl --prompt-file" in err
+    f = tmp_path / "p.jsonl"
+    f.write_text(json.dumps({"prompt": "hello", "lang": "en"}) + "\n")
+    (r,) = json_results(capsys, run, "--prompt-file", f, "-n", 1)
+    assert r["prompt_tokens"] == len(tok.encode("Q: hello\nA (en):"))
+    code, out, _ = gen(capsys, run, "--prompt-file", f, "-n", 1)
+    assert code == 0 and out.startswith("Q: hello\nA (en):")
+
+
+def test_a_text_finetune_still_reads_documents(tmp_path, capsys):
+    run = finetuned_run(tmp_path / "cont", {"data_format": "text", "prompt_format": "Q: {prompt}"})
+    (r,) = json_results(capsys, run, "-p", "hello", "-n", 1)
+    assert r["prompt"] == "hello"
+    code, out, _ = gen(capsys, run, "-p", "hello", "-n", 1)
+    assert out.startswith("hello")
+
+
+def test_chat_renders_the_conversation_streams_replies_until_end_and_resets(tmp_path, capsys, monkeypatch):
+    from difftrain.data.tokenizer import load_tokenizer
+
+    run = finetuned_run(tmp_path / "chat", {"data_format": "instruction"})
+    tok = load_tokenizer(run / "tokenizer.json")
+    end = tok.token_to_id("<|end|>")
+    script = tok.encode("hi there") + [end, 5, 6]
+    prompts: list[str] = []
+    state = {"step": 0}
+    forward = Transformer.forward
+
+    def scripted_forward(self, ids, *a, **kw):  # the real model, with its choices overridden
+        out = forward(self, ids, *a, **kw)
+        if ids.shape[1] > 1:  # a prefill: a new reply starts
+            prompts.append(tok.decode(ids[0].tolist()))
+            state["step"] = 0
+        out.logits[:, -1] = -1e9
+        out.logits[:, -1, script[state["step"]]] = 1e9
+        state["step"] += 1
+        return out
+
+    inputs = iter(["hello", "and you?", "/reset", "again", EOFError])
+
+    def fake_input(prompt=""):
+        x = next(inputs)
+        if x is EOFError:
+            raise EOFError
+        return x
+
+    monkeypatch.setattr(Transformer, "forward", scripted_forward)
+    monkeypatch.setattr(builtins, "input", fake_input)
+    code, out, err = gen_chat(capsys, run, "--system", "be brief", "--seed", 0)
+    assert code == 0, err
+    turn1 = "<|system|>\nbe brief<|end|>\n<|user|>\nhello<|end|>\n<|assistant|>\n"
+    turn2 = turn1 + "hi there<|end|>\n<|user|>\nand you?<|end|>\n<|assistant|>\n"
+    turn3 = "<|system|>\nbe brief<|end|>\n<|user|>\nagain<|end|>\n<|assistant|>\n"
+    assert prompts == [turn1, turn2, turn3]
+    assert out.count("hi there\n") == 3 and "<|end|>" not in out
+    assert err.count("stopped: stop string") == 3
+
+
+def gen_chat(capsys, *args) -> tuple[int, str, str]:
+    capsys.readouterr()
+    code = main(["chat", *map(str, args)])
+    out, err = capsys.readouterr()
+    return code, out, err

@@ -1,9 +1,14 @@
-"""`difftrain generate RUN_DIR`: sample from a trained run (streaming, batched, JSON, interactive).
+"""`difftrain generate RUN_DIR` and `difftrain chat RUN_DIR`: sample from a trained run.
 
-The command parses and checks its arguments, loads the run (config.json + model.safetensors +
-tokenizer.json, never a pickle), and renders what `difftrain.infer.generate` yields. Completion
+The commands parse and check their arguments, load the run (config.json + model.safetensors +
+tokenizer.json, never a pickle), and render what `difftrain.infer.generate` yields. Completion
 text goes to stdout (the prompt is echoed dimmed before it); headers, footers and notes go to
 stderr, so `difftrain generate RUN --prompt x > out.txt` keeps only the text.
+
+How a prompt is written for the model depends on how the run was trained (`PromptStyle`): a
+pretrained run reads documents, so the prompt follows <|eos|> (the separator before every
+document of its training stream); an instruction-tuned run reads its SFT format, so the prompt
+is `finetune.prompt_format` filled in, with no token before it (as in fine-tuning).
 """
 
 from __future__ import annotations
@@ -13,7 +18,7 @@ import re
 import secrets
 import sys
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -28,15 +33,26 @@ HELP = (
     "Streams each completion as it is produced and ends with a footer (tokens, time, tokens/s). Several "
     "prompts (--prompt repeated, or --prompt-file) and --num-samples run as batches of left-padded "
     "sequences with --no-stream or --json; with --stream they are shown one after another.\n\n"
-    "Each prompt is preceded by <|eos|>, the document separator the model saw in training, so the prompt "
-    "reads as the start of a document; without --prompt a document is sampled from scratch. In --prompt and "
-    "in interactive input, \\n and \\t are a newline and a tab.\n\n"
+    "A pretrained run reads each prompt as the start of a document: it is preceded by <|eos|>, the "
+    "separator the model saw before every document; without --prompt a document is sampled from scratch. "
+    "An instruction-tuned run (difftrain finetune) reads the prompt in its finetune.prompt_format, filled "
+    "from the record's fields (a .jsonl --prompt-file may carry more fields than `prompt`). In --prompt "
+    "and in interactive input, \\n and \\t are a newline and a tab.\n\n"
     "A sequence stops at <|eos|>, at any --stop string (cut from the text), after --max-new-tokens, or when "
     "the context is full: the model reads at most max_seq_len tokens, and generation then stops with a "
     "note. It never slides the window (the model would read a context it was not trained on).\n\n"
     "Sampling applies the repetition penalty, then temperature, top-k, top-p and min-p; --greedy (or "
     "--temperature 0) takes the most probable token. A seed makes samples reproducible: sample i uses "
     "seed + i, whatever the batch. Without --seed a random one is drawn and printed."
+)
+
+CHAT_HELP = (
+    "Talk to a chat fine-tuned run (a REPL with history).\n\n"
+    "Each turn renders the conversation with the run's finetune.chat_template (the default template for "
+    "runs not fine-tuned on messages), adds the assistant header, and streams the reply until the "
+    "template's end marker (<|end|>) or <|eos|>. When the conversation outgrows max_seq_len, the oldest "
+    "turns are dropped (the system message is kept). Ctrl-C stops a reply; /reset starts over; "
+    "Ctrl-D or /quit exits."
 )
 
 _ESCAPES = {"n": "\n", "t": "\t", "\\": "\\"}
@@ -51,6 +67,11 @@ def unescape(text: str) -> str:
 class Prompt:
     text: str
     where: str  # "--prompt", "prompts.jsonl, line 3", "input"
+    record: dict[str, Any] = field(default_factory=dict)  # fields for finetune.prompt_format
+
+    @property
+    def fields(self) -> dict[str, Any]:
+        return {**self.record, "prompt": self.text}
 
 
 def read_prompt_file(path: Path) -> list[Prompt]:
@@ -86,89 +107,171 @@ def read_prompt_file(path: Path) -> list[Prompt]:
             raise DataError(f'{where}: "prompt" must be a string, got {type(record["prompt"]).__name__}')
         if record["prompt"] == "":
             raise DataError(f'{where}: "prompt" is empty; remove the line or give some text')
-        prompts.append(Prompt(record["prompt"], where))
+        prompts.append(Prompt(record["prompt"], where, record))
     if not prompts:
         raise DataError(f"--prompt-file {path} holds no prompts (it is empty or blank)")
     return prompts
 
 
+# ----- how a run reads prompts -----------------------------------------------------------------
+@dataclass(frozen=True)
+class PromptStyle:
+    """How a run expects its input (see the module docstring)."""
+
+    instruction: bool = False  # fine-tuned on instruction records (else: documents)
+    prompt_format: str = "{prompt}"
+    chat: Any = None  # the run's ChatTemplateConfig (None: the default template)
+
+    def render(self, prompt: Prompt) -> str:
+        if not self.instruction:
+            return prompt.text
+        try:
+            return self.prompt_format.format_map(prompt.fields)
+        except KeyError as e:
+            raise DataError(
+                f"{prompt.where}: this run was fine-tuned with finetune.prompt_format={self.prompt_format!r}, "
+                f"which needs the field {e}; give a .jsonl --prompt-file whose records have it"
+            ) from None
+        except (ValueError, IndexError) as e:
+            raise DataError(
+                f"finetune.prompt_format={self.prompt_format!r} of this run is not a format: {e}"
+            ) from None
+
+    def ids(self, tokenizer: Any, text: str) -> list[int]:
+        """Token ids of rendered text; an empty prompt starts from <|eos|>."""
+        from difftrain.infer.generate import prompt_ids
+
+        if self.instruction and text:
+            return prompt_ids(tokenizer, text, document_start=False)
+        return prompt_ids(tokenizer, text)
+
+
+def prompt_style(run_path: Path) -> PromptStyle:
+    """Read the run's recipe.yaml: an instruction fine-tune gives its formats, anything else
+    (pretraining, continued pretraining on text, no readable recipe) reads documents."""
+    import yaml
+
+    try:
+        data = yaml.safe_load((Path(run_path) / "recipe.yaml").read_text(encoding="utf-8"))
+    except (OSError, yaml.YAMLError):
+        return PromptStyle()
+    ft = data.get("finetune") if isinstance(data, dict) else None
+    if not isinstance(ft, dict):
+        return PromptStyle()
+    chat = None
+    try:
+        from difftrain.recipe import ChatTemplateConfig
+
+        if ft.get("chat_template") is not None:
+            chat = ChatTemplateConfig(**ft["chat_template"])
+    except Exception:  # an unreadable template: fall back to the default one
+        chat = None
+    fmt = ft.get("data_format", "auto")
+    if fmt == "auto":
+        try:
+            from difftrain.recipe import recipe_from_dict
+            from difftrain.train.finetune import resolve_data_format
+
+            fmt = resolve_data_format(recipe_from_dict(data, Path(run_path)))
+        except Exception:  # the recipe no longer validates here: assume instruction tuning
+            fmt = "instruction"
+    prompt_format = ft.get("prompt_format") if isinstance(ft.get("prompt_format"), str) else "{prompt}"
+    return PromptStyle(instruction=fmt == "instruction", prompt_format=prompt_format, chat=chat)
+
+
+# ----- running and rendering -------------------------------------------------------------------
+@dataclass
+class Row:
+    """One completion to produce: `text` is what the model reads (rendered prompt), `ids` its tokens."""
+
+    seed: int
+    sample: int
+    prompt: Prompt
+    text: str
+    ids: list[int]
+
+
 class Session:
     """A loaded run plus the generation settings; turns prompts into rendered completions."""
 
-    def __init__(self, run: Any, gen: Any, *, num_samples: int, seed: int, batch_size: int) -> None:
-        self.run, self.gen = run, gen
+    def __init__(
+        self, run: Any, gen: Any, *, num_samples: int, seed: int, batch_size: int, style: PromptStyle
+    ) -> None:
+        self.run, self.gen, self.style = run, gen, style
         self.num_samples, self.seed, self.batch_size = num_samples, seed, batch_size
         self.rows_done = 0  # seeds keep advancing across interactive turns
 
-    # -- prompts -----------------------------------------------------------------------------
-    def encode(self, prompt: Prompt) -> list[int]:
-        from difftrain.infer.generate import prompt_ids
-
-        ids = prompt_ids(self.run.tokenizer, prompt.text)
+    def encode(self, prompt: Prompt) -> tuple[str, list[int]]:
+        """(rendered text, ids), or a DataError if it does not fit the context."""
+        text = self.style.render(prompt)
+        ids = self.style.ids(self.run.tokenizer, text)
         limit = self.run.config.max_seq_len
         if len(ids) > limit:
             raise DataError(
-                f"{prompt.where}: the prompt is {len(ids)} tokens (with the leading <|eos|>) but {self.run.path} "
-                f"has max_seq_len={limit}; shorten it by at least {len(ids) - limit} tokens"
+                f"{prompt.where}: the prompt is {len(ids)} tokens but {self.run.path} has max_seq_len={limit}; "
+                f"shorten it by at least {len(ids) - limit} tokens"
             )
-        return ids
+        return text, ids
 
-    def rows(self, prompts: list[Prompt]) -> list[tuple[int, int, Prompt, list[int]]]:
-        """(row seed, sample index, prompt, ids) for every prompt × sample, in order."""
+    def rows(self, prompts: list[Prompt]) -> list[Row]:
+        """Every prompt × sample, in order; row k gets seed + k (counting earlier turns)."""
         encoded = [self.encode(p) for p in prompts]
-        out = []
-        for p, ids in zip(prompts, encoded, strict=True):
+        out: list[Row] = []
+        for p, (text, ids) in zip(prompts, encoded, strict=True):
             for s in range(self.num_samples):
-                out.append((self.seed + self.rows_done + len(out), s, p, ids))
+                out.append(Row(self.seed + self.rows_done + len(out), s, p, text, ids))
         return out
 
-    # -- running -----------------------------------------------------------------------------
-    def stream(self, prompts: list[Prompt]) -> list[dict[str, Any]]:
+    def _header(self, row: Row, n_rows: int, echo: bool) -> None:
+        if n_rows > 1:
+            console.rule(
+                f"[dim]{escape(row.prompt.where)} · sample {row.sample + 1}/{self.num_samples}", align="left"
+            )
+        if echo:
+            console.print(row.text, style="dim", end="", markup=False, highlight=False, soft_wrap=True)
+
+    def stream(self, rows: list[Row], *, echo: bool = True) -> list[dict[str, Any]]:
         """Generate row by row, printing text as it comes (Ctrl-C propagates to the caller)."""
         from difftrain.infer.generate import Finished, Token, generate
 
-        rows = self.rows(prompts)
         results = []
-        for seed, s, p, ids in rows:
-            if len(rows) > 1:
-                console.rule(f"[dim]{p.where} · sample {s + 1}/{self.num_samples}", align="left")
-            console.print(p.text, style="dim", end="", markup=False, highlight=False, soft_wrap=True)
+        for row in rows:
+            self._header(row, len(rows), echo)
             out = console.file
-            for ev in generate(self.run.model, [ids], self.gen, tokenizer=self.run.tokenizer, seeds=[seed]):
+            events = generate(
+                self.run.model, [row.ids], self.gen, tokenizer=self.run.tokenizer, seeds=[row.seed]
+            )
+            for ev in events:
                 if isinstance(ev, Token) and ev.text:
                     out.write(ev.text)
                     out.flush()
                 elif isinstance(ev, Finished):
                     out.write("\n")
                     out.flush()
-                    result = _result(ev.completion, p, s, seed)
-                    results.append(result)
-                    self._footer([result], ev.completion.time_s)
+                    results.append(_result(ev.completion, row))
+                    self._footer(results[-1:], ev.completion.time_s)
             self.rows_done += 1
         return results
 
-    def batch(self, prompts: list[Prompt], *, show: bool) -> list[dict[str, Any]]:
+    def batch(self, rows: list[Row], *, show: bool) -> list[dict[str, Any]]:
         """Generate in batches of `batch_size` rows; print the completions when `show`."""
         from difftrain.infer.generate import generate_all
 
-        rows = self.rows(prompts)
         results: list[dict[str, Any]] = []
         t0 = time.perf_counter()
         for start in range(0, len(rows), self.batch_size):
             chunk = rows[start : start + self.batch_size]
             completions = generate_all(
                 self.run.model,
-                [r[3] for r in chunk],
+                [r.ids for r in chunk],
                 self.gen,
                 tokenizer=self.run.tokenizer,
-                seeds=[r[0] for r in chunk],
+                seeds=[r.seed for r in chunk],
             )
-            for (seed, s, p, _), c in zip(chunk, completions, strict=True):
-                results.append(_result(c, p, s, seed))
+            for row, c in zip(chunk, completions, strict=True):
+                results.append(_result(c, row))
                 if show:
-                    if len(rows) > 1:
-                        console.rule(f"[dim]{p.where} · sample {s + 1}/{self.num_samples}", align="left")
-                    console.print(p.text, style="dim", end="", markup=False, highlight=False, soft_wrap=True)
+                    self._header(row, len(rows), echo=True)
                     console.print(c.text, markup=False, highlight=False, soft_wrap=True)
         self.rows_done += len(rows)
         if show:
@@ -204,12 +307,12 @@ _REASONS = {
 }
 
 
-def _result(c: Any, p: Prompt, sample: int, seed: int) -> dict[str, Any]:
+def _result(c: Any, row: Row) -> dict[str, Any]:
     return {
-        "prompt": p.text,
-        "source": p.where,
-        "sample": sample,
-        "seed": seed,
+        "prompt": row.prompt.text,
+        "source": row.prompt.where,
+        "sample": row.sample,
+        "seed": row.seed,
         "completion": c.text,
         "prompt_tokens": len(c.prompt_ids),
         "completion_tokens": len(c.token_ids),
@@ -238,21 +341,45 @@ REPL_HELP = """Type a prompt and press Enter; its continuation streams below it.
       repetition_penalty, greedy      /show prints the settings      /help prints this"""
 
 
-def _read_prompt() -> str:
-    lines = [input("» ")]
+def _error(message: str) -> None:
+    err_console.print(f"[bold red]error:[/] {escape(message)}", soft_wrap=True)
+
+
+def _read_prompt(marker: str = "» ") -> str:
+    lines = [input(marker)]
     while lines[-1].endswith("\\") and not lines[-1].endswith("\\\\"):
         lines[-1] = lines[-1][:-1]
         lines.append(input("… "))
     return "\n".join(lines)
 
 
-def repl(session: Session) -> None:
-    """Read prompts until EOF; Ctrl-C interrupts a generation without quitting."""
+def _enable_history() -> None:
     try:  # line editing and history (arrow keys) where the platform has readline
         import readline  # noqa: F401
     except ImportError:
         pass
-    err_console.print(f"[dim]{REPL_HELP}", soft_wrap=True)
+
+
+def _command(session: Session, cmd: str, help_text: str) -> bool:
+    """Handle /help, /show, /set; True if `cmd` was one of them."""
+    if cmd == "/help":
+        err_console.print(f"[dim]{escape(help_text)}", soft_wrap=True)
+    elif cmd == "/show":
+        g = session.gen
+        err_console.print(
+            f"[dim]max_new_tokens={g.max_new_tokens} {g.sampling} seed={session.seed}", soft_wrap=True
+        )
+    elif cmd.startswith("/set"):
+        _set(session, cmd.split()[1:])
+    else:
+        return False
+    return True
+
+
+def repl(session: Session) -> None:
+    """Read prompts until EOF; Ctrl-C interrupts a generation without quitting."""
+    _enable_history()
+    err_console.print(f"[dim]{escape(REPL_HELP)}", soft_wrap=True)
     while True:
         try:
             line = _read_prompt()
@@ -265,35 +392,21 @@ def repl(session: Session) -> None:
         cmd = line.strip()
         if cmd in ("/quit", "/exit"):
             return
-        if cmd == "/help":
-            err_console.print(f"[dim]{REPL_HELP}", soft_wrap=True)
-            continue
-        if cmd == "/show":
-            g = session.gen
-            err_console.print(
-                f"[dim]max_new_tokens={g.max_new_tokens} {g.sampling} seed={session.seed}", soft_wrap=True
-            )
-            continue
-        if cmd.startswith("/set"):
-            _set(session, cmd.split()[1:])
-            continue
-        if cmd == "":
+        if cmd == "" or _command(session, cmd, REPL_HELP):
             continue
         try:
-            session.stream([Prompt(unescape(line), "input")])
+            session.stream(session.rows([Prompt(unescape(line), "input")]))
         except KeyboardInterrupt:
             console.file.write("\n")
             err_console.print("[yellow]interrupted[/]", soft_wrap=True)
             session.rows_done += 1
         except (ConfigError, DataError) as e:
-            err_console.print(f"[bold red]error:[/] {escape(str(e))}", soft_wrap=True)
+            _error(str(e))
 
 
 def _set(session: Session, args: list[str]) -> None:
     if len(args) != 2:
-        err_console.print(
-            "[bold red]error:[/] usage: /set KEY VALUE, e.g. /set temperature 0.5", soft_wrap=True
-        )
+        _error("usage: /set KEY VALUE, e.g. /set temperature 0.5")
         return
     key, value = args
     try:
@@ -306,16 +419,130 @@ def _set(session: Session, args: list[str]) -> None:
         else:
             raise ConfigError(f"unknown setting {key!r}; one of max_new_tokens, {', '.join(_SETTABLE)}")
     except ValueError:
-        err_console.print(f"[bold red]error:[/] {key}: {value!r} is not a number", soft_wrap=True)
+        _error(f"{key}: {value!r} is not a number")
     except ConfigError as e:
-        err_console.print(f"[bold red]error:[/] {escape(str(e))}", soft_wrap=True)
+        _error(str(e))
 
 
-# ----- the command -----------------------------------------------------------------------------
+# ----- chat --------------------------------------------------------------------------------------
+class Chat:
+    """A conversation rendered with a chat template: roles[role] = head + {content} + tail."""
+
+    def __init__(self, template: Any, system: str | None) -> None:
+        self.roles: dict[str, str] = dict(template.roles)
+        for role in ("user", "assistant"):
+            if role not in self.roles:
+                raise ConfigError(
+                    f"the run's finetune.chat_template has no `{role}` role; chat needs user and assistant"
+                )
+        if system and "system" not in self.roles:
+            raise ConfigError("--system given but the run's finetune.chat_template has no `system` role")
+        self.system = system
+        self.messages: list[dict[str, str]] = []
+        head, tail = self.roles["assistant"].split("{content}")
+        self.reply_head = head
+        self.end = tail.strip()  # "<|end|>": the stop string of a reply
+
+    def render(self) -> str:
+        """The conversation so far plus the assistant header the reply continues."""
+        msgs = ([{"role": "system", "content": self.system}] if self.system else []) + self.messages
+        return (
+            "".join(self.roles[m["role"]].replace("{content}", m["content"]) for m in msgs) + self.reply_head
+        )
+
+
+def chat_repl(session: Session, chat: Chat) -> None:
+    """Read user turns until EOF; stream each reply; drop old turns when the context is full."""
+    _enable_history()
+    err_console.print(
+        "[dim]Type a message and press Enter (a line ending in \\ continues). Ctrl-C stops a reply, "
+        "/reset forgets the conversation, Ctrl-D or /quit exits; /set, /show and /help as in generate -i.",
+        soft_wrap=True,
+    )
+    tokenizer, limit = session.run.tokenizer, session.run.config.max_seq_len
+    while True:
+        try:
+            line = _read_prompt("you » ")
+        except EOFError:
+            err_console.print()
+            return
+        except KeyboardInterrupt:
+            err_console.print("\n[dim](Ctrl-D or /quit exits)", soft_wrap=True)
+            continue
+        cmd = line.strip()
+        if cmd in ("/quit", "/exit"):
+            return
+        if cmd == "/reset":
+            chat.messages.clear()
+            err_console.print("[dim](conversation cleared)", soft_wrap=True)
+            continue
+        if cmd == "" or _command(session, cmd, CHAT_HELP):
+            continue
+        chat.messages.append({"role": "user", "content": unescape(line)})
+        text = chat.render()
+        ids = tokenizer.encode(text)
+        while len(ids) > limit - 1 and len(chat.messages) > 1:  # keep room for at least one token
+            chat.messages.pop(0)
+            text = chat.render()
+            ids = tokenizer.encode(text)
+        if len(ids) > limit - 1:
+            chat.messages.pop()
+            _error(f"the message is {len(ids)} tokens with the template; the context is {limit}: shorten it")
+            continue
+        row = Row(session.seed + session.rows_done, 0, Prompt(line, "input"), text, ids)
+        console.print("[bold cyan]assistant »[/] ", end="")
+        try:
+            (result,) = session.stream([row], echo=False)
+            chat.messages.append({"role": "assistant", "content": result["completion"]})
+        except KeyboardInterrupt:
+            console.file.write("\n")
+            err_console.print("[yellow]interrupted[/] (the partial reply is dropped)", soft_wrap=True)
+            chat.messages.pop()
+            session.rows_done += 1
+
+
+# ----- the commands ----------------------------------------------------------------------------
+def _sampling_config(temperature, top_k, top_p, min_p, repetition_penalty, greedy) -> Any:
+    from difftrain.infer.sampling import SamplingConfig
+
+    return SamplingConfig(
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        min_p=min_p,
+        repetition_penalty=repetition_penalty,
+        greedy=greedy,
+    )
+
+
+def _load(run_dir: Path, device: str, dtype: str) -> tuple[Any, float]:
+    from difftrain.infer.device import resolve_device, resolve_dtype
+    from difftrain.rundir import load_run
+
+    dev = resolve_device(device)
+    dt = resolve_dtype(dtype, dev)
+    t0 = time.perf_counter()
+    run = load_run(run_dir, device=dev, dtype=dt)
+    return run, time.perf_counter() - t0
+
+
+def _banner(run: Any, load_s: float, seed: int, style: PromptStyle) -> None:
+    w = run.model.lm_head.weight
+    n_params = sum(p.numel() for p in run.model.parameters())
+    kind = "instruction-tuned" if style.instruction else "pretrained"
+    err_console.print(
+        f"[dim]{escape(str(run.path))} · {run.config.arch} · {kind} · {fmt_count(n_params)} parameters · "
+        f"max_seq_len {run.config.max_seq_len} · {w.device} {str(w.dtype).removeprefix('torch.')} · "
+        f"loaded in {load_s:.1f} s · seed {seed}",
+        soft_wrap=True,
+    )
+
+
+RUN_DIR_HELP = "Run directory (holds config.json, model.safetensors, tokenizer.json)."
+
+
 def generate_command(
-    run_dir: Path = typer.Argument(
-        ..., help="Run directory (holds config.json, model.safetensors, tokenizer.json)."
-    ),
+    run_dir: Path = typer.Argument(..., help=RUN_DIR_HELP),
     prompt: list[str] = typer.Option(
         None, "--prompt", "-p", help="Prompt text (repeat for several). \\n is a newline."
     ),
@@ -367,17 +594,9 @@ def generate_command(
     ),
 ) -> None:
     from difftrain.infer.generate import GenerationConfig
-    from difftrain.infer.sampling import SamplingConfig
 
     # Arguments first: a typo fails in milliseconds, before the model loads.
-    sampling = SamplingConfig(
-        temperature=temperature,
-        top_k=top_k,
-        top_p=top_p,
-        min_p=min_p,
-        repetition_penalty=repetition_penalty,
-        greedy=greedy,
-    )
+    sampling = _sampling_config(temperature, top_k, top_p, min_p, repetition_penalty, greedy)
     gen = GenerationConfig(
         max_new_tokens=max_new_tokens, sampling=sampling, stop=tuple(stop or ()), use_cache=cache
     )
@@ -409,26 +628,13 @@ def generate_command(
     if seed is None:
         seed = secrets.randbelow(2**31)
 
-    from difftrain.infer.device import resolve_device, resolve_dtype
-    from difftrain.rundir import load_run
-
-    dev = resolve_device(device)
-    dt = resolve_dtype(dtype, dev)
-    t0 = time.perf_counter()
-    run = load_run(run_dir, device=dev, dtype=dt)
-    load_s = time.perf_counter() - t0
-    session = Session(run, gen, num_samples=num_samples, seed=seed, batch_size=batch_size)
-    if not interactive:
-        for p in prompts:  # every prompt fits, checked before anything is printed
-            session.encode(p)
+    run, load_s = _load(run_dir, device, dtype)
+    style = prompt_style(run.path)
+    session = Session(run, gen, num_samples=num_samples, seed=seed, batch_size=batch_size, style=style)
+    rows = [] if interactive else session.rows(prompts)  # every prompt fits, before anything is printed
 
     if not as_json:
-        n_params = sum(p.numel() for p in run.model.parameters())
-        err_console.print(
-            f"[dim]{run.path} · {run.config.arch} · {fmt_count(n_params)} parameters · max_seq_len {run.config.max_seq_len}"
-            f" · {dev} {str(dt).removeprefix('torch.')} · loaded in {load_s:.1f} s · seed {seed}",
-            soft_wrap=True,
-        )
+        _banner(run, load_s, seed, style)
         if sampling.is_greedy and num_samples > 1:
             err_console.print(
                 f"[yellow]warning:[/] greedy decoding gives the same completion {num_samples} times",
@@ -436,17 +642,18 @@ def generate_command(
             )
     if interactive:
         repl(session)
-        return
-    if as_json:
+    elif as_json:
         t1 = time.perf_counter()
-        results = session.batch(prompts, show=False)
+        results = session.batch(rows, show=False)
         seconds = time.perf_counter() - t1
         tokens = sum(r["completion_tokens"] for r in results)
+        w = run.model.lm_head.weight
         doc = {
             "run": str(run.path),
             "arch": run.config.arch,
-            "device": str(dev),
-            "dtype": str(dt).removeprefix("torch."),
+            "prompt_style": "instruction" if style.instruction else "document",
+            "device": str(w.device),
+            "dtype": str(w.dtype).removeprefix("torch."),
             "settings": {
                 "max_new_tokens": max_new_tokens,
                 "temperature": temperature,
@@ -471,10 +678,54 @@ def generate_command(
         sys.stdout.write(json.dumps(doc, ensure_ascii=False, indent=2) + "\n")
         sys.stdout.flush()
     elif stream:
-        session.stream(prompts)
+        session.stream(rows)
     else:
-        session.batch(prompts, show=True)
+        session.batch(rows, show=True)
+
+
+def chat_command(
+    run_dir: Path = typer.Argument(..., help=RUN_DIR_HELP),
+    system: str = typer.Option(None, "--system", help="A system message that opens the conversation."),
+    max_new_tokens: int = typer.Option(256, "--max-new-tokens", "-n", help="Most tokens per reply."),
+    temperature: float = typer.Option(0.8, "--temperature", "-t", help="Softmax temperature (0 = greedy)."),
+    top_k: int = typer.Option(50, "--top-k", help="Sample among the k most probable tokens (0 = off)."),
+    top_p: float = typer.Option(0.95, "--top-p", help="Nucleus probability mass, in (0, 1] (1 = off)."),
+    min_p: float = typer.Option(
+        0.0, "--min-p", help="Drop tokens below min_p × the top probability (0 = off)."
+    ),
+    repetition_penalty: float = typer.Option(
+        1.0, "--repetition-penalty", help="Penalise tokens already present (1 = off)."
+    ),
+    seed: int = typer.Option(None, "--seed", help="Seed for sampling (default: a random seed, printed)."),
+    greedy: bool = typer.Option(False, "--greedy", help="Always take the most probable token."),
+    device: str = typer.Option("auto", "--device", help="auto | cpu | cuda | cuda:N | mps."),
+    dtype: str = typer.Option(
+        "auto", "--dtype", help="auto (bf16 on GPU, fp32 on CPU) | float32 | bfloat16 | float16."
+    ),
+) -> None:
+    from difftrain.infer.generate import GenerationConfig
+    from difftrain.recipe import ChatTemplateConfig
+
+    sampling = _sampling_config(temperature, top_k, top_p, min_p, repetition_penalty, greedy)
+    gen = GenerationConfig(max_new_tokens=max_new_tokens, sampling=sampling)
+    if seed is None:
+        seed = secrets.randbelow(2**31)
+    run, load_s = _load(run_dir, device, dtype)
+    style = prompt_style(run.path)
+    chat = Chat(style.chat or ChatTemplateConfig(), system)
+    if chat.end:
+        gen = replace(gen, stop=(chat.end,))
+    _banner(run, load_s, seed, style)
+    if not style.instruction:
+        err_console.print(
+            f"[yellow]note:[/] {escape(str(run.path))} is not instruction-tuned; it reads the chat template as plain "
+            "text (fine-tune it on `messages` records with `difftrain finetune` for a model that follows it)",
+            soft_wrap=True,
+        )
+    session = Session(run, gen, num_samples=1, seed=seed, batch_size=1, style=style)
+    chat_repl(session, chat)
 
 
 def register(app: typer.Typer) -> None:
     app.command("generate", help=HELP)(generate_command)
+    app.command("chat", help=CHAT_HELP)(chat_command)
