@@ -432,3 +432,25 @@ def test_saved_results_round_trip(runs, tmp_path):
     doc = evaluate(run, "ppl", EvalOptions(windows=2))
     save_result(tmp_path, doc)
     assert load_result(tmp_path, "ppl") == doc and load_result(tmp_path, "needle") is None
+
+
+def test_without_matplotlib_figures_are_skipped_with_a_note_and_plot_requests_fail(runs, capsys, monkeypatch):
+    from difftrain.evals import plots
+
+    monkeypatch.setattr(plots, "available", lambda: False)
+    doc = evaluate(
+        load_run(runs["baseline"]), "needle", EvalOptions(**{**SMALL_NEEDLE.__dict__, "plot": None})
+    )
+    assert doc["plots"] == [] and doc["notes"] == [plots.MISSING]
+    assert main(["eval", str(runs["baseline"]), "--suite", "attention", "--plot"]) == 2
+    assert "pip install 'difftrain[plot]'" in _error(capsys)
+    assert main(["compare", str(runs["baseline"]), str(runs["diff"]), "--plot", "x.png"]) == 2
+    assert "pip install 'difftrain[plot]'" in _error(capsys)
+
+
+def test_suite_lists_accept_commas_repeats_and_all():
+    from difftrain.cli.evaluate import parse_suites
+
+    assert parse_suites(None) == ["ppl"]
+    assert parse_suites(["ppl,needle", "ppl", "quant"]) == ["ppl", "needle", "quant"]
+    assert parse_suites(["all"]) == ["ppl", "needle", "attention", "outliers", "quant", "icl-order"]

@@ -7,6 +7,7 @@ import sys
 from typing import Any
 
 import typer
+from rich.markup import escape
 from rich.table import Table
 
 from difftrain.cli.common import console, err_console, fmt_count
@@ -61,7 +62,7 @@ def render(cmp: Any) -> None:
             soft_wrap=True,
         )
     for note in cmp.notes:
-        err_console.print(f"[yellow]note:[/] {note}", soft_wrap=True)
+        err_console.print(f"[yellow]note:[/] {escape(note)}", soft_wrap=True)
 
 
 def compare_command(

@@ -12,6 +12,7 @@ import sys
 from typing import Any
 
 import typer
+from rich.markup import escape
 from rich.table import Table
 
 from difftrain.cli.common import console, err_console, fmt_count, kv_table
@@ -237,7 +238,7 @@ def render(doc: dict[str, Any]) -> None:
             )
         )
     for note in doc.get("notes", []):
-        err_console.print(f"[yellow]note:[/] {note}", soft_wrap=True)
+        err_console.print(f"[yellow]note:[/] {escape(note)}", soft_wrap=True)
     for p in doc.get("plots", []):
         console.print(f"[dim]figure:[/] {p}")
 

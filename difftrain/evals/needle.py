@@ -214,6 +214,14 @@ def default_grid(
     """The grid the options ask for; unset parts take the quick (or, with --full, paper) defaults."""
     needles = opts.needles or (NEEDLES_FULL if opts.full else NEEDLES_QUICK)
     check_needles(needles)
+    if opts.needles is None and not opts.lengths:
+        # default configurations that cannot fit this model's context are left out (see `dropped`)
+        fits = [
+            (n, r)
+            for n, r in needles
+            if min_context(tokenizer, n) <= max_context(tokenizer, max_seq_len, n, r)
+        ]
+        needles = fits or needles[:1]
     depths = opts.depths if opts.depths is not None else list(DEPTHS)
     check_depths(depths)
     samples = opts.samples or (SAMPLES_FULL if opts.full else SAMPLES_QUICK)
@@ -235,11 +243,26 @@ def default_grid(
                 f"least {low} tokens plus the question and answer does not fit; use fewer --needles (e.g. 1x1) "
                 "or a model with a longer context"
             )
+        # top·i/k for i = 1 … k (the paper's evenly spaced lengths), those long enough for the
+        # needles; the shortest usable and the longest length when fewer than two remain
         k = 8 if opts.full else quick_lengths
-        lengths = sorted({max(low, round(top * (i + 1) / k)) for i in range(k)})
+        lengths = sorted({x for i in range(k) if (x := round(top * (i + 1) / k)) >= low})
+        if len(lengths) < min(k, 2):
+            lengths = sorted({low, top})
     return NeedleGrid(
         lengths=lengths, depths=[float(d) for d in depths], needles=list(needles), samples=samples
     )
+
+
+def dropped_note(grid: NeedleGrid, opts: EvalOptions, max_seq_len: int) -> list[str]:
+    """A note naming the default (N, R) configurations too large for the model's context."""
+    if opts.needles is not None:
+        return []
+    default = NEEDLES_FULL if opts.full else NEEDLES_QUICK
+    gone = [f"{n}x{r}" for n, r in default if (n, r) not in grid.needles]
+    if not gone:
+        return []
+    return [f"needle configurations {', '.join(gone)} do not fit max_seq_len={max_seq_len} and were left out"]
 
 
 def grid_prompts(tokenizer: Any, max_seq_len: int, grid: NeedleGrid, seed: int) -> list[NeedlePrompt]:
@@ -387,6 +410,7 @@ def run(run: Run, opts: EvalOptions, progress: Progress = _no_progress) -> Suite
     out = SuiteOutput(
         settings=grid_settings(grid, opts.seed),
         results=res,
+        notes=dropped_note(grid, opts, run.config.max_seq_len),  # type: ignore[attr-defined]
         headline=[headline("accuracy", res["accuracy"], "higher", ".3f")]
         + [
             headline(f"acc N={b['n_needles']} R={b['n_queries']}", b["accuracy"], "higher", ".3f")
