@@ -408,6 +408,7 @@ def test_eval_unknown_suite_suggests_the_closest_name(runs, capsys):
         (["--samples", "0"], "--samples 0 must be ≥ 1"),
         (["--lengths", "64,abc"], "--lengths 'abc' is not a number"),
         (["--suite", "needle", "--lengths", "40", "--needles", "4x1"], "too short for 4 needles"),
+        (["--suite", "attention", "--lengths", "1000"], "--lengths 1000 does not fit"),
     ],
 )
 def test_eval_rejects_bad_options_with_one_line(runs, capsys, args, message):

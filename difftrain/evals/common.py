@@ -308,9 +308,8 @@ def eval_windows(
         raise DataError(
             f"the {where} has {n_tokens} tokens, fewer than one window of max_seq_len + 1 = {window}; {hint}"
         )
-    if full:
-        count = n_tokens // window
-    assert count is not None
+    if count is None:  # --full without an explicit --windows: every non-overlapping window
+        count = n_tokens // window if full else default_count
     if max_tokens is not None:
         count = min(count, max(1, max_tokens // seq_len))
     count = max(1, min(count, n_tokens - window + 1))

@@ -42,6 +42,8 @@ class Row:
         if self.better is None or len(vals) < 2:
             return None
         pick = min(vals) if self.better == "lower" else max(vals)
+        if sum(v == pick[0] for v, _ in vals) > 1:
+            return None  # a tie: nobody is best
         return pick[1]
 
     def as_dict(self) -> dict[str, Any]:

@@ -228,15 +228,20 @@ def default_grid(
     check_positive("--samples", samples)
     low = max(min_context(tokenizer, n) for n, _ in needles)
     most = max(needles)
+    top = min(max_context(tokenizer, max_seq_len, n, r) for n, r in needles)
     if opts.lengths:
         lengths = sorted(set(opts.lengths))
+        if lengths[-1] > top:
+            raise ConfigError(
+                f"--lengths {lengths[-1]} does not fit: with the question and answer the prompt would exceed the "
+                f"model's max_seq_len={max_seq_len}; use lengths ≤ {top}"
+            )
         if lengths[0] < low:
             raise ConfigError(
                 f"--lengths {lengths[0]} is too short for {most[0]} needles: they alone take about {low // 2} tokens "
                 f"and at least half of a haystack should be filler; use lengths ≥ {low}"
             )
     else:
-        top = min(max_context(tokenizer, max_seq_len, n, r) for n, r in needles)
         if top < low:
             raise ConfigError(
                 f"max_seq_len={max_seq_len} is too short for a needle test with {most[0]} needles: a haystack of at "

@@ -132,10 +132,14 @@ def attention_maps(
     from matplotlib.colors import FuncNorm
 
     n_layers, n_heads = len(maps), maps[0].shape[0]
-    fig = _figure(max(7.5, 1.4 + 2.0 * n_heads), 1.2 + 2.0 * n_layers)
+    panel = max(1.2, min(2.0, 16.0 / max(n_heads, n_layers)))
+    fig = _figure(max(7.5, 1.4 + panel * n_heads), 1.2 + panel * n_layers)
     axes = fig.subplots(n_layers, n_heads, squeeze=False)
     signed = arch != "baseline"
-    lim = max(float(np.abs(m).max()) for m in maps) or 1.0
+    # The first query rows attend to a handful of keys and always reach ±1; scaling to them would
+    # wash out every other row, so the scale comes from the rows after them (beyond it: clipped).
+    skip = min(8, maps[0].shape[1] // 4)
+    lim = max(float(np.abs(m[:, skip:]).max()) for m in maps) or 1.0
 
     def fwd(x: np.ndarray) -> np.ndarray:
         return np.sign(x) * np.sqrt(np.abs(x))
@@ -172,7 +176,9 @@ def attention_maps(
             if signed
             else "attention probability (√ scale)"
         )
-        fig.colorbar(image, ax=axes.ravel().tolist(), label=label, shrink=0.7)
+        fig.colorbar(
+            image, ax=axes.ravel().tolist(), label=label, shrink=0.7, extend="both" if signed else "max"
+        )
     kind = {
         "baseline": "softmax maps",
         "diff": "differential maps A1 − λA2",
