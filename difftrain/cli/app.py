@@ -73,8 +73,10 @@ _register_all()
 def error_line(message: str) -> None:
     """Print a user-facing error as one red line on stderr."""
     from rich.console import Console
+    from rich.markup import escape
 
-    Console(stderr=True, highlight=False, soft_wrap=True).print(f"[bold red]error:[/] {message}")
+    # escaped: messages hold text like `pip install 'difftrain[plot]'` that is not rich markup
+    Console(stderr=True, highlight=False, soft_wrap=True).print(f"[bold red]error:[/] {escape(message)}")
 
 
 def main(argv: list[str] | None = None) -> int:
