@@ -119,16 +119,23 @@ def require_weights(path: Path) -> Path:
     weights = path / WEIGHTS
     if weights.is_file():
         return weights
+    command = "pretrain"
+    try:
+        if any(line.startswith("finetune:") for line in (path / RECIPE).read_text(encoding="utf-8").splitlines()):
+            command = "finetune"
+    except (OSError, UnicodeDecodeError):
+        pass
+    resume = f"`difftrain {command} {path / RECIPE} --resume`"
     ckpts = sorted((path / CHECKPOINTS).glob("*.ckpt")) if (path / CHECKPOINTS).is_dir() else []
     if ckpts:
         raise RunDirError(
-            f"{path} has no {WEIGHTS} yet but has checkpoints ({ckpts[-1].name}); training was stopped before the "
-            f"first save — resume it with `difftrain pretrain {path / RECIPE} --resume`"
+            f"{path} has no {WEIGHTS} but has checkpoints ({ckpts[-1].name}); rewrite the weights from the "
+            f"last checkpoint by resuming: {resume}"
         )
     if (path / RECIPE).is_file():
         raise RunDirError(
             f"{path} has no {WEIGHTS} yet (training still running or stopped before its first save); "
-            f"resume it with `difftrain pretrain {path / RECIPE} --resume`"
+            f"resume it with {resume}"
         )
     raise RunDirError(f"{path} is not a difftrain run directory (no {WEIGHTS}, no {RECIPE})")
 
