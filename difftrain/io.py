@@ -5,6 +5,10 @@ renamed over the destination with `os.replace` (atomic on POSIX), and the folder
 the rename itself survives a power loss. A process killed at any instant never leaves a
 half-written file under the final name. Disk-full and permission errors become DifftrainErrors
 that name the file, and the previous version stays intact.
+
+A killed write leaves its temporary file behind (`.NAME.PID.XXXXXXXX.tmp`, possibly as large as
+a checkpoint); `remove_stale_temps` deletes those whose process is gone, and a run calls it on
+its folders when it starts or resumes.
 """
 
 from __future__ import annotations
@@ -52,7 +56,7 @@ def atomic_path(path: str | os.PathLike[str]) -> Iterator[Path]:
     """
     dest = Path(path)
     dest.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp_name = tempfile.mkstemp(prefix=f".{dest.name}.", suffix=".tmp", dir=dest.parent)
+    fd, tmp_name = tempfile.mkstemp(prefix=f".{dest.name}.{os.getpid()}.", suffix=".tmp", dir=dest.parent)
     os.close(fd)
     tmp = Path(tmp_name)
     try:
@@ -67,6 +71,36 @@ def atomic_path(path: str | os.PathLike[str]) -> Iterator[Path]:
         tmp.unlink(missing_ok=True)
         raise
     fsync_dir(dest.parent)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # exists, owned by someone else
+        return True
+    return True
+
+
+def remove_stale_temps(folder: str | os.PathLike[str]) -> list[str]:
+    """Delete the temporary files of atomic writes in `folder` whose writer process is gone.
+
+    Returns the names removed. Files of live processes (a write in progress) are left alone.
+    """
+    removed = []
+    d = Path(folder)
+    if not d.is_dir():
+        return removed
+    for p in d.glob(".*.tmp"):
+        try:
+            pid = int(p.name.rsplit(".", 3)[1])
+        except (IndexError, ValueError):
+            continue
+        if pid != os.getpid() and not _pid_alive(pid) and p.is_file():
+            p.unlink(missing_ok=True)
+            removed.append(p.name)
+    return removed
 
 
 def atomic_write(path: str | os.PathLike[str], write: Callable[[IO[bytes]], Any]) -> None:

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from difftrain.errors import DeviceError, RecipeError, RunDirError
-from difftrain.io import atomic_write_json, atomic_write_text
+from difftrain.io import atomic_write_json, atomic_write_text, remove_stale_temps
 from difftrain.recipe import Recipe, resolve_auto
 from difftrain.rundir import CHECKPOINTS, CONFIG, METRICS, RECIPE, SUMMARY, TOKENIZER
 
@@ -189,7 +189,11 @@ def prepare_run_dir(plan: Plan, *, resume: bool | str, overwrite: bool) -> tuple
 
     run_dir = plan.run_dir
     existing = run_dir / RECIPE
-    has_files = run_dir.is_dir() and any(run_dir.iterdir())
+    # A run killed while it started (or while saving) leaves empty folders and temporary files of
+    # unfinished atomic writes: those are not a run, and must not block its restart.
+    for folder in (run_dir, run_dir / CHECKPOINTS):
+        remove_stale_temps(folder)
+    has_files = run_dir.is_dir() and any(p.is_file() for p in run_dir.rglob("*"))
     if overwrite and run_dir.exists():
         if resume is True:
             raise RecipeError("--overwrite and --resume contradict each other; pick one")
