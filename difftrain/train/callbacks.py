@@ -266,6 +266,11 @@ class RunCallback(L.Callback):
     def save(self, trainer: L.Trainer, pl_module: Any) -> None:
         step = trainer.global_step
         path = self.ckpt_dir / step_file(step)
+        if trainer.is_global_zero:
+            # metrics first: a kill between the two files leaves rows up to `step` and a checkpoint
+            # at or before it (a resume drops the extra rows); never a checkpoint whose rows are lost
+            for logger in trainer.loggers:
+                logger.save()
         trainer.save_checkpoint(path)
         if trainer.is_global_zero:
             record_checkpoint(self.ckpt_dir, path, step, self.keep)
@@ -273,8 +278,6 @@ class RunCallback(L.Callback):
                 self.export(self.run_dir, pl_module.model, step)
             else:
                 save_weights(self.run_dir / "model.safetensors", pl_module.model, {"step": str(step)})
-            for logger in trainer.loggers:
-                logger.save()
         trainer.strategy.barrier()
         self.state.saved_step = step
 
