@@ -9,8 +9,8 @@ Layout under `runs/<name>/checkpoints/`:
 Every file is written to a temporary name, fsynced and renamed (`AtomicCheckpointIO`), so a kill
 at any instant leaves the previous checkpoint intact. On resume the newest checkpoint whose
 SHA-256 matches the index is used; a damaged one (truncated, bit-flipped) is skipped with a
-warning and the previous good one is taken. Pruning keeps the newest `keep` step files and never
-deletes the only good one. Checkpoints are loaded with `weights_only=True`: a pickle planted in
+warning and the previous good one is taken. Pruning keeps the newest `keep` step files up to the
+checkpoint just written (which is always kept), so it never deletes the only good one. Checkpoints are loaded with `weights_only=True`: a pickle planted in
 their place cannot run code.
 """
 
@@ -86,14 +86,25 @@ def read_index(ckpt_dir: Path) -> list[dict[str, Any]]:
 
 
 def record_checkpoint(ckpt_dir: Path, path: Path, step: int, keep: int) -> list[str]:
-    """Add `path` to the index, point last.ckpt at it, prune to `keep` step files.
+    """Add `path` to the index, point last.ckpt at it, prune to the newest `keep` step files.
+
+    The new checkpoint (just written and hashed) is always kept. Entries of later steps are from
+    a timeline the run abandoned (it resumed from an earlier checkpoint because they were damaged
+    or missing) and are dropped; so are step files the index never listed (a crash between a
+    checkpoint's rename and its index entry). The index is written before any file is deleted,
+    so a kill in between leaves only unlisted files, which the next save removes.
 
     Returns the names of the files that were deleted.
     """
     entry = {"file": path.name, "step": step, "sha256": sha256_file(path), "bytes": path.stat().st_size}
-    entries = [e for e in read_index(ckpt_dir) if e["file"] != path.name and (ckpt_dir / e["file"]).is_file()]
+    entries = [
+        e
+        for e in read_index(ckpt_dir)
+        if e["file"] != path.name and int(e.get("step", -1)) < step and (ckpt_dir / e["file"]).is_file()
+    ]
     entries.append(entry)
     entries.sort(key=lambda e: e["step"])
+    entries = entries[-max(keep, 1) :]
     # last.ckpt: a hard link to the newest file, installed atomically (link to a temp name, rename)
     tmp = ckpt_dir / f".{LAST}.tmp"
     tmp.unlink(missing_ok=True)
@@ -104,12 +115,13 @@ def record_checkpoint(ckpt_dir: Path, path: Path, step: int, keep: int) -> list[
 
         shutil.copyfile(path, tmp)
     os.replace(tmp, ckpt_dir / LAST)
-    removed = []
-    while len(entries) > max(keep, 1):
-        old = entries.pop(0)
-        (ckpt_dir / old["file"]).unlink(missing_ok=True)
-        removed.append(old["file"])
     atomic_write_json(ckpt_dir / INDEX, {"checkpoints": entries, "last": entry["file"]})
+    keep_names = {e["file"] for e in entries}
+    removed = []
+    for old in sorted(ckpt_dir.glob("step-*.ckpt")):
+        if old.name not in keep_names:
+            old.unlink(missing_ok=True)
+            removed.append(old.name)
     fsync_dir(ckpt_dir)
     return removed
 
