@@ -13,12 +13,10 @@ from difftrain.errors import DeviceError
 from difftrain.model import AttnMask, ModelConfig, Transformer
 from difftrain.model.attention import AttnOptions
 from difftrain.model.kernels import (
+    DIFF_SDPA_STRATEGIES,
     baseline_attention,
     diff2_attention,
     diff_attention,
-    diff_sdpa_one_call,
-    diff_sdpa_split_v,
-    diff_sdpa_two_calls,
     resolve_impl,
 )
 
@@ -83,14 +81,54 @@ def test_sdpa_matches_eager_forward_and_backward(arch, n_kv, mask_kind):
     assert torch.isfinite(out_e).all()
 
 
+@pytest.mark.parametrize("strategy", sorted(DIFF_SDPA_STRATEGIES))
+@pytest.mark.parametrize("mask_kind", ["causal", "cached+padded"])
 @KV
-def test_both_diff_sdpa_strategies_match_eager(n_kv):
+def test_every_diff_sdpa_strategy_matches_eager_forward_and_backward(strategy, mask_kind, n_kv):
     T = 6
-    for mask in masks(T).values():
-        t = inputs("diff", n_kv, T, mask.kv_len)
-        ref = call("diff", t, mask, "eager")
-        for fn in (diff_sdpa_two_calls, diff_sdpa_one_call, diff_sdpa_split_v):
-            assert rel_err(fn(t["q"], t["k"], t["v"], t["lam"], mask), ref) <= 1e-5, fn.__name__
+    mask = masks(T)[mask_kind]
+    t = inputs("diff", n_kv, T, mask.kv_len)
+    out_e, g_e = fwd_bwd("diff", t, mask, "eager")
+    fn = DIFF_SDPA_STRATEGIES[strategy]
+    out = fn(t["q"], t["k"], t["v"], t["lam"], mask)
+    grad_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(1))
+    grads = torch.autograd.grad(out, list(t.values()), grad_out)
+    assert rel_err(out, out_e) <= 1e-5
+    for name, g in zip(t, grads, strict=True):
+        assert rel_err(g, g_e[name]) <= 1e-5, name
+
+
+def test_diff_flash_cpu_takes_strided_projection_views_and_returns_their_layout():
+    # In the model q, k, v are transposed views of the projections' (B, T, heads, d) outputs;
+    # the kernel must read them as they are and give gradients in the same layout.
+    T, n_kv = 7, 2
+    g = torch.Generator().manual_seed(3)
+    q0 = torch.randn(B, T, H, d, generator=g, requires_grad=True)
+    k0 = torch.randn(B, T, n_kv, d, generator=g, requires_grad=True)
+    v0 = torch.randn(B, T, n_kv // 2, 2 * d, generator=g, requires_grad=True)
+    lam = torch.tensor(0.61, requires_grad=True)
+    mask = AttnMask(T, T)
+    leaves = [q0, k0, v0, lam]
+    outs = {}
+    for impl in ("eager", "sdpa"):
+        out = diff_attention(q0.transpose(1, 2), k0.transpose(1, 2), v0.transpose(1, 2), lam, mask, impl).out
+        outs[impl] = (out, torch.autograd.grad(out.pow(2).sum(), leaves))
+    (oe, ge), (os_, gs) = outs["eager"], outs["sdpa"]
+    assert rel_err(os_, oe) <= 1e-5
+    assert os_.transpose(1, 2).is_contiguous()  # (B, T, H/2, 2d): the reshape before o_proj is free
+    for a, b in zip(gs, ge, strict=True):
+        assert rel_err(a, b) <= 1e-5
+
+
+def test_diff_flash_cpu_in_bf16_stays_close_to_fp32_eager():
+    T = 16
+    t = inputs("diff", 4, T, T)
+    mask = AttnMask(T, T)
+    ref = call("diff", t, mask, "eager")
+    low = {k: (v.detach().bfloat16() if k != "lam" else v.detach()) for k, v in t.items()}
+    out = DIFF_SDPA_STRATEGIES["flash_cpu"](low["q"], low["k"], low["v"], low["lam"], mask)
+    assert out.dtype == torch.bfloat16
+    assert rel_err(out.float(), ref) <= 2e-2
 
 
 @pytest.mark.parametrize("arch", ARCHS)

@@ -42,11 +42,13 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor, scale: float = 1.0) -> Tensor:
+        """`scale` multiplies the output; it is folded into the weight (a 1-D product) rather than
+        applied as another pass over x."""
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        return (self.weight if scale == 1.0 else self.weight * scale) * x.to(dtype)
 
 
 class AttnOptions(NamedTuple):
@@ -153,7 +155,11 @@ class DiffAttention(_Attention):
         r = diff_attention(
             q, k, v, self.lam(), mask, impl, return_maps=return_maps, logit_transform=transform
         )
-        return AttnResult(self.subln(r.out) * (1.0 - self.lambda_init), r.maps, r.logits)
+        # subln over each head's 2d features, × (1 − λinit) folded into its weight. It runs on the
+        # (B, T, H/2, 2d) view: the fused kernels write their output in that layout, so the norm
+        # reads contiguous rows and the reshape before o_proj is free.
+        y = self.subln(r.out.transpose(1, 2), scale=1.0 - self.lambda_init)
+        return AttnResult(y.transpose(1, 2), r.maps, r.logits)
 
 
 class Diff2Attention(_Attention):

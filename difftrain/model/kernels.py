@@ -147,11 +147,13 @@ def _eager_diff2(q, k, v, lam, mask, logit_transform):
 
 
 # ----- sdpa ------------------------------------------------------------------------------------
-def _sdpa(q: Tensor, k: Tensor, v: Tensor, mask: AttnMask) -> Tensor:
+def _sdpa(q: Tensor, k: Tensor, v: Tensor, mask: AttnMask, scale: float | None = None) -> Tensor:
     gqa = q.shape[1] != k.shape[1]
     if mask.plain_causal:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask.dense(q.device), enable_gqa=gqa)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa, scale=scale)
+    return F.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask.dense(q.device), enable_gqa=gqa, scale=scale
+    )
 
 
 def diff_sdpa_two_calls(q: Tensor, k: Tensor, v: Tensor, lam: Tensor, mask: AttnMask) -> Tensor:
@@ -182,20 +184,141 @@ def diff_sdpa_split_v(q: Tensor, k: Tensor, v: Tensor, lam: Tensor, mask: AttnMa
     return o1 - lam.to(o2.dtype) * o2
 
 
-def diff_sdpa(q: Tensor, k: Tensor, v: Tensor, lam: Tensor, mask: AttnMask) -> Tensor:
-    """The diff sdpa strategy for q's device.
+def diff_sdpa_padded(q: Tensor, k: Tensor, v: Tensor, lam: Tensor, mask: AttnMask) -> Tensor:
+    """The same with q and k zero-padded from d to 2d features, so each map is one flash call
+    with equal q/k/v widths: [q, 0]·[k, 0] = q·k exactly, and the scale stays 1/√d. Each map is
+    computed once (half the exponentials of `split_v`) at the cost of QKᵀ over 2d features."""
+    d = q.shape[-1]
+    qp, kp = F.pad(q, (0, d)), F.pad(k, (0, d))
+    scale = 1.0 / math.sqrt(d)
+    o1 = _sdpa(qp[:, 0::2], kp[:, 0::2], v, mask, scale)
+    o2 = _sdpa(qp[:, 1::2], kp[:, 1::2], v, mask, scale)
+    return o1 - lam.to(o2.dtype) * o2
 
-    CPU: `diff_sdpa_one_call`. `benchmarks/attention_layer.py --variants` (B=8, T=512, H=8, d=64,
-    forward+backward, 2 cores shared with other jobs, round-robin medians of 7), relative to two
-    calls: one call 0.47× wall / 0.39× CPU time, split V 0.56× / 0.42×. (sdpa's CPU flash kernel
-    refuses a V wider than Q, so one and two calls run the math path; split V runs flash but
-    computes each map twice.)
-    CUDA: `diff_sdpa_split_v`, because the flash kernel needs equal q/k/v head widths and the
-    other two would fall back to the memory-efficient kernel. Not measured in this repo yet (no
-    GPU was available); the GPU test checks it against eager.
+
+# ----- diff on CPU: the flash kernel called directly, with a hand-written backward --------------
+def _pad_pairs(x: Tensor) -> Tensor:
+    """Heads in pair order (B, n, L, d) → (2, B, n/2, L, 2d): the heads of map c = 0, 1
+    (x[:, c::2]) zero-padded to 2d features, in one copy. The memory is laid out
+    (2, B, L, n/2, 2d), the layout the flash kernel writes its own outputs in."""
+    B, n, L, d = x.shape
+    pairs = x.unflatten(1, (n // 2, 2)).permute(2, 0, 3, 1, 4)  # (2, B, L, n/2, d), a view
+    return torch.cat((pairs, pairs.new_zeros(()).expand_as(pairs)), dim=-1).transpose(2, 3)
+
+
+def _unpad_pairs(g1: Tensor, g2: Tensor, scale2: Tensor) -> Tensor:
+    """Inverse of `_pad_pairs` for gradients: (B, n/2, L, 2d) × 2 → (B, n, L, d), heads 2i from
+    g1[:, i, :, :d] and 2i+1 from scale2·g2[:, i, :, :d] (the padding's gradient is dropped)."""
+    B, half, L, two_d = g1.shape
+    d = two_d // 2
+    out = g1.new_empty(B, L, half, 2, d)
+    out[:, :, :, 0].copy_(g1[..., :d].transpose(1, 2))
+    torch.mul(g2[..., :d].transpose(1, 2), scale2, out=out[:, :, :, 1])
+    return out.view(B, L, 2 * half, d).transpose(1, 2)
+
+
+def _flat_dot(a: Tensor, b: Tensor) -> Tensor:
+    """Σ a⊙b in fp32 for two (B, h, T, e) tensors (copy-free when both are laid out (B, T, h, e))."""
+    if a.dtype == torch.float32 and b.dtype == torch.float32:
+        return torch.dot(a.transpose(1, 2).reshape(-1), b.transpose(1, 2).reshape(-1))
+    return (a.float() * b.float()).sum()
+
+
+class _DiffFlashCPU(torch.autograd.Function):
+    """out = A1·V − λ·A2·V with each map one call of the CPU flash kernel on zero-padded q/k.
+
+    Forward: flash(qp_c, kp_c, V) → (o_c, lse_c) for c = 1, 2;  out = o1 − λ·o2.
+    Backward (g = ∂L/∂out): the flash backward is linear in its output gradient, so it runs
+    with g for both maps and map 2's results are scaled by −λ while being copied out:
+        ∂L/∂λ = −Σ g⊙o2,   ∂L/∂V = dV1 − λ·dV2,   ∂L/∂q_c, ∂L/∂k_c = the first d features of
+        the padded gradients (the padding's own gradients are discarded; they are exactly 0
+        for q because k's padding is 0, and vice versa).
+    Compared with autograd through `diff_sdpa_padded`, this saves the output-gradient scaling,
+    the strided head slices, and the separate pad/unpad and subtraction passes.
     """
-    fn = diff_sdpa_split_v if q.device.type == "cuda" else diff_sdpa_one_call
-    return fn(q, k, v, lam, mask)
+
+    @staticmethod
+    def forward(ctx, q, k, v, lam, attn_mask, is_causal):  # type: ignore[override]
+        scale = 1.0 / math.sqrt(q.shape[-1])
+        qp, kp = _pad_pairs(q), _pad_pairs(k)
+        flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+        o1, lse1 = flash(qp[0], kp[0], v, 0.0, is_causal, attn_mask=attn_mask, scale=scale)
+        o2, lse2 = flash(qp[1], kp[1], v, 0.0, is_causal, attn_mask=attn_mask, scale=scale)
+        neg_lam = (-lam).to(o2.dtype)
+        out = torch.addcmul(o1, o2, neg_lam)
+        # q and k are saved unpadded and padded again in backward: one copy each, half the memory
+        ctx.save_for_backward(q, k, v, o1, o2, lse1, lse2, neg_lam, attn_mask)
+        ctx.is_causal, ctx.scale, ctx.lam_dtype = is_causal, scale, lam.dtype
+        return out
+
+    @staticmethod
+    def backward(ctx, g):  # type: ignore[override]
+        q, k, v, o1, o2, lse1, lse2, neg_lam, attn_mask = ctx.saved_tensors
+        qp, kp = _pad_pairs(q), _pad_pairs(k)
+        flash_bwd = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+        kw = dict(attn_mask=attn_mask, scale=ctx.scale)
+        dq1, dk1, dv1 = flash_bwd(g, qp[0], kp[0], v, o1, lse1, 0.0, ctx.is_causal, **kw)
+        dq2, dk2, dv2 = flash_bwd(g, qp[1], kp[1], v, o2, lse2, 0.0, ctx.is_causal, **kw)
+        del qp, kp
+        dlam = -_flat_dot(g, o2).to(ctx.lam_dtype)
+        dq = _unpad_pairs(dq1, dq2, neg_lam)
+        dk = _unpad_pairs(dk1, dk2, neg_lam)
+        return dq, dk, torch.addcmul(dv1, dv2, neg_lam), dlam, None, None
+
+
+_CPU_FLASH_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def diff_flash_cpu(q: Tensor, k: Tensor, v: Tensor, lam: Tensor, mask: AttnMask) -> Tensor:
+    """`_DiffFlashCPU`: the diff core on CPU as two flash-kernel calls (see the class).
+
+    Under CPU autocast the inputs are cast to the autocast dtype, as autocast does for sdpa."""
+    if torch.is_autocast_enabled("cpu"):
+        dtype = torch.get_autocast_dtype("cpu")
+    else:
+        dtype = torch.promote_types(torch.promote_types(q.dtype, k.dtype), v.dtype)
+    q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+    if mask.plain_causal:
+        attn_mask, is_causal = None, True
+    else:  # the CPU kernel takes an additive mask of the query's dtype
+        allowed = mask.dense(q.device)
+        attn_mask = torch.zeros(allowed.shape, dtype=q.dtype, device=q.device)
+        attn_mask.masked_fill_(~allowed, float("-inf"))
+        is_causal = False
+    return _DiffFlashCPU.apply(q, k, v, lam, attn_mask, is_causal)
+
+
+DIFF_SDPA_STRATEGIES: dict[str, Callable[..., Tensor]] = {
+    "flash_cpu": diff_flash_cpu,
+    "padded": diff_sdpa_padded,
+    "split_v": diff_sdpa_split_v,
+    "one_call": diff_sdpa_one_call,
+    "two_calls": diff_sdpa_two_calls,
+}
+"""Every exact formulation of the diff core through fused attention kernels (tests check each
+against eager; `difftrain bench` times them)."""
+
+DIFF_SDPA_DEFAULT = {"cpu": "flash_cpu", "cuda": "padded"}
+"""The strategy `diff_sdpa` uses per device type (others: `padded`). A benchmark may change it."""
+
+
+def diff_sdpa(q: Tensor, k: Tensor, v: Tensor, lam: Tensor, mask: AttnMask) -> Tensor:
+    """The diff sdpa strategy for q's device (`DIFF_SDPA_DEFAULT`).
+
+    CPU: `flash_cpu`. The CPU flash kernel needs equal q/k/v head widths, so `one_call` and
+    `two_calls` (V 2d wide) run sdpa's unfused math path, and `split_v` computes each map twice.
+    Zero-padding q and k to 2d computes each map once in the fused kernel; calling the kernel
+    directly with a hand-written backward (`_DiffFlashCPU`) removes the glue autograd would add.
+    `difftrain bench` (attention core, B=16, H=8, T=256, d=32, fwd+bwd, 2 shared cores, CPU
+    time relative to the baseline core): see the README's performance table for the figures.
+    CUDA: `padded` — flash kernels need equal widths too; padding costs QKᵀ over 2d features
+    (the same FLOPs as `split_v`) but computes each softmax once, in half the kernel launches.
+    `benchmarks/gpu_check.sh` times every strategy on a GPU.
+    """
+    name = DIFF_SDPA_DEFAULT.get(q.device.type, "padded")
+    if name == "flash_cpu" and (q.device.type != "cpu" or q.dtype not in _CPU_FLASH_DTYPES):
+        name = "padded"
+    return DIFF_SDPA_STRATEGIES[name](q, k, v, lam, mask)
 
 
 # ----- flex ------------------------------------------------------------------------------------
