@@ -142,9 +142,15 @@ def finetune_command(
                 data_progress=dp,
             )
     except StopRequested as stop:
-        cmd = f"difftrain finetune {r.run_dir / 'recipe.yaml'} --resume"
+        import shlex
+
+        from rich.markup import escape
+
+        # one unbroken line (soft wrap) with the path quoted: it is meant to be copied and pasted
+        cmd = f"difftrain finetune {shlex.quote(str(r.run_dir / 'recipe.yaml'))} --resume"
         err_console.print(
-            f"[yellow]stopped at step {stop.step}; checkpoint saved.[/] Resume with: [bold]{cmd}[/]"
+            f"[yellow]stopped at step {stop.step}; checkpoint saved.[/] Resume with: [bold]{escape(cmd)}[/]",
+            soft_wrap=True,
         )
         raise typer.Exit(130 if stop.signum == signal.SIGINT else 143) from None
     except torch.OutOfMemoryError as e:

@@ -143,9 +143,15 @@ def _train(r: Any, *, resume: bool | None, overwrite: bool, progress: bool | Non
                 data_progress=dp,
             )
     except StopRequested as stop:
-        cmd = f"difftrain pretrain {r.run_dir / 'recipe.yaml'} --resume"
+        import shlex
+
+        from rich.markup import escape
+
+        # one unbroken line (soft wrap) with the path quoted: it is meant to be copied and pasted
+        cmd = f"difftrain pretrain {shlex.quote(str(r.run_dir / 'recipe.yaml'))} --resume"
         err_console.print(
-            f"[yellow]stopped at step {stop.step}; checkpoint saved.[/] Resume with: [bold]{cmd}[/]"
+            f"[yellow]stopped at step {stop.step}; checkpoint saved.[/] Resume with: [bold]{escape(cmd)}[/]",
+            soft_wrap=True,
         )
         raise typer.Exit(130 if stop.signum == signal.SIGINT else 143) from None
     except torch.OutOfMemoryError as e:
@@ -154,7 +160,8 @@ def _train(r: Any, *, resume: bool | None, overwrite: bool, progress: bool | Non
             "set train.activation_checkpointing=true, use optim.name=adamw8bit, or shorten train.seq_len "
             f"(`difftrain plan {r.source}` estimates each)"
         ) from e
-    _end_table(result.summary, result.run_dir)
+    if result.is_global_zero:  # one table, not one per process
+        _end_table(result.summary, result.run_dir)
 
 
 def register(app: typer.Typer) -> None:
