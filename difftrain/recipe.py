@@ -75,6 +75,45 @@ class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
+class FSDPConfig(_Section):
+    sharding_strategy: Literal["full_shard", "shard_grad_op", "no_shard", "hybrid_shard"] = Field(
+        "full_shard",
+        description="What FSDP shards over the devices. full_shard: weights, gradients and optimizer state "
+        "(ZeRO-3, least memory). shard_grad_op: gradients and optimizer state; weights stay gathered between "
+        "forward and backward (ZeRO-2, less communication). no_shard: nothing (like ddp). hybrid_shard: "
+        "full_shard within each node, replicated across nodes.",
+    )
+    auto_wrap: bool = Field(
+        True,
+        description="Make each Transformer block its own FSDP unit, gathered just before it runs and freed "
+        "after: peak weight memory is about one block's full weights. false: one unit for the whole model "
+        "(simpler, no memory saving for weights).",
+    )
+    param_dtype: Literal["compute", "float32"] = Field(
+        "compute",
+        description="dtype of the weights FSDP gathers for forward and backward. compute: that of "
+        "train.precision (bf16 under bf16-mixed: half the all-gather traffic; the master copy stays fp32). "
+        "float32: gather full-precision weights (autocast still runs matmuls in bf16). Buffers stay fp32.",
+    )
+    reduce_dtype: Literal["float32", "compute"] = Field(
+        "float32",
+        description="dtype of the gradient reduce-scatter. float32: exact sums over devices. compute: "
+        "the dtype of train.precision (half the traffic, rounding in the sums).",
+    )
+    cpu_offload: bool = Field(
+        False,
+        description="Keep the parameter shards and their gradients in CPU memory between uses (and step "
+        "the optimizer there): fits bigger models, much slower.",
+    )
+    checkpoint: Literal["full", "sharded"] = Field(
+        "full",
+        description="Format of the resume checkpoints. full: one file gathered on rank 0 (resumable on any "
+        "number of devices, and by ddp or a single device). sharded: a folder with one shard per rank (no "
+        "rank-0 memory peak; resumable by fsdp only, on any number of devices). model.safetensors always "
+        "holds the full weights.",
+    )
+
+
 class TrainConfig(_Section):
     max_steps: int | None = Field(
         None, ge=1, description="Optimizer steps to train for. One of max_steps / max_tokens must be set."
@@ -119,7 +158,7 @@ class TrainConfig(_Section):
     )
     activation_checkpointing: bool = Field(
         False,
-        description="Recompute each block's activations in the backward pass: less memory, ~30% more compute.",
+        description="Recompute each block's activations in the backward pass: less memory, ~30% more compute. Under fsdp it is applied inside each block's FSDP unit.",
     )
     resume: Literal["auto", True, False] = Field(
         False,
@@ -132,8 +171,14 @@ class TrainConfig(_Section):
     num_nodes: int = Field(
         1, ge=1, description="Machines taking part (multi-node runs are launched with torchrun or SLURM)."
     )
-    strategy: Literal["auto", "ddp", "fsdp", "deepspeed_stage_2"] = Field(
-        "auto", description="Distribution strategy (Lightning). auto: single device, or DDP for several."
+    strategy: Literal["auto", "ddp", "fsdp"] = Field(
+        "auto",
+        description="Distribution strategy (Lightning). auto: single device, or ddp for several. ddp: a full "
+        "replica per device, gradients averaged. fsdp: weights, gradients and optimizer state sharded over "
+        "the devices (CUDA only; see train.fsdp). DeepSpeed ZeRO-2 is fsdp with fsdp.sharding_strategy=shard_grad_op.",
+    )
+    fsdp: FSDPConfig = Field(
+        default_factory=FSDPConfig, description="FSDP settings (used when strategy=fsdp)."
     )
     nan_skip_limit: int = Field(
         3,
@@ -155,7 +200,7 @@ class TrainConfig(_Section):
 class OptimConfig(_Section):
     name: Literal["auto", "adamw", "adamw8bit", "paged_adamw8bit", "lion8bit"] = Field(
         "auto",
-        description="Optimizer. adamw: torch (fused/foreach). adamw8bit, paged_adamw8bit, lion8bit: bitsandbytes 8-bit states. auto: adamw8bit on CUDA, adamw on CPU.",
+        description="Optimizer. adamw: torch (fused/foreach). adamw8bit, paged_adamw8bit, lion8bit: bitsandbytes 8-bit states (not under train.strategy=fsdp). auto: adamw8bit on CUDA (adamw under fsdp), adamw on CPU.",
     )
     lr: float = Field(3e-4, gt=0, description="Peak learning rate.")
     weight_decay: float = Field(
@@ -843,5 +888,6 @@ def resolve_auto(recipe: Recipe, *, cuda: bool, bf16: bool) -> Recipe:
     if r.train.compile == "auto":
         r.train.compile = bool(cuda)
     if r.optim.name == "auto":
-        r.optim.name = "adamw8bit" if cuda else "adamw"
+        # FSDP cannot gather bitsandbytes' quantized states into checkpoints: plain AdamW there
+        r.optim.name = "adamw8bit" if cuda and r.train.strategy != "fsdp" else "adamw"
     return r
