@@ -26,6 +26,7 @@ from difftrain.errors import DeviceError, RecipeError, RunDirError
 from difftrain.io import atomic_write_json, atomic_write_text, remove_stale_temps
 from difftrain.recipe import Recipe, resolve_auto
 from difftrain.rundir import CHECKPOINTS, CONFIG, METRICS, RECIPE, SUMMARY, TOKENIZER
+from difftrain.train.distributed import DistContext, check_strategy
 
 # Keys that may change between a run and its resume (how long, how often, where to log).
 RESUMABLE_CHANGES = {
@@ -40,6 +41,7 @@ RESUMABLE_CHANGES = {
     "train.devices",
     "train.num_nodes",
     "train.strategy",
+    "train.fsdp",
     "data.val_windows",
     "logging",
     "description",
@@ -72,6 +74,7 @@ class TrainResult:
     summary: dict[str, Any]
     resumed_from: int | None = None
     warnings: list[str] = field(default_factory=list)
+    is_global_zero: bool = True  # False in the other processes of a multi-device run
 
 
 def _cuda_facts() -> tuple[bool, bool]:
@@ -117,6 +120,7 @@ def plan_run(recipe: Recipe) -> Plan:
                 f"train.devices={devices} but only {torch.cuda.device_count()} CUDA GPU(s) are visible; lower train.devices"
             )
     world = devices * t.num_nodes
+    check_strategy(resolved, accelerator, world)
     m = resolved.model
     if m is None:
         raise RecipeError(
@@ -234,6 +238,15 @@ def prepare_run_dir(plan: Plan, *, resume: bool | str, overwrite: bool) -> tuple
     return True, point
 
 
+def start_processes(plan: Plan) -> DistContext:
+    """Start or join the run's processes (one per device; see `difftrain.train.distributed`).
+    Everything after this runs on every rank; what must happen once goes through the context."""
+    from difftrain.train.distributed import start
+
+    t = plan.recipe.train
+    return start(plan.recipe, accelerator=plan.accelerator, devices=plan.devices, num_nodes=t.num_nodes)
+
+
 def _quiet_lightning() -> None:
     for name in ("lightning", "lightning.pytorch", "lightning.fabric", "pytorch_lightning"):
         logging.getLogger(name).setLevel(logging.ERROR)
@@ -278,10 +291,22 @@ def pretrain(
     plan = plan_run(recipe)
     r = plan.recipe
     resume_flag: bool | str = r.train.resume if resume is None else resume
-    resuming, point = prepare_run_dir(plan, resume=resume_flag, overwrite=overwrite)
+    dist = start_processes(plan)
+    # rank 0 decides (and may clear the folder); the others learn the decision
+    resuming, point = dist.on_rank_zero(
+        lambda: prepare_run_dir(plan, resume=resume_flag, overwrite=overwrite)
+    )
 
-    # data + tokenizer (cached: a second run reuses both)
-    prepared = prepare_data(r.data, r.tokenizer, seed=r.seed, base_dir=r.recipe_dir, progress=data_progress)
+    # data + tokenizer (cached: a second run reuses both); built by rank 0, cache hits elsewhere
+    prepared = dist.rank_zero_first(
+        lambda: prepare_data(
+            r.data,
+            r.tokenizer,
+            seed=r.seed,
+            base_dir=r.recipe_dir,
+            progress=data_progress if dist.is_global_zero else None,
+        )
+    )
     tokenizer = load_tokenizer(prepared.tokenizer_path)
     model_cfg = r.model
     assert model_cfg is not None  # plan_run checked it
@@ -292,12 +317,13 @@ def pretrain(
     r._recipe_dir, r._source = plan.recipe.recipe_dir, plan.recipe.source
 
     run_dir = plan.run_dir
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / CHECKPOINTS).mkdir(exist_ok=True)
-    if not resuming:
-        atomic_write_text(run_dir / RECIPE, r.to_yaml())
-        model_cfg.to_json(run_dir / CONFIG)
-        tokenizer.save(run_dir / TOKENIZER)
+    if dist.is_global_zero:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / CHECKPOINTS).mkdir(exist_ok=True)
+        if not resuming:
+            atomic_write_text(run_dir / RECIPE, r.to_yaml())
+            model_cfg.to_json(run_dir / CONFIG)
+            tokenizer.save(run_dir / TOKENIZER)
 
     L.seed_everything(r.seed, workers=True, verbose=False)
     model = Transformer(model_cfg)
@@ -306,7 +332,7 @@ def pretrain(
     dm = PretrainDataModule.from_config(
         prepared, r.data, seq_len=plan.seq_len, micro_batch_size=r.train.micro_batch_size, seed=r.seed
     )
-    return fit(
+    result = fit(
         r,
         plan,
         model,
@@ -323,6 +349,8 @@ def pretrain(
         info={"data": prepared},
         tokens_per_micro_batch=r.train.micro_batch_size * plan.seq_len,
     )
+    dist.join()  # the ranks this process started have finished too
+    return result
 
 
 def fit(
@@ -363,6 +391,7 @@ def fit(
     from difftrain.model.lora import count_params
     from difftrain.train.callbacks import RunCallback, flops_per_token
     from difftrain.train.checkpoint import AtomicCheckpointIO
+    from difftrain.train.distributed import build_strategy, is_global_zero
     from difftrain.train.lit import LitLM
     from difftrain.train.metrics import MetricsCSV, read_metrics
 
@@ -427,14 +456,11 @@ def fit(
             raise DeviceError(
                 "logging.wandb_project is set but wandb is not installed; `pip install wandb`"
             ) from e
-    strategy: Any = t.strategy
-    if strategy == "auto" and plan.world_size > 1:
-        strategy = "ddp"
     trainer = L.Trainer(
         accelerator=plan.accelerator,
         devices=plan.devices,
         num_nodes=t.num_nodes,
-        strategy=strategy,
+        strategy=build_strategy(r, plan.world_size),
         precision=t.precision,
         max_steps=plan.max_steps,
         max_epochs=-1,
@@ -464,7 +490,7 @@ def fit(
         "device": _device_name(plan.accelerator),
         **(info or {}),
     }
-    if on_start is not None:
+    if on_start is not None and is_global_zero():
         on_start(start_info)
     initial_val = None
     if validate_first and point is None and has_val:
@@ -490,12 +516,14 @@ def fit(
             rows = [x for x in read_metrics(run_dir / METRICS) if x.get("step") == 0 and "val/loss" in x]
             initial_val = rows[0]["val/loss"] if rows else None
         summary["initial_val_loss"] = initial_val
-    atomic_write_json(run_dir / SUMMARY, summary)
+    if trainer.is_global_zero:
+        atomic_write_json(run_dir / SUMMARY, summary)
     return TrainResult(
         run_dir=run_dir,
         summary=summary,
         resumed_from=point.step if point else None,
         warnings=point.warnings if point else [],
+        is_global_zero=trainer.is_global_zero,
     )
 
 
