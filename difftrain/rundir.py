@@ -45,11 +45,15 @@ def weights_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return sd
 
 
-def save_weights(path: Path, model: torch.nn.Module, metadata: dict[str, str] | None = None) -> None:
-    """Write model.safetensors atomically."""
+def save_weights(
+    path: Path, model: torch.nn.Module | dict[str, torch.Tensor], metadata: dict[str, str] | None = None
+) -> None:
+    """Write model.safetensors atomically, from a model or from its saved-form state dict (e.g. the
+    full weights gathered from FSDP shards)."""
     meta = {"format": "pt", "producer": "difftrain"}
     meta.update(metadata or {})
-    atomic_save_safetensors(path, weights_state_dict(model), metadata=meta)
+    sd = weights_state_dict(model) if isinstance(model, torch.nn.Module) else model
+    atomic_save_safetensors(path, sd, metadata=meta)
 
 
 def read_safetensors(path: Path) -> dict[str, torch.Tensor]:

@@ -27,6 +27,7 @@ import torch
 
 from difftrain.rundir import save_weights
 from difftrain.train.checkpoint import record_checkpoint, step_file
+from difftrain.train.distributed import gather_full_weights
 
 # Peak dense bf16 FLOP/s (no sparsity) for MFU; matched on a substring of the device name.
 PEAK_FLOPS = {
@@ -209,9 +210,9 @@ class RunCallback(L.Callback):
         now = time.perf_counter()
         steps = step - self._window_step
         if steps > 0 and now > self._window_t:
-            # tokens actually seen on all ranks (SFT batches vary in length; for pretraining this is
-            # steps × tokens_per_step)
-            seen = (pl_module.tokens_seen - self._window_tokens) * trainer.world_size
+            # tokens actually seen on all ranks (tokens_seen is summed over ranks each step; SFT
+            # batches vary in length; for pretraining this is steps × tokens_per_step)
+            seen = pl_module.tokens_seen - self._window_tokens
             self.tokens_per_s = seen / (now - self._window_t)
         self._window_t, self._window_step, self._window_tokens = now, step, pl_module.tokens_seen
         metrics = {
@@ -272,10 +273,15 @@ class RunCallback(L.Callback):
             for logger in trainer.loggers:
                 logger.save()
         trainer.save_checkpoint(path)
+        full = gather_full_weights(pl_module.model)  # FSDP: every rank sends its shards to rank 0
         if trainer.is_global_zero:
             record_checkpoint(self.ckpt_dir, path, step, self.keep)
             if self.export is not None:
                 self.export(self.run_dir, pl_module.model, step)
+            elif full is not None:
+                if pl_module.model.config.tie_embeddings:
+                    full.pop("lm_head.weight", None)  # saved once, as the embedding
+                save_weights(self.run_dir / "model.safetensors", full, {"step": str(step)})
             else:
                 save_weights(self.run_dir / "model.safetensors", pl_module.model, {"step": str(step)})
         trainer.strategy.barrier()

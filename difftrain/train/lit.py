@@ -12,6 +12,13 @@ a TrainingError that names the step, the learning rate and the first parameter w
 not finite. The compiled forward (torch.compile) is kept outside the module tree so state-dict
 keys never carry compile's `_orig_mod.` prefix.
 
+Several processes (DDP, FSDP; see `difftrain.train.distributed`): gradients of the first a − 1
+micro-batches stay local (DDP's no_sync) and the last backward averages them over ranks; the
+logged loss and the token count are reduced over ranks at each step, so every rank takes the same
+skip/step decision; the validation loss is Σ loss·n / Σ n over all ranks' windows. Under FSDP the
+Transformer is wrapped in `configure_model`, and the gradient norm sums the squares of every
+rank's shard.
+
 Fine-tuning options: `save_frozen=False` keeps only trainable parameters in checkpoints (a LoRA
 run's frozen base is reloaded from its base run on resume, not copied into every checkpoint);
 `step_seed` reseeds the RNG before each micro-batch from (step_seed, micro-batches seen), so
@@ -22,12 +29,14 @@ from __future__ import annotations
 
 import math
 import time
+from contextlib import nullcontext
 
 import lightning as L
 import torch
 
 from difftrain.errors import CheckpointError, TrainingError
 from difftrain.recipe import OptimConfig
+from difftrain.train.distributed import clean_name, is_fsdp
 from difftrain.train.optim import build_optimizer, lr_multiplier
 
 
@@ -60,9 +69,14 @@ class LitLM(L.LightningModule):
         self.save_frozen = save_frozen
         self.strict_loading = save_frozen
         self.step_seed = step_seed
+        self._compile = compile
         self._forward = torch.compile(model) if compile else model
+        # dimensions of the parameters before any sharding (FSDP flattens them to 1-D shards)
+        self._param_ndims = {n: p.ndim for n, p in model.named_parameters()}
         self._micro = 0
         self._loss_sum = 0.0
+        self._tokens_pending = 0
+        self._val_stats: torch.Tensor | None = None
         self._bad_steps = 0
         self.micro_batches_seen = 0  # saved in checkpoints: the data position for exact resume
         self.tokens_seen = 0
@@ -75,10 +89,35 @@ class LitLM(L.LightningModule):
         # test hook: a callable(step, loss) -> loss, used by reliability tests to inject faults
         self.fault_hook = None
 
+    # ---- sharding --------------------------------------------------------------------------
+    def configure_model(self) -> None:
+        """Under FSDP, make the Transformer the FSDP root (Lightning calls this inside its wrapping
+        context, which carries the recipe's FSDP settings and wraps each Block as a unit).
+        Lightning would otherwise wrap this LightningModule, and the manual backward in
+        training_step would run inside the root's forward, which FSDP cannot handle."""
+        from lightning.pytorch.strategies import FSDPStrategy
+
+        if not isinstance(self.trainer.strategy, FSDPStrategy) or is_fsdp(self.model):
+            return
+        from torch.distributed.fsdp.wrap import wrap
+
+        self.model = wrap(self.model)
+        self._forward = torch.compile(self.model) if self._compile else self.model
+
+    def _world(self) -> int:
+        trainer = self._trainer
+        return trainer.world_size if trainer is not None else 1
+
+    def _all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        """Sum over ranks (in place); a no-op in a single process."""
+        if self._world() > 1 and torch.distributed.is_initialized():
+            torch.distributed.all_reduce(t)
+        return t
+
     # ---- optimizer -------------------------------------------------------------------------
     def configure_optimizers(self):
         device_type = self.device.type if isinstance(self.device, torch.device) else "cpu"
-        opt = build_optimizer(self.model, self.optim_cfg, device_type)
+        opt = build_optimizer(self.model, self.optim_cfg, device_type, ndims=self._param_ndims)
         for g in opt.param_groups:
             g["initial_lr"] = self.optim_cfg.lr
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_multiplier(self.optim_cfg, self.total_steps))
@@ -97,23 +136,39 @@ class LitLM(L.LightningModule):
         loss = out.loss
         if self.fault_hook is not None:
             loss = self.fault_hook(self.global_step, loss)
-        self.manual_backward(loss / self.accumulate)
+        # DDP: only the last micro-batch's backward averages the gradients over ranks
+        last = self._micro + 1 == self.accumulate
+        block_sync = getattr(self.trainer.strategy, "block_backward_sync", None)
+        with nullcontext() if last or block_sync is None else block_sync():
+            self.manual_backward(loss / self.accumulate)
         self._loss_sum += loss.detach().float()
         self._micro += 1
         self.micro_batches_seen += 1
-        self.tokens_seen += self.tokens_per_micro_batch or batch["input_ids"].numel()
+        self._tokens_pending += self.tokens_per_micro_batch or batch["input_ids"].numel()
         if self._micro < self.accumulate:
             return
         self._micro = 0
-        loss_mean = (self._loss_sum / self.accumulate).item()
-        self._loss_sum = 0.0
+        # loss and tokens of this step over all ranks: every rank sees the same figures
+        stats = torch.stack(
+            [
+                torch.as_tensor(self._loss_sum, dtype=torch.float32, device=self.device) / self.accumulate,
+                torch.tensor(float(self._tokens_pending), device=self.device),
+            ]
+        )
+        stats = self._all_reduce(stats)
+        loss_mean = stats[0].item() / self._world()
+        self.tokens_seen += int(stats[1].item())
+        self._loss_sum, self._tokens_pending = 0.0, 0
         grad_norm = self._grad_norm() if self.check_grads else 0.0
         if not math.isfinite(loss_mean) or not math.isfinite(grad_norm):
             self._skip(opt, loss_mean, grad_norm)
             return
         self._bad_steps = 0
         if self.grad_clip is not None:
-            if self.check_grads:
+            if self.check_grads and is_fsdp(self.model):  # the norm of all shards, computed above
+                params = [p for p in self.model.parameters() if p.grad is not None]
+                torch.nn.utils.clip_grads_with_norm_(params, self.grad_clip, torch.tensor(grad_norm))
+            elif self.check_grads:
                 torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
             else:
                 self.clip_gradients(opt, gradient_clip_val=self.grad_clip, gradient_clip_algorithm="norm")
@@ -128,7 +183,13 @@ class LitLM(L.LightningModule):
         self.last_grad_norm = grad_norm
 
     def _grad_norm(self) -> float:
+        """‖g‖₂ over all parameters; under FSDP, √(Σ over ranks of each shard's Σg²)."""
         grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        if is_fsdp(self.model):
+            sq = torch.zeros((), device=self.device)
+            for g in grads:
+                sq += g.float().square().sum().to(sq.device)
+            return math.sqrt(self._all_reduce(sq).item())
         if not grads:
             return 0.0
         return torch.linalg.vector_norm(
@@ -160,17 +221,25 @@ class LitLM(L.LightningModule):
             )
 
     # ---- validation ------------------------------------------------------------------------
+    def on_validation_epoch_start(self) -> None:
+        self._val_stats = torch.zeros(2, device=self.device)
+
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
         out = self.model(batch["input_ids"], batch["targets"])
-        self.log(
-            "val/loss",
-            out.loss,
-            on_step=False,
-            on_epoch=True,
-            sync_dist=True,
-            logger=False,
-            batch_size=batch["input_ids"].shape[0],
+        n = batch["input_ids"].shape[0]
+        if self._val_stats is None:
+            self._val_stats = torch.zeros(2, device=self.device)
+        self._val_stats += torch.stack(
+            [out.loss.detach().float() * n, torch.tensor(float(n), device=self.device)]
         )
+
+    def on_validation_epoch_end(self) -> None:
+        """val/loss = Σ loss·n / Σ n over the windows of every rank (n: sequences per batch)."""
+        stats = self._val_stats if self._val_stats is not None else torch.zeros(2, device=self.device)
+        stats = self._all_reduce(stats)
+        self._val_stats = None
+        if stats[1] > 0:
+            self.log("val/loss", stats[0] / stats[1], on_epoch=True, logger=False, sync_dist=True)
 
     # ---- state that must survive a resume --------------------------------------------------
     def on_save_checkpoint(self, checkpoint: dict) -> None:
@@ -185,7 +254,7 @@ class LitLM(L.LightningModule):
         }
 
     def _trainable_keys(self) -> set[str]:
-        return {n for n, p in self.named_parameters() if p.requires_grad}
+        return {clean_name(n) for n, p in self.named_parameters() if p.requires_grad}
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         if not self.save_frozen:
@@ -207,5 +276,11 @@ class LitLM(L.LightningModule):
         for i, layer in enumerate(getattr(self.model.model, "layers", [])):
             attn = layer.self_attn
             if hasattr(attn, "lam"):
-                out[f"lambda/layer{i}"] = float(attn.lam().detach())
+                if is_fsdp(layer):  # λ lives in the layer's shards: gather them (every rank calls this)
+                    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+                    with FSDP.summon_full_params(layer, writeback=False):
+                        out[f"lambda/layer{i}"] = float(attn.lam().detach())
+                else:
+                    out[f"lambda/layer{i}"] = float(attn.lam().detach())
         return out

@@ -12,26 +12,38 @@ for fp32 AdamW. Tensors with fewer than 4096 elements keep 32-bit state (bitsand
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import torch
 from torch import nn
 
 from difftrain.errors import DeviceError
 from difftrain.recipe import OptimConfig
+from difftrain.train.distributed import clean_name
 
 BNB_OPTIMIZERS = {"adamw8bit": "AdamW8bit", "paged_adamw8bit": "PagedAdamW8bit", "lion8bit": "Lion8bit"}
 
 
-def param_groups(model: nn.Module, weight_decay: float, decay_embeddings: bool = False) -> list[dict]:
-    """Split trainable parameters into a decayed group (matrices) and a non-decayed one."""
+def param_groups(
+    model: nn.Module,
+    weight_decay: float,
+    decay_embeddings: bool = False,
+    ndims: Mapping[str, int] | None = None,
+) -> list[dict]:
+    """Split trainable parameters into a decayed group (matrices) and a non-decayed one.
+
+    `ndims`: each parameter's number of dimensions by name, for a model whose parameters were
+    flattened into shards (FSDP), where `p.ndim` no longer tells a matrix from a vector (names are
+    matched without the wrappers' prefixes).
+    """
     decay, no_decay, seen = [], [], set()
     for name, p in model.named_parameters():
         if not p.requires_grad or id(p) in seen:
             continue
         seen.add(id(p))  # a tied lm_head is the embedding: count it once
         is_embedding = "embed_tokens" in name or (name.endswith("lm_head.weight") and _is_tied(model))
-        if p.ndim >= 2 and (decay_embeddings or not is_embedding):
+        ndim = ndims.get(clean_name(name), p.ndim) if ndims is not None else p.ndim
+        if ndim >= 2 and (decay_embeddings or not is_embedding):
             decay.append(p)
         else:
             no_decay.append(p)
@@ -57,9 +69,12 @@ def bitsandbytes_optim():
     return bnb_optim
 
 
-def build_optimizer(model: nn.Module, cfg: OptimConfig, device_type: str) -> torch.optim.Optimizer:
-    """The optimizer named by `cfg.name` ('auto' must already be resolved) over `model`'s groups."""
-    groups = [g for g in param_groups(model, cfg.weight_decay, cfg.decay_embeddings) if g["params"]]
+def build_optimizer(
+    model: nn.Module, cfg: OptimConfig, device_type: str, ndims: Mapping[str, int] | None = None
+) -> torch.optim.Optimizer:
+    """The optimizer named by `cfg.name` ('auto' must already be resolved) over `model`'s groups
+    (`ndims`: see `param_groups`)."""
+    groups = [g for g in param_groups(model, cfg.weight_decay, cfg.decay_embeddings, ndims) if g["params"]]
     if cfg.name == "adamw":
         kwargs: dict = {}
         if device_type == "cuda":
