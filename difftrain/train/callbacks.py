@@ -25,9 +25,10 @@ from typing import Any
 import lightning as L
 import torch
 
+from difftrain.io import fsync_dir
 from difftrain.rundir import save_weights
-from difftrain.train.checkpoint import record_checkpoint, step_file
-from difftrain.train.distributed import gather_full_weights
+from difftrain.train.checkpoint import record_checkpoint, remove_checkpoint_path, step_file
+from difftrain.train.distributed import gather_full_weights, is_fsdp
 
 # Peak dense bf16 FLOP/s (no sparsity) for MFU; matched on a substring of the device name.
 PEAK_FLOPS = {
@@ -272,9 +273,20 @@ class RunCallback(L.Callback):
             # at or before it (a resume drops the extra rows); never a checkpoint whose rows are lost
             for logger in trainer.loggers:
                 logger.save()
-        trainer.save_checkpoint(path)
+        fsdp = is_fsdp(pl_module.model)  # may write a folder of shards: into a temporary name first
+        target = self.ckpt_dir / f".{path.name}.partial" if fsdp else path
+        if fsdp:
+            if trainer.is_global_zero:
+                for stale in self.ckpt_dir.glob(".*.partial"):  # left by a kill while saving
+                    remove_checkpoint_path(stale)
+            trainer.strategy.barrier()
+        trainer.save_checkpoint(target)
         full = gather_full_weights(pl_module.model)  # FSDP: every rank sends its shards to rank 0
         if trainer.is_global_zero:
+            if fsdp:
+                remove_checkpoint_path(path)
+                os.replace(target, path)
+                fsync_dir(self.ckpt_dir)
             record_checkpoint(self.ckpt_dir, path, step, self.keep)
             if self.export is not None:
                 self.export(self.run_dir, pl_module.model, step)

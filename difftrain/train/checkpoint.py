@@ -63,11 +63,35 @@ def load_checkpoint_file(path: Path, map_location: Any = "cpu") -> dict[str, Any
 
 
 def sha256_file(path: Path) -> str:
+    """SHA-256 of a file; of a folder (an FSDP sharded checkpoint): over its files' relative names
+    and contents, in name order."""
     h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 22), b""):
-            h.update(chunk)
+    files = sorted(f for f in path.rglob("*") if f.is_file()) if path.is_dir() else [path]
+    for file in files:
+        if path.is_dir():
+            h.update(str(file.relative_to(path)).encode() + b"\0")
+        with open(file, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 22), b""):
+                h.update(chunk)
     return h.hexdigest()
+
+
+def _size(path: Path) -> int:
+    return (
+        sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+        if path.is_dir()
+        else path.stat().st_size
+    )
+
+
+def remove_checkpoint_path(path: Path) -> None:
+    """Delete a checkpoint file, or the folder of a sharded one."""
+    if path.is_dir() and not path.is_symlink():
+        import shutil
+
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
 
 
 def step_file(step: int) -> str:
@@ -96,20 +120,24 @@ def record_checkpoint(ckpt_dir: Path, path: Path, step: int, keep: int) -> list[
 
     Returns the names of the files that were deleted.
     """
-    entry = {"file": path.name, "step": step, "sha256": sha256_file(path), "bytes": path.stat().st_size}
+    entry = {"file": path.name, "step": step, "sha256": sha256_file(path), "bytes": _size(path)}
     entries = [
         e
         for e in read_index(ckpt_dir)
-        if e["file"] != path.name and int(e.get("step", -1)) < step and (ckpt_dir / e["file"]).is_file()
+        if e["file"] != path.name and int(e.get("step", -1)) < step and (ckpt_dir / e["file"]).exists()
     ]
     entries.append(entry)
     entries.sort(key=lambda e: e["step"])
     entries = entries[-max(keep, 1) :]
-    # last.ckpt: a hard link to the newest file, installed atomically (link to a temp name, rename)
+    # last.ckpt: a hard link to the newest file (a symlink to a sharded checkpoint's folder),
+    # installed atomically (link to a temp name, rename)
     tmp = ckpt_dir / f".{LAST}.tmp"
     tmp.unlink(missing_ok=True)
     try:
-        os.link(path, tmp)
+        if path.is_dir():
+            os.symlink(path.name, tmp)
+        else:
+            os.link(path, tmp)
     except OSError:  # filesystems without hard links: copy
         import shutil
 
@@ -120,7 +148,7 @@ def record_checkpoint(ckpt_dir: Path, path: Path, step: int, keep: int) -> list[
     removed = []
     for old in sorted(ckpt_dir.glob("step-*.ckpt")):
         if old.name not in keep_names:
-            old.unlink(missing_ok=True)
+            remove_checkpoint_path(old)
             removed.append(old.name)
     fsync_dir(ckpt_dir)
     return removed
@@ -147,7 +175,7 @@ def find_resume_checkpoint(ckpt_dir: Path) -> ResumePoint | None:
     if entries:
         for e in reversed(entries):
             path = ckpt_dir / e["file"]
-            if not path.is_file():
+            if not path.exists():
                 warnings.append(f"checkpoint {path.name} is listed but missing; trying an older one")
                 continue
             if sha256_file(path) != e["sha256"]:
@@ -157,8 +185,8 @@ def find_resume_checkpoint(ckpt_dir: Path) -> ResumePoint | None:
                 continue
             return ResumePoint(path, int(e["step"]), warnings)
     for path in sorted(ckpt_dir.glob("step-*.ckpt"), reverse=True):
-        if any(path.name == e["file"] for e in entries):
-            continue  # already judged above
+        if any(path.name == e["file"] for e in entries) or path.is_dir():
+            continue  # already judged above (or an unindexed sharded folder: not trusted)
         try:
             ckpt = load_checkpoint_file(path)
         except CheckpointError:

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from difftrain.errors import DeviceError, RecipeError, RunDirError
+from difftrain.errors import CheckpointError, DeviceError, RecipeError, RunDirError
 from difftrain.io import atomic_write_json, atomic_write_text, remove_stale_temps
 from difftrain.recipe import Recipe, resolve_auto
 from difftrain.rundir import CHECKPOINTS, CONFIG, METRICS, RECIPE, SUMMARY, TOKENIZER
@@ -399,6 +399,11 @@ def fit(
     model_cfg = r.model
     assert model_cfg is not None
     run_dir = plan.run_dir
+    if point is not None and point.path.is_dir() and t.strategy != "fsdp":
+        raise CheckpointError(
+            f"{point.path} is a sharded FSDP checkpoint (train.fsdp.checkpoint=sharded), which only FSDP "
+            "can load; resume with train.strategy=fsdp (on any number of GPUs)"
+        )
     lit = LitLM(
         model,
         r.optim,
@@ -413,6 +418,7 @@ def fit(
         step_seed=step_seed,
     )
     lit.fault_hook = fault_hook
+    lit.resume_path = point.path if point else None
     # Training FLOPs per token: 6·N for trained weights, 4·N for frozen ones (forward + the
     # backward to their inputs, no weight gradient), embeddings excluded.
     n_total, n_trainable = count_params(model)
