@@ -88,6 +88,7 @@ class LitLM(L.LightningModule):
         self._t0: float | None = None
         # test hook: a callable(step, loss) -> loss, used by reliability tests to inject faults
         self.fault_hook = None
+        self.resume_path = None  # the checkpoint being resumed (named in load errors)
 
     # ---- sharding --------------------------------------------------------------------------
     def configure_model(self) -> None:
@@ -263,6 +264,25 @@ class LitLM(L.LightningModule):
                 raise CheckpointError(
                     f"the checkpoint lacks {len(missing)} trained tensors (e.g. {missing[0]}): it was written "
                     "by a different fine-tune; start again with --overwrite"
+                )
+        if not is_fsdp(self.model):
+            # a checkpoint copied in from another run passes its checksum: compare shapes here, so
+            # the user gets the file and the tensor, not load_state_dict's wall of size mismatches
+            own = self.state_dict()
+            wrong = [
+                (k, tuple(v.shape), tuple(own[k].shape))
+                for k, v in checkpoint.get("state_dict", {}).items()
+                if k in own
+                and not k.startswith("_forward.")  # the same tensors again, under the forward alias
+                and hasattr(v, "shape")
+                and tuple(v.shape) != tuple(own[k].shape)
+            ]
+            if wrong:
+                k, got, want = wrong[0]
+                raise CheckpointError(
+                    f"{self.resume_path or 'the checkpoint'} holds a different model: {k} has shape {got} "
+                    f"but this run's config implies {want} ({len(wrong)} tensors differ); it was copied "
+                    "from another run — remove it and resume again, or start again with --overwrite"
                 )
         state = checkpoint.get("difftrain", {})
         self.micro_batches_seen = int(state.get("micro_batches_seen", 0))
