@@ -530,35 +530,49 @@ def _key_lines(node: yaml.Node, prefix: str, out: dict[str, int]) -> None:
             _key_lines(v, key + ".", out)
 
 
+def _yaml_error(path: Path, e: yaml.YAMLError) -> str:
+    """One line: file, line and column when known, and the parser's complaint."""
+    mark = getattr(e, "problem_mark", None)
+    where = f", line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+    problem = getattr(e, "problem", None) or str(e)
+    return f"{path}{where}: invalid YAML: {' '.join(str(problem).split())}"
+
+
 def read_yaml(path: Path) -> tuple[dict[str, Any], dict[str, int]]:
-    """Parse a recipe file safely; return its mapping and the line of every dotted key."""
+    """Parse a recipe file safely; return its mapping and the line of every dotted key.
+
+    Every way a file can be bad (too big, not UTF-8, not YAML, a python/* tag, nesting deep
+    enough to exhaust the parser's recursion, an alias bomb, a number too long for Python's
+    int conversion) is a RecipeError.
+    """
     try:
-        raw = path.read_bytes()
+        with open(path, "rb") as f:
+            raw = f.read(MAX_RECIPE_BYTES + 1)  # never read a huge file whole
     except OSError as e:
         raise RecipeError(f"cannot read recipe {path}: {e.strerror}") from e
     if len(raw) > MAX_RECIPE_BYTES:
-        raise RecipeError(f"{path}: {len(raw)} bytes is too large for a recipe (limit {MAX_RECIPE_BYTES})")
+        raise RecipeError(f"{path} is too large for a recipe (limit {MAX_RECIPE_BYTES} bytes)")
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
         raise RecipeError(f"{path}: not UTF-8 text (byte {e.start}); save the recipe as UTF-8") from e
     try:
         node = yaml.compose(text, Loader=yaml.SafeLoader)
-    except yaml.MarkedYAMLError as e:
-        mark = e.problem_mark
-        where = f", line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        raise RecipeError(f"{path}{where}: invalid YAML: {e.problem}") from e
     except yaml.YAMLError as e:
-        raise RecipeError(f"{path}: invalid YAML: {e}") from e
+        raise RecipeError(_yaml_error(path, e)) from e
+    except RecursionError as e:
+        raise RecipeError(f"{path}: the recipe nests too deeply; write it out plainly") from e
     if node is None:
         raise RecipeError(f"{path} is empty; a recipe needs at least `name`, `model`, `data` and `train`")
     _count_nodes(node, [MAX_YAML_NODES])
     try:
         data = yaml.load(text, Loader=yaml.SafeLoader)  # noqa: S506 - SafeLoader: no tags, no code
     except yaml.YAMLError as e:
-        raise RecipeError(f"{path}: invalid YAML: {e}") from e
+        raise RecipeError(_yaml_error(path, e)) from e
     except RecursionError as e:
         raise RecipeError(f"{path}: YAML aliases refer to themselves; write the recipe out plainly") from e
+    except ValueError as e:  # an integer with more digits than Python converts (4300)
+        raise RecipeError(f"{path}: a number has too many digits ({str(e).split(';')[0]})") from e
     if not isinstance(data, dict):
         raise RecipeError(
             f"{path}: a recipe must be a mapping of keys (name:, model:, ...), not {type(data).__name__}"
@@ -618,7 +632,7 @@ def parse_override(text: str) -> tuple[list[str], Any]:
         raise RecipeError(f"override `{text}` has an empty key; write it as section.key=value")
     try:
         parsed = yaml.safe_load(value) if value.strip() else None
-    except yaml.YAMLError:
+    except (yaml.YAMLError, ValueError, RecursionError):  # not YAML: the schema judges the string
         parsed = value
     return key.split("."), parsed
 
