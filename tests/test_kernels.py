@@ -201,3 +201,18 @@ def test_cuda_kernels_match_eager_forward_and_backward(arch, impl):
         assert rel_err(out_i, out_e) <= 1e-4  # TF32 / kernel accumulation order on GPU
         for name in t:
             assert rel_err(g_i[name], g_e[name]) <= 1e-4, name
+
+
+@pytest.mark.parametrize("n_kv", [4, 2], ids=["mha", "gqa"])
+def test_diff_decode_step_matches_eager_without_building_a_mask(n_kv):
+    S = 9
+    mask = AttnMask(1, S, q_offset=S - 1)  # one new token after 8 cached ones, no padding
+    assert mask.unmasked and not mask.plain_causal
+    t = inputs("diff", n_kv, 1, S)
+    with torch.no_grad():
+        out = call("diff", t, mask, "sdpa")  # takes grouped_math: few queries, no gradients
+        grouped = DIFF_SDPA_STRATEGIES["grouped_math"](t["q"], t["k"], t["v"], t["lam"], mask)
+        assert mask._dense is None  # nothing was materialised for the mask
+        ref = call("diff", t, mask, "eager")
+    assert rel_err(out, ref) <= 1e-5
+    assert torch.equal(out, grouped)

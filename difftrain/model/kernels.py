@@ -73,6 +73,12 @@ class AttnMask:
         """True when this is the ordinary lower-triangular mask (no cache prefix, no padding)."""
         return self.q_offset == 0 and self.q_len == self.kv_len and self.key_padding_mask is None
 
+    @property
+    def unmasked(self) -> bool:
+        """True when every query sees every key: one new token after a cache without padding
+        (the usual decode step), so no mask needs to be built or applied."""
+        return self.q_len == 1 and self.q_offset == self.kv_len - 1 and self.key_padding_mask is None
+
     def dense(self, device: torch.device) -> Tensor:
         """Boolean (B or 1, 1, T, S) mask, True where attention is allowed (cached per forward)."""
         if self._dense is None or self._dense.device != device:
@@ -196,6 +202,28 @@ def diff_sdpa_padded(q: Tensor, k: Tensor, v: Tensor, lam: Tensor, mask: AttnMas
     return o1 - lam.to(o2.dtype) * o2
 
 
+def diff_grouped_math(q: Tensor, k: Tensor, v: Tensor, lam: Tensor, mask: AttnMask) -> Tensor:
+    """The same by explicit maps, (A1 − λ·A2)·V, with no copy of K or V: query heads are grouped
+    by the key pair they read, q viewed as (B, Hkv/2, 2, n_rep·T, d) against k viewed as
+    (B, Hkv/2, 2, S, d). Materialises (B, H, T, S) maps, so it is meant for a few queries over a
+    long cache (decoding), where the fused kernels would copy the whole cache to pad or split it."""
+    B, H, T, d = q.shape
+    G = k.shape[1] // 2  # key pairs = value heads
+    n_rep = H // (2 * G)
+    qg = q.view(B, G, n_rep, 2, T, d).transpose(2, 3).reshape(B, G, 2, n_rep * T, d)
+    scores = torch.matmul(qg, k.view(B, G, 2, -1, d).transpose(-2, -1)).float()
+    scores = scores * (1.0 / math.sqrt(d))
+    if not mask.unmasked:
+        allowed = mask.dense(q.device)[:, :, None]  # (B|1, 1, 1, T, S)
+        if n_rep > 1:
+            allowed = allowed[:, :, :, None].expand(-1, -1, -1, n_rep, -1, -1).flatten(3, 4)
+        scores = scores.masked_fill(~allowed, float("-inf"))
+    P = torch.softmax(scores, dim=-1)
+    A = torch.addcmul(P[:, :, 0], P[:, :, 1], -lam.float())  # (B, G, n_rep·T, S)
+    out = torch.matmul(A.to(v.dtype), v)  # (B, G, n_rep·T, 2d)
+    return out.view(B, G * n_rep, T, 2 * d)
+
+
 # ----- diff on CPU: the flash kernel called directly, with a hand-written backward --------------
 def _pad_pairs(x: Tensor) -> Tensor:
     """Heads in pair order (B, n, L, d) → (2, B, n/2, L, 2d): the heads of map c = 0, 1
@@ -290,6 +318,7 @@ def diff_flash_cpu(q: Tensor, k: Tensor, v: Tensor, lam: Tensor, mask: AttnMask)
 
 DIFF_SDPA_STRATEGIES: dict[str, Callable[..., Tensor]] = {
     "flash_cpu": diff_flash_cpu,
+    "grouped_math": diff_grouped_math,
     "padded": diff_sdpa_padded,
     "split_v": diff_sdpa_split_v,
     "one_call": diff_sdpa_one_call,
@@ -302,8 +331,13 @@ DIFF_SDPA_DEFAULT = {"cpu": "flash_cpu", "cuda": "padded"}
 """The strategy `diff_sdpa` uses per device type (others: `padded`). A benchmark may change it."""
 
 
+DECODE_MAX_QUERIES = 8
+"""Without gradients, up to this many queries per call (decode steps, short prompts) take
+`grouped_math`: it reads the KV cache in place instead of copying it."""
+
+
 def diff_sdpa(q: Tensor, k: Tensor, v: Tensor, lam: Tensor, mask: AttnMask) -> Tensor:
-    """The diff sdpa strategy for q's device (`DIFF_SDPA_DEFAULT`).
+    """The diff sdpa strategy for q's device (`DIFF_SDPA_DEFAULT`); `grouped_math` for decoding.
 
     CPU: `flash_cpu`. The CPU flash kernel needs equal q/k/v head widths, so `one_call` and
     `two_calls` (V 2d wide) run sdpa's unfused math path, and `split_v` computes each map twice.
@@ -315,6 +349,10 @@ def diff_sdpa(q: Tensor, k: Tensor, v: Tensor, lam: Tensor, mask: AttnMask) -> T
     (the same FLOPs as `split_v`) but computes each softmax once, in half the kernel launches.
     `benchmarks/gpu_check.sh` times every strategy on a GPU.
     """
+    if q.shape[2] <= DECODE_MAX_QUERIES and not (
+        torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, lam))
+    ):
+        return diff_grouped_math(q, k, v, lam, mask)
     name = DIFF_SDPA_DEFAULT.get(q.device.type, "padded")
     if name == "flash_cpu" and (q.device.type != "cpu" or q.dtype not in _CPU_FLASH_DTYPES):
         name = "padded"
