@@ -41,7 +41,7 @@ def lambda_init(layer_idx: int) -> float:
 
 def default_ffn_hidden(d_model: int) -> int:
     """8/3·d_model rounded up to a multiple of 64 (SwiGLU keeps the 4·d_model MLP's parameters)."""
-    return 64 * math.ceil(8 * d_model / 3 / 64)
+    return 64 * -(-8 * d_model // (3 * 64))  # ceil in integers: no float overflow for any d_model
 
 
 def config_error_from_validation(err: ValidationError, where: str = "model") -> ConfigError:

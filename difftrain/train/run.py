@@ -141,7 +141,7 @@ def plan_run(recipe: Recipe) -> Plan:
         )
     accumulate = global_bs // per_step
     tokens_per_step = global_bs * seq_len
-    max_steps = t.max_steps or math.ceil(t.max_tokens / tokens_per_step)  # type: ignore[operator]
+    max_steps = t.max_steps or -(-t.max_tokens // tokens_per_step)  # type: ignore[operator]  # ceil, exact for any size
     return Plan(
         recipe=resolved,
         accelerator=accelerator,
