@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import copy
 import difflib
+import math
 import os
 import typing
 from pathlib import Path
@@ -343,7 +344,10 @@ class Recipe(_Section):
         "", description="One line saying what this recipe is (shown by `difftrain recipes list`)."
     )
     seed: int = Field(
-        1337, description="Seed for initialisation, data order and sampling: same seed, same run."
+        1337,
+        ge=0,
+        le=2**32 - 1,
+        description="Seed for initialisation, data order and sampling: same seed, same run.",
     )
     out_dir: str = Field(
         "runs", description="Folder that holds run directories (relative to the current directory)."
@@ -631,7 +635,12 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     if not key or any(not part for part in key.split(".")):
         raise RecipeError(f"override `{text}` has an empty key; write it as section.key=value")
     try:
+        node = yaml.compose(value, Loader=yaml.SafeLoader) if value.strip() else None
+        if node is not None:  # the file's guards: no alias bombs, no self-referencing values
+            _count_nodes(node, [MAX_YAML_NODES])
         parsed = yaml.safe_load(value) if value.strip() else None
+    except RecipeError as e:
+        raise RecipeError(f"override `{key}`: {e}") from e
     except (yaml.YAMLError, ValueError, RecursionError):  # not YAML: the schema judges the string
         parsed = value
     return key.split("."), parsed
@@ -731,6 +740,26 @@ def format_validation_error(
 # the loader
 
 
+def _non_finite(data: Any, prefix: str = "") -> str | None:
+    """The dotted key of the first NaN or infinite number in a recipe tree (None if there is none)."""
+    if isinstance(data, float) and not math.isfinite(data):
+        return prefix or "recipe"
+    items = data.items() if isinstance(data, dict) else enumerate(data) if isinstance(data, list) else ()
+    for k, v in items:
+        found = _non_finite(v, f"{prefix}.{k}" if prefix else str(k))
+        if found:
+            return found
+    return None
+
+
+def _check_finite(data: dict[str, Any], where: dict[str, tuple[Path, int]], source: str) -> None:
+    """.nan / .inf are valid YAML but no setting means them (lr=inf trains into NaN): refuse them."""
+    key = _non_finite(data)
+    if key:
+        f, line = where.get(key, (source, None))
+        raise RecipeError(f"{f}{f', line {line}' if line else ''}: `{key}` must be a finite number")
+
+
 def load_recipe(ref: str | os.PathLike[str], overrides: list[str] | tuple[str, ...] = ()) -> Recipe:
     """Load, merge, override and validate a recipe (a path or a shipped recipe's name)."""
     path = find_recipe(ref)
@@ -738,6 +767,7 @@ def load_recipe(ref: str | os.PathLike[str], overrides: list[str] | tuple[str, .
     data = apply_overrides(data, list(overrides))
     overridden = {".".join(parse_override(o)[0]) for o in overrides}
     source = str(path)
+    _check_finite(data, where, source)
     try:
         recipe = Recipe.model_validate(data)
     except ValidationError as e:
@@ -759,6 +789,7 @@ def load_recipe(ref: str | os.PathLike[str], overrides: list[str] | tuple[str, .
 
 def recipe_from_dict(data: dict[str, Any], recipe_dir: Path | None = None) -> Recipe:
     """Validate an in-memory recipe (tests, programmatic use)."""
+    _check_finite(data, {}, "recipe")
     try:
         recipe = Recipe.model_validate(data)
     except ValidationError as e:
