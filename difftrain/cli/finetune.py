@@ -158,7 +158,8 @@ def finetune_command(
             "out of GPU memory; lower train.micro_batch_size (keep global_batch_size: accumulation grows), "
             "set train.activation_checkpointing=true, shorten train.seq_len, or use finetune.method=qlora"
         ) from e
-    _end_table(result.summary, result.run_dir)
+    if result.is_global_zero:  # one table, not one per process
+        _end_table(result.summary, result.run_dir)
 
 
 def merge_command(

@@ -26,7 +26,15 @@ from difftrain.errors import DataError, DeviceError, RecipeError, RunDirError
 from difftrain.io import atomic_write_text
 from difftrain.recipe import ChatTemplateConfig, FinetuneConfig, Recipe
 from difftrain.rundir import CONFIG, RECIPE, TOKENIZER, load_config, require_run_dir
-from difftrain.train.run import Plan, TrainResult, _quiet_lightning, fit, plan_run, prepare_run_dir
+from difftrain.train.run import (
+    Plan,
+    TrainResult,
+    _quiet_lightning,
+    fit,
+    plan_run,
+    prepare_run_dir,
+    start_processes,
+)
 
 # Model settings a fine-tune may change; everything else must equal the base run's.
 CHANGEABLE_MODEL_KEYS = {"attn_impl", "max_seq_len", "init_std", "lambda_std"}
@@ -273,6 +281,7 @@ def finetune(
     plan = plan_run(r)
     _check_method(ft.method, plan)
     r = plan.recipe
+    dist = start_processes(plan)  # several devices: every rank runs what follows; writes on rank 0
     t = r.train
     data_format = resolve_data_format(r)
 
@@ -308,6 +317,11 @@ def finetune(
         )
         dm.setup()  # tokenizes every record now: bad records fail before anything is written
         has_val = len(dm.val_examples) > 0
+        if has_val and len(dm.val_examples) < plan.world_size:
+            raise DataError(
+                f"{len(dm.val_examples)} validation records for {plan.world_size} processes, and every "
+                "process validates at least one; raise data.val_fraction or train on fewer devices"
+            )
         info.update(
             train_records=len(dm.train_examples),
             val_records=len(dm.val_examples),
@@ -319,8 +333,14 @@ def finetune(
         from difftrain.data.modules import PretrainDataModule
         from difftrain.data.shards import prepare_data
 
-        prepared = prepare_data(
-            r.data, r.tokenizer, seed=r.seed, base_dir=r.recipe_dir, progress=data_progress
+        prepared = dist.rank_zero_first(
+            lambda: prepare_data(
+                r.data,
+                r.tokenizer,
+                seed=r.seed,
+                base_dir=r.recipe_dir,
+                progress=data_progress if dist.is_global_zero else None,
+            )
         )
         dm = PretrainDataModule.from_config(
             prepared, r.data, seq_len=plan.seq_len, micro_batch_size=t.micro_batch_size, seed=r.seed
@@ -337,7 +357,9 @@ def finetune(
     info["new_tokens"] = {tokenizer.id_to_token(i): i for i in new_ids}
 
     resume_flag: bool | str = t.resume if resume is None else resume
-    resuming, point = prepare_run_dir(plan, resume=resume_flag, overwrite=overwrite)
+    resuming, point = dist.on_rank_zero(
+        lambda: prepare_run_dir(plan, resume=resume_flag, overwrite=overwrite)
+    )
     run_dir = plan.run_dir
     if resuming and ft.method != "full" and (run_dir / "adapter.json").is_file():
         resolve_base(run_dir, read_adapter_spec(run_dir))  # the base must be the one trained on
@@ -392,13 +414,14 @@ def finetune(
     if t.activation_checkpointing:
         model.set_activation_checkpointing(True)
 
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "checkpoints").mkdir(exist_ok=True)
-    if not resuming:
-        atomic_write_text(run_dir / RECIPE, r.to_yaml())
-        model_cfg.to_json(run_dir / CONFIG)
-        tokenizer.save(run_dir / TOKENIZER)
-    return fit(
+    if dist.is_global_zero:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "checkpoints").mkdir(exist_ok=True)
+        if not resuming:
+            atomic_write_text(run_dir / RECIPE, r.to_yaml())
+            model_cfg.to_json(run_dir / CONFIG)
+            tokenizer.save(run_dir / TOKENIZER)
+    result = fit(
         r,
         plan,
         model,
@@ -425,3 +448,5 @@ def finetune(
             **({"lora_rank": ft.lora.rank, "lora_alpha": ft.lora.alpha} if ft.method != "full" else {}),
         },
     )
+    dist.join()
+    return result
