@@ -21,6 +21,14 @@
 #          adapter loads (on CPU, through the NF4 round trip) and merges into a plain run whose
 #          logits match the trained 4-bit model's. Figures: peak GPU memory and tokens/s of
 #          lora vs qlora on a ~200M-parameter base (random weights, activation checkpointing).
+#   fsdp   FSDP through `difftrain pretrain` on every visible GPU (up to 8; one GPU still runs the
+#          FSDP code: wrapping, gathering, checkpoints): bf16-mixed, compile, per-block units and
+#          activation checkpointing. Checks: the loss curve follows the same recipe without FSDP
+#          (ddp, or one device) within bf16 rounding; model.safetensors holds the full weights and
+#          loads; a sharded checkpoint resumes under FSDP and continues the curve; a full one
+#          resumes on one device without FSDP; 8-bit AdamW with FSDP is refused with the fix.
+#          Figures: tokens/s and peak GPU memory with and without FSDP, and with cpu_offload.
+#          With GPU_CHECK_DEVICE=cpu: the FSDP refusal on CPU, and DDP on two CPU processes.
 set -uo pipefail
 
 cd "$(dirname "$0")/.." || exit 1
@@ -33,7 +41,7 @@ WORK=$(mktemp -d "${TMPDIR:-/tmp}/difftrain-gpu-check.XXXXXX")
 trap 'rm -rf "$WORK"' EXIT
 export DIFFTRAIN_CACHE="$WORK/cache"
 
-ALL_SECTIONS=(qlora)
+ALL_SECTIONS=(qlora fsdp)
 if [ "$#" -gt 0 ]; then SECTIONS=("$@"); else SECTIONS=("${ALL_SECTIONS[@]}"); fi
 
 skipped() {  # section reason
@@ -220,6 +228,129 @@ except Exception as e:  # a failure is a result too
     print(res["traceback"], file=sys.stderr)
 out.write_text(json.dumps(res, indent=2) + "\n")
 print(f"gpu_check: qlora {'ok' if res['ok'] else 'FAILED'} -> {out}")
+sys.exit(0 if res["ok"] else 1)
+PY
+}
+
+# ------------------------------------------------------------------------------------------
+section_fsdp() {
+  "$PY" - "$RESULTS_DIR/fsdp.json" "$WORK/fsdp" "$DEVICE" <<'PY'
+import json, os, platform, subprocess, sys, time, traceback
+from pathlib import Path
+
+import torch
+
+out, work, device = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3]
+py = sys.executable  # this interpreter: the one that has difftrain
+cpu = device == "cpu"
+work.mkdir(parents=True)
+res = {"section": "fsdp", "ok": False, "device": "", "checks": {}, "figures": {}}
+
+
+def check(name, ok, detail):
+    res["checks"][name] = {"ok": bool(ok), "detail": detail}
+    print(f"  {'ok  ' if ok else 'FAIL'} {name}: {detail}", flush=True)
+
+
+def difftrain(*args, expect=0):
+    """`difftrain ARGS` as a user runs it (the launched ranks re-run the same command)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "NODE_RANK")}
+    t0 = time.perf_counter()
+    p = subprocess.run([py, "-m", "difftrain", *args], cwd=work, env=env, capture_output=True, text=True, timeout=900)
+    if p.returncode != expect:
+        raise RuntimeError(f"difftrain {' '.join(args)} exited {p.returncode}:\n{p.stdout[-2500:]}\n{p.stderr[-2500:]}")
+    return p, time.perf_counter() - t0
+
+
+try:
+    from difftrain.rundir import load_run
+    from difftrain.train.metrics import read_metrics
+
+    res["torch"] = torch.__version__
+    n = 2 if cpu else max(1, min(torch.cuda.device_count(), 8))
+    res["device"] = f"cpu ({platform.machine()}) x 2 processes" if cpu else f"{torch.cuda.get_device_name(0)} x {n}"
+    res["figures"]["devices"] = n
+    corpus = work / "corpus"
+    corpus.mkdir()
+    words = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi".split()
+    g = torch.Generator().manual_seed(0)
+    for i in range(120):
+        lines = []
+        for j in range(30):
+            a, b, c = (words[int(k)] for k in torch.randint(len(words), (3,), generator=g))
+            lines.append(f"def {a}_{j}({b}, {c}):\n    return {b} + {c} * {j}\n\n")
+        (corpus / f"m{i:03d}.py").write_text("".join(lines))
+    d_model, layers, heads, seq, steps, micro = (64, 2, 4, 64, 6, 2) if cpu else (512, 8, 8, 256, 30, 4)
+    (work / "r.yaml").write_text(f"""name: r
+out_dir: runs
+model: {{arch: diff, d_model: {d_model}, n_layers: {layers}, n_heads: {heads}, max_seq_len: {seq}}}
+data: {{sources: [{corpus}], val_windows: {4 * n}}}
+tokenizer: {{train: {{vocab_size: 1024}}}}
+train: {{max_steps: {steps}, micro_batch_size: {micro}, global_batch_size: {2 * micro * n}, devices: {n}, log_every: 1, val_every: {steps}, save_every: {steps // 2}}}
+optim: {{name: adamw, lr: 1.0e-3, warmup_steps: 2, schedule: constant}}
+logging: {{progress: false, tensorboard: false}}
+""")
+
+    def curve(name):
+        return {r["step"]: r["train/loss"] for r in read_metrics(work / "runs" / name / "metrics.csv") if "train/loss" in r}
+
+    def summary(name):
+        return json.loads((work / "runs" / name / "summary.json").read_text())
+
+    # the same recipe without FSDP: DDP over n devices (one device when n = 1)
+    _, t_ref = difftrain("pretrain", "r.yaml", "name=plain")
+    plain = curve("plain")
+    res["figures"]["plain"] = {k: summary("plain").get(k) for k in ("tokens_per_s", "peak_gpu_mem_mb", "final_val_loss")}
+    if cpu:
+        p, _ = difftrain("pretrain", "r.yaml", "name=f", "train.strategy=fsdp", expect=2)
+        said = "fsdp needs CUDA" in p.stdout + p.stderr
+        check("fsdp_refused_on_cpu", said, (p.stdout + p.stderr).strip().splitlines()[-1][:200])
+        check("ddp_trains", len(plain) == steps and plain[steps] < plain[1], f"loss {plain[1]:.3f} -> {plain[steps]:.3f}")
+    else:
+        fsdp_args = ["train.strategy=fsdp", "train.fsdp.param_dtype=float32", "train.activation_checkpointing=true"]
+        _, t_f = difftrain("pretrain", "r.yaml", "name=f", *fsdp_args)
+        f = curve("f")
+        worst = max(abs(f[s] - plain[s]) / abs(plain[s]) for s in plain)
+        check("fsdp_follows_the_plain_curve", len(f) == steps and worst < 2e-2,
+              f"max relative loss difference over {steps} steps: {worst:.2e} (precision {summary('f').get('precision')})")
+        res["figures"]["fsdp"] = {k: summary("f").get(k) for k in ("tokens_per_s", "peak_gpu_mem_mb", "final_val_loss", "precision")}
+        from safetensors.torch import load_file
+
+        w, w_plain = load_file(str(work / "runs/f/model.safetensors")), load_file(str(work / "runs/plain/model.safetensors"))
+        shapes = {k: tuple(v.shape) for k, v in w.items()} == {k: tuple(v.shape) for k, v in w_plain.items()}
+        run = load_run(work / "runs/f")
+        with torch.no_grad():
+            logits = run.model(torch.randint(0, run.model.config.vocab_size, (1, 16))).logits
+        check("full_weights_load", shapes and torch.isfinite(logits).all().item(),
+              f"{len(w)} tensors with the shapes of the plain run's; load_run + forward finite")
+        ckpt = work / "runs/f/checkpoints" / f"step-{steps:08d}.ckpt"
+        check("full_checkpoint_is_one_file", ckpt.is_file(), str(ckpt.relative_to(work)))
+        # sharded checkpoints: stop half-way, resume under FSDP, continue the curve
+        half = steps // 2
+        difftrain("pretrain", "r.yaml", "name=s2", *fsdp_args, "train.fsdp.checkpoint=sharded", f"train.max_steps={half}")
+        difftrain("pretrain", "r.yaml", "name=s2", *fsdp_args, "train.fsdp.checkpoint=sharded", f"train.max_steps={steps}", "--resume")
+        s2 = curve("s2")
+        sharded_dir = (work / "runs/s2/checkpoints" / f"step-{steps:08d}.ckpt").is_dir()
+        worst = max(abs(s2[k] - f[k]) / abs(f[k]) for k in range(half + 1, steps + 1))
+        check("sharded_checkpoint_resumes", sharded_dir and len(s2) == steps and worst < 2e-2,
+              f"folder checkpoint: {sharded_dir}; resumed steps {half + 1}..{steps} vs uninterrupted: max rel diff {worst:.2e}")
+        # a full FSDP checkpoint resumes on one device without FSDP
+        difftrain("pretrain", "r.yaml", "name=f", "train.devices=1", "train.strategy=auto", "train.activation_checkpointing=true",
+                  f"train.max_steps={steps + 2}", "--resume")
+        f2 = curve("f")
+        check("full_checkpoint_resumes_without_fsdp", len(f2) == steps + 2, f"steps {sorted(f2)[-3:]}")
+        p, _ = difftrain("pretrain", "r.yaml", "name=x", "train.strategy=fsdp", "optim.name=adamw8bit", "--dry-run", expect=2)
+        check("fsdp_with_8bit_refused", "adamw8bit with train.strategy=fsdp" in p.stdout + p.stderr,
+              (p.stdout + p.stderr).strip().splitlines()[-1][:200])
+        difftrain("pretrain", "r.yaml", "name=o", *fsdp_args, "train.fsdp.cpu_offload=true", f"train.max_steps={half}", f"train.save_every={half}")
+        res["figures"]["fsdp_cpu_offload"] = {k: summary("o").get(k) for k in ("tokens_per_s", "peak_gpu_mem_mb")}
+    res["ok"] = all(c["ok"] for c in res["checks"].values())
+except Exception as e:  # a failure is a result too
+    res["error"] = f"{type(e).__name__}: {e}"
+    res["traceback"] = traceback.format_exc()[-4000:]
+    print(res["traceback"], file=sys.stderr)
+out.write_text(json.dumps(res, indent=2) + "\n")
+print(f"gpu_check: fsdp {'ok' if res['ok'] else 'FAILED'} -> {out}")
 sys.exit(0 if res["ok"] else 1)
 PY
 }
