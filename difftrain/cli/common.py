@@ -62,3 +62,50 @@ def data_progress() -> Iterator[Any]:
 
     with bars:
         yield update
+
+
+def oom_advice(recipe: Any, *, finetune: bool = False) -> str:
+    """The message for CUDA running out of memory: the changes `plan` would weigh, with this
+    recipe's numbers (a micro-batch that divides the old one so global_batch_size can stay)."""
+    import importlib.util
+
+    from difftrain.errors import DifftrainError
+    from difftrain.train.run import plan_run
+
+    t = recipe.train
+    micro = t.micro_batch_size
+    try:
+        plan = plan_run(recipe)
+        global_bs, accumulate, seq_len = plan.global_batch_size, plan.accumulate, plan.seq_len
+        optimizer = plan.recipe.optim.name
+    except DifftrainError:  # a fine-tune's model (and so its seq_len) comes from its base run
+        global_bs = t.global_batch_size or micro
+        accumulate, seq_len, optimizer = global_bs // micro, t.seq_len, recipe.optim.name
+    tries = []
+    if micro > 1:
+        smaller = max(d for d in range(1, micro) if micro % d == 0)
+        tries.append(
+            f"train.micro_batch_size={smaller} train.global_batch_size={global_bs} "
+            f"(accumulation {accumulate} → {accumulate * micro // smaller}, same global batch)"
+        )
+    if not t.activation_checkpointing:
+        tries.append("train.activation_checkpointing=true (~30% more compute)")
+    if finetune and recipe.finetune is not None and recipe.finetune.method != "qlora":
+        tries.append("finetune.method=qlora (4-bit frozen weights)")
+    elif not finetune and optimizer in ("adamw", "auto"):
+        tries.append("optim.name=adamw8bit (8-bit optimizer states)")
+    if seq_len and seq_len >= 128:
+        tries.append(f"train.seq_len={seq_len // 2}")
+    where = recipe.source or "RECIPE"
+    estimate = (
+        f"; `difftrain plan {where}` estimates the memory of each"
+        if importlib.util.find_spec("difftrain.cli.plan") is not None
+        else ""
+    )
+    return (
+        f"out of GPU memory (micro_batch_size {micro}{f' × seq_len {seq_len}' if seq_len else ''}); "
+        "try, one at a time: "
+        + "; ".join(tries)
+        + estimate
+        + " — then run again (add --resume if a checkpoint was saved)"
+    )

@@ -155,11 +155,9 @@ def _train(r: Any, *, resume: bool | None, overwrite: bool, progress: bool | Non
         )
         raise typer.Exit(130 if stop.signum == signal.SIGINT else 143) from None
     except torch.OutOfMemoryError as e:
-        raise DeviceError(
-            "out of GPU memory; lower train.micro_batch_size (keep global_batch_size: accumulation grows), "
-            "set train.activation_checkpointing=true, use optim.name=adamw8bit, or shorten train.seq_len "
-            f"(`difftrain plan {r.source}` estimates each)"
-        ) from e
+        from difftrain.cli.common import oom_advice
+
+        raise DeviceError(oom_advice(r)) from e
     if result.is_global_zero:  # one table, not one per process
         _end_table(result.summary, result.run_dir)
 
