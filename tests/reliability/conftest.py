@@ -98,11 +98,13 @@ def write_recipe(
     resume: str = "false",
     cache: Path | None = None,
     out: Path | None = None,
+    corpus: Path | None = None,
 ) -> Path:
     """A tiny pretraining recipe at root/<name>.yaml (corpus under root/corpus, made if needed)."""
-    corpus = root / "corpus"
-    if not corpus.is_dir():
-        make_corpus(root)
+    if corpus is None:
+        corpus = root / "corpus"
+        if not corpus.is_dir():
+            make_corpus(root)
     p = root / f"{name}.yaml"
     p.write_text(
         RECIPE.format(
@@ -120,13 +122,34 @@ def write_recipe(
     return p
 
 
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny models on a shared 2-core machine: one intra-op thread avoids spinning thread pools
+    that slow every op by 10x under load (restored after each test of this folder)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="session")
+def shared_data(tmp_path_factory) -> tuple[Path, Path]:
+    """(corpus, cache) shared by the in-process tests: the tokenizer and shards are built once
+    (the cache key holds the corpus paths and mtimes, so one corpus means one entry)."""
+    root = tmp_path_factory.mktemp("shared")
+    return make_corpus(root), root / "cache"
+
+
 @pytest.fixture()
-def workspace(tmp_path, monkeypatch):
-    """tmp_path as the current folder, with the corpus in it; returns `write_recipe` bound to it."""
+def workspace(tmp_path, monkeypatch, shared_data):
+    """tmp_path as the current folder; returns `write_recipe` bound to it, reading the shared
+    corpus through the shared cache."""
     monkeypatch.chdir(tmp_path)
-    make_corpus(tmp_path)
+    corpus, cache = shared_data
 
     def recipe(name: str = "r", **kw) -> Path:
+        kw.setdefault("cache", cache)
+        kw.setdefault("corpus", corpus)
         return write_recipe(tmp_path, name, **kw)
 
     return recipe

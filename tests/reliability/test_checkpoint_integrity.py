@@ -29,11 +29,14 @@ from difftrain.train.run import pretrain
 
 
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory):
+def trained(tmp_path_factory, shared_data):
     """A finished 6-step run with checkpoints at 2, 4, 6, trained with `out_dir: runs` (relative
     to the current folder), so that a copy under another folder is the same run there."""
     root = tmp_path_factory.mktemp("integrity")
-    recipe = write_recipe(root, "base", steps=6, save_every=2, keep=3, out=Path("runs"))
+    corpus, cache = shared_data
+    recipe = write_recipe(
+        root, "base", steps=6, save_every=2, keep=3, out=Path("runs"), corpus=corpus, cache=cache
+    )
     with pytest.MonkeyPatch.context() as mp:
         mp.chdir(root)
         pretrain(load_recipe(recipe))
@@ -226,11 +229,14 @@ def test_weights_that_do_not_fit_the_config_are_refused_naming_the_tensor(run_co
         load_run(run)
 
 
-def test_a_checkpoint_from_a_different_model_is_refused_on_resume(run_copy, tmp_path, capsys):
+def test_a_checkpoint_from_a_different_model_is_refused_on_resume(run_copy, tmp_path, capsys, shared_data):
     """A checkpoint copied in from another run (a bigger model), even listed with a matching
     checksum, is refused with an error naming the mismatch — not a traceback."""
     recipe, run = run_copy
-    other = write_recipe(tmp_path, "other", steps=2, save_every=2, out=tmp_path / "elsewhere")
+    corpus, cache = shared_data
+    other = write_recipe(
+        tmp_path, "other", steps=2, save_every=2, out=tmp_path / "elsewhere", corpus=corpus, cache=cache
+    )
     other.write_text(other.read_text().replace("d_model: 32", "d_model: 64"))
     pretrain(load_recipe(other))
     planted = run / "checkpoints" / step_file(8)

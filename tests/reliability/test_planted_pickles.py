@@ -52,9 +52,10 @@ def test_the_payload_really_runs_code_when_unpickled(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory):
+def trained(tmp_path_factory, shared_data):
     root = tmp_path_factory.mktemp("pickles")
-    recipe = write_recipe(root, "base", steps=4, save_every=2, out=Path("runs"))
+    corpus, cache = shared_data
+    recipe = write_recipe(root, "base", steps=4, save_every=2, out=Path("runs"), corpus=corpus, cache=cache)
     with pytest.MonkeyPatch.context() as mp:
         mp.chdir(root)
         pretrain(load_recipe(recipe))

@@ -1,0 +1,100 @@
+"""Paths in a recipe mean the same thing from any current folder, and a run cannot escape.
+
+Data sources, `extends:` and the tokenizer are resolved against the recipe's own folder; the
+run directory is `out_dir/name` with out_dir relative to the current folder (the runs folder
+of the project a user works in), and neither out_dir nor name can climb out of it through '..'
+unless out_dir is given as an absolute path on purpose.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from conftest import flat, make_corpus
+
+from difftrain.cli.app import main
+from difftrain.errors import RecipeError
+from difftrain.recipe import load_recipe
+from difftrain.train.run import plan_run
+
+RECIPE = """\
+name: {name}
+out_dir: {out_dir}
+model: {{arch: diff, d_model: 32, n_layers: 2, n_heads: 4, max_seq_len: 32}}
+data: {{sources: [{source}], val_windows: 0, cache_dir: {cache}}}
+tokenizer: {{train: {{vocab_size: 320}}}}
+train: {{max_steps: 1, micro_batch_size: 2}}
+logging: {{progress: false, tensorboard: false}}
+"""
+
+
+@pytest.fixture()
+def project(tmp_path, monkeypatch):
+    """tmp/proj/{recipe.yaml, corpus/} and a decoy tmp/elsewhere/corpus/ as the current folder."""
+    proj, elsewhere = tmp_path / "proj", tmp_path / "elsewhere"
+    proj.mkdir()
+    elsewhere.mkdir()
+    make_corpus(proj, n_docs=12)
+    (elsewhere / "corpus").mkdir()
+    (elsewhere / "corpus" / "decoy.py").write_text("decoy = 1\n")
+    monkeypatch.chdir(elsewhere)
+
+    def recipe(name="r", out_dir="runs", source="corpus", where=proj) -> Path:
+        p = where / f"{name}.yaml"
+        p.write_text(RECIPE.format(name=name, out_dir=out_dir, source=source, cache=tmp_path / "cache"))
+        return p
+
+    return tmp_path, recipe
+
+
+def test_data_sources_are_found_next_to_the_recipe_not_in_the_current_folder(project, capsys):
+    root, recipe = project
+    assert main(["prepare", str(recipe())]) == 0
+    out = flat(capsys.readouterr().out)
+    assert "documents 12" in out  # the 12 files of proj/corpus, not the decoy
+
+
+def test_extends_is_resolved_against_the_recipe_file(project):
+    root, recipe = project
+    base = recipe("base")
+    child = root / "proj" / "variants" / "child.yaml"
+    child.parent.mkdir()
+    child.write_text("extends: ../base.yaml\nname: child\n")
+    r = load_recipe(child)
+    assert r.name == "child" and r.model.d_model == 32
+    assert load_recipe(base).recipe_dir == (root / "proj").resolve()
+
+
+def test_a_relative_out_dir_is_under_the_current_folder(project):
+    root, recipe = project
+    assert plan_run(load_recipe(recipe())).run_dir.resolve() == (root / "elsewhere" / "runs" / "r").resolve()
+
+
+@pytest.mark.parametrize("out_dir", ["..", "../runs", "runs/../../x", "./../runs"])
+def test_out_dir_cannot_climb_out_through_dotdot(project, out_dir, capsys):
+    root, recipe = project
+    with pytest.raises(RecipeError, match="climbs out of the current folder"):
+        plan_run(load_recipe(recipe(out_dir=out_dir)))
+    assert main(["pretrain", str(recipe(out_dir=out_dir)), "--dry-run"]) == 2
+    assert main(["pretrain", str(recipe()), f"out_dir={out_dir}"]) == 2
+    assert "climbs out" in capsys.readouterr().err
+    assert not (root / "runs").exists() and not (root / "x").exists()
+
+
+@pytest.mark.parametrize("name", ["..", "../x", "a/b", "/etc", "a\\\\b", "''"])
+def test_a_run_name_is_a_plain_folder_name(project, name, capsys):
+    root, recipe = project
+    assert main(["pretrain", str(recipe()), f"name={name}", "--dry-run"]) == 2
+    assert "name" in capsys.readouterr().err
+
+
+def test_an_absolute_out_dir_is_allowed_on_purpose(project, capsys):
+    root, recipe = project
+    target = root / "shared-runs"
+    r = load_recipe(recipe(out_dir=str(target)))
+    assert plan_run(r).run_dir == target / "r"
+    assert main(["pretrain", str(recipe(out_dir=str(target))), "--no-progress"]) == 0
+    assert (target / "r" / "model.safetensors").is_file()
+    # nothing was written next to the recipe or in the current folder but the cache-free runs
+    assert not (root / "elsewhere" / "runs").exists() and not (root / "proj" / "runs").exists()
