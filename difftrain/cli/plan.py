@@ -1,0 +1,127 @@
+"""`difftrain plan RECIPE [--gpu-mem 8GB] [key=value ...]`: will this run fit, and if not, what fixes it."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import typer
+
+from difftrain.cli.common import console, fmt_count, kv_table
+
+
+def plan_command(
+    recipe: str = typer.Argument(..., help="Recipe file or shipped recipe name."),
+    overrides: list[str] = typer.Argument(
+        None, help="Overrides as key.sub=value, e.g. train.micro_batch_size=4."
+    ),
+    gpu_mem: str = typer.Option(
+        None,
+        "--gpu-mem",
+        help="Plan for a CUDA GPU with this much memory (8GB, 11.5GiB, 24000MB; GB = GiB). "
+        "Default: this machine's GPU, else its RAM.",
+    ),
+    device: str = typer.Option(
+        "auto", "--device", help="auto | cpu: plan for this machine's GPU or its RAM."
+    ),
+    as_json: bool = typer.Option(False, "--json", help="Print the plan as JSON instead of tables."),
+) -> None:
+    """Estimate the memory of a training run before it starts: parameters; weights, gradients and
+    optimizer state; activations per micro-batch (each arch, with and without activation
+    checkpointing, each precision); the KV cache for generation; the peak. Says whether it fits
+    and lists the cheapest changes that make it fit. Exit code 0 when it fits, 1 when it does not."""
+    from difftrain.errors import ConfigError
+    from difftrain.plan import detect_target, plan_recipe
+    from difftrain.recipe import load_recipe
+
+    if device not in ("auto", "cpu"):
+        raise ConfigError(f"--device {device!r}: choose auto or cpu (use --gpu-mem to plan for a GPU)")
+    r = load_recipe(recipe, overrides or [])
+    target = detect_target(gpu_mem, device)
+    rp = plan_recipe(r, target)
+    if as_json:
+        print(json.dumps({"recipe": r.source or r.name, **rp.to_dict()}, indent=2))
+    else:
+        _render(r, rp)
+    if not rp.plan.fits:
+        raise typer.Exit(1)
+
+
+def _render(r: Any, rp: Any) -> None:
+    from rich.table import Table
+
+    from difftrain.plan import fmt_bytes
+
+    p = rp.plan
+    s, c, t = p.settings, p.config, p.target
+    head = [
+        ("recipe", str(r.source or r.name)),
+        (
+            "model",
+            f"{c.arch} · d_model {c.d_model} · {c.n_layers} layers · {c.n_heads} heads · vocab {c.vocab_size}"
+            + (f" · {p.method}" if p.method != "full" else ""),
+        ),
+        ("parameters", f"{fmt_count(p.params)} ({fmt_count(p.trained_params)} trained)"),
+        (
+            "batch",
+            f"micro {s.micro_batch_size} × {s.seq_len} tokens (accumulate {s.accumulate}) · {s.precision} · "
+            f"{s.optimizer}" + (" · activation checkpointing" if s.checkpointing else ""),
+        ),
+        ("target", f"{t.name}: {fmt_bytes(t.memory)}"),
+    ]
+    console.print(kv_table("difftrain plan", head))
+
+    table = Table(title="memory at the peak of a training step", title_justify="left")
+    table.add_column("what")
+    table.add_column("bytes", justify="right")
+    for k, v in p.breakdown().items():
+        if v:
+            table.add_row(k, fmt_bytes(v))
+    table.add_row("[bold]peak of the step[/]", f"[bold]{fmt_bytes(p.peak)}[/]")
+    extra = "CUDA context and allocator slack" if t.kind == "cuda" else "the Python process itself"
+    table.add_row(f"+ {extra}", fmt_bytes(p.device_need - p.peak))
+    verdict = "[bold green]fits[/]" if p.fits else "[bold red]does not fit[/]"
+    table.add_row(
+        f"[bold]needs[/] ({verdict})", f"[bold]{fmt_bytes(p.device_need)}[/] of {fmt_bytes(t.memory)}"
+    )
+    console.print(table)
+
+    if rp.activation_table:
+        act = Table(
+            title=f"activations of one micro-batch ({s.micro_batch_size} × {s.seq_len})", title_justify="left"
+        )
+        act.add_column("arch")
+        for label in ("fp32", "bf16 mixed", "bf16 true"):
+            act.add_column(label, justify="right")
+            act.add_column("+ckpt", justify="right")
+        by = {(x["arch"], x["precision"], x["checkpointing"]): x["bytes"] for x in rp.activation_table}
+        for arch in ("baseline", "diff", "diff2"):
+            cells = [
+                fmt_bytes(by[(arch, prec, ck)])
+                for prec in ("32-true", "bf16-mixed", "bf16-true")
+                for ck in (False, True)
+            ]
+            act.add_row(arch + (" ◂" if arch == c.arch else ""), *cells)
+        console.print(act)
+    console.print(
+        f"generation (batch 1, {c.max_seq_len} tokens, fp32): weights + KV cache {fmt_bytes(rp.kv_cache)} "
+        f"= {fmt_bytes(rp.generation_bytes)}"
+    )
+    for note in p.notes:
+        console.print(f"[dim]note: {note}[/]")
+    if not p.fits:
+        if rp.suggestions:
+            console.print("[bold]cheapest changes that make it fit[/] (as overrides):")
+            for sug in rp.suggestions:
+                console.print(
+                    f"  [cyan]{sug.overrides}[/]  → needs {fmt_bytes(sug.plan.device_need)} ({'; '.join(sug.why)})"
+                )
+        else:
+            console.print(
+                "[yellow]no combination of 8-bit optimizer, checkpointing, micro-batch, bf16-true and "
+                "sequence length fits; use a smaller model or a bigger device[/]"
+            )
+
+
+def register(app: typer.Typer) -> None:
+    app.command("plan")(plan_command)

@@ -1,0 +1,832 @@
+"""Memory planner: what a training run will hold in memory, before anything runs.
+
+`plan_recipe(recipe, target)` estimates, for the recipe's model and batch on a target device,
+the bytes of
+
+    weights       P · bytes(param dtype)                 (fp32, or bf16 under bf16-true)
+    gradients     P_trained · bytes(param dtype)
+    optimizer     per parameter tensor, as the optimizer allocates it (exact; see below)
+    activations   what autograd saves for the backward pass (formulas below)
+    logits        the loss's saved log-probabilities and the backward's two (B·T, V) buffers
+
+and their peak, says whether it fits, and lists the cheapest changes that make it fit
+(8-bit optimizer, activation checkpointing, smaller micro-batch at the same global batch,
+bf16-true, shorter sequences). `pretrain` runs the same check and warns.
+
+## Optimizer state (exact; `optimizer_state_bytes` in train/optim.py measures the same)
+
+AdamW: two fp32 moments, 8 bytes/param (in the parameter's dtype under bf16-true: 4), and a 0-d
+fp32 step count per tensor. bitsandbytes
+8-bit optimizers keep tensors of fewer than 4096 elements in 32 bits; a larger tensor of n
+elements holds one uint8 per moment and element, one fp32 absmax per moment and block of 256, and
+a 256-entry fp32 quantisation map per moment:
+
+    adamw8bit, paged_adamw8bit:  2n + 8·⌈n/256⌉ + 2048 bytes      lion8bit: n + 4·⌈n/256⌉ + 1024
+
+Paged state lives in CUDA unified memory and may be evicted to host RAM under pressure; the plan
+counts it on the GPU (the worst case).
+
+## Activations (per decoder layer and token; exact for this code, eager mode)
+
+D = d_model, F = ffn_hidden, H = n_heads, Hkv = n_kv_heads, d = head_dim. These are the bytes of
+the tensors autograd saves, found by reading the code and checked by `saved_activation_bytes`
+(tests compare both on every arch × precision × kernel). The MLP and norms cost, per layer:
+
+    32-true     (6D + 4F + 2) · 4          (block input, 2 × RMSNorm (x, x̂, out), 4 MLP tensors)
+    bf16-mixed  26D + 8F + 8               (fp32 residual and norm statistics, bf16 matmul inputs:
+                                            autocast casts the norm output once per projection)
+    bf16-true   16D + 8F + 8
+
+and attention adds (the diff kernel differs by device: `flash_cpu` on CPU, `padded` on CUDA):
+
+                          32-true (× 4 bytes)            bf16 (mixed and true)
+    baseline              2Hd + 2Hkv·d + H                4Hd + 4Hkv·d + 4H
+    diff (flash_cpu)      6Hd + 2Hkv·d + 1.5H             14Hd + 4Hkv·d + 6H
+    diff (padded)         7Hd + 3Hkv·d + 1.5H             16Hd + 6Hkv·d + 6H
+    diff2                 5Hd + 2Hkv·d + 3H               10Hd + 4Hkv·d + 14H (+2D mixed)
+
+(q, k, v, the kernel's output and log-sum-exp; diff adds its second map's output and subln's
+tensors; padding q/k to 2d doubles them when they are saved padded; diff2 has 2H query heads and
+its gate.) bf16-mixed also keeps a bf16 copy of every projection weight (2 bytes per matmul
+parameter) until the backward pass. `attn_impl: eager` materialises the maps: + 4·H·T bytes per
+token and layer for baseline, 6·H·T for diff, 12·H·T for diff2 (fp32 maps), approximately.
+
+Outside the layers, per token: the final norm and the rotary tables, (12D + 8d + 20) bytes in
+32-true, (10D + 8d + 20) in bf16-mixed, (8D + 4d + 20) in bf16-true; and the log-softmax output,
+4V bytes. With activation checkpointing a layer keeps only its input (4D bytes per token; 2D in
+bf16-true), and one layer's activations are rebuilt at a time in the backward pass.
+
+## Peak
+
+The peak is the larger of the start of the backward pass (weights, optimizer state, gradients
+already accumulated, saved activations, and the two fp32 (B·T, V) gradient buffers of the loss)
+and the optimizer step (weights, gradients, state, and the fused/foreach AdamW temporaries,
+≈ one fp32 copy of the parameters). Gradients count in full when micro-batches accumulate
+(accumulate > 1), else only the output layer's. On CUDA the device also holds the CUDA context
+(≈ 0.5 GiB, not in `torch.cuda.max_memory_allocated`) and the caching allocator rounds and
+fragments (×1.10); on CPU the process itself (Python, torch, Lightning ≈ 0.6 GiB). The
+estimates are for eager execution: torch.compile fuses and recomputes, and usually saves less.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from difftrain.errors import ConfigError, RecipeError
+from difftrain.model.config import ModelConfig
+
+KiB, MiB, GiB = 2**10, 2**20, 2**30
+CUDA_CONTEXT_BYTES = GiB // 2
+CUDA_ALLOCATOR_FACTOR = 1.10
+CPU_PROCESS_BYTES = 600 * MiB
+BNB_MIN_8BIT_SIZE = 4096
+BNB_BLOCK = 256
+NF4_BYTES_PER_PARAM = 0.5 + 1 / 64 + 4 / (64 * 256)  # 4-bit codes, 8-bit absmax per 64, fp32 per 256 of those
+PRECISIONS = ("32-true", "bf16-mixed", "16-mixed", "bf16-true")
+OPTIMIZERS = ("adamw", "adamw8bit", "paged_adamw8bit", "lion8bit")
+
+
+# ----- units -----------------------------------------------------------------------------------
+_UNITS = {
+    "": None,
+    "b": 1,
+    "k": KiB,
+    "kb": KiB,
+    "kib": KiB,
+    "m": MiB,
+    "mb": MiB,
+    "mib": MiB,
+    "g": GiB,
+    "gb": GiB,
+    "gib": GiB,
+    "t": 2**40,
+    "tb": 2**40,
+    "tib": 2**40,
+}
+
+
+def parse_memory(text: str) -> int:
+    """'8GB', '8 GiB', '11.5G', '24000MB' → bytes. GB and GiB both mean 2³⁰ (GPU memory sizes are
+    binary: an "8 GB" card has 8192 MiB)."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
+    unit = m.group(2).lower() if m else ""
+    if m is None or unit not in _UNITS or _UNITS[unit] is None:
+        raise ConfigError(
+            f"--gpu-mem {text!r}: give a size with a unit, e.g. 8GB, 11.5GiB or 24000MB (GB = GiB = 2^30 bytes)"
+        )
+    return int(float(m.group(1)) * _UNITS[unit])
+
+
+def fmt_bytes(n: float) -> str:
+    """Bytes as '1.23 GiB' / '456.0 MiB' / '12.0 KiB'."""
+    for unit, size in (("GiB", GiB), ("MiB", MiB), ("KiB", KiB)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}" if unit == "GiB" else f"{n / size:.1f} {unit}"
+    return f"{n:.0f} B"
+
+
+# ----- parameters --------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Param:
+    """One parameter tensor: its name, element count, whether a matmul reads it (autocast makes
+    a bf16 copy of those), and whether it is trained."""
+
+    name: str
+    numel: int
+    matmul: bool
+    trained: bool = True
+    quantized: bool = False  # QLoRA: stored as 4-bit NF4, frozen
+
+
+def model_params(config: ModelConfig) -> list[Param]:
+    """The model's parameter tensors (a tied head counted once), from a model built on the meta
+    device: exact shapes, no memory."""
+    import torch
+
+    from difftrain.model.transformer import Transformer
+
+    with torch.device("meta"):
+        model = Transformer(config)
+    return _params_of(model)
+
+
+def _params_of(model: Any, trained: set[str] | None = None, quantized: set[str] | None = None) -> list[Param]:
+    import torch
+
+    matmul_weights = {
+        id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Linear) and hasattr(m, "weight")
+    }
+    tied_head = getattr(model, "lm_head", None)
+    out, seen = [], set()
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in seen:
+            continue
+        seen.add(id(p))
+        matmul = id(p) in matmul_weights or (tied_head is not None and p is tied_head.weight)
+        layer = name.rsplit(".", 1)[0]
+        out.append(
+            Param(
+                name,
+                p.numel(),
+                matmul,
+                trained=trained is None or name in trained,
+                quantized=quantized is not None and layer in quantized,
+            )
+        )
+    return out
+
+
+def optimizer_bytes(params: Iterable[Param], name: str, param_bytes: int = 4) -> int:
+    """Bytes of optimizer state for the trained tensors (see the module docstring)."""
+    total = 0
+    for p in params:
+        if not p.trained:
+            continue
+        n = p.numel
+        if name == "adamw":
+            total += 2 * n * param_bytes + 4  # + torch's 0-d fp32 `step` tensor
+        elif name in ("adamw8bit", "paged_adamw8bit", "lion8bit"):
+            moments = 1 if name == "lion8bit" else 2
+            if n < BNB_MIN_8BIT_SIZE:
+                total += moments * 4 * n
+            else:
+                total += moments * (n + 4 * math.ceil(n / BNB_BLOCK) + 4 * 256)
+        else:
+            raise ConfigError(
+                f"optimizer {name!r} is unknown to the planner; choose one of {', '.join(OPTIMIZERS)}"
+            )
+    return total
+
+
+# ----- activations -------------------------------------------------------------------------------
+def _dtype_family(precision: str) -> str:
+    if precision in ("bf16-mixed", "16-mixed"):
+        return "mixed"
+    if precision in ("bf16-true", "16-true"):
+        return "true"
+    return "fp32"
+
+
+def diff_kernel(device_type: str, attn_impl: str = "auto") -> str:
+    """Which diff core a device runs: `flash_cpu` on CPU (and for flex), `padded` on CUDA."""
+    if attn_impl == "flex" or device_type == "cpu":
+        return "flash_cpu"
+    return "padded"
+
+
+def attention_bytes_per_token(config: ModelConfig, precision: str, kernel: str = "flash_cpu") -> float:
+    """Bytes autograd saves per token in one layer's attention (sdpa/flash; see the table)."""
+    H, d, kv = config.n_heads, config.head_dim, config.n_kv_heads
+    assert d is not None and kv is not None
+    Hd, Kd = H * d, kv * d
+    fam = _dtype_family(precision)
+    arch = config.arch
+    if fam == "fp32":
+        elems = {
+            "baseline": 2 * Hd + 2 * Kd + H,
+            "diff": (6 * Hd + 2 * Kd + 1.5 * H) if kernel == "flash_cpu" else (7 * Hd + 3 * Kd + 1.5 * H),
+            "diff2": 5 * Hd + 2 * Kd + 3 * H,
+        }[arch]
+        return 4 * elems
+    out = {
+        "baseline": 4 * Hd + 4 * Kd + 4 * H,
+        "diff": (14 * Hd + 4 * Kd + 6 * H) if kernel == "flash_cpu" else (16 * Hd + 6 * Kd + 6 * H),
+        "diff2": 10 * Hd + 4 * Kd + 14 * H + (2 * config.d_model if fam == "mixed" else 0),
+    }[arch]
+    return float(out)
+
+
+def eager_maps_bytes_per_token(config: ModelConfig, seq_len: int) -> float:
+    """Approximate extra bytes per token and layer when attn_impl=eager keeps the maps (fp32)."""
+    per_head = {"baseline": 4, "diff": 6, "diff2": 12}[config.arch]
+    return float(per_head * config.n_heads * seq_len)
+
+
+def layer_bytes_per_token(
+    config: ModelConfig, precision: str, kernel: str = "flash_cpu", seq_len: int = 0, attn_impl: str = "auto"
+) -> float:
+    """Bytes saved per token by one decoder layer (norms, MLP, attention)."""
+    D, F = config.d_model, config.ffn_hidden
+    assert F is not None
+    fam = _dtype_family(precision)
+    common = {"fp32": (6 * D + 4 * F + 2) * 4, "mixed": 26 * D + 8 * F + 8, "true": 16 * D + 8 * F + 8}[fam]
+    extra = eager_maps_bytes_per_token(config, seq_len) if attn_impl == "eager" else 0.0
+    return common + attention_bytes_per_token(config, precision, kernel) + extra
+
+
+def outside_bytes_per_token(config: ModelConfig, precision: str) -> float:
+    """Per token outside the layers: final norm, rotary tables, ids/targets, log-softmax output."""
+    D, d, V = config.d_model, config.head_dim, config.vocab_size
+    assert d is not None and isinstance(V, int)
+    fam = _dtype_family(precision)
+    norm = {"fp32": 12 * D + 8 * d, "mixed": 10 * D + 8 * d, "true": 8 * D + 4 * d}[fam]
+    return norm + 20 + 4 * V
+
+
+@dataclass
+class Activations:
+    """Activation memory of one micro-batch (bytes)."""
+
+    per_layer: float  # one layer, all tokens of the micro-batch, without checkpointing
+    layers: float  # what all layers keep during the forward pass (checkpointed: their inputs)
+    outside: float  # final norm, rotary tables, log-softmax output
+    weight_copies: float  # bf16-mixed: autocast's bf16 copies of the matmul weights
+    recompute: float  # checkpointing: one layer rebuilt during its backward
+
+    @property
+    def total(self) -> float:
+        return self.layers + self.outside + self.weight_copies + self.recompute
+
+
+def activations(
+    config: ModelConfig,
+    params: list[Param],
+    *,
+    micro_batch_size: int,
+    seq_len: int,
+    precision: str,
+    checkpointing: bool,
+    kernel: str = "flash_cpu",
+    attn_impl: str = "auto",
+) -> Activations:
+    """Activation memory of one micro-batch of `micro_batch_size` × `seq_len` tokens."""
+    N = micro_batch_size * seq_len
+    L = config.n_layers
+    per_layer = N * layer_bytes_per_token(config, precision, kernel, seq_len, attn_impl)
+    fam = _dtype_family(precision)
+    if checkpointing:
+        layers = N * L * config.d_model * (2 if fam == "true" else 4)
+        recompute = per_layer
+    else:
+        layers, recompute = L * per_layer, 0.0
+    copies = 0.0
+    if fam == "mixed":  # autocast's bf16 weight copies; checkpointed layers make theirs in recompute
+        in_layers = 2.0 * sum(
+            p.numel for p in params if p.matmul and not p.quantized and ".layers." in p.name
+        )
+        outside = 2.0 * sum(
+            p.numel for p in params if p.matmul and not p.quantized and ".layers." not in p.name
+        )
+        copies = outside + (0.0 if checkpointing else in_layers)
+        if checkpointing:
+            recompute += in_layers / L
+    return Activations(per_layer, layers, N * outside_bytes_per_token(config, precision), copies, recompute)
+
+
+# ----- the plan -----------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Target:
+    """The device a plan is for: `cuda` (GPU memory) or `cpu` (RAM)."""
+
+    kind: str
+    memory: int
+    name: str
+
+    @property
+    def overhead(self) -> int:
+        return CUDA_CONTEXT_BYTES if self.kind == "cuda" else CPU_PROCESS_BYTES
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The knobs a plan varies (a recipe resolved for its target)."""
+
+    micro_batch_size: int
+    seq_len: int
+    global_batch_size: int
+    world_size: int
+    precision: str
+    optimizer: str
+    checkpointing: bool
+    attn_impl: str = "auto"
+
+    @property
+    def accumulate(self) -> int:
+        return max(1, self.global_batch_size // (self.micro_batch_size * self.world_size))
+
+
+@dataclass
+class MemoryPlan:
+    """Estimated bytes of a training run; `peak` is what the device must hold (see the module doc)."""
+
+    config: ModelConfig
+    settings: Settings
+    target: Target
+    params: int
+    trained_params: int
+    weights: float
+    gradients: float
+    optimizer: float
+    optimizer_temporaries: float
+    activations: Activations
+    loss_buffers: float
+    peak_backward: float
+    peak_step: float
+    method: str = "full"
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def peak(self) -> float:
+        """Bytes the training step itself allocates at its peak (what max_memory_allocated reports)."""
+        return max(self.peak_backward, self.peak_step)
+
+    @property
+    def device_need(self) -> float:
+        """What the device must have: the peak with allocator slack, plus the context/process."""
+        factor = CUDA_ALLOCATOR_FACTOR if self.target.kind == "cuda" else 1.0
+        return self.peak * factor + self.target.overhead
+
+    @property
+    def fits(self) -> bool:
+        return self.device_need <= self.target.memory
+
+    def breakdown(self) -> dict[str, float]:
+        a = self.activations
+        return {
+            "weights": self.weights,
+            "gradients": self.gradients,
+            "optimizer state": self.optimizer,
+            "activations (layers)": a.layers + a.recompute,
+            "activations (outside layers)": a.outside,
+            "autocast weight copies": a.weight_copies,
+            "loss gradient buffers": self.loss_buffers,
+            "optimizer temporaries": self.optimizer_temporaries,
+        }
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "params": self.params,
+            "trained_params": self.trained_params,
+            "method": self.method,
+            "settings": asdict(self.settings),
+            "target": asdict(self.target),
+            "bytes": {k: round(v) for k, v in self.breakdown().items()},
+            "peak_backward": round(self.peak_backward),
+            "peak_step": round(self.peak_step),
+            "peak": round(self.peak),
+            "device_need": round(self.device_need),
+            "fits": self.fits,
+            "notes": self.notes,
+        }
+
+
+def plan_memory(
+    config: ModelConfig,
+    settings: Settings,
+    target: Target,
+    params: list[Param] | None = None,
+    *,
+    method: str = "full",
+) -> MemoryPlan:
+    """The memory plan of training `config` with `settings` on `target` (see the module doc)."""
+    if config.vocab_size == "auto":
+        raise ConfigError("model.vocab_size is 'auto': resolve it before planning (plan_recipe does)")
+    params = model_params(config) if params is None else params
+    s = settings
+    true_bf16 = _dtype_family(s.precision) == "true"
+    pbytes = 2 if true_bf16 else 4
+    n_params = sum(p.numel for p in params)
+    trained = [p for p in params if p.trained]
+    n_trained = sum(p.numel for p in trained)
+    weights = sum(p.numel * (NF4_BYTES_PER_PARAM if p.quantized else pbytes) for p in params)
+    grads = n_trained * pbytes
+    opt = optimizer_bytes(params, s.optimizer, pbytes)
+    temps = n_trained * 4.0 if s.optimizer == "adamw" else 0.0  # foreach/fused AdamW workspace
+    kernel = diff_kernel(target.kind, s.attn_impl)
+    act = activations(
+        config,
+        params,
+        micro_batch_size=s.micro_batch_size,
+        seq_len=s.seq_len,
+        precision=s.precision,
+        checkpointing=s.checkpointing,
+        kernel=kernel,
+        attn_impl=s.attn_impl,
+    )
+    assert isinstance(config.vocab_size, int)
+    N = s.micro_batch_size * s.seq_len
+    loss_buffers = 2.0 * N * config.vocab_size * 4
+    head = next((p for p in params if p.name in ("lm_head.weight", "model.embed_tokens.weight")), None)
+    grads_at_backward = grads if s.accumulate > 1 else (head.numel * pbytes if head and head.trained else 0)
+    peak_backward = weights + opt + grads_at_backward + act.total + loss_buffers
+    peak_step = weights + grads + opt + temps
+    notes = []
+    if s.attn_impl == "eager":
+        notes.append("attn_impl=eager keeps the attention maps: the activation figure is approximate")
+    if method != "full":
+        notes.append(f"{method}: LoRA's own small intermediates are not counted")
+    return MemoryPlan(
+        config=config,
+        settings=settings,
+        target=target,
+        params=n_params,
+        trained_params=n_trained,
+        weights=weights,
+        gradients=grads,
+        optimizer=opt,
+        optimizer_temporaries=temps,
+        activations=act,
+        loss_buffers=loss_buffers,
+        peak_backward=peak_backward,
+        peak_step=peak_step,
+        method=method,
+        notes=notes,
+    )
+
+
+def kv_cache_bytes(
+    config: ModelConfig, batch_size: int = 1, max_len: int | None = None, dtype_bytes: int = 4
+) -> int:
+    """KV cache for generation: keys and values of every layer, (B, Hkv, L, d) each (diff keeps
+    Hkv/2 value heads of 2d: the same bytes)."""
+    assert config.n_kv_heads is not None and config.head_dim is not None
+    L = config.max_seq_len if max_len is None else max_len
+    return 2 * config.n_layers * batch_size * config.n_kv_heads * L * config.head_dim * dtype_bytes
+
+
+def activation_table(config: ModelConfig, settings: Settings, target: Target) -> list[dict[str, Any]]:
+    """Activations of one micro-batch for every arch × precision × checkpointing, at this shape
+    (the other archs built with the same fields)."""
+    rows = []
+    for arch in ("baseline", "diff", "diff2"):
+        cfg = config.replace(arch=arch)
+        params = model_params(cfg)
+        for precision in ("32-true", "bf16-mixed", "bf16-true"):
+            for ckpt in (False, True):
+                a = activations(
+                    cfg,
+                    params,
+                    micro_batch_size=settings.micro_batch_size,
+                    seq_len=settings.seq_len,
+                    precision=precision,
+                    checkpointing=ckpt,
+                    kernel=diff_kernel(target.kind, settings.attn_impl),
+                    attn_impl=settings.attn_impl,
+                )
+                rows.append(
+                    {"arch": arch, "precision": precision, "checkpointing": ckpt, "bytes": round(a.total)}
+                )
+    return rows
+
+
+# ----- making it fit -----------------------------------------------------------------------------
+@dataclass
+class Suggestion:
+    """A set of recipe changes (dotted key → value) that makes the run fit, and its cost."""
+
+    changes: dict[str, Any]
+    plan: MemoryPlan
+    cost: float
+    why: list[str]
+
+    @property
+    def overrides(self) -> str:
+        return " ".join(
+            f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in self.changes.items()
+        )
+
+
+# Relative cost of each change (≈ slowdown or change to the training, made up but ordered):
+# the 8-bit optimizer costs nearly nothing; halving the micro-batch (same global batch, more
+# accumulation) a little GPU efficiency per halving; checkpointing ≈ 30 % more compute; bf16-true
+# drops fp32 master weights (a numerics change); shorter sequences change what the model learns.
+COSTS = {"optimizer": 1.0, "micro_halving": 1.5, "checkpointing": 3.0, "bf16_true": 5.0, "seq_halving": 10.0}
+
+
+def suggest(
+    config: ModelConfig,
+    settings: Settings,
+    target: Target,
+    params: list[Param] | None = None,
+    *,
+    method: str = "full",
+    limit: int = 3,
+) -> list[Suggestion]:
+    """The cheapest combinations of changes that make the plan fit, cheapest first; none that
+    is a superset of a cheaper one."""
+    params = model_params(config) if params is None else params
+    s0 = settings
+    opts = [s0.optimizer] + ([] if s0.optimizer != "adamw" else ["adamw8bit"])
+    ckpts = [s0.checkpointing] + ([] if s0.checkpointing else [True])
+    micros = []
+    m = s0.micro_batch_size
+    while m >= 1:
+        micros.append(m)
+        if m == 1:
+            break
+        m //= 2
+    precisions = [s0.precision] + (["bf16-true"] if s0.precision == "bf16-mixed" and method == "full" else [])
+    seqs = []
+    t = s0.seq_len
+    while t >= 64 and len(seqs) < 4:
+        seqs.append(t)
+        t //= 2
+    seqs = seqs or [s0.seq_len]
+    found: list[Suggestion] = []
+    for opt in opts:
+        for ck in ckpts:
+            for micro in micros:
+                for prec in precisions:
+                    for seq in seqs:
+                        changes: dict[str, Any] = {}
+                        why, cost = [], 0.0
+                        if opt != s0.optimizer:
+                            changes["optim.name"] = opt
+                            cost += COSTS["optimizer"]
+                            why.append("8-bit optimizer state (≈2 bytes/param instead of 8)")
+                        if ck != s0.checkpointing:
+                            changes["train.activation_checkpointing"] = True
+                            cost += COSTS["checkpointing"]
+                            why.append("activation checkpointing (≈30% more compute)")
+                        if micro != s0.micro_batch_size:
+                            changes["train.micro_batch_size"] = micro
+                            changes["train.global_batch_size"] = s0.global_batch_size
+                            cost += COSTS["micro_halving"] * math.log2(s0.micro_batch_size / micro)
+                            why.append(
+                                f"micro-batch {micro}, accumulating {s0.global_batch_size // (micro * s0.world_size)}× "
+                                "(same global batch)"
+                            )
+                        if prec != s0.precision:
+                            changes["train.precision"] = prec
+                            cost += COSTS["bf16_true"]
+                            why.append("bf16-true: bf16 weights without fp32 master copies")
+                        if seq != s0.seq_len:
+                            changes["train.seq_len"] = seq
+                            cost += COSTS["seq_halving"] * math.log2(s0.seq_len / seq)
+                            why.append(f"sequences of {seq} tokens (changes what the model learns)")
+                        if not changes:
+                            continue
+                        if (s0.global_batch_size // s0.world_size) % micro:
+                            continue
+                        s = replace(
+                            s0,
+                            optimizer=opt,
+                            checkpointing=ck,
+                            micro_batch_size=micro,
+                            precision=prec,
+                            seq_len=seq,
+                        )
+                        p = plan_memory(config, s, target, params, method=method)
+                        if p.fits:
+                            found.append(Suggestion(changes, p, cost, why))
+    found.sort(key=lambda x: (x.cost, x.plan.peak))
+    kept: list[Suggestion] = []
+    for sug in found:
+        if any(_dominates(k.changes, sug.changes) for k in kept):
+            continue
+        kept.append(sug)
+        if len(kept) == limit:
+            break
+    return kept
+
+
+def _dominates(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    """True when `a` changes no more than `b` does, each at most as far (a cheaper subset)."""
+    for k, v in a.items():
+        if k not in b:
+            return False
+        if k in ("train.micro_batch_size", "train.seq_len") and b[k] > v:
+            return False
+    return True
+
+
+# ----- recipes -----------------------------------------------------------------------------------
+def detect_target(gpu_mem: str | None = None, device: str = "auto") -> Target:
+    """The target of a plan: `--gpu-mem` → a CUDA GPU of that size; otherwise this machine's
+    first CUDA GPU, or its RAM when it has none (or device == 'cpu')."""
+    if gpu_mem is not None:
+        return Target("cuda", parse_memory(gpu_mem), f"GPU with {gpu_mem}")
+    import torch
+
+    if device != "cpu" and torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        return Target("cuda", int(props.total_memory), props.name)
+    return Target("cpu", available_ram(), "this machine's RAM")
+
+
+def available_ram() -> int:
+    """Total RAM of this machine (bytes): /proc/meminfo, else os.sysconf."""
+    import os
+
+    try:
+        text = Path("/proc/meminfo").read_text()
+        kib = int(re.search(r"MemTotal:\s+(\d+)", text).group(1))  # type: ignore[union-attr]
+        return kib * KiB
+    except (OSError, AttributeError, ValueError):
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def _vocab_size(recipe: Any) -> int:
+    """model.vocab_size, resolving 'auto' as pretrain does: the tokenizer's size rounded up to 64."""
+    m = recipe.model
+    if isinstance(m.vocab_size, int):
+        return m.vocab_size
+    if recipe.tokenizer.path is not None:
+        from difftrain.data.tokenizer import load_tokenizer
+
+        p = Path(recipe.tokenizer.path).expanduser()
+        if not p.is_absolute():
+            p = recipe.recipe_dir / p
+        size = load_tokenizer(p).vocab_size
+    else:
+        size = recipe.tokenizer.train.vocab_size
+    return 64 * math.ceil(size / 64)
+
+
+@dataclass
+class RecipePlan:
+    """`plan_recipe`'s answer: the plan, the suggestions if it does not fit, and the context."""
+
+    plan: MemoryPlan
+    suggestions: list[Suggestion]
+    activation_table: list[dict[str, Any]]
+    kv_cache: int
+    generation_bytes: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            **self.plan.to_dict(),
+            "activation_table": self.activation_table,
+            "kv_cache_bytes": self.kv_cache,
+            "generation_bytes": self.generation_bytes,
+            "suggestions": [
+                {
+                    "overrides": s.overrides,
+                    "changes": s.changes,
+                    "peak": round(s.plan.peak),
+                    "device_need": round(s.plan.device_need),
+                    "why": s.why,
+                }
+                for s in self.suggestions
+            ],
+        }
+
+
+def recipe_settings(recipe: Any, target: Target) -> tuple[ModelConfig, Settings, list[Param], str]:
+    """The model, settings, parameters and fine-tuning method a recipe resolves to on `target`."""
+    from difftrain.recipe import resolve_auto
+
+    cuda = target.kind == "cuda"
+    r = resolve_auto(recipe, cuda=cuda, bf16=cuda)
+    method = "full"
+    trained: set[str] | None = None
+    quantized: set[str] | None = None
+    if r.finetune is not None:
+        config, trained, quantized, method = _finetune_model(r)
+    else:
+        if r.model is None:
+            raise RecipeError(f"{recipe.source or recipe.name}: no model: section to plan for")
+        config = r.model.replace(vocab_size=_vocab_size(r))
+    t = r.train
+    seq_len = t.seq_len or config.max_seq_len
+    world = (int(t.devices) if t.devices != "auto" else 1) * t.num_nodes
+    settings = Settings(
+        micro_batch_size=t.micro_batch_size,
+        seq_len=seq_len,
+        global_batch_size=t.global_batch_size or t.micro_batch_size * world,
+        world_size=world,
+        precision=t.precision,
+        optimizer=r.optim.name,
+        checkpointing=t.activation_checkpointing,
+        attn_impl=config.attn_impl,
+    )
+    if trained is None:
+        params = model_params(config)
+    else:
+        params = _finetune_params(config, r, trained, quantized or set())
+    return config, settings, params, method
+
+
+def _finetune_model(r: Any) -> tuple[ModelConfig, set[str], set[str], str]:
+    from difftrain.train.finetune import base_run_dir, resolve_model
+
+    ft = r.finetune
+    config = resolve_model(r, base_run_dir(ft))
+    return config, set(), set(), ft.method
+
+
+def _finetune_params(config: ModelConfig, r: Any, trained: set[str], quantized: set[str]) -> list[Param]:
+    """Parameters of a fine-tune: LoRA adapters (trained), λ (trained unless frozen), the base
+    (frozen; 4-bit for QLoRA's decoder linears)."""
+    import torch
+
+    from difftrain.adapters import plan_adapter
+    from difftrain.model.lora import apply_lora
+    from difftrain.model.transformer import Transformer
+
+    ft = r.finetune
+    with torch.device("meta"):
+        model = Transformer(config)
+    if ft.method == "full":
+        return _params_of(model)
+    spec = plan_adapter(
+        model,
+        method=ft.method,
+        rank=ft.lora.rank,
+        alpha=ft.lora.alpha,
+        dropout=ft.lora.dropout,
+        target_modules=ft.lora.target_modules,
+        train_lambdas=ft.train_lambdas,
+        train_embeddings=False,
+    )
+    with torch.device("meta"):
+        apply_lora(model, spec.targets, rank=spec.rank, alpha=spec.alpha, dropout=spec.dropout)
+    names = {n for n, _ in model.named_parameters()}
+    trained_names = {n for n in names if ".lora_" in n} | set(spec.trained)
+    quantized_layers = {f"{q}.base" if q in spec.targets else q for q in spec.quantized}
+    return _params_of(model, trained=trained_names, quantized=quantized_layers)
+
+
+def plan_recipe(recipe: Any, target: Target) -> RecipePlan:
+    """Plan `recipe` on `target`; suggestions when it does not fit."""
+    config, settings, params, method = recipe_settings(recipe, target)
+    plan = plan_memory(config, settings, target, params, method=method)
+    suggestions = [] if plan.fits else suggest(config, settings, target, params, method=method)
+    kv = kv_cache_bytes(config)
+    gen_bytes = int(sum(p.numel for p in params) * 4 + kv + config.vocab_size * 4)  # type: ignore[operator]
+    table = activation_table(config, settings, target) if method == "full" else []
+    return RecipePlan(plan, suggestions, table, kv, gen_bytes)
+
+
+def fit_warning(recipe: Any, accelerator: str) -> str | None:
+    """One line for `pretrain` when the plan says the run will not fit the device it is about to
+    use (CUDA: the GPU's memory; CPU: the RAM), with the cheapest fix; None when it fits."""
+    target = detect_target(device="cpu" if accelerator != "cuda" else "auto")
+    rp = plan_recipe(recipe, target)
+    p = rp.plan
+    if p.fits:
+        return None
+    fix = (
+        f"; cheapest fix: {rp.suggestions[0].overrides}"
+        if rp.suggestions
+        else "; no change the planner tries makes it fit"
+    )
+    return (
+        f"this run needs ≈{fmt_bytes(p.device_need)} but {target.name} has {fmt_bytes(target.memory)} "
+        f"(`difftrain plan {recipe.source or recipe.name}` shows the breakdown){fix}"
+    )
+
+
+# ----- measuring what autograd saves (used by tests and the benchmark) -------------------------
+def saved_activation_bytes(run_forward: Any, exclude: Iterable[Any] = ()) -> int:
+    """Bytes of the distinct storages autograd saves while `run_forward()` runs (the tensors
+    `exclude`, e.g. the parameters, are not counted)."""
+    import torch
+
+    skip = {t.untyped_storage().data_ptr() for t in exclude}
+    seen: dict[int, int] = {}
+
+    def pack(t: Any) -> Any:
+        st = t.untyped_storage()
+        if st.data_ptr() not in skip:
+            seen[st.data_ptr()] = st.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        run_forward()
+    return sum(seen.values())

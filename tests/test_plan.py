@@ -1,0 +1,191 @@
+"""The memory planner: exact parameter/optimizer arithmetic, activation formulas against what
+autograd really saves, suggestions that make a too-big run fit, and the `difftrain plan` CLI."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from difftrain.cli.app import main
+from difftrain.errors import ConfigError
+from difftrain.model import ModelConfig, Transformer, kernels
+from difftrain.model.config import num_params
+from difftrain.plan import (
+    GiB,
+    Param,
+    Settings,
+    Target,
+    activations,
+    fit_warning,
+    model_params,
+    optimizer_bytes,
+    parse_memory,
+    plan_memory,
+    plan_recipe,
+    saved_activation_bytes,
+)
+from difftrain.recipe import load_recipe
+from difftrain.train.optim import optimizer_state_bytes
+
+CPU = Target("cpu", 64 * GiB, "test machine")
+
+
+def tiny(arch: str = "diff", **kw) -> ModelConfig:
+    fields = dict(arch=arch, vocab_size=96, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=16)
+    return ModelConfig(**{**fields, **kw})
+
+
+def test_memory_sizes_parse_with_binary_units_and_reject_bare_numbers():
+    assert parse_memory("8GB") == 8 * 2**30
+    assert parse_memory("8 GiB") == 8 * 2**30
+    assert parse_memory("11.5G") == int(11.5 * 2**30)
+    assert parse_memory("24000MB") == 24000 * 2**20
+    for bad in ("8", "eight GB", "8XB", ""):
+        with pytest.raises(ConfigError, match="with a unit"):
+            parse_memory(bad)
+
+
+def test_optimizer_state_bytes_follow_adamw_and_bitsandbytes_rules_by_hand():
+    params = [
+        Param("a", 5000, True),
+        Param("b", 100, False),
+        Param("c", 4096, True),
+        Param("f", 10**6, True, False),
+    ]
+    # adamw: 8 bytes per trained element and a 4-byte step per trained tensor (f is frozen)
+    assert optimizer_bytes(params, "adamw") == 8 * (5000 + 100 + 4096) + 3 * 4
+    assert optimizer_bytes(params, "adamw", param_bytes=2) == 4 * (5000 + 100 + 4096) + 3 * 4
+    # adamw8bit: ≥ 4096 elements → 2 uint8 moments + 2 fp32 absmax per 256 + 2 qmaps of 256 fp32;
+    # smaller tensors keep two fp32 moments
+    a = 2 * 5000 + 2 * 4 * math.ceil(5000 / 256) + 2 * 1024
+    c = 2 * 4096 + 2 * 4 * 16 + 2 * 1024
+    assert optimizer_bytes(params, "adamw8bit") == a + 8 * 100 + c == 23376
+    assert optimizer_bytes(params, "paged_adamw8bit") == 23376
+    assert optimizer_bytes(params, "lion8bit") == (5000 + 4 * 20 + 1024) + 4 * 100 + (4096 + 4 * 16 + 1024)
+
+
+@pytest.mark.parametrize("name", ["adamw", "adamw8bit", "lion8bit"])
+def test_planned_optimizer_state_equals_what_the_optimizer_allocates(name):
+    from difftrain.recipe import OptimConfig
+    from difftrain.train.optim import build_optimizer
+
+    cfg = tiny(d_model=64, vocab_size=128)  # some tensors above, some below bitsandbytes' 4096
+    torch.manual_seed(0)
+    model = Transformer(cfg)
+    opt = build_optimizer(model, OptimConfig(name=name), "cpu")
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    opt.step()
+    assert optimizer_state_bytes(opt) == optimizer_bytes(model_params(cfg), name)
+
+
+@pytest.mark.parametrize("arch", ["baseline", "diff", "diff2"])
+def test_weights_and_gradients_are_exact_parameter_bytes(arch):
+    cfg = tiny(arch, tie_embeddings=arch != "diff2")
+    n = num_params(cfg)["total"]
+    assert sum(p.numel for p in model_params(cfg)) == n
+    s = Settings(2, 16, 2, 1, "32-true", "adamw", False)
+    p = plan_memory(cfg, s, CPU)
+    steps = 4 * len(model_params(cfg))  # AdamW's step count per tensor
+    assert (p.params, p.weights, p.gradients, p.optimizer) == (n, 4 * n, 4 * n, 8 * n + steps)
+    p16 = plan_memory(cfg, Settings(2, 16, 2, 1, "bf16-true", "adamw", False), CPU)
+    assert (p16.weights, p16.gradients, p16.optimizer) == (2 * n, 2 * n, 4 * n + steps)
+
+
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "ckpt"])
+@pytest.mark.parametrize("kernel", ["flash_cpu", "padded"])
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed", "bf16-true"])
+@pytest.mark.parametrize("arch", ["baseline", "diff", "diff2"])
+def test_activation_formula_matches_what_autograd_saves(arch, precision, kernel, checkpointing, monkeypatch):
+    # `padded` is the diff core CUDA runs; forcing it on CPU saves the same tensors
+    monkeypatch.setitem(kernels.DIFF_SDPA_DEFAULT, "cpu", kernel)
+    cfg = tiny(arch, tie_embeddings=arch == "diff")
+    torch.manual_seed(0)
+    model = Transformer(cfg)
+    if precision == "bf16-true":
+        model = model.to(torch.bfloat16)
+    model.set_activation_checkpointing(checkpointing)
+    g = torch.Generator().manual_seed(0)
+    ids, targets = torch.randint(0, 96, (3, 16), generator=g), torch.randint(0, 96, (3, 16), generator=g)
+
+    def forward():
+        if precision == "bf16-mixed":
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                return model(ids, targets)
+        return model(ids, targets)
+
+    measured = saved_activation_bytes(forward, exclude=model.parameters())
+    a = activations(
+        cfg, model_params(cfg), micro_batch_size=3, seq_len=16, precision=precision,
+        checkpointing=checkpointing, kernel=kernel,
+    )  # fmt: skip
+    estimated = a.layers + a.outside + a.weight_copies  # what the forward pass leaves saved
+    assert abs(estimated / measured - 1) <= 0.01, (estimated, measured)
+
+
+def test_suggestions_make_a_too_big_run_fit_and_apply_as_overrides():
+    gpu = Target("cuda", 8 * GiB, "8 GB GPU")
+    recipe = load_recipe("diff-124m")
+    rp = plan_recipe(recipe, gpu)
+    assert not rp.plan.fits and rp.plan.device_need > 8 * GiB
+    assert rp.suggestions, "the planner found no fix"
+    costs = [s.cost for s in rp.suggestions]
+    assert costs == sorted(costs)
+    for sug in rp.suggestions:
+        assert sug.plan.fits
+        fixed = plan_recipe(load_recipe("diff-124m", sug.overrides.split()), gpu)
+        assert fixed.plan.fits
+        assert fixed.plan.device_need == pytest.approx(sug.plan.device_need)
+    # the global batch is kept while the micro-batch shrinks
+    cheapest = rp.suggestions[0].changes
+    if "train.micro_batch_size" in cheapest:
+        assert cheapest["train.global_batch_size"] == 512
+
+
+def test_checkpointing_and_8bit_state_shrink_the_plan_in_the_expected_places():
+    cfg = tiny("diff", d_model=64, n_layers=4)
+    base = Settings(4, 16, 4, 1, "32-true", "adamw", False)
+    p = plan_memory(cfg, base, CPU)
+    ck = plan_memory(cfg, Settings(4, 16, 4, 1, "32-true", "adamw", True), CPU)
+    q8 = plan_memory(cfg, Settings(4, 16, 4, 1, "32-true", "adamw8bit", False), CPU)
+    assert ck.activations.layers < p.activations.layers and ck.weights == p.weights
+    assert ck.activations.layers == 4 * 16 * 4 * 64 * 4  # each layer keeps only its fp32 input
+    assert q8.optimizer < p.optimizer / 2 and q8.activations.total == p.activations.total
+
+
+def test_pretrain_warning_names_the_shortfall_and_the_cheapest_fix():
+    too_big = load_recipe("quickstart", ["train.micro_batch_size=65536", "train.global_batch_size=65536"])
+    msg = fit_warning(too_big, "cpu")
+    assert msg is not None and "needs" in msg and "cheapest fix: " in msg
+    assert "train.micro_batch_size=" in msg
+    assert fit_warning(load_recipe("quickstart"), "cpu") is None
+
+
+def plan_cli(capsys, *args) -> tuple[int, str, str]:
+    capsys.readouterr()
+    code = main(["plan", *args])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_plan_cli_exit_codes_fit_does_not_fit_and_bad_input(capsys):
+    code, out, _ = plan_cli(capsys, "quickstart", "--device", "cpu")
+    assert code == 0 and "fits" in out and "activations of one micro-batch" in out
+    code, out, _ = plan_cli(capsys, "diff-124m", "--gpu-mem", "8GB")
+    assert code == 1 and "does not fit" in out and "train.micro_batch_size=" in out
+    code, _, err = plan_cli(capsys, "diff-124m", "--gpu-mem", "8")
+    assert code == 2 and "with a unit" in err
+    code, _, err = plan_cli(capsys, "no-such-recipe")
+    assert code == 2
+
+
+def test_plan_cli_json_reports_the_breakdown_and_suggestions(capsys):
+    code, out, _ = plan_cli(capsys, "diff-124m", "--gpu-mem", "8GB", "--json", "train.micro_batch_size=8")
+    data = json.loads(out)
+    assert code == 1 and data["fits"] is False and data["settings"]["micro_batch_size"] == 8
+    assert data["bytes"]["weights"] == 4 * data["params"]
+    assert data["suggestions"] and all(s["device_need"] <= 8 * GiB for s in data["suggestions"])
+    assert {r["arch"] for r in data["activation_table"]} == {"baseline", "diff", "diff2"}
