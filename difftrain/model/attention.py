@@ -11,6 +11,7 @@ HF Llama names; the arch-specific math lives in the `core` method and in `kernel
 
 from __future__ import annotations
 
+import abc
 from collections.abc import Callable
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -59,7 +60,7 @@ class AttnOptions(NamedTuple):
     logit_transform: AttnLogitTransform | None = None
 
 
-class _Attention(nn.Module):
+class _Attention(nn.Module, abc.ABC):
     """Shared projection / RoPE / cache logic; subclasses implement `core`."""
 
     def __init__(self, config: ModelConfig, layer_idx: int, n_q: int, n_v: int, v_dim: int) -> None:
@@ -100,8 +101,9 @@ class _Attention(nn.Module):
         out = r.out.transpose(1, 2).reshape(B, T, self.n_heads * d)
         return AttnResult(self.o_proj(out), r.maps, r.logits)
 
-    def core(self, x, q, k, v, mask, impl, return_maps, transform) -> AttnResult:  # pragma: no cover
-        raise NotImplementedError
+    @abc.abstractmethod
+    def core(self, x, q, k, v, mask, impl, return_maps, transform) -> AttnResult:
+        """The attention core of this architecture on RoPE'd q, k and cached v (B, heads, T, d)."""
 
 
 class BaselineAttention(_Attention):
