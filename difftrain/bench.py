@@ -1,0 +1,1311 @@
+"""`difftrain bench`: the performance figures of this machine, in one process and one run.
+
+Sections (each may be run alone with `--only`):
+
+    attention    attention core forward+backward, each attn_impl × arch over a grid of (B, T, H, d),
+                 plus every exact diff formulation (`kernels.DIFF_SDPA_STRATEGIES`)
+    train_step   one training step (forward, backward, clip, AdamW) in tokens/s for baseline, diff and
+                 diff2 at matched parameter counts (diff2's MLP is narrowed by its extra q/λ weights),
+                 with and without torch.compile; plus `diff` with the previous CPU core (`one_call`)
+    lightning    the same step driven by the Lightning Trainer (LitLM) vs a minimal hand-written loop
+    hf           transformers' LlamaForCausalLM / DiffLlamaForCausalLM training step and greedy
+                 `generate`, on the same weights, against ours
+    optimizer    optimizer step time and state bytes/param: adamw, adamw8bit, paged_adamw8bit
+                 (CUDA only), lion8bit — the state bytes checked against `difftrain.plan`
+    decode       cached greedy decode tokens/s per arch
+    memory       `difftrain.plan`'s peak estimate against the measured peak of a training step in a
+                 fresh process (CPU: growth of the peak RSS; CUDA: torch.cuda.max_memory_allocated)
+
+How it measures. Every comparison runs its candidates round-robin (A B C A B C …) after a
+warm-up, so a change of load on a shared machine hits all of them alike; each figure is the
+median over repetitions, and each ratio is the median of the per-repetition ratios (paired).
+CPU time (all threads of this process) is reported next to wall time: on a machine shared with
+other jobs it is the steadier of the two. Read ratios, not absolute times.
+
+Modes: `quick` (tiny shapes, seconds: a smoke test), `default` (the quickstart shape and
+d_model 512 / seq 512; a few minutes on a 2-core CPU), `full` (adds torch.compile, flex
+attention, a longer grid; on CUDA the 124M shapes). The result is a JSON document (schema in
+`validate_result`); `bench_markdown` renders the README's tables from it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import json
+import math
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from difftrain.errors import ConfigError, DeviceError
+
+SCHEMA = 1
+SECTIONS = ("attention", "train_step", "lightning", "hf", "optimizer", "decode", "memory")
+MODES = ("quick", "default", "full")
+ARCHS = ("baseline", "diff", "diff2")
+
+Progress = Callable[[str], None]
+
+
+# ----- shapes ------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Shape:
+    """A model and batch shape: the model's fields plus micro-batch B and sequence length T."""
+
+    name: str
+    d_model: int
+    n_layers: int
+    n_heads: int
+    seq_len: int
+    batch: int
+    vocab_size: int
+    tie_embeddings: bool = True
+
+    @property
+    def tokens(self) -> int:
+        return self.batch * self.seq_len
+
+    def config(self, arch: str) -> Any:
+        """The ModelConfig for `arch`, parameter-matched to baseline (see `matched_config`)."""
+        from difftrain.model import ModelConfig
+
+        base = ModelConfig(
+            arch="baseline",
+            vocab_size=self.vocab_size,
+            d_model=self.d_model,
+            n_layers=self.n_layers,
+            n_heads=self.n_heads,
+            max_seq_len=self.seq_len,
+            tie_embeddings=self.tie_embeddings,
+        )
+        return matched_config(base, arch)
+
+
+def matched_config(base: Any, arch: str) -> Any:
+    """`base` (a baseline ModelConfig) as `arch` with the same parameter count: diff has the
+    baseline's projections (+6d λ/subln values per layer); diff2's q_proj is twice as wide and it
+    adds lambda_proj, D·H·d + D·H weights per layer, taken out of its SwiGLU MLP (3·D per unit
+    of ffn_hidden)."""
+    cfg = base.replace(arch=arch)
+    if arch != "diff2":
+        return cfg
+    D, H, d, F = base.d_model, base.n_heads, base.head_dim, base.ffn_hidden
+    extra = D * H * d + D * H
+    return cfg.replace(ffn_hidden=max(1, F - round(extra / (3 * D))))
+
+
+QUICK = Shape("tiny", 64, 2, 4, 64, 4, 512)
+QUICK_MEMORY = Shape("small", 128, 2, 4, 128, 16, 4096)  # big enough to rise above the imports' RSS
+QUICKSTART = Shape("quickstart", 256, 4, 8, 256, 16, 4096)
+D512 = Shape("d512-seq512", 512, 4, 8, 512, 8, 4096)
+GPT2_SMALL = Shape("124m", 768, 12, 12, 1024, 16, 32768)
+
+
+@dataclass
+class BenchOptions:
+    """What `run_bench` measures. None means "the mode's default"."""
+
+    mode: str = "default"
+    sections: tuple[str, ...] = SECTIONS
+    device: str = "auto"
+    threads: int | None = None
+    reps: int | None = None
+    warmup: int | None = None
+    compile: bool | None = None
+    precision: str | None = None
+    command: str = ""
+
+    def resolved_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        if self.device.startswith("cuda") and not torch.cuda.is_available():
+            raise DeviceError("--device cuda but no CUDA GPU is visible here; use --device cpu (or auto)")
+        return torch.device(self.device)
+
+
+@dataclass
+class Plan:
+    """The shapes, repetitions and switches of one bench run (derived from mode and device)."""
+
+    device: torch.device
+    mode: str
+    precision: str
+    compile: bool
+    reps: int
+    warmup: int
+    step_shapes: list[Shape]
+    attention_grid: list[tuple[int, int, int, int]]
+    impls: list[str]
+    decode_tokens: int
+    memory_shapes: list[tuple[Shape, str, str, bool]]  # shape, arch, optimizer, checkpointing
+    lightning_steps: int
+    notes: list[str] = field(default_factory=list)
+
+
+def make_plan(opts: BenchOptions) -> Plan:
+    if opts.mode not in MODES:
+        raise ConfigError(f"bench mode {opts.mode!r} is unknown; choose one of {', '.join(MODES)}")
+    unknown = [s for s in opts.sections if s not in SECTIONS]
+    if unknown:
+        raise ConfigError(f"unknown bench section(s) {', '.join(unknown)}; choose from {', '.join(SECTIONS)}")
+    device = opts.resolved_device()
+    cuda = device.type == "cuda"
+    precision = opts.precision or ("bf16-mixed" if cuda else "32-true")
+    mode = opts.mode
+    common = dict(device=device, mode=mode, precision=precision)
+    if mode == "quick":
+        p = Plan(
+            **common,
+            compile=bool(opts.compile),
+            reps=2,
+            warmup=1,
+            step_shapes=[QUICK],
+            attention_grid=[(2, 64, 4, 16)],
+            impls=["eager", "sdpa"],
+            decode_tokens=16,
+            memory_shapes=[(QUICK_MEMORY, "diff", "adamw", False)],
+            lightning_steps=3,
+        )
+    elif cuda:  # the 124M recipes' shape, bf16, compiled; seq 2048 for the paper's comparison
+        full = mode == "full"
+        p = Plan(
+            **common,
+            compile=True if opts.compile is None else opts.compile,
+            reps=10,
+            warmup=3,
+            step_shapes=[QUICKSTART, GPT2_SMALL] if full else [GPT2_SMALL],
+            attention_grid=[(8, 1024, 12, 64), (4, 2048, 12, 64)] + ([(2, 4096, 16, 64)] if full else []),
+            impls=["eager", "sdpa", "flex"],
+            decode_tokens=256,
+            memory_shapes=[(GPT2_SMALL, a, "adamw8bit", False) for a in ARCHS]
+            + [(GPT2_SMALL, "diff", "adamw", True)],
+            lightning_steps=20,
+        )
+    else:
+        full = mode == "full"
+        p = Plan(
+            **common,
+            compile=full if opts.compile is None else opts.compile,
+            reps=5,
+            warmup=1,
+            step_shapes=[QUICKSTART, D512],
+            attention_grid=[(16, 256, 8, 32), (8, 512, 8, 64)] + ([(4, 1024, 8, 64)] if full else []),
+            impls=["eager", "sdpa"] + (["flex"] if full else []),
+            decode_tokens=128,
+            memory_shapes=[
+                (QUICKSTART, "baseline", "adamw", False),
+                (QUICKSTART, "diff", "adamw", False),
+                (QUICKSTART, "diff", "adamw", True),
+                (D512, "diff", "adamw", False),
+            ],
+            lightning_steps=8,
+        )
+    if opts.reps is not None:
+        p.reps = max(1, opts.reps)
+    if opts.warmup is not None:
+        p.warmup = max(0, opts.warmup)
+    return p
+
+
+# ----- timing ------------------------------------------------------------------------------------
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_round_robin(
+    fns: dict[str, Callable[[], Any]], *, warmup: int, reps: int, device: torch.device
+) -> dict[str, dict[str, list[float]]]:
+    """Warm every function up, then run them round-robin `reps` times; per name, the wall and
+    process-CPU seconds of each repetition."""
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    _sync(device)
+    times: dict[str, dict[str, list[float]]] = {n: {"wall": [], "cpu": []} for n in fns}
+    for _ in range(reps):
+        for name, fn in fns.items():
+            t0, c0 = time.perf_counter(), time.process_time()
+            fn()
+            _sync(device)
+            times[name]["wall"].append(time.perf_counter() - t0)
+            times[name]["cpu"].append(time.process_time() - c0)
+    return times
+
+
+def paired_ratio(ref: list[float], other: list[float]) -> float:
+    """Median over repetitions of ref_r / other_r: other's speed relative to ref (>1 = faster)."""
+    return statistics.median(a / b for a, b in zip(ref, other, strict=True) if b > 0)
+
+
+def _summary(t: dict[str, list[float]]) -> dict[str, float]:
+    return {"ms": 1e3 * statistics.median(t["wall"]), "cpu_ms": 1e3 * statistics.median(t["cpu"])}
+
+
+@contextlib.contextmanager
+def diff_strategy(name: str | None) -> Iterator[None]:
+    """Run the diff core through `kernels.DIFF_SDPA_STRATEGIES[name]` on every device meanwhile."""
+    from difftrain.model import kernels
+
+    if name is None:
+        yield
+        return
+    saved = dict(kernels.DIFF_SDPA_DEFAULT)
+    for k in list(kernels.DIFF_SDPA_DEFAULT):
+        kernels.DIFF_SDPA_DEFAULT[k] = name
+    try:
+        yield
+    finally:
+        kernels.DIFF_SDPA_DEFAULT.clear()
+        kernels.DIFF_SDPA_DEFAULT.update(saved)
+
+
+def _autocast(plan: Plan) -> contextlib.AbstractContextManager[Any]:
+    if plan.precision in ("bf16-mixed", "16-mixed"):
+        dtype = torch.bfloat16 if plan.precision.startswith("bf16") else torch.float16
+        return torch.autocast(plan.device.type, dtype=dtype)
+    return contextlib.nullcontext()
+
+
+def _model_dtype(plan: Plan) -> torch.dtype:
+    return torch.bfloat16 if plan.precision == "bf16-true" else torch.float32
+
+
+# ----- environment ---------------------------------------------------------------------------------
+def cpu_name() -> str:
+    try:
+        for line in open("/proc/cpuinfo", encoding="utf-8"):
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def environment(device: torch.device) -> dict[str, Any]:
+    """Where the figures come from: device, versions, threads, load."""
+    from difftrain import __version__
+
+    env: dict[str, Any] = {
+        "type": device.type,
+        "name": torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_name(),
+        "cpu": cpu_name(),
+        "cpu_count": os.cpu_count(),
+        "threads": torch.get_num_threads(),
+        "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "difftrain": __version__,
+        "cuda": torch.version.cuda,
+    }
+    for pkg in ("transformers", "bitsandbytes", "lightning"):
+        try:
+            env[pkg] = __import__(pkg).__version__
+        except Exception:  # not installed, or a broken native library
+            env[pkg] = None
+    return env
+
+
+# ----- sections ------------------------------------------------------------------------------------
+def bench_attention(plan: Plan, progress: Progress) -> dict[str, Any]:
+    """Attention core forward+backward per (B, T, H, d) × impl × arch, plus the diff strategies."""
+    dtype = torch.float32 if plan.precision == "32-true" else torch.bfloat16  # what the core sees
+    rows: list[dict[str, Any]] = []
+    for B, T, H, d in plan.attention_grid:
+        progress(f"attention B={B} T={T} H={H} d={d}")
+        rows += _attention_point(plan, dtype, B, T, H, d)
+        gc.collect()
+    return {"dtype": str(dtype).removeprefix("torch."), "rows": rows}
+
+
+def _attention_point(plan: Plan, dtype: torch.dtype, B: int, T: int, H: int, d: int) -> list[dict[str, Any]]:
+    from difftrain.model.kernels import (
+        DIFF_SDPA_STRATEGIES,
+        AttnMask,
+        baseline_attention,
+        diff2_attention,
+        diff_attention,
+    )
+
+    dev = plan.device
+    g = torch.Generator().manual_seed(0)
+
+    def leaf(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=g).to(dev, dtype).requires_grad_()
+
+    mask = AttnMask(T, T)
+    q, k, q2 = leaf(B, H, T, d), leaf(B, H, T, d), leaf(B, 2 * H, T, d)
+    v_base, v_diff = leaf(B, H, T, d), leaf(B, H // 2, T, 2 * d)
+    lam, lam2 = torch.tensor(0.3, device=dev, requires_grad=True), leaf(B, H, T)
+    gb = torch.randn(B, H, T, d, generator=g).to(dev, dtype)
+    gd = torch.randn(B, H // 2, T, 2 * d, generator=g).to(dev, dtype)
+    cores: dict[str, Callable[[str], torch.Tensor]] = {
+        "baseline": lambda impl: baseline_attention(q, k, v_base, mask, impl).out,
+        "diff": lambda impl: diff_attention(q, k, v_diff, lam, mask, impl).out,
+        "diff2": lambda impl: diff2_attention(q2, k, v_base, lam2, mask, impl).out,
+    }
+    grads = {"baseline": gb, "diff": gd, "diff2": gb}
+
+    def run(arch: str, impl: str, fwd_only: bool) -> None:
+        if fwd_only:
+            with torch.no_grad():
+                cores[arch](impl)
+        else:
+            cores[arch](impl).backward(grads[arch])
+
+    fns: dict[str, Callable[[], Any]] = {}
+    modes: dict[str, str] = {}
+    for impl in plan.impls:
+        fwd_only = impl == "flex" and dev.type == "cpu"  # flex has no CPU backward
+        for arch in ARCHS:
+            fns[f"{arch}/{impl}"] = lambda a=arch, i=impl, f=fwd_only: run(a, i, f)
+            modes[f"{arch}/{impl}"] = "fwd" if fwd_only else "fwd+bwd"
+    if "sdpa" in plan.impls:
+        for name, fn in DIFF_SDPA_STRATEGIES.items():
+            if name == "flash_cpu" and dev.type != "cpu":
+                continue
+            fns[f"diff/sdpa:{name}"] = lambda fn=fn: fn(q, k, v_diff, lam, mask).backward(gd)
+            modes[f"diff/sdpa:{name}"] = "fwd+bwd"
+    times = time_round_robin(fns, warmup=plan.warmup, reps=plan.reps, device=dev)
+    rows = []
+    for key, t in times.items():
+        arch, impl = key.split("/")
+        ref = times[f"baseline/{impl.split(':')[0]}"]
+        rows.append(
+            {
+                "B": B,
+                "T": T,
+                "H": H,
+                "d": d,
+                "arch": arch,
+                "impl": impl,
+                "mode": modes[key],
+                **_summary(t),
+                "vs_baseline": paired_ratio(ref["wall"], t["wall"]),
+                "vs_baseline_cpu": paired_ratio(ref["cpu"], t["cpu"]),
+            }
+        )
+    return rows
+
+
+def _batch(shape: Shape, device: torch.device, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, shape.vocab_size, (shape.batch, shape.seq_len + 1), generator=g).to(device)
+    return ids[:, :-1], ids[:, 1:]
+
+
+def _build(cfg: Any, plan: Plan, seed: int = 0) -> Any:
+    from difftrain.model import Transformer
+
+    torch.manual_seed(seed)
+    return Transformer(cfg).to(plan.device, _model_dtype(plan))
+
+
+def _optimizer(model: Any, name: str, device: torch.device) -> Any:
+    from difftrain.recipe import OptimConfig
+    from difftrain.train.optim import build_optimizer
+
+    return build_optimizer(model, OptimConfig(name=name, lr=1e-4, warmup_steps=0), device.type)
+
+
+def train_step_fn(
+    model: Any,
+    opt: Any,
+    batch: tuple[torch.Tensor, torch.Tensor],
+    plan: Plan,
+    forward: Any = None,
+    strategy: str | None = None,
+) -> Callable[[], None]:
+    """One training step as a closure: forward, backward, clip the gradient norm to 1, AdamW."""
+    x, y = batch
+    fwd = model if forward is None else forward
+    params = [p for p in model.parameters() if p.requires_grad]
+
+    def step() -> None:
+        with diff_strategy(strategy), _autocast(plan):
+            loss = fwd(x, y).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return step
+
+
+def bench_train_step(plan: Plan, progress: Progress) -> dict[str, Any]:
+    """Training-step tokens/s per arch at matched parameters (± torch.compile)."""
+    rows: list[dict[str, Any]] = []
+    for shape in plan.step_shapes:
+        variants: dict[str, tuple[str, bool, str | None]] = {a: (a, False, None) for a in ARCHS}
+        if plan.device.type == "cpu":
+            variants["diff (previous core: one_call)"] = ("diff", False, "one_call")
+        else:
+            variants["diff (split_v core)"] = ("diff", False, "split_v")
+        if plan.compile:
+            for a in ARCHS:
+                variants[f"{a} +compile"] = (a, True, None)
+        fns, info = {}, {}
+        for name, (arch, compiled, strategy) in variants.items():
+            cfg = shape.config(arch)
+            model = _build(cfg, plan)
+            opt = _optimizer(model, "adamw", plan.device)
+            forward = torch.compile(model) if compiled else None
+            fns[name] = train_step_fn(model, opt, _batch(shape, plan.device), plan, forward, strategy)
+            info[name] = {
+                "arch": arch,
+                "compile": compiled,
+                "core": strategy,
+                "params": model.num_params()["total"],
+                "ffn_hidden": cfg.ffn_hidden,
+            }
+            if compiled:
+                progress(f"train_step {shape.name}: compiling {name}")
+                t0 = time.perf_counter()
+                fns[name]()
+                fns[name]()
+                info[name]["compile_s"] = round(time.perf_counter() - t0, 1)
+        progress(f"train_step {shape.name}: {len(fns)} variants × {plan.reps} reps")
+        times = time_round_robin(fns, warmup=plan.warmup, reps=plan.reps, device=plan.device)
+        for name, t in times.items():
+            s = _summary(t)
+            ref = times["baseline +compile" if info[name]["compile"] else "baseline"]
+            rows.append(
+                {
+                    "shape": shape.name,
+                    "variant": name,
+                    **info[name],
+                    **s,
+                    "batch": shape.batch,
+                    "seq_len": shape.seq_len,
+                    "tokens_per_s": shape.tokens / (s["ms"] / 1e3),
+                    "vs_baseline": paired_ratio(ref["wall"], t["wall"]),
+                    "vs_baseline_cpu": paired_ratio(ref["cpu"], t["cpu"]),
+                }
+            )
+        fns.clear()
+        gc.collect()
+    return {"precision": plan.precision, "shapes": [vars(s) for s in plan.step_shapes], "rows": rows}
+
+
+def bench_lightning(plan: Plan, progress: Progress) -> dict[str, Any]:
+    """Per-step time of LitLM under the Lightning Trainer vs a minimal hand-written loop.
+
+    Both run the same model, batches and optimizer; they alternate in chunks of steps (a fresh
+    Trainer each chunk), and a step is the time between two consecutive batch starts, so the
+    data loading and everything the loop does between steps count."""
+    import lightning as L
+
+    from difftrain.recipe import OptimConfig
+    from difftrain.train.lit import LitLM
+    from difftrain.train.optim import lr_multiplier
+
+    shape = plan.step_shapes[0]
+    cfg = shape.config("diff")
+    optim = OptimConfig(name="adamw", lr=1e-4, warmup_steps=0)
+    chunk = max(3, plan.lightning_steps)
+    batches = [
+        dict(zip(("input_ids", "targets"), _batch(shape, torch.device("cpu"), seed=i), strict=True))
+        for i in range(chunk)
+    ]
+    loader = torch.utils.data.DataLoader(batches, batch_size=None, shuffle=False)
+
+    hand_model = _build(cfg, plan)
+    hand_opt = _optimizer(hand_model, "adamw", plan.device)
+    sched = torch.optim.lr_scheduler.LambdaLR(hand_opt, lr_multiplier(optim, 10**6))
+    params = list(hand_model.parameters())
+
+    def hand_chunk() -> list[float]:
+        starts = []
+        for batch in loader:
+            starts.append(time.perf_counter())
+            x, y = batch["input_ids"].to(plan.device), batch["targets"].to(plan.device)
+            with _autocast(plan):
+                loss = hand_model(x, y).loss
+            loss.backward()
+            norm = torch.nn.utils.clip_grad_norm_(params, 1.0)
+            if torch.isfinite(norm):
+                hand_opt.step()
+            hand_opt.zero_grad(set_to_none=True)
+            sched.step()
+        return [b - a for a, b in zip(starts, starts[1:], strict=False)]
+
+    class StepClock(L.Callback):
+        def __init__(self) -> None:
+            self.starts: list[float] = []
+
+        def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+            self.starts.append(time.perf_counter())
+
+        def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+            _sync(plan.device)
+            self.starts.append(time.perf_counter())
+
+    lit_model = _build(cfg, plan)
+    lit = LitLM(lit_model, optim, total_steps=10**6, accumulate=1, grad_clip=1.0)
+    from difftrain.train.run import _quiet_lightning
+
+    _quiet_lightning()
+    precision = {"32-true": "32-true", "bf16-mixed": "bf16-mixed", "16-mixed": "16-mixed"}.get(
+        plan.precision, "32-true"
+    )
+
+    def lightning_chunk() -> list[float]:
+        clock = StepClock()
+        trainer = L.Trainer(
+            accelerator=plan.device.type,
+            devices=1,
+            precision=precision,
+            max_steps=chunk,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            num_sanity_val_steps=0,
+            limit_val_batches=0,
+            callbacks=[clock],
+            max_epochs=1,
+        )
+        trainer.fit(lit, train_dataloaders=loader)
+        return [b - a for a, b in zip(clock.starts, clock.starts[1:-1], strict=False)]
+
+    hand: list[float] = []
+    light: list[float] = []
+    rounds = max(2, plan.reps // 2)
+    progress(f"lightning: {rounds} rounds of {chunk} steps each way")
+    hand_chunk()  # warm-up
+    lightning_chunk()
+    for _ in range(rounds):
+        hand += hand_chunk()[1:]  # the first step of a chunk pays for the loader's first batch
+        light += lightning_chunk()[1:]
+    h, li = statistics.median(hand), statistics.median(light)
+    return {
+        "shape": shape.name,
+        "arch": "diff",
+        "steps_timed": {"hand": len(hand), "lightning": len(light)},
+        "hand_ms": 1e3 * h,
+        "lightning_ms": 1e3 * li,
+        "overhead": li / h - 1.0,
+        "note": "LitLM computes the gradient norm once for its finite check and again inside "
+        "clip_grad_norm_; the hand loop uses clip_grad_norm_'s return value for both",
+    }
+
+
+def hf_model_for(model: Any) -> Any:
+    """The same weights as a transformers model (Llama for baseline, DiffLlama for diff), or None
+    when transformers is missing or has no class for the arch (diff2)."""
+    try:
+        import transformers
+
+        from difftrain.errors import InteropError
+        from difftrain.interop.hf import hf_config_dict, to_hf_state_dict
+    except ImportError:
+        return None
+    c = model.config
+    try:
+        cfg = hf_config_dict(c, bos_id=0, eos_id=1, pad_id=2)
+    except InteropError:
+        return None
+    hf_cfg = transformers.AutoConfig.for_model(cfg.pop("model_type"), **cfg)
+    hf = transformers.AutoModelForCausalLM.from_config(hf_cfg, dtype=torch.float32)
+    sd = {k: v.float().cpu() for k, v in model.state_dict().items()}
+    missing, unexpected = hf.load_state_dict(to_hf_state_dict(sd, c), strict=False)
+    if unexpected or any(k != "lm_head.weight" for k in missing):
+        raise RuntimeError(f"HF weights do not line up: missing {missing}, unexpected {unexpected}")
+    hf.generation_config.eos_token_id = None
+    return hf.to(model.lm_head.weight.device)
+
+
+def bench_hf(plan: Plan, progress: Progress) -> dict[str, Any]:
+    """Our training step and greedy decode against transformers' on the same shapes and weights."""
+    try:
+        import transformers
+    except ImportError:
+        return {"skipped": "transformers is not installed (pip install difftrain[hf])"}
+    shape = plan.step_shapes[0]
+    rows, decode_rows = [], []
+    for arch in ("baseline", "diff"):
+        ours = _build(shape.config(arch), plan)
+        hf = hf_model_for(ours)
+        if hf is None:
+            continue
+        rows.append(_train_vs_hf(ours, hf, shape, plan, progress))
+        decode_rows.append(_decode_vs_hf(ours, hf, plan, progress))
+        del ours, hf
+        gc.collect()
+    return {
+        "shape": shape.name,
+        "transformers": transformers.__version__,
+        "train": rows,
+        "decode": decode_rows,
+    }
+
+
+def _train_vs_hf(ours: Any, hf: Any, shape: Shape, plan: Plan, progress: Progress) -> dict[str, Any]:
+    hf.train()
+    x, y = _batch(shape, plan.device)
+    with torch.no_grad():
+        agree = (ours(x).logits.float() - hf(input_ids=x).logits.float()).abs().max().item()
+    labels = torch.cat((x[:, :1], y[:, :-1]), dim=1)  # HF shifts labels left by one
+    hf_params = list(hf.parameters())
+    hf_opt = torch.optim.AdamW(hf_params, lr=1e-4, foreach=True)
+
+    def hf_step() -> None:
+        with _autocast(plan):
+            loss = hf(input_ids=x, labels=labels).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(hf_params, 1.0)
+        hf_opt.step()
+        hf_opt.zero_grad(set_to_none=True)
+
+    fns = {"ours": train_step_fn(ours, _optimizer(ours, "adamw", plan.device), (x, y), plan), "hf": hf_step}
+    progress(f"hf: {ours.config.arch} training step vs {type(hf).__name__}")
+    t = time_round_robin(fns, warmup=plan.warmup, reps=plan.reps, device=plan.device)
+    return {
+        "arch": ours.config.arch,
+        "hf_class": type(hf).__name__,
+        "hf_attn_implementation": getattr(hf.config, "_attn_implementation", None),
+        "max_logit_diff": agree,
+        "ours_ms": _summary(t["ours"])["ms"],
+        "hf_ms": _summary(t["hf"])["ms"],
+        "ours_tokens_per_s": shape.tokens / statistics.median(t["ours"]["wall"]),
+        "hf_tokens_per_s": shape.tokens / statistics.median(t["hf"]["wall"]),
+        "speedup": paired_ratio(t["hf"]["wall"], t["ours"]["wall"]),
+        "speedup_cpu": paired_ratio(t["hf"]["cpu"], t["ours"]["cpu"]),
+    }
+
+
+def _decode_vs_hf(ours: Any, hf: Any, plan: Plan, progress: Progress) -> dict[str, Any]:
+    from difftrain.infer.generate import GenerationConfig, generate_all
+    from difftrain.infer.sampling import SamplingConfig
+
+    ours.eval()
+    hf.eval()
+    n = plan.decode_tokens
+    prompt = torch.randint(
+        0, ours.config.vocab_size, (16,), generator=torch.Generator().manual_seed(1)
+    ).tolist()
+    cfg = GenerationConfig(max_new_tokens=n, sampling=SamplingConfig(greedy=True), stop_at_eos=False)
+    ids = torch.tensor([prompt], device=plan.device)
+    out: dict[str, list[int]] = {}
+
+    def ours_fn() -> None:
+        out["ours"] = generate_all(ours, [prompt], cfg)[0].token_ids
+
+    def hf_fn() -> None:
+        with torch.inference_mode():
+            r = hf.generate(ids, do_sample=False, max_new_tokens=n, min_new_tokens=n, pad_token_id=2)
+        out["hf"] = r[0, len(prompt) :].tolist()
+
+    progress(f"hf: {ours.config.arch} greedy decode vs generate, {n} tokens")
+    t = time_round_robin({"ours": ours_fn, "hf": hf_fn}, warmup=1, reps=max(3, plan.reps), device=plan.device)
+    same = 0
+    for a, b in zip(out["ours"], out["hf"], strict=False):
+        if a != b:
+            break
+        same += 1
+    return {
+        "arch": ours.config.arch,
+        "new_tokens": n,
+        "ours_tokens_per_s": n / statistics.median(t["ours"]["wall"]),
+        "hf_tokens_per_s": n / statistics.median(t["hf"]["wall"]),
+        "speedup": paired_ratio(t["hf"]["wall"], t["ours"]["wall"]),
+        "speedup_cpu": paired_ratio(t["hf"]["cpu"], t["ours"]["cpu"]),
+        "agreeing_tokens": same,
+    }
+
+
+def bench_optimizer(plan: Plan, progress: Progress) -> dict[str, Any]:
+    """Optimizer step time and state bytes/param (measured, and as `difftrain.plan` predicts)."""
+    from difftrain.plan import model_params, optimizer_bytes
+    from difftrain.train.optim import optimizer_state_bytes
+
+    shape = plan.step_shapes[0]
+    cfg = shape.config("diff")
+    rows: list[dict[str, Any]] = []
+    fns: dict[str, Callable[[], None]] = {}
+    opts: dict[str, Any] = {}
+    for name in ("adamw", "adamw8bit", "paged_adamw8bit", "lion8bit"):
+        model = _build(cfg, plan)
+        try:
+            opt = _optimizer(model, name, plan.device)
+        except DeviceError as e:
+            rows.append({"optimizer": name, "available": False, "reason": str(e)})
+            continue
+        for p in model.parameters():
+            p.grad = torch.randn_like(p) * 1e-3
+        opt.step()  # allocates the state
+        opts[name] = (opt, model)
+        fns[name] = opt.step
+    progress(f"optimizer: {', '.join(fns)} step × {plan.reps * 2}")
+    times = time_round_robin(fns, warmup=plan.warmup, reps=plan.reps * 2, device=plan.device)
+    predicted_params = model_params(cfg)
+    n = sum(p.numel for p in predicted_params)
+    for name, (opt, _model) in opts.items():
+        state = optimizer_state_bytes(opt)
+        rows.append(
+            {
+                "optimizer": name,
+                "available": True,
+                **_summary(times[name]),
+                "state_bytes": state,
+                "bytes_per_param": state / n,
+                "planned_state_bytes": optimizer_bytes(predicted_params, name),
+                "vs_adamw": paired_ratio(times["adamw"]["wall"], times[name]["wall"])
+                if "adamw" in times
+                else None,
+            }
+        )
+    order = {"adamw": 0, "adamw8bit": 1, "paged_adamw8bit": 2, "lion8bit": 3}
+    rows.sort(key=lambda r: order[r["optimizer"]])
+    return {"shape": shape.name, "arch": "diff", "params": n, "rows": rows}
+
+
+def bench_decode(plan: Plan, progress: Progress) -> dict[str, Any]:
+    """Cached greedy decode tokens/s per arch (16-token prompt, no eos stop), round-robin."""
+    from difftrain.infer.generate import GenerationConfig, generate_all
+    from difftrain.infer.sampling import SamplingConfig
+
+    shape = plan.step_shapes[0]
+    n = plan.decode_tokens
+    cfg_gen = GenerationConfig(max_new_tokens=n, sampling=SamplingConfig(greedy=True), stop_at_eos=False)
+    fns = {}
+    for arch in ARCHS:
+        cfg = shape.config(arch).replace(max_seq_len=max(shape.seq_len, 16 + n))
+        model = _build(cfg, plan).eval()
+        prompt = torch.randint(0, cfg.vocab_size, (16,), generator=torch.Generator().manual_seed(1)).tolist()
+        fns[arch] = lambda m=model, p=prompt: generate_all(m, [p], cfg_gen)
+    progress(f"decode: {n} tokens per arch × {max(3, plan.reps)}")
+    times = time_round_robin(fns, warmup=1, reps=max(3, plan.reps), device=plan.device)
+    rows = []
+    for arch, t in times.items():
+        rows.append(
+            {
+                "arch": arch,
+                "new_tokens": n,
+                "tokens_per_s": n / statistics.median(t["wall"]),
+                "cpu_ms_per_token": 1e3 * statistics.median(t["cpu"]) / n,
+                "vs_baseline": paired_ratio(times["baseline"]["wall"], t["wall"]),
+            }
+        )
+    return {"shape": shape.name, "prompt_tokens": 16, "rows": rows}
+
+
+# ----- memory: the planner against a measured peak ----------------------------------------------
+def measure_training_peak(spec: dict[str, Any]) -> dict[str, Any]:
+    """Run 3 training steps of `spec` and report the peak memory they added (call in a fresh
+    process: `python -m difftrain.bench --measure-peak JSON`).
+
+    CPU: growth of the process's peak RSS (ru_maxrss) from just before the model is built. CUDA:
+    torch.cuda.max_memory_allocated() from a reset just before."""
+    import resource
+
+    from difftrain.model import ModelConfig, Transformer
+    from difftrain.recipe import OptimConfig
+    from difftrain.train.optim import build_optimizer
+
+    device = torch.device(spec["device"])
+    cfg = ModelConfig(**spec["config"])
+    page = os.sysconf("SC_PAGE_SIZE")
+
+    def rss_now() -> int:
+        with open("/proc/self/statm", encoding="ascii") as f:
+            return int(f.read().split()[1]) * page
+
+    B, T = spec["batch"], spec["seq_len"]
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, cfg.vocab_size, (B, T + 1), generator=g)  # type: ignore[arg-type]
+    x, y = ids[:, :-1].to(device), ids[:, 1:].to(device)
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        before = torch.cuda.memory_allocated(device)
+    else:
+        before = rss_now()
+        peak_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    model = Transformer(cfg).to(device)
+    model.set_activation_checkpointing(spec["checkpointing"])
+    opt = build_optimizer(model, OptimConfig(name=spec["optimizer"], lr=1e-4), device.type)
+    params = list(model.parameters())
+    amp = (
+        torch.autocast(device.type, dtype=torch.bfloat16)
+        if spec["precision"] == "bf16-mixed"
+        else contextlib.nullcontext()
+    )
+    for _ in range(3):
+        with amp:
+            loss = model(x, y).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        peak = torch.cuda.max_memory_allocated(device) - before
+    else:
+        peak_after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        if peak_after <= peak_before:  # the steps never exceeded the imports' peak: no measurement
+            return {"measured_peak": None, "loss": float(loss)}
+        peak = peak_after - before
+    return {"measured_peak": int(peak), "loss": float(loss)}
+
+
+def bench_memory(plan: Plan, progress: Progress) -> dict[str, Any]:
+    """The planner's peak against the measured one, each shape in a fresh process."""
+    from difftrain.plan import Settings, Target, plan_memory
+
+    rows = []
+    for shape, arch, optimizer, ckpt in plan.memory_shapes:
+        cfg = shape.config(arch)
+        precision = plan.precision if plan.device.type == "cuda" else "32-true"
+        spec = {
+            "device": str(plan.device),
+            "config": cfg.model_dump(mode="json"),
+            "batch": shape.batch,
+            "seq_len": shape.seq_len,
+            "optimizer": optimizer,
+            "checkpointing": ckpt,
+            "precision": precision,
+        }
+        progress(f"memory: {shape.name} {arch} {optimizer}{' +ckpt' if ckpt else ''} in a fresh process")
+        env = {**os.environ, "OMP_NUM_THREADS": str(torch.get_num_threads())}
+        proc = subprocess.run(
+            [sys.executable, "-m", "difftrain.bench", "--measure-peak", json.dumps(spec)],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=1800,
+        )
+        if proc.returncode != 0:
+            rows.append({"shape": shape.name, "arch": arch, "error": proc.stderr.strip().splitlines()[-1:]})
+            continue
+        measured = json.loads(proc.stdout.strip().splitlines()[-1])["measured_peak"]
+        if measured is None:
+            rows.append({"shape": shape.name, "arch": arch, "error": "peak below the process's import peak"})
+            continue
+        settings = Settings(shape.batch, shape.seq_len, shape.batch, 1, precision, optimizer, ckpt)
+        target = Target(plan.device.type, 0, str(plan.device))
+        est = plan_memory(cfg, settings, target)
+        rows.append(
+            {
+                "shape": shape.name,
+                "arch": arch,
+                "optimizer": optimizer,
+                "checkpointing": ckpt,
+                "precision": precision,
+                "batch": shape.batch,
+                "seq_len": shape.seq_len,
+                "estimated_peak": round(est.peak),
+                "measured_peak": measured,
+                "error": est.peak / measured - 1.0 if measured > 0 else None,
+            }
+        )
+    what = "torch.cuda.max_memory_allocated" if plan.device.type == "cuda" else "peak RSS growth (ru_maxrss)"
+    return {"measured_by": what, "rows": rows}
+
+
+# ----- the run -------------------------------------------------------------------------------------
+SECTION_FUNCS: dict[str, Callable[[Plan, Progress], dict[str, Any]]] = {
+    "attention": bench_attention,
+    "train_step": bench_train_step,
+    "lightning": bench_lightning,
+    "hf": bench_hf,
+    "optimizer": bench_optimizer,
+    "decode": bench_decode,
+    "memory": bench_memory,
+}
+
+
+def run_bench(opts: BenchOptions, progress: Progress | None = None) -> dict[str, Any]:
+    """Run the sections of `opts` and return the result document (see `validate_result`)."""
+    progress = progress or (lambda msg: None)
+    if opts.threads:
+        torch.set_num_threads(opts.threads)
+    plan = make_plan(opts)
+    t0 = time.perf_counter()
+    result: dict[str, Any] = {
+        "schema": SCHEMA,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "command": opts.command,
+        "mode": plan.mode,
+        "device": environment(plan.device),
+        "setup": {
+            "precision": plan.precision,
+            "compile": plan.compile,
+            "reps": plan.reps,
+            "warmup": plan.warmup,
+            "decode_tokens": plan.decode_tokens,
+        },
+        "sections": {},
+    }
+    for name in SECTIONS:
+        if name not in opts.sections:
+            continue
+        s0 = time.perf_counter()
+        try:
+            section = SECTION_FUNCS[name](plan, progress)
+        except Exception as e:  # a section that cannot run on this machine is a result too
+            if isinstance(e, KeyboardInterrupt):
+                raise
+            section = {"error": f"{type(e).__name__}: {e}"}
+        section["seconds"] = round(time.perf_counter() - s0, 1)
+        result["sections"][name] = section
+        gc.collect()
+    result["seconds"] = round(time.perf_counter() - t0, 1)
+    result["device"]["load_average_end"] = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
+    result["targets"] = evaluate_targets(result)
+    return result
+
+
+# ----- targets -------------------------------------------------------------------------------------
+def evaluate_targets(result: dict[str, Any]) -> list[dict[str, Any]]:
+    """The performance targets of issue 9 that this result measures, each with its value."""
+    out: list[dict[str, Any]] = []
+    sec = result.get("sections", {})
+    cuda = result.get("device", {}).get("type") == "cuda"
+    for row in sec.get("train_step", {}).get("rows", []):
+        if row["variant"] == "diff":
+            goal = 0.95 if cuda else 0.90
+            out.append(
+                _target(
+                    f"diff/baseline training tokens/s ({row['shape']})",
+                    row["vs_baseline"],
+                    goal,
+                    cpu_value=row["vs_baseline_cpu"],
+                )
+            )
+    for row in sec.get("hf", {}).get("train", []):
+        if row["arch"] == "diff":
+            out.append(
+                _target(
+                    "diff training tokens/s vs transformers DiffLlama",
+                    row["speedup"],
+                    1.3,
+                    cpu_value=row["speedup_cpu"],
+                )
+            )
+    for row in sec.get("hf", {}).get("decode", []):
+        if row["arch"] == "diff":
+            out.append(
+                _target(
+                    "diff greedy decode vs DiffLlama generate",
+                    row["speedup"],
+                    1.5,
+                    cpu_value=row["speedup_cpu"],
+                )
+            )
+    light = sec.get("lightning", {})
+    if "overhead" in light:
+        out.append(
+            {
+                "name": "Lightning overhead per step",
+                "value": light["overhead"],
+                "goal": "≤ 0.05",
+                "met": light["overhead"] <= 0.05,
+            }
+        )
+    for row in sec.get("optimizer", {}).get("rows", []):
+        if row.get("available") and row["optimizer"] in ("adamw8bit", "paged_adamw8bit"):
+            out.append(
+                {
+                    "name": f"{row['optimizer']} state bytes/param",
+                    "value": row["bytes_per_param"],
+                    "goal": "≤ 2.1",
+                    "met": row["bytes_per_param"] <= 2.1,
+                }
+            )
+    return out
+
+
+def _target(name: str, value: float, goal: float, cpu_value: float | None = None) -> dict[str, Any]:
+    return {
+        "name": name,
+        "value": value,
+        "cpu_value": cpu_value,
+        "goal": f"≥ {goal:.2f}",
+        "met": value >= goal,
+    }
+
+
+# ----- validation and rendering --------------------------------------------------------------------
+REQUIRED = {
+    "attention": {"B", "T", "H", "d", "arch", "impl", "mode", "ms", "cpu_ms", "vs_baseline"},
+    "train_step": {
+        "shape",
+        "variant",
+        "arch",
+        "compile",
+        "params",
+        "ms",
+        "cpu_ms",
+        "tokens_per_s",
+        "vs_baseline",
+    },
+    "decode": {"arch", "new_tokens", "tokens_per_s", "vs_baseline"},
+    "optimizer": {"optimizer", "available"},
+    "memory": {"shape", "arch"},
+}
+
+
+def validate_result(result: dict[str, Any]) -> None:
+    """Raise ValueError unless `result` has the shape `run_bench` promises (schema 1)."""
+    for key in ("schema", "created", "mode", "device", "setup", "sections", "targets"):
+        if key not in result:
+            raise ValueError(f"bench result has no `{key}`")
+    if result["schema"] != SCHEMA:
+        raise ValueError(f"bench result has schema {result['schema']}, expected {SCHEMA}")
+    for key in ("type", "name", "threads", "torch"):
+        if key not in result["device"]:
+            raise ValueError(f"bench result's device has no `{key}`")
+    for name, section in result["sections"].items():
+        if name not in SECTIONS:
+            raise ValueError(f"bench result has an unknown section `{name}`")
+        if "error" in section or "skipped" in section:
+            continue
+        rows = section.get("rows", [])
+        for row in rows:
+            missing = REQUIRED.get(name, set()) - set(row)
+            if missing:
+                raise ValueError(f"bench section {name}: a row lacks {sorted(missing)}")
+
+
+def _f(v: Any, spec: str = ".2f") -> str:
+    if v is None:
+        return "—"
+    if isinstance(v, float) and not math.isfinite(v):
+        return "—"
+    return format(v, spec)
+
+
+def tables(result: dict[str, Any]) -> list[tuple[str, list[str], list[list[str]]]]:
+    """The result as (title, header, rows) tables, shared by the rich and markdown renderers."""
+    out: list[tuple[str, list[str], list[list[str]]]] = []
+    sec = result["sections"]
+    if result.get("targets"):
+        out.append(
+            (
+                "Targets",
+                ["target", "measured (wall)", "measured (CPU time)", "goal", "met"],
+                [
+                    [
+                        t["name"],
+                        _f(t["value"]),
+                        _f(t.get("cpu_value")),
+                        t["goal"],
+                        "yes" if t["met"] else "no",
+                    ]
+                    for t in result["targets"]
+                ],
+            )
+        )
+    s = sec.get("train_step", {})
+    if s.get("rows"):
+        out.append(
+            (
+                f"Training step ({s['precision']}; tokens/s, ratio to baseline)",
+                [
+                    "shape",
+                    "variant",
+                    "params",
+                    "ms",
+                    "CPU ms",
+                    "tokens/s",
+                    "vs baseline",
+                    "vs baseline (CPU)",
+                ],
+                [
+                    [
+                        r["shape"],
+                        r["variant"],
+                        f"{r['params'] / 1e6:.2f}M",
+                        _f(r["ms"], ".0f"),
+                        _f(r["cpu_ms"], ".0f"),
+                        _f(r["tokens_per_s"], ",.0f"),
+                        _f(r["vs_baseline"]),
+                        _f(r["vs_baseline_cpu"]),
+                    ]
+                    for r in s["rows"]
+                ],
+            )
+        )
+    s = sec.get("attention", {})
+    if s.get("rows"):
+        out.append(
+            (
+                f"Attention core ({s['dtype']}; ms per call, ratio of baseline's time to it)",
+                ["B×T×H×d", "arch", "impl", "mode", "ms", "CPU ms", "speed vs baseline", "(CPU)"],
+                [
+                    [
+                        f"{r['B']}×{r['T']}×{r['H']}×{r['d']}",
+                        r["arch"],
+                        r["impl"],
+                        r["mode"],
+                        _f(r["ms"], ".1f"),
+                        _f(r["cpu_ms"], ".1f"),
+                        _f(r["vs_baseline"]),
+                        _f(r["vs_baseline_cpu"]),
+                    ]
+                    for r in s["rows"]
+                ],
+            )
+        )
+    s = sec.get("hf", {})
+    if s.get("train"):
+        out.append(
+            (
+                f"Against transformers {s['transformers']} ({s['shape']}, same weights)",
+                [
+                    "arch",
+                    "class",
+                    "what",
+                    "ours tok/s",
+                    "transformers tok/s",
+                    "speedup",
+                    "(CPU)",
+                    "agreement",
+                ],
+                [
+                    [
+                        r["arch"],
+                        r["hf_class"],
+                        "training step",
+                        _f(r["ours_tokens_per_s"], ",.0f"),
+                        _f(r["hf_tokens_per_s"], ",.0f"),
+                        _f(r["speedup"]),
+                        _f(r["speedup_cpu"]),
+                        f"max |Δlogit| {r['max_logit_diff']:.1e}",
+                    ]
+                    for r in s["train"]
+                ]
+                + [
+                    [
+                        r["arch"],
+                        "",
+                        f"greedy decode, {r['new_tokens']} tokens",
+                        _f(r["ours_tokens_per_s"], ",.1f"),
+                        _f(r["hf_tokens_per_s"], ",.1f"),
+                        _f(r["speedup"]),
+                        _f(r["speedup_cpu"]),
+                        f"{r['agreeing_tokens']}/{r['new_tokens']} tokens equal",
+                    ]
+                    for r in s.get("decode", [])
+                ],
+            )
+        )
+    s = sec.get("lightning", {})
+    if "overhead" in s:
+        out.append(
+            (
+                f"Lightning Trainer vs a hand-written loop ({s['shape']}, {s['arch']})",
+                ["hand loop ms/step", "Lightning ms/step", "overhead"],
+                [[_f(s["hand_ms"], ".1f"), _f(s["lightning_ms"], ".1f"), f"{100 * s['overhead']:+.1f}%"]],
+            )
+        )
+    s = sec.get("optimizer", {})
+    if s.get("rows"):
+        out.append(
+            (
+                f"Optimizer step ({s['shape']}, {s['params'] / 1e6:.2f}M params)",
+                ["optimizer", "step ms", "speed vs adamw", "state bytes/param", "planned bytes/param"],
+                [
+                    [
+                        r["optimizer"],
+                        _f(r.get("ms"), ".1f"),
+                        _f(r.get("vs_adamw")),
+                        _f(r.get("bytes_per_param"), ".3f"),
+                        _f(r["planned_state_bytes"] / s["params"], ".3f")
+                        if r.get("available")
+                        else "n/a: " + r["reason"].split(";")[0],
+                    ]
+                    for r in s["rows"]
+                ],
+            )
+        )
+    s = sec.get("decode", {})
+    if s.get("rows"):
+        out.append(
+            (
+                f"Cached greedy decode ({s['shape']})",
+                ["arch", "tokens/s", "CPU ms/token", "vs baseline"],
+                [
+                    [
+                        r["arch"],
+                        _f(r["tokens_per_s"], ",.1f"),
+                        _f(r["cpu_ms_per_token"]),
+                        _f(r["vs_baseline"]),
+                    ]
+                    for r in s["rows"]
+                ],
+            )
+        )
+    s = sec.get("memory", {})
+    if s.get("rows"):
+        out.append(
+            (
+                f"Memory plan vs measured ({s['measured_by']})",
+                ["shape", "arch", "optimizer", "checkpointing", "estimated", "measured", "error"],
+                [
+                    [
+                        r["shape"],
+                        r["arch"],
+                        r.get("optimizer", ""),
+                        "yes" if r.get("checkpointing") else "no",
+                        f"{r['estimated_peak'] / 2**20:,.0f} MiB" if "estimated_peak" in r else "—",
+                        f"{r['measured_peak'] / 2**20:,.0f} MiB" if "measured_peak" in r else "—",
+                        f"{100 * r['error']:+.0f}%"
+                        if isinstance(r.get("error"), float)
+                        else str(r.get("error")),
+                    ]
+                    for r in s["rows"]
+                ],
+            )
+        )
+    for name, sec_ in sec.items():
+        if "error" in sec_ or "skipped" in sec_:
+            out.append((f"{name}: not measured", ["reason"], [[sec_.get("error") or sec_.get("skipped")]]))
+    return out
+
+
+def describe(result: dict[str, Any]) -> str:
+    """One line saying where and how the figures were measured."""
+    d = result["device"]
+    load = d.get("load_average")
+    return (
+        f"{d['name']} ({d['type']}, {d['threads']} threads"
+        + (f", load {load[0]:.1f}" if load else "")
+        + f"), torch {d['torch']}, {result['setup']['precision']}, mode {result['mode']}, "
+        f"median of {result['setup']['reps']}, {result['created'][:10]}"
+    )
+
+
+def bench_markdown(result: dict[str, Any]) -> str:
+    """The README's performance tables, regenerated from a result document."""
+    validate_result(result)
+    lines = [f"Measured on {describe(result)}."]
+    if result.get("command"):
+        lines.append(f"Command: `{result['command']}`.")
+    for title, header, rows in tables(result):
+        lines += ["", f"**{title}**", "", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+        lines += ["| " + " | ".join(str(c).replace("|", "\\|") for c in row) + " |" for row in rows]
+    return "\n".join(lines) + "\n"
+
+
+def _main(argv: list[str]) -> int:
+    """`python -m difftrain.bench --measure-peak SPEC` (the memory section's child process)."""
+    if len(argv) == 2 and argv[0] == "--measure-peak":
+        print(json.dumps(measure_training_peak(json.loads(argv[1]))))
+        return 0
+    print("usage: difftrain bench (this module's entry point only serves --measure-peak)", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(_main(sys.argv[1:]))

@@ -1,0 +1,115 @@
+"""`difftrain bench [--quick | --full] [--only SECTION ...]`: performance figures of this machine."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import typer
+
+from difftrain.cli.common import console, err_console
+
+
+def bench_command(
+    quick: bool = typer.Option(False, "--quick", help="Tiny shapes: a smoke test in about a minute."),
+    full: bool = typer.Option(False, "--full", help="Also torch.compile, flex attention and a longer grid."),
+    only: list[str] = typer.Option(
+        None,
+        "--only",
+        help="Run only these sections (repeatable): attention, train_step, lightning, hf, optimizer, decode, memory.",
+    ),
+    device: str = typer.Option("auto", "--device", help="auto | cpu | cuda | cuda:N."),
+    threads: int = typer.Option(None, "--threads", help="torch.set_num_threads (default: torch's choice)."),
+    reps: int = typer.Option(None, "--reps", help="Timed repetitions per figure (default: the mode's)."),
+    compile: bool = typer.Option(
+        None, "--compile/--no-compile", help="Time torch.compile variants (default: on with --full or CUDA)."
+    ),
+    precision: str = typer.Option(
+        None,
+        "--precision",
+        help="32-true | bf16-mixed | bf16-true (default: 32-true on CPU, bf16-mixed on CUDA).",
+    ),
+    out: Path = typer.Option(
+        None, "--out", help="Write the JSON result here (default: bench-<device>-<mode>.json)."
+    ),
+    markdown: Path = typer.Option(
+        None,
+        "--markdown",
+        help="Print the README's tables from an existing JSON result and exit (measures nothing).",
+    ),
+) -> None:
+    """Measure attention cores, training steps, the Lightning overhead, transformers on the same
+    weights, optimizers, decoding and the memory planner, in one process, as ratios (see the README)."""
+    from difftrain.bench import SECTIONS, BenchOptions, bench_markdown, run_bench, validate_result
+    from difftrain.errors import ConfigError
+
+    if markdown is not None:
+        try:
+            result = json.loads(markdown.read_text(encoding="utf-8"))
+            validate_result(result)
+        except FileNotFoundError:
+            raise ConfigError(
+                f"--markdown {markdown}: no such file; run `difftrain bench --out {markdown}` first"
+            ) from None
+        except (json.JSONDecodeError, ValueError) as e:
+            raise ConfigError(f"--markdown {markdown}: not a difftrain bench result ({e})") from None
+        sys.stdout.write(bench_markdown(result))
+        return
+    if quick and full:
+        raise ConfigError("--quick and --full contradict each other; pick one")
+    mode = "quick" if quick else "full" if full else "default"
+    sections = tuple(only) if only else SECTIONS
+    opts = BenchOptions(
+        mode=mode,
+        sections=sections,
+        device=device,
+        threads=threads,
+        reps=reps,
+        compile=compile,
+        precision=precision,
+        command="difftrain bench " + " ".join(sys.argv[2:] if sys.argv[1:2] == ["bench"] else sys.argv[1:]),
+    )
+    dev = opts.resolved_device()
+    import os
+
+    import torch
+
+    if threads:
+        torch.set_num_threads(threads)
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
+    if dev.type == "cpu" and load > (os.cpu_count() or 1):
+        err_console.print(
+            f"[yellow]warning:[/] load average {load:.1f} on {os.cpu_count()} cores: other jobs share the CPU, "
+            "absolute figures will be noisy (ratios are paired); --threads 1 avoids threads waiting on each other"
+        )
+    with console.status("benchmarking…") as status:
+        result = run_bench(opts, progress=lambda msg: status.update(f"benchmarking: {msg}"))
+    _render(result)
+    path = out or Path(f"bench-{dev.type}-{mode}.json")
+    from difftrain.io import atomic_write_json
+
+    atomic_write_json(path, result)
+    console.print(
+        f"wrote {path} ({result['seconds']:.0f} s); README tables: difftrain bench --markdown {path}"
+    )
+
+
+def _render(result: dict[str, Any]) -> None:
+    from rich.table import Table
+
+    from difftrain.bench import describe, tables
+
+    console.print(f"[bold]difftrain bench[/] — {describe(result)}")
+    for title, header, rows in tables(result):
+        table = Table(title=title, title_justify="left")
+        for i, h in enumerate(header):
+            table.add_column(h, justify="left" if i < 2 else "right")
+        for row in rows:
+            table.add_row(*[str(c) for c in row])
+        console.print(table)
+
+
+def register(app: typer.Typer) -> None:
+    app.command("bench")(bench_command)

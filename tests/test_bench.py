@@ -1,0 +1,171 @@
+"""`difftrain bench`: the result document's schema on a tiny grid, its markdown rendering, the
+targets it evaluates, parameter-matched configs, and the CLI's exit codes. No timing assertions:
+these machines are shared, the figures are whatever they are."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from difftrain.bench import (
+    QUICKSTART,
+    SECTIONS,
+    BenchOptions,
+    bench_markdown,
+    diff_strategy,
+    evaluate_targets,
+    make_plan,
+    matched_config,
+    run_bench,
+    validate_result,
+)
+from difftrain.cli.app import main
+from difftrain.errors import ConfigError
+from difftrain.model import kernels
+from difftrain.model.config import num_params
+
+FAST = ("attention", "train_step", "optimizer", "decode")
+
+
+@pytest.fixture(scope="module")
+def quick_result():
+    opts = BenchOptions(mode="quick", sections=FAST, device="cpu", reps=1, warmup=0, command="pytest")
+    return run_bench(opts)
+
+
+def test_quick_bench_result_has_the_promised_schema(quick_result):
+    r = quick_result
+    validate_result(r)
+    assert r["mode"] == "quick" and r["device"]["type"] == "cpu" and r["device"]["threads"] >= 1
+    assert set(r["sections"]) == set(FAST)
+    att = r["sections"]["attention"]["rows"]
+    impls = {(x["arch"], x["impl"]) for x in att}
+    for arch in ("baseline", "diff", "diff2"):
+        assert {(arch, "eager"), (arch, "sdpa")} <= impls
+    strategies = {x["impl"] for x in att if x["impl"].startswith("sdpa:")}
+    assert strategies == {f"sdpa:{s}" for s in kernels.DIFF_SDPA_STRATEGIES}
+    assert all(x["vs_baseline"] > 0 for x in att)
+    step = {x["variant"]: x for x in r["sections"]["train_step"]["rows"]}
+    assert {"baseline", "diff", "diff2", "diff (previous core: one_call)"} <= set(step)
+    assert step["baseline"]["vs_baseline"] == 1.0
+    assert step["diff"]["tokens_per_s"] > 0
+    opt = {x["optimizer"]: x for x in r["sections"]["optimizer"]["rows"]}
+    assert opt["paged_adamw8bit"]["available"] is False and "CUDA" in opt["paged_adamw8bit"]["reason"]
+    for name in ("adamw", "adamw8bit", "lion8bit"):
+        assert opt[name]["state_bytes"] == opt[name]["planned_state_bytes"], name
+    assert [x["arch"] for x in r["sections"]["decode"]["rows"]] == ["baseline", "diff", "diff2"]
+    assert json.loads(json.dumps(r)) == r  # plain JSON, nothing lost
+
+
+def test_markdown_is_regenerated_from_the_json_alone(quick_result):
+    md = bench_markdown(json.loads(json.dumps(quick_result)))
+    assert md.startswith("Measured on ")
+    for title in ("**Training step", "**Attention core", "**Optimizer step", "**Cached greedy decode"):
+        assert title in md
+    assert "| diff | sdpa:flash_cpu |" in md.replace("2×64×4×16 | ", "")
+    assert bench_markdown(quick_result) == md  # deterministic
+
+
+def test_validation_rejects_a_result_that_lost_its_fields(quick_result):
+    broken = json.loads(json.dumps(quick_result))
+    del broken["device"]["torch"]
+    with pytest.raises(ValueError, match="torch"):
+        validate_result(broken)
+    broken = json.loads(json.dumps(quick_result))
+    del broken["sections"]["train_step"]["rows"][0]["tokens_per_s"]
+    with pytest.raises(ValueError, match="tokens_per_s"):
+        validate_result(broken)
+
+
+def test_targets_compare_measured_ratios_with_the_issue_goals():
+    result = {
+        "device": {"type": "cpu"},
+        "sections": {
+            "train_step": {
+                "rows": [{"variant": "diff", "shape": "q", "vs_baseline": 0.93, "vs_baseline_cpu": 0.9}]
+            },
+            "hf": {
+                "train": [{"arch": "diff", "speedup": 1.1, "speedup_cpu": 1.2}],
+                "decode": [{"arch": "diff", "speedup": 1.6, "speedup_cpu": 1.5}],
+            },
+            "lightning": {"overhead": 0.07},
+            "optimizer": {"rows": [{"optimizer": "adamw8bit", "available": True, "bytes_per_param": 2.03}]},
+        },
+    }
+    met = {t["name"]: t["met"] for t in evaluate_targets(result)}
+    assert met == {
+        "diff/baseline training tokens/s (q)": True,
+        "diff training tokens/s vs transformers DiffLlama": False,
+        "diff greedy decode vs DiffLlama generate": True,
+        "Lightning overhead per step": False,
+        "adamw8bit state bytes/param": True,
+    }
+
+
+def test_archs_are_compared_at_matched_parameter_counts():
+    base = QUICKSTART.config("baseline")
+    n = num_params(base)["total"]
+    for arch in ("diff", "diff2"):
+        cfg = QUICKSTART.config(arch)
+        assert cfg.arch == arch
+        assert abs(num_params(cfg)["total"] / n - 1) < 0.005, arch
+    assert matched_config(base, "diff2").ffn_hidden < base.ffn_hidden
+
+
+def test_diff_strategy_switch_is_temporary():
+    before = dict(kernels.DIFF_SDPA_DEFAULT)
+    with diff_strategy("one_call"):
+        assert set(kernels.DIFF_SDPA_DEFAULT.values()) == {"one_call"}
+    assert kernels.DIFF_SDPA_DEFAULT == before
+
+
+def test_unknown_mode_or_section_is_a_config_error():
+    with pytest.raises(ConfigError, match="mode"):
+        make_plan(BenchOptions(mode="huge"))
+    with pytest.raises(ConfigError, match="section"):
+        make_plan(BenchOptions(sections=("attention", "speed")))
+    assert set(SECTIONS) >= set(FAST)
+
+
+def bench_cli(capsys, *args) -> tuple[int, str, str]:
+    capsys.readouterr()
+    code = main(["bench", *args])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_bench_cli_renders_markdown_and_refuses_bad_arguments(quick_result, tmp_path, capsys):
+    path = tmp_path / "bench.json"
+    path.write_text(json.dumps(quick_result))
+    code, out, _ = bench_cli(capsys, "--markdown", str(path))
+    assert code == 0 and out == bench_markdown(quick_result)
+    code, _, err = bench_cli(capsys, "--markdown", str(tmp_path / "missing.json"))
+    assert code == 2 and "no such file" in err
+    (tmp_path / "bad.json").write_text('{"schema": 1}')
+    code, _, err = bench_cli(capsys, "--markdown", str(tmp_path / "bad.json"))
+    assert code == 2 and "not a difftrain bench result" in err
+    code, _, err = bench_cli(capsys, "--quick", "--full")
+    assert code == 2 and "contradict" in err
+    code, _, err = bench_cli(capsys, "--quick", "--only", "nonsense")
+    assert code == 2 and "unknown bench section" in err
+
+
+@pytest.mark.slow
+def test_quick_bench_cli_runs_the_other_sections_and_writes_json(tmp_path, capsys):
+    out_path = tmp_path / "b.json"
+    code, out, _ = bench_cli(
+        capsys, "--quick", "--reps", "1", "--only", "lightning", "--only", "hf", "--only", "memory",
+        "--out", str(out_path),
+    )  # fmt: skip
+    assert code == 0
+    r = json.loads(out_path.read_text())
+    validate_result(r)
+    light, hf, mem = (r["sections"][k] for k in ("lightning", "hf", "memory"))
+    assert "error" not in light and light["hand_ms"] > 0 and light["lightning_ms"] > 0
+    assert [x["hf_class"] for x in hf["train"]] == ["LlamaForCausalLM", "DiffLlamaForCausalLM"]
+    assert all(x["max_logit_diff"] < 1e-4 for x in hf["train"])  # same weights, same function
+    assert all(x["agreeing_tokens"] >= 1 for x in hf["decode"])
+    row = mem["rows"][0]
+    assert row["measured_peak"] > 0 and row["estimated_peak"] > 0
+    assert "Lightning Trainer vs a hand-written loop" in out
