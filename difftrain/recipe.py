@@ -186,6 +186,18 @@ class TrainConfig(_Section):
         ge=0,
         description="Optimizer steps with a non-finite loss or gradient skipped in a row before training stops with a diagnosis.",
     )
+    spike_factor: float | None = Field(
+        2.0,
+        gt=1,
+        description="A step whose loss exceeds spike_factor x the running mean of recent losses (an exponential average over about 10 steps, checked from 10 steps after warmup) is a loss spike: a warning, a train/spike row in metrics.csv, a count in summary.json. null: no spike detection.",
+    )
+    spike_rollback: bool = Field(
+        False,
+        description="On a loss spike, restore the weights and optimizer state of the last checkpoint, scale the learning rate by spike_lr_factor from then on, and go on with the next batches (the spike's batches are not replayed).",
+    )
+    spike_lr_factor: float = Field(
+        0.5, gt=0, le=1, description="Factor on the learning rate at each spike rollback."
+    )
     seed_offset_per_rank: bool = Field(
         True,
         description="Give each rank its own dropout/sampling RNG stream (seed + rank); data is always rank-disjoint.",

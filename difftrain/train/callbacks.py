@@ -8,6 +8,9 @@
   printed, and the process exits 130 / 143 (the CLI maps `StopRequested`). A second Ctrl-C exits
   at once; since every write is atomic, nothing is corrupted;
 - metrics every `log_every` steps (loss, lr, tokens, tokens/s, grad norm, λ per `diff` layer);
+- loss spikes (loss > spike_factor × its running mean): a warning and a `train/spike` row; with
+  `spike_rollback`, the weights and optimizer state of the last checkpoint are restored and the
+  learning rate scaled by `spike_lr_factor` (training goes on with the next batches, as PaLM did);
 - a rich progress line (step, loss, tokens/s, lr, ETA).
 """
 
@@ -109,7 +112,20 @@ class RunCallback(L.Callback):
         console: Any = None,
         resume_command: str = "",
         export: Callable[[Path, torch.nn.Module, int], None] | None = None,
+        spike_factor: float | None = None,
+        spike_rollback: bool = False,
+        spike_lr_factor: float = 0.5,
+        warmup_steps: int = 0,
     ) -> None:
+        self.spike_factor = spike_factor
+        self.spike_rollback = spike_rollback
+        self.spike_lr_factor = spike_lr_factor
+        self.warmup_steps = warmup_steps
+        # loss-spike state, saved in checkpoints (state_dict) so a resumed run decides alike
+        self.loss_ema: float | None = None
+        self.ema_updates = 0
+        self.spikes = 0
+        self.rollbacks = 0
         self.run_dir = Path(run_dir)
         self.ckpt_dir = self.run_dir / "checkpoints"
         self.save_every = save_every
@@ -194,6 +210,7 @@ class RunCallback(L.Callback):
         step = trainer.global_step
         if step % self.log_every == 0 or step == 1:
             self._log(trainer, pl_module, step)
+        self._check_spike(trainer, pl_module, step)
         if self._progress is not None:
             lr = trainer.optimizers[0].param_groups[0]["lr"]
             self._progress.update(
@@ -206,6 +223,70 @@ class RunCallback(L.Callback):
             self.save(trainer, pl_module)
         if self._stop_signal is not None:
             self._stop(trainer, pl_module)
+
+    # ---- loss spikes -----------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "loss_ema": self.loss_ema,
+            "ema_updates": self.ema_updates,
+            "spikes": self.spikes,
+            "rollbacks": self.rollbacks,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.loss_ema = state.get("loss_ema")
+        self.ema_updates = int(state.get("ema_updates", 0))
+        self.spikes = int(state.get("spikes", 0))
+        self.rollbacks = int(state.get("rollbacks", 0))
+
+    def _check_spike(self, trainer: L.Trainer, pl_module: Any, step: int) -> None:
+        """A spike: loss > spike_factor · m, with m ← 0.9·m + 0.1·loss over the non-spike steps,
+        checked once m has seen 10 steps after warmup. Logged; optionally rolled back."""
+        loss = pl_module.last_loss
+        if self.spike_factor is None or not math.isfinite(loss):
+            return
+        ema = self.loss_ema
+        if ema is not None and self.ema_updates >= 10 and loss > self.spike_factor * ema:
+            self.spikes += 1
+            for logger in trainer.loggers:
+                logger.log_metrics({"train/spike": loss, "train/loss_mean": ema}, step=step)
+            note = self._rollback(trainer, pl_module) if self.spike_rollback else ""
+            if self.console is not None and trainer.is_global_zero:
+                self.console.print(
+                    f"[yellow]loss spike at step {step}: {loss:.4f} vs a running mean of {ema:.4f}[/]{note}"
+                )
+            return
+        if step > self.warmup_steps:
+            self.loss_ema = loss if ema is None else 0.9 * ema + 0.1 * loss
+            self.ema_updates += 1
+
+    def _rollback(self, trainer: L.Trainer, pl_module: Any) -> str:
+        """Restore weights and optimizer state of the newest good checkpoint; scale the lr."""
+        from difftrain.errors import CheckpointError
+        from difftrain.train.checkpoint import find_resume_checkpoint, load_checkpoint_file
+
+        if is_fsdp(pl_module.model):
+            return " (no rollback under FSDP: its optimizer state is sharded)"
+        try:
+            point = find_resume_checkpoint(self.ckpt_dir)
+            ckpt = load_checkpoint_file(point.path) if point is not None else None
+        except CheckpointError as e:
+            return f" (no rollback: {e})"
+        if ckpt is None:
+            return " (no checkpoint yet to roll back to)"
+        opt = trainer.optimizers[0]
+        sched = trainer.lr_scheduler_configs[0].scheduler
+        next_lrs = [g["lr"] * self.spike_lr_factor for g in opt.param_groups]
+        pl_module.load_state_dict(ckpt["state_dict"], strict=pl_module.strict_loading)
+        opt.load_state_dict(ckpt["optimizer_states"][0])
+        for g, lr in zip(opt.param_groups, next_lrs, strict=True):
+            g["lr"] = lr  # the next step's lr, scaled (load_state_dict restored the old one)
+        sched.base_lrs = [b * self.spike_lr_factor for b in sched.base_lrs]  # and every later one
+        self.rollbacks += 1
+        return (
+            f"; rolled back to the weights of step {point.step}, learning rate × {self.spike_lr_factor:g} "
+            "from here on"
+        )
 
     def _log(self, trainer: L.Trainer, pl_module: Any, step: int) -> None:
         now = time.perf_counter()

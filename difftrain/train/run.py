@@ -38,6 +38,9 @@ RESUMABLE_CHANGES = {
     "train.save_every",
     "train.keep_checkpoints",
     "train.nan_skip_limit",
+    "train.spike_factor",
+    "train.spike_rollback",
+    "train.spike_lr_factor",
     "train.devices",
     "train.num_nodes",
     "train.strategy",
@@ -444,6 +447,10 @@ def fit(
         console=console,
         resume_command=resume_command,
         export=export,
+        spike_factor=t.spike_factor,
+        spike_rollback=t.spike_rollback,
+        spike_lr_factor=t.spike_lr_factor,
+        warmup_steps=r.optim.warmup_steps,
     )
     loggers: list[Any] = [MetricsCSV(run_dir / METRICS, resume_step=point.step if point else None)]
     tb = r.logging.tensorboard
@@ -577,6 +584,8 @@ def _summary(
         "final_val_loss": cb.state.last_val if math.isfinite(cb.state.last_val) else None,
         "best_val_loss": cb.state.best_val if math.isfinite(cb.state.best_val) else None,
         "skipped_steps": lit.skipped_steps,
+        "loss_spikes": cb.spikes,
+        "spike_rollbacks": cb.rollbacks,
         "precision": r.train.precision,
         "optimizer": r.optim.name,
         "device": _device_name(plan.accelerator),

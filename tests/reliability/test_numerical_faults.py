@@ -118,3 +118,61 @@ def test_an_absurd_learning_rate_ends_in_a_training_error_not_garbage(workspace,
     run = load_recipe(recipe).run_dir
     assert_checkpoints_verify(run)
     assert not (run / "summary.json").exists()  # the run did not claim to have finished
+
+
+# -- loss spikes -----------------------------------------------------------------------------
+
+SPIKE_AT = 14  # the forward of optimizer step 14 sees a loss 20x too high
+
+
+def spike_hook(step: int, loss: torch.Tensor) -> torch.Tensor:
+    return loss * 20.0 if step == SPIKE_AT - 1 else loss
+
+
+class Watch(L.Callback):
+    """Weights and lr at the start of the step after the spike (after the run callback acted)."""
+
+    def __init__(self) -> None:
+        self.weights: dict[str, torch.Tensor] | None = None
+        self.lr: float | None = None
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.global_step == SPIKE_AT and self.weights is None:
+            self.weights = {k: v.detach().clone() for k, v in pl_module.state_dict().items()}
+            self.lr = trainer.optimizers[0].param_groups[0]["lr"]
+
+
+def _spiky_run(workspace, name: str, *overrides: str):
+    recipe = load_recipe(workspace(name, steps=18, save_every=4), ["train.keep_checkpoints=5", *overrides])
+    watch = Watch()
+    result = pretrain(recipe, fault_hook=spike_hook, extra_callbacks=[watch])
+    return recipe, result, watch
+
+
+def test_a_loss_spike_is_logged_and_counted_but_not_acted_on_by_default(workspace, capsys):
+    recipe, result, watch = _spiky_run(workspace, "spike")
+    assert recipe.train.spike_rollback is False  # off by default
+    spikes = [r for r in read_metrics(result.run_dir / "metrics.csv") if "train/spike" in r]
+    assert [r["step"] for r in spikes] == [SPIKE_AT]
+    assert spikes[0]["train/spike"] > 2 * spikes[0]["train/loss_mean"]
+    assert result.summary["loss_spikes"] == 1 and result.summary["spike_rollbacks"] == 0
+    assert result.summary["steps"] == 18
+    ckpt12 = load_checkpoint_file(result.run_dir / "checkpoints" / "step-00000012.ckpt")
+    assert not all(torch.equal(watch.weights[k], v) for k, v in ckpt12["state_dict"].items())
+
+
+def test_spike_rollback_restores_the_last_checkpoint_and_lowers_the_lr(workspace):
+    _, plain, plain_watch = _spiky_run(workspace, "plain")
+    recipe, result, watch = _spiky_run(workspace, "rollback", "train.spike_rollback=true")
+    assert result.summary["loss_spikes"] == 1 and result.summary["spike_rollbacks"] == 1
+    # the step after the spike starts from exactly the weights of the last checkpoint (step 12)
+    ckpt12 = load_checkpoint_file(result.run_dir / "checkpoints" / "step-00000012.ckpt")
+    for k, v in ckpt12["state_dict"].items():
+        assert torch.equal(watch.weights[k], v), k
+    # ... with the learning rate the schedule gives there, halved (spike_lr_factor 0.5)
+    assert watch.lr == pytest.approx(plain_watch.lr * 0.5, rel=1e-12)
+    lr = {r["step"]: r["train/lr"] for r in read_metrics(result.run_dir / "metrics.csv") if "train/lr" in r}
+    lr0 = {r["step"]: r["train/lr"] for r in read_metrics(plain.run_dir / "metrics.csv") if "train/lr" in r}
+    assert all(lr[s] == pytest.approx(lr0[s]) for s in range(1, SPIKE_AT + 1))
+    assert all(lr[s] == pytest.approx(lr0[s] * 0.5) for s in range(SPIKE_AT + 1, 19))
+    assert math.isfinite(result.summary["final_train_loss"])
