@@ -304,7 +304,7 @@ NASTY_FILES = {
     "scalar": b"just a string\n",
     "alias-bomb": _bomb().encode(),
     "recursive-alias": b"a: &a [*a]\n",
-    "deep-flow-nesting": b"a: " + b"[" * 5000 + b"]" * 5000 + b"\n",
+    "deep-flow-nesting": b"a: " + b"[" * 1500 + b"]" * 1500 + b"\n",
     "deep-block-nesting": "".join("  " * i + f"k{i}:\n" for i in range(200)).encode(),
     "utf16": "name: x\n".encode("utf-16"),
     "latin1": "name: caf\xe9\n".encode("latin-1"),
