@@ -38,7 +38,7 @@ from difftrain.errors import CheckpointError, DeviceError, RecipeError
 from difftrain.recipe import load_recipe
 from difftrain.rundir import load_run
 from difftrain.train.checkpoint import load_checkpoint_file
-from difftrain.train.distributed import check_strategy
+from difftrain.train.distributed import check_strategy, start
 from difftrain.train.metrics import read_metrics
 from difftrain.train.run import plan_run, pretrain
 
@@ -425,6 +425,13 @@ def test_fsdp_on_cpu_and_unsupported_combinations_are_refused_with_the_fix(ws, t
         plan_run(load_recipe(recipe, ["train.devices=2", "data.val_windows=1"]))
     with pytest.raises(RecipeError, match="deepspeed_stage_2"):
         load_recipe(recipe, ["train.strategy=deepspeed_stage_2"])
+    # a launcher (torchrun, srun) that started another number of processes than the recipe plans
+    os.environ["WORLD_SIZE"] = "2"
+    try:
+        with pytest.raises(DeviceError, match="launcher started 2 processes but the recipe plans one device"):
+            start(load_recipe(recipe), accelerator="cpu", devices=1, num_nodes=1)
+    finally:
+        del os.environ["WORLD_SIZE"]
     # several processes re-run the command line: impossible from inside pytest, and said so
     with pytest.raises(DeviceError, match="from a notebook, `python -c` or pytest"):
         single(tmp_path, recipe, "train.devices=2")
@@ -470,8 +477,7 @@ try:
     ctx.on_rank_zero(fails)
 except DataError as e:
     note(f"raised {type(e).__name__}: {e}")
-torch.distributed.barrier()  # no rank tears the group down under the other
-torch.distributed.destroy_process_group()
+torch.distributed.barrier()  # then exit, as a training run does (no explicit teardown)
 """
 
 

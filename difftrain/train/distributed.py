@@ -300,6 +300,16 @@ def _interactive() -> bool:
     )
 
 
+def _launched_processes() -> int:
+    """Processes a launcher (torchrun, srun, a Lightning parent) says this job has; 1 if none.
+    SLURM as Lightning detects it: SLURM_NTASKS set, job name not bash/interactive."""
+    if "WORLD_SIZE" in os.environ:
+        return int(os.environ["WORLD_SIZE"])
+    if "SLURM_NTASKS" in os.environ and os.environ.get("SLURM_JOB_NAME") not in ("bash", "interactive"):
+        return int(os.environ["SLURM_NTASKS"])
+    return 1
+
+
 def _set_threads(processes_per_node: int) -> None:
     """One machine's cores shared among its processes unless OMP_NUM_THREADS says otherwise."""
     if "OMP_NUM_THREADS" in os.environ:
@@ -318,6 +328,14 @@ def start(recipe: Any, *, accelerator: str, devices: int, num_nodes: int) -> Dis
     """
     world = devices * num_nodes
     if world == 1:
+        launched = _launched_processes()
+        if launched > 1:
+            raise DeviceError(
+                f"the launcher started {launched} processes but the recipe plans one device "
+                f"(train.devices={devices}, train.num_nodes={num_nodes}); set train.devices to the "
+                "processes per node and train.num_nodes to the nodes (under SLURM: srun with "
+                "--ntasks-per-node = train.devices)"
+            )
         return DistContext()
     import lightning as L
 
@@ -333,6 +351,13 @@ def start(recipe: Any, *, accelerator: str, devices: int, num_nodes: int) -> Dis
     )
     strategy = probe.strategy
     env = strategy.cluster_environment
+    try:  # torchrun / SLURM started a number of processes: it must be the recipe's
+        env.validate_settings(num_devices=devices, num_nodes=num_nodes)
+    except ValueError as e:
+        raise DeviceError(
+            f"train.devices={devices} × train.num_nodes={num_nodes} does not match the launcher "
+            f"({type(env).__name__}): {e}"
+        ) from e
     children: list[Any] = []
     launcher = strategy.launcher
     if launcher is not None and not env.creates_processes_externally:
@@ -346,6 +371,12 @@ def start(recipe: Any, *, accelerator: str, devices: int, num_nodes: int) -> Dis
         children = list(getattr(launcher, "procs", []))
     _set_threads(devices)
     strategy.setup_environment()  # joins the process group exactly as the Trainer would
+    if torch.distributed.get_world_size() != world:
+        raise DeviceError(
+            f"the launcher started {torch.distributed.get_world_size()} processes but the recipe plans "
+            f"train.devices={devices} × train.num_nodes={num_nodes} = {world}; make them agree "
+            "(torchrun --nproc-per-node = train.devices, --nnodes = train.num_nodes)"
+        )
     group = torch.distributed.new_group(backend="gloo", timeout=PREPARE_TIMEOUT)
     return DistContext(
         rank=strategy.global_rank,
