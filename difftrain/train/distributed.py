@@ -9,7 +9,8 @@ How the processes come to be (the launch story):
 - several machines: a launcher starts every process — `torchrun` (RANK, LOCAL_RANK, WORLD_SIZE,
   MASTER_ADDR, MASTER_PORT), SLURM `srun` (SLURM_PROCID, SLURM_LOCALID, SLURM_NODEID, ...), or
   one `difftrain` per machine with NODE_RANK, MASTER_ADDR and MASTER_PORT set — and Lightning's
-  cluster environments read those variables.
+  cluster environments read those variables. A launcher that started another number of processes
+  than train.devices × train.num_nodes is refused (`start`).
 
 Then every rank joins the process group (Lightning's own setup: gloo on CPU, NCCL on CUDA; the
 Trainer later finds it initialised and reuses it), and the work that must happen once is run on
@@ -270,10 +271,6 @@ class DistContext:
             errors = self._gather(None if error is None else self._portable(error))
             self._raise_first(errors, error)
         return result
-
-    def barrier(self) -> None:
-        if self.world_size > 1:
-            torch.distributed.barrier(group=self._group)
 
     def join(self, timeout: float = 120.0) -> None:
         """Wait for the ranks this process started (rank 0 on a single machine) to exit."""
