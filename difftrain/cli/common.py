@@ -92,7 +92,7 @@ def oom_advice(recipe: Any, *, finetune: bool = False) -> str:
         tries.append("train.activation_checkpointing=true (~30% more compute)")
     if finetune and recipe.finetune is not None and recipe.finetune.method != "qlora":
         tries.append("finetune.method=qlora (4-bit frozen weights)")
-    elif not finetune and optimizer in ("adamw", "auto"):
+    elif not finetune and optimizer in ("adamw", "auto") and t.strategy != "fsdp":  # fsdp refuses 8-bit
         tries.append("optim.name=adamw8bit (8-bit optimizer states)")
     if seq_len and seq_len >= 128:
         tries.append(f"train.seq_len={seq_len // 2}")
