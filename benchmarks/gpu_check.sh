@@ -29,6 +29,17 @@
 #          resumes on one device without FSDP; 8-bit AdamW with FSDP is refused with the fix.
 #          Figures: tokens/s and peak GPU memory with and without FSDP, and with cpu_offload.
 #          With GPU_CHECK_DEVICE=cpu: the FSDP refusal on CPU, and DDP on two CPU processes.
+#   kernels  Every exact diff formulation (kernels.DIFF_SDPA_STRATEGIES) against eager on the GPU,
+#            fp32 and bf16, forward and backward, plain causal and cached+padded masks, MHA and GQA;
+#            the CUDA default (`padded`) must run on the flash kernel; the repository's CUDA tests.
+#   bench    `difftrain bench` on the GPU (bf16-mixed, compiled): the 124M shape at seq 2048 —
+#            attention cores and diff strategies, training tokens/s and MFU per arch and the
+#            diff/baseline ratio (target ≥ 0.95), optimizer bytes/param incl. paged_adamw8bit,
+#            decode, and `difftrain plan`'s peak against torch.cuda.max_memory_allocated per arch.
+#            Checks: every section ran, the plan is within 15 %, 8-bit state ≤ 2.1 bytes/param.
+#            Also writes bench-full.json / bench-full.md (the README table).
+#   converge A short bf16-mixed + adamw8bit + compile training run on the GPU must reach the same
+#            validation loss as the same recipe in fp32 + AdamW on the CPU (|Δ| ≤ max(0.05, 2 %)).
 set -uo pipefail
 
 cd "$(dirname "$0")/.." || exit 1
@@ -41,7 +52,7 @@ WORK=$(mktemp -d "${TMPDIR:-/tmp}/difftrain-gpu-check.XXXXXX")
 trap 'rm -rf "$WORK"' EXIT
 export DIFFTRAIN_CACHE="$WORK/cache"
 
-ALL_SECTIONS=(qlora fsdp)
+ALL_SECTIONS=(kernels bench converge qlora fsdp)
 if [ "$#" -gt 0 ]; then SECTIONS=("$@"); else SECTIONS=("${ALL_SECTIONS[@]}"); fi
 
 skipped() {  # section reason
@@ -351,6 +362,225 @@ except Exception as e:  # a failure is a result too
     print(res["traceback"], file=sys.stderr)
 out.write_text(json.dumps(res, indent=2) + "\n")
 print(f"gpu_check: fsdp {'ok' if res['ok'] else 'FAILED'} -> {out}")
+sys.exit(0 if res["ok"] else 1)
+PY
+}
+
+# ------------------------------------------------------------------------------------------
+section_kernels() {
+  "$PY" - "$RESULTS_DIR/kernels.json" "$DEVICE" <<'PY'
+import json, subprocess, sys, traceback
+from pathlib import Path
+
+import torch
+
+out, device = Path(sys.argv[1]), sys.argv[2]
+res = {"section": "kernels", "ok": False, "device": "", "checks": {}, "figures": {}}
+
+
+def check(name, ok, detail):
+    res["checks"][name] = {"ok": bool(ok), "detail": detail}
+    print(f"  {'ok  ' if ok else 'FAIL'} {name}: {detail}", flush=True)
+
+
+def rel(a, b):
+    return ((a.float() - b.float()).abs().max() / b.float().abs().max().clamp(min=1e-30)).item()
+
+
+try:
+    from difftrain.model.kernels import DIFF_SDPA_STRATEGIES, AttnMask, diff_attention
+
+    dev = torch.device(device)
+    res["device"] = torch.cuda.get_device_name(0) if device == "cuda" else "cpu"
+    res["torch"] = torch.__version__
+    # 1. the repository's GPU tests (skipped on CPU)
+    p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "cuda",
+                        "tests/test_kernels.py", "tests/test_transformer.py"], capture_output=True, text=True)
+    tail = p.stdout.strip().splitlines()[-1:] if p.stdout.strip() else [p.stderr[-300:]]
+    check("pytest_cuda_tests", p.returncode in (0, 5), " ".join(tail))  # 5: none collected (CPU)
+    # 2. every diff strategy against eager, fp32 (fwd+bwd) and bf16 (fwd+bwd vs fp32 eager)
+    B, H, T, d = (2, 8, 256, 64) if device == "cuda" else (2, 4, 32, 16)
+    for n_kv in (H, H // 2):
+        g = torch.Generator().manual_seed(0)
+        base = {"q": torch.randn(B, H, T, d, generator=g), "k": torch.randn(B, n_kv, T + 3, d, generator=g),
+                "v": torch.randn(B, n_kv // 2, T + 3, 2 * d, generator=g), "lam": torch.tensor(0.37)}
+        pad = torch.ones(B, T + 3, dtype=torch.bool)
+        pad[1, :5] = False
+        masks = {"causal": AttnMask(T, T), "cached+padded": AttnMask(T, T + 3, 3, pad.to(dev))}
+        grad = torch.randn(B, H // 2, T, 2 * d, generator=g).to(dev)
+        for mname, mask in masks.items():
+            S = mask.kv_len
+            ref_in = {k: (v[:, :, :S] if v.dim() == 4 else v).to(dev).requires_grad_() for k, v in base.items()}
+            ref = diff_attention(ref_in["q"], ref_in["k"], ref_in["v"], ref_in["lam"], mask, "eager").out
+            ref_g = torch.autograd.grad(ref, list(ref_in.values()), grad)
+            for name, fn in DIFF_SDPA_STRATEGIES.items():
+                if name == "flash_cpu" and device == "cuda":
+                    continue
+                for dtype, tol in ((torch.float32, 1e-4), (torch.bfloat16, 3e-2)):
+                    t = {k: (v[:, :, :S] if v.dim() == 4 else v).to(dev, dtype if k != "lam" else torch.float32)
+                         .requires_grad_() for k, v in base.items()}
+                    o = fn(t["q"], t["k"], t["v"], t["lam"], mask)
+                    gs = torch.autograd.grad(o, list(t.values()), grad.to(dtype))
+                    err = max([rel(o, ref)] + [rel(a, b) for a, b in zip(gs, ref_g)])
+                    check(f"{name}/{mname}/kv{n_kv}/{str(dtype)[6:]}", err <= tol, f"max rel err {err:.1e} (≤ {tol:g})")
+    # 3. the CUDA default (padded) must run on the flash kernel in bf16
+    if device == "cuda":
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        q = torch.randn(B, H, T, d, device=dev, dtype=torch.bfloat16)
+        k = torch.randn(B, H, T, d, device=dev, dtype=torch.bfloat16)
+        v = torch.randn(B, H // 2, T, 2 * d, device=dev, dtype=torch.bfloat16)
+        try:
+            with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+                DIFF_SDPA_STRATEGIES["padded"](q, k, v, torch.tensor(0.3, device=dev), AttnMask(T, T))
+            check("padded_runs_on_flash", True, "diff_sdpa_padded ran with only the flash backend enabled")
+        except RuntimeError as e:
+            check("padded_runs_on_flash", False, f"flash refused it: {str(e)[:200]}")
+    res["ok"] = all(c["ok"] for c in res["checks"].values())
+except Exception as e:
+    res["error"] = f"{type(e).__name__}: {e}"
+    res["traceback"] = traceback.format_exc()[-4000:]
+    print(res["traceback"], file=sys.stderr)
+out.write_text(json.dumps(res, indent=2) + "\n")
+print(f"gpu_check: kernels {'ok' if res['ok'] else 'FAILED'} -> {out}")
+sys.exit(0 if res["ok"] else 1)
+PY
+}
+
+# ------------------------------------------------------------------------------------------
+section_bench() {
+  "$PY" - "$RESULTS_DIR" "$DEVICE" <<'PY'
+import json, sys, traceback
+from pathlib import Path
+
+import torch
+
+out_dir, device = Path(sys.argv[1]), sys.argv[2]
+cpu = device == "cpu"
+res = {"section": "bench", "ok": False, "device": "", "checks": {}, "figures": {}}
+
+
+def check(name, ok, detail):
+    res["checks"][name] = {"ok": bool(ok), "detail": detail}
+    print(f"  {'ok  ' if ok else 'FAIL'} {name}: {detail}", flush=True)
+
+
+try:
+    from difftrain.bench import BenchOptions, bench_markdown, run_bench
+    from difftrain.io import atomic_write_json, atomic_write_text
+
+    opts = BenchOptions(
+        mode="quick" if cpu else "default", device=device, reps=None if cpu else 5,
+        sections=("attention", "train_step", "optimizer", "decode", "memory"),
+        command="bash benchmarks/gpu_check.sh bench",
+    )
+    result = run_bench(opts, progress=lambda m: print(f"  .. {m}", flush=True))
+    atomic_write_json(out_dir / "bench-full.json", result)
+    atomic_write_text(out_dir / "bench-full.md", bench_markdown(result))
+    res["device"] = result["device"]["name"]
+    sec = result["sections"]
+    errors = {k: v["error"] for k, v in sec.items() if "error" in v}
+    check("sections_ran", not errors, "all sections ran" if not errors else json.dumps(errors)[:400])
+    mem = sec.get("memory", {}).get("rows", [])
+    worst = max((abs(r["error"]) for r in mem if isinstance(r.get("error"), float)), default=None)
+    check("plan_within_15_percent", worst is not None and worst <= 0.15,
+          f"worst |estimate/measured - 1| = {worst} over {len(mem)} shapes ({sec.get('memory', {}).get('measured_by')})")
+    for r in sec.get("optimizer", {}).get("rows", []):
+        if r["optimizer"] in ("adamw8bit", "paged_adamw8bit") and r.get("available"):
+            check(f"{r['optimizer']}_bytes_per_param", r["bytes_per_param"] <= 2.1, f"{r['bytes_per_param']:.3f} bytes/param")
+    res["figures"] = {
+        "targets": result["targets"],
+        "train_step": [{k: r.get(k) for k in ("shape", "variant", "tokens_per_s", "mfu", "vs_baseline", "compile")}
+                       for r in sec.get("train_step", {}).get("rows", [])],
+        "peak_memory": [{k: r.get(k) for k in ("shape", "arch", "optimizer", "estimated_peak", "measured_peak", "error")}
+                        for r in mem],
+        "diff_strategies": [{k: r[k] for k in ("B", "T", "impl", "ms", "vs_baseline")}
+                            for r in sec.get("attention", {}).get("rows", []) if r["arch"] == "diff"],
+    }
+    res["ok"] = all(c["ok"] for c in res["checks"].values())
+except Exception as e:
+    res["error"] = f"{type(e).__name__}: {e}"
+    res["traceback"] = traceback.format_exc()[-4000:]
+    print(res["traceback"], file=sys.stderr)
+(out_dir / "bench.json").write_text(json.dumps(res, indent=2) + "\n")
+print(f"gpu_check: bench {'ok' if res['ok'] else 'FAILED'} -> {out_dir / 'bench.json'} (+ bench-full.json/.md)")
+sys.exit(0 if res["ok"] else 1)
+PY
+}
+
+# ------------------------------------------------------------------------------------------
+section_converge() {
+  "$PY" - "$RESULTS_DIR/converge.json" "$WORK/converge" "$DEVICE" <<'PY'
+import json, sys, time, traceback
+from pathlib import Path
+
+import torch
+
+out, work, device = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3]
+cpu = device == "cpu"
+work.mkdir(parents=True)
+res = {"section": "converge", "ok": False, "device": "", "checks": {}, "figures": {}}
+
+
+def check(name, ok, detail):
+    res["checks"][name] = {"ok": bool(ok), "detail": detail}
+    print(f"  {'ok  ' if ok else 'FAIL'} {name}: {detail}", flush=True)
+
+
+try:
+    from difftrain.recipe import load_recipe
+    from difftrain.train.run import pretrain
+
+    res["device"] = torch.cuda.get_device_name(0) if not cpu else "cpu"
+    corpus = work / "corpus"
+    corpus.mkdir()
+    words = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi".split()
+    g = torch.Generator().manual_seed(0)
+    for i in range(60):
+        lines = []
+        for j in range(40):
+            a, b, c = (words[int(k)] for k in torch.randint(len(words), (3,), generator=g))
+            lines.append(f"def {a}_{j}({b}, {c}):\n    return {b} + {c} * {j}\n\n")
+        (corpus / f"m{i:03d}.py").write_text("".join(lines))
+    steps = 30 if cpu else 150
+    runs = {
+        "cpu_fp32": "accelerator: cpu, precision: 32-true, compile: false",
+        "fast": ("accelerator: cpu, precision: bf16-mixed, compile: false" if cpu
+                 else "accelerator: cuda, precision: bf16-mixed, compile: true"),
+    }
+    optims = {"cpu_fp32": "adamw", "fast": "adamw8bit"}
+    summaries = {}
+    for name, train in runs.items():
+        p = work / f"{name}.yaml"
+        p.write_text(
+            f"""name: {name}
+out_dir: {work / 'runs'}
+seed: 7
+model: {{arch: diff, d_model: 128, n_layers: 2, n_heads: 4, max_seq_len: 128}}
+data: {{sources: [{corpus}], val_windows: 16}}
+tokenizer: {{train: {{vocab_size: 512}}}}
+train: {{max_steps: {steps}, micro_batch_size: 16, {train}, log_every: 10, val_every: 1000, save_every: 1000}}
+optim: {{name: {optims[name]}, lr: 3.0e-3, warmup_steps: 10}}
+logging: {{progress: false, tensorboard: false}}
+"""
+        )
+        t0 = time.perf_counter()
+        s = pretrain(load_recipe(p)).summary
+        summaries[name] = {k: s.get(k) for k in ("final_val_loss", "final_train_loss", "tokens_per_s", "precision", "optimizer")}
+        summaries[name]["seconds"] = round(time.perf_counter() - t0, 1)
+    a, b = summaries["cpu_fp32"]["final_val_loss"], summaries["fast"]["final_val_loss"]
+    tol = max(0.05, 0.02 * a)
+    check("same_loss_as_cpu_fp32", a is not None and b is not None and abs(a - b) <= tol,
+          f"val loss cpu fp32 {a:.4f} vs {'bf16 + adamw8bit' + ('' if cpu else ' + compile')} {b:.4f} (|Δ| ≤ {tol:.3f})")
+    check("learned", a is not None and a < 5.0, f"val loss {a:.3f} after {steps} steps (ln 512 = 6.24 at start)")
+    res["figures"] = summaries
+    res["ok"] = all(c["ok"] for c in res["checks"].values())
+except Exception as e:
+    res["error"] = f"{type(e).__name__}: {e}"
+    res["traceback"] = traceback.format_exc()[-4000:]
+    print(res["traceback"], file=sys.stderr)
+out.write_text(json.dumps(res, indent=2) + "\n")
+print(f"gpu_check: converge {'ok' if res['ok'] else 'FAILED'} -> {out}")
 sys.exit(0 if res["ok"] else 1)
 PY
 }
