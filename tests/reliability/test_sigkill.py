@@ -44,7 +44,7 @@ from difftrain.data.shards import _valid_entry
 from difftrain.train.checkpoint import load_checkpoint_file, step_file
 from difftrain.train.metrics import read_metrics
 
-STEPS = 64
+STEPS = 80  # room for 11 event kills (≤ 2 steps each) and 4 random ones (≤ 10 steps each)
 
 # (label, op, file pattern, phase, nth): the nth matching call of the op dies at phase.
 EVENT_KILLS = [
