@@ -96,5 +96,5 @@ def test_an_absolute_out_dir_is_allowed_on_purpose(project, capsys):
     assert plan_run(r).run_dir == target / "r"
     assert main(["pretrain", str(recipe(out_dir=str(target))), "--no-progress"]) == 0
     assert (target / "r" / "model.safetensors").is_file()
-    # nothing was written next to the recipe or in the current folder but the cache-free runs
+    # the run went where out_dir says: no runs/ next to the recipe or in the current folder
     assert not (root / "elsewhere" / "runs").exists() and not (root / "proj" / "runs").exists()
