@@ -70,7 +70,8 @@ class LitLM(L.LightningModule):
         self.strict_loading = save_frozen
         self.step_seed = step_seed
         self._compile = compile
-        self._forward = torch.compile(model) if compile else model
+        # not a submodule (object.__setattr__): the checkpoint holds each tensor once, unprefixed
+        object.__setattr__(self, "_forward", torch.compile(model) if compile else model)
         # dimensions of the parameters before any sharding (FSDP flattens them to 1-D shards)
         self._param_ndims = {n: p.ndim for n, p in model.named_parameters()}
         self._micro = 0
@@ -103,7 +104,7 @@ class LitLM(L.LightningModule):
         from torch.distributed.fsdp.wrap import wrap
 
         self.model = wrap(self.model)
-        self._forward = torch.compile(self.model) if self._compile else self.model
+        object.__setattr__(self, "_forward", torch.compile(self.model) if self._compile else self.model)
 
     def _world(self) -> int:
         trainer = self._trainer
@@ -273,7 +274,6 @@ class LitLM(L.LightningModule):
                 (k, tuple(v.shape), tuple(own[k].shape))
                 for k, v in checkpoint.get("state_dict", {}).items()
                 if k in own
-                and not k.startswith("_forward.")  # the same tensors again, under the forward alias
                 and hasattr(v, "shape")
                 and tuple(v.shape) != tuple(own[k].shape)
             ]
