@@ -108,6 +108,7 @@ QUICK_MEMORY = Shape("small", 128, 2, 4, 128, 16, 4096)  # big enough to rise ab
 QUICKSTART = Shape("quickstart", 256, 4, 8, 256, 16, 4096)
 D512 = Shape("d512-seq512", 512, 4, 8, 512, 8, 4096)
 GPT2_SMALL = Shape("124m", 768, 12, 12, 1024, 16, 32768)
+GPT2_SMALL_2K = Shape("124m-seq2048", 768, 12, 12, 2048, 8, 32768)  # the paper's context for the GPU target
 
 
 @dataclass
@@ -182,7 +183,7 @@ def make_plan(opts: BenchOptions) -> Plan:
             compile=True if opts.compile is None else opts.compile,
             reps=10,
             warmup=3,
-            step_shapes=[QUICKSTART, GPT2_SMALL] if full else [GPT2_SMALL],
+            step_shapes=[GPT2_SMALL_2K, GPT2_SMALL] if full else [GPT2_SMALL_2K],
             attention_grid=[(8, 1024, 12, 64), (4, 2048, 12, 64)] + ([(2, 4096, 16, 64)] if full else []),
             impls=["eager", "sdpa", "flex"],
             decode_tokens=256,
@@ -207,7 +208,7 @@ def make_plan(opts: BenchOptions) -> Plan:
                 (QUICKSTART, "diff", "adamw", True),
                 (D512, "diff", "adamw", False),
             ],
-            lightning_steps=8,
+            lightning_steps=5,
         )
     if opts.reps is not None:
         p.reps = max(1, opts.reps)
@@ -442,7 +443,10 @@ def train_step_fn(
 
 
 def bench_train_step(plan: Plan, progress: Progress) -> dict[str, Any]:
-    """Training-step tokens/s per arch at matched parameters (± torch.compile)."""
+    """Training-step tokens/s per arch at matched parameters (± torch.compile); MFU on known GPUs."""
+    from difftrain.train.callbacks import flops_per_token, peak_flops
+
+    peak = peak_flops(plan.device)
     rows: list[dict[str, Any]] = []
     for shape in plan.step_shapes:
         variants: dict[str, tuple[str, bool, str | None]] = {a: (a, False, None) for a in ARCHS}
@@ -460,12 +464,19 @@ def bench_train_step(plan: Plan, progress: Progress) -> dict[str, Any]:
             opt = _optimizer(model, "adamw", plan.device)
             forward = torch.compile(model) if compiled else None
             fns[name] = train_step_fn(model, opt, _batch(shape, plan.device), plan, forward, strategy)
+            counts = model.num_params()
             info[name] = {
                 "arch": arch,
                 "compile": compiled,
                 "core": strategy,
-                "params": model.num_params()["total"],
+                "params": counts["total"],
                 "ffn_hidden": cfg.ffn_hidden,
+                "flops_per_token": flops_per_token(
+                    counts["total"] - counts["embedding"],
+                    cfg.n_layers,
+                    cfg.n_heads * cfg.head_dim,
+                    shape.seq_len,
+                ),
             }
             if compiled:
                 progress(f"train_step {shape.name}: compiling {name}")
@@ -473,8 +484,9 @@ def bench_train_step(plan: Plan, progress: Progress) -> dict[str, Any]:
                 fns[name]()
                 fns[name]()
                 info[name]["compile_s"] = round(time.perf_counter() - t0, 1)
-        progress(f"train_step {shape.name}: {len(fns)} variants × {plan.reps} reps")
-        times = time_round_robin(fns, warmup=plan.warmup, reps=plan.reps, device=plan.device)
+        reps = plan.reps if shape is plan.step_shapes[0] else max(2, plan.reps - 2)  # bigger, fewer
+        progress(f"train_step {shape.name}: {len(fns)} variants × {reps} reps")
+        times = time_round_robin(fns, warmup=plan.warmup, reps=reps, device=plan.device)
         for name, t in times.items():
             s = _summary(t)
             ref = times["baseline +compile" if info[name]["compile"] else "baseline"]
@@ -487,6 +499,9 @@ def bench_train_step(plan: Plan, progress: Progress) -> dict[str, Any]:
                     "batch": shape.batch,
                     "seq_len": shape.seq_len,
                     "tokens_per_s": shape.tokens / (s["ms"] / 1e3),
+                    "mfu": shape.tokens / (s["ms"] / 1e3) * info[name]["flops_per_token"] / peak
+                    if peak
+                    else None,
                     "vs_baseline": paired_ratio(ref["wall"], t["wall"]),
                     "vs_baseline_cpu": paired_ratio(ref["cpu"], t["cpu"]),
                 }
@@ -800,26 +815,29 @@ def bench_decode(plan: Plan, progress: Progress) -> dict[str, Any]:
 
 
 # ----- memory: the planner against a measured peak ----------------------------------------------
+def _proc_status_bytes(field: str) -> int:
+    """A `kB` field of /proc/self/status (VmRSS, VmHWM) in bytes."""
+    with open("/proc/self/status", encoding="ascii") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise OSError(f"/proc/self/status has no {field}")
+
+
 def measure_training_peak(spec: dict[str, Any]) -> dict[str, Any]:
     """Run 3 training steps of `spec` and report the peak memory they added (call in a fresh
     process: `python -m difftrain.bench --measure-peak JSON`).
 
-    CPU: growth of the process's peak RSS (ru_maxrss) from just before the model is built. CUDA:
-    torch.cuda.max_memory_allocated() from a reset just before."""
-    import resource
-
+    CPU: the resident set's high-water mark (VmHWM, reset through /proc/self/clear_refs) minus
+    the resident set just before the model is built. (Not ru_maxrss: Linux carries the parent's
+    peak into a child across fork and exec.) CUDA: torch.cuda.max_memory_allocated() minus the
+    memory allocated before, after a reset of the peak."""
     from difftrain.model import ModelConfig, Transformer
     from difftrain.recipe import OptimConfig
     from difftrain.train.optim import build_optimizer
 
     device = torch.device(spec["device"])
     cfg = ModelConfig(**spec["config"])
-    page = os.sysconf("SC_PAGE_SIZE")
-
-    def rss_now() -> int:
-        with open("/proc/self/statm", encoding="ascii") as f:
-            return int(f.read().split()[1]) * page
-
     B, T = spec["batch"], spec["seq_len"]
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, cfg.vocab_size, (B, T + 1), generator=g)  # type: ignore[arg-type]
@@ -829,8 +847,9 @@ def measure_training_peak(spec: dict[str, Any]) -> dict[str, Any]:
         torch.cuda.reset_peak_memory_stats(device)
         before = torch.cuda.memory_allocated(device)
     else:
-        before = rss_now()
-        peak_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        before = _proc_status_bytes("VmRSS")
+        with open("/proc/self/clear_refs", "w", encoding="ascii") as f:
+            f.write("5")  # reset VmHWM to the current resident set
     model = Transformer(cfg).to(device)
     model.set_activation_checkpointing(spec["checkpointing"])
     opt = build_optimizer(model, OptimConfig(name=spec["optimizer"], lr=1e-4), device.type)
@@ -840,22 +859,40 @@ def measure_training_peak(spec: dict[str, Any]) -> dict[str, Any]:
         if spec["precision"] == "bf16-mixed"
         else contextlib.nullcontext()
     )
-    for _ in range(3):
+
+    def step() -> float:
         with amp:
             loss = model(x, y).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
+        return float(loss)
+
+    for _ in range(3):
+        loss = step()
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-        peak = torch.cuda.max_memory_allocated(device) - before
-    else:
-        peak_after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-        if peak_after <= peak_before:  # the steps never exceeded the imports' peak: no measurement
-            return {"measured_peak": None, "loss": float(loss)}
-        peak = peak_after - before
-    return {"measured_peak": int(peak), "loss": float(loss)}
+        return {"measured_peak": int(torch.cuda.max_memory_allocated(device) - before), "loss": loss}
+    rss_peak = _proc_status_bytes("VmHWM") - before
+    # What the tensors themselves hold at their peak: one more step under the profiler's memory
+    # tracking, on top of what is resident between steps (weights, optimizer state, the batch).
+    from torch.profiler import ProfilerActivity, profile
+
+    from difftrain.train.optim import optimizer_state_bytes
+
+    resident = sum(p.numel() * p.element_size() for p in params) + optimizer_state_bytes(opt)
+    resident += 2 * x.numel() * x.element_size()
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        step()
+    events = sorted(
+        (e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"
+    )
+    current = top = 0
+    for _, nbytes in events:
+        current += nbytes
+        top = max(top, current)
+    return {"measured_peak": int(rss_peak), "tensor_peak": int(resident + top), "loss": loss}
 
 
 def bench_memory(plan: Plan, progress: Progress) -> dict[str, Any]:
@@ -887,13 +924,12 @@ def bench_memory(plan: Plan, progress: Progress) -> dict[str, Any]:
         if proc.returncode != 0:
             rows.append({"shape": shape.name, "arch": arch, "error": proc.stderr.strip().splitlines()[-1:]})
             continue
-        measured = json.loads(proc.stdout.strip().splitlines()[-1])["measured_peak"]
-        if measured is None:
-            rows.append({"shape": shape.name, "arch": arch, "error": "peak below the process's import peak"})
-            continue
+        child = json.loads(proc.stdout.strip().splitlines()[-1])
+        measured = child["measured_peak"]
         settings = Settings(shape.batch, shape.seq_len, shape.batch, 1, precision, optimizer, ckpt)
         target = Target(plan.device.type, 0, str(plan.device))
         est = plan_memory(cfg, settings, target)
+        tensor_peak = child.get("tensor_peak")
         rows.append(
             {
                 "shape": shape.name,
@@ -906,9 +942,13 @@ def bench_memory(plan: Plan, progress: Progress) -> dict[str, Any]:
                 "estimated_peak": round(est.peak),
                 "measured_peak": measured,
                 "error": est.peak / measured - 1.0 if measured > 0 else None,
+                "tensor_peak": tensor_peak,
+                "tensor_error": est.peak / tensor_peak - 1.0 if tensor_peak else None,
             }
         )
-    what = "torch.cuda.max_memory_allocated" if plan.device.type == "cuda" else "peak RSS growth (ru_maxrss)"
+    what = (
+        "torch.cuda.max_memory_allocated" if plan.device.type == "cuda" else "growth of the peak RSS (VmHWM)"
+    )
     return {"measured_by": what, "rows": rows}
 
 
@@ -1118,6 +1158,7 @@ def tables(result: dict[str, Any]) -> list[tuple[str, list[str], list[list[str]]
                     "ms",
                     "CPU ms",
                     "tokens/s",
+                    "MFU",
                     "vs baseline",
                     "vs baseline (CPU)",
                 ],
@@ -1129,6 +1170,7 @@ def tables(result: dict[str, Any]) -> list[tuple[str, list[str], list[list[str]]
                         _f(r["ms"], ".0f"),
                         _f(r["cpu_ms"], ".0f"),
                         _f(r["tokens_per_s"], ",.0f"),
+                        _f(r.get("mfu"), ".1%"),
                         _f(r["vs_baseline"]),
                         _f(r["vs_baseline_cpu"]),
                     ]
@@ -1250,28 +1292,49 @@ def tables(result: dict[str, Any]) -> list[tuple[str, list[str], list[list[str]]
     if s.get("rows"):
         out.append(
             (
-                f"Memory plan vs measured ({s['measured_by']})",
-                ["shape", "arch", "optimizer", "checkpointing", "estimated", "measured", "error"],
+                "Memory plan vs measured peaks",
                 [
-                    [
-                        r["shape"],
-                        r["arch"],
-                        r.get("optimizer", ""),
-                        "yes" if r.get("checkpointing") else "no",
-                        f"{r['estimated_peak'] / 2**20:,.0f} MiB" if "estimated_peak" in r else "—",
-                        f"{r['measured_peak'] / 2**20:,.0f} MiB" if "measured_peak" in r else "—",
-                        f"{100 * r['error']:+.0f}%"
-                        if isinstance(r.get("error"), float)
-                        else str(r.get("error")),
-                    ]
-                    for r in s["rows"]
+                    "shape",
+                    "arch",
+                    "optimizer",
+                    "ckpt",
+                    "estimate",
+                    s["measured_by"],
+                    "error",
+                    "tensors (profiler)",
+                    "error",
                 ],
+                [_memory_row(r) for r in s["rows"]],
             )
         )
     for name, sec_ in sec.items():
         if "error" in sec_ or "skipped" in sec_:
             out.append((f"{name}: not measured", ["reason"], [[sec_.get("error") or sec_.get("skipped")]]))
     return out
+
+
+def _mib(v: Any) -> str:
+    return f"{v / 2**20:,.0f} MiB" if isinstance(v, (int, float)) else "—"
+
+
+def _pct(v: Any) -> str:
+    return f"{100 * v:+.0f}%" if isinstance(v, float) else "—"
+
+
+def _memory_row(r: dict[str, Any]) -> list[str]:
+    if "estimated_peak" not in r:
+        return [r["shape"], r["arch"], "", "", "—", "—", str(r.get("error")), "—", "—"]
+    return [
+        r["shape"],
+        r["arch"],
+        r["optimizer"],
+        "yes" if r["checkpointing"] else "no",
+        _mib(r["estimated_peak"]),
+        _mib(r["measured_peak"]),
+        _pct(r["error"]),
+        _mib(r.get("tensor_peak")),
+        _pct(r.get("tensor_error")),
+    ]
 
 
 def describe(result: dict[str, Any]) -> str:

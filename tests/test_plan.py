@@ -189,3 +189,25 @@ def test_plan_cli_json_reports_the_breakdown_and_suggestions(capsys):
     assert data["bytes"]["weights"] == 4 * data["params"]
     assert data["suggestions"] and all(s["device_need"] <= 8 * GiB for s in data["suggestions"])
     assert {r["arch"] for r in data["activation_table"]} == {"baseline", "diff", "diff2"}
+
+
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "ckpt"])
+@pytest.mark.parametrize("arch", ["baseline", "diff"])
+def test_planned_peak_matches_the_tensor_peak_of_a_real_training_step(arch, checkpointing):
+    from difftrain.bench import measure_training_peak
+
+    cfg = tiny(arch, d_model=64, vocab_size=512, max_seq_len=64, tie_embeddings=True)
+    spec = {"device": "cpu", "config": cfg.model_dump(mode="json"), "batch": 8, "seq_len": 64,
+            "optimizer": "adamw", "checkpointing": checkpointing, "precision": "32-true"}  # fmt: skip
+    measured = measure_training_peak(spec)
+    planned = plan_memory(cfg, Settings(8, 64, 8, 1, "32-true", "adamw", checkpointing), CPU).peak
+    assert abs(planned / measured["tensor_peak"] - 1) <= 0.05, (planned, measured)
+
+
+def test_pretrain_adds_the_plan_warning_to_its_start_up_warnings_only_when_needed():
+    from difftrain.train.run import _with_memory_warning
+
+    too_big = load_recipe("quickstart", ["train.micro_batch_size=65536", "train.global_batch_size=65536"])
+    info = _with_memory_warning({"data": None}, too_big, "cpu", None)
+    assert len(info["warnings"]) == 1 and "difftrain plan" in info["warnings"][0]
+    assert "warnings" not in _with_memory_warning({"data": None}, load_recipe("quickstart"), "cpu", None)
