@@ -349,11 +349,26 @@ def pretrain(
         on_start=on_start,
         extra_callbacks=extra_callbacks,
         fault_hook=fault_hook,
-        info={"data": prepared},
+        info=_with_memory_warning({"data": prepared}, r, plan.accelerator, point),
         tokens_per_micro_batch=r.train.micro_batch_size * plan.seq_len,
     )
     dist.join()  # the ranks this process started have finished too
     return result
+
+
+def _with_memory_warning(info: dict[str, Any], r: Recipe, accelerator: str, point: Any) -> dict[str, Any]:
+    """Add `difftrain plan`'s warning when the run will not fit this device (CUDA: the GPU's memory;
+    CPU: the RAM) to the start-up warnings. The planner only advises: it never stops a run."""
+    from difftrain.plan import fit_warning
+
+    try:
+        warning = fit_warning(r, accelerator)
+    except Exception as e:  # a planner failure must not cost the user a run
+        logging.getLogger(__name__).debug("memory plan skipped: %s", e)
+        return info
+    if warning:
+        info["warnings"] = [*(point.warnings if point else []), warning]
+    return info
 
 
 def fit(
