@@ -454,8 +454,8 @@ def bench_train_step(plan: Plan, progress: Progress) -> dict[str, Any]:
             variants["diff (previous core: one_call)"] = ("diff", False, "one_call")
         else:
             variants["diff (split_v core)"] = ("diff", False, "split_v")
-        if plan.compile:
-            for a in ARCHS:
+        if plan.compile:  # compile warm-up is long: diff2 only in full mode
+            for a in ARCHS if plan.mode == "full" else ("baseline", "diff"):
                 variants[f"{a} +compile"] = (a, True, None)
         fns, info = {}, {}
         for name, (arch, compiled, strategy) in variants.items():
@@ -1010,7 +1010,12 @@ def evaluate_targets(result: dict[str, Any]) -> list[dict[str, Any]]:
     """The performance targets of issue 9 that this result measures, each with its value."""
     out: list[dict[str, Any]] = []
     sec = result.get("sections", {})
-    cuda = result.get("device", {}).get("type") == "cuda"
+    dev = result.get("device", {})
+    cuda = dev.get("type") == "cuda"
+    # On a CPU with more runnable jobs than cores the wall clock measures the scheduler; CPU time
+    # (the work this process did) decides then.
+    load = dev.get("load_average") or [0.0]
+    basis = "cpu" if not cuda and load[0] > (dev.get("cpu_count") or 1) else "wall"
     for row in sec.get("train_step", {}).get("rows", []):
         if row["variant"] == "diff":
             goal = 0.95 if cuda else 0.90
@@ -1020,6 +1025,7 @@ def evaluate_targets(result: dict[str, Any]) -> list[dict[str, Any]]:
                     row["vs_baseline"],
                     goal,
                     cpu_value=row["vs_baseline_cpu"],
+                    basis=basis,
                 )
             )
     for row in sec.get("hf", {}).get("train", []):
@@ -1030,6 +1036,7 @@ def evaluate_targets(result: dict[str, Any]) -> list[dict[str, Any]]:
                     row["speedup"],
                     1.3,
                     cpu_value=row["speedup_cpu"],
+                    basis=basis,
                 )
             )
     for row in sec.get("hf", {}).get("decode", []):
@@ -1040,6 +1047,7 @@ def evaluate_targets(result: dict[str, Any]) -> list[dict[str, Any]]:
                     row["speedup"],
                     1.5,
                     cpu_value=row["speedup_cpu"],
+                    basis=basis,
                 )
             )
     light = sec.get("lightning", {})
@@ -1065,13 +1073,17 @@ def evaluate_targets(result: dict[str, Any]) -> list[dict[str, Any]]:
     return out
 
 
-def _target(name: str, value: float, goal: float, cpu_value: float | None = None) -> dict[str, Any]:
+def _target(
+    name: str, value: float, goal: float, cpu_value: float | None = None, basis: str = "wall"
+) -> dict[str, Any]:
+    decisive = cpu_value if basis == "cpu" and cpu_value is not None else value
     return {
         "name": name,
         "value": value,
         "cpu_value": cpu_value,
         "goal": f"≥ {goal:.2f}",
-        "met": value >= goal,
+        "basis": basis,
+        "met": decisive >= goal,
     }
 
 
@@ -1140,7 +1152,7 @@ def tables(result: dict[str, Any]) -> list[tuple[str, list[str], list[list[str]]
                         _f(t["value"]),
                         _f(t.get("cpu_value")),
                         t["goal"],
-                        "yes" if t["met"] else "no",
+                        ("yes" if t["met"] else "no") + (" (on CPU time)" if t.get("basis") == "cpu" else ""),
                     ]
                     for t in result["targets"]
                 ],
