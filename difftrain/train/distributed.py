@@ -35,6 +35,7 @@ FSDP on CPU, so `strategy: fsdp` needs CUDA (`check_strategy`).
 
 from __future__ import annotations
 
+import atexit
 import os
 import sys
 from collections.abc import Callable
@@ -297,6 +298,11 @@ def _interactive() -> bool:
     )
 
 
+def _destroy_process_group() -> None:
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
 def _launched_processes() -> int:
     """Processes a launcher (torchrun, srun, a Lightning parent) says this job has; 1 if none.
     SLURM as Lightning detects it: SLURM_NTASKS set, job name not bash/interactive."""
@@ -375,6 +381,9 @@ def start(recipe: Any, *, accelerator: str, devices: int, num_nodes: int) -> Dis
             "(torchrun --nproc-per-node = train.devices, --nnodes = train.num_nodes)"
         )
     group = torch.distributed.new_group(backend="gloo", timeout=PREPARE_TIMEOUT)
+    # tear the process group down before the interpreter does: gloo's threads otherwise abort a
+    # process whose peer closed its connection first, turning a finished run into exit code 134
+    atexit.register(_destroy_process_group)
     return DistContext(
         rank=strategy.global_rank,
         local_rank=strategy.local_rank,
