@@ -25,6 +25,12 @@ from typing import IO, Any
 from difftrain.errors import DifftrainError
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 def fsync_dir(path: str | os.PathLike[str]) -> None:
     """fsync a directory so that renames inside it are durable (no-op where unsupported)."""
     try:
@@ -57,6 +63,8 @@ def atomic_path(path: str | os.PathLike[str]) -> Iterator[Path]:
     dest = Path(path)
     dest.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp_name = tempfile.mkstemp(prefix=f".{dest.name}.{os.getpid()}.", suffix=".tmp", dir=dest.parent)
+    # mkstemp creates 0600; give the file the permissions a plain open() would (0666 & ~umask)
+    os.fchmod(fd, 0o666 & ~_umask())
     os.close(fd)
     tmp = Path(tmp_name)
     try:

@@ -217,3 +217,14 @@ def test_deep_merge_does_not_mutate_inputs():
     b = {"x": {"y": 2}}
     out = deep_merge(a, b)
     assert out == {"x": {"y": 2, "z": [1]}} and a == {"x": {"y": 1, "z": [1]}}
+
+
+def test_atomic_writes_get_ordinary_file_permissions(tmp_path):
+    import os
+
+    from difftrain.io import atomic_write_text
+
+    atomic_write_text(tmp_path / "f.txt", "x")
+    mask = os.umask(0)
+    os.umask(mask)
+    assert (tmp_path / "f.txt").stat().st_mode & 0o777 == 0o666 & ~mask
