@@ -25,10 +25,13 @@ from typing import IO, Any
 from difftrain.errors import DifftrainError
 
 
-def _umask() -> int:
+def _read_umask() -> int:
     mask = os.umask(0)
     os.umask(mask)
     return mask
+
+
+_UMASK = _read_umask()  # read once at import: os.umask can only be read by setting it
 
 
 def fsync_dir(path: str | os.PathLike[str]) -> None:
@@ -64,7 +67,7 @@ def atomic_path(path: str | os.PathLike[str]) -> Iterator[Path]:
     dest.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp_name = tempfile.mkstemp(prefix=f".{dest.name}.{os.getpid()}.", suffix=".tmp", dir=dest.parent)
     # mkstemp creates 0600; give the file the permissions a plain open() would (0666 & ~umask)
-    os.fchmod(fd, 0o666 & ~_umask())
+    os.fchmod(fd, 0o666 & ~_UMASK)
     os.close(fd)
     tmp = Path(tmp_name)
     try:
