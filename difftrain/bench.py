@@ -254,20 +254,23 @@ def _summary(t: dict[str, list[float]]) -> dict[str, float]:
 
 @contextlib.contextmanager
 def diff_strategy(name: str | None) -> Iterator[None]:
-    """Run the diff core through `kernels.DIFF_SDPA_STRATEGIES[name]` on every device meanwhile."""
+    """Run the diff core through `kernels.DIFF_SDPA_STRATEGIES[name]` on every device, decode
+    steps included, meanwhile."""
     from difftrain.model import kernels
 
     if name is None:
         yield
         return
-    saved = dict(kernels.DIFF_SDPA_DEFAULT)
+    saved, saved_decode = dict(kernels.DIFF_SDPA_DEFAULT), kernels.DECODE_MAX_QUERIES
     for k in list(kernels.DIFF_SDPA_DEFAULT):
         kernels.DIFF_SDPA_DEFAULT[k] = name
+    kernels.DECODE_MAX_QUERIES = 0  # decode steps too
     try:
         yield
     finally:
         kernels.DIFF_SDPA_DEFAULT.clear()
         kernels.DIFF_SDPA_DEFAULT.update(saved)
+        kernels.DECODE_MAX_QUERIES = saved_decode
 
 
 def _autocast(plan: Plan) -> contextlib.AbstractContextManager[Any]:
@@ -682,9 +685,26 @@ def _train_vs_hf(ours: Any, hf: Any, shape: Shape, plan: Plan, progress: Progres
         hf_opt.zero_grad(set_to_none=True)
 
     fns = {"ours": train_step_fn(ours, _optimizer(ours, "adamw", plan.device), (x, y), plan), "hf": hf_step}
+    if plan.compile:  # our model under torch.compile (train.compile: true) against transformers eager
+        twin = _build(ours.config, plan)
+        fns["ours +compile"] = train_step_fn(
+            twin, _optimizer(twin, "adamw", plan.device), (x, y), plan, torch.compile(twin)
+        )
+        progress(f"hf: compiling our {ours.config.arch} training step")
+        fns["ours +compile"]()
+        fns["ours +compile"]()
     progress(f"hf: {ours.config.arch} training step vs {type(hf).__name__}")
     t = time_round_robin(fns, warmup=plan.warmup, reps=plan.reps, device=plan.device)
+    compiled = {}
+    if "ours +compile" in t:
+        c = t["ours +compile"]
+        compiled = {
+            "compiled_tokens_per_s": shape.tokens / statistics.median(c["wall"]),
+            "compiled_speedup": paired_ratio(t["hf"]["wall"], c["wall"]),
+            "compiled_speedup_cpu": paired_ratio(t["hf"]["cpu"], c["cpu"]),
+        }
     return {
+        **compiled,
         "arch": ours.config.arch,
         "hf_class": type(hf).__name__,
         "hf_attn_implementation": getattr(hf.config, "_attn_implementation", None),
@@ -720,14 +740,34 @@ def _decode_vs_hf(ours: Any, hf: Any, plan: Plan, progress: Progress) -> dict[st
             r = hf.generate(ids, do_sample=False, max_new_tokens=n, min_new_tokens=n, pad_token_id=2)
         out["hf"] = r[0, len(prompt) :].tolist()
 
+    fns = {"ours": ours_fn, "hf": hf_fn}
+    if plan.compile:  # the cached decode step under torch.compile (dynamic cache length)
+        twin = torch.compile(ours, dynamic=True)
+
+        def compiled_fn() -> None:
+            out["ours +compile"] = generate_all(twin, [prompt], cfg)[0].token_ids
+
+        progress(f"hf: compiling our {ours.config.arch} decode step")
+        compiled_fn()
+        fns["ours +compile"] = compiled_fn
     progress(f"hf: {ours.config.arch} greedy decode vs generate, {n} tokens")
-    t = time_round_robin({"ours": ours_fn, "hf": hf_fn}, warmup=1, reps=max(3, plan.reps), device=plan.device)
+    t = time_round_robin(fns, warmup=1, reps=max(3, plan.reps), device=plan.device)
     same = 0
     for a, b in zip(out["ours"], out["hf"], strict=False):
         if a != b:
             break
         same += 1
+    compiled = {}
+    if "ours +compile" in t:
+        c = t["ours +compile"]
+        compiled = {
+            "compiled_tokens_per_s": n / statistics.median(c["wall"]),
+            "compiled_speedup": paired_ratio(t["hf"]["wall"], c["wall"]),
+            "compiled_speedup_cpu": paired_ratio(t["hf"]["cpu"], c["cpu"]),
+            "compiled_equals_eager": out["ours +compile"] == out["ours"],
+        }
     return {
+        **compiled,
         "arch": ours.config.arch,
         "new_tokens": n,
         "ours_tokens_per_s": n / statistics.median(t["ours"]["wall"]),
@@ -793,22 +833,32 @@ def bench_decode(plan: Plan, progress: Progress) -> dict[str, Any]:
     n = plan.decode_tokens
     cfg_gen = GenerationConfig(max_new_tokens=n, sampling=SamplingConfig(greedy=True), stop_at_eos=False)
     fns = {}
-    for arch in ARCHS:
+    variants = {a: (a, None) for a in ARCHS}
+    if plan.device.type == "cpu":
+        variants["diff (previous core: one_call)"] = ("diff", "one_call")
+    for name, (arch, strategy) in variants.items():
         cfg = shape.config(arch).replace(max_seq_len=max(shape.seq_len, 16 + n))
         model = _build(cfg, plan).eval()
         prompt = torch.randint(0, cfg.vocab_size, (16,), generator=torch.Generator().manual_seed(1)).tolist()
-        fns[arch] = lambda m=model, p=prompt: generate_all(m, [p], cfg_gen)
+
+        def run(m: Any = model, p: list[int] = prompt, strategy: str | None = strategy) -> None:
+            with diff_strategy(strategy):
+                generate_all(m, [p], cfg_gen)
+
+        fns[name] = run
     progress(f"decode: {n} tokens per arch × {max(3, plan.reps)}")
     times = time_round_robin(fns, warmup=1, reps=max(3, plan.reps), device=plan.device)
     rows = []
-    for arch, t in times.items():
+    for name, t in times.items():
         rows.append(
             {
-                "arch": arch,
+                "arch": variants[name][0],
+                "variant": name,
                 "new_tokens": n,
                 "tokens_per_s": n / statistics.median(t["wall"]),
                 "cpu_ms_per_token": 1e3 * statistics.median(t["cpu"]) / n,
                 "vs_baseline": paired_ratio(times["baseline"]["wall"], t["wall"]),
+                "vs_baseline_cpu": paired_ratio(times["baseline"]["cpu"], t["cpu"]),
             }
         )
     return {"shape": shape.name, "prompt_tokens": 16, "rows": rows}
@@ -1039,6 +1089,28 @@ def evaluate_targets(result: dict[str, Any]) -> list[dict[str, Any]]:
                     basis=basis,
                 )
             )
+    for row in sec.get("hf", {}).get("train", []):
+        if row["arch"] == "diff" and "compiled_speedup" in row:
+            out.append(
+                _target(
+                    "diff training tokens/s vs DiffLlama, ours compiled",
+                    row["compiled_speedup"],
+                    1.3,
+                    cpu_value=row["compiled_speedup_cpu"],
+                    basis=basis,
+                )
+            )
+    for row in sec.get("hf", {}).get("decode", []):
+        if row["arch"] == "diff" and "compiled_speedup" in row:
+            out.append(
+                _target(
+                    "diff greedy decode vs DiffLlama generate, ours compiled",
+                    row["compiled_speedup"],
+                    1.5,
+                    cpu_value=row["compiled_speedup_cpu"],
+                    basis=basis,
+                )
+            )
     for row in sec.get("hf", {}).get("decode", []):
         if row["arch"] == "diff":
             out.append(
@@ -1226,32 +1298,7 @@ def tables(result: dict[str, Any]) -> list[tuple[str, list[str], list[list[str]]
                     "(CPU)",
                     "agreement",
                 ],
-                [
-                    [
-                        r["arch"],
-                        r["hf_class"],
-                        "training step",
-                        _f(r["ours_tokens_per_s"], ",.0f"),
-                        _f(r["hf_tokens_per_s"], ",.0f"),
-                        _f(r["speedup"]),
-                        _f(r["speedup_cpu"]),
-                        f"max |Δlogit| {r['max_logit_diff']:.1e}",
-                    ]
-                    for r in s["train"]
-                ]
-                + [
-                    [
-                        r["arch"],
-                        "",
-                        f"greedy decode, {r['new_tokens']} tokens",
-                        _f(r["ours_tokens_per_s"], ",.1f"),
-                        _f(r["hf_tokens_per_s"], ",.1f"),
-                        _f(r["speedup"]),
-                        _f(r["speedup_cpu"]),
-                        f"{r['agreeing_tokens']}/{r['new_tokens']} tokens equal",
-                    ]
-                    for r in s.get("decode", [])
-                ],
+                _hf_rows(s),
             )
         )
     s = sec.get("lightning", {})
@@ -1287,14 +1334,15 @@ def tables(result: dict[str, Any]) -> list[tuple[str, list[str], list[list[str]]
     if s.get("rows"):
         out.append(
             (
-                f"Cached greedy decode ({s['shape']})",
-                ["arch", "tokens/s", "CPU ms/token", "vs baseline"],
+                f"Cached greedy decode ({s['shape']}, {s['rows'][0]['new_tokens']} new tokens)",
+                ["variant", "tokens/s", "CPU ms/token", "vs baseline", "vs baseline (CPU)"],
                 [
                     [
-                        r["arch"],
+                        r.get("variant", r["arch"]),
                         _f(r["tokens_per_s"], ",.1f"),
                         _f(r["cpu_ms_per_token"]),
                         _f(r["vs_baseline"]),
+                        _f(r.get("vs_baseline_cpu")),
                     ]
                     for r in s["rows"]
                 ],
@@ -1331,6 +1379,50 @@ def _mib(v: Any) -> str:
 
 def _pct(v: Any) -> str:
     return f"{100 * v:+.0f}%" if isinstance(v, float) else "—"
+
+
+def _hf_rows(s: dict[str, Any]) -> list[list[str]]:
+    rows = []
+    for kind, key in (("training step", "train"), ("greedy decode", "decode")):
+        for r in s.get(key, []):
+            fmt = ",.0f" if key == "train" else ",.1f"
+            agree = (
+                f"max |Δlogit| {r['max_logit_diff']:.1e}"
+                if key == "train"
+                else f"{r['agreeing_tokens']}/{r['new_tokens']} tokens equal"
+            )
+            what = kind if key == "train" else f"{kind}, {r['new_tokens']} tokens"
+            rows.append(
+                [
+                    r["arch"],
+                    r.get("hf_class", ""),
+                    what,
+                    _f(r["ours_tokens_per_s"], fmt),
+                    _f(r["hf_tokens_per_s"], fmt),
+                    _f(r["speedup"]),
+                    _f(r["speedup_cpu"]),
+                    agree,
+                ]
+            )
+            if "compiled_speedup" in r:
+                same = (
+                    ""
+                    if key == "train"
+                    else (" (same tokens)" if r["compiled_equals_eager"] else " (tokens differ)")
+                )
+                rows.append(
+                    [
+                        r["arch"],
+                        "",
+                        f"{what}, ours compiled",
+                        _f(r["compiled_tokens_per_s"], fmt),
+                        _f(r["hf_tokens_per_s"], fmt),
+                        _f(r["compiled_speedup"]),
+                        _f(r["compiled_speedup_cpu"]),
+                        f"vs transformers eager{same}",
+                    ]
+                )
+    return rows
 
 
 def _memory_row(r: dict[str, Any]) -> list[str]:

@@ -54,7 +54,8 @@ def test_quick_bench_result_has_the_promised_schema(quick_result):
     assert opt["paged_adamw8bit"]["available"] is False and "CUDA" in opt["paged_adamw8bit"]["reason"]
     for name in ("adamw", "adamw8bit", "lion8bit"):
         assert opt[name]["state_bytes"] == opt[name]["planned_state_bytes"], name
-    assert [x["arch"] for x in r["sections"]["decode"]["rows"]] == ["baseline", "diff", "diff2"]
+    decode = [x["variant"] for x in r["sections"]["decode"]["rows"]]
+    assert decode == ["baseline", "diff", "diff2", "diff (previous core: one_call)"]
     assert json.loads(json.dumps(r)) == r  # plain JSON, nothing lost
 
 
