@@ -125,7 +125,9 @@ def require_weights(path: Path) -> Path:
         return weights
     command = "pretrain"
     try:
-        if any(line.startswith("finetune:") for line in (path / RECIPE).read_text(encoding="utf-8").splitlines()):
+        if any(
+            line.startswith("finetune:") for line in (path / RECIPE).read_text(encoding="utf-8").splitlines()
+        ):
             command = "finetune"
     except (OSError, UnicodeDecodeError):
         pass

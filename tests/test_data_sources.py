@@ -137,9 +137,10 @@ def test_max_documents_caps_a_source(tmp_path: Path) -> None:
 def test_fingerprint_changes_with_content_and_settings_but_not_with_reading(tmp_path: Path) -> None:
     f = tmp_path / "a.txt"
     f.write_text("one")
-    fp = lambda **kw: resolve_sources(DataConfig(sources=[{"source": "a.txt", **kw}]), tmp_path)[
-        0
-    ].fingerprint()  # noqa: E731
+
+    def fp(**kw):
+        return resolve_sources(DataConfig(sources=[{"source": "a.txt", **kw}]), tmp_path)[0].fingerprint()
+
     first = fp()
     assert fp() == first
     f.write_text("one, longer")

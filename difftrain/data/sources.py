@@ -522,7 +522,9 @@ class Source:
                 if isinstance(rec["messages"], list) and all(isinstance(m, dict) for m in rec["messages"]):
                     yield rec
                 else:
-                    self._bad(stats, policy, f"{where}: 'messages' must be a list of {{role, content}} objects")
+                    self._bad(
+                        stats, policy, f"{where}: 'messages' must be a list of {{role, content}} objects"
+                    )
                 continue
             prompt = self._field(where, rec, pf, "prompt_field", stats, policy)
             if prompt is None:

@@ -273,9 +273,7 @@ class LitLM(L.LightningModule):
             wrong = [
                 (k, tuple(v.shape), tuple(own[k].shape))
                 for k, v in checkpoint.get("state_dict", {}).items()
-                if k in own
-                and hasattr(v, "shape")
-                and tuple(v.shape) != tuple(own[k].shape)
+                if k in own and hasattr(v, "shape") and tuple(v.shape) != tuple(own[k].shape)
             ]
             if wrong:
                 k, got, want = wrong[0]
