@@ -109,3 +109,34 @@ def oom_advice(recipe: Any, *, finetune: bool = False) -> str:
         + estimate
         + " — then run again (add --resume if a checkpoint was saved)"
     )
+
+
+def run_training(command: str, train: Any, recipe: Any, *, on_start: Any, **kwargs: Any) -> Any:
+    """Run `train(recipe, ...)` (pretrain or finetune) the way the CLI does for both commands.
+
+    A graceful stop prints the resume command on one unbroken line and exits 130 (SIGINT) or
+    143 (SIGTERM); running out of GPU memory becomes a DeviceError with this recipe's options.
+    """
+    import shlex
+    import signal
+
+    import torch
+    import typer
+    from rich.markup import escape
+
+    from difftrain.errors import DeviceError
+    from difftrain.train.callbacks import StopRequested
+
+    try:
+        with data_progress() as dp:
+            return train(recipe, console=console, on_start=on_start, data_progress=dp, **kwargs)
+    except StopRequested as stop:
+        # one unbroken line (soft wrap) with the path quoted: it is meant to be copied and pasted
+        cmd = f"difftrain {command} {shlex.quote(str(recipe.run_dir / 'recipe.yaml'))} --resume"
+        err_console.print(
+            f"[yellow]stopped at step {stop.step}; checkpoint saved.[/] Resume with: [bold]{escape(cmd)}[/]",
+            soft_wrap=True,
+        )
+        raise typer.Exit(130 if stop.signum == signal.SIGINT else 143) from None
+    except torch.OutOfMemoryError as e:
+        raise DeviceError(oom_advice(recipe, finetune=command == "finetune")) from e

@@ -122,42 +122,12 @@ def pretrain_command(
 
 
 def _train(r: Any, *, resume: bool | None, overwrite: bool, progress: bool | None) -> None:
-    import signal
-
-    import torch
-
-    from difftrain.cli.common import data_progress
-    from difftrain.errors import DeviceError
-    from difftrain.train.callbacks import StopRequested
+    from difftrain.cli.common import run_training
     from difftrain.train.run import pretrain
 
-    try:
-        with data_progress() as dp:
-            result = pretrain(
-                r,
-                resume=resume,
-                overwrite=overwrite,
-                progress=progress,
-                console=console,
-                on_start=_start_table,
-                data_progress=dp,
-            )
-    except StopRequested as stop:
-        import shlex
-
-        from rich.markup import escape
-
-        # one unbroken line (soft wrap) with the path quoted: it is meant to be copied and pasted
-        cmd = f"difftrain pretrain {shlex.quote(str(r.run_dir / 'recipe.yaml'))} --resume"
-        err_console.print(
-            f"[yellow]stopped at step {stop.step}; checkpoint saved.[/] Resume with: [bold]{escape(cmd)}[/]",
-            soft_wrap=True,
-        )
-        raise typer.Exit(130 if stop.signum == signal.SIGINT else 143) from None
-    except torch.OutOfMemoryError as e:
-        from difftrain.cli.common import oom_advice
-
-        raise DeviceError(oom_advice(r)) from e
+    result = run_training(
+        "pretrain", pretrain, r, on_start=_start_table, resume=resume, overwrite=overwrite, progress=progress
+    )
     if result.is_global_zero:  # one table, not one per process
         _end_table(result.summary, result.run_dir)
 
