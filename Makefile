@@ -9,7 +9,7 @@ DT := $(VENV)/bin/difftrain
 
 help:
 	@echo "make install     create $(VENV) and install difftrain with dev extras"
-	@echo "make quickstart  train the quickstart model (7–15 min on a 2-core CPU) and sample from it"
+	@echo "make quickstart  train the quickstart model (~5 min on a 2-core CPU) and sample from it"
 	@echo "make test        run the test suite (CPU)"
 	@echo "make lint        ruff check + format check"
 	@echo "make bench       run the benchmarks and write benchmarks/results/*.json"
