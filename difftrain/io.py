@@ -6,7 +6,7 @@ the rename itself survives a power loss. A process killed at any instant never l
 half-written file under the final name. Disk-full and permission errors become DifftrainErrors
 that name the file, and the previous version stays intact.
 
-A killed write leaves its temporary file behind (`.NAME.PID.XXXXXXXX.tmp`, possibly as large as
+A killed write leaves its temporary file behind (`.NAME.PID.<random>.tmp`, possibly as large as
 a checkpoint); `remove_stale_temps` deletes those whose process is gone, and a run calls it on
 its folders when it starts or resumes.
 """
