@@ -167,11 +167,9 @@ class LitLM(L.LightningModule):
             return
         self._bad_steps = 0
         if self.grad_clip is not None:
-            if self.check_grads and is_fsdp(self.model):  # the norm of all shards, computed above
+            if self.check_grads:  # reuse the norm computed above (of all shards under FSDP)
                 params = [p for p in self.model.parameters() if p.grad is not None]
                 torch.nn.utils.clip_grads_with_norm_(params, self.grad_clip, torch.tensor(grad_norm))
-            elif self.check_grads:
-                torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
             else:
                 self.clip_gradients(opt, gradient_clip_val=self.grad_clip, gradient_clip_algorithm="norm")
         opt.step()
