@@ -298,6 +298,7 @@ def cpu_name() -> str:
 def environment(device: torch.device) -> dict[str, Any]:
     """Where the figures come from: device, versions, threads, load."""
     from difftrain import __version__
+    from difftrain.runtime import allocator_state
 
     env: dict[str, Any] = {
         "type": device.type,
@@ -310,6 +311,7 @@ def environment(device: torch.device) -> dict[str, Any]:
         "python": platform.python_version(),
         "difftrain": __version__,
         "cuda": torch.version.cuda,
+        "allocator": allocator_state(),
     }
     for pkg in ("transformers", "bitsandbytes", "lightning"):
         try:
@@ -1017,6 +1019,9 @@ SECTION_FUNCS: dict[str, Callable[[Plan, Progress], dict[str, Any]]] = {
 def run_bench(opts: BenchOptions, progress: Progress | None = None) -> dict[str, Any]:
     """Run the sections of `opts` and return the result document (see `validate_result`)."""
     progress = progress or (lambda msg: None)
+    from difftrain.runtime import tune_allocator
+
+    tune_allocator()  # as every difftrain command does: the figures are what a run sees
     if opts.threads:
         torch.set_num_threads(opts.threads)
     plan = make_plan(opts)
@@ -1468,6 +1473,9 @@ def bench_markdown(result: dict[str, Any]) -> str:
 def _main(argv: list[str]) -> int:
     """`python -m difftrain.bench --measure-peak SPEC` (the memory section's child process)."""
     if len(argv) == 2 and argv[0] == "--measure-peak":
+        from difftrain.runtime import tune_allocator
+
+        tune_allocator()  # the allocator a `difftrain pretrain` process has
         print(json.dumps(measure_training_peak(json.loads(argv[1]))))
         return 0
     print("usage: difftrain bench (this module's entry point only serves --measure-peak)", file=sys.stderr)

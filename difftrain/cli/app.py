@@ -54,6 +54,9 @@ def _root(
     debug: bool = typer.Option(False, "--debug", help="Show full tracebacks for errors."),
 ) -> None:
     """difftrain — Differential Transformer training toolkit."""
+    from difftrain.runtime import tune_allocator
+
+    tune_allocator()  # large CPU buffers are reused instead of page-faulted in every step
 
 
 def _register_all() -> None:
