@@ -16,6 +16,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, NamedTuple
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from difftrain.model.config import ModelConfig, lambda_init
@@ -46,10 +47,13 @@ class RMSNorm(nn.Module):
     def forward(self, x: Tensor, scale: float = 1.0) -> Tensor:
         """`scale` multiplies the output; it is folded into the weight (a 1-D product) rather than
         applied as another pass over x."""
+        w = self.weight if scale == 1.0 else self.weight * scale
+        if x.dtype == torch.float32 and w.dtype == torch.float32:  # one fused kernel, same bits
+            return F.rms_norm(x, (x.shape[-1],), w, self.eps)
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (self.weight if scale == 1.0 else self.weight * scale) * x.to(dtype)
+        return w * x.to(dtype)
 
 
 class AttnOptions(NamedTuple):

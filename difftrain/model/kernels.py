@@ -225,56 +225,56 @@ def diff_grouped_math(q: Tensor, k: Tensor, v: Tensor, lam: Tensor, mask: AttnMa
 
 
 # ----- diff on CPU: the flash kernel called directly, with a hand-written backward --------------
-def _pad_pairs(x: Tensor) -> Tensor:
-    """Heads in pair order (B, n, L, d) → (2, B, n/2, L, 2d): the heads of map c = 0, 1
-    (x[:, c::2]) zero-padded to 2d features, in one copy. The memory is laid out
-    (2, B, L, n/2, 2d), the layout the flash kernel writes its own outputs in."""
+def _pair_view(x: Tensor) -> Tensor:
+    """Heads in pair order (B, n, L, d) → (B, n/2, L, 2d) with features [x_2i, x_2i+1]: a view when
+    x is laid out (B, L, n, d), as the projections write it (else one copy)."""
     B, n, L, d = x.shape
-    pairs = x.unflatten(1, (n // 2, 2)).permute(2, 0, 3, 1, 4)  # (2, B, L, n/2, d), a view
-    return torch.cat((pairs, pairs.new_zeros(()).expand_as(pairs)), dim=-1).transpose(2, 3)
+    return x.unflatten(1, (n // 2, 2)).transpose(2, 3).reshape(B, n // 2, L, 2 * d)
 
 
-def _unpad_pairs(g1: Tensor, g2: Tensor, scale2: Tensor) -> Tensor:
-    """Inverse of `_pad_pairs` for gradients: (B, n/2, L, 2d) × 2 → (B, n, L, d), heads 2i from
-    g1[:, i, :, :d] and 2i+1 from scale2·g2[:, i, :, :d] (the padding's gradient is dropped)."""
-    B, half, L, two_d = g1.shape
-    d = two_d // 2
-    out = g1.new_empty(B, L, half, 2, d)
-    out[:, :, :, 0].copy_(g1[..., :d].transpose(1, 2))
-    torch.mul(g2[..., :d].transpose(1, 2), scale2, out=out[:, :, :, 1])
-    return out.view(B, L, 2 * half, d).transpose(1, 2)
+def _from_pairs(x: Tensor) -> Tensor:
+    """Inverse of `_pair_view`: (B, n/2, L, 2d) → (B, n, L, d)."""
+    B, half, L, two_d = x.shape
+    return x.unflatten(-1, (2, two_d // 2)).transpose(2, 3).reshape(B, 2 * half, L, two_d // 2)
 
 
-def _flat_dot(a: Tensor, b: Tensor) -> Tensor:
-    """Σ a⊙b in fp32 for two (B, h, T, e) tensors (copy-free when both are laid out (B, T, h, e))."""
-    if a.dtype == torch.float32 and b.dtype == torch.float32:
-        return torch.dot(a.transpose(1, 2).reshape(-1), b.transpose(1, 2).reshape(-1))
-    return (a.float() * b.float()).sum()
+def _split_keys(k: Tensor) -> Tensor:
+    """Keys in pair order (B, n, S, d) → (2, B, n/2, S, 2d): [k_2i, 0] for map 1 and [0, k_2i+1]
+    for map 2, in one pass (a multiplication by 0/1 selectors, exact)."""
+    kk = _pair_view(k)
+    d = k.shape[-1]
+    sel = kk.new_zeros(2, 1, 1, 1, 2 * d)
+    sel[0, ..., :d] = 1
+    sel[1, ..., d:] = 1
+    return kk.unsqueeze(0) * sel
 
 
 class _DiffFlashCPU(torch.autograd.Function):
-    """out = A1·V − λ·A2·V with each map one call of the CPU flash kernel on zero-padded q/k.
+    """out = A1·V − λ·A2·V with each map one call of the CPU flash kernel (equal q/k/v widths 2d).
 
-    Forward: flash(qp_c, kp_c, V) → (o_c, lse_c) for c = 1, 2;  out = o1 − λ·o2.
-    Backward (g = ∂L/∂out): the flash backward is linear in its output gradient, so it runs
-    with g for both maps and map 2's results are scaled by −λ while being copied out:
-        ∂L/∂λ = −Σ g⊙o2,   ∂L/∂V = dV1 − λ·dV2,   ∂L/∂q_c, ∂L/∂k_c = the first d features of
-        the padded gradients (the padding's own gradients are discarded; they are exactly 0
-        for q because k's padding is 0, and vice versa).
-    Compared with autograd through `diff_sdpa_padded`, this saves the output-gradient scaling,
-    the strided head slices, and the separate pad/unpad and subtraction passes.
+    The kernel needs equal head widths and V is 2d wide, so q and k go in 2d wide. The queries of
+    a differential head are used as they lie, [q1, q2] (no copy), and the keys are split by
+    zero-padding: [q1, q2]·[k1, 0] = q1·k1 and [q1, q2]·[0, k2] = q2·k2, so
+
+        flash([q1, q2], [k1, 0], V) → (o1, lse1),   flash([q1, q2], [0, k2], V) → (o2, lse2),
+        out = o1 − λ·o2.
+
+    Backward (g = ∂L/∂out): the flash backward is linear in its output gradient, so it runs with g
+    for both maps and map 2's results are scaled by −λ:
+        ∂L/∂[q1, q2] = dQ1 − λ·dQ2 (dQ1's second half and dQ2's first are exactly 0: the keys'
+        padding), ∂L/∂k1 = dK1[:d], ∂L/∂k2 = −λ·dK2[d:], ∂L/∂V = dV1 − λ·dV2, ∂L/∂λ = −Σ g⊙o2.
     """
 
     @staticmethod
     def forward(ctx, q, k, v, lam, attn_mask, is_causal):  # type: ignore[override]
         scale = 1.0 / math.sqrt(q.shape[-1])
-        qp, kp = _pad_pairs(q), _pad_pairs(k)
+        qq, kp = _pair_view(q), _split_keys(k)
         flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-        o1, lse1 = flash(qp[0], kp[0], v, 0.0, is_causal, attn_mask=attn_mask, scale=scale)
-        o2, lse2 = flash(qp[1], kp[1], v, 0.0, is_causal, attn_mask=attn_mask, scale=scale)
+        o1, lse1 = flash(qq, kp[0], v, 0.0, is_causal, attn_mask=attn_mask, scale=scale)
+        o2, lse2 = flash(qq, kp[1], v, 0.0, is_causal, attn_mask=attn_mask, scale=scale)
         neg_lam = (-lam).to(o2.dtype)
         out = torch.addcmul(o1, o2, neg_lam)
-        # q and k are saved unpadded and padded again in backward: one copy each, half the memory
+        # k is saved unpadded and split again in backward: one pass, half the memory
         ctx.save_for_backward(q, k, v, o1, o2, lse1, lse2, neg_lam, attn_mask)
         ctx.is_causal, ctx.scale, ctx.lam_dtype = is_causal, scale, lam.dtype
         return out
@@ -282,16 +282,28 @@ class _DiffFlashCPU(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):  # type: ignore[override]
         q, k, v, o1, o2, lse1, lse2, neg_lam, attn_mask = ctx.saved_tensors
-        qp, kp = _pad_pairs(q), _pad_pairs(k)
+        qq, kp = _pair_view(q), _split_keys(k)
         flash_bwd = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
         kw = dict(attn_mask=attn_mask, scale=ctx.scale)
-        dq1, dk1, dv1 = flash_bwd(g, qp[0], kp[0], v, o1, lse1, 0.0, ctx.is_causal, **kw)
-        dq2, dk2, dv2 = flash_bwd(g, qp[1], kp[1], v, o2, lse2, 0.0, ctx.is_causal, **kw)
-        del qp, kp
+        dq1, dk1, dv1 = flash_bwd(g, qq, kp[0], v, o1, lse1, 0.0, ctx.is_causal, **kw)
+        dq2, dk2, dv2 = flash_bwd(g, qq, kp[1], v, o2, lse2, 0.0, ctx.is_causal, **kw)
+        del qq, kp
         dlam = -_flat_dot(g, o2).to(ctx.lam_dtype)
-        dq = _unpad_pairs(dq1, dq2, neg_lam)
-        dk = _unpad_pairs(dk1, dk2, neg_lam)
+        dq = _from_pairs(torch.addcmul(dq1, dq2, neg_lam))
+        d = k.shape[-1]
+        B, G, S, _ = dk1.shape
+        dk = dk1.new_empty(B, S, G, 2, d)
+        dk[:, :, :, 0].copy_(dk1[..., :d].transpose(1, 2))
+        torch.mul(dk2[..., d:].transpose(1, 2), neg_lam, out=dk[:, :, :, 1])
+        dk = dk.view(B, S, 2 * G, d).transpose(1, 2)
         return dq, dk, torch.addcmul(dv1, dv2, neg_lam), dlam, None, None
+
+
+def _flat_dot(a: Tensor, b: Tensor) -> Tensor:
+    """Σ a⊙b in fp32 for two (B, h, T, e) tensors (copy-free when both are laid out (B, T, h, e))."""
+    if a.dtype == torch.float32 and b.dtype == torch.float32:
+        return torch.dot(a.transpose(1, 2).reshape(-1), b.transpose(1, 2).reshape(-1))
+    return (a.float() * b.float()).sum()
 
 
 _CPU_FLASH_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
