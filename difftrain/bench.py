@@ -438,7 +438,7 @@ def train_step_fn(
 
     def step() -> None:
         with diff_strategy(strategy), _autocast(plan):
-            loss = fwd(x, y).loss
+            loss = fwd(x, y, return_logits=False).loss  # as training calls it
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
@@ -549,7 +549,7 @@ def bench_lightning(plan: Plan, progress: Progress) -> dict[str, Any]:
             starts.append(time.perf_counter())
             x, y = batch["input_ids"].to(plan.device), batch["targets"].to(plan.device)
             with _autocast(plan):
-                loss = hand_model(x, y).loss
+                loss = hand_model(x, y, return_logits=False).loss
             loss.backward()
             norm = torch.nn.utils.clip_grad_norm_(params, 1.0)
             if torch.isfinite(norm):
@@ -914,7 +914,7 @@ def measure_training_peak(spec: dict[str, Any]) -> dict[str, Any]:
 
     def step() -> float:
         with amp:
-            loss = model(x, y).loss
+            loss = model(x, y, return_logits=False).loss  # as training calls it
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()

@@ -7,7 +7,9 @@ the bytes of
     gradients     P_trained · bytes(param dtype)
     optimizer     per parameter tensor, as the optimizer allocates it (exact; see below)
     activations   what autograd saves for the backward pass (formulas below)
-    logits        the loss's saved log-probabilities and the backward's two (B·T, V) buffers
+    loss          training computes the loss in chunks with the output layer (`model/loss.py`):
+                  its saved ∂h and ∂W and one chunk's logits; without that (an adapted or
+                  quantised output layer) the saved log-probabilities and two (B·T, V) buffers
 
 and their peak, says whether it fits, and lists the cheapest changes that make it fit
 (8-bit optimizer, activation checkpointing, smaller micro-batch at the same global batch,
@@ -52,15 +54,18 @@ parameter) until the backward pass. `attn_impl: eager` materialises the maps: + 
 token and layer for baseline, 6·H·T for diff, 12·H·T for diff2 (fp32 maps), approximately.
 
 Outside the layers, per token: the final norm and the rotary tables, (12D + 8d + 20) bytes in
-32-true, (10D + 8d + 20) in bf16-mixed, (8D + 4d + 20) in bf16-true; and the log-softmax output,
-4V bytes. With activation checkpointing a layer keeps only its input (4D bytes per token; 2D in
+32-true, (10D + 8d + 20) in bf16-mixed, (8D + 4d + 20) in bf16-true; with the chunked loss 8
+bytes less (the targets are not kept; its ∂h takes the place of the output layer's saved input)
+plus its ∂W (V·D, 4 bytes per element in 32-true, else 2), and without it the log-softmax
+output, 4V bytes per token. With activation checkpointing a layer keeps only its input (4D bytes per token; 2D in
 bf16-true), and one layer's activations are rebuilt at a time in the backward pass.
 
 ## Peak
 
 The peak is the larger of the backward pass (weights, optimizer state, saved activations, and
-either the gradients already accumulated plus the two fp32 (B·T, V) gradient buffers of the loss
-at its start or, later, a checkpointed layer being rebuilt with its gradient buffers next to the
+either the gradients already accumulated plus the loss's buffers at its start (the chunked
+loss: ∂h and ∂W scaled, or one chunk's logits in its forward if larger; else two fp32 (B·T, V)
+buffers) or, later, a checkpointed layer being rebuilt with its gradient buffers next to the
 parameter gradients) and the optimizer step (weights, gradients, state, and the fused/foreach AdamW temporaries,
 ≈ one fp32 copy of the parameters). Gradients count in full when micro-batches accumulate
 (accumulate > 1), else only the output layer's. On CUDA the device also holds the CUDA context
@@ -151,6 +156,7 @@ class Param:
     matmul: bool
     trained: bool = True
     quantized: bool = False  # QLoRA: stored as 4-bit NF4, frozen
+    head: bool = False  # the output layer's weight (the embedding too when they are tied)
 
 
 def model_params(config: ModelConfig) -> list[Param]:
@@ -186,6 +192,7 @@ def _params_of(model: Any, trained: set[str] | None = None, quantized: set[str] 
                 matmul,
                 trained=trained is None or name in trained,
                 quantized=quantized is not None and layer in quantized,
+                head=tied_head is not None and p is getattr(tied_head, "weight", None),
             )
         )
     return out
@@ -269,13 +276,23 @@ def layer_bytes_per_token(
     return common + attention_bytes_per_token(config, precision, kernel) + extra
 
 
-def outside_bytes_per_token(config: ModelConfig, precision: str) -> float:
-    """Per token outside the layers: final norm, rotary tables, ids/targets, log-softmax output."""
+def outside_bytes_per_token(config: ModelConfig, precision: str, fused_loss: bool = True) -> float:
+    """Per token outside the layers: final norm, rotary tables, ids/targets, and the loss's saved
+    tensors: the chunked loss's input gradient (in place of the output layer's saved input, the
+    same bytes), or the targets and the log-softmax output (4V)."""
     D, d, V = config.d_model, config.head_dim, config.vocab_size
     assert d is not None and isinstance(V, int)
     fam = _dtype_family(precision)
     norm = {"fp32": 12 * D + 8 * d, "mixed": 10 * D + 8 * d, "true": 8 * D + 4 * d}[fam]
+    if fused_loss:  # ∂h replaces the output layer's saved input; the targets are not kept
+        return norm + 12
     return norm + 20 + 4 * V
+
+
+def head_gradient_bytes(config: ModelConfig, precision: str) -> float:
+    """The chunked loss's saved gradient of the output weight (V × D), computed in its forward."""
+    assert isinstance(config.vocab_size, int)
+    return config.vocab_size * config.d_model * (4 if _dtype_family(precision) == "fp32" else 2)
 
 
 @dataclass
@@ -303,8 +320,12 @@ def activations(
     checkpointing: bool,
     kernel: str = "flash_cpu",
     attn_impl: str = "auto",
+    fused_loss: bool = True,
 ) -> Activations:
-    """Activation memory of one micro-batch of `micro_batch_size` × `seq_len` tokens."""
+    """Activation memory of one micro-batch of `micro_batch_size` × `seq_len` tokens.
+
+    fused_loss: the loss is computed in chunks with the output layer (what training does;
+    `model/loss.py`), else from materialised logits (a LoRA-adapted or quantised output layer)."""
     N = micro_batch_size * seq_len
     L = config.n_layers
     per_layer = N * layer_bytes_per_token(config, precision, kernel, seq_len, attn_impl)
@@ -319,13 +340,18 @@ def activations(
         in_layers = 2.0 * sum(
             p.numel for p in params if p.matmul and not p.quantized and ".layers." in p.name
         )
-        outside = 2.0 * sum(
-            p.numel for p in params if p.matmul and not p.quantized and ".layers." not in p.name
+        outside = 2.0 * sum(  # the chunked loss's copy of the output weight is not kept
+            p.numel
+            for p in params
+            if p.matmul and not p.quantized and ".layers." not in p.name and not (fused_loss and p.head)
         )
         copies = outside + (0.0 if checkpointing else in_layers)
         if checkpointing:
             recompute += in_layers / L
-    return Activations(per_layer, layers, N * outside_bytes_per_token(config, precision), copies, recompute)
+    outside = N * outside_bytes_per_token(config, precision, fused_loss)
+    if fused_loss:
+        outside += head_gradient_bytes(config, precision)
+    return Activations(per_layer, layers, outside, copies, recompute)
 
 
 # ----- the plan -----------------------------------------------------------------------------------
@@ -432,11 +458,19 @@ def plan_memory(
     params: list[Param] | None = None,
     *,
     method: str = "full",
+    fused_loss: bool = True,
 ) -> MemoryPlan:
-    """The memory plan of training `config` with `settings` on `target` (see the module doc)."""
+    """The memory plan of training `config` with `settings` on `target` (see the module doc).
+
+    fused_loss: False when the output layer is LoRA-adapted or quantised (the loss then needs
+    the materialised logits)."""
     if config.vocab_size == "auto":
         raise ConfigError("model.vocab_size is 'auto': resolve it before planning (plan_recipe does)")
+    from difftrain.model.loss import chunk_rows
+
     params = model_params(config) if params is None else params
+    # the model computes the loss fused with a plain (not adapted, not quantised) output layer
+    fused_loss = fused_loss and any(p.head and not p.quantized for p in params)
     s = settings
     true_bf16 = _dtype_family(s.precision) == "true"
     pbytes = 2 if true_bf16 else 4
@@ -457,10 +491,24 @@ def plan_memory(
         checkpointing=s.checkpointing,
         kernel=kernel,
         attn_impl=s.attn_impl,
+        fused_loss=fused_loss,
     )
     assert isinstance(config.vocab_size, int)
     N = s.micro_batch_size * s.seq_len
-    loss_buffers = 2.0 * N * config.vocab_size * 4
+    V, D = config.vocab_size, config.d_model
+    if fused_loss:
+        # Backward starts by scaling the saved ∂h and ∂W (new tensors; bf16-mixed also casts
+        # them to fp32); the forward's largest moment is one chunk's logits and exponentials
+        # (+ the half-precision copy of the gradient) beside an fp32 ∂W accumulator.
+        hb = 4 if not true_bf16 and _dtype_family(s.precision) == "fp32" else 2
+        scaled = N * D * hb + head_gradient_bytes(config, s.precision)
+        if _dtype_family(s.precision) == "mixed":
+            scaled += (N + V) * D * 4
+        rows = min(N, chunk_rows(V))
+        chunk = rows * V * (8 + (hb if hb != 4 else 0)) + (V * D * 4 if hb != 4 else 0)
+        loss_buffers = float(max(scaled, chunk))
+    else:
+        loss_buffers = 2.0 * N * V * 4
     head = next((p for p in params if p.name in ("lm_head.weight", "model.embed_tokens.weight")), None)
     grads_at_backward = grads if s.accumulate > 1 else (head.numel * pbytes if head and head.trained else 0)
     # At the start of the backward pass the loss's buffers sit on top of everything saved; a

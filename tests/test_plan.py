@@ -95,11 +95,14 @@ def test_weights_and_gradients_are_exact_parameter_bytes(arch):
     assert (p16.weights, p16.gradients, p16.optimizer) == (2 * n, 2 * n, 4 * n + steps)
 
 
+@pytest.mark.parametrize("fused", [True, False], ids=["fused-loss", "logits"])
 @pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "ckpt"])
 @pytest.mark.parametrize("kernel", ["flash_cpu", "padded"])
 @pytest.mark.parametrize("precision", ["32-true", "bf16-mixed", "bf16-true"])
 @pytest.mark.parametrize("arch", ["baseline", "diff", "diff2"])
-def test_activation_formula_matches_what_autograd_saves(arch, precision, kernel, checkpointing, monkeypatch):
+def test_activation_formula_matches_what_autograd_saves(
+    arch, precision, kernel, checkpointing, fused, monkeypatch
+):
     # `padded` is the diff core CUDA runs; forcing it on CPU saves the same tensors
     monkeypatch.setitem(kernels.DIFF_SDPA_DEFAULT, "cpu", kernel)
     cfg = tiny(arch, tie_embeddings=arch == "diff")
@@ -114,13 +117,13 @@ def test_activation_formula_matches_what_autograd_saves(arch, precision, kernel,
     def forward():
         if precision == "bf16-mixed":
             with torch.autocast("cpu", dtype=torch.bfloat16):
-                return model(ids, targets)
-        return model(ids, targets)
+                return model(ids, targets, return_logits=not fused)
+        return model(ids, targets, return_logits=not fused)
 
     measured = saved_activation_bytes(forward, exclude=model.parameters())
     a = activations(
         cfg, model_params(cfg), micro_batch_size=3, seq_len=16, precision=precision,
-        checkpointing=checkpointing, kernel=kernel,
+        checkpointing=checkpointing, kernel=kernel, fused_loss=fused,
     )  # fmt: skip
     estimated = a.layers + a.outside + a.weight_copies  # what the forward pass leaves saved
     assert abs(estimated / measured - 1) <= 0.01, (estimated, measured)
@@ -183,9 +186,9 @@ def test_plan_cli_exit_codes_fit_does_not_fit_and_bad_input(capsys):
 
 
 def test_plan_cli_json_reports_the_breakdown_and_suggestions(capsys):
-    code, out, _ = plan_cli(capsys, "diff-124m", "--gpu-mem", "8GB", "--json", "train.micro_batch_size=8")
+    code, out, _ = plan_cli(capsys, "diff-124m", "--gpu-mem", "8GB", "--json", "train.micro_batch_size=16")
     data = json.loads(out)
-    assert code == 1 and data["fits"] is False and data["settings"]["micro_batch_size"] == 8
+    assert code == 1 and data["fits"] is False and data["settings"]["micro_batch_size"] == 16
     assert data["bytes"]["weights"] == 4 * data["params"]
     assert data["suggestions"] and all(s["device_need"] <= 8 * GiB for s in data["suggestions"])
     assert {r["arch"] for r in data["activation_table"]} == {"baseline", "diff", "diff2"}

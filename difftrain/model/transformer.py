@@ -33,23 +33,23 @@ from difftrain.model.attention import (
 )
 from difftrain.model.config import ModelConfig
 from difftrain.model.kernels import AttnMask, resolve_impl
+from difftrain.model.loss import IGNORE_INDEX, linear_cross_entropy
 from difftrain.model.rope import RotaryEmbedding
-
-IGNORE_INDEX = -100
 
 
 @dataclass
 class LMOutput:
     """What `Transformer.forward` returns.
 
-    logits (B, T, V). loss: mean cross-entropy over targets != -100 (None without targets).
+    logits (B, T, V), None when the forward was asked for the loss only (`return_logits=False`).
+    loss: mean cross-entropy over targets != -100 (None without targets).
     attentions: per layer the effective maps (baseline (B, H, T, S) softmax; diff (B, H/2, T, S)
     A1 − λ·A2; diff2 (B, H, T, S) A_2i − σ(λ)·A_2i+1), fp32. attn_logits: per layer the scaled
     scores that entered the softmax, (B, query heads, T, S), −inf where masked.
     hidden_states: per layer the block output (after its residual, before the final norm).
     """
 
-    logits: Tensor
+    logits: Tensor | None
     loss: Tensor | None = None
     attentions: tuple[Tensor, ...] | None = None
     attn_logits: tuple[Tensor, ...] | None = None
@@ -243,6 +243,7 @@ class Transformer(nn.Module):
         key_padding_mask: Tensor | None = None,
         output_attentions: bool = False,
         output_hidden_states: bool = False,
+        return_logits: bool = True,
     ) -> LMOutput:
         """Logits for input_ids (B, T); loss when targets (B, T) are given (−100 = ignore).
 
@@ -252,6 +253,9 @@ class Transformer(nn.Module):
         positions: (B, T) RoPE positions. Default: from the padding mask (count of real tokens
             before each slot), else the cache's next positions, else 0 … T−1.
         output_attentions: return per-layer effective maps and logits (forces the eager core).
+        return_logits: False (with targets) lets the loss be computed fused with the LM head in
+            chunks (`model/loss.py`): the logits are never materialised and `logits` is None.
+            Training passes False; the loss is the same up to float rounding.
         """
         B, T = input_ids.shape
         offset = 0 if cache is None else cache.length
@@ -307,8 +311,12 @@ class Transformer(nn.Module):
                 hidden.append(h)
         if cache is not None:
             cache.length = S
-        logits = self.lm_head(self.model.norm(h))
-        loss = None if targets is None else lm_loss(logits, targets)
+        h = self.model.norm(h)
+        if targets is not None and not return_logits and type(self.lm_head) is nn.Linear:
+            logits, loss = None, linear_cross_entropy(h, self.lm_head.weight, targets)
+        else:
+            logits = self.lm_head(h)
+            loss = None if targets is None else lm_loss(logits, targets)
         return LMOutput(
             logits=logits,
             loss=loss,

@@ -134,7 +134,7 @@ class LitLM(L.LightningModule):
         if self.step_seed is not None:
             seq = (self.step_seed * 1_000_003 + self.micro_batches_seen) * 65_537 + self.global_rank
             torch.manual_seed(seq % 2**63)
-        out = self._forward(batch["input_ids"], batch["targets"])
+        out = self._forward(batch["input_ids"], batch["targets"], return_logits=False)
         loss = out.loss
         if self.fault_hook is not None:
             loss = self.fault_hook(self.global_step, loss)
@@ -225,7 +225,7 @@ class LitLM(L.LightningModule):
         self._val_stats = torch.zeros(2, device=self.device)
 
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
-        out = self.model(batch["input_ids"], batch["targets"])
+        out = self.model(batch["input_ids"], batch["targets"], return_logits=False)
         n = batch["input_ids"].shape[0]
         if self._val_stats is None:
             self._val_stats = torch.zeros(2, device=self.device)
