@@ -308,3 +308,21 @@ def test_explicit_positions_override_the_defaults_and_the_cache_continues_from_t
     rest = model(x[:, 3:], cache=cache).logits  # continues at 23, 24, 25
     expected = model(x, positions=torch.arange(20, 26)[None]).logits[:, 3:]
     assert rel_err(rest, expected) <= 1e-5
+
+
+def test_cached_lambda_follows_in_place_updates_and_loaded_weights():
+    cfg = ModelConfig(arch="diff", vocab_size=11, d_model=32, n_layers=2, n_heads=4)
+    torch.manual_seed(0)
+    model = Transformer(cfg)
+    attn = model.model.layers[1].self_attn
+    with torch.no_grad():
+        first = attn.lam().clone()
+        attn.lambda_q1.add_(0.5)  # an optimizer step changes the vectors in place
+        assert not torch.equal(attn.lam(), first)
+        assert torch.equal(attn.lam(), attn._lam())
+    sd = model.state_dict()
+    sd["model.layers.1.self_attn.lambda_k2"] = sd["model.layers.1.self_attn.lambda_k2"] + 1.0
+    model.load_state_dict(sd)
+    with torch.inference_mode():
+        assert torch.equal(attn.lam(), attn._lam())
+    assert attn.lam().requires_grad  # with gradients it is computed, never cached

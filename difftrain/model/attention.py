@@ -152,7 +152,21 @@ class DiffAttention(_Attention):
             nn.init.normal_(p, mean=0.0, std=self.lambda_std)
 
     def lam(self) -> Tensor:
-        """The layer's scalar λ as a 0-d fp32 tensor."""
+        """The layer's scalar λ as a 0-d fp32 tensor (without gradients: cached until one of the
+        four vectors changes, which a decode step would otherwise recompute every token)."""
+        if torch.is_grad_enabled():
+            return self._lam()
+        key = tuple((p.data_ptr(), p._version) for p in self._lambda_vectors())
+        cached = self.__dict__.get("_lam_cache")
+        if cached is None or cached[0] != key:
+            cached = (key, self._lam().detach())
+            self.__dict__["_lam_cache"] = cached
+        return cached[1]
+
+    def _lambda_vectors(self) -> tuple[Tensor, ...]:
+        return (self.lambda_q1, self.lambda_k1, self.lambda_q2, self.lambda_k2)
+
+    def _lam(self) -> Tensor:
         l1 = torch.exp(torch.sum(self.lambda_q1.float() * self.lambda_k1.float()))
         l2 = torch.exp(torch.sum(self.lambda_q2.float() * self.lambda_k2.float()))
         return l1 - l2 + self.lambda_init
