@@ -44,6 +44,7 @@ and attention adds (the diff kernel differs by device: `flash_cpu` on CPU, `padd
                           32-true (× 4 bytes)            bf16 (mixed and true)
     baseline              2Hd + 2Hkv·d + H                4Hd + 4Hkv·d + 4H
     diff (flash_cpu)      6Hd + 2Hkv·d + 1.5H             14Hd + 4Hkv·d + 6H
+    diff (grouped_math)   4Hd + 2Hkv·d + 0.5H + 1.5H·T    (fp32 only: CPU picks it for d ≥ 64, small maps)
     diff (padded)         7Hd + 3Hkv·d + 1.5H             16Hd + 6Hkv·d + 6H
     diff2                 5Hd + 2Hkv·d + 3H               10Hd + 4Hkv·d + 14H (+2D mixed)
 
@@ -236,13 +237,19 @@ def diff_kernel(device_type: str, attn_impl: str = "auto") -> str:
     return "padded"
 
 
-def attention_bytes_per_token(config: ModelConfig, precision: str, kernel: str = "flash_cpu") -> float:
+def attention_bytes_per_token(
+    config: ModelConfig, precision: str, kernel: str = "flash_cpu", seq_len: int = 0
+) -> float:
     """Bytes autograd saves per token in one layer's attention (sdpa/flash; see the table)."""
     H, d, kv = config.n_heads, config.head_dim, config.n_kv_heads
     assert d is not None and kv is not None
     Hd, Kd = H * d, kv * d
     fam = _dtype_family(precision)
     arch = config.arch
+    if arch == "diff" and kernel == "grouped_math" and fam == "fp32":
+        # q, k, v, subln's input and output, its statistics, and the maps: both softmaxes (H·S)
+        # and A1 − λA2 (H/2·S) instead of the flash kernel's two outputs
+        return 4 * (4 * Hd + 2 * Kd + 0.5 * H + 1.5 * H * seq_len)
     if fam == "fp32":
         elems = {
             "baseline": 2 * Hd + 2 * Kd + H,
@@ -273,7 +280,7 @@ def layer_bytes_per_token(
     fam = _dtype_family(precision)
     common = {"fp32": (6 * D + 4 * F + 2) * 4, "mixed": 26 * D + 8 * F + 8, "true": 16 * D + 8 * F + 8}[fam]
     extra = eager_maps_bytes_per_token(config, seq_len) if attn_impl == "eager" else 0.0
-    return common + attention_bytes_per_token(config, precision, kernel) + extra
+    return common + attention_bytes_per_token(config, precision, kernel, seq_len) + extra
 
 
 def outside_bytes_per_token(config: ModelConfig, precision: str, fused_loss: bool = True) -> float:
@@ -324,10 +331,21 @@ def activations(
 ) -> Activations:
     """Activation memory of one micro-batch of `micro_batch_size` × `seq_len` tokens.
 
+    kernel `flash_cpu` stands for what CPU training runs: at shapes where `cpu_diff_core` picks
+    the materialised maps, their formula is used.
+
     fused_loss: the loss is computed in chunks with the output layer (what training does;
     `model/loss.py`), else from materialised logits (a LoRA-adapted or quantised output layer)."""
     N = micro_batch_size * seq_len
     L = config.n_layers
+    if kernel == "flash_cpu" and config.arch == "diff" and attn_impl != "eager":
+        import torch
+
+        from difftrain.model.kernels import cpu_diff_core
+
+        dtype = torch.float32 if _dtype_family(precision) == "fp32" else torch.bfloat16
+        assert config.head_dim is not None
+        kernel = cpu_diff_core(micro_batch_size, config.n_heads, seq_len, seq_len, config.head_dim, dtype)
     per_layer = N * layer_bytes_per_token(config, precision, kernel, seq_len, attn_impl)
     fam = _dtype_family(precision)
     if checkpointing:

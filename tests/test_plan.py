@@ -129,6 +129,26 @@ def test_activation_formula_matches_what_autograd_saves(
     assert abs(estimated / measured - 1) <= 0.01, (estimated, measured)
 
 
+@pytest.mark.parametrize("n_kv", [4, 2])
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "ckpt"])
+def test_activation_formula_of_the_materialised_cpu_diff_core(n_kv, checkpointing):
+    # head_dim 64 and small maps: CPU training picks `grouped_math` (materialised maps)
+    cfg = tiny("diff", d_model=256, n_heads=4, n_kv_heads=n_kv, max_seq_len=32)
+    assert kernels.cpu_diff_core(3, 4, 32, 32, cfg.head_dim, torch.float32) == "grouped_math"
+    torch.manual_seed(0)
+    model = Transformer(cfg)
+    model.set_activation_checkpointing(checkpointing)
+    g = torch.Generator().manual_seed(0)
+    ids, targets = torch.randint(0, 96, (3, 32), generator=g), torch.randint(0, 96, (3, 32), generator=g)
+    measured = saved_activation_bytes(
+        lambda: model(ids, targets, return_logits=False), exclude=model.parameters()
+    )
+    a = activations(cfg, model_params(cfg), micro_batch_size=3, seq_len=32, precision="32-true",
+                    checkpointing=checkpointing)  # fmt: skip
+    estimated = a.layers + a.outside + a.weight_copies
+    assert abs(estimated / measured - 1) <= 0.01, (estimated, measured)
+
+
 def test_suggestions_make_a_too_big_run_fit_and_apply_as_overrides():
     gpu = Target("cuda", 8 * GiB, "8 GB GPU")
     recipe = load_recipe("diff-124m")

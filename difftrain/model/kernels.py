@@ -339,8 +339,31 @@ DIFF_SDPA_STRATEGIES: dict[str, Callable[..., Tensor]] = {
 """Every exact formulation of the diff core through fused attention kernels (tests check each
 against eager; `difftrain bench` times them)."""
 
-DIFF_SDPA_DEFAULT = {"cpu": "flash_cpu", "cuda": "padded"}
-"""The strategy `diff_sdpa` uses per device type (others: `padded`). A benchmark may change it."""
+DIFF_SDPA_DEFAULT = {"cpu": "cpu_auto", "cuda": "padded"}
+"""The strategy `diff_sdpa` uses per device type (others: `padded`); `cpu_auto` picks by shape
+(`cpu_diff_core`). A benchmark may set a strategy by name."""
+
+
+MATH_MIN_HEAD_DIM = 64
+MATH_MAX_MAP_BYTES = 64 * 2**20
+
+
+def cpu_diff_core(
+    batch: int, n_heads: int, q_len: int, kv_len: int, head_dim: int, dtype: torch.dtype
+) -> str:
+    """The diff core CPU training uses at this shape: `grouped_math` or `flash_cpu`.
+
+    Padded to 2d for the flash kernel, each map costs QKᵀ and PV over 2d features on the causal
+    half: the same FLOPs as materialising the maps (QKᵀ over d on the full square, one PV over 2d
+    for A1 − λA2), and the backward recomputes nothing. The maps' softmax and masking are memory
+    passes whose share shrinks as d grows, so with d ≥ 64 and small maps (fp32, at most
+    MATH_MAX_MAP_BYTES per (B, H, T, S) tensor) `grouped_math` is faster: `difftrain bench` at
+    d512-seq512 (d = 64, 64 MiB maps) and at the quickstart shape (d = 32, where flash wins).
+    The memory planner follows the same rule (`plan.diff_kernel`)."""
+    small = batch * n_heads * q_len * kv_len * 4 <= MATH_MAX_MAP_BYTES
+    if dtype == torch.float32 and head_dim >= MATH_MIN_HEAD_DIM and small:
+        return "grouped_math"
+    return "flash_cpu"
 
 
 DECODE_MAX_QUERIES = 8
@@ -351,7 +374,7 @@ DECODE_MAX_QUERIES = 8
 def diff_sdpa(q: Tensor, k: Tensor, v: Tensor, lam: Tensor, mask: AttnMask) -> Tensor:
     """The diff sdpa strategy for q's device (`DIFF_SDPA_DEFAULT`); `grouped_math` for decoding.
 
-    CPU: `flash_cpu`. The CPU flash kernel needs equal q/k/v head widths, so `one_call` and
+    CPU: `flash_cpu`, or `grouped_math` where it is faster (`cpu_diff_core`). The CPU flash kernel needs equal q/k/v head widths, so `one_call` and
     `two_calls` (V 2d wide) run sdpa's unfused math path, and `split_v` computes each map twice.
     Zero-padding q and k to 2d computes each map once in the fused kernel; calling the kernel
     directly with a hand-written backward (`_DiffFlashCPU`) removes the glue autograd would add.
@@ -366,7 +389,10 @@ def diff_sdpa(q: Tensor, k: Tensor, v: Tensor, lam: Tensor, mask: AttnMask) -> T
     ):
         return diff_grouped_math(q, k, v, lam, mask)
     name = DIFF_SDPA_DEFAULT.get(q.device.type, "padded")
-    if name == "flash_cpu" and (q.device.type != "cpu" or q.dtype not in _CPU_FLASH_DTYPES):
+    if name == "cpu_auto" and q.device.type == "cpu":
+        B, H, T, d = q.shape
+        name = cpu_diff_core(B, H, T, k.shape[2], d, q.dtype)
+    if name in ("flash_cpu", "cpu_auto") and (q.device.type != "cpu" or q.dtype not in _CPU_FLASH_DTYPES):
         name = "padded"
     return DIFF_SDPA_STRATEGIES[name](q, k, v, lam, mask)
 
