@@ -518,7 +518,7 @@ def plan_memory(
         # Backward starts by scaling the saved ∂h and ∂W (new tensors; bf16-mixed also casts
         # them to fp32); the forward's largest moment is one chunk's logits and exponentials
         # (+ the half-precision copy of the gradient) beside an fp32 ∂W accumulator.
-        hb = 4 if not true_bf16 and _dtype_family(s.precision) == "fp32" else 2
+        hb = 4 if _dtype_family(s.precision) == "fp32" else 2
         scaled = N * D * hb + head_gradient_bytes(config, s.precision)
         if _dtype_family(s.precision) == "mixed":
             scaled += (N + V) * D * 4

@@ -148,7 +148,7 @@ class DiffAttention(_Attention):
 
     def reset_lambda(self) -> None:
         """λ vectors ~ N(0, lambda_std²)."""
-        for p in (self.lambda_q1, self.lambda_k1, self.lambda_q2, self.lambda_k2):
+        for p in self._lambda_vectors():
             nn.init.normal_(p, mean=0.0, std=self.lambda_std)
 
     def lam(self) -> Tensor:

@@ -359,7 +359,7 @@ def cpu_diff_core(
     passes whose share shrinks as d grows, so with d ≥ 64 and small maps (fp32, at most
     MATH_MAX_MAP_BYTES per (B, H, T, S) tensor) `grouped_math` is faster: `difftrain bench` at
     d512-seq512 (d = 64, 64 MiB maps) and at the quickstart shape (d = 32, where flash wins).
-    The memory planner follows the same rule (`plan.diff_kernel`)."""
+    The memory planner follows the same rule (`plan.activations`)."""
     small = batch * n_heads * q_len * kv_len * 4 <= MATH_MAX_MAP_BYTES
     if dtype == torch.float32 and head_dim >= MATH_MIN_HEAD_DIM and small:
         return "grouped_math"
@@ -374,10 +374,11 @@ DECODE_MAX_QUERIES = 8
 def diff_sdpa(q: Tensor, k: Tensor, v: Tensor, lam: Tensor, mask: AttnMask) -> Tensor:
     """The diff sdpa strategy for q's device (`DIFF_SDPA_DEFAULT`); `grouped_math` for decoding.
 
-    CPU: `flash_cpu`, or `grouped_math` where it is faster (`cpu_diff_core`). The CPU flash kernel needs equal q/k/v head widths, so `one_call` and
-    `two_calls` (V 2d wide) run sdpa's unfused math path, and `split_v` computes each map twice.
-    Zero-padding q and k to 2d computes each map once in the fused kernel; calling the kernel
-    directly with a hand-written backward (`_DiffFlashCPU`) removes the glue autograd would add.
+    CPU: `flash_cpu`, or `grouped_math` where that is faster (`cpu_diff_core`). The CPU flash
+    kernel needs equal q/k/v head widths, so `one_call` and `two_calls` (V 2d wide) run sdpa's
+    unfused math path, and `split_v` computes each map twice. `flash_cpu` computes each map once
+    in the fused kernel, keys zero-padded to 2d and queries as they lie, with a hand-written
+    backward (`_DiffFlashCPU`) instead of the glue autograd would add.
     `difftrain bench` (attention core, B=16, H=8, T=256, d=32, fwd+bwd, 2 shared cores, CPU
     time relative to the baseline core): see the README's performance table for the figures.
     CUDA: `padded` — flash kernels need equal widths too; padding costs QKᵀ over 2d features
