@@ -10,7 +10,6 @@ from __future__ import annotations
 import importlib
 import sys
 
-import click
 import typer
 
 from difftrain import __version__
@@ -29,6 +28,10 @@ COMMAND_MODULES = [
     "bench",
     "plan",
 ]
+
+# Newer Typer versions vendor their own click (`typer._click`), older ones use the `click` package: take
+# the base class of usage errors from Typer itself, whichever it is.
+_USAGE_ERROR: type[Exception] = next(c for c in typer.BadParameter.__mro__ if c.__name__ == "ClickException")
 
 app = typer.Typer(
     name="difftrain",
@@ -93,14 +96,14 @@ def main(argv: list[str] | None = None) -> int:
             raise
         error_line(str(e))
         return e.exit_code
-    except click.exceptions.Exit as e:
+    except typer.Exit as e:
         return e.exit_code
-    except click.exceptions.Abort:
+    except typer.Abort:
         error_line("aborted")
         return 130
-    except click.ClickException as e:
-        e.show()
-        return e.exit_code
+    except _USAGE_ERROR as e:  # unknown option, missing argument, bad value: click's usage message
+        e.show()  # type: ignore[attr-defined]
+        return e.exit_code  # type: ignore[attr-defined]
     except KeyboardInterrupt:
         error_line("interrupted")
         return 130

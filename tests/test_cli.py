@@ -1,0 +1,32 @@
+"""The command line's own failure modes: usage mistakes are one clear message and exit code 2."""
+
+from __future__ import annotations
+
+import pytest
+
+from difftrain.cli.app import main
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["bench", "--bogus"], "No such option: --bogus"),
+        (["generate"], "Missing argument"),
+        (["plan"], "Missing argument"),
+        (["no-such-command"], "No such command"),
+        (["bench", "--reps", "many"], "Invalid value for '--reps'"),
+    ],
+)
+def test_usage_errors_exit_2_with_a_message_and_no_traceback(argv, message, capsys):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert message in err
+    assert "Traceback" not in err
+    assert "--help" in err  # says where to look
+
+
+def test_help_and_version_exit_0(capsys):
+    assert main(["--help"]) == 0
+    assert "pretrain" in capsys.readouterr().out
+    assert main(["--version"]) == 0
+    assert "difftrain" in capsys.readouterr().out
