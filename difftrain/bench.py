@@ -31,6 +31,7 @@ attention, a longer grid; on CUDA the 124M shapes). The result is a JSON documen
 from __future__ import annotations
 
 import contextlib
+import copy
 import gc
 import json
 import math
@@ -721,11 +722,14 @@ def _train_vs_hf(ours: Any, hf: Any, shape: Shape, plan: Plan, progress: Progres
 
 
 def _decode_vs_hf(ours: Any, hf: Any, plan: Plan, progress: Progress) -> dict[str, Any]:
+    from difftrain.infer.device import cpu_inference_layout
     from difftrain.infer.generate import GenerationConfig, generate_all
     from difftrain.infer.sampling import SamplingConfig
 
     ours.eval()
     hf.eval()
+    row_major = copy.deepcopy(ours)
+    cpu_inference_layout(ours)  # as `difftrain generate` loads a model (a no-op off CPU)
     n = plan.decode_tokens
     prompt = torch.randint(
         0, ours.config.vocab_size, (16,), generator=torch.Generator().manual_seed(1)
@@ -737,12 +741,17 @@ def _decode_vs_hf(ours: Any, hf: Any, plan: Plan, progress: Progress) -> dict[st
     def ours_fn() -> None:
         out["ours"] = generate_all(ours, [prompt], cfg)[0].token_ids
 
+    def row_major_fn() -> None:
+        out["ours, row-major weights"] = generate_all(row_major, [prompt], cfg)[0].token_ids
+
     def hf_fn() -> None:
         with torch.inference_mode():
             r = hf.generate(ids, do_sample=False, max_new_tokens=n, min_new_tokens=n, pad_token_id=2)
         out["hf"] = r[0, len(prompt) :].tolist()
 
     fns = {"ours": ours_fn, "hf": hf_fn}
+    if plan.device.type == "cpu":
+        fns["ours, row-major weights"] = row_major_fn
     if plan.compile:  # the cached decode step under torch.compile (dynamic cache length)
         twin = torch.compile(ours, dynamic=True)
 
@@ -767,6 +776,13 @@ def _decode_vs_hf(ours: Any, hf: Any, plan: Plan, progress: Progress) -> dict[st
             "compiled_speedup": paired_ratio(t["hf"]["wall"], c["wall"]),
             "compiled_speedup_cpu": paired_ratio(t["hf"]["cpu"], c["cpu"]),
             "compiled_equals_eager": out["ours +compile"] == out["ours"],
+        }
+    if "ours, row-major weights" in t:
+        r = t["ours, row-major weights"]
+        compiled |= {
+            "row_major_tokens_per_s": n / statistics.median(r["wall"]),
+            "row_major_speedup": paired_ratio(t["hf"]["wall"], r["wall"]),
+            "row_major_speedup_cpu": paired_ratio(t["hf"]["cpu"], r["cpu"]),
         }
     return {
         **compiled,
@@ -828,6 +844,7 @@ def bench_optimizer(plan: Plan, progress: Progress) -> dict[str, Any]:
 
 def bench_decode(plan: Plan, progress: Progress) -> dict[str, Any]:
     """Cached greedy decode tokens/s per arch (16-token prompt, no eos stop), round-robin."""
+    from difftrain.infer.device import cpu_inference_layout
     from difftrain.infer.generate import GenerationConfig, generate_all
     from difftrain.infer.sampling import SamplingConfig
 
@@ -841,6 +858,7 @@ def bench_decode(plan: Plan, progress: Progress) -> dict[str, Any]:
     for name, (arch, strategy) in variants.items():
         cfg = shape.config(arch).replace(max_seq_len=max(shape.seq_len, 16 + n))
         model = _build(cfg, plan).eval()
+        cpu_inference_layout(model)  # as `difftrain generate` loads a model (a no-op off CPU)
         prompt = torch.randint(0, cfg.vocab_size, (16,), generator=torch.Generator().manual_seed(1)).tolist()
 
         def run(m: Any = model, p: list[int] = prompt, strategy: str | None = strategy) -> None:
@@ -1425,6 +1443,19 @@ def _hf_rows(s: dict[str, Any]) -> list[list[str]]:
                         _f(r["compiled_speedup"]),
                         _f(r["compiled_speedup_cpu"]),
                         f"vs transformers eager{same}",
+                    ]
+                )
+            if "row_major_speedup" in r:
+                rows.append(
+                    [
+                        r["arch"],
+                        "",
+                        f"{what}, ours with row-major weights",
+                        _f(r["row_major_tokens_per_s"], fmt),
+                        _f(r["hf_tokens_per_s"], fmt),
+                        _f(r["row_major_speedup"]),
+                        _f(r["row_major_speedup_cpu"]),
+                        "the layout transformers uses",
                     ]
                 )
     return rows

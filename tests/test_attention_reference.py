@@ -108,10 +108,10 @@ def build(arch: str, n_kv: int) -> Transformer:
 
 
 def run_module(attn, x: torch.Tensor, impl: str) -> torch.Tensor:
-    cos, sin = cos_sin(B, T, d)
     from difftrain.model.attention import AttnOptions
+    from difftrain.model.rope import rope_tables
 
-    return attn(x, cos, sin, AttnMask(T, T), None, AttnOptions(impl)).out
+    return attn(x, rope_tables(*cos_sin(B, T, d)), AttnMask(T, T), None, AttnOptions(impl)).out
 
 
 def assert_rel_close(actual: torch.Tensor, expected: torch.Tensor, rtol: float = 1e-5) -> None:
@@ -167,7 +167,7 @@ def test_rope_matches_hf_llama_rotate_half():
     transformers = pytest.importorskip("transformers")
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
 
-    from difftrain.model.rope import RotaryEmbedding, apply_rotary
+    from difftrain.model.rope import RotaryEmbedding, apply_rotary, rotate
 
     hf_cfg = transformers.LlamaConfig(hidden_size=64, num_attention_heads=4, rope_theta=500.0)
     hf = LlamaRotaryEmbedding(hf_cfg)
@@ -180,6 +180,10 @@ def test_rope_matches_hf_llama_rotate_half():
     q_hf, k_hf = apply_rotary_pos_emb(q, k, cos_hf, sin_hf)
     assert torch.equal(apply_rotary(q, cos, sin), q_hf)
     assert torch.equal(apply_rotary(k, cos, sin), k_hf)
+    # what the model runs: the same bits in four operations
+    tables = ours.tables(pos, q.dtype)
+    assert torch.equal(rotate(q, tables), q_hf)
+    assert torch.equal(rotate(k, tables), k_hf)
 
 
 def test_rope_frequencies_stay_fp32_when_the_model_is_cast():

@@ -235,3 +235,56 @@ def test_max_new_tokens_ends_with_reason_length_and_the_text_flushed(tokenizer):
 def test_prompt_ids_start_with_the_document_separator(tokenizer):
     assert prompt_ids(tokenizer, "hello") == [tokenizer.eos_id, *tokenizer.encode("hello")]
     assert prompt_ids(tokenizer, "") == [tokenizer.eos_id]
+
+
+# ----- the CPU inference layout ------------------------------------------------------------------
+@pytest.mark.parametrize("arch", ARCHS)
+def test_cpu_inference_layout_keeps_logits_and_greedy_tokens(arch, tmp_path):
+    from difftrain.infer.device import cpu_inference_layout
+    from difftrain.rundir import save_weights
+
+    model = tiny_model(arch, n_kv_heads=2)
+    ids = torch.tensor([PROMPTS[2]])
+    with torch.no_grad():
+        before = model(ids).logits
+    tokens = [greedy(model, [p], 20)[0].token_ids for p in PROMPTS]
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+
+    n_linear = sum(isinstance(m, nn.Linear) for m in model.modules())
+    assert cpu_inference_layout(model) == n_linear
+    for m in model.modules():
+        if isinstance(m, nn.Linear):
+            assert m.weight.t().is_contiguous() and not m.weight.is_contiguous()
+    assert cpu_inference_layout(model) == 0  # already done: nothing more to do
+    assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())  # same values
+    with torch.no_grad():
+        after = model(ids).logits
+    torch.testing.assert_close(after, before, rtol=1e-5, atol=1e-5)
+    assert [greedy(model, [p], 20)[0].token_ids for p in PROMPTS] == tokens
+    assert [c.token_ids for c in greedy(model, PROMPTS, 20)] == tokens  # batched, left-padded
+    # the re-laid model still saves (safetensors wants contiguous tensors) and loads back
+    save_weights(tmp_path / "w.safetensors", model)
+    from difftrain.rundir import read_safetensors
+
+    fresh = tiny_model(arch, n_kv_heads=2, seed=1)
+    fresh.load_state_dict(read_safetensors(tmp_path / "w.safetensors"))
+    with torch.no_grad():
+        assert torch.equal(fresh(ids).logits, before)
+
+
+def test_cpu_inference_layout_keeps_tied_weights_tied_and_skips_other_dtypes():
+    from difftrain.infer.device import cpu_inference_layout
+
+    torch.manual_seed(0)
+    cfg = ModelConfig(arch="diff", vocab_size=64, d_model=32, n_layers=1, n_heads=4, tie_embeddings=True)
+    model = Transformer(cfg).eval()
+    emb = model.model.embed_tokens.weight
+    assert cpu_inference_layout(model) == 8  # q, k, v, o, gate, up, down, and the head (= the embedding)
+    assert model.lm_head.weight is model.model.embed_tokens.weight is emb
+    assert not emb.is_contiguous()
+    ids = torch.tensor([[3, 1, 4, 1, 5]])
+    with torch.no_grad():
+        torch.testing.assert_close(model.model.embed_tokens(ids), emb.detach()[ids])
+    bf16 = Transformer(cfg).eval().to(torch.bfloat16)
+    assert cpu_inference_layout(bf16) == 0
+    assert all(p.is_contiguous() for p in bf16.parameters())

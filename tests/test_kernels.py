@@ -142,11 +142,11 @@ def test_attention_module_sdpa_gives_eager_gradients_for_lambda_params(arch, n_k
     pos = torch.arange(T)[None].expand(B, T)
     from difftrain.model.rope import RotaryEmbedding
 
-    cos, sin = RotaryEmbedding(d)(pos, x.dtype)
+    rope = RotaryEmbedding(d).tables(pos, x.dtype)
     leaves = [x, *attn.parameters()]
     results = {}
     for impl in ("eager", "sdpa"):
-        out = attn(x, cos, sin, AttnMask(T, T), None, AttnOptions(impl)).out
+        out = attn(x, rope, AttnMask(T, T), None, AttnOptions(impl)).out
         results[impl] = (out, torch.autograd.grad(out.square().sum(), leaves))
     (out_e, g_e), (out_s, g_s) = results["eager"], results["sdpa"]
     assert rel_err(out_s, out_e) <= 1e-5

@@ -343,12 +343,13 @@ def eval_command(
         plots.require()
 
     from difftrain.evals import preflight, save_result
-    from difftrain.infer.device import resolve_device, resolve_dtype
+    from difftrain.infer.device import cpu_inference_layout, resolve_device, resolve_dtype
     from difftrain.rundir import load_run
 
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
     run = load_run(run_dir, device=dev, dtype=dt)
+    cpu_inference_layout(run.model)
     for s in suites:
         preflight(run, s, opts)
     if not as_json:

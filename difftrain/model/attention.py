@@ -27,7 +27,7 @@ from difftrain.model.kernels import (
     diff2_attention,
     diff_attention,
 )
-from difftrain.model.rope import apply_rotary
+from difftrain.model.rope import RopeTables, rotate
 
 if TYPE_CHECKING:
     from difftrain.model.transformer import KVCache
@@ -83,8 +83,7 @@ class _Attention(nn.Module, abc.ABC):
     def forward(
         self,
         x: Tensor,
-        cos: Tensor,
-        sin: Tensor,
+        rope: RopeTables,
         mask: AttnMask,
         cache: KVCache | None = None,
         opts: AttnOptions = AttnOptions(),
@@ -94,7 +93,7 @@ class _Attention(nn.Module, abc.ABC):
         q = self.q_proj(x).view(B, T, self.n_q, d).transpose(1, 2)
         k = self.k_proj(x).view(B, T, self.n_kv, d).transpose(1, 2)
         v = self.v_proj(x).view(B, T, self.n_v, self.v_dim).transpose(1, 2)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        q, k = rotate(q, rope), rotate(k, rope)
         if cache is not None:
             k, v = cache.update(self.layer_idx, k, v)
         transform = None

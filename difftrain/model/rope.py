@@ -12,6 +12,8 @@ with x1, x2 the first and second halves of x. Angles are computed in fp32 from e
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 from torch import Tensor, nn
 
@@ -42,6 +44,30 @@ class RotaryEmbedding(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)  # (B, T, d)
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
+    def tables(self, positions: Tensor, dtype: torch.dtype) -> RopeTables:
+        """The `RopeTables` of positions (B, T) in dtype, for `rotate`."""
+        return rope_tables(*self(positions, dtype))
+
+
+class RopeTables(NamedTuple):
+    """What `rotate` needs, computed once per forward and shared by every layer and by q and k:
+    cos = cos(p·[ω, ω]) and signed_sin = [−sin(p·ω), sin(p·ω)], both (B, 1, T, d)."""
+
+    cos: Tensor
+    signed_sin: Tensor
+
+
+def rope_tables(cos: Tensor, sin: Tensor) -> RopeTables:
+    """`RopeTables` from the (B, T, d) cos, sin of `RotaryEmbedding`."""
+    h = sin.shape[-1] // 2
+    return RopeTables(cos.unsqueeze(1), torch.cat((-sin[..., :h], sin[..., h:]), dim=-1).unsqueeze(1))
+
+
+def rotate(x: Tensor, tables: RopeTables) -> Tensor:
+    """`apply_rotary` in four operations: rotate_half(x)·sin = roll(x, d/2)·signed_sin, since
+    roll(x, d/2) = [x2, x1] and negation is exact -- so the result has the same bits."""
+    return x * tables.cos + torch.roll(x, x.shape[-1] // 2, dims=-1) * tables.signed_sin
+
 
 def rotate_half(x: Tensor) -> Tensor:
     """[x1, x2] → [−x2, x1] over the last dimension."""
@@ -50,6 +76,7 @@ def rotate_half(x: Tensor) -> Tensor:
 
 
 def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Rotate x (B, heads, T, d) by angles given as cos, sin (B, T, d)."""
+    """Rotate x (B, heads, T, d) by angles given as cos, sin (B, T, d): HF Llama's formula, the
+    reference `rotate` (what the model runs) is tested against."""
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
     return x * cos + rotate_half(x) * sin

@@ -34,7 +34,7 @@ from difftrain.model.attention import (
 from difftrain.model.config import ModelConfig
 from difftrain.model.kernels import AttnMask, resolve_impl
 from difftrain.model.loss import IGNORE_INDEX, linear_cross_entropy
-from difftrain.model.rope import RotaryEmbedding
+from difftrain.model.rope import RopeTables, RotaryEmbedding
 
 
 @dataclass
@@ -99,7 +99,10 @@ class KVCache:
         start, end = self.length, self.length + k.shape[2]
         self.keys[layer][:, :, start:end] = k
         self.values[layer][:, :, start:end] = v
-        return self.keys[layer][:, :, :end].to(k.dtype), self.values[layer][:, :, :end].to(v.dtype)
+        keys, values = self.keys[layer][:, :, :end], self.values[layer][:, :, :end]
+        if keys.dtype != k.dtype or values.dtype != v.dtype:
+            keys, values = keys.to(k.dtype), values.to(v.dtype)
+        return keys, values
 
 
 class MLP(nn.Module):
@@ -129,13 +132,12 @@ class Block(nn.Module):
     def forward(
         self,
         x: Tensor,
-        cos: Tensor,
-        sin: Tensor,
+        rope: RopeTables,
         mask: AttnMask,
         cache: KVCache | None = None,
         opts: AttnOptions = AttnOptions(),
     ) -> tuple[Tensor, Tensor | None, Tensor | None]:
-        r = self.self_attn(self.input_layernorm(x), cos, sin, mask, cache, opts)
+        r = self.self_attn(self.input_layernorm(x), rope, mask, cache, opts)
         x = x + r.out
         x = x + self.mlp(self.post_attention_layernorm(x))
         return x, r.maps, r.logits
@@ -296,14 +298,15 @@ class Transformer(nn.Module):
             impl = "sdpa"  # every decode step has a new key length: flex would recompile each time
         opts = AttnOptions(impl, output_attentions, self._logit_transform)
         h = self.model.embed_tokens(input_ids)
-        cos, sin = self.model.rotary_emb(positions, h.dtype)
+        rope = self.model.rotary_emb.tables(positions, h.dtype)
         maps, logits_per_layer, hidden = [], [], []
         ckpt = self._checkpointing and torch.is_grad_enabled() and cache is None and not output_attentions
         for block in self.model.layers:
             if ckpt:
-                h, a, s = checkpoint(block, h, cos, sin, mask, None, opts, use_reentrant=False)
+                # the tables go in as tensors, so that checkpoint keeps them as it keeps h
+                h, a, s = checkpoint(_checkpointed, block, h, *rope, mask, opts, use_reentrant=False)
             else:
-                h, a, s = block(h, cos, sin, mask, cache, opts)
+                h, a, s = block(h, rope, mask, cache, opts)
             if output_attentions:
                 maps.append(a)
                 logits_per_layer.append(s)
@@ -367,6 +370,12 @@ class Transformer(nn.Module):
             {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
             {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
         ]
+
+
+def _checkpointed(
+    block: Block, h: Tensor, cos: Tensor, signed_sin: Tensor, mask: AttnMask, opts: AttnOptions
+) -> tuple[Tensor, Tensor | None, Tensor | None]:
+    return block(h, RopeTables(cos, signed_sin), mask, None, opts)
 
 
 def param_group(name: str) -> str:
