@@ -6,7 +6,7 @@ Sections (each may be run alone with `--only`):
                  plus every exact diff formulation (`kernels.DIFF_SDPA_STRATEGIES`)
     train_step   one training step (forward, backward, clip, AdamW) in tokens/s for baseline, diff and
                  diff2 at matched parameter counts (diff2's MLP is narrowed by its extra q/λ weights),
-                 with and without torch.compile; plus `diff` with the previous CPU core (`one_call`)
+                 with and without torch.compile; plus `diff` with the previous CPU core (`flash_cpu`)
     lightning    the same step driven by the Lightning Trainer (LitLM) vs a minimal hand-written loop
     hf           transformers' LlamaForCausalLM / DiffLlamaForCausalLM training step and greedy
                  `generate`, on the same weights, against ours
@@ -457,7 +457,7 @@ def bench_train_step(plan: Plan, progress: Progress) -> dict[str, Any]:
     for shape in plan.step_shapes:
         variants: dict[str, tuple[str, bool, str | None]] = {a: (a, False, None) for a in ARCHS}
         if plan.device.type == "cpu":
-            variants["diff (previous core: one_call)"] = ("diff", False, "one_call")
+            variants["diff (previous core: flash_cpu)"] = ("diff", False, "flash_cpu")
         else:
             variants["diff (split_v core)"] = ("diff", False, "split_v")
         if plan.compile:  # compile warm-up is long: diff2 only in full mode

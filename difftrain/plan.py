@@ -44,7 +44,9 @@ and attention adds (the diff kernel differs by device: `flash_cpu` on CPU, `padd
                           32-true (× 4 bytes)            bf16 (mixed and true)
     baseline              2Hd + 2Hkv·d + H                4Hd + 4Hkv·d + 4H
     diff (flash_cpu)      6Hd + 2Hkv·d + 1.5H             14Hd + 4Hkv·d + 6H
-    diff (grouped_math)   4Hd + 2Hkv·d + 0.5H + 1.5H·T    (fp32 only: CPU picks it for d ≥ 64, small maps)
+    diff (blocked_math)   4Hd + 2Hkv·d + 0.5H + H·T′      (fp32 only: CPU picks it while maps are
+                                                           small; T′ = the keys a query block sees,
+                                                           on average: 5T/8 with 4 blocks)
     diff (padded)         7Hd + 3Hkv·d + 1.5H             16Hd + 6Hkv·d + 6H
     diff2                 5Hd + 2Hkv·d + 3H               10Hd + 4Hkv·d + 14H (+2D mixed)
 
@@ -246,10 +248,13 @@ def attention_bytes_per_token(
     Hd, Kd = H * d, kv * d
     fam = _dtype_family(precision)
     arch = config.arch
-    if arch == "diff" and kernel == "grouped_math" and fam == "fp32":
-        # q, k, v, subln's input and output, its statistics, and the maps: both softmaxes (H·S)
-        # and A1 − λA2 (H/2·S) instead of the flash kernel's two outputs
-        return 4 * (4 * Hd + 2 * Kd + 0.5 * H + 1.5 * H * seq_len)
+    if arch == "diff" and kernel == "blocked_math":
+        # the scaled query blocks, k, v, subln's input, normalised input, output and statistics,
+        # and both softmaxes of every query block against the keys it sees (fp32 only)
+        from difftrain.model.kernels import query_blocks
+
+        seen = sum((t1 - t0) * t1 for t0, t1 in query_blocks(seq_len)) / max(seq_len, 1)
+        return 4 * (4 * Hd + 2 * Kd + 0.5 * H + H * seen)
     if fam == "fp32":
         elems = {
             "baseline": 2 * Hd + 2 * Kd + H,

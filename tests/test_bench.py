@@ -47,7 +47,7 @@ def test_quick_bench_result_has_the_promised_schema(quick_result):
     assert strategies == {f"sdpa:{s}" for s in kernels.DIFF_SDPA_STRATEGIES}
     assert all(x["vs_baseline"] > 0 for x in att)
     step = {x["variant"]: x for x in r["sections"]["train_step"]["rows"]}
-    assert {"baseline", "diff", "diff2", "diff (previous core: one_call)"} <= set(step)
+    assert {"baseline", "diff", "diff2", "diff (previous core: flash_cpu)"} <= set(step)
     assert step["baseline"]["vs_baseline"] == 1.0
     assert step["diff"]["tokens_per_s"] > 0
     opt = {x["optimizer"]: x for x in r["sections"]["optimizer"]["rows"]}

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from difftrain.errors import DeviceError
-from difftrain.model import AttnMask, ModelConfig, Transformer
+from difftrain.model import AttnMask, ModelConfig, Transformer, kernels
 from difftrain.model.attention import AttnOptions
 from difftrain.model.kernels import (
     DIFF_SDPA_STRATEGIES,
@@ -96,6 +96,33 @@ def test_every_diff_sdpa_strategy_matches_eager_forward_and_backward(strategy, m
     assert rel_err(out, out_e) <= 1e-5
     for name, g in zip(t, grads, strict=True):
         assert rel_err(g, g_e[name]) <= 1e-5, name
+
+
+@pytest.mark.parametrize("T", [9, 16])
+@pytest.mark.parametrize("mask_kind", ["causal", "cached+padded"])
+@KV
+def test_blocked_math_over_several_query_blocks_matches_eager(T, mask_kind, n_kv, monkeypatch):
+    # blocks of ≥ 2 rows: 4 blocks (uneven at T = 9), each against only the keys it can see
+    monkeypatch.setattr(kernels, "BLOCK_MIN_ROWS", 2)
+    assert len(kernels.query_blocks(T)) == 4
+    mask = masks(T)[mask_kind]
+    t = inputs("diff", n_kv, T, mask.kv_len)
+    out_e, g_e = fwd_bwd("diff", t, mask, "eager")
+    out = kernels.diff_blocked_math(t["q"], t["k"], t["v"], t["lam"], mask)
+    grad_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(1))
+    grads = torch.autograd.grad(out, list(t.values()), grad_out)
+    assert rel_err(out, out_e) <= 1e-5
+    for name, g in zip(t, grads, strict=True):
+        assert rel_err(g, g_e[name]) <= 1e-5, name
+
+
+def test_query_blocks_cover_every_query_once():
+    for T in (1, 63, 64, 127, 128, 255, 256, 1000, 4096):
+        blocks = kernels.query_blocks(T)
+        assert blocks[0][0] == 0 and blocks[-1][1] == T
+        assert all(a[1] == b[0] for a, b in zip(blocks, blocks[1:], strict=False))
+        assert 1 <= len(blocks) <= kernels.BLOCK_MAX_COUNT
+        assert len(blocks) == 1 or min(t1 - t0 for t0, t1 in blocks) >= kernels.BLOCK_MIN_ROWS
 
 
 def test_diff_flash_cpu_takes_strided_projection_views_and_returns_their_layout():

@@ -129,12 +129,15 @@ def test_activation_formula_matches_what_autograd_saves(
     assert abs(estimated / measured - 1) <= 0.01, (estimated, measured)
 
 
+@pytest.mark.parametrize("blocks", [1, 4])
 @pytest.mark.parametrize("n_kv", [4, 2])
 @pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "ckpt"])
-def test_activation_formula_of_the_materialised_cpu_diff_core(n_kv, checkpointing):
-    # head_dim 64 and small maps: CPU training picks `grouped_math` (materialised maps)
+def test_activation_formula_of_the_materialised_cpu_diff_core(n_kv, checkpointing, blocks, monkeypatch):
+    # fp32 and small maps: CPU training picks `blocked_math` (materialised maps in query blocks)
+    monkeypatch.setattr(kernels, "BLOCK_MIN_ROWS", 32 // blocks)
+    assert len(kernels.query_blocks(32)) == blocks
     cfg = tiny("diff", d_model=256, n_heads=4, n_kv_heads=n_kv, max_seq_len=32)
-    assert kernels.cpu_diff_core(3, 4, 32, 32, cfg.head_dim, torch.float32) == "grouped_math"
+    assert kernels.cpu_diff_core(3, 4, 32, 32, cfg.head_dim, torch.float32) == "blocked_math"
     torch.manual_seed(0)
     model = Transformer(cfg)
     model.set_activation_checkpointing(checkpointing)

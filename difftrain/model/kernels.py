@@ -224,6 +224,110 @@ def diff_grouped_math(q: Tensor, k: Tensor, v: Tensor, lam: Tensor, mask: AttnMa
     return out.view(B, G * n_rep, T, 2 * d)
 
 
+# ----- diff on CPU: materialised maps in causal query blocks, with a hand-written backward -------
+BLOCK_MIN_ROWS = 64
+BLOCK_MAX_COUNT = 4
+
+
+def query_blocks(q_len: int) -> list[tuple[int, int]]:
+    """[t0, t1) query ranges of `_DiffBlockedMath`: up to BLOCK_MAX_COUNT blocks of at least
+    BLOCK_MIN_ROWS queries (4 blocks was fastest at T = 256 and 512 in interleaved A/B timings:
+    fewer skip less of the causal triangle, more make the products too small)."""
+    n = max(1, min(BLOCK_MAX_COUNT, q_len // BLOCK_MIN_ROWS))
+    return [(q_len * i // n, q_len * (i + 1) // n) for i in range(n)]
+
+
+class _DiffBlockedMath(torch.autograd.Function):
+    """out = (A1 − λ·A2)·V with explicit fp32 maps, computed per block of queries against only the
+    keys the block can see (slots < q_offset + t1): with 4 blocks a causal layer builds 5/8 of the
+    T×S maps, and (A1 − λ·A2)·V costs one product over 2d features instead of two. Query heads
+    are grouped by the key pair they read (no copy of K or V), as in `diff_grouped_math`.
+
+    Per block (rows r = (rep, t), scaled queries q̂ = q/√d):
+        S_c = q̂_c K_cᵀ (masked),  P_c = softmax(S_c),  A = P_1 − λ·P_2,  out = A·V
+    Saved: P (both maps of every block) and the scaled query blocks. Backward, with G = ∂L/∂out:
+        ∂V += Aᵀ·G (A rebuilt from P),  ∂A = G·Vᵀ,  ∂λ = −Σ ∂A ⊙ P_2,
+        ∂S_1 = softmax′(∂A; P_1),  ∂S_2 = −λ·softmax′(∂A; P_2)   (softmax′ is linear in ∂A),
+        ∂q_c = ∂S_c·K_c/√d,  ∂K_c += ∂S_cᵀ·q̂_c
+    where the scalings by 1/√d and −λ are applied to the small (rows × d) products, never to a map.
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, lam, allowed, q_offset):  # type: ignore[override]
+        B, H, T, d = q.shape
+        G, S = k.shape[1] // 2, k.shape[2]
+        n_rep = H // (2 * G)
+        scale = 1.0 / math.sqrt(d)
+        q6 = q.view(B, G, n_rep, 2, T, d).transpose(2, 3)  # (B, G, 2, n_rep, T, d)
+        kg = k.reshape(B, G, 2, S, d)
+        neg = (-lam).to(torch.float32)
+        # written (B, T, H/2, 2d) like the flash kernels' output: subln and o_proj read it in place
+        out = q.new_empty(B, T, G, n_rep, 2 * d).permute(0, 2, 3, 1, 4)
+        blocks = query_blocks(T)
+        maps, queries = [], []
+        for t0, t1 in blocks:
+            rows, end = t1 - t0, min(S, q_offset + t1)
+            qb = (q6[:, :, :, :, t0:t1] * scale).reshape(B, G, 2, n_rep * rows, d)
+            scores = torch.matmul(qb, kg[:, :, :, :end].transpose(-2, -1))  # (B, G, 2, n_rep·rows, end)
+            if allowed is None:  # causal only: the block's last `rows` keys hold its upper triangle
+                first = q_offset + t0
+                tri = torch.ones(rows, end - first, dtype=torch.bool, device=q.device).triu_(1)
+                scores[..., first:end].masked_fill_(tri.repeat(n_rep, 1), float("-inf"))
+            else:
+                blk = allowed[:, :, t0:t1, :end]  # (B|1, 1, rows, end)
+                blk = blk[:, :, None].expand(-1, -1, n_rep, -1, -1).flatten(2, 3)[:, :, None]
+                scores.masked_fill_(~blk, float("-inf"))
+            P = torch.softmax(scores, dim=-1)
+            del scores
+            A = torch.addcmul(P[:, :, 0], P[:, :, 1], neg)
+            out[:, :, :, t0:t1] = torch.matmul(A, v[:, :, :end]).view(B, G, n_rep, rows, 2 * d)
+            maps.append(P)
+            queries.append(qb)
+        ctx.save_for_backward(kg, v, neg, *maps, *queries)
+        ctx.meta = (B, H, T, d, G, n_rep, scale, blocks, q_offset, lam.dtype)
+        return out.reshape(B, G * n_rep, T, 2 * d)
+
+    @staticmethod
+    def backward(ctx, g):  # type: ignore[override]
+        kg, v, neg, *rest = ctx.saved_tensors
+        B, H, T, d, G, n_rep, scale, blocks, q_offset, lam_dtype = ctx.meta
+        maps, queries = rest[: len(blocks)], rest[len(blocks) :]
+        S = kg.shape[3]
+        g5 = g.reshape(B, G, n_rep, T, 2 * d)
+        dq6 = g.new_empty(B, G, 2, n_rep, T, d)
+        dk, dv = torch.zeros_like(kg), torch.zeros_like(v)
+        dlam = torch.zeros((), dtype=torch.float32, device=g.device)
+        for (t0, t1), P, qb in zip(blocks, maps, queries, strict=True):
+            rows, end = t1 - t0, min(S, q_offset + t1)
+            gb = g5[:, :, :, t0:t1].reshape(B, G, n_rep * rows, 2 * d)
+            P1, P2 = P[:, :, 0], P[:, :, 1]
+            A = torch.addcmul(P1, P2, neg)
+            dv[:, :, :end] += torch.matmul(A.transpose(-2, -1), gb)
+            dA = torch.matmul(gb, v[:, :, :end].transpose(-2, -1), out=A)
+            dlam -= torch.sum(dA * P2)
+            for c, Pc, coef in ((0, P1, None), (1, P2, neg)):
+                dS = torch._softmax_backward_data(dA, Pc, -1, Pc.dtype)
+                dq = torch.matmul(dS, kg[:, :, c, :end]).mul_(scale if coef is None else coef * scale)
+                dq6[:, :, c, :, t0:t1] = dq.view(B, G, n_rep, rows, d)
+                dkc = torch.matmul(dS.transpose(-2, -1), qb[:, :, c])
+                dk[:, :, c, :end] += dkc if coef is None else dkc.mul_(coef)
+        dq = dq6.transpose(2, 3).reshape(B, H, T, d)
+        return dq, dk.view(B, 2 * G, S, d), dv, dlam.to(lam_dtype), None, None
+
+
+def diff_blocked_math(q: Tensor, k: Tensor, v: Tensor, lam: Tensor, mask: AttnMask) -> Tensor:
+    """`_DiffBlockedMath`: the diff core on materialised fp32 maps, causal query blocks (see the
+    class). Any mask: with key padding (or queries that are not the newest keys) each block takes
+    its slice of the dense mask. Other dtypes are computed in fp32 and cast back."""
+    causal_only = mask.key_padding_mask is None and mask.q_offset + mask.q_len == mask.kv_len
+    allowed = None if causal_only else mask.dense(q.device)
+    dtype = torch.promote_types(torch.promote_types(q.dtype, k.dtype), v.dtype)
+    f32 = torch.float32
+    with torch.autocast(q.device.type, enabled=False):  # the maps stay fp32 under autocast too
+        out = _DiffBlockedMath.apply(q.to(f32), k.to(f32), v.to(f32), lam, allowed, mask.q_offset)
+    return out.to(dtype)
+
+
 # ----- diff on CPU: the flash kernel called directly, with a hand-written backward --------------
 def _pair_view(x: Tensor) -> Tensor:
     """Heads in pair order (B, n, L, d) → (B, n/2, L, 2d) with features [x_2i, x_2i+1]: a view when
@@ -331,6 +435,7 @@ def diff_flash_cpu(q: Tensor, k: Tensor, v: Tensor, lam: Tensor, mask: AttnMask)
 DIFF_SDPA_STRATEGIES: dict[str, Callable[..., Tensor]] = {
     "flash_cpu": diff_flash_cpu,
     "grouped_math": diff_grouped_math,
+    "blocked_math": diff_blocked_math,
     "padded": diff_sdpa_padded,
     "split_v": diff_sdpa_split_v,
     "one_call": diff_sdpa_one_call,
@@ -344,25 +449,24 @@ DIFF_SDPA_DEFAULT = {"cpu": "cpu_auto", "cuda": "padded"}
 (`cpu_diff_core`). A benchmark may set a strategy by name."""
 
 
-MATH_MIN_HEAD_DIM = 64
 MATH_MAX_MAP_BYTES = 64 * 2**20
 
 
 def cpu_diff_core(
     batch: int, n_heads: int, q_len: int, kv_len: int, head_dim: int, dtype: torch.dtype
 ) -> str:
-    """The diff core CPU training uses at this shape: `grouped_math` or `flash_cpu`.
+    """The diff core CPU training uses at this shape: `blocked_math` or `flash_cpu`.
 
-    Padded to 2d for the flash kernel, each map costs QKᵀ and PV over 2d features on the causal
-    half: the same FLOPs as materialising the maps (QKᵀ over d on the full square, one PV over 2d
-    for A1 − λA2), and the backward recomputes nothing. The maps' softmax and masking are memory
-    passes whose share shrinks as d grows, so with d ≥ 64 and small maps (fp32, at most
-    MATH_MAX_MAP_BYTES per (B, H, T, S) tensor) `grouped_math` is faster: `difftrain bench` at
-    d512-seq512 (d = 64, 64 MiB maps) and at the quickstart shape (d = 32, where flash wins).
-    The memory planner follows the same rule (`plan.activations`)."""
+    Padded to 2d for the flash kernel, each map costs QKᵀ and PV over 2d features. Materialised
+    maps in causal query blocks (`blocked_math`) cost QKᵀ over d and one PV over 2d for
+    A1 − λ·A2, on 5/8 of the square (4 blocks), in large matrix products: in fp32 it is faster at every
+    shape `difftrain bench` measures (B×T×H×d 16×256×8×32: 69 vs 109 ms, 8×512×8×64: 188 vs
+    382 ms forward+backward, one thread), but it keeps the maps for the backward pass, so it is
+    taken only while a full (B, H, T, S) fp32 map would be at most MATH_MAX_MAP_BYTES (it keeps
+    5/8 of that per softmax). The memory planner follows the same rule (`plan.activations`)."""
     small = batch * n_heads * q_len * kv_len * 4 <= MATH_MAX_MAP_BYTES
-    if dtype == torch.float32 and head_dim >= MATH_MIN_HEAD_DIM and small:
-        return "grouped_math"
+    if dtype == torch.float32 and small:
+        return "blocked_math"
     return "flash_cpu"
 
 
@@ -374,7 +478,7 @@ DECODE_MAX_QUERIES = 8
 def diff_sdpa(q: Tensor, k: Tensor, v: Tensor, lam: Tensor, mask: AttnMask) -> Tensor:
     """The diff sdpa strategy for q's device (`DIFF_SDPA_DEFAULT`); `grouped_math` for decoding.
 
-    CPU: `flash_cpu`, or `grouped_math` where that is faster (`cpu_diff_core`). The CPU flash
+    CPU: `blocked_math` in fp32 while the maps are small, else `flash_cpu` (`cpu_diff_core`). The CPU flash
     kernel needs equal q/k/v head widths, so `one_call` and `two_calls` (V 2d wide) run sdpa's
     unfused math path, and `split_v` computes each map twice. `flash_cpu` computes each map once
     in the fused kernel, keys zero-padded to 2d and queries as they lie, with a hand-written
@@ -392,7 +496,8 @@ def diff_sdpa(q: Tensor, k: Tensor, v: Tensor, lam: Tensor, mask: AttnMask) -> T
     name = DIFF_SDPA_DEFAULT.get(q.device.type, "padded")
     if name == "cpu_auto" and q.device.type == "cpu":
         B, H, T, d = q.shape
-        name = cpu_diff_core(B, H, T, k.shape[2], d, q.dtype)
+        dtype = torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else q.dtype
+        name = cpu_diff_core(B, H, T, k.shape[2], d, dtype)
     if name in ("flash_cpu", "cpu_auto") and (q.device.type != "cpu" or q.dtype not in _CPU_FLASH_DTYPES):
         name = "padded"
     return DIFF_SDPA_STRATEGIES[name](q, k, v, lam, mask)
