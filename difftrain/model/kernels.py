@@ -545,6 +545,12 @@ def _block_mask(mask: AttnMask, device: torch.device) -> object:
     return mask._block
 
 
+FLEX_CPU_MIN_KEYS = 16
+"""Below this many keys CPU flex runs as sdpa with the same mask: torch 2.14.1's compiled CPU
+flex kernel returns wrong values (even NaN) for 8 keys and head_dim ≤ 16 on an AVX2 machine (seen
+here, not on 4, 9–15 or ≥ 16 keys); so short a sequence gains nothing from flex anyway."""
+
+
 def _flex(q: Tensor, k: Tensor, v: Tensor, mask: AttnMask) -> Tensor:
     if q.device.type == "cpu":
         if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
@@ -553,6 +559,11 @@ def _flex(q: Tensor, k: Tensor, v: Tensor, mask: AttnMask) -> Tensor:
                 "model.attn_impl=sdpa (or auto), or use flex on a CUDA GPU"
             )
         q, k, v = q.detach(), k.detach(), v.detach()  # flex refuses requires_grad inputs on CPU
+        if mask.kv_len < FLEX_CPU_MIN_KEYS:
+            allowed = mask.dense(q.device)
+            return F.scaled_dot_product_attention(
+                q, k, v, attn_mask=allowed, enable_gqa=q.shape[1] != k.shape[1]
+            )
     return _compiled_flex()(
         q, k, v, block_mask=_block_mask(mask, q.device), enable_gqa=q.shape[1] != k.shape[1]
     )
