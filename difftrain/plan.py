@@ -39,7 +39,7 @@ the tensors autograd saves, found by reading the code and checked by `saved_acti
                                             autocast casts the norm output once per projection)
     bf16-true   16D + 8F + 8
 
-and attention adds (the diff kernel differs by device: `flash_cpu` on CPU, `padded` on CUDA):
+and attention adds (the diff kernel differs by device: `blocked_math` or `flash_cpu` on CPU, `padded` on CUDA):
 
                           32-true (× 4 bytes)            bf16 (mixed and true)
     baseline              2Hd + 2Hkv·d + H                4Hd + 4Hkv·d + 4H
