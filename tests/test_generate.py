@@ -253,8 +253,12 @@ def test_cpu_inference_layout_keeps_logits_and_greedy_tokens(arch, tmp_path):
     n_linear = sum(isinstance(m, nn.Linear) for m in model.modules())
     assert cpu_inference_layout(model) == n_linear
     for m in model.modules():
-        if isinstance(m, nn.Linear):
-            assert m.weight.t().is_contiguous() and not m.weight.is_contiguous()
+        if isinstance(m, nn.Linear):  # column-major: consecutive values run down a column
+            assert m.weight.stride(0) == 1 and not m.weight.is_contiguous()
+    attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
+    for group in ((attn.q_proj, attn.k_proj, attn.v_proj), (mlp.gate_proj, mlp.up_proj)):
+        storages = {lin.weight.untyped_storage().data_ptr() for lin in group}
+        assert len(storages) == 1  # one matrix, read by one product
     assert cpu_inference_layout(model) == 0  # already done: nothing more to do
     assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())  # same values
     with torch.no_grad():
@@ -270,6 +274,28 @@ def test_cpu_inference_layout_keeps_logits_and_greedy_tokens(arch, tmp_path):
     fresh.load_state_dict(read_safetensors(tmp_path / "w.safetensors"))
     with torch.no_grad():
         assert torch.equal(fresh(ids).logits, before)
+
+
+def test_fused_projections_step_aside_for_gradients_and_replaced_or_moved_layers():
+    from difftrain.infer.device import cpu_inference_layout
+
+    ids = torch.tensor([PROMPTS[2]])
+    model, ref = tiny_model("diff", n_kv_heads=2), tiny_model("diff", n_kv_heads=2)
+    cpu_inference_layout(model)
+    # gradients reach every projection (the fused matrix is not a parameter)
+    model(ids, ids).loss.backward()
+    attn = model.model.layers[0].self_attn
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in attn.parameters())
+    # a layer replaced after fusing (as LoRA does) is the one that runs
+    new_q = nn.Linear(attn.q_proj.in_features, attn.q_proj.out_features, bias=False)
+    attn.q_proj = new_q
+    ref.model.layers[0].self_attn.q_proj = new_q
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, ref(ids).logits, rtol=1e-5, atol=1e-5)
+        # a cast gives the parameters new memory: the stale fused matrices are not read
+        model.double()
+        ref.double()
+        torch.testing.assert_close(model(ids).logits, ref(ids).logits, rtol=1e-12, atol=1e-12)
 
 
 def test_cpu_inference_layout_keeps_tied_weights_tied_and_skips_other_dtypes():

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from difftrain.model.config import ModelConfig, lambda_init
+from difftrain.model.fused import fused_outputs
 from difftrain.model.kernels import (
     AttnMask,
     AttnResult,
@@ -34,6 +35,9 @@ if TYPE_CHECKING:
 
 # fn(scaled_scores (B, heads, T, S) with −inf where masked, layer_idx) -> transformed scores
 AttnLogitTransform = Callable[[Tensor, int], Tensor]
+
+
+QKV = ("q_proj", "k_proj", "v_proj")  # the projections `fused_outputs` may run as one
 
 
 class RMSNorm(nn.Module):
@@ -90,9 +94,11 @@ class _Attention(nn.Module, abc.ABC):
     ) -> AttnResult:
         B, T, _ = x.shape
         d = self.head_dim
-        q = self.q_proj(x).view(B, T, self.n_q, d).transpose(1, 2)
-        k = self.k_proj(x).view(B, T, self.n_kv, d).transpose(1, 2)
-        v = self.v_proj(x).view(B, T, self.n_v, self.v_dim).transpose(1, 2)
+        qkv = fused_outputs(self, QKV, x)  # one product when fused for CPU inference
+        xq, xk, xv = qkv if qkv is not None else (self.q_proj(x), self.k_proj(x), self.v_proj(x))
+        q = xq.view(B, T, self.n_q, d).transpose(1, 2)
+        k = xk.view(B, T, self.n_kv, d).transpose(1, 2)
+        v = xv.view(B, T, self.n_v, self.v_dim).transpose(1, 2)
         q, k = rotate(q, rope), rotate(k, rope)
         if cache is not None:
             k, v = cache.update(self.layer_idx, k, v)

@@ -32,6 +32,7 @@ from difftrain.model.attention import (
     RMSNorm,
 )
 from difftrain.model.config import ModelConfig
+from difftrain.model.fused import fused_outputs
 from difftrain.model.kernels import AttnMask, resolve_impl
 from difftrain.model.loss import IGNORE_INDEX, linear_cross_entropy
 from difftrain.model.rope import RopeTables, RotaryEmbedding
@@ -105,6 +106,9 @@ class KVCache:
         return keys, values
 
 
+GATE_UP = ("gate_proj", "up_proj")  # the projections `fused_outputs` may run as one
+
+
 class MLP(nn.Module):
     """SwiGLU: down_proj(silu(gate_proj(x)) ⊙ up_proj(x))."""
 
@@ -116,7 +120,9 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(config.ffn_hidden, config.d_model, bias=False)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate_up = fused_outputs(self, GATE_UP, x)  # one product when fused for CPU inference
+        gate, up = gate_up if gate_up is not None else (self.gate_proj(x), self.up_proj(x))
+        return self.down_proj(F.silu(gate) * up)
 
 
 class Block(nn.Module):
