@@ -1441,35 +1441,29 @@ def _hf_rows(s: dict[str, Any]) -> list[list[str]]:
                     agree,
                 ]
             )
-            if "compiled_speedup" in r:
-                same = (
-                    ""
-                    if key == "train"
-                    else (" (same tokens)" if r["compiled_equals_eager"] else " (tokens differ)")
-                )
+            for prefix, label, note in (
+                ("compiled", "ours compiled", None),
+                ("row_major", "ours with row-major weights", "the layout transformers uses"),
+            ):
+                if f"{prefix}_speedup" not in r:
+                    continue
+                if note is None:
+                    same = (
+                        ""
+                        if key == "train"
+                        else (" (same tokens)" if r["compiled_equals_eager"] else " (tokens differ)")
+                    )
+                    note = f"vs transformers eager{same}"
                 rows.append(
                     [
                         r["arch"],
                         "",
-                        f"{what}, ours compiled",
-                        _f(r["compiled_tokens_per_s"], fmt),
+                        f"{what}, {label}",
+                        _f(r[f"{prefix}_tokens_per_s"], fmt),
                         _f(r["hf_tokens_per_s"], fmt),
-                        _f(r["compiled_speedup"]),
-                        _f(r["compiled_speedup_cpu"]),
-                        f"vs transformers eager{same}",
-                    ]
-                )
-            if "row_major_speedup" in r:
-                rows.append(
-                    [
-                        r["arch"],
-                        "",
-                        f"{what}, ours with row-major weights",
-                        _f(r["row_major_tokens_per_s"], fmt),
-                        _f(r["hf_tokens_per_s"], fmt),
-                        _f(r["row_major_speedup"]),
-                        _f(r["row_major_speedup_cpu"]),
-                        "the layout transformers uses",
+                        _f(r[f"{prefix}_speedup"]),
+                        _f(r[f"{prefix}_speedup_cpu"]),
+                        note,
                     ]
                 )
     return rows
