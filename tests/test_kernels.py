@@ -116,6 +116,18 @@ def test_blocked_math_over_several_query_blocks_matches_eager(T, mask_kind, n_kv
         assert rel_err(g, g_e[name]) <= 1e-5, name
 
 
+@pytest.mark.parametrize("mask_kind", ["causal", "cached+padded"])
+def test_blocked_math_without_gradients_matches_eager(mask_kind, monkeypatch):
+    # eval and prefill: no map is kept past its block, the output is the same
+    monkeypatch.setattr(kernels, "BLOCK_MIN_ROWS", 2)
+    mask = masks(9)[mask_kind]
+    t = inputs("diff", 2, 9, mask.kv_len)
+    with torch.no_grad():
+        out = kernels.diff_blocked_math(t["q"], t["k"], t["v"], t["lam"], mask)
+        ref = call("diff", t, mask, "eager")
+    assert rel_err(out, ref) <= 1e-5
+
+
 def test_query_blocks_cover_every_query_once():
     for T in (1, 63, 64, 127, 128, 255, 256, 1000, 4096):
         blocks = kernels.query_blocks(T)

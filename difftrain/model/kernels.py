@@ -264,6 +264,7 @@ class _DiffBlockedMath(torch.autograd.Function):
         # written (B, T, H/2, 2d) like the flash kernels' output: subln and o_proj read it in place
         out = q.new_empty(B, T, G, n_rep, 2 * d).permute(0, 2, 3, 1, 4)
         blocks = query_blocks(T)
+        keep = any(ctx.needs_input_grad[:4])  # without a backward (eval, prefill) no map outlives its block
         maps, queries = [], []
         for t0, t1 in blocks:
             rows, end = t1 - t0, min(S, q_offset + t1)
@@ -281,8 +282,10 @@ class _DiffBlockedMath(torch.autograd.Function):
             del scores
             A = torch.addcmul(P[:, :, 0], P[:, :, 1], neg)
             out[:, :, :, t0:t1] = torch.matmul(A, v[:, :, :end]).view(B, G, n_rep, rows, 2 * d)
-            maps.append(P)
-            queries.append(qb)
+            if keep:
+                maps.append(P)
+                queries.append(qb)
+            del P, A, qb
         ctx.save_for_backward(kg, v, neg, *maps, *queries)
         ctx.meta = (B, H, T, d, G, n_rep, scale, blocks, q_offset, lam.dtype)
         return out.reshape(B, G * n_rep, T, 2 * d)
