@@ -350,7 +350,7 @@ def activations(
 
         dtype = torch.float32 if _dtype_family(precision) == "fp32" else torch.bfloat16
         assert config.head_dim is not None
-        kernel = cpu_diff_core(micro_batch_size, config.n_heads, seq_len, seq_len, config.head_dim, dtype)
+        kernel = cpu_diff_core(micro_batch_size, config.n_heads, seq_len, seq_len, dtype)
     per_layer = N * layer_bytes_per_token(config, precision, kernel, seq_len, attn_impl)
     fam = _dtype_family(precision)
     if checkpointing:

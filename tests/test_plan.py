@@ -137,7 +137,7 @@ def test_activation_formula_of_the_materialised_cpu_diff_core(n_kv, checkpointin
     monkeypatch.setattr(kernels, "BLOCK_MIN_ROWS", 32 // blocks)
     assert len(kernels.query_blocks(32)) == blocks
     cfg = tiny("diff", d_model=256, n_heads=4, n_kv_heads=n_kv, max_seq_len=32)
-    assert kernels.cpu_diff_core(3, 4, 32, 32, cfg.head_dim, torch.float32) == "blocked_math"
+    assert kernels.cpu_diff_core(3, 4, 32, 32, torch.float32) == "blocked_math"
     torch.manual_seed(0)
     model = Transformer(cfg)
     model.set_activation_checkpointing(checkpointing)

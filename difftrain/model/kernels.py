@@ -241,7 +241,8 @@ class _DiffBlockedMath(torch.autograd.Function):
     """out = (A1 − λ·A2)·V with explicit fp32 maps, computed per block of queries against only the
     keys the block can see (slots < q_offset + t1): with 4 blocks a causal layer builds 5/8 of the
     T×S maps, and (A1 − λ·A2)·V costs one product over 2d features instead of two. Query heads
-    are grouped by the key pair they read (no copy of K or V), as in `diff_grouped_math`.
+    are grouped by the key pair they read (K and V are not repeated per query head), as in
+    `diff_grouped_math`.
 
     Per block (rows r = (rep, t), scaled queries q̂ = q/√d):
         S_c = q̂_c K_cᵀ (masked),  P_c = softmax(S_c),  A = P_1 − λ·P_2,  out = A·V
@@ -458,16 +459,14 @@ DIFF_SDPA_DEFAULT = {"cpu": "cpu_auto", "cuda": "padded"}
 MATH_MAX_MAP_BYTES = 64 * 2**20
 
 
-def cpu_diff_core(
-    batch: int, n_heads: int, q_len: int, kv_len: int, head_dim: int, dtype: torch.dtype
-) -> str:
+def cpu_diff_core(batch: int, n_heads: int, q_len: int, kv_len: int, dtype: torch.dtype) -> str:
     """The diff core CPU training uses at this shape: `blocked_math` or `flash_cpu`.
 
     Padded to 2d for the flash kernel, each map costs QKᵀ and PV over 2d features. Materialised
     maps in causal query blocks (`blocked_math`) cost QKᵀ over d and one PV over 2d for
-    A1 − λ·A2, on 5/8 of the square (4 blocks), in large matrix products: in fp32 it is faster at every
-    shape `difftrain bench` measures (B×T×H×d 16×256×8×32: 69 vs 109 ms, 8×512×8×64: 188 vs
-    382 ms forward+backward, one thread), but it keeps the maps for the backward pass, so it is
+    A1 − λ·A2, on 5/8 of the square (4 blocks), in large matrix products: in fp32 it is faster at
+    every shape `difftrain bench` measures (B×T×H×d 16×256×8×32: 97 vs 180 ms, 8×512×8×64: 337
+    vs 638 ms forward+backward, one thread, AVX2), but it keeps the maps for the backward pass, so it is
     taken only while a full (B, H, T, S) fp32 map would be at most MATH_MAX_MAP_BYTES (it keeps
     5/8 of that per softmax). The memory planner follows the same rule (`plan.activations`)."""
     small = batch * n_heads * q_len * kv_len * 4 <= MATH_MAX_MAP_BYTES
@@ -501,9 +500,9 @@ def diff_sdpa(q: Tensor, k: Tensor, v: Tensor, lam: Tensor, mask: AttnMask) -> T
         return diff_grouped_math(q, k, v, lam, mask)
     name = DIFF_SDPA_DEFAULT.get(q.device.type, "padded")
     if name == "cpu_auto" and q.device.type == "cpu":
-        B, H, T, d = q.shape
+        B, H, T, _ = q.shape
         dtype = torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else q.dtype
-        name = cpu_diff_core(B, H, T, k.shape[2], d, dtype)
+        name = cpu_diff_core(B, H, T, k.shape[2], dtype)
     if name in ("flash_cpu", "cpu_auto") and (q.device.type != "cpu" or q.dtype not in _CPU_FLASH_DTYPES):
         name = "padded"
     return DIFF_SDPA_STRATEGIES[name](q, k, v, lam, mask)
