@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import gc
 import json
 import math
@@ -142,6 +143,7 @@ class Plan:
     mode: str
     precision: str
     compile: bool
+    decode_compile: bool  # `generate --compile` rows (on by default on CPU too: seconds to compile)
     reps: int
     warmup: int
     step_shapes: list[Shape]
@@ -168,6 +170,7 @@ def make_plan(opts: BenchOptions) -> Plan:
         p = Plan(
             **common,
             compile=bool(opts.compile),
+            decode_compile=bool(opts.compile),
             reps=2,
             warmup=1,
             step_shapes=[QUICK],
@@ -182,6 +185,7 @@ def make_plan(opts: BenchOptions) -> Plan:
         p = Plan(
             **common,
             compile=True if opts.compile is None else opts.compile,
+            decode_compile=True if opts.compile is None else opts.compile,
             reps=10,
             warmup=3,
             step_shapes=[GPT2_SMALL_2K, GPT2_SMALL] if full else [GPT2_SMALL_2K],
@@ -197,6 +201,7 @@ def make_plan(opts: BenchOptions) -> Plan:
         p = Plan(
             **common,
             compile=full if opts.compile is None else opts.compile,
+            decode_compile=True if opts.compile is None else opts.compile,
             reps=5,
             warmup=1,
             step_shapes=[QUICKSTART, D512],
@@ -759,11 +764,11 @@ def _decode_vs_hf(ours: Any, hf: Any, plan: Plan, progress: Progress) -> dict[st
     fns = {"ours": ours_fn, "hf": hf_fn}
     if plan.device.type == "cpu":
         fns["ours, row-major weights"] = row_major_fn
-    if plan.compile:  # the cached decode step under torch.compile (dynamic cache length)
-        twin = torch.compile(ours, dynamic=True)
+    if plan.decode_compile:  # `generate --compile`: the static-shape decode step, compiled
+        compiled_cfg = dataclasses.replace(cfg, compile=True)
 
         def compiled_fn() -> None:
-            out["ours +compile"] = generate_all(twin, [prompt], cfg)[0].token_ids
+            out["ours +compile"] = generate_all(ours, [prompt], compiled_cfg)[0].token_ids
 
         progress(f"hf: compiling our {ours.config.arch} decode step")
         compiled_fn()
@@ -859,19 +864,29 @@ def bench_decode(plan: Plan, progress: Progress) -> dict[str, Any]:
     n = plan.decode_tokens
     cfg_gen = GenerationConfig(max_new_tokens=n, sampling=SamplingConfig(greedy=True), stop_at_eos=False)
     fns = {}
-    variants = {a: (a, None) for a in ARCHS}
+    variants = {a: (a, None, False) for a in ARCHS}
     if plan.device.type == "cpu":
-        variants["diff (previous core: one_call)"] = ("diff", "one_call")
-    for name, (arch, strategy) in variants.items():
+        variants["diff (previous core: one_call)"] = ("diff", "one_call", False)
+    if plan.decode_compile:  # `generate --compile`
+        variants |= {f"{a} +compile": (a, None, True) for a in ARCHS}
+    models: dict[str, Any] = {}
+    for name, (arch, strategy, compiled) in variants.items():
         cfg = shape.config(arch).replace(max_seq_len=max(shape.seq_len, 16 + n))
-        model = _build(cfg, plan).eval()
-        cpu_inference_layout(model)  # as `difftrain generate` loads a model (a no-op off CPU)
+        if arch not in models:
+            models[arch] = _build(cfg, plan).eval()
+            cpu_inference_layout(models[arch])  # as `difftrain generate` loads a model (a no-op off CPU)
         prompt = torch.randint(0, cfg.vocab_size, (16,), generator=torch.Generator().manual_seed(1)).tolist()
+        gen_cfg = dataclasses.replace(cfg_gen, compile=compiled)
 
-        def run(m: Any = model, p: list[int] = prompt, strategy: str | None = strategy) -> None:
-            with diff_strategy(strategy):
-                generate_all(m, [p], cfg_gen)
+        def run(
+            m: Any = models[arch], p: list[int] = prompt, s: str | None = strategy, g: Any = gen_cfg
+        ) -> None:
+            with diff_strategy(s):
+                generate_all(m, [p], g)
 
+        if compiled:
+            progress(f"decode: compiling the {arch} decode step")
+            run()
         fns[name] = run
     progress(f"decode: {n} tokens per arch × {max(3, plan.reps)}")
     times = time_round_robin(fns, warmup=1, reps=max(3, plan.reps), device=plan.device)
@@ -880,6 +895,7 @@ def bench_decode(plan: Plan, progress: Progress) -> dict[str, Any]:
         rows.append(
             {
                 "arch": variants[name][0],
+                "compiled": variants[name][2],
                 "variant": name,
                 "new_tokens": n,
                 "tokens_per_s": n / statistics.median(t["wall"]),
@@ -1060,6 +1076,7 @@ def run_bench(opts: BenchOptions, progress: Progress | None = None) -> dict[str,
         "setup": {
             "precision": plan.precision,
             "compile": plan.compile,
+            "decode_compile": plan.decode_compile,
             "reps": plan.reps,
             "warmup": plan.warmup,
             "decode_tokens": plan.decode_tokens,

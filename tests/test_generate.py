@@ -79,6 +79,51 @@ def test_sampled_tokens_with_cache_equal_those_without(arch):
     assert [c.token_ids for c in cached] == [c.token_ids for c in uncached]
 
 
+@pytest.mark.parametrize("n_kv_heads", [None, 2], ids=["mha", "gqa"])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_static_decode_step_equals_the_cached_forward_on_a_left_padded_batch(arch, n_kv_heads):
+    # decode_step (what --compile runs) attends over every slot of the cache through a mask; the
+    # cached forward over exactly the used slots. Same logits, step after step, for rows whose
+    # prompts have different lengths (left padding) -- run eagerly, so the mask and slot logic
+    # are tested without a compiler.
+    model = tiny_model(arch, n_kv_heads)
+    P = max(len(p) for p in PROMPTS)
+    ids = torch.tensor([[0] * (P - len(p)) + p for p in PROMPTS])
+    pad = torch.tensor([[False] * (P - len(p)) + [True] * len(p) for p in PROMPTS])
+    with torch.inference_mode():
+        ref, static = model.new_cache(3, max_len=P + 8), model.new_cache(3, max_len=P + 8)
+        a = model(ids, cache=ref, key_padding_mask=pad).logits[:, -1]
+        b = model(ids, cache=static, key_padding_mask=pad).logits[:, -1]
+        slot = torch.tensor(P)
+        for _ in range(8):
+            nxt = a.argmax(-1)[:, None]
+            a = model(nxt, cache=ref).logits[:, -1]
+            b = model.decode_step(nxt, static, slot)
+            static.length += 1
+            static.next_position += 1
+            slot += 1
+            torch.testing.assert_close(b, a, atol=2e-5, rtol=1e-5)
+        assert static.length == ref.length == static.max_len
+        for k1, k2 in zip(ref.keys + ref.values, static.keys + static.values, strict=True):
+            torch.testing.assert_close(k2, k1, atol=2e-5, rtol=1e-5)
+
+
+def test_compiled_generation_gives_the_eager_tokens_and_reuses_its_compiled_step():
+    model = tiny_model("diff", n_kv_heads=2)
+    greedy_cfg = GenerationConfig(max_new_tokens=12, sampling=SamplingConfig(greedy=True))
+    eager = [c.token_ids for c in generate_all(model, PROMPTS, greedy_cfg)]
+    compiled_cfg = GenerationConfig(**{**greedy_cfg.__dict__, "compile": True})
+    assert [c.token_ids for c in generate_all(model, PROMPTS, compiled_cfg)] == eager
+    step = model.__dict__["_compiled_decode_step"]
+    assert [c.token_ids for c in generate_all(model, PROMPTS[:1], compiled_cfg)] == eager[:1]
+    assert model.__dict__["_compiled_decode_step"] is step
+
+
+def test_compile_without_the_cache_is_refused():
+    with pytest.raises(ConfigError, match="use_cache=False"):
+        GenerationConfig(compile=True, use_cache=False)
+
+
 def test_sampling_is_reproducible_for_a_seed_and_independent_of_the_batch():
     model = tiny_model("diff")
     sampling = SamplingConfig(temperature=1.2, top_k=20, top_p=0.9, min_p=0.02, repetition_penalty=1.3)

@@ -108,6 +108,20 @@ def test_greedy_no_stream_prints_the_same_completion_as_json(run_dir, capsys):
     assert "tokens/s" in err
 
 
+def test_compiled_greedy_generation_prints_the_eager_completion(run_dir, capsys):
+    (r,) = json_results(capsys, run_dir, "-p", "the quick", "--greedy", "-n", 12)
+    (c,) = json_results(capsys, run_dir, "-p", "the quick", "--greedy", "-n", 12, "--compile")
+    assert c["token_ids"] == r["token_ids"] and c["completion"] == r["completion"]
+
+
+def test_compile_without_a_cpu_compiler_exits_2_before_loading(run_dir, capsys, monkeypatch):
+    monkeypatch.setenv("CXX", "/nonexistent/bin/g++")
+    code, _, err = gen(capsys, run_dir, "-p", "x", "--compile", "--device", "cpu")
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert "--compile on CPU needs a C++ compiler (/nonexistent/bin/g++ on PATH)" in err
+    assert "or leave out the option" in err
+
+
 def test_prompt_file_of_lines_and_jsonl(run_dir, tmp_path, capsys):
     lines = tmp_path / "prompts.txt"
     lines.write_text("first prompt\n\nsecond\\n prompt\n")
@@ -184,6 +198,7 @@ def test_interactive_ctrl_c_interrupts_a_generation_without_quitting(run_dir, ca
         (["--stop", ""], "a stop string is empty"),
         (["--prompt", "a", "--interactive"], "--interactive reads prompts from the keyboard"),
         (["--dtype", "float8"], "--dtype 'float8' is unknown"),
+        (["--compile", "--no-cache"], "--compile runs the cached decode step; leave out --no-cache"),
     ],
 )
 def test_bad_arguments_exit_2_with_one_line(run_dir, capsys, args, message):

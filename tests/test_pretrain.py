@@ -200,3 +200,15 @@ def test_cli_pretrain_and_errors_exit_2(workspace, capsys):
     assert "already holds a run" in capsys.readouterr().err
     assert main(["pretrain", str(p), "train.micro_batch_size=3"]) == 2
     assert main(["pretrain", str(p), "--dry-run", "train.max_steps=9", "--overwrite"]) == 0
+
+
+def test_train_compile_without_a_cpu_compiler_exits_2_before_anything_is_written(
+    workspace, capsys, monkeypatch
+):
+    p = workspace(steps=2, save_every=2)
+    monkeypatch.setenv("CXX", "/nonexistent/bin/g++")
+    assert main(["pretrain", str(p), "--no-progress", "train.compile=true"]) == 2
+    err = capsys.readouterr().err
+    assert "train.compile=true on CPU needs a C++ compiler (/nonexistent/bin/g++ on PATH)" in err
+    assert len(err.strip().splitlines()) == 1, err
+    assert not (p.parent / "runs").exists()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from difftrain.errors import DeviceError
@@ -99,3 +101,27 @@ def cpu_inference_layout(model: torch.nn.Module) -> int:
             w.data = w.data.t().contiguous().t()
             done.add(id(w))
     return len(done)
+
+
+def require_compiler(device: torch.device, option: str = "--compile") -> None:
+    """DeviceError unless torch.compile can build kernels for `device`: on CPU inductor compiles
+    C++ (it needs a compiler: $CXX, g++, clang++ or c++ on PATH), on CUDA it needs Triton.
+    Checked before anything loads, so a missing toolchain is one line, not a traceback from
+    the first compiled call."""
+    import shutil
+
+    if device.type == "cuda":
+        from torch.utils._triton import has_triton
+
+        if not has_triton():
+            raise DeviceError(
+                f"{option} on CUDA needs Triton, which is not installed here; "
+                "pip install triton (it ships with Linux CUDA builds of torch) or leave out the option"
+            )
+    elif device.type == "cpu":
+        names = [os.environ["CXX"]] if os.environ.get("CXX") else ["g++", "clang++", "c++"]
+        if not any(shutil.which(n) for n in names):
+            raise DeviceError(
+                f"{option} on CPU needs a C++ compiler ({' or '.join(names)} on PATH), and none was found; "
+                "install one (e.g. apt install g++) or leave out the option"
+            )

@@ -12,6 +12,11 @@ masked out of attention (`key_padding_mask`) and every sequence gets its own RoP
     prefill:  logits = model(ids (B, P), cache, key_padding_mask)[:, −1]   (fills the KV cache)
     decode:   v_t ~ sampler(logits);  logits = model(v_t (B, 1), cache)[:, −1]
 
+With `compile=True` the decode steps run `Transformer.decode_step` under torch.compile: the same
+math with shapes fixed for the whole generation (attention over every cache slot, masked), so
+one compiled graph serves every token. The first generation pays for the compilation (seconds
+to tens of seconds); on CPU it decodes about 1.6× faster than the eager step (README).
+
 With `use_cache=False` every step instead recomputes the whole sequence (prompt + generated
 so far) without a cache: O(n²) work, the reference the cached path is tested against.
 
@@ -34,7 +39,7 @@ Sampling (see `sampling.py`) draws each row from its own generator, seeded `seed
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, Protocol, Union
 
@@ -68,12 +73,17 @@ class GenerationConfig:
     stop_at_eos: bool = True
     use_cache: bool = True
     seed: int = 0
+    compile: bool = False
 
     def __post_init__(self) -> None:
         if not (isinstance(self.max_new_tokens, int) and self.max_new_tokens >= 1):
             raise ConfigError(f"max_new_tokens={self.max_new_tokens} must be a whole number ≥ 1")
         if any(s == "" for s in self.stop):
             raise ConfigError("a stop string is empty: every --stop needs at least one character")
+        if self.compile and not self.use_cache:
+            raise ConfigError(
+                "compile runs the cached decode step; it cannot be combined with use_cache=False"
+            )
         object.__setattr__(self, "stop", tuple(self.stop))
 
 
@@ -204,6 +214,41 @@ class _CachedForward:
         return self.model(next_ids[:, None], cache=self.cache).logits[:, -1].float()
 
 
+class _CompiledForward(_CachedForward):
+    """`_CachedForward` whose decode steps run the model's compiled `decode_step` (static shapes:
+    every step attends over the whole cache, masked, so one compiled graph serves every token).
+    The prefill runs eagerly: it happens once per generation and its length varies."""
+
+    def __init__(self, model: torch.nn.Module, ids: Tensor, mask: Tensor | None, capacity: int) -> None:
+        super().__init__(model, ids, mask, capacity)
+        self.decode = compiled_decode_step(model)
+        self.slot = torch.zeros((), dtype=torch.long, device=ids.device)
+
+    def prefill(self) -> Tensor:
+        logits = super().prefill()
+        self.slot.fill_(self.cache.length)
+        return logits
+
+    def step(self, next_ids: Tensor) -> Tensor:
+        cache = self.cache
+        logits = self.decode(next_ids[:, None], cache, self.slot).float()
+        cache.length += 1
+        cache.next_position += 1
+        self.slot += 1
+        return logits
+
+
+def compiled_decode_step(model: torch.nn.Module) -> Callable[[Tensor, object, Tensor], Tensor]:
+    """`torch.compile(model.decode_step)`, made once per model and kept on it (later generations
+    reuse the compiled code; a new batch size or cache length compiles once more, then runs with
+    symbolic sizes)."""
+    fn = model.__dict__.get("_compiled_decode_step")
+    if fn is None:
+        fn = torch.compile(model.decode_step)  # type: ignore[operator]
+        model.__dict__["_compiled_decode_step"] = fn
+    return fn
+
+
 class _UncachedForward:
     """Reference path: recompute the whole sequence every step (no cache)."""
 
@@ -275,7 +320,8 @@ def generate(
 
     with torch.inference_mode():
         if config.use_cache:
-            run: _CachedForward | _UncachedForward = _CachedForward(model, ids, mask_arg, P + max(limits) - 1)
+            cached = _CompiledForward if config.compile else _CachedForward
+            run: _CachedForward | _UncachedForward = cached(model, ids, mask_arg, P + max(limits) - 1)
         else:
             run = _UncachedForward(model, ids, mask_arg)
     t0 = time.perf_counter()

@@ -159,7 +159,7 @@ class DiffAttention(_Attention):
     def lam(self) -> Tensor:
         """The layer's scalar λ as a 0-d fp32 tensor (without gradients: cached until one of the
         four vectors changes, which a decode step would otherwise recompute every token)."""
-        if torch.is_grad_enabled():
+        if torch.is_grad_enabled() or torch.compiler.is_compiling():  # compiled: fused, no cache
             return self._lam()
         key = tuple((p.data_ptr(), p._version) for p in self._lambda_vectors())
         cached = self.__dict__.get("_lam_cache")

@@ -68,6 +68,16 @@ class AttnMask:
     _dense: Tensor | None = field(default=None, repr=False)
     _block: object | None = field(default=None, repr=False)
 
+    @classmethod
+    def slots(cls, allowed: Tensor) -> AttnMask:
+        """One query per row over all S slots of a fixed-size KV cache: `allowed` (B, S) is True
+        where the row may attend (its real tokens up to and including its own slot). The mask of
+        a compiled decode step (`Transformer.decode_step`), whose shapes must not change from
+        token to token. Every shortcut (`plain_causal`, `unmasked`, the causal-only paths) is off
+        because `key_padding_mask` is set, and the dense mask is `allowed` itself."""
+        S = allowed.shape[1]
+        return cls(1, S, S - 1, allowed, _dense=allowed[:, None, None, :])
+
     @property
     def plain_causal(self) -> bool:
         """True when this is the ordinary lower-triangular mask (no cache prefix, no padding)."""

@@ -106,6 +106,22 @@ class KVCache:
         return keys, values
 
 
+class _SlotWriter:
+    """What the attention layers of `Transformer.decode_step` see as the cache: each layer's
+    keys and values are written at one slot (a (1,) tensor), and the whole buffers returned."""
+
+    def __init__(self, cache: KVCache, slot: Tensor) -> None:
+        self.cache, self.slot = cache, slot
+
+    def update(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        keys, values = self.cache.keys[layer], self.cache.values[layer]
+        keys.index_copy_(2, self.slot, k.to(keys.dtype))
+        values.index_copy_(2, self.slot, v.to(values.dtype))
+        if keys.dtype != k.dtype or values.dtype != v.dtype:
+            return keys.to(k.dtype), values.to(v.dtype)
+        return keys, values
+
+
 GATE_UP = ("gate_proj", "up_proj")  # the projections `fused_outputs` may run as one
 
 
@@ -333,6 +349,31 @@ class Transformer(nn.Module):
             attn_logits=tuple(logits_per_layer) if output_attentions else None,
             hidden_states=tuple(hidden) if output_hidden_states else None,
         )
+
+    def decode_step(self, ids: Tensor, cache: KVCache, slot: Tensor) -> Tensor:
+        """Logits (B, V) for one new token per sequence, ids (B, 1), written at KV-cache slot
+        `slot` (a 0-d long tensor on the model's device: the slots already used).
+
+        The shapes do not depend on the position: attention runs over all `cache.max_len` slots,
+        masked to each row's real tokens up to its own slot (`AttnMask.slots`), and the keys and
+        values are written with `index_copy_`. So `torch.compile` traces it once for a whole
+        generation (and CUDA graphs can replay it); `forward` with a cache instead attends over
+        exactly the used slots, which is faster uncompiled. The cache's buffers are updated in
+        place; `cache.length` and `cache.next_position` are not (the caller advances them, one
+        slot per call). Inference only (no gradients).
+        """
+        B = ids.shape[0]
+        positions = cache.next_position[:, None]  # (B, 1)
+        written = torch.arange(cache.max_len, device=ids.device) <= slot
+        mask = AttnMask.slots(cache.key_padding_mask & written)
+        impl = resolve_impl(self.attn_impl, ids.device)
+        opts = AttnOptions("sdpa" if impl == "flex" else impl)  # flex would not reuse its block mask
+        writer = _SlotWriter(cache, slot.view(1))
+        h = self.model.embed_tokens(ids)
+        rope = self.model.rotary_emb.tables(positions, h.dtype)
+        for block in self.model.layers:
+            h = block(h, rope, mask, writer, opts)[0]  # type: ignore[arg-type]
+        return self.lm_head(self.model.norm(h)).view(B, -1)
 
     # ----- state dict -----------------------------------------------------------------------
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False):

@@ -122,6 +122,10 @@ def plan_run(recipe: Recipe) -> Plan:
             raise DeviceError(
                 f"train.devices={devices} but only {torch.cuda.device_count()} CUDA GPU(s) are visible; lower train.devices"
             )
+    if t.compile and accelerator in ("cpu", "cuda"):
+        from difftrain.infer.device import require_compiler
+
+        require_compiler(torch.device(accelerator), "train.compile=true")
     world = devices * t.num_nodes
     check_strategy(resolved, accelerator, world)
     m = resolved.model
