@@ -688,36 +688,39 @@ def _train_vs_hf(ours: Any, hf: Any, shape: Shape, plan: Plan, progress: Progres
     with torch.no_grad():
         agree = (ours(x).logits.float() - hf(input_ids=x).logits.float()).abs().max().item()
     labels = torch.cat((x[:, :1], y[:, :-1]), dim=1)  # HF shifts labels left by one
-    hf_params = list(hf.parameters())
-    hf_opt = torch.optim.AdamW(hf_params, lr=1e-4, foreach=True)
 
-    def hf_step() -> None:
-        with _autocast(plan):
-            loss = hf(input_ids=x, labels=labels).loss
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(hf_params, 1.0)
-        hf_opt.step()
-        hf_opt.zero_grad(set_to_none=True)
+    def hf_step_fn(model: Any, forward: Any) -> Callable[[], None]:
+        params = list(model.parameters())
+        opt = torch.optim.AdamW(params, lr=1e-4, foreach=True)
 
-    fns = {"ours": train_step_fn(ours, _optimizer(ours, "adamw", plan.device), (x, y), plan), "hf": hf_step}
-    if plan.compile:  # our model under torch.compile (train.compile: true) against transformers eager
+        def step() -> None:
+            with _autocast(plan):
+                loss = forward(input_ids=x, labels=labels).loss
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+        return step
+
+    fns = {
+        "ours": train_step_fn(ours, _optimizer(ours, "adamw", plan.device), (x, y), plan),
+        "hf": hf_step_fn(hf, hf),
+    }
+    if plan.compile:  # both models under torch.compile (ours: train.compile: true)
         twin = _build(ours.config, plan)
         fns["ours +compile"] = train_step_fn(
             twin, _optimizer(twin, "adamw", plan.device), (x, y), plan, torch.compile(twin)
         )
-        progress(f"hf: compiling our {ours.config.arch} training step")
-        fns["ours +compile"]()
-        fns["ours +compile"]()
+        hf_twin = copy.deepcopy(hf)
+        fns["hf +compile"] = hf_step_fn(hf_twin, torch.compile(hf_twin))
+        progress(f"hf: compiling the {ours.config.arch} training steps (ours and transformers')")
+        for name in ("ours +compile", "hf +compile"):
+            fns[name]()
+            fns[name]()
     progress(f"hf: {ours.config.arch} training step vs {type(hf).__name__}")
     t = time_round_robin(fns, warmup=plan.warmup, reps=plan.reps, device=plan.device)
-    compiled = {}
-    if "ours +compile" in t:
-        c = t["ours +compile"]
-        compiled = {
-            "compiled_tokens_per_s": shape.tokens / statistics.median(c["wall"]),
-            "compiled_speedup": paired_ratio(t["hf"]["wall"], c["wall"]),
-            "compiled_speedup_cpu": paired_ratio(t["hf"]["cpu"], c["cpu"]),
-        }
+    compiled = _compiled_figures(t, shape.tokens)
     return {
         **compiled,
         "arch": ours.config.arch,
@@ -731,6 +734,39 @@ def _train_vs_hf(ours: Any, hf: Any, shape: Shape, plan: Plan, progress: Progres
         "speedup": paired_ratio(t["hf"]["wall"], t["ours"]["wall"]),
         "speedup_cpu": paired_ratio(t["hf"]["cpu"], t["ours"]["cpu"]),
     }
+
+
+def _compiled_figures(t: dict[str, dict[str, list[float]]], tokens: int) -> dict[str, Any]:
+    """Ours compiled against transformers eager, and (when timed) both compiled."""
+    out: dict[str, Any] = {}
+    if "ours +compile" in t:
+        c = t["ours +compile"]
+        out = {
+            "compiled_tokens_per_s": tokens / statistics.median(c["wall"]),
+            "compiled_speedup": paired_ratio(t["hf"]["wall"], c["wall"]),
+            "compiled_speedup_cpu": paired_ratio(t["hf"]["cpu"], c["cpu"]),
+        }
+        if "hf +compile" in t:
+            h = t["hf +compile"]
+            out |= {
+                "both_compiled_tokens_per_s": out["compiled_tokens_per_s"],
+                "both_compiled_hf_tokens_per_s": tokens / statistics.median(h["wall"]),
+                "both_compiled_speedup": paired_ratio(h["wall"], c["wall"]),
+                "both_compiled_speedup_cpu": paired_ratio(h["cpu"], c["cpu"]),
+            }
+    return out
+
+
+def _hf_compiled_generate(hf: Any) -> dict[str, Any] | None:
+    """generate() keyword arguments for transformers' own compiled decoding (a static cache and
+    torch.compile, also on CPU), or None when this transformers has no CompileConfig."""
+    try:
+        from transformers import CompileConfig
+    except ImportError:
+        return None
+    config = CompileConfig(fullgraph=False, dynamic=False)
+    config._compile_all_devices = True  # transformers compiles on GPUs only unless told
+    return {"cache_implementation": "static", "compile_config": config}
 
 
 def _decode_vs_hf(ours: Any, hf: Any, plan: Plan, progress: Progress) -> dict[str, Any]:
@@ -756,10 +792,17 @@ def _decode_vs_hf(ours: Any, hf: Any, plan: Plan, progress: Progress) -> dict[st
     def row_major_fn() -> None:
         out["ours, row-major weights"] = generate_all(row_major, [prompt], cfg)[0].token_ids
 
-    def hf_fn() -> None:
-        with torch.inference_mode():
-            r = hf.generate(ids, do_sample=False, max_new_tokens=n, min_new_tokens=n, pad_token_id=2)
-        out["hf"] = r[0, len(prompt) :].tolist()
+    def hf_generate(name: str, **kwargs: Any) -> Callable[[], None]:
+        def fn() -> None:
+            with torch.inference_mode():
+                r = hf.generate(
+                    ids, do_sample=False, max_new_tokens=n, min_new_tokens=n, pad_token_id=2, **kwargs
+                )
+            out[name] = r[0, len(prompt) :].tolist()
+
+        return fn
+
+    hf_fn = hf_generate("hf")
 
     fns = {"ours": ours_fn, "hf": hf_fn}
     if plan.device.type == "cpu":
@@ -773,6 +816,11 @@ def _decode_vs_hf(ours: Any, hf: Any, plan: Plan, progress: Progress) -> dict[st
         progress(f"hf: compiling our {ours.config.arch} decode step")
         compiled_fn()
         fns["ours +compile"] = compiled_fn
+        hf_kwargs = _hf_compiled_generate(hf)
+        if hf_kwargs is not None:
+            fns["hf +compile"] = hf_generate("hf +compile", **hf_kwargs)
+            progress(f"hf: compiling transformers' {type(hf).__name__} decoding (static cache)")
+            fns["hf +compile"]()
     progress(f"hf: {ours.config.arch} greedy decode vs generate, {n} tokens")
     t = time_round_robin(fns, warmup=1, reps=max(3, plan.reps), device=plan.device)
     same = 0
@@ -780,15 +828,11 @@ def _decode_vs_hf(ours: Any, hf: Any, plan: Plan, progress: Progress) -> dict[st
         if a != b:
             break
         same += 1
-    compiled = {}
+    compiled = _compiled_figures(t, n)
     if "ours +compile" in t:
-        c = t["ours +compile"]
-        compiled = {
-            "compiled_tokens_per_s": n / statistics.median(c["wall"]),
-            "compiled_speedup": paired_ratio(t["hf"]["wall"], c["wall"]),
-            "compiled_speedup_cpu": paired_ratio(t["hf"]["cpu"], c["cpu"]),
-            "compiled_equals_eager": out["ours +compile"] == out["ours"],
-        }
+        compiled["compiled_equals_eager"] = out["ours +compile"] == out["ours"]
+    if "hf +compile" in t:
+        compiled["hf_compiled_equals_eager"] = out["hf +compile"] == out["hf"]
     if "ours, row-major weights" in t:
         r = t["ours, row-major weights"]
         compiled |= {
@@ -1147,6 +1191,17 @@ def evaluate_targets(result: dict[str, Any]) -> list[dict[str, Any]]:
                     basis=basis,
                 )
             )
+    for row in sec.get("hf", {}).get("train", []):
+        if row["arch"] == "diff" and "both_compiled_speedup" in row:
+            out.append(
+                _target(
+                    "diff training tokens/s vs DiffLlama, both compiled",
+                    row["both_compiled_speedup"],
+                    1.3,
+                    cpu_value=row["both_compiled_speedup_cpu"],
+                    basis=basis,
+                )
+            )
     for row in sec.get("hf", {}).get("decode", []):
         if row["arch"] == "diff" and "compiled_speedup" in row:
             out.append(
@@ -1155,6 +1210,16 @@ def evaluate_targets(result: dict[str, Any]) -> list[dict[str, Any]]:
                     row["compiled_speedup"],
                     1.5,
                     cpu_value=row["compiled_speedup_cpu"],
+                    basis=basis,
+                )
+            )
+        if row["arch"] == "diff" and "both_compiled_speedup" in row:
+            out.append(
+                _target(
+                    "diff greedy decode vs DiffLlama generate, both compiled",
+                    row["both_compiled_speedup"],
+                    1.5,
+                    cpu_value=row["both_compiled_speedup_cpu"],
                     basis=basis,
                 )
             )
@@ -1435,6 +1500,18 @@ def _pct(v: Any) -> str:
     return f"{100 * v:+.0f}%" if isinstance(v, float) else "—"
 
 
+def _hf_note(prefix: str, key: str, r: dict[str, Any]) -> str:
+    """The agreement column of a variant row of the transformers table."""
+    if prefix == "row_major":
+        return "the layout transformers uses"
+    if key == "train":
+        return "vs transformers eager" if prefix == "compiled" else "transformers compiled too"
+    if prefix == "compiled":
+        return f"vs transformers eager; ours compiled = eager: {'same' if r['compiled_equals_eager'] else 'other'} tokens"
+    same = "same" if r["hf_compiled_equals_eager"] else "other"
+    return f"transformers compiled too (static cache; = its eager: {same} tokens)"
+
+
 def _hf_rows(s: dict[str, Any]) -> list[list[str]]:
     rows = []
     for kind, key in (("training step", "train"), ("greedy decode", "decode")):
@@ -1458,26 +1535,21 @@ def _hf_rows(s: dict[str, Any]) -> list[list[str]]:
                     agree,
                 ]
             )
-            for prefix, label, note in (
-                ("compiled", "ours compiled", None),
-                ("row_major", "ours with row-major weights", "the layout transformers uses"),
+            for prefix, label in (
+                ("compiled", "ours compiled"),
+                ("both_compiled", "both compiled"),
+                ("row_major", "ours with row-major weights"),
             ):
                 if f"{prefix}_speedup" not in r:
                     continue
-                if note is None:
-                    same = (
-                        ""
-                        if key == "train"
-                        else (" (same tokens)" if r["compiled_equals_eager"] else " (tokens differ)")
-                    )
-                    note = f"vs transformers eager{same}"
+                note = _hf_note(prefix, key, r)
                 rows.append(
                     [
                         r["arch"],
                         "",
                         f"{what}, {label}",
                         _f(r[f"{prefix}_tokens_per_s"], fmt),
-                        _f(r["hf_tokens_per_s"], fmt),
+                        _f(r.get(f"{prefix}_hf_tokens_per_s", r["hf_tokens_per_s"]), fmt),
                         _f(r[f"{prefix}_speedup"]),
                         _f(r[f"{prefix}_speedup_cpu"]),
                         note,

@@ -87,8 +87,22 @@ def test_targets_compare_measured_ratios_with_the_issue_goals():
                 "rows": [{"variant": "diff", "shape": "q", "vs_baseline": 0.93, "vs_baseline_cpu": 0.9}]
             },
             "hf": {
-                "train": [{"arch": "diff", "speedup": 1.1, "speedup_cpu": 1.2}],
-                "decode": [{"arch": "diff", "speedup": 1.6, "speedup_cpu": 1.5}],
+                "train": [
+                    {"arch": "diff", "speedup": 1.1, "speedup_cpu": 1.2, "compiled_speedup": 1.35}
+                    | {
+                        "compiled_speedup_cpu": 1.3,
+                        "both_compiled_speedup": 1.2,
+                        "both_compiled_speedup_cpu": 1.2,
+                    }
+                ],
+                "decode": [
+                    {"arch": "diff", "speedup": 1.6, "speedup_cpu": 1.5, "compiled_speedup": 2.4}
+                    | {
+                        "compiled_speedup_cpu": 2.4,
+                        "both_compiled_speedup": 1.3,
+                        "both_compiled_speedup_cpu": 1.3,
+                    }
+                ],
             },
             "lightning": {"overhead": 0.07},
             "optimizer": {"rows": [{"optimizer": "adamw8bit", "available": True, "bytes_per_param": 2.03}]},
@@ -98,10 +112,32 @@ def test_targets_compare_measured_ratios_with_the_issue_goals():
     assert met == {
         "diff/baseline training tokens/s (q)": True,
         "diff training tokens/s vs transformers DiffLlama": False,
+        "diff training tokens/s vs DiffLlama, ours compiled": True,
+        "diff training tokens/s vs DiffLlama, both compiled": False,
+        "diff greedy decode vs DiffLlama generate, ours compiled": True,
+        "diff greedy decode vs DiffLlama generate, both compiled": False,
         "diff greedy decode vs DiffLlama generate": True,
         "Lightning overhead per step": False,
         "adamw8bit state bytes/param": True,
     }
+
+
+def test_transformers_table_shows_each_compiled_variant_against_its_own_reference():
+    from difftrain.bench import _hf_rows
+
+    decode = {"arch": "diff", "new_tokens": 8, "agreeing_tokens": 8, "ours_tokens_per_s": 500.0}
+    decode |= {"hf_tokens_per_s": 300.0, "speedup": 1.6, "speedup_cpu": 1.6}
+    decode |= {"compiled_tokens_per_s": 800.0, "compiled_speedup": 2.6, "compiled_speedup_cpu": 2.6}
+    decode |= {"both_compiled_tokens_per_s": 800.0, "both_compiled_hf_tokens_per_s": 560.0}
+    decode |= {"both_compiled_speedup": 1.4, "both_compiled_speedup_cpu": 1.4}
+    decode |= {"compiled_equals_eager": True, "hf_compiled_equals_eager": False}
+    rows = {r[2]: r for r in _hf_rows({"decode": [decode]})}
+    eager, ours_c, both = (
+        rows[f"greedy decode, 8 tokens{v}"] for v in ("", ", ours compiled", ", both compiled")
+    )
+    assert eager[3:7] == ["500.0", "300.0", "1.60", "1.60"] and eager[7] == "8/8 tokens equal"
+    assert ours_c[3:6] == ["800.0", "300.0", "2.60"] and "same tokens" in ours_c[7]
+    assert both[3:6] == ["800.0", "560.0", "1.40"] and "other tokens" in both[7]
 
 
 def test_archs_are_compared_at_matched_parameter_counts():
