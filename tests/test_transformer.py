@@ -326,3 +326,15 @@ def test_cached_lambda_follows_in_place_updates_and_loaded_weights():
     with torch.inference_mode():
         assert torch.equal(attn.lam(), attn._lam())
     assert attn.lam().requires_grad  # with gradients it is computed, never cached
+
+
+def test_cache_rope_tables_gather_what_the_rotary_embedding_computes():
+    model = make("diff")
+    rot = model.model.rotary_emb
+    cache = model.new_cache(2, max_len=40)
+    positions = torch.tensor([[0, 7, 39], [3, 3, 12]])
+    for dtype in (torch.float32, torch.bfloat16):
+        got, want = cache.rope_tables(rot, positions, dtype), rot.tables(positions, dtype)
+        for g, w in zip(got, want, strict=True):
+            assert g.shape == w.shape == (2, 1, 3, model.config.head_dim) and g.dtype == dtype
+            torch.testing.assert_close(g, w)

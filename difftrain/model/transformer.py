@@ -79,6 +79,8 @@ class KVCache:
         self.next_position = torch.zeros(B, dtype=torch.long, device=device)
         self.length = 0
         self.padded = False  # any slot marked as padding since the last reset
+        self._rope: dict[tuple[torch.dtype, torch.device], tuple[Tensor, Tensor]] = {}
+        self.slot_positions = True  # positions come from the slots (no explicit ones since the reset)
 
     @property
     def batch_size(self) -> int:
@@ -92,8 +94,21 @@ class KVCache:
         """Forget all tokens (buffers are reused)."""
         self.length = 0
         self.padded = False
+        self.slot_positions = True
         self.key_padding_mask.fill_(True)
         self.next_position.zero_()
+
+    def rope_tables(self, rotary: RotaryEmbedding, positions: Tensor, dtype: torch.dtype) -> RopeTables:
+        """`rotary.tables(positions, dtype)` for positions < max_len (true while `slot_positions`:
+        a token's position counts the real tokens before its slot), gathered from the tables of
+        positions 0 … max_len − 1, computed once per cache (the same elementwise formula): a
+        decode step would otherwise spend a dozen small operations on the angles of one token."""
+        key = (dtype, positions.device)
+        if key not in self._rope:
+            every = rotary.tables(torch.arange(self.max_len, device=positions.device)[None], dtype)
+            self._rope[key] = (every.cos[0, 0], every.signed_sin[0, 0])  # (max_len, d) each
+        cos, signed_sin = self._rope[key]
+        return RopeTables(cos[positions].unsqueeze(1), signed_sin[positions].unsqueeze(1))
 
     def update(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         """Write this chunk's k, v at [length, length+T) and return slots [0, length+T)."""
@@ -296,6 +311,7 @@ class Transformer(nn.Module):
                 raise ValueError(
                     f"key_padding_mask has shape {tuple(key_padding_mask.shape)}, expected (B, S) = ({B}, {S})"
                 )
+        given_positions = positions is not None
         if positions is not None:
             positions = positions.to(device)
         else:
@@ -320,7 +336,12 @@ class Transformer(nn.Module):
             impl = "sdpa"  # every decode step has a new key length: flex would recompile each time
         opts = AttnOptions(impl, output_attentions, self._logit_transform)
         h = self.model.embed_tokens(input_ids)
-        rope = self.model.rotary_emb.tables(positions, h.dtype)
+        if cache is not None and given_positions:
+            cache.slot_positions = False  # its next positions follow these, not the slots
+        if cache is not None and cache.slot_positions:  # every position is below max_len
+            rope = cache.rope_tables(self.model.rotary_emb, positions, h.dtype)
+        else:
+            rope = self.model.rotary_emb.tables(positions, h.dtype)
         maps, logits_per_layer, hidden = [], [], []
         ckpt = self._checkpointing and torch.is_grad_enabled() and cache is None and not output_attentions
         for block in self.model.layers:
