@@ -496,6 +496,10 @@ try:
                         for r in mem],
         "diff_strategies": [{k: r[k] for k in ("B", "T", "impl", "ms", "vs_baseline")}
                             for r in sec.get("attention", {}).get("rows", []) if r["arch"] == "diff"],
+        # eager and `generate --compile` (a CUDA graph per step on CUDA) decode, with the eager
+        # tokens each compiled row reproduces
+        "decode": [{k: r.get(k) for k in ("variant", "tokens_per_s", "vs_baseline", "agreeing_tokens", "new_tokens")}
+                   for r in sec.get("decode", {}).get("rows", [])],
     }
     res["ok"] = all(c["ok"] for c in res["checks"].values())
 except Exception as e:

@@ -823,11 +823,7 @@ def _decode_vs_hf(ours: Any, hf: Any, plan: Plan, progress: Progress) -> dict[st
             fns["hf +compile"]()
     progress(f"hf: {ours.config.arch} greedy decode vs generate, {n} tokens")
     t = time_round_robin(fns, warmup=1, reps=max(3, plan.reps), device=plan.device)
-    same = 0
-    for a, b in zip(out["ours"], out["hf"], strict=False):
-        if a != b:
-            break
-        same += 1
+    same = _common_prefix(out["ours"], out["hf"])
     compiled = _compiled_figures(t, n)
     if "ours +compile" in t:
         compiled["compiled_equals_eager"] = out["ours +compile"] == out["ours"]
@@ -898,6 +894,15 @@ def bench_optimizer(plan: Plan, progress: Progress) -> dict[str, Any]:
     return {"shape": shape.name, "arch": "diff", "params": n, "rows": rows}
 
 
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
 def bench_decode(plan: Plan, progress: Progress) -> dict[str, Any]:
     """Cached greedy decode tokens/s per arch (16-token prompt, no eos stop), round-robin."""
     from difftrain.infer.device import cpu_inference_layout
@@ -914,6 +919,7 @@ def bench_decode(plan: Plan, progress: Progress) -> dict[str, Any]:
     if plan.decode_compile:  # `generate --compile`
         variants |= {f"{a} +compile": (a, None, True) for a in ARCHS}
     models: dict[str, Any] = {}
+    tokens: dict[str, list[int]] = {}
     for name, (arch, strategy, compiled) in variants.items():
         cfg = shape.config(arch).replace(max_seq_len=max(shape.seq_len, 16 + n))
         if arch not in models:
@@ -923,10 +929,14 @@ def bench_decode(plan: Plan, progress: Progress) -> dict[str, Any]:
         gen_cfg = dataclasses.replace(cfg_gen, compile=compiled)
 
         def run(
-            m: Any = models[arch], p: list[int] = prompt, s: str | None = strategy, g: Any = gen_cfg
+            m: Any = models[arch],
+            p: list[int] = prompt,
+            s: str | None = strategy,
+            g: Any = gen_cfg,
+            k: str = name,
         ) -> None:
             with diff_strategy(s):
-                generate_all(m, [p], g)
+                tokens[k] = generate_all(m, [p], g)[0].token_ids
 
         if compiled:
             progress(f"decode: compiling the {arch} decode step")
@@ -940,6 +950,8 @@ def bench_decode(plan: Plan, progress: Progress) -> dict[str, Any]:
             {
                 "arch": variants[name][0],
                 "compiled": variants[name][2],
+                # how many of the eager arch's tokens this variant reproduces before a difference
+                "agreeing_tokens": _common_prefix(tokens[name], tokens[variants[name][0]]),
                 "variant": name,
                 "new_tokens": n,
                 "tokens_per_s": n / statistics.median(t["wall"]),
@@ -1454,7 +1466,7 @@ def tables(result: dict[str, Any]) -> list[tuple[str, list[str], list[list[str]]
         out.append(
             (
                 f"Cached greedy decode ({s['shape']}, {s['rows'][0]['new_tokens']} new tokens)",
-                ["variant", "tokens/s", "CPU ms/token", "vs baseline", "vs baseline (CPU)"],
+                ["variant", "tokens/s", "CPU ms/token", "vs baseline", "vs baseline (CPU)", "= eager"],
                 [
                     [
                         r.get("variant", r["arch"]),
@@ -1462,6 +1474,9 @@ def tables(result: dict[str, Any]) -> list[tuple[str, list[str], list[list[str]]
                         _f(r["cpu_ms_per_token"]),
                         _f(r["vs_baseline"]),
                         _f(r.get("vs_baseline_cpu")),
+                        "—"
+                        if r["variant"] == r["arch"]
+                        else f"{r.get('agreeing_tokens', '?')}/{r['new_tokens']} tokens",
                     ]
                     for r in s["rows"]
                 ],

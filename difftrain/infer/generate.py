@@ -223,6 +223,11 @@ class _CompiledForward(_CachedForward):
         super().__init__(model, ids, mask, capacity)
         self.decode = compiled_decode_step(model)
         self.slot = torch.zeros((), dtype=torch.long, device=ids.device)
+        self.graphs = ids.device.type == "cuda"
+        if self.graphs:  # what the CUDA graph reads and writes stays at one address for the run
+            c = self.cache
+            for t in (*c.keys, *c.values, c.key_padding_mask, c.next_position, self.slot):
+                torch._dynamo.mark_static_address(t)
 
     def prefill(self) -> Tensor:
         logits = super().prefill()
@@ -231,6 +236,8 @@ class _CompiledForward(_CachedForward):
 
     def step(self, next_ids: Tensor) -> Tensor:
         cache = self.cache
+        if self.graphs:  # the previous step's outputs have been read: the graph may reuse them
+            torch.compiler.cudagraph_mark_step_begin()
         logits = self.decode(next_ids[:, None], cache, self.slot).float()
         cache.length += 1
         cache.next_position += 1
@@ -241,10 +248,13 @@ class _CompiledForward(_CachedForward):
 def compiled_decode_step(model: torch.nn.Module) -> Callable[[Tensor, object, Tensor], Tensor]:
     """`torch.compile(model.decode_step)`, made once per model and kept on it (later generations
     reuse the compiled code; a new batch size or cache length compiles once more, then runs with
-    symbolic sizes)."""
+    symbolic sizes). On CUDA in mode "reduce-overhead": the step is replayed as a CUDA graph, one
+    launch per token instead of hundreds of small kernels (not yet measured on a GPU: see
+    `benchmarks/gpu_check.sh bench`)."""
     fn = model.__dict__.get("_compiled_decode_step")
     if fn is None:
-        fn = torch.compile(model.decode_step)  # type: ignore[operator]
+        cuda = model.lm_head.weight.device.type == "cuda"  # type: ignore[union-attr]
+        fn = torch.compile(model.decode_step, mode="reduce-overhead" if cuda else None)  # type: ignore[operator]
         model.__dict__["_compiled_decode_step"] = fn
     return fn
 
