@@ -886,7 +886,7 @@ def plan_recipe(recipe: Any, target: Target) -> RecipePlan:
 
 
 def fit_warning(recipe: Any, accelerator: str) -> str | None:
-    """One line for `pretrain` when the plan says the run will not fit the device it is about to
+    """One line for `pretrain` and `finetune` when the plan says the run will not fit the device it is about to
     use (CUDA: the GPU's memory; CPU: the RAM), with the cheapest fix; None when it fits."""
     target = detect_target(device="cpu" if accelerator != "cuda" else "auto")
     rp = plan_recipe(recipe, target)

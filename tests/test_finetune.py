@@ -402,6 +402,18 @@ def test_cli_prints_the_trainable_count_and_merges(ws, capsys):
     assert (Path("runs") / "cli-m" / "model.safetensors").is_file()
 
 
+def test_finetune_warns_at_start_when_the_plan_does_not_fit_the_device(ws, capsys, monkeypatch):
+    import difftrain.plan as planner
+
+    tiny_ram = planner.Target("cpu", 64 * 2**20, "a 64 MiB machine")
+    monkeypatch.setattr(planner, "detect_target", lambda *a, **k: tiny_ram)
+    p = ws(name="small-ram", steps=1, save_every=1)
+    assert main(["finetune", str(p), "--no-progress"]) == 0  # the planner advises, never stops a run
+    err = " ".join(capsys.readouterr().err.split())  # rich may wrap the line
+    assert "warning: this run needs ≈" in err and "but a 64 MiB machine has 64.0 MiB" in err
+    assert "shows the breakdown); no change the planner tries makes it fit" in err
+
+
 def test_shipped_finetune_recipes_validate_and_quickstart_runs_on_a_stand_in_base(ws, base_run, tmp_path):
     for name in ("finetune-quickstart", "finetune-lora-124m", "finetune-qlora-350m-8gb"):
         r = load_recipe(name)

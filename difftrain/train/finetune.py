@@ -30,6 +30,7 @@ from difftrain.train.run import (
     Plan,
     TrainResult,
     _quiet_lightning,
+    _with_memory_warning,
     fit,
     plan_run,
     prepare_run_dir,
@@ -421,6 +422,7 @@ def finetune(
             atomic_write_text(run_dir / RECIPE, r.to_yaml())
             model_cfg.to_json(run_dir / CONFIG)
             tokenizer.save(run_dir / TOKENIZER)
+    info = _with_memory_warning(info, r, plan.accelerator, point)  # `difftrain plan` covers fine-tunes too
     result = fit(
         r,
         plan,

@@ -361,8 +361,9 @@ def pretrain(
 
 
 def _with_memory_warning(info: dict[str, Any], r: Recipe, accelerator: str, point: Any) -> dict[str, Any]:
-    """Add `difftrain plan`'s warning when the run will not fit this device (CUDA: the GPU's memory;
-    CPU: the RAM) to the start-up warnings. The planner only advises: it never stops a run."""
+    """Add `difftrain plan`'s warning when the run (pretraining or fine-tuning) will not fit this
+    device (CUDA: the GPU's memory; CPU: the RAM) to the start-up warnings. The planner only
+    advises: it never stops a run."""
     from difftrain.plan import fit_warning
 
     try:
