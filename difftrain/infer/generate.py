@@ -15,7 +15,7 @@ masked out of attention (`key_padding_mask`) and every sequence gets its own RoP
 With `compile=True` the decode steps run `Transformer.decode_step` under torch.compile: the same
 math with shapes fixed for the whole generation (attention over every cache slot, masked), so
 one compiled graph serves every token. The first generation pays for the compilation (seconds
-to tens of seconds); on CPU it decodes about 1.6× faster than the eager step (README).
+to tens of seconds); on CPU it decodes about 1.5× faster than the eager step (README).
 
 With `use_cache=False` every step instead recomputes the whole sequence (prompt + generated
 so far) without a cache: O(n²) work, the reference the cached path is tested against.
