@@ -12,6 +12,7 @@ from difftrain.cli.app import main
 from difftrain.data.config import TokenizerTrainConfig
 from difftrain.data.tokenizer import train_tokenizer
 from difftrain.model import ModelConfig, Transformer
+from difftrain.model.decode import FlatDecoder
 from difftrain.rundir import save_weights
 
 TEXTS = ["def fibonacci(n):\n    return n if n < 2 else fibonacci(n - 1)\n"] * 10 + [
@@ -176,6 +177,7 @@ def test_interactive_ctrl_c_interrupts_a_generation_without_quitting(run_dir, ca
 
     monkeypatch.setattr(builtins, "input", fake_input)
     monkeypatch.setattr(Transformer, "forward", interrupting_forward)
+    monkeypatch.setattr(FlatDecoder, "build", classmethod(lambda cls, m: None))  # every step via forward
     code, out, err = gen(capsys, run_dir, "--interactive", "-n", 4, "--seed", 0)
     assert code == 0
     assert "interrupted" in err
@@ -322,6 +324,7 @@ def test_chat_renders_the_conversation_streams_replies_until_end_and_resets(tmp_
         return x
 
     monkeypatch.setattr(Transformer, "forward", scripted_forward)
+    monkeypatch.setattr(FlatDecoder, "build", classmethod(lambda cls, m: None))  # every step via forward
     monkeypatch.setattr(builtins, "input", fake_input)
     code, out, err = gen_chat(capsys, run, "--system", "be brief", "--seed", 0)
     assert code == 0, err

@@ -80,7 +80,7 @@ def cpu_inference_layout(model: torch.nn.Module) -> int:
     re-laid weight would follow its layout, and the fused products run only without gradients.
     Returns how many weights were re-laid; 0 off CPU, for other dtypes, or when already done.
     """
-    from difftrain.model.attention import QKV
+    from difftrain.model.attention import QKV, RMSNorm
     from difftrain.model.fused import fuse_linears
     from difftrain.model.transformer import GATE_UP
 
@@ -91,6 +91,8 @@ def cpu_inference_layout(model: torch.nn.Module) -> int:
                 if fuse_linears(module, names):
                     done.update(id(getattr(module, n).weight) for n in names)
         for module in model.modules():
+            if isinstance(module, RMSNorm) and module.weight.device.type == "cpu":
+                module.cpu_inference = True  # one layer_norm kernel instead of F.rms_norm's dozen ops
             w = getattr(module, "weight", None)
             if not (isinstance(module, torch.nn.Linear) and isinstance(w, torch.nn.Parameter)):
                 continue

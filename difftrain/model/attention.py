@@ -51,13 +51,61 @@ class RMSNorm(nn.Module):
     def forward(self, x: Tensor, scale: float = 1.0) -> Tensor:
         """`scale` multiplies the output; it is folded into the weight (a 1-D product) rather than
         applied as another pass over x."""
+        if self.cpu_inference and not torch.is_grad_enabled():
+            y = self._pair_norm(x, scale)
+            if y is not None:
+                return y
         w = self.weight if scale == 1.0 else self.weight * scale
-        if x.dtype == torch.float32 and w.dtype == torch.float32:  # one fused kernel, same bits
+        if x.dtype == torch.float32 and w.dtype == torch.float32:  # same bits as the formula below
             return F.rms_norm(x, (x.shape[-1],), w, self.eps)
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return w * x.to(dtype)
+
+    # CPU inference (`infer.device.cpu_inference_layout` sets `cpu_inference`). On the CPU,
+    # F.rms_norm is a composite of a dozen small operations (pow, mean as sum and div, add, rsqrt,
+    # two products, two copies), and a one-token decode step pays their fixed costs 13 times per
+    # token at the bench's quickstart shape. layer_norm is one kernel, and over [x, −x] (mean 0,
+    # variance mean(x²)) its first half is the same y = w ⊙ x / √(mean(x²) + ε), the statistics
+    # summed in another order: equal to F.rms_norm within a few float ulps (tested). It reads
+    # twice the bytes, so it pays only for a few rows: below PAIR_NORM_ROWS, where it is faster.
+    cpu_inference = False
+    PAIR_NORM_ROWS = 16
+
+    def _pair_norm(self, x: Tensor, scale: float) -> Tensor | None:
+        """The [x, −x] layer_norm form of forward(x, scale), or None where it does not apply."""
+        w = self._parameters["weight"]
+        D = x.shape[-1]
+        if (
+            x.numel() >= self.PAIR_NORM_ROWS * D
+            or x.dtype != torch.float32
+            or w.dtype != torch.float32
+            or x.device.type != "cpu"
+            or torch.compiler.is_compiling()
+        ):
+            return None
+        key = (scale, w._version, w.data_ptr())
+        cached = self.__dict__.get("_pair_weight")
+        if cached is None or cached[0] != key:
+            cached = (key, pair_weight(w, scale))
+            self.__dict__["_pair_weight"] = cached
+        return pair_norm(x, cached[1], self.eps)
+
+
+def pair_weight(weight: Tensor, scale: float = 1.0) -> Tensor:
+    """[w·scale, 0], the layer_norm weight of `pair_norm` (the second half is discarded)."""
+    w = weight.detach()
+    return torch.cat((w * scale, torch.zeros_like(w)))
+
+
+def pair_norm(x: Tensor, pair: Tensor, eps: float) -> Tensor:
+    """RMSNorm of x over its last dimension D as one layer_norm kernel over [x, −x] (mean 0,
+    variance mean(x²)), weighted by `pair` = `pair_weight(w, scale)`: w·scale ⊙ x / √(mean(x²) + ε)
+    up to float rounding. A view of the first D of 2D columns."""
+    D = x.shape[-1]
+    both = torch.cat((x, torch.neg(x)), dim=-1)
+    return F.layer_norm(both, (2 * D,), pair, None, eps)[..., :D]
 
 
 class AttnOptions(NamedTuple):

@@ -60,13 +60,20 @@ def fused_outputs(module: nn.Module, names: tuple[str, ...], x: Tensor) -> tuple
     Under torch.compile too: the pointer check would break the graph, and the compiled decode
     step took the same time with three products as with one (1.24-1.29 vs 1.23-1.32 ms per token
     at the bench's quickstart shape, interleaved runs, one thread)."""
-    entries = module.__dict__.get(_ATTR)
-    if entries is None or torch.is_grad_enabled() or torch.compiler.is_compiling():
+    if torch.is_grad_enabled() or torch.compiler.is_compiling():
         return None
-    entry = entries.get(names)
+    entry = fused_entry(module, names)
+    return None if entry is None else F.linear(x, entry.weight).split(entry.sizes, dim=-1)
+
+
+def fused_entry(module: nn.Module, names: tuple[str, ...]) -> _Fused | None:
+    """The fusion of `module`'s linears `names`, while still valid: the same layers, holding the
+    same memory (None otherwise, or if never fused)."""
+    entries = module.__dict__.get(_ATTR)
+    entry = None if entries is None else entries.get(names)
     if entry is None:
         return None
     for name, layer, ptr in zip(names, entry.layers, entry.pointers, strict=True):
         if module._modules.get(name) is not layer or layer.weight.data_ptr() != ptr:
             return None
-    return F.linear(x, entry.weight).split(entry.sizes, dim=-1)
+    return entry
