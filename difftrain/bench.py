@@ -903,19 +903,23 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
     return n
 
 
+MODULE_FORWARD = "module forward"  # a decode variant: every step through Transformer.forward
+
+
 def bench_decode(plan: Plan, progress: Progress) -> dict[str, Any]:
     """Cached greedy decode tokens/s per arch (16-token prompt, no eos stop), round-robin."""
     from difftrain.infer.device import cpu_inference_layout
     from difftrain.infer.generate import GenerationConfig, generate_all
     from difftrain.infer.sampling import SamplingConfig
+    from difftrain.model.decode import FlatDecoder
 
     shape = plan.step_shapes[0]
     n = plan.decode_tokens
     cfg_gen = GenerationConfig(max_new_tokens=n, sampling=SamplingConfig(greedy=True), stop_at_eos=False)
     fns = {}
     variants = {a: (a, None, False) for a in ARCHS}
-    if plan.device.type == "cpu":
-        variants["diff (previous core: one_call)"] = ("diff", "one_call", False)
+    if plan.device.type == "cpu":  # what `FlatDecoder` buys: the same steps through the modules
+        variants["diff (module forward)"] = ("diff", MODULE_FORWARD, False)
     if plan.decode_compile:  # `generate --compile`
         variants |= {f"{a} +compile": (a, None, True) for a in ARCHS}
     models: dict[str, Any] = {}
@@ -935,7 +939,7 @@ def bench_decode(plan: Plan, progress: Progress) -> dict[str, Any]:
             g: Any = gen_cfg,
             k: str = name,
         ) -> None:
-            with diff_strategy(s):
+            with diff_strategy(None if s == MODULE_FORWARD else s), FlatDecoder.disabled(s == MODULE_FORWARD):
                 tokens[k] = generate_all(m, [p], g)[0].token_ids
 
         if compiled:

@@ -55,7 +55,7 @@ def test_quick_bench_result_has_the_promised_schema(quick_result):
     for name in ("adamw", "adamw8bit", "lion8bit"):
         assert opt[name]["state_bytes"] == opt[name]["planned_state_bytes"], name
     decode = [x["variant"] for x in r["sections"]["decode"]["rows"]]
-    assert decode == ["baseline", "diff", "diff2", "diff (previous core: one_call)"]
+    assert decode == ["baseline", "diff", "diff2", "diff (module forward)"]
     for x in r["sections"]["decode"]["rows"]:  # an eager row agrees with itself on every token
         assert x["compiled"] is False and 0 <= x["agreeing_tokens"] <= x["new_tokens"]
         assert x["variant"] != x["arch"] or x["agreeing_tokens"] == x["new_tokens"]

@@ -41,7 +41,8 @@ def left_padded(prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
 @pytest.mark.parametrize("n_kv_heads", [None, 2], ids=["mha", "gqa"])
 @pytest.mark.parametrize("arch", ["baseline", "diff", "diff2"])
 def test_flat_step_equals_the_module_step_and_leaves_the_same_cache(arch, n_kv_heads, prompts):
-    model = tiny(arch, n_kv_heads)
+    # tied embeddings where heads are shared (GQA): the lookup then reads the column-major head
+    model = tiny(arch, n_kv_heads, tie_embeddings=n_kv_heads is not None)
     assert cpu_inference_layout(model) > 0
     flat = FlatDecoder.build(model)
     assert flat is not None
@@ -94,6 +95,11 @@ def test_flat_decoder_is_not_built_where_it_would_not_compute_the_model():
         cpu_inference_layout(m)
         return m
 
+    assert FlatDecoder.build(laid()) is not None
+    with FlatDecoder.disabled():  # the bench's "module forward" row
+        assert FlatDecoder.build(laid()) is None
+        with FlatDecoder.disabled(False):  # nested: still off
+            assert FlatDecoder.build(laid()) is None
     assert FlatDecoder.build(laid()) is not None
     m = laid()  # a forward hook (a probe) must see the module calls
     m.model.layers[1].mlp.register_forward_hook(lambda *a: None)

@@ -18,7 +18,9 @@ Results equal the module path up to float rounding (tested per arch, with paddin
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterator
 from typing import NamedTuple
 
 import torch
@@ -67,10 +69,24 @@ class FlatDecoder:
         self.embed = model.model.embed_tokens.weight
         self.head = model.lm_head.weight
 
+    enabled = True  # see `disabled`
+
+    @classmethod
+    @contextlib.contextmanager
+    def disabled(cls, disable: bool = True) -> Iterator[None]:
+        """Within the block (if `disable`), `build` returns None: decoding goes through the
+        modules (the bench's reference for what the flat step buys)."""
+        before = cls.enabled
+        cls.enabled = before and not disable
+        try:
+            yield
+        finally:
+            cls.enabled = before
+
     @classmethod
     def build(cls, model: nn.Module) -> FlatDecoder | None:
         """A decoder for `model` (a `Transformer`), or None where it does not apply."""
-        if type(model) is not Transformer or model._logit_transform is not None:
+        if not cls.enabled or type(model) is not Transformer or model._logit_transform is not None:
             return None
         head = model.lm_head
         if (
