@@ -517,7 +517,7 @@ def _sampling_config(temperature, top_k, top_p, min_p, repetition_penalty, greed
 
 COMPILE_HELP = (
     "Run the decode step under torch.compile: the first reply waits for the compilation (seconds to "
-    "tens of seconds), later tokens come faster (about 1.5× on CPU in difftrain bench). Needs a C++ compiler "
+    "tens of seconds), later tokens come faster (about 1.1× on CPU in difftrain bench). Needs a C++ compiler "
     "on CPU, Triton on CUDA."
 )
 

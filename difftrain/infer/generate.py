@@ -20,7 +20,7 @@ shape); a model with hooks, a logit transform or replaced layers keeps the forwa
 With `compile=True` the decode steps run `Transformer.decode_step` under torch.compile: the same
 math with shapes fixed for the whole generation (attention over every cache slot, masked), so
 one compiled graph serves every token. The first generation pays for the compilation (seconds
-to tens of seconds); on CPU it decodes about 1.5× faster than the eager step (README).
+to tens of seconds); on CPU it decodes about 1.1× faster than the flat eager step (README).
 
 With `use_cache=False` every step instead recomputes the whole sequence (prompt + generated
 so far) without a cache: O(n²) work, the reference the cached path is tested against.
