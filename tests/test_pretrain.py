@@ -125,6 +125,11 @@ def test_pretrain_writes_a_complete_run_directory(workspace):
     # λ of every diff layer is logged
     header = (run / "metrics.csv").read_text().splitlines()[0]
     assert "lambda/layer0" in header and "lambda/layer1" in header
+    # one validation row per evaluated step: the last step (4, a val_every step) is not validated
+    # a second time after training
+    with open(run / "metrics.csv", newline="") as f:
+        val_steps = [int(float(r["step"])) for r in csv.DictReader(f) if r.get("val/loss")]
+    assert val_steps == [4] and summary["final_val_loss"] is not None
 
 
 class StopAt(L.Callback):

@@ -88,6 +88,7 @@ class RunState:
     peak_rss_mb: float = 0.0
     best_val: float = math.inf
     last_val: float = math.nan
+    last_val_step: int = -1  # the global step `last_val` was measured at
     saved_step: int = -1
     history: list[tuple[int, float]] = field(default_factory=list)
 
@@ -318,6 +319,7 @@ class RunCallback(L.Callback):
         if val is not None:
             v = float(val)
             self.state.last_val = v
+            self.state.last_val_step = trainer.global_step
             self.state.best_val = min(self.state.best_val, v)
             for logger in trainer.loggers:
                 logger.log_metrics(

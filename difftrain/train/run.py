@@ -530,11 +530,12 @@ def fit(
         trainer.validate(lit, datamodule=datamodule, verbose=False)
         if math.isfinite(cb.state.last_val):
             initial_val = cb.state.last_val
-        cb.state.last_val, cb.state.best_val = math.nan, math.inf
+        cb.state.last_val, cb.state.best_val, cb.state.last_val_step = math.nan, math.inf, -1
     t0 = time.perf_counter()
     trainer.fit(lit, datamodule=datamodule, ckpt_path=str(point.path) if point else None, weights_only=True)
     wall = time.perf_counter() - t0
-    if trainer.global_step > 0 and has_val:
+    if trainer.global_step > 0 and has_val and cb.state.last_val_step != trainer.global_step:
+        # (a run whose last step was a val_every step has its final loss already)
         trainer.validate(lit, datamodule=datamodule, verbose=False)
         val = trainer.callback_metrics.get("val/loss")
         if val is not None:
