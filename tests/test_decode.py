@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from difftrain.errors import ConfigError
 from difftrain.infer.device import cpu_inference_layout
 from difftrain.infer.generate import GenerationConfig, generate_all
 from difftrain.infer.sampling import SamplingConfig
@@ -127,10 +128,12 @@ def test_generate_falls_back_to_the_module_step_after_explicit_positions():
     with torch.no_grad():
         model(torch.tensor([[3, 4, 5]]), cache=cache, positions=torch.tensor([[7, 8, 9]]))
     assert not cache.slot_positions  # generate then keeps the module path (its RoPE positions)
+    assert not flat.accepts(cache) and flat.accepts(model.new_cache(1, max_len=16))
+    assert not flat.accepts(model.new_cache(1, max_len=16, dtype=torch.float64))
     full = model.new_cache(1, max_len=4)
     with torch.no_grad():
         model(torch.tensor([[3, 4, 5, 6]]), cache=full)
-        with pytest.raises(Exception, match="KV cache is full"):
+        with pytest.raises(ConfigError, match="KV cache is full"):
             flat(torch.tensor([1]), full)
 
 

@@ -28,7 +28,6 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from difftrain.errors import ConfigError
 from difftrain.model.attention import QKV, Diff2Attention, DiffAttention, RMSNorm, pair_norm, pair_weight
 from difftrain.model.fused import fused_entry
 from difftrain.model.transformer import GATE_UP, KVCache, Transformer
@@ -63,7 +62,7 @@ class FlatDecoder:
         c = model.config
         self.model, self.layers, self.norm = model, layers, norm
         self.arch = c.arch
-        self.D, self.d, self.eps = c.d_model, c.head_dim, c.norm_eps
+        self.d, self.eps = c.head_dim, c.norm_eps
         first = model.model.layers[0].self_attn
         self.nq, self.nkv = first.n_q, first.n_kv
         self.ffn = c.ffn_hidden
@@ -156,12 +155,8 @@ class FlatDecoder:
         cache at slot `cache.length` (which then advances, as `forward` does), a cache that it
         `accepts`."""
         B = ids.shape[0]
+        cache.require_room(1)
         t = cache.length
-        if t + 1 > cache.max_len:
-            raise ConfigError(
-                f"KV cache is full: {t} cached + 1 new token > max_len={cache.max_len}; "
-                "create the cache with a larger max_len (model.new_cache(batch_size, max_len=...))"
-            )
         positions = cache.next_position
         rope = cache.rope_tables(self.model.model.rotary_emb, positions[:, None], torch.float32)
         cos, ssin = rope.cos.view(B, 1, -1), rope.signed_sin.view(B, 1, -1)  # (B, 1, d)

@@ -90,6 +90,14 @@ class KVCache:
     def max_len(self) -> int:
         return self.keys[0].shape[2]
 
+    def require_room(self, tokens: int) -> None:
+        """ConfigError unless `tokens` more fit after the `length` cached."""
+        if self.length + tokens > self.max_len:
+            raise ConfigError(
+                f"KV cache is full: {self.length} cached + {tokens} new tokens > max_len={self.max_len}; "
+                "create the cache with a larger max_len (model.new_cache(batch_size, max_len=...))"
+            )
+
     def reset(self) -> None:
         """Forget all tokens (buffers are reused)."""
         self.length = 0
@@ -300,11 +308,8 @@ class Transformer(nn.Module):
         offset = 0 if cache is None else cache.length
         S = offset + T
         device = input_ids.device
-        if cache is not None and S > cache.max_len:
-            raise ConfigError(
-                f"KV cache is full: {cache.length} cached + {T} new tokens > max_len={cache.max_len}; "
-                "create the cache with a larger max_len (model.new_cache(batch_size, max_len=...))"
-            )
+        if cache is not None:
+            cache.require_room(T)
         if key_padding_mask is not None:
             key_padding_mask = key_padding_mask.to(device=device, dtype=torch.bool)
             if tuple(key_padding_mask.shape) != (B, S):
