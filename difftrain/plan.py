@@ -240,7 +240,7 @@ def diff_kernel(device_type: str, attn_impl: str = "auto") -> str:
 
 
 def attention_bytes_per_token(
-    config: ModelConfig, precision: str, kernel: str = "flash_cpu", seq_len: int = 0
+    config: ModelConfig, precision: str, kernel: str = "flash_cpu", seq_len: int = 0, device_type: str = "cpu"
 ) -> float:
     """Bytes autograd saves per token in one layer's attention (sdpa/flash; see the table)."""
     H, d, kv = config.n_heads, config.head_dim, config.n_kv_heads
@@ -254,13 +254,15 @@ def attention_bytes_per_token(
         from difftrain.model.kernels import query_blocks
 
         seen = sum((t1 - t0) * t1 for t0, t1 in query_blocks(seq_len)) / max(seq_len, 1)
-        return 4 * (4 * Hd + 2 * Kd + 0.5 * H + H * seen)
+        return 4 * (4 * Hd + 2 * Kd + 0.5 * H + H * seen - (Hd if device_type == "cpu" else 0))
     if fam == "fp32":
         elems = {
             "baseline": 2 * Hd + 2 * Kd + H,
             "diff": (6 * Hd + 2 * Kd + 1.5 * H) if kernel == "flash_cpu" else (7 * Hd + 3 * Kd + 1.5 * H),
             "diff2": 5 * Hd + 2 * Kd + 3 * H,
         }[arch]
+        if arch == "diff" and device_type == "cpu":  # subln keeps x̂, not its input (`_RMSNormCPU`)
+            elems -= Hd
         return 4 * elems
     out = {
         "baseline": 4 * Hd + 4 * Kd + 4 * H,
@@ -277,18 +279,32 @@ def eager_maps_bytes_per_token(config: ModelConfig, seq_len: int) -> float:
 
 
 def layer_bytes_per_token(
-    config: ModelConfig, precision: str, kernel: str = "flash_cpu", seq_len: int = 0, attn_impl: str = "auto"
+    config: ModelConfig,
+    precision: str,
+    kernel: str = "flash_cpu",
+    seq_len: int = 0,
+    attn_impl: str = "auto",
+    device_type: str = "cpu",
 ) -> float:
     """Bytes saved per token by one decoder layer (norms, MLP, attention)."""
     D, F = config.d_model, config.ffn_hidden
     assert F is not None
     fam = _dtype_family(precision)
     common = {"fp32": (6 * D + 4 * F + 2) * 4, "mixed": 26 * D + 8 * F + 8, "true": 16 * D + 8 * F + 8}[fam]
+    common -= _cpu_norm_saving(D, fam, device_type) * 2
     extra = eager_maps_bytes_per_token(config, seq_len) if attn_impl == "eager" else 0.0
-    return common + attention_bytes_per_token(config, precision, kernel, seq_len) + extra
+    return common + attention_bytes_per_token(config, precision, kernel, seq_len, device_type) + extra
 
 
-def outside_bytes_per_token(config: ModelConfig, precision: str, fused_loss: bool = True) -> float:
+def _cpu_norm_saving(D: int, fam: str, device_type: str) -> int:
+    """Bytes per token one fp32 RMSNorm saves less in CPU training: `_RMSNormCPU` keeps x̂ and its
+    statistics, not its input x as well (fp32 and bf16-mixed, whose residual stream is fp32)."""
+    return 4 * D if device_type == "cpu" and fam in ("fp32", "mixed") else 0
+
+
+def outside_bytes_per_token(
+    config: ModelConfig, precision: str, fused_loss: bool = True, device_type: str = "cpu"
+) -> float:
     """Per token outside the layers: final norm, rotary tables, ids/targets, and the loss's saved
     tensors: the chunked loss's input gradient (in place of the output layer's saved input, the
     same bytes), or the targets and the log-softmax output (4V)."""
@@ -296,6 +312,7 @@ def outside_bytes_per_token(config: ModelConfig, precision: str, fused_loss: boo
     assert d is not None and isinstance(V, int)
     fam = _dtype_family(precision)
     norm = {"fp32": 12 * D + 8 * d, "mixed": 10 * D + 8 * d, "true": 8 * D + 4 * d}[fam]
+    norm -= _cpu_norm_saving(D, fam, device_type)
     if fused_loss:  # ∂h replaces the output layer's saved input; the targets are not kept
         return norm + 12
     return norm + 20 + 4 * V
@@ -333,6 +350,7 @@ def activations(
     kernel: str = "flash_cpu",
     attn_impl: str = "auto",
     fused_loss: bool = True,
+    device_type: str = "cpu",
 ) -> Activations:
     """Activation memory of one micro-batch of `micro_batch_size` × `seq_len` tokens.
 
@@ -351,7 +369,7 @@ def activations(
         dtype = torch.float32 if _dtype_family(precision) == "fp32" else torch.bfloat16
         assert config.head_dim is not None
         kernel = cpu_diff_core(micro_batch_size, config.n_heads, seq_len, seq_len, dtype)
-    per_layer = N * layer_bytes_per_token(config, precision, kernel, seq_len, attn_impl)
+    per_layer = N * layer_bytes_per_token(config, precision, kernel, seq_len, attn_impl, device_type)
     fam = _dtype_family(precision)
     if checkpointing:
         layers = N * L * config.d_model * (2 if fam == "true" else 4)
@@ -371,7 +389,7 @@ def activations(
         copies = outside + (0.0 if checkpointing else in_layers)
         if checkpointing:
             recompute += in_layers / L
-    outside = N * outside_bytes_per_token(config, precision, fused_loss)
+    outside = N * outside_bytes_per_token(config, precision, fused_loss, device_type)
     if fused_loss:
         outside += head_gradient_bytes(config, precision)
     return Activations(per_layer, layers, outside, copies, recompute)
@@ -515,6 +533,7 @@ def plan_memory(
         kernel=kernel,
         attn_impl=s.attn_impl,
         fused_loss=fused_loss,
+        device_type=target.kind,
     )
     assert isinstance(config.vocab_size, int)
     N = s.micro_batch_size * s.seq_len
@@ -599,6 +618,7 @@ def activation_table(config: ModelConfig, settings: Settings, target: Target) ->
                     checkpointing=ckpt,
                     kernel=diff_kernel(target.kind, settings.attn_impl),
                     attn_impl=settings.attn_impl,
+                    device_type=target.kind,
                 )
                 rows.append(
                     {"arch": arch, "precision": precision, "checkpointing": ckpt, "bytes": round(a.total)}
