@@ -154,3 +154,30 @@ def test_a_training_step_matches_autograd_through_the_formulas(arch, monkeypatch
     for name in ref:
         torch.testing.assert_close(fast[name], ref[name], rtol=1e-4, atol=1e-6, msg=name)
 
+
+def test_no_grad_caches_see_a_fused_adamw_step_which_does_not_bump_versions():
+    """torch's fused AdamW (the default optimizer) updates parameters in place without bumping
+    their `_version`: λ and the pair-norm weight, cached between no-grad calls, must still follow."""
+    cfg = ModelConfig(
+        arch="diff", vocab_size=64, d_model=32, n_layers=1, n_heads=4, n_kv_heads=4, max_seq_len=8
+    )
+    torch.manual_seed(0)
+    model = Transformer(cfg)
+    attn = model.model.layers[0].self_attn
+    norm = model.model.norm
+    norm.cpu_inference = True  # as `cpu_inference_layout` sets it: no-grad rows < 16 use the pair form
+    x = torch.randn(1, 3, 32)
+    with torch.no_grad():
+        lam_before, y_before = attn.lam().clone(), norm(x).clone()
+    params = [*attn._lambda_vectors(), norm.weight]
+    opt = torch.optim.AdamW(params, lr=0.1, fused=True)
+    for p in params:
+        p.grad = torch.ones_like(p)
+    versions = [p._version for p in params]
+    opt.step()
+    assert [p._version for p in params] == versions  # what made the caches go stale
+    with torch.no_grad():
+        assert not torch.equal(attn.lam(), lam_before)
+        assert torch.equal(attn.lam(), attn._lam())
+        assert not torch.equal(norm(x), y_before)
+        torch.testing.assert_close(norm(x), F.rms_norm(x, (32,), norm.weight, norm.eps), rtol=1e-6, atol=1e-6)

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from difftrain.model.config import ModelConfig, lambda_init
 from difftrain.model.fused import fused_outputs
@@ -92,12 +93,31 @@ class RMSNorm(nn.Module):
             or torch.compiler.is_compiling()
         ):
             return None
-        key = (scale, w._version, w.data_ptr())
+        key = (scale, w._version, w.data_ptr(), optimizer_steps())
         cached = self.__dict__.get("_pair_weight")
         if cached is None or cached[0] != key:
             cached = (key, pair_weight(w, scale))
             self.__dict__["_pair_weight"] = cached
         return pair_norm(x, cached[1], self.eps)
+
+
+# No-grad caches of values computed from parameters (λ, the pair-norm weight) are keyed on the
+# parameters' memory and `_version`, and on the number of optimizer steps taken in this process:
+# torch's fused AdamW (our default optimizer, on CUDA and CPU) updates parameters in place without
+# bumping `_version`, which alone let validation and sampling read a λ from before the last step.
+_OPTIMIZER_STEPS = [0]
+
+
+def _count_step(optimizer: torch.optim.Optimizer, args: object, kwargs: object) -> None:
+    _OPTIMIZER_STEPS[0] += 1
+
+
+register_optimizer_step_post_hook(_count_step)
+
+
+def optimizer_steps() -> int:
+    """How many optimizer steps (any torch optimizer) this process has taken."""
+    return _OPTIMIZER_STEPS[0]
 
 
 class _RMSNormCPU(torch.autograd.Function):
@@ -248,10 +268,11 @@ class DiffAttention(_Attention):
 
     def lam(self) -> Tensor:
         """The layer's scalar λ as a 0-d fp32 tensor (without gradients: cached until one of the
-        four vectors changes, which a decode step would otherwise recompute every token)."""
+        four vectors changes or an optimizer steps, which a decode step would otherwise recompute
+        every token)."""
         if torch.is_grad_enabled() or torch.compiler.is_compiling():  # compiled: fused, no cache
             return self._lam()
-        key = tuple((p.data_ptr(), p._version) for p in self._lambda_vectors())
+        key = (optimizer_steps(), *((p.data_ptr(), p._version) for p in self._lambda_vectors()))
         cached = self.__dict__.get("_lam_cache")
         if cached is None or cached[0] != key:
             cached = (key, self._lam().detach())

@@ -76,11 +76,11 @@ def build_optimizer(
     (`ndims`: see `param_groups`)."""
     groups = [g for g in param_groups(model, cfg.weight_decay, cfg.decay_embeddings, ndims) if g["params"]]
     if cfg.name == "adamw":
-        kwargs: dict = {}
-        if device_type == "cuda":
-            kwargs["fused"] = True
-        else:
-            kwargs["foreach"] = True
+        # fused: one kernel per parameter tensor, on CUDA and on the CPU alike (torch has a CPU
+        # kernel): at the bench's quickstart shape on one CPU thread a step takes 3.2 ms against
+        # 12-17 ms with foreach, which on the CPU falls back to a loop of elementwise operations.
+        fused = device_type in ("cuda", "cpu")
+        kwargs: dict = {"fused": True} if fused else {"foreach": True}
         return torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, **kwargs)
     if cfg.name in BNB_OPTIMIZERS:
         if cfg.name == "paged_adamw8bit" and device_type != "cuda":
