@@ -691,7 +691,8 @@ def _train_vs_hf(ours: Any, hf: Any, shape: Shape, plan: Plan, progress: Progres
 
     def hf_step_fn(model: Any, forward: Any) -> Callable[[], None]:
         params = list(model.parameters())
-        opt = torch.optim.AdamW(params, lr=1e-4, foreach=True)
+        # transformers' Trainer defaults to optim="adamw_torch_fused" with torch >= 2.8; so does ours
+        opt = torch.optim.AdamW(params, lr=1e-4, fused=True)
 
         def step() -> None:
             with _autocast(plan):
