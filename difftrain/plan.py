@@ -39,6 +39,10 @@ the tensors autograd saves, found by reading the code and checked by `saved_acti
                                             autocast casts the norm output once per projection)
     bf16-true   16D + 8F + 8
 
+as CUDA runs them. CPU training keeps 4D bytes less per fp32 RMSNorm (32-true and bf16-mixed):
+`_RMSNormCPU` saves x̂ and the statistics, not its input as well, so 8D less per layer, 4D less
+outside the layers, and in 32-true the diff layer's subln 4·H·d less.
+
 and attention adds (the diff kernel differs by device: `blocked_math` or `flash_cpu` on CPU, `padded` on CUDA):
 
                           32-true (× 4 bytes)            bf16 (mixed and true)
