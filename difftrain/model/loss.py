@@ -39,7 +39,6 @@ class _LinearCrossEntropy(torch.autograd.Function):
         total = torch.zeros((), dtype=torch.float32, device=h.device)
         dh = torch.empty_like(h) if need_h else None
         dw = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
-        all_valid = bool((targets != IGNORE_INDEX).all())  # then no row's gradient is zeroed
         for a in range(0, N, rows):
             hc, tc = h[a : a + rows], targets[a : a + rows]
             z = (hc @ weight.t()).float()  # (n, V) logits of this chunk, fp32 statistics
@@ -55,8 +54,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             # ∂(Σ CE)/∂z = softmax(z) − onehot(t) on valid rows, 0 on ignored ones; in place
             g = logp.exp_()
             g.scatter_add_(1, safe, torch.full(safe.shape, -1.0, dtype=g.dtype, device=g.device))
-            if not all_valid:
-                g.mul_(valid[:, None])
+            g.mul_(valid[:, None])
             g = g.to(h.dtype)
             if dh is not None:
                 torch.mm(g, weight, out=dh[a : a + rows])

@@ -68,7 +68,7 @@ def rotate(x: Tensor, tables: RopeTables) -> Tensor:
     roll(x, d/2) = [x2, x1] and negation is exact -- so the result has the same bits.
 
     When x needs a gradient (training, eager), `_Rotate` computes the same bits with fewer passes
-    over memory, in a contiguous (B, heads, T, d) result."""
+    over memory, in x's memory layout."""
     if x.requires_grad and torch.is_grad_enabled() and not torch.compiler.is_compiling():
         return _Rotate.apply(x, tables.cos, tables.signed_sin)
     return x * tables.cos + torch.roll(x, x.shape[-1] // 2, dims=-1) * tables.signed_sin
