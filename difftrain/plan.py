@@ -50,7 +50,8 @@ and attention adds (the diff kernel differs by device: `blocked_math` or `flash_
     diff (flash_cpu)      6Hd + 2Hkv·d + 1.5H             14Hd + 4Hkv·d + 6H
     diff (blocked_math)   4Hd + 2Hkv·d + 0.5H + H·T′      (fp32 only: CPU picks it while maps are
                                                            small; T′ = the keys a query block sees,
-                                                           on average: 5T/8 with 4 blocks)
+                                                           on average: 5T/8 with 4 blocks,
+                                                           9T/16 with 8)
     diff (padded)         7Hd + 3Hkv·d + 1.5H             16Hd + 6Hkv·d + 6H
     diff2                 5Hd + 2Hkv·d + 3H               10Hd + 4Hkv·d + 14H (+2D mixed)
 

@@ -102,8 +102,9 @@ def test_every_diff_sdpa_strategy_matches_eager_forward_and_backward(strategy, m
 @pytest.mark.parametrize("mask_kind", ["causal", "cached+padded"])
 @KV
 def test_blocked_math_over_several_query_blocks_matches_eager(T, mask_kind, n_kv, monkeypatch):
-    # blocks of ≥ 2 rows: 4 blocks (uneven at T = 9), each against only the keys it can see
+    # blocks of ≥ 2 rows, at most 4: 4 blocks (uneven at T = 9), each against only the keys it can see
     monkeypatch.setattr(kernels, "BLOCK_MIN_ROWS", 2)
+    monkeypatch.setattr(kernels, "BLOCK_MAX_COUNT", 4)
     assert len(kernels.query_blocks(T)) == 4
     mask = masks(T)[mask_kind]
     t = inputs("diff", n_kv, T, mask.kv_len)
@@ -126,6 +127,53 @@ def test_blocked_math_without_gradients_matches_eager(mask_kind, monkeypatch):
         out = kernels.diff_blocked_math(t["q"], t["k"], t["v"], t["lam"], mask)
         ref = call("diff", t, mask, "eager")
     assert rel_err(out, ref) <= 1e-5
+
+
+@KV
+def test_blocked_math_reads_projection_views_and_returns_gradients_in_their_layout(n_kv, monkeypatch):
+    # In the model q, k, v are transposed views of the projections' (B, T, heads, d) outputs: the
+    # kernel reads them in place and writes ∂q, ∂k in that layout, so the views back are free.
+    monkeypatch.setattr(kernels, "BLOCK_MIN_ROWS", 3)
+    T = 10
+    assert len(kernels.query_blocks(T)) == 3
+    g = torch.Generator().manual_seed(5)
+    leaves = [
+        torch.randn(B, T, H, d, generator=g, requires_grad=True),
+        torch.randn(B, T, n_kv, d, generator=g, requires_grad=True),
+        torch.randn(B, T, n_kv // 2, 2 * d, generator=g, requires_grad=True),
+        torch.tensor(0.44, requires_grad=True),
+    ]
+    mask = AttnMask(T, T)
+    views = [x.transpose(1, 2) for x in leaves[:3]] + [leaves[3]]
+    out = kernels.diff_blocked_math(*views, mask)
+    grad_out = torch.randn(out.shape, generator=g)
+    grads = torch.autograd.grad(out, views, grad_out)
+    ref_views = [x.detach().transpose(1, 2).contiguous().requires_grad_() for x in leaves[:3]]
+    ref_views.append(leaves[3].detach().clone().requires_grad_())
+    ref = diff_attention(*ref_views, mask, "eager").out
+    ref_grads = torch.autograd.grad(ref, ref_views, grad_out)
+    assert rel_err(out, ref) <= 1e-5
+    assert out.transpose(1, 2).is_contiguous()  # (B, T, H/2, 2d): subln and o_proj read it in place
+    for name, a, b in zip("qkvλ", grads, ref_grads, strict=True):
+        assert rel_err(a, b) <= 1e-5, name
+    assert grads[0].transpose(1, 2).is_contiguous() and grads[1].transpose(1, 2).is_contiguous()
+
+
+def test_blocked_math_in_bf16_computes_in_fp32_and_returns_bf16_gradients():
+    T = 12
+    t = inputs("diff", 2, T, T)
+    mask = AttnMask(T, T)
+    low = [t[n].detach().bfloat16().requires_grad_() for n in ("q", "k", "v")] + [t["lam"]]
+    out = kernels.diff_blocked_math(*low, mask)
+    assert out.dtype == torch.bfloat16
+    grads = torch.autograd.grad(out.float().sum(), low)
+    assert [x.dtype for x in grads] == [torch.bfloat16] * 3 + [torch.float32]
+    exact = [x.detach().float().requires_grad_() for x in low[:3]] + [t["lam"]]
+    ref = call("diff", dict(zip(("q", "k", "v", "lam"), exact, strict=True)), mask, "eager")
+    ref_grads = torch.autograd.grad(ref.sum(), exact)
+    assert rel_err(out.float(), ref) <= 1e-2  # only the output's rounding to bf16
+    for a, b in zip(grads, ref_grads, strict=True):
+        assert rel_err(a.float(), b) <= 1e-2
 
 
 def test_query_blocks_cover_every_query_once():

@@ -236,31 +236,39 @@ def diff_grouped_math(q: Tensor, k: Tensor, v: Tensor, lam: Tensor, mask: AttnMa
 
 # ----- diff on CPU: materialised maps in causal query blocks, with a hand-written backward -------
 BLOCK_MIN_ROWS = 64
-BLOCK_MAX_COUNT = 4
+BLOCK_MAX_COUNT = 8
 
 
 def query_blocks(q_len: int) -> list[tuple[int, int]]:
     """[t0, t1) query ranges of `_DiffBlockedMath`: up to BLOCK_MAX_COUNT blocks of at least
-    BLOCK_MIN_ROWS queries (4 blocks was fastest at T = 256 and 512 in interleaved A/B timings:
-    fewer skip less of the causal triangle, more make the products too small)."""
+    BLOCK_MIN_ROWS queries. Blocks of 64 rows were fastest in interleaved A/B timings (one CPU
+    thread, forward+backward): 4 blocks at T = 256 (16×256×8×32; fewer skip less of the causal
+    triangle, more make the products too small) and 8 at T = 512 (8×512×16×32: 141-146 ms
+    against 155 with 4, and a map of 9/16 of the square instead of 5/8)."""
     n = max(1, min(BLOCK_MAX_COUNT, q_len // BLOCK_MIN_ROWS))
     return [(q_len * i // n, q_len * (i + 1) // n) for i in range(n)]
 
 
 class _DiffBlockedMath(torch.autograd.Function):
     """out = (A1 − λ·A2)·V with explicit fp32 maps, computed per block of queries against only the
-    keys the block can see (slots < q_offset + t1): with 4 blocks a causal layer builds 5/8 of the
-    T×S maps, and (A1 − λ·A2)·V costs one product over 2d features instead of two. Query heads
+    keys the block can see (slots < q_offset + t1): with n blocks a causal layer builds (n+1)/2n of
+    the T×S maps (5/8 with 4, 9/16 with 8), and (A1 − λ·A2)·V costs one product over 2d features instead of two. Query heads
     are grouped by the key pair they read (K and V are not repeated per query head), as in
     `diff_grouped_math`.
 
     Per block (rows r = (rep, t), scaled queries q̂ = q/√d):
         S_c = q̂_c K_cᵀ (masked),  P_c = softmax(S_c),  A = P_1 − λ·P_2,  out = A·V
-    Saved: P (both maps of every block) and the scaled query blocks. Backward, with G = ∂L/∂out:
+    Saved: P (both maps of every block), the scaled query blocks, K and V. Backward, G = ∂L/∂out:
         ∂V += Aᵀ·G (A rebuilt from P),  ∂A = G·Vᵀ,  ∂λ = −Σ ∂A ⊙ P_2,
         ∂S_1 = softmax′(∂A; P_1),  ∂S_2 = −λ·softmax′(∂A; P_2)   (softmax′ is linear in ∂A),
         ∂q_c = ∂S_c·K_c/√d,  ∂K_c += ∂S_cᵀ·q̂_c
     where the scalings by 1/√d and −λ are applied to the small (rows × d) products, never to a map.
+
+    Layout: everything per map is stored map-major, (2, B, G, rows, ·), so each map, each scaled
+    query block and each key half is contiguous: the softmax backward reads P_c in place (a
+    strided P_c was copied, twice per block), and ∂q, ∂K of both maps are one product each. q and
+    k are read in whatever layout they come (the projections' (B, T, heads, d)) and their
+    gradients are written in that layout, so the views to and from the projections stay free.
     """
 
     @staticmethod
@@ -269,77 +277,93 @@ class _DiffBlockedMath(torch.autograd.Function):
         G, S = k.shape[1] // 2, k.shape[2]
         n_rep = H // (2 * G)
         scale = 1.0 / math.sqrt(d)
-        q6 = q.view(B, G, n_rep, 2, T, d).transpose(2, 3)  # (B, G, 2, n_rep, T, d)
-        kg = k.reshape(B, G, 2, S, d)
-        neg = (-lam).to(torch.float32)
+        f32 = torch.float32
+        qm = q.unflatten(1, (G, n_rep, 2)).permute(3, 0, 1, 2, 4, 5)  # (2, B, G, n_rep, T, d), a view
+        # keys map-major and V contiguous: one copy each (the block products over a strided V
+        # alone took 25 % longer than one copy of it, 16×256×8×32)
+        km = torch.empty(2, B, G, S, d, dtype=f32, device=k.device)
+        km.copy_(k.unflatten(1, (G, 2)).permute(2, 0, 1, 3, 4))
+        v = v.to(f32).contiguous()
+        neg = (-lam).to(f32)
         # written (B, T, H/2, 2d) like the flash kernels' output: subln and o_proj read it in place
-        out = q.new_empty(B, T, G, n_rep, 2 * d).permute(0, 2, 3, 1, 4)
+        out = torch.empty(B, T, G, n_rep, 2 * d, dtype=f32, device=q.device).permute(0, 2, 3, 1, 4)
         blocks = query_blocks(T)
         keep = any(ctx.needs_input_grad[:4])  # without a backward (eval, prefill) no map outlives its block
         maps, queries = [], []
         for t0, t1 in blocks:
             rows, end = t1 - t0, min(S, q_offset + t1)
-            qb = (q6[:, :, :, :, t0:t1] * scale).reshape(B, G, 2, n_rep * rows, d)
-            scores = torch.matmul(qb, kg[:, :, :, :end].transpose(-2, -1))  # (B, G, 2, n_rep·rows, end)
+            qb = torch.empty(2, B, G, n_rep, rows, d, dtype=f32, device=q.device)
+            torch.mul(qm[..., t0:t1, :], scale, out=qb)
+            qb = qb.view(2, B, G, n_rep * rows, d)
+            scores = torch.matmul(qb, km[..., :end, :].transpose(-2, -1))  # (2, B, G, n_rep·rows, end)
             if allowed is None:  # causal only: the block's last `rows` keys hold its upper triangle
                 first = q_offset + t0
                 tri = torch.ones(rows, end - first, dtype=torch.bool, device=q.device).triu_(1)
                 scores[..., first:end].masked_fill_(tri.repeat(n_rep, 1), float("-inf"))
             else:
                 blk = allowed[:, :, t0:t1, :end]  # (B|1, 1, rows, end)
-                blk = blk[:, :, None].expand(-1, -1, n_rep, -1, -1).flatten(2, 3)[:, :, None]
+                blk = blk[:, :, None].expand(-1, -1, n_rep, -1, -1).flatten(2, 3)
                 scores.masked_fill_(~blk, float("-inf"))
             P = torch.softmax(scores, dim=-1)
             del scores
-            A = torch.addcmul(P[:, :, 0], P[:, :, 1], neg)
+            A = torch.addcmul(P[0], P[1], neg)
             out[:, :, :, t0:t1] = torch.matmul(A, v[:, :, :end]).view(B, G, n_rep, rows, 2 * d)
             if keep:
                 maps.append(P)
                 queries.append(qb)
             del P, A, qb
-        ctx.save_for_backward(kg, v, neg, *maps, *queries)
+        ctx.save_for_backward(km, v, neg, *maps, *queries)
         ctx.meta = (B, H, T, d, G, n_rep, scale, blocks, q_offset, lam.dtype)
+        ctx.dtypes = (q.dtype, k.dtype, v.dtype)
         return out.reshape(B, G * n_rep, T, 2 * d)
 
     @staticmethod
     def backward(ctx, g):  # type: ignore[override]
-        kg, v, neg, *rest = ctx.saved_tensors
+        km, v, neg, *rest = ctx.saved_tensors
         B, H, T, d, G, n_rep, scale, blocks, q_offset, lam_dtype = ctx.meta
         maps, queries = rest[: len(blocks)], rest[len(blocks) :]
-        S = kg.shape[3]
+        S = km.shape[3]
         g5 = g.reshape(B, G, n_rep, T, 2 * d)
-        dq6 = g.new_empty(B, G, 2, n_rep, T, d)
-        dk, dv = torch.zeros_like(kg), torch.zeros_like(v)
+        # ∂q and ∂K in the projections' layout, (B, T, heads, d) with heads = (G, n_rep, 2) and
+        # (G, 2), viewed map-major for the block loop
+        dq_proj = g.new_empty(B, T, G, n_rep, 2, d)
+        dq6 = dq_proj.permute(4, 0, 2, 3, 1, 5)  # (2, B, G, n_rep, T, d)
+        dk_proj = g.new_zeros(B, S, G, 2, d)
+        dkm = dk_proj.permute(3, 0, 2, 1, 4)  # (2, B, G, S, d)
+        dv = torch.zeros_like(v)
         dlam = torch.zeros((), dtype=torch.float32, device=g.device)
+        qcoef = torch.stack((torch.ones_like(neg), neg)).mul_(scale).view(2, 1, 1, 1, 1)
+        kcoef = torch.stack((torch.ones_like(neg), neg)).view(2, 1, 1, 1, 1)
+        sm_bwd = torch.ops.aten._softmax_backward_data.out
         for (t0, t1), P, qb in zip(blocks, maps, queries, strict=True):
             rows, end = t1 - t0, min(S, q_offset + t1)
-            gb = g5[:, :, :, t0:t1].reshape(B, G, n_rep * rows, 2 * d)
-            P1, P2 = P[:, :, 0], P[:, :, 1]
-            A = torch.addcmul(P1, P2, neg)
+            gb = g5[:, :, :, t0:t1].reshape(B, G, n_rep * rows, 2 * d).contiguous()  # read twice
+            A = torch.addcmul(P[0], P[1], neg)
             dv[:, :, :end] += torch.matmul(A.transpose(-2, -1), gb)
             dA = torch.matmul(gb, v[:, :, :end].transpose(-2, -1), out=A)
-            dlam -= torch.sum(dA * P2)
-            for c, Pc, coef in ((0, P1, None), (1, P2, neg)):
-                dS = torch._softmax_backward_data(dA, Pc, -1, Pc.dtype)
-                dq = torch.matmul(dS, kg[:, :, c, :end]).mul_(scale if coef is None else coef * scale)
-                dq6[:, :, c, :, t0:t1] = dq.view(B, G, n_rep, rows, d)
-                dkc = torch.matmul(dS.transpose(-2, -1), qb[:, :, c])
-                dk[:, :, c, :end] += dkc if coef is None else dkc.mul_(coef)
-        dq = dq6.transpose(2, 3).reshape(B, H, T, d)
-        return dq, dk.view(B, 2 * G, S, d), dv, dlam.to(lam_dtype), None, None
+            dlam -= torch.dot(dA.view(-1), P[1].view(-1))
+            dS = torch.empty_like(P)
+            for c in (0, 1):
+                sm_bwd(dA, P[c], -1, torch.float32, grad_input=dS[c])
+            del dA, A
+            dq = torch.matmul(dS, km[..., :end, :]).mul_(qcoef)  # (2, B, G, n_rep·rows, d)
+            dq6[..., t0:t1, :] = dq.view(2, B, G, n_rep, rows, d)
+            dkm[..., :end, :] += torch.matmul(dS.transpose(-2, -1), qb).mul_(kcoef)
+            del dS, dq
+        q_dtype, k_dtype, v_dtype = ctx.dtypes
+        dq = dq_proj.view(B, T, H, d).transpose(1, 2).to(q_dtype)
+        dk = dk_proj.view(B, S, 2 * G, d).transpose(1, 2).to(k_dtype)
+        return dq, dk, dv.to(v_dtype), dlam.to(lam_dtype), None, None
 
 
 def diff_blocked_math(q: Tensor, k: Tensor, v: Tensor, lam: Tensor, mask: AttnMask) -> Tensor:
     """`_DiffBlockedMath`: the diff core on materialised fp32 maps, causal query blocks (see the
     class). Any mask: with key padding (or queries that are not the newest keys) each block takes
-    its slice of the dense mask. Other dtypes are computed in fp32 and cast back."""
+    its slice of the dense mask. Other dtypes are computed in fp32 and cast back; q, k and v may
+    be in any layout (the class copies what it needs once)."""
     causal_only = mask.key_padding_mask is None and mask.q_offset + mask.q_len == mask.kv_len
     allowed = None if causal_only else mask.dense(q.device)
     dtype = torch.promote_types(torch.promote_types(q.dtype, k.dtype), v.dtype)
-    f32 = torch.float32
-    # Contiguous inputs: in the model q, k, v are transposed views of the projections, and the
-    # block products over a strided V alone took 25 % longer than one copy of it (16×256×8×32).
-    q, k, v = (x.to(f32).contiguous() for x in (q, k, v))
     with torch.autocast(q.device.type, enabled=False):  # the maps stay fp32 under autocast too
         out = _DiffBlockedMath.apply(q, k, v, lam, allowed, mask.q_offset)
     return out.to(dtype)
@@ -474,11 +498,11 @@ def cpu_diff_core(batch: int, n_heads: int, q_len: int, kv_len: int, dtype: torc
 
     Padded to 2d for the flash kernel, each map costs QKᵀ and PV over 2d features. Materialised
     maps in causal query blocks (`blocked_math`) cost QKᵀ over d and one PV over 2d for
-    A1 − λ·A2, on 5/8 of the square (4 blocks), in large matrix products: in fp32 it is faster at
+    A1 − λ·A2, on 5/8 of the square (4 blocks; 9/16 with 8), in large matrix products: in fp32 it is faster at
     every shape `difftrain bench` measures (B×T×H×d 16×256×8×32: 97 vs 180 ms, 8×512×8×64: 337
     vs 638 ms forward+backward, one thread, AVX2), but it keeps the maps for the backward pass, so it is
     taken only while a full (B, H, T, S) fp32 map would be at most MATH_MAX_MAP_BYTES (it keeps
-    5/8 of that per softmax). The memory planner follows the same rule (`plan.activations`)."""
+    at most 5/8 of that per softmax). The memory planner follows the same rule (`plan.activations`)."""
     small = batch * n_heads * q_len * kv_len * 4 <= MATH_MAX_MAP_BYTES
     if dtype == torch.float32 and small:
         return "blocked_math"
