@@ -252,9 +252,9 @@ def query_blocks(q_len: int) -> list[tuple[int, int]]:
 class _DiffBlockedMath(torch.autograd.Function):
     """out = (A1 − λ·A2)·V with explicit fp32 maps, computed per block of queries against only the
     keys the block can see (slots < q_offset + t1): with n blocks a causal layer builds (n+1)/2n of
-    the T×S maps (5/8 with 4, 9/16 with 8), and (A1 − λ·A2)·V costs one product over 2d features instead of two. Query heads
-    are grouped by the key pair they read (K and V are not repeated per query head), as in
-    `diff_grouped_math`.
+    the T×S maps (5/8 with 4, 9/16 with 8), and (A1 − λ·A2)·V costs one product over 2d features
+    instead of two. Query heads are grouped by the key pair they read (K and V are not repeated
+    per query head), as in `diff_grouped_math`.
 
     Per block (rows r = (rep, t), scaled queries q̂ = q/√d):
         S_c = q̂_c K_cᵀ (masked),  P_c = softmax(S_c),  A = P_1 − λ·P_2,  out = A·V
@@ -332,8 +332,8 @@ class _DiffBlockedMath(torch.autograd.Function):
         dkm = dk_proj.permute(3, 0, 2, 1, 4)  # (2, B, G, S, d)
         dv = torch.zeros_like(v)
         dlam = torch.zeros((), dtype=torch.float32, device=g.device)
-        qcoef = torch.stack((torch.ones_like(neg), neg)).mul_(scale).view(2, 1, 1, 1, 1)
-        kcoef = torch.stack((torch.ones_like(neg), neg)).view(2, 1, 1, 1, 1)
+        kcoef = torch.stack((torch.ones_like(neg), neg)).view(2, 1, 1, 1, 1)  # map 2's ∂S carries −λ
+        qcoef = kcoef * scale
         sm_bwd = torch.ops.aten._softmax_backward_data.out
         for (t0, t1), P, qb in zip(blocks, maps, queries, strict=True):
             rows, end = t1 - t0, min(S, q_offset + t1)
@@ -498,10 +498,10 @@ def cpu_diff_core(batch: int, n_heads: int, q_len: int, kv_len: int, dtype: torc
 
     Padded to 2d for the flash kernel, each map costs QKᵀ and PV over 2d features. Materialised
     maps in causal query blocks (`blocked_math`) cost QKᵀ over d and one PV over 2d for
-    A1 − λ·A2, on 5/8 of the square (4 blocks; 9/16 with 8), in large matrix products: in fp32 it is faster at
-    every shape `difftrain bench` measures (B×T×H×d 16×256×8×32: 97 vs 180 ms, 8×512×8×64: 337
-    vs 638 ms forward+backward, one thread, AVX2), but it keeps the maps for the backward pass, so it is
-    taken only while a full (B, H, T, S) fp32 map would be at most MATH_MAX_MAP_BYTES (it keeps
+    A1 − λ·A2, on 5/8 of the square (4 blocks; 9/16 with 8), in large matrix products: in fp32
+    it is faster at every shape `difftrain bench` measures (B×T×H×d 16×256×8×32: 97 vs 180 ms,
+    8×512×8×64: 337 vs 638 ms forward+backward, one thread, AVX2, session 4), but it keeps the
+    maps for the backward pass, so it is taken only while a full (B, H, T, S) fp32 map would be at most MATH_MAX_MAP_BYTES (it keeps
     at most 5/8 of that per softmax). The memory planner follows the same rule (`plan.activations`)."""
     small = batch * n_heads * q_len * kv_len * 4 <= MATH_MAX_MAP_BYTES
     if dtype == torch.float32 and small:
