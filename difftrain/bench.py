@@ -33,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import functools
 import gc
 import json
 import math
@@ -304,6 +305,7 @@ def cpu_name() -> str:
 def environment(device: torch.device) -> dict[str, Any]:
     """Where the figures come from: device, versions, threads, load."""
     from difftrain import __version__
+    from difftrain.model import gemm
     from difftrain.runtime import allocator_state
 
     env: dict[str, Any] = {
@@ -318,6 +320,8 @@ def environment(device: torch.device) -> dict[str, Any]:
         "difftrain": __version__,
         "cuda": torch.version.cuda,
         "allocator": allocator_state(),
+        "cpu_gemm": gemm.backend(),  # fp32 CPU products: oneDNN or torch's default (model/gemm.py)
+        "cpu_vendor": gemm.cpu_vendor(),
     }
     for pkg in ("transformers", "bitsandbytes", "lightning"):
         try:
@@ -429,6 +433,18 @@ def _optimizer(model: Any, name: str, device: torch.device) -> Any:
     return build_optimizer(model, OptimConfig(name=name, lr=1e-4, warmup_steps=0), device.type)
 
 
+def gemm_backend_of(plan: Plan) -> str | None:
+    """The CPU matrix-product backend (model/gemm.py) the plan's steps use; None on CUDA."""
+    from difftrain.model import gemm
+
+    return gemm.backend() if plan.device.type == "cpu" else None
+
+
+def _torch_gemm_variant(plan: Plan) -> bool:
+    """Whether to time steps with torch's default BLAS too: fp32 products run by oneDNN here."""
+    return plan.precision == "32-true" and gemm_backend_of(plan) == "onednn"
+
+
 def train_step_fn(
     model: Any,
     opt: Any,
@@ -436,16 +452,21 @@ def train_step_fn(
     plan: Plan,
     forward: Any = None,
     strategy: str | None = None,
+    cpu_gemm: str | None = None,
 ) -> Callable[[], None]:
-    """One training step as a closure: forward, backward, clip the gradient norm to 1, AdamW."""
+    """One training step as a closure: forward, backward, clip the gradient norm to 1, AdamW;
+    `cpu_gemm` pins the CPU matrix-product backend (model/gemm.py) for the step."""
+    from difftrain.model import gemm
+
     x, y = batch
     fwd = model if forward is None else forward
     params = [p for p in model.parameters() if p.requires_grad]
+    backend = contextlib.nullcontext if cpu_gemm is None else functools.partial(gemm.use_backend, cpu_gemm)
 
     def step() -> None:
-        with diff_strategy(strategy), _autocast(plan):
+        with diff_strategy(strategy), _autocast(plan), backend():
             loss = fwd(x, y, return_logits=False).loss  # as training calls it
-        loss.backward()
+            loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -459,27 +480,36 @@ def bench_train_step(plan: Plan, progress: Progress) -> dict[str, Any]:
 
     peak = peak_flops(plan.device)
     rows: list[dict[str, Any]] = []
+    torch_gemm = _torch_gemm_variant(plan)
     for shape in plan.step_shapes:
-        variants: dict[str, tuple[str, bool, str | None]] = {a: (a, False, None) for a in ARCHS}
+        variants: dict[str, tuple[str, bool, str | None, str | None]] = {
+            a: (a, False, None, None) for a in ARCHS
+        }
         if plan.device.type == "cpu":
-            variants["diff (previous core: flash_cpu)"] = ("diff", False, "flash_cpu")
+            variants["diff (previous core: flash_cpu)"] = ("diff", False, "flash_cpu", None)
         else:
-            variants["diff (split_v core)"] = ("diff", False, "split_v")
+            variants["diff (split_v core)"] = ("diff", False, "split_v", None)
+        if torch_gemm:
+            for a in ("baseline", "diff"):
+                variants[f"{a} (torch GEMMs)"] = (a, False, None, "torch")
         if plan.compile:  # compile warm-up is long: diff2 only in full mode
             for a in ARCHS if plan.mode == "full" else ("baseline", "diff"):
-                variants[f"{a} +compile"] = (a, True, None)
+                variants[f"{a} +compile"] = (a, True, None, None)
         fns, info = {}, {}
-        for name, (arch, compiled, strategy) in variants.items():
+        for name, (arch, compiled, strategy, cpu_gemm) in variants.items():
             cfg = shape.config(arch)
             model = _build(cfg, plan)
             opt = _optimizer(model, "adamw", plan.device)
             forward = torch.compile(model) if compiled else None
-            fns[name] = train_step_fn(model, opt, _batch(shape, plan.device), plan, forward, strategy)
+            fns[name] = train_step_fn(
+                model, opt, _batch(shape, plan.device), plan, forward, strategy, cpu_gemm
+            )
             counts = model.num_params()
             info[name] = {
                 "arch": arch,
                 "compile": compiled,
                 "core": strategy,
+                "cpu_gemm": cpu_gemm or gemm_backend_of(plan),
                 "params": counts["total"],
                 "ffn_hidden": cfg.ffn_hidden,
                 "flops_per_token": flops_per_token(
@@ -500,7 +530,13 @@ def bench_train_step(plan: Plan, progress: Progress) -> dict[str, Any]:
         times = time_round_robin(fns, warmup=plan.warmup, reps=reps, device=plan.device)
         for name, t in times.items():
             s = _summary(t)
-            ref = times["baseline +compile" if info[name]["compile"] else "baseline"]
+            ref = times[
+                "baseline +compile"
+                if info[name]["compile"]
+                else "baseline (torch GEMMs)"
+                if torch_gemm and info[name]["cpu_gemm"] == "torch"
+                else "baseline"
+            ]
             rows.append(
                 {
                     "shape": shape.name,
@@ -708,6 +744,11 @@ def _train_vs_hf(ours: Any, hf: Any, shape: Shape, plan: Plan, progress: Progres
         "ours": train_step_fn(ours, _optimizer(ours, "adamw", plan.device), (x, y), plan),
         "hf": hf_step_fn(hf, hf),
     }
+    if _torch_gemm_variant(plan):  # ours with the products transformers gets: the like-for-like figure
+        twin = _build(ours.config, plan)
+        fns["ours (torch GEMMs)"] = train_step_fn(
+            twin, _optimizer(twin, "adamw", plan.device), (x, y), plan, cpu_gemm="torch"
+        )
     if plan.compile:  # both models under torch.compile (ours: train.compile: true)
         twin = _build(ours.config, plan)
         fns["ours +compile"] = train_step_fn(
@@ -722,8 +763,16 @@ def _train_vs_hf(ours: Any, hf: Any, shape: Shape, plan: Plan, progress: Progres
     progress(f"hf: {ours.config.arch} training step vs {type(hf).__name__}")
     t = time_round_robin(fns, warmup=plan.warmup, reps=plan.reps, device=plan.device)
     compiled = _compiled_figures(t, shape.tokens)
+    if "ours (torch GEMMs)" in t:
+        c = t["ours (torch GEMMs)"]
+        compiled |= {
+            "torch_gemm_tokens_per_s": shape.tokens / statistics.median(c["wall"]),
+            "torch_gemm_speedup": paired_ratio(t["hf"]["wall"], c["wall"]),
+            "torch_gemm_speedup_cpu": paired_ratio(t["hf"]["cpu"], c["cpu"]),
+        }
     return {
         **compiled,
+        "cpu_gemm": gemm_backend_of(plan),
         "arch": ours.config.arch,
         "hf_class": type(hf).__name__,
         "hf_attn_implementation": getattr(hf.config, "_attn_implementation", None),
@@ -1198,6 +1247,17 @@ def evaluate_targets(result: dict[str, Any]) -> list[dict[str, Any]]:
                 )
             )
     for row in sec.get("hf", {}).get("train", []):
+        if row["arch"] == "diff" and "torch_gemm_speedup" in row:
+            out.append(
+                _target(
+                    "diff training tokens/s vs DiffLlama, ours with torch's GEMMs",
+                    row["torch_gemm_speedup"],
+                    1.3,
+                    cpu_value=row["torch_gemm_speedup_cpu"],
+                    basis=basis,
+                )
+            )
+    for row in sec.get("hf", {}).get("train", []):
         if row["arch"] == "diff" and "compiled_speedup" in row:
             out.append(
                 _target(
@@ -1524,6 +1584,8 @@ def _hf_note(prefix: str, key: str, r: dict[str, Any]) -> str:
     """The agreement column of a variant row of the transformers table."""
     if prefix == "row_major":
         return "the layout transformers uses"
+    if prefix == "torch_gemm":
+        return "like for like: the fp32 products transformers gets (torch's BLAS)"
     if key == "train":
         return "vs transformers eager" if prefix == "compiled" else "transformers compiled too"
     if prefix == "compiled":
@@ -1542,6 +1604,8 @@ def _hf_rows(s: dict[str, Any]) -> list[list[str]]:
                 if key == "train"
                 else f"{r['agreeing_tokens']}/{r['new_tokens']} tokens equal"
             )
+            if key == "train" and r.get("cpu_gemm") == "onednn":
+                agree += "; ours: oneDNN GEMMs"
             what = kind if key == "train" else f"{kind}, {r['new_tokens']} tokens"
             rows.append(
                 [
@@ -1559,6 +1623,7 @@ def _hf_rows(s: dict[str, Any]) -> list[list[str]]:
                 ("compiled", "ours compiled"),
                 ("both_compiled", "both compiled"),
                 ("row_major", "ours with row-major weights"),
+                ("torch_gemm", "ours with torch's GEMMs"),
             ):
                 if f"{prefix}_speedup" not in r:
                     continue

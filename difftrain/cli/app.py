@@ -8,6 +8,7 @@ Heavy imports (torch, lightning) happen inside the commands so that `difftrain -
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 
 import typer
@@ -60,6 +61,10 @@ def _root(
     from difftrain.runtime import tune_allocator
 
     tune_allocator()  # large CPU buffers are reused instead of page-faulted in every step
+    if "DIFFTRAIN_CPU_GEMM" in os.environ:  # a bad setting fails here, before any work
+        from difftrain.model.gemm import configured_backend
+
+        configured_backend()
 
 
 def _register_all() -> None:

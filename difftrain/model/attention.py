@@ -22,6 +22,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from difftrain.model.config import ModelConfig, lambda_init
 from difftrain.model.fused import fused_outputs
+from difftrain.model.gemm import linear
 from difftrain.model.kernels import (
     AttnMask,
     AttnResult,
@@ -207,7 +208,11 @@ class _Attention(nn.Module, abc.ABC):
         B, T, _ = x.shape
         d = self.head_dim
         qkv = fused_outputs(self, QKV, x)  # one product when fused for CPU inference
-        xq, xk, xv = qkv if qkv is not None else (self.q_proj(x), self.k_proj(x), self.v_proj(x))
+        xq, xk, xv = (
+            qkv
+            if qkv is not None
+            else (linear(self.q_proj, x), linear(self.k_proj, x), linear(self.v_proj, x))
+        )
         q = xq.view(B, T, self.n_q, d).transpose(1, 2)
         k = xk.view(B, T, self.n_kv, d).transpose(1, 2)
         v = xv.view(B, T, self.n_v, self.v_dim).transpose(1, 2)
@@ -220,7 +225,7 @@ class _Attention(nn.Module, abc.ABC):
             transform = lambda s: fn(s, layer)  # noqa: E731
         r = self.core(x, q, k, v, mask, opts.impl, opts.output_attentions, transform)
         out = r.out.transpose(1, 2).reshape(B, T, self.n_heads * d)
-        return AttnResult(self.o_proj(out), r.maps, r.logits)
+        return AttnResult(linear(self.o_proj, out), r.maps, r.logits)
 
     @abc.abstractmethod
     def core(self, x, q, k, v, mask, impl, return_maps, transform) -> AttnResult:
@@ -314,7 +319,7 @@ class Diff2Attention(_Attention):
         self.lambda_proj = nn.Linear(config.d_model, config.n_heads, bias=False)
 
     def core(self, x, q, k, v, mask, impl, return_maps, transform) -> AttnResult:
-        lam = self.lambda_proj(x).transpose(1, 2)  # (B, H, T)
+        lam = linear(self.lambda_proj, x).transpose(1, 2)  # (B, H, T)
         return diff2_attention(q, k, v, lam, mask, impl, return_maps=return_maps, logit_transform=transform)
 
 

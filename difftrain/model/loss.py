@@ -18,6 +18,9 @@ import contextlib
 import torch
 from torch import Tensor
 
+from difftrain.model import gemm
+from difftrain.model.gemm import mm
+
 IGNORE_INDEX = -100
 CHUNK_ELEMENTS = 1 << 22
 """Logits per chunk (16 MiB in fp32); rows per chunk = max(CHUNK_MIN_ROWS, this // V)."""
@@ -39,9 +42,10 @@ class _LinearCrossEntropy(torch.autograd.Function):
         total = torch.zeros((), dtype=torch.float32, device=h.device)
         dh = torch.empty_like(h) if need_h else None
         dw = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
+        dnn = gemm.uses_onednn(h, weight)  # oneDNN products (model/gemm.py) have no out= form
         for a in range(0, N, rows):
             hc, tc = h[a : a + rows], targets[a : a + rows]
-            z = (hc @ weight.t()).float()  # (n, V) logits of this chunk, fp32 statistics
+            z = mm(hc, weight.t()).float()  # (n, V) logits of this chunk, fp32 statistics
             valid = tc != IGNORE_INDEX
             safe = torch.where(valid, tc, 0)[:, None]
             # one log_softmax kernel, in place of logsumexp (max, subtract, exp, sum, log) and
@@ -56,9 +60,13 @@ class _LinearCrossEntropy(torch.autograd.Function):
             g.scatter_add_(1, safe, torch.full(safe.shape, -1.0, dtype=g.dtype, device=g.device))
             g.mul_(valid[:, None])
             g = g.to(h.dtype)
-            if dh is not None:
+            if dh is not None and dnn:
+                dh[a : a + rows] = mm(g, weight)
+            elif dh is not None:
                 torch.mm(g, weight, out=dh[a : a + rows])
-            if dw is not None and dw.dtype == g.dtype:
+            if dw is not None and dnn:
+                dw.add_(mm(g.t(), hc))
+            elif dw is not None and dw.dtype == g.dtype:
                 dw.addmm_(g.t(), hc)
             elif dw is not None:  # half-precision matmul, fp32 accumulation across chunks
                 dw.add_(g.t() @ hc)

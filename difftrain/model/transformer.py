@@ -24,6 +24,7 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from difftrain.errors import CheckpointError, ConfigError
+from difftrain.model import gemm
 from difftrain.model.attention import (
     ATTENTION_CLASSES,
     AttnLogitTransform,
@@ -33,6 +34,7 @@ from difftrain.model.attention import (
 )
 from difftrain.model.config import ModelConfig
 from difftrain.model.fused import fused_outputs
+from difftrain.model.gemm import linear
 from difftrain.model.kernels import AttnMask, resolve_impl
 from difftrain.model.loss import IGNORE_INDEX, linear_cross_entropy
 from difftrain.model.rope import RopeTables, RotaryEmbedding
@@ -160,8 +162,8 @@ class MLP(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         gate_up = fused_outputs(self, GATE_UP, x)  # one product when fused for CPU inference
-        gate, up = gate_up if gate_up is not None else (self.gate_proj(x), self.up_proj(x))
-        return self.down_proj(F.silu(gate) * up)
+        gate, up = gate_up if gate_up is not None else (linear(self.gate_proj, x), linear(self.up_proj, x))
+        return linear(self.down_proj, F.silu(gate) * up)
 
 
 class Block(nn.Module):
@@ -215,6 +217,7 @@ class Transformer(nn.Module):
             )
         self.config = config
         self.attn_impl: str = config.attn_impl
+        gemm.configured_backend()  # the CPU product backend, resolved now: not first under torch.compile
         self.model = DecoderModel(config)
         self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
         if config.tie_embeddings:
@@ -366,7 +369,7 @@ class Transformer(nn.Module):
         if targets is not None and not return_logits and type(self.lm_head) is nn.Linear:
             logits, loss = None, linear_cross_entropy(h, self.lm_head.weight, targets)
         else:
-            logits = self.lm_head(h)
+            logits = linear(self.lm_head, h)
             loss = None if targets is None else lm_loss(logits, targets)
         return LMOutput(
             logits=logits,

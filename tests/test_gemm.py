@@ -1,0 +1,229 @@
+"""CPU matrix products by oneDNN (model/gemm.py): the same numbers as torch's, forward and
+backward, in every place the model uses them; exactly torch's path wherever they do not apply;
+and the backend choice (DIFFTRAIN_CPU_GEMM, CPU vendor)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from difftrain.cli.app import main
+from difftrain.errors import ConfigError
+from difftrain.model import ModelConfig, Transformer, gemm
+from difftrain.model.loss import linear_cross_entropy
+
+needs_onednn = pytest.mark.skipif(
+    gemm._onednn_op() is None, reason="this torch build has no oneDNN linear on this CPU (not x86-64)"
+)
+
+
+@pytest.fixture
+def fresh_backend():
+    """Resolve DIFFTRAIN_CPU_GEMM again in this test (the process caches it), and after it."""
+    gemm.forget_configured_backend()
+    yield
+    gemm.forget_configured_backend()
+
+
+def _grads(fn, *tensors):
+    out = fn()
+    (out * torch.linspace(-1, 1, out.numel()).view(out.shape)).sum().backward()
+    grads = [t.grad.clone() for t in tensors]
+    for t in tensors:
+        t.grad = None
+    _grads.last_node = type(out.grad_fn).__name__  # which autograd node made the output
+    return out.detach(), grads
+
+
+@needs_onednn
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("shape", [(7, 12), (2, 5, 12)])
+def test_linear_matches_torch_forward_and_backward(shape, bias):
+    torch.manual_seed(0)
+    layer = nn.Linear(12, 9, bias=bias)
+    x = torch.randn(*shape, requires_grad=True)
+    params = [x, *layer.parameters()]
+    with gemm.use_backend("torch"):
+        ref, ref_g = _grads(lambda: gemm.linear(layer, x), *params)
+    with gemm.use_backend("onednn"):
+        got, got_g = _grads(lambda: gemm.linear(layer, x), *params)
+        assert "_LinearBackward" in _grads.last_node  # gemm._Linear (oneDNN) ran, not F.linear
+    torch.testing.assert_close(got, ref, rtol=1e-6, atol=1e-6)
+    for a, b in zip(got_g, ref_g, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+@needs_onednn
+def test_linear_takes_strided_inputs():
+    """A transposed view as input and a gradient that is not contiguous (the attention output is
+    a view; backward hands over views): same numbers as on contiguous copies."""
+    torch.manual_seed(1)
+    layer = nn.Linear(6, 4, bias=False)
+    base = torch.randn(6, 10, requires_grad=True)
+    with gemm.use_backend("onednn"):
+        y = gemm.linear(layer, base.t())  # (10, 6) view with strides (1, 10)
+        g = torch.randn(4, 10).t()  # non-contiguous incoming gradient
+        y.backward(g)
+    torch.testing.assert_close(y, base.detach().t() @ layer.weight.detach().t())
+    torch.testing.assert_close(base.grad, (g @ layer.weight.detach()).t())
+    torch.testing.assert_close(layer.weight.grad, g.t() @ base.detach().t())
+
+
+@needs_onednn
+def test_linear_is_exactly_the_layer_where_onednn_does_not_apply():
+    torch.manual_seed(2)
+    layer = nn.Linear(8, 5, bias=False)
+    x = torch.randn(3, 8)
+    with gemm.use_backend("onednn"):
+        # half precision, autocast, a hook and a subclass all run the layer itself
+        assert not gemm.uses_onednn(x.bfloat16(), layer.weight)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            assert not gemm.uses_onednn(x, layer.weight)
+            assert torch.equal(gemm.linear(layer, x), layer(x))
+        seen = []
+        handle = layer.register_forward_hook(lambda m, i, o: seen.append(o))
+        assert torch.equal(gemm.linear(layer, x), F.linear(x, layer.weight))
+        handle.remove()
+        assert len(seen) == 1  # the hook ran: the layer was called, not bypassed
+
+        class Wrapped(nn.Linear):
+            pass
+
+        wrapped = Wrapped(8, 5, bias=False)
+        wrapped.weight = layer.weight
+        assert torch.equal(gemm.linear(wrapped, x), F.linear(x, layer.weight))
+    with gemm.use_backend("torch"):
+        assert not gemm.uses_onednn(x, layer.weight)
+        assert torch.equal(gemm.linear(layer, x), F.linear(x, layer.weight))
+
+
+@needs_onednn
+def test_mm_matches_and_refuses_autograd_inputs():
+    torch.manual_seed(3)
+    a, b = torch.randn(9, 7), torch.randn(7, 11)
+    with gemm.use_backend("onednn"):
+        torch.testing.assert_close(gemm.mm(a, b), a @ b)
+        torch.testing.assert_close(gemm.mm(b.t(), a.t()), b.t() @ a.t())  # strided operands
+        a.requires_grad_(True)
+        out = gemm.mm(a, b)  # would lose the gradient through oneDNN: torch's product instead
+        assert out.grad_fn is not None
+
+
+@needs_onednn
+@pytest.mark.parametrize("arch", ["baseline", "diff", "diff2"])
+def test_model_loss_and_gradients_match_between_backends(arch):
+    """Every product of a training step (projections, MLP, the fused LM-head loss) by oneDNN:
+    the loss and every parameter's gradient as with torch's products."""
+    cfg = ModelConfig(arch=arch, vocab_size=97, d_model=32, n_layers=2, n_heads=4, max_seq_len=16)
+    torch.manual_seed(4)
+    model = Transformer(cfg)
+    x = torch.randint(0, 97, (2, 16))
+    y = torch.randint(0, 97, (2, 16))
+    y[0, :3] = -100
+    results = {}
+    for name in ("torch", "onednn"):
+        with gemm.use_backend(name):
+            loss = model(x, y, return_logits=False).loss
+            loss.backward()
+            logits = model(x).logits
+        results[name] = (
+            loss.detach(),
+            logits.detach(),
+            {n: p.grad.clone() for n, p in model.named_parameters()},
+        )
+        model.zero_grad(set_to_none=True)
+    (l_t, z_t, g_t), (l_o, z_o, g_o) = results["torch"], results["onednn"]
+    torch.testing.assert_close(l_o, l_t, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(z_o, z_t, rtol=1e-5, atol=1e-5)
+    assert g_o.keys() == g_t.keys()
+    for n in g_t:
+        torch.testing.assert_close(g_o[n], g_t[n], rtol=1e-4, atol=1e-6, msg=n)
+
+
+@needs_onednn
+def test_fused_loss_matches_between_backends():
+    g = torch.Generator().manual_seed(5)
+    h = torch.randn(40, 16, generator=g, requires_grad=True)
+    w = torch.randn(50, 16, generator=g, requires_grad=True)
+    t = torch.randint(0, 50, (40,), generator=g)
+    t[:4] = -100
+    out = {}
+    for name in ("torch", "onednn"):
+        with gemm.use_backend(name):
+            loss = linear_cross_entropy(h, w, t, rows=16)  # three chunks, the last one short
+        out[name] = (loss.detach(), *torch.autograd.grad(loss, (h, w)))
+    for a, b in zip(out["onednn"], out["torch"], strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+@needs_onednn
+def test_linear_under_torch_compile_matches_eager():
+    torch.manual_seed(6)
+    layer = nn.Linear(16, 8, bias=False)
+    x = torch.randn(4, 16, requires_grad=True)
+    with gemm.use_backend("onednn"):
+        eager, eager_g = _grads(lambda: gemm.linear(layer, x), x, layer.weight)
+        compiled_fn = torch.compile(lambda inp: gemm.linear(layer, inp), backend="inductor", fullgraph=True)
+        got, got_g = _grads(lambda: compiled_fn(x), x, layer.weight)
+    torch.testing.assert_close(got, eager)
+    for a, b in zip(got_g, eager_g, strict=True):
+        torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize(
+    ("setting", "vendor", "expected"),
+    [
+        ("", "AuthenticAMD", "onednn"),  # MKL's generic path there: oneDNN
+        ("auto", "GenuineIntel", "torch"),  # MKL's own fast path
+        ("", "", "torch"),  # unknown vendor: leave torch's choice alone
+        ("torch", "AuthenticAMD", "torch"),
+        ("onednn", "GenuineIntel", "onednn"),
+        (" OneDNN ", "GenuineIntel", "onednn"),
+    ],
+)
+def test_backend_choice(setting, vendor, expected, monkeypatch, fresh_backend):
+    monkeypatch.setattr(gemm, "_onednn_op", lambda: object())  # as on any x86-64 torch build
+    monkeypatch.setattr(gemm, "cpu_vendor", lambda: vendor)
+    monkeypatch.setenv("DIFFTRAIN_CPU_GEMM", setting)
+    assert gemm.backend() == expected
+    with gemm.use_backend("torch"):  # an explicit choice wins inside its block
+        assert gemm.backend() == "torch"
+    assert gemm.backend() == expected
+
+
+def test_backend_without_onednn(monkeypatch, fresh_backend):
+    monkeypatch.setattr(gemm, "_onednn_op", lambda: None)  # e.g. an ARM build
+    monkeypatch.setattr(gemm, "cpu_vendor", lambda: "AuthenticAMD")
+    monkeypatch.setenv("DIFFTRAIN_CPU_GEMM", "auto")
+    assert gemm.backend() == "torch"
+    gemm.forget_configured_backend()
+    monkeypatch.setenv("DIFFTRAIN_CPU_GEMM", "onednn")
+    with pytest.raises(ConfigError, match="no oneDNN"):
+        gemm.backend()
+    with pytest.raises(ConfigError, match="no oneDNN"):
+        with gemm.use_backend("onednn"):
+            pass
+
+
+def test_bad_setting_is_a_one_line_error_before_any_work(monkeypatch, capsys, tmp_path, fresh_backend):
+    monkeypatch.setenv("DIFFTRAIN_CPU_GEMM", "fastest")
+    monkeypatch.chdir(tmp_path)
+    assert main(["plan", "quickstart"]) == 2
+    err = capsys.readouterr().err
+    assert "DIFFTRAIN_CPU_GEMM='fastest'" in err and "auto, onednn, torch" in err
+    assert "Traceback" not in err
+    assert list(tmp_path.iterdir()) == []  # nothing was written
+
+
+def test_cpu_vendor_reads_proc_cpuinfo(monkeypatch, tmp_path):
+    import builtins
+
+    fake = tmp_path / "cpuinfo"
+    fake.write_text("processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: 26\n")
+    real_open = builtins.open
+    monkeypatch.setattr(
+        builtins, "open", lambda f, *a, **k: real_open(fake if f == "/proc/cpuinfo" else f, *a, **k)
+    )
+    assert gemm.cpu_vendor() == "AuthenticAMD"
