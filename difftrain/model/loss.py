@@ -65,7 +65,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             elif dh is not None:
                 torch.mm(g, weight, out=dh[a : a + rows])
             if dw is not None and dnn:
-                dw.add_(mm(g.t(), hc))
+                dw.add_(gemm.weight_grad(g, hc))
             elif dw is not None and dw.dtype == g.dtype:
                 dw.addmm_(g.t(), hc)
             elif dw is not None:  # half-precision matmul, fp32 accumulation across chunks
