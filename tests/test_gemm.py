@@ -73,30 +73,43 @@ def test_linear_takes_strided_inputs():
 
 @needs_onednn
 def test_linear_is_exactly_the_layer_where_onednn_does_not_apply():
+    """Half precision, autocast, hooks, a subclass (e.g. LoRA's or bitsandbytes' layers), the
+    column-major decode layout and the torch backend all run the layer itself (its own autograd
+    node, not gemm._Linear's), bit for bit."""
     torch.manual_seed(2)
     layer = nn.Linear(8, 5, bias=False)
-    x = torch.randn(3, 8)
+    x = torch.randn(3, 8, requires_grad=True)
+
+    def runs_layer_itself(lin, inp):
+        out = gemm.linear(lin, inp)
+        return type(out.grad_fn).__name__ != "_LinearBackward" and torch.equal(out, F.linear(inp, lin.weight))
+
     with gemm.use_backend("onednn"):
-        # half precision, autocast, a hook and a subclass all run the layer itself
+        assert not runs_layer_itself(layer, x)  # the control: here oneDNN runs
         assert not gemm.uses_onednn(x.bfloat16(), layer.weight)
         with torch.autocast("cpu", dtype=torch.bfloat16):
             assert not gemm.uses_onednn(x, layer.weight)
-            assert torch.equal(gemm.linear(layer, x), layer(x))
+            out = gemm.linear(layer, x)
+            assert out.dtype == torch.bfloat16 and torch.equal(out, layer(x))
         seen = []
         handle = layer.register_forward_hook(lambda m, i, o: seen.append(o))
-        assert torch.equal(gemm.linear(layer, x), F.linear(x, layer.weight))
+        assert runs_layer_itself(layer, x)
         handle.remove()
         assert len(seen) == 1  # the hook ran: the layer was called, not bypassed
+
+        column_major = nn.Linear(8, 5, bias=False)  # as model/fused.py lays weights out for decoding
+        column_major.weight.data = layer.weight.data.t().contiguous().t()
+        assert runs_layer_itself(column_major, x)
 
         class Wrapped(nn.Linear):
             pass
 
         wrapped = Wrapped(8, 5, bias=False)
         wrapped.weight = layer.weight
-        assert torch.equal(gemm.linear(wrapped, x), F.linear(x, layer.weight))
+        assert runs_layer_itself(wrapped, x)
     with gemm.use_backend("torch"):
         assert not gemm.uses_onednn(x, layer.weight)
-        assert torch.equal(gemm.linear(layer, x), F.linear(x, layer.weight))
+        assert runs_layer_itself(layer, x)
 
 
 @needs_onednn

@@ -9,8 +9,10 @@ MKL 73-102 GFLOP/s, oneDNN 125-233 (`python benchmarks/cpu_gemm.py` prints the t
 
 `linear(layer, x)` is `layer(x)` with the three products of a linear layer (y = x Wᵀ, ∂x = g W,
 ∂W = gᵀ x) run by oneDNN when the backend is on and the call qualifies (fp32 CPU tensors, no
-autocast, a plain `nn.Linear` without hooks; under torch.compile too, as an opaque custom op);
-otherwise it is exactly `layer(x)`. `mm(a, b)` is the same for one product without autograd (the fused loss uses it).
+autocast, a plain `nn.Linear` without hooks, with its weight row-major; under torch.compile too,
+as an opaque custom op); otherwise it is exactly `layer(x)`. (The column-major weights that
+`generate` lays out for MKL's one-token products stay with MKL: oneDNN took 50 ms per token
+on them, re-laying the weights at every call.) `mm(a, b)` is the same for one product without autograd (the fused loss uses it).
 Results equal torch's within fp32 rounding (a different summation order; tests/test_gemm.py).
 
 The backend is chosen once per process by `DIFFTRAIN_CPU_GEMM`:
@@ -205,6 +207,7 @@ def linear(layer: nn.Module, x: Tensor) -> Tensor:
     if (
         type(layer) is nn.Linear
         and uses_onednn(x, layer.weight)
+        and layer.weight.is_contiguous()  # not the column-major decode layout (model/fused.py)
         and not (layer._forward_hooks or layer._forward_pre_hooks)
         and not (nn.modules.module._global_forward_hooks or nn.modules.module._global_forward_pre_hooks)
     ):
