@@ -39,7 +39,7 @@ def _grads(fn, *tensors):
 
 @needs_onednn
 @pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("shape", [(7, 12), (2, 5, 12)])
+@pytest.mark.parametrize("shape", [(17, 12), (2, 9, 12)])  # ≥ MIN_ROWS rows
 def test_linear_matches_torch_forward_and_backward(shape, bias):
     torch.manual_seed(0)
     layer = nn.Linear(12, 9, bias=bias)
@@ -61,10 +61,11 @@ def test_linear_takes_strided_inputs():
     a view; backward hands over views): same numbers as on contiguous copies."""
     torch.manual_seed(1)
     layer = nn.Linear(6, 4, bias=False)
-    base = torch.randn(6, 10, requires_grad=True)
+    base = torch.randn(6, 20, requires_grad=True)
     with gemm.use_backend("onednn"):
-        y = gemm.linear(layer, base.t())  # (10, 6) view with strides (1, 10)
-        g = torch.randn(4, 10).t()  # non-contiguous incoming gradient
+        y = gemm.linear(layer, base.t())  # (20, 6) view with strides (1, 20)
+        assert type(y.grad_fn).__name__ == "_LinearBackward"
+        g = torch.randn(4, 20).t()  # non-contiguous incoming gradient
         y.backward(g)
     torch.testing.assert_close(y, base.detach().t() @ layer.weight.detach().t())
     torch.testing.assert_close(base.grad, (g @ layer.weight.detach()).t())
@@ -74,11 +75,11 @@ def test_linear_takes_strided_inputs():
 @needs_onednn
 def test_linear_is_exactly_the_layer_where_onednn_does_not_apply():
     """Half precision, autocast, hooks, a subclass (e.g. LoRA's or bitsandbytes' layers), the
-    column-major decode layout and the torch backend all run the layer itself (its own autograd
+    column-major decode layout, too few rows and the torch backend all run the layer itself (its own autograd
     node, not gemm._Linear's), bit for bit."""
     torch.manual_seed(2)
     layer = nn.Linear(8, 5, bias=False)
-    x = torch.randn(3, 8, requires_grad=True)
+    x = torch.randn(gemm.MIN_ROWS, 8, requires_grad=True)
 
     def runs_layer_itself(lin, inp):
         out = gemm.linear(lin, inp)
@@ -107,6 +108,7 @@ def test_linear_is_exactly_the_layer_where_onednn_does_not_apply():
         wrapped = Wrapped(8, 5, bias=False)
         wrapped.weight = layer.weight
         assert runs_layer_itself(wrapped, x)
+        assert runs_layer_itself(layer, x[1:])  # too few rows: oneDNN's call cost would lose
     with gemm.use_backend("torch"):
         assert not gemm.uses_onednn(x, layer.weight)
         assert runs_layer_itself(layer, x)
@@ -115,7 +117,7 @@ def test_linear_is_exactly_the_layer_where_onednn_does_not_apply():
 @needs_onednn
 def test_mm_matches_and_refuses_autograd_inputs():
     torch.manual_seed(3)
-    a, b = torch.randn(9, 7), torch.randn(7, 11)
+    a, b = torch.randn(19, 7), torch.randn(7, 21)
     with gemm.use_backend("onednn"):
         torch.testing.assert_close(gemm.mm(a, b), a @ b)
         torch.testing.assert_close(gemm.mm(b.t(), a.t()), b.t() @ a.t())  # strided operands
@@ -175,7 +177,7 @@ def test_fused_loss_matches_between_backends():
 def test_linear_under_torch_compile_matches_eager():
     torch.manual_seed(6)
     layer = nn.Linear(16, 8, bias=False)
-    x = torch.randn(4, 16, requires_grad=True)
+    x = torch.randn(20, 16, requires_grad=True)  # ≥ MIN_ROWS: the oneDNN op is in the graph
     with gemm.use_backend("onednn"):
         eager, eager_g = _grads(lambda: gemm.linear(layer, x), x, layer.weight)
         compiled_fn = torch.compile(lambda inp: gemm.linear(layer, inp), backend="inductor", fullgraph=True)

@@ -8,12 +8,13 @@ on, one thread, the bench's quickstart products (4096 × 256 · 256 × 704 and t
 MKL 73-102 GFLOP/s, oneDNN 125-233 (`python benchmarks/cpu_gemm.py` prints the table).
 
 `linear(layer, x)` is `layer(x)` with the three products of a linear layer (y = x Wᵀ, ∂x = g W,
-∂W = gᵀ x) run by oneDNN when the backend is on and the call qualifies (fp32 CPU tensors, no
-autocast, a plain `nn.Linear` without hooks, with its weight row-major; under torch.compile too,
-as an opaque custom op); otherwise it is exactly `layer(x)`. (The column-major weights that
-`generate` lays out for MKL's one-token products stay with MKL: oneDNN took 50 ms per token
-on them, re-laying the weights at every call.) `mm(a, b)` is the same for one product without autograd (the fused loss uses it).
-Results equal torch's within fp32 rounding (a different summation order; tests/test_gemm.py).
+∂W = gᵀ x) run by oneDNN when the backend is on and the call qualifies: fp32 CPU tensors, no
+autocast, at least `MIN_ROWS` rows, a plain `nn.Linear` without hooks whose weight is row-major
+(the column-major weights `generate` lays out for MKL's one-token products stay with MKL:
+oneDNN re-laid them at every call, 50 ms per token). Under torch.compile it is an opaque custom
+op. Otherwise it is exactly `layer(x)`. `mm(a, b)` is the same for one product without autograd
+(the fused loss uses it). Results equal torch's within fp32 rounding (another summation order;
+tests/test_gemm.py).
 
 The backend is chosen once per process by `DIFFTRAIN_CPU_GEMM`:
 
@@ -72,6 +73,9 @@ def _onednn_op() -> Any:
     return op
 
 
+MIN_ROWS = 16
+"""Fewer rows stay with MKL: oneDNN's fixed cost per call (≈ 15 µs) loses below about 8-16 rows
+(256 → 768 outputs: 1 row 12.5 vs 29.9 µs, 8 rows 49 vs 52, 16 rows 80 vs 64; one thread)."""
 CPU_GEMM_ENV = "DIFFTRAIN_CPU_GEMM"
 CPU_GEMM_CHOICES = ("auto", "onednn", "torch")
 _override: list[str] = []
@@ -162,7 +166,11 @@ def uses_onednn(*tensors: Tensor) -> bool:
 
 def mm(a: Tensor, b: Tensor) -> Tensor:
     """a @ b for 2-D tensors, by oneDNN when the backend is on (no autograd through it)."""
-    if uses_onednn(a, b) and not (torch.is_grad_enabled() and (a.requires_grad or b.requires_grad)):
+    if (
+        a.shape[0] >= MIN_ROWS
+        and uses_onednn(a, b)
+        and not (torch.is_grad_enabled() and (a.requires_grad or b.requires_grad))
+    ):
         return _dnn(a, b.t())
     return a @ b
 
@@ -208,6 +216,7 @@ def linear(layer: nn.Module, x: Tensor) -> Tensor:
         type(layer) is nn.Linear
         and uses_onednn(x, layer.weight)
         and layer.weight.is_contiguous()  # not the column-major decode layout (model/fused.py)
+        and x.numel() >= MIN_ROWS * x.shape[-1]
         and not (layer._forward_hooks or layer._forward_pre_hooks)
         and not (nn.modules.module._global_forward_hooks or nn.modules.module._global_forward_pre_hooks)
     ):
