@@ -663,8 +663,8 @@ def bench_lightning(plan: Plan, progress: Progress) -> dict[str, Any]:
         "lightning_ms": 1e3 * li,
         "overhead": statistics.median(ratios) - 1.0,
         "overhead_per_round": [r - 1.0 for r in ratios],
-        "note": "LitLM computes the gradient norm once for its finite check and again inside "
-        "clip_grad_norm_; the hand loop uses clip_grad_norm_'s return value for both",
+        "note": "both compute the gradient norm once and use it for the finite check and the "
+        "clipping (LitLM: its own norm and clip_grads_with_norm_; the hand loop: clip_grad_norm_)",
     }
 
 
