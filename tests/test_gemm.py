@@ -242,3 +242,24 @@ def test_cpu_vendor_reads_proc_cpuinfo(monkeypatch, tmp_path):
         builtins, "open", lambda f, *a, **k: real_open(fake if f == "/proc/cpuinfo" else f, *a, **k)
     )
     assert gemm.cpu_vendor() == "AuthenticAMD"
+
+
+@needs_onednn
+def test_lora_base_product_by_onednn_matches_torch():
+    """A LoRA layer's frozen base runs through oneDNN (∂x only: no weight gradient is formed) and
+    gives the adapter and the input the gradients torch's product gives."""
+    from difftrain.model.lora import LoRALinear
+
+    torch.manual_seed(7)
+    base = nn.Linear(12, 10, bias=False).requires_grad_(False)
+    lora = LoRALinear(base, rank=4, alpha=8.0)
+    nn.init.normal_(lora.lora_B)  # non-zero B, so both factors get gradients
+    x = torch.randn(20, 12, requires_grad=True)
+    res = {}
+    for name in ("torch", "onednn"):
+        with gemm.use_backend(name):
+            res[name] = _grads(lambda: lora(x), x, lora.lora_A, lora.lora_B)
+        assert base.weight.grad is None
+    torch.testing.assert_close(res["onednn"][0], res["torch"][0], rtol=1e-6, atol=1e-6)
+    for a, b in zip(res["onednn"][1], res["torch"][1], strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)

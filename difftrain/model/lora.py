@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from difftrain.errors import ConfigError, DeviceError
+from difftrain.model.gemm import linear
 
 NF4_BLOCKSIZE = 64
 
@@ -58,7 +59,7 @@ class LoRALinear(nn.Module):
         nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5))  # as nn.Linear (and peft) do
 
     def forward(self, x: Tensor) -> Tensor:
-        y = self.base(x)
+        y = linear(self.base, x)  # the frozen product by oneDNN where it runs (model/gemm.py)
         h = F.linear(self.dropout(x).to(self.lora_A.dtype), self.lora_A)
         return y + (F.linear(h, self.lora_B) * self.scaling).to(y.dtype)
 
