@@ -37,6 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     from rich.table import Table
 
     from difftrain.bench import SECTIONS, BenchOptions, bench_markdown, describe, run_bench, tables
+    from difftrain.errors import DifftrainError
     from difftrain.io import atomic_write_json, atomic_write_text
 
     mode_name = "quick" if args.quick else "full" if args.full else "default"
@@ -54,7 +55,11 @@ def main(argv: list[str] | None = None) -> int:
     def progress(msg: str) -> None:
         console.print(f"[dim]{time.perf_counter() - t0:6.0f} s[/] {msg}")
 
-    result = run_bench(opts, progress=progress)
+    try:
+        result = run_bench(opts, progress=progress)
+    except DifftrainError as e:  # a bad option or setting (no GPU for --device cuda, ...): one line
+        console.print(f"[bold red]error:[/] {e}", soft_wrap=True)
+        return e.exit_code
     console.print(f"[bold]difftrain bench[/] — {describe(result)}")
     for title, header, rows in tables(result):
         table = Table(title=title, title_justify="left")

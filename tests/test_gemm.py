@@ -19,6 +19,13 @@ needs_onednn = pytest.mark.skipif(
 )
 
 
+@pytest.fixture(autouse=True)
+def small_products_too(monkeypatch):
+    """oneDNN for products of any size (tests use small ones; `large_enough` has its own test)."""
+    monkeypatch.setattr(gemm, "MIN_ROWS", 1)
+    monkeypatch.setattr(gemm, "MIN_MACS", 0)
+
+
 @pytest.fixture
 def fresh_backend():
     """Resolve DIFFTRAIN_CPU_GEMM again in this test (the process caches it), and after it."""
@@ -39,7 +46,7 @@ def _grads(fn, *tensors):
 
 @needs_onednn
 @pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("shape", [(17, 12), (2, 9, 12)])  # ≥ MIN_ROWS rows
+@pytest.mark.parametrize("shape", [(7, 12), (2, 5, 12)])
 def test_linear_matches_torch_forward_and_backward(shape, bias):
     torch.manual_seed(0)
     layer = nn.Linear(12, 9, bias=bias)
@@ -75,11 +82,11 @@ def test_linear_takes_strided_inputs():
 @needs_onednn
 def test_linear_is_exactly_the_layer_where_onednn_does_not_apply():
     """Half precision, autocast, hooks, a subclass (e.g. LoRA's or bitsandbytes' layers), the
-    column-major decode layout, too few rows and the torch backend all run the layer itself (its own autograd
+    column-major decode layout and the torch backend all run the layer itself (its own autograd
     node, not gemm._Linear's), bit for bit."""
     torch.manual_seed(2)
     layer = nn.Linear(8, 5, bias=False)
-    x = torch.randn(gemm.MIN_ROWS, 8, requires_grad=True)
+    x = torch.randn(16, 8, requires_grad=True)
 
     def runs_layer_itself(lin, inp):
         out = gemm.linear(lin, inp)
@@ -108,7 +115,6 @@ def test_linear_is_exactly_the_layer_where_onednn_does_not_apply():
         wrapped = Wrapped(8, 5, bias=False)
         wrapped.weight = layer.weight
         assert runs_layer_itself(wrapped, x)
-        assert runs_layer_itself(layer, x[1:])  # too few rows: oneDNN's call cost would lose
     with gemm.use_backend("torch"):
         assert not gemm.uses_onednn(x, layer.weight)
         assert runs_layer_itself(layer, x)
@@ -177,7 +183,7 @@ def test_fused_loss_matches_between_backends():
 def test_linear_under_torch_compile_matches_eager():
     torch.manual_seed(6)
     layer = nn.Linear(16, 8, bias=False)
-    x = torch.randn(20, 16, requires_grad=True)  # ≥ MIN_ROWS: the oneDNN op is in the graph
+    x = torch.randn(4, 16, requires_grad=True)
     with gemm.use_backend("onednn"):
         eager, eager_g = _grads(lambda: gemm.linear(layer, x), x, layer.weight)
         compiled_fn = torch.compile(lambda inp: gemm.linear(layer, inp), backend="inductor", fullgraph=True)
@@ -263,3 +269,23 @@ def test_lora_base_product_by_onednn_matches_torch():
     torch.testing.assert_close(res["onednn"][0], res["torch"][0], rtol=1e-6, atol=1e-6)
     for a, b in zip(res["onednn"][1], res["torch"][1], strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+@needs_onednn
+def test_small_products_stay_with_torch(monkeypatch):
+    """Below MIN_ROWS rows or MIN_MACS multiply-adds oneDNN's call cost loses: the layer (and the
+    loss's products) run as torch's; at the default thresholds and above them, oneDNN's."""
+    monkeypatch.setattr(gemm, "MIN_ROWS", 16)
+    monkeypatch.setattr(gemm, "MIN_MACS", 1 << 22)
+    assert not gemm.large_enough(1, 256, 1 << 20)  # one row: decoding
+    assert not gemm.large_enough(256, 64, 64)  # 1M multiply-adds
+    assert gemm.large_enough(4096, 256, 256)
+    torch.manual_seed(8)
+    small, big = nn.Linear(64, 64, bias=False), nn.Linear(256, 256, bias=False)
+    with gemm.use_backend("onednn"):
+        out = gemm.linear(small, torch.randn(256, 64, requires_grad=True))
+        assert type(out.grad_fn).__name__ != "_LinearBackward"
+        out = gemm.linear(big, torch.randn(64, 256, requires_grad=True))  # 4.2M multiply-adds
+        assert type(out.grad_fn).__name__ == "_LinearBackward"
+        a, b = torch.randn(8, 1024), torch.randn(1024, 1024)  # 8M multiply-adds but 8 rows
+        assert torch.equal(gemm.mm(a, b), a @ b)

@@ -9,9 +9,9 @@ MKL 73-102 GFLOP/s, oneDNN 125-233 (`python benchmarks/cpu_gemm.py` prints the t
 
 `linear(layer, x)` is `layer(x)` with the three products of a linear layer (y = x Wᵀ, ∂x = g W,
 ∂W = gᵀ x) run by oneDNN when the backend is on and the call qualifies: fp32 CPU tensors, no
-autocast, at least `MIN_ROWS` rows, a plain `nn.Linear` without hooks whose weight is row-major
-(the column-major weights `generate` lays out for MKL's one-token products stay with MKL:
-oneDNN re-laid them at every call, 50 ms per token). Under torch.compile it is an opaque custom
+autocast, a product big enough to repay the call (`large_enough`), a plain `nn.Linear` without
+hooks whose weight is row-major (the column-major weights `generate` lays out for MKL's
+one-token products stay with MKL: oneDNN re-laid them at every call, 50 ms per token). Under torch.compile it is an opaque custom
 op. Otherwise it is exactly `layer(x)`. `mm(a, b)` is the same for one product without autograd
 (the fused loss uses it). Results equal torch's within fp32 rounding (another summation order;
 tests/test_gemm.py).
@@ -74,8 +74,18 @@ def _onednn_op() -> Any:
 
 
 MIN_ROWS = 16
-"""Fewer rows stay with MKL: oneDNN's fixed cost per call (≈ 15 µs) loses below about 8-16 rows
-(256 → 768 outputs: 1 row 12.5 vs 29.9 µs, 8 rows 49 vs 52, 16 rows 80 vs 64; one thread)."""
+MIN_MACS = 1 << 22
+"""Smaller products stay with MKL: oneDNN's fixed cost per call (≈ 15 µs) loses below about 16
+rows or 4M multiply-adds (one thread, MKL / oneDNN µs: 256 → 768 outputs, 1 row 12.5 / 29.9,
+16 rows 80 / 64; 256 × 64 · 64 × 64 forward 25 / 39 and ∂W 29 / 57; at 2.9M multiply-adds the
+three passes of a layer tie, 208 / 206; at 4.2M oneDNN wins, 316 / 270)."""
+
+
+def large_enough(rows: int, k: int, n: int) -> bool:
+    """Whether a (rows × k) · (k × n) product is worth oneDNN's call (MIN_ROWS, MIN_MACS)."""
+    return rows >= MIN_ROWS and rows * k * n >= MIN_MACS
+
+
 CPU_GEMM_ENV = "DIFFTRAIN_CPU_GEMM"
 CPU_GEMM_CHOICES = ("auto", "onednn", "torch")
 _override: list[str] = []
@@ -167,7 +177,7 @@ def uses_onednn(*tensors: Tensor) -> bool:
 def mm(a: Tensor, b: Tensor) -> Tensor:
     """a @ b for 2-D tensors, by oneDNN when the backend is on (no autograd through it)."""
     if (
-        a.shape[0] >= MIN_ROWS
+        large_enough(a.shape[0], a.shape[1], b.shape[1])
         and uses_onednn(a, b)
         and not (torch.is_grad_enabled() and (a.requires_grad or b.requires_grad))
     ):
@@ -216,7 +226,7 @@ def linear(layer: nn.Module, x: Tensor) -> Tensor:
         type(layer) is nn.Linear
         and uses_onednn(x, layer.weight)
         and layer.weight.is_contiguous()  # not the column-major decode layout (model/fused.py)
-        and x.numel() >= MIN_ROWS * x.shape[-1]
+        and large_enough(x.numel() // max(1, x.shape[-1]), x.shape[-1], layer.weight.shape[0])
         and not (layer._forward_hooks or layer._forward_pre_hooks)
         and not (nn.modules.module._global_forward_hooks or nn.modules.module._global_forward_pre_hooks)
     ):

@@ -42,7 +42,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
         total = torch.zeros((), dtype=torch.float32, device=h.device)
         dh = torch.empty_like(h) if need_h else None
         dw = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
-        dnn = gemm.uses_onednn(h, weight)  # oneDNN products (model/gemm.py) have no out= form
+        # oneDNN products (model/gemm.py) have no out= form; ∂W's, made directly, is worth it?
+        dnn = gemm.uses_onednn(h, weight) and gemm.large_enough(min(rows, N), *weight.shape[::-1])
         for a in range(0, N, rows):
             hc, tc = h[a : a + rows], targets[a : a + rows]
             z = mm(hc, weight.t()).float()  # (n, V) logits of this chunk, fp32 statistics
