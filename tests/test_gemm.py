@@ -37,26 +37,71 @@ def fresh_backend():
 def _grads(fn, *tensors):
     out = fn()
     (out * torch.linspace(-1, 1, out.numel()).view(out.shape)).sum().backward()
-    grads = [t.grad.clone() for t in tensors]
+    grads = [None if t.grad is None else t.grad.clone() for t in tensors]
     for t in tensors:
         t.grad = None
     _grads.last_node = type(out.grad_fn).__name__  # which autograd node made the output
     return out.detach(), grads
 
 
-@needs_onednn
+BACKENDS = [pytest.param("onednn", marks=needs_onednn), "torch"]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("shape", [(7, 12), (2, 5, 12)])
-def test_linear_matches_torch_forward_and_backward(shape, bias):
-    torch.manual_seed(0)
-    layer = nn.Linear(12, 9, bias=bias)
-    x = torch.randn(*shape, requires_grad=True)
-    params = [x, *layer.parameters()]
-    with gemm.use_backend("torch"):
-        ref, ref_g = _grads(lambda: gemm.linear(layer, x), *params)
-    with gemm.use_backend("onednn"):
-        got, got_g = _grads(lambda: gemm.linear(layer, x), *params)
-        assert "_LinearBackward" in _grads.last_node  # gemm._Linear (oneDNN) ran, not F.linear
+@pytest.mark.parametrize("shape", [(7, 12), (2, 5, 12), (3, 9, 12)])
+def test_linear_matches_torch_forward_and_backward(shape, bias, backend):
+    """gemm._Linear by either backend: the layer's output and gradients (autograd through
+    F.linear the reference), ∂W in both operand orders (9 outputs of 12 inputs, and 12 of 9)."""
+    for n_in, n_out in ((12, 9), (9, 12)):
+        torch.manual_seed(0)
+        layer = nn.Linear(n_in, n_out, bias=bias)
+        x = torch.randn(*shape[:-1], n_in, requires_grad=True)
+        params = [x, *layer.parameters()]
+        ref, ref_g = _grads(lambda layer=layer, x=x: layer(x), *params)
+        with gemm.use_backend(backend):
+            got, got_g = _grads(lambda layer=layer, x=x: gemm.linear(layer, x), *params)
+            assert "_LinearBackward" in _grads.last_node  # gemm._Linear ran, not F.linear
+        torch.testing.assert_close(got, ref, rtol=1e-6, atol=1e-6)
+        for a, b in zip(got_g, ref_g, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_linears_match_the_layers_and_accumulate_one_input_gradient(backend):
+    """gemm.linears (q, k, v) and gemm.gated_up (SwiGLU's input side): the layers' outputs and
+    every gradient, also when only some outputs reach the loss (the others' gradient is None)."""
+    torch.manual_seed(11)
+    layers = (nn.Linear(12, 8, bias=False), nn.Linear(12, 4, bias=False), nn.Linear(12, 20, bias=False))
+    x = torch.randn(2, 5, 12, requires_grad=True)
+    params = [x, *(layer.weight for layer in layers)]
+    for used in ((0, 1, 2), (1,), (0, 2)):
+
+        def ref_fn(used=used):
+            outs = tuple(layer(x) for layer in layers)
+            return torch.cat([outs[i].flatten() for i in used])
+
+        def got_fn(used=used):
+            outs = gemm.linears(layers, x)
+            assert all(type(o.grad_fn).__name__ == "_LinearsBackward" for o in outs)
+            return torch.cat([outs[i].flatten() for i in used])
+
+        ref, ref_g = _grads(ref_fn, *params)
+        with gemm.use_backend(backend):
+            got, got_g = _grads(got_fn, *params)
+        torch.testing.assert_close(got, ref, rtol=1e-6, atol=1e-6)
+        for i, (a, b) in enumerate(zip(got_g, ref_g, strict=True)):
+            if i > 0 and i - 1 not in used:
+                assert a is None or torch.count_nonzero(a) == 0
+                continue
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+    gate, up = nn.Linear(12, 16, bias=False), nn.Linear(12, 16, bias=False)
+    params = [x, gate.weight, up.weight]
+    ref, ref_g = _grads(lambda: F.silu(gate(x)) * up(x), *params)
+    with gemm.use_backend(backend):
+        got, got_g = _grads(lambda: gemm.gated_up(gate, up, x), *params)
+        assert _grads.last_node == "_GatedUpBackward"
     torch.testing.assert_close(got, ref, rtol=1e-6, atol=1e-6)
     for a, b in zip(got_g, ref_g, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
@@ -82,8 +127,8 @@ def test_linear_takes_strided_inputs():
 @needs_onednn
 def test_linear_is_exactly_the_layer_where_onednn_does_not_apply():
     """Half precision, autocast, hooks, a subclass (e.g. LoRA's or bitsandbytes' layers), the
-    column-major decode layout and the torch backend all run the layer itself (its own autograd
-    node, not gemm._Linear's), bit for bit."""
+    column-major decode layout all run the layer itself (its own autograd node, not
+    gemm._Linear's), bit for bit; so does the torch backend under torch.compile."""
     torch.manual_seed(2)
     layer = nn.Linear(8, 5, bias=False)
     x = torch.randn(16, 8, requires_grad=True)
@@ -117,7 +162,11 @@ def test_linear_is_exactly_the_layer_where_onednn_does_not_apply():
         assert runs_layer_itself(wrapped, x)
     with gemm.use_backend("torch"):
         assert not gemm.uses_onednn(x, layer.weight)
-        assert runs_layer_itself(layer, x)
+        out = gemm.linear(layer, x)  # torch's products, run by gemm._Linear: the same forward bits
+        assert type(out.grad_fn).__name__ == "_LinearBackward" and torch.equal(out, F.linear(x, layer.weight))
+        compiled = torch.compile(lambda inp: gemm.linear(layer, inp), backend="eager", fullgraph=True)
+        out = compiled(x)  # under torch.compile the plain layer, for inductor to see
+        assert type(out.grad_fn).__name__ != "_LinearBackward" and torch.equal(out, F.linear(x, layer.weight))
 
 
 @needs_onednn

@@ -6,6 +6,8 @@ under the plain causal mask and under a KV-cache-style mask (query offset + left
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
@@ -100,12 +102,17 @@ def test_every_diff_sdpa_strategy_matches_eager_forward_and_backward(strategy, m
 
 @pytest.mark.parametrize("T", [9, 16])
 @pytest.mark.parametrize("mask_kind", ["causal", "cached+padded"])
+@pytest.mark.parametrize("map_bytes", [1 << 30, 1])
 @KV
-def test_blocked_math_over_several_query_blocks_matches_eager(T, mask_kind, n_kv, monkeypatch):
-    # blocks of ≥ 2 rows, at most 4: 4 blocks (uneven at T = 9), each against only the keys it can see
+def test_blocked_math_over_several_query_blocks_matches_eager(T, mask_kind, map_bytes, n_kv, monkeypatch):
+    # blocks of ≥ 2 rows, at most 4: 4 blocks (uneven at T = 9), each against only the keys it can
+    # see; the whole batch at once, or (map_bytes = 1) one sequence at a time, each with its own
+    # padding mask
     monkeypatch.setattr(kernels, "BLOCK_MIN_ROWS", 2)
     monkeypatch.setattr(kernels, "BLOCK_MAX_COUNT", 4)
+    monkeypatch.setattr(kernels, "BLOCK_MAP_BYTES", map_bytes)
     assert len(kernels.query_blocks(T)) == 4
+    assert len(kernels.batch_chunks(B, H, T, T)) == (1 if map_bytes > 1 else B)
     mask = masks(T)[mask_kind]
     t = inputs("diff", n_kv, T, mask.kv_len)
     out_e, g_e = fwd_bwd("diff", t, mask, "eager")
@@ -174,6 +181,28 @@ def test_blocked_math_in_bf16_computes_in_fp32_and_returns_bf16_gradients():
     assert rel_err(out.float(), ref) <= 1e-2  # only the output's rounding to bf16
     for a, b in zip(grads, ref_grads, strict=True):
         assert rel_err(a.float(), b) <= 1e-2
+
+
+def test_batch_chunks_cover_the_batch_once_within_the_map_budget():
+    """Chunks of the batch in order, none empty, their maps within BLOCK_MAP_BYTES unless a
+    single sequence already exceeds it (then one sequence at a time)."""
+    for batch, heads, T, S in (
+        (16, 4, 256, 256),
+        (8, 8, 512, 512),
+        (3, 2, 9, 12),
+        (1, 4, 64, 64),
+        (5, 16, 4096, 4096),
+    ):
+        chunks = kernels.batch_chunks(batch, heads, T, S)
+        assert chunks[0][0] == 0 and chunks[-1][1] == batch
+        assert all(b1 > b0 for b0, b1 in chunks)
+        assert all(a[1] == b[0] for a, b in itertools.pairwise(chunks))
+        rows = T // len(kernels.query_blocks(T))
+        per_seq = 2 * heads * rows * S * 4
+        size = chunks[0][1] - chunks[0][0]
+        assert size == 1 or size * per_seq <= kernels.BLOCK_MAP_BYTES
+        assert size == batch or (size + 1) * per_seq > kernels.BLOCK_MAP_BYTES
+    assert kernels.batch_chunks(16, 4, 256, 256) == [(0, 4), (4, 8), (8, 12), (12, 16)]  # the bench's
 
 
 def test_query_blocks_cover_every_query_once():

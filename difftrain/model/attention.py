@@ -22,7 +22,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from difftrain.model.config import ModelConfig, lambda_init
 from difftrain.model.fused import fused_outputs
-from difftrain.model.gemm import linear
+from difftrain.model.gemm import linear, linears
 from difftrain.model.kernels import (
     AttnMask,
     AttnResult,
@@ -211,7 +211,7 @@ class _Attention(nn.Module, abc.ABC):
         xq, xk, xv = (
             qkv
             if qkv is not None
-            else (linear(self.q_proj, x), linear(self.k_proj, x), linear(self.v_proj, x))
+            else linears((self.q_proj, self.k_proj, self.v_proj), x)  # one product in training too
         )
         q = xq.view(B, T, self.n_q, d).transpose(1, 2)
         k = xk.view(B, T, self.n_kv, d).transpose(1, 2)

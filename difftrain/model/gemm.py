@@ -8,13 +8,18 @@ on, one thread, the bench's quickstart products (4096 × 256 · 256 × 704 and t
 MKL 73-102 GFLOP/s, oneDNN 125-233 (`python benchmarks/cpu_gemm.py` prints the table).
 
 `linear(layer, x)` is `layer(x)` with the three products of a linear layer (y = x Wᵀ, ∂x = g W,
-∂W = gᵀ x) run by oneDNN when the backend is on and the call qualifies: fp32 CPU tensors, no
-autocast, a product big enough to repay the call (`large_enough`), a plain `nn.Linear` without
-hooks whose weight is row-major (the column-major weights `generate` lays out for MKL's
-one-token products stay with MKL: oneDNN re-laid them at every call, 50 ms per token). Under torch.compile it is an opaque custom
-op. Otherwise it is exactly `layer(x)`. `mm(a, b)` is the same for one product without autograd
-(the fused loss uses it). Results equal torch's within fp32 rounding (another summation order;
-tests/test_gemm.py).
+∂W = gᵀ x) run here when the call qualifies: fp32 CPU tensors, no autocast, a product big enough
+to repay the call (`large_enough`), a plain `nn.Linear` without hooks whose weight is row-major
+(the column-major weights `generate` lays out for MKL's one-token products stay with MKL: oneDNN
+re-laid them at every call, 50 ms per token). Otherwise it is exactly `layer(x)`. The products
+run by oneDNN or, with the torch backend, by torch's own BLAS, and either way ∂W takes the
+faster operand order (`weight_grad`). `linears(layers, x)` does the same for layers that read
+one input (q, k, v): their input gradients accumulate into one product's result instead of being
+summed in extra passes; `gated_up` for SwiGLU's gate and up. Under torch.compile the oneDNN
+products are an opaque custom op, and torch's are left to inductor (the plain layers). `mm(a, b)`
+is one product without autograd (the fused loss uses it). Results equal torch's within fp32
+rounding (another summation order; tests/test_gemm.py). On an Intel Xeon (MKL, one thread) the
+torch backend's path made the bench's quickstart diff step 0.7 % faster than plain layers.
 
 The backend is chosen once per process by `DIFFTRAIN_CPU_GEMM`:
 
@@ -185,24 +190,36 @@ def mm(a: Tensor, b: Tensor) -> Tensor:
     return a @ b
 
 
-def weight_grad(g: Tensor, x: Tensor) -> Tensor:
-    """gᵀ x (a linear layer's weight gradient, contiguous) by oneDNN; g (n, out), x (n, in). With
-    more outputs than inputs, (xᵀ g)ᵀ is the faster order: at 4096 rows, (in, out) = (256, 704)
-    takes 9.8 ms that way against 13.3, and (704, 256) 9.7 against 13.4 the other way round
-    (one thread; `benchmarks/cpu_gemm.py` times the order chosen)."""
+def weight_grad(g: Tensor, x: Tensor, dnn: bool = True) -> Tensor:
+    """gᵀ x (a linear layer's weight gradient, contiguous), by oneDNN or (dnn=False) torch's BLAS;
+    g (n, out), x (n, in). With more outputs than inputs, (xᵀ g)ᵀ is the faster order for both: at
+    4096 rows, oneDNN takes 9.8 ms for (in, out) = (256, 704) that way against 13.3, and 9.7 for
+    (704, 256) against 13.4 the other way round (AMD EPYC, one thread); MKL 154-170 GFLOP/s
+    against 139-154 for (256, 704) and the reverse for (704, 256) (Intel Xeon; `benchmarks/cpu_gemm.py`
+    times the order chosen)."""
     if g.shape[1] > x.shape[1]:
-        return _dnn(x.t(), g.t()).t().contiguous()
-    return _dnn(g.t(), x.t())
+        return (_dnn(x.t(), g.t()) if dnn else x.t() @ g).t().contiguous()
+    return _dnn(g.t(), x.t()) if dnn else g.t() @ x
+
+
+def _xwt(x: Tensor, w: Tensor, dnn: bool) -> Tensor:
+    """x Wᵀ for x (..., K), w (N, K)."""
+    return _dnn(x, w) if dnn else torch.matmul(x, w.t())
+
+
+def _gw(g: Tensor, w: Tensor, dnn: bool) -> Tensor:
+    """g W for g (..., N), w (N, K): the input gradient of x Wᵀ."""
+    return _dnn(g, w.t()) if dnn else torch.matmul(g, w)
 
 
 class _Linear(torch.autograd.Function):
-    """y = x Wᵀ (+ b) with all three products by oneDNN."""
+    """y = x Wᵀ (+ b), forward and backward (∂x = g W, ∂W = gᵀ x) by oneDNN or torch's BLAS."""
 
     @staticmethod
-    def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:  # type: ignore[override]
+    def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None, dnn: bool) -> Tensor:  # type: ignore[override]
         ctx.save_for_backward(x, weight)
-        ctx.has_bias = bias is not None
-        y = _dnn(x, weight)
+        ctx.dnn, ctx.has_bias = dnn, bias is not None
+        y = _xwt(x, weight, dnn)
         return y.add_(bias) if bias is not None else y
 
     @staticmethod
@@ -210,25 +227,142 @@ class _Linear(torch.autograd.Function):
         x, weight = ctx.saved_tensors
         gx = gw = gb = None
         if ctx.needs_input_grad[0]:
-            gx = _dnn(g, weight.t())  # g W
-        if ctx.needs_input_grad[1] or (ctx.has_bias and ctx.needs_input_grad[2]):
-            g2 = g.reshape(-1, g.shape[-1])
-            if ctx.needs_input_grad[1]:
-                gw = weight_grad(g2, x.reshape(-1, x.shape[-1]))
-            if ctx.has_bias and ctx.needs_input_grad[2]:
-                gb = g2.sum(0)
-        return gx, gw, gb
+            gx = _gw(g, weight, ctx.dnn)
+        if ctx.needs_input_grad[1]:
+            gw = _weight_grad_nd(g, x, ctx.dnn)
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            gb = g.reshape(-1, g.shape[-1]).sum(0)
+        return gx, gw, gb, None
+
+
+def _weight_grad_nd(g: Tensor, x: Tensor, dnn: bool) -> Tensor:
+    return weight_grad(g.reshape(-1, g.shape[-1]), x.reshape(-1, x.shape[-1]), dnn)
+
+
+def _accumulate(out: Tensor | None, g: Tensor, w: Tensor, dnn: bool) -> Tensor:
+    """out + g W (g W when out is None), in place in out: with torch's BLAS the product adds
+    itself to out (β = 1), with no separate pass for the sum."""
+    if out is None:
+        return _gw(g, w, dnn)
+    if dnn:
+        return out.add_(_dnn(g, w.t()))
+    out.view(-1, out.shape[-1]).addmm_(g.reshape(-1, g.shape[-1]), w)
+    return out
+
+
+def _sum_input_grads(gs: list[Tensor | None], weights: tuple[Tensor, ...], dnn: bool) -> Tensor | None:
+    """Σ gᵢ Wᵢ over the outputs that have a gradient, accumulated in one tensor (`_accumulate`)."""
+    out = None
+    for g, w in zip(gs, weights, strict=True):
+        if g is not None:
+            out = _accumulate(out, g, w, dnn)
+    return out
+
+
+class _Linears(torch.autograd.Function):
+    """(x W₁ᵀ, x W₂ᵀ, …): bias-free linear layers that read the same x. Autograd through separate
+    layers sums their input gradients with a pass over memory per extra layer; here the products
+    accumulate into one another (`_sum_input_grads`), and each weight gradient takes the faster
+    operand order (`weight_grad`)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, dnn: bool, *weights: Tensor) -> tuple[Tensor, ...]:  # type: ignore[override]
+        ctx.save_for_backward(x, *weights)
+        ctx.dnn = dnn
+        return tuple(_xwt(x, w, dnn) for w in weights)
+
+    @staticmethod
+    def backward(ctx, *gs: Tensor | None):  # type: ignore[override]
+        x, *weights = ctx.saved_tensors
+        gx = _sum_input_grads(list(gs), tuple(weights), ctx.dnn) if ctx.needs_input_grad[0] else None
+        gws = [
+            _weight_grad_nd(g, x, ctx.dnn) if g is not None and need else None
+            for g, need in zip(gs, ctx.needs_input_grad[2:], strict=True)
+        ]
+        return gx, None, *gws
+
+
+class _GatedUp(torch.autograd.Function):
+    """h = silu(x W_gᵀ) ⊙ (x W_uᵀ), SwiGLU's input side. Saves what autograd through the formula
+    saves (gate, up, silu(gate)) and makes as many elementwise passes; ∂x is one product
+    accumulated into the other (`_accumulate`), each ∂W takes the faster operand order, and
+    backward holds one (…, F) gradient at a time where autograd held three."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, dnn: bool, w_gate: Tensor, w_up: Tensor) -> Tensor:  # type: ignore[override]
+        gate, up = _xwt(x, w_gate, dnn), _xwt(x, w_up, dnn)
+        s = torch.nn.functional.silu(gate)
+        ctx.save_for_backward(x, w_gate, w_up, gate, up, s)
+        ctx.dnn = dnn
+        return s * up
+
+    @staticmethod
+    def backward(ctx, gh: Tensor):  # type: ignore[override]
+        x, w_gate, w_up, gate, up, s = ctx.saved_tensors
+        need_x, need_gate, need_up = ctx.needs_input_grad[0], ctx.needs_input_grad[2], ctx.needs_input_grad[3]
+        gx = gw_gate = gw_up = None
+        # one (…, F) gradient alive at a time: ∂up's products, then ∂gate's (made in place)
+        g = gh * s  # ∂up = ∂h ⊙ silu(gate)
+        if need_up:
+            gw_up = _weight_grad_nd(g, x, ctx.dnn)
+        if need_x:
+            gx = _sum_input_grads([g], (w_up,), ctx.dnn)
+        g = torch.mul(gh, up, out=g)  # ∂silu(gate) = ∂h ⊙ up, then ∂gate, in place
+        torch.ops.aten.silu_backward.grad_input(g, gate, grad_input=g)
+        if need_gate:
+            gw_gate = _weight_grad_nd(g, x, ctx.dnn)
+        if need_x:
+            gx = _accumulate(gx, g, w_gate, ctx.dnn)
+        return gx, None, gw_gate, gw_up
+
+
+def _own_path(x: Tensor, layers: tuple[nn.Module, ...]) -> bool | None:
+    """Whether `linear`/`linears`/`gated_up` run the products of `layers` on x themselves: None
+    (no: plain layer calls), else whether by oneDNN (True) or torch's BLAS (False). They do for
+    plain hook-free nn.Linear layers with row-major fp32 CPU weights, fp32 x, no autocast, a
+    product worth the call (`large_enough`), and not under torch.compile with torch's BLAS
+    (inductor then sees, and may fuse, the plain products)."""
+    if not all(type(layer) is nn.Linear for layer in layers):
+        return None
+    weights = [layer.weight for layer in layers]
+    if not (
+        x.device.type == "cpu"
+        and x.dtype == torch.float32
+        and all(w.device.type == "cpu" and w.dtype == torch.float32 and w.is_contiguous() for w in weights)
+        and not torch.is_autocast_enabled("cpu")
+        and large_enough(x.numel() // max(1, x.shape[-1]), x.shape[-1], min(w.shape[0] for w in weights))
+    ):
+        return None
+    if any(layer._forward_hooks or layer._forward_pre_hooks for layer in layers) or (
+        nn.modules.module._global_forward_hooks or nn.modules.module._global_forward_pre_hooks
+    ):
+        return None
+    dnn = backend() == "onednn"
+    if not dnn and torch.compiler.is_compiling():
+        return None
+    return dnn
 
 
 def linear(layer: nn.Module, x: Tensor) -> Tensor:
-    """`layer(x)`, with a plain nn.Linear's products by oneDNN when they qualify (module docstring)."""
-    if (
-        type(layer) is nn.Linear
-        and uses_onednn(x, layer.weight)
-        and layer.weight.is_contiguous()  # not the column-major decode layout (model/fused.py)
-        and large_enough(x.numel() // max(1, x.shape[-1]), x.shape[-1], layer.weight.shape[0])
-        and not (layer._forward_hooks or layer._forward_pre_hooks)
-        and not (nn.modules.module._global_forward_hooks or nn.modules.module._global_forward_pre_hooks)
-    ):
-        return _Linear.apply(x, layer.weight, layer.bias)
-    return layer(x)
+    """`layer(x)`, a plain nn.Linear's products run here when they qualify (module docstring)."""
+    dnn = _own_path(x, (layer,))
+    if dnn is None:
+        return layer(x)
+    return _Linear.apply(x, layer.weight, layer.bias, dnn)
+
+
+def linears(layers: tuple[nn.Module, ...], x: Tensor) -> tuple[Tensor, ...]:
+    """`tuple(layer(x) for layer in layers)` for bias-free linear layers that read the same x, with
+    one input gradient accumulated across them where they qualify (see `_Linears`)."""
+    dnn = _own_path(x, layers)
+    if dnn is None or any(layer.bias is not None for layer in layers):
+        return tuple(linear(layer, x) for layer in layers)
+    return _Linears.apply(x, dnn, *(layer.weight for layer in layers))
+
+
+def gated_up(gate: nn.Module, up: nn.Module, x: Tensor) -> Tensor:
+    """silu(gate(x)) ⊙ up(x), the two products as one where they qualify (see `_GatedUp`)."""
+    dnn = _own_path(x, (gate, up))
+    if dnn is None or gate.bias is not None or up.bias is not None:  # type: ignore[union-attr]
+        return torch.nn.functional.silu(linear(gate, x)) * linear(up, x)
+    return _GatedUp.apply(x, dnn, gate.weight, up.weight)

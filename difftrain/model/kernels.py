@@ -249,6 +249,24 @@ def query_blocks(q_len: int) -> list[tuple[int, int]]:
     return [(q_len * i // n, q_len * (i + 1) // n) for i in range(n)]
 
 
+BLOCK_MAP_BYTES = 2 << 20
+"""Bytes of the two fp32 maps of one query block that `_DiffBlockedMath` aims to stay under,
+taking the batch a few rows at a time: the maps of a block are then written, read by the softmax
+and its backward, and read again while they are still in cache (about a core's L2). At the
+bench's quickstart shape (one thread, 16×256×8×32, blocks of 64 queries) forward+backward took
+43-44 ms in batches of 4 (2 MiB of maps) against 48-50 in one batch of 16, 46-48 in batches of 8
+and 44-47 in batches of 2."""
+
+
+def batch_chunks(batch: int, heads: int, q_len: int, kv_len: int) -> list[tuple[int, int]]:
+    """[b0, b1) batch ranges of `_DiffBlockedMath`: as many rows as keep the two fp32 maps of a
+    block (2 × heads × block rows × keys) within BLOCK_MAP_BYTES, at least one."""
+    rows = q_len // len(query_blocks(q_len))
+    per_row = 2 * heads * rows * kv_len * 4
+    n = max(1, min(batch, BLOCK_MAP_BYTES // max(1, per_row)))
+    return [(b0, min(batch, b0 + n)) for b0 in range(0, batch, n)]
+
+
 class _DiffBlockedMath(torch.autograd.Function):
     """out = (A1 − λ·A2)·V with explicit fp32 maps, computed per block of queries against only the
     keys the block can see (slots < q_offset + t1): with n blocks a causal layer builds (n+1)/2n of
@@ -263,6 +281,9 @@ class _DiffBlockedMath(torch.autograd.Function):
         ∂S_1 = softmax′(∂A; P_1),  ∂S_2 = −λ·softmax′(∂A; P_2)   (softmax′ is linear in ∂A),
         ∂q_c = ∂S_c·K_c/√d,  ∂K_c += ∂S_cᵀ·q̂_c
     where the scalings by 1/√d and −λ are applied to the small (rows × d) products, never to a map.
+
+    The batch is taken a few sequences at a time (`batch_chunks`) so that a block's maps stay in
+    cache between the passes that write and read them.
 
     Layout: everything per map is stored map-major, (2, B, G, rows, ·), so each map, each scaled
     query block and each key half is contiguous: the softmax backward reads P_c in place (a
@@ -279,77 +300,98 @@ class _DiffBlockedMath(torch.autograd.Function):
         scale = 1.0 / math.sqrt(d)
         f32 = torch.float32
         qm = q.unflatten(1, (G, n_rep, 2)).permute(3, 0, 1, 2, 4, 5)  # (2, B, G, n_rep, T, d), a view
-        # keys map-major and V contiguous: one copy each (the block products over a strided V
-        # alone took 25 % longer than one copy of it, 16×256×8×32)
-        km = torch.empty(2, B, G, S, d, dtype=f32, device=k.device)
-        km.copy_(k.unflatten(1, (G, 2)).permute(2, 0, 1, 3, 4))
+        km_all = k.unflatten(1, (G, 2)).permute(2, 0, 1, 3, 4)  # (2, B, G, S, d), a view
         v = v.to(f32).contiguous()
         neg = (-lam).to(f32)
         # written (B, T, H/2, 2d) like the flash kernels' output: subln and o_proj read it in place
         out = torch.empty(B, T, G, n_rep, 2 * d, dtype=f32, device=q.device).permute(0, 2, 3, 1, 4)
         blocks = query_blocks(T)
+        chunks = batch_chunks(B, G * n_rep, T, S)
         keep = any(ctx.needs_input_grad[:4])  # without a backward (eval, prefill) no map outlives its block
-        maps, queries = [], []
-        for t0, t1 in blocks:
-            rows, end = t1 - t0, min(S, q_offset + t1)
-            qb = torch.empty(2, B, G, n_rep, rows, d, dtype=f32, device=q.device)
-            torch.mul(qm[..., t0:t1, :], scale, out=qb)
-            qb = qb.view(2, B, G, n_rep * rows, d)
-            scores = torch.matmul(qb, km[..., :end, :].transpose(-2, -1))  # (2, B, G, n_rep·rows, end)
-            if allowed is None:  # causal only: the block's last `rows` keys hold its upper triangle
-                first = q_offset + t0
-                tri = torch.ones(rows, end - first, dtype=torch.bool, device=q.device).triu_(1)
-                scores[..., first:end].masked_fill_(tri.repeat(n_rep, 1), float("-inf"))
-            else:
-                blk = allowed[:, :, t0:t1, :end]  # (B|1, 1, rows, end)
-                blk = blk[:, :, None].expand(-1, -1, n_rep, -1, -1).flatten(2, 3)
-                scores.masked_fill_(~blk, float("-inf"))
-            P = torch.softmax(scores, dim=-1)
-            del scores
-            A = torch.addcmul(P[0], P[1], neg)
-            out[:, :, :, t0:t1] = torch.matmul(A, v[:, :, :end]).view(B, G, n_rep, rows, 2 * d)
+        keys, maps, queries = [], [], []
+        causal_bias: dict[tuple[int, int], Tensor] = {}
+        for b0, b1 in chunks:
+            Bc = b1 - b0
+            # keys map-major and V contiguous: one copy each (the block products over a strided V
+            # alone took 25 % longer than one copy of it, 16×256×8×32)
+            km = torch.empty(2, Bc, G, S, d, dtype=f32, device=k.device)
+            km.copy_(km_all[:, b0:b1])
             if keep:
-                maps.append(P)
-                queries.append(qb)
-            del P, A, qb
-        ctx.save_for_backward(km, v, neg, *maps, *queries)
-        ctx.meta = (B, H, T, d, G, n_rep, scale, blocks, q_offset, lam.dtype)
+                keys.append(km)
+            for t0, t1 in blocks:
+                rows, end = t1 - t0, min(S, q_offset + t1)
+                qb = torch.empty(2, Bc, G, n_rep, rows, d, dtype=f32, device=q.device)
+                torch.mul(qm[:, b0:b1, ..., t0:t1, :], scale, out=qb)
+                qb = qb.view(2, Bc, G, n_rep * rows, d)
+                scores = torch.matmul(qb, km[..., :end, :].transpose(-2, -1))  # (2, Bc, G, n_rep·rows, end)
+                if allowed is None:  # causal only: the block's last `rows` keys hold its upper triangle
+                    first = q_offset + t0
+                    # adding 0 / −inf: 2.4× faster than masked_fill_ with the boolean triangle
+                    # (x + 0 = x, so the same maps)
+                    key = (rows, end - first)
+                    if key not in causal_bias:
+                        tri = torch.ones(key, dtype=torch.bool, device=q.device).triu_(1)
+                        causal_bias[key] = (
+                            torch.zeros(key, dtype=f32, device=q.device)
+                            .masked_fill_(tri, float("-inf"))
+                            .repeat(n_rep, 1)
+                        )
+                    scores[..., first:end].add_(causal_bias[key])
+                else:
+                    blk = allowed[b0:b1] if allowed.shape[0] > 1 else allowed
+                    blk = blk[:, :, t0:t1, :end]  # (Bc|1, 1, rows, end)
+                    blk = blk[:, :, None].expand(-1, -1, n_rep, -1, -1).flatten(2, 3)
+                    scores.masked_fill_(~blk, float("-inf"))
+                P = torch.softmax(scores, dim=-1)
+                del scores
+                A = torch.addcmul(P[0], P[1], neg)
+                out[b0:b1, :, :, t0:t1] = torch.matmul(A, v[b0:b1, :, :end]).view(Bc, G, n_rep, rows, 2 * d)
+                if keep:
+                    maps.append(P)
+                    queries.append(qb)
+                del P, A, qb
+        ctx.save_for_backward(v, neg, *keys, *maps, *queries)
+        ctx.meta = (B, H, T, d, G, n_rep, scale, blocks, chunks, q_offset, lam.dtype)
         ctx.dtypes = (q.dtype, k.dtype, v.dtype)
         return out.reshape(B, G * n_rep, T, 2 * d)
 
     @staticmethod
     def backward(ctx, g):  # type: ignore[override]
-        km, v, neg, *rest = ctx.saved_tensors
-        B, H, T, d, G, n_rep, scale, blocks, q_offset, lam_dtype = ctx.meta
-        maps, queries = rest[: len(blocks)], rest[len(blocks) :]
-        S = km.shape[3]
+        v, neg, *rest = ctx.saved_tensors
+        B, H, T, d, G, n_rep, scale, blocks, chunks, q_offset, lam_dtype = ctx.meta
+        nc, nb = len(chunks), len(blocks)
+        keys, maps, queries = rest[:nc], rest[nc : nc + nc * nb], rest[nc + nc * nb :]
+        S = v.shape[2]
         g5 = g.reshape(B, G, n_rep, T, 2 * d)
         # ∂q and ∂K in the projections' layout, (B, T, heads, d) with heads = (G, n_rep, 2) and
         # (G, 2), viewed map-major for the block loop
         dq_proj = g.new_empty(B, T, G, n_rep, 2, d)
         dq6 = dq_proj.permute(4, 0, 2, 3, 1, 5)  # (2, B, G, n_rep, T, d)
         dk_proj = g.new_zeros(B, S, G, 2, d)
-        dkm = dk_proj.permute(3, 0, 2, 1, 4)  # (2, B, G, S, d)
+        dkm_all = dk_proj.permute(3, 0, 2, 1, 4)  # (2, B, G, S, d)
         dv = torch.zeros_like(v)
         dlam = torch.zeros((), dtype=torch.float32, device=g.device)
         kcoef = torch.stack((torch.ones_like(neg), neg)).view(2, 1, 1, 1, 1)  # map 2's ∂S carries −λ
         qcoef = kcoef * scale
         sm_bwd = torch.ops.aten._softmax_backward_data.out
-        for (t0, t1), P, qb in zip(blocks, maps, queries, strict=True):
-            rows, end = t1 - t0, min(S, q_offset + t1)
-            gb = g5[:, :, :, t0:t1].reshape(B, G, n_rep * rows, 2 * d).contiguous()  # read twice
-            A = torch.addcmul(P[0], P[1], neg)
-            dv[:, :, :end] += torch.matmul(A.transpose(-2, -1), gb)
-            dA = torch.matmul(gb, v[:, :, :end].transpose(-2, -1), out=A)
-            dlam -= torch.dot(dA.view(-1), P[1].view(-1))
-            dS = torch.empty_like(P)
-            for c in (0, 1):
-                sm_bwd(dA, P[c], -1, torch.float32, grad_input=dS[c])
-            del dA, A
-            dq = torch.matmul(dS, km[..., :end, :]).mul_(qcoef)  # (2, B, G, n_rep·rows, d)
-            dq6[..., t0:t1, :] = dq.view(2, B, G, n_rep, rows, d)
-            dkm[..., :end, :] += torch.matmul(dS.transpose(-2, -1), qb).mul_(kcoef)
-            del dS, dq
+        for c, (b0, b1) in enumerate(chunks):
+            Bc, km, dkm = b1 - b0, keys[c], dkm_all[:, b0:b1]
+            for i, (t0, t1) in enumerate(blocks):
+                P, qb = maps[c * nb + i], queries[c * nb + i]
+                rows, end = t1 - t0, min(S, q_offset + t1)
+                gb = g5[b0:b1, :, :, t0:t1].reshape(Bc, G, n_rep * rows, 2 * d).contiguous()  # read twice
+                A = torch.addcmul(P[0], P[1], neg)
+                dv[b0:b1, :, :end] += torch.matmul(A.transpose(-2, -1), gb)
+                dA = torch.matmul(gb, v[b0:b1, :, :end].transpose(-2, -1), out=A)
+                dlam -= torch.dot(dA.view(-1), P[1].view(-1))
+                dS = torch.empty_like(P)
+                for m in (0, 1):
+                    sm_bwd(dA, P[m], -1, torch.float32, grad_input=dS[m])
+                del dA, A
+                dq = torch.matmul(dS, km[..., :end, :]).mul_(qcoef)  # (2, Bc, G, n_rep·rows, d)
+                dq6[:, b0:b1, ..., t0:t1, :] = dq.view(2, Bc, G, n_rep, rows, d)
+                dkm[..., :end, :] += torch.matmul(dS.transpose(-2, -1), qb).mul_(kcoef)
+                del dS, dq
         q_dtype, k_dtype, v_dtype = ctx.dtypes
         dq = dq_proj.view(B, T, H, d).transpose(1, 2).to(q_dtype)
         dk = dk_proj.view(B, S, 2 * G, d).transpose(1, 2).to(k_dtype)

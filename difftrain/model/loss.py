@@ -59,7 +59,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
             # ∂(Σ CE)/∂z = softmax(z) − onehot(t) on valid rows, 0 on ignored ones; in place
             g = logp.exp_()
             g.scatter_add_(1, safe, torch.full(safe.shape, -1.0, dtype=g.dtype, device=g.device))
-            g.mul_(valid[:, None])
+            if g.device.type != "cpu" or not bool(valid.all()):  # (on a GPU, no sync to check)
+                g.mul_(valid[:, None])
             g = g.to(h.dtype)
             if dh is not None and dnn:
                 dh[a : a + rows] = mm(g, weight)

@@ -34,7 +34,7 @@ from difftrain.model.attention import (
 )
 from difftrain.model.config import ModelConfig
 from difftrain.model.fused import fused_outputs
-from difftrain.model.gemm import linear
+from difftrain.model.gemm import gated_up, linear
 from difftrain.model.kernels import AttnMask, resolve_impl
 from difftrain.model.loss import IGNORE_INDEX, linear_cross_entropy
 from difftrain.model.rope import RopeTables, RotaryEmbedding
@@ -162,8 +162,9 @@ class MLP(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         gate_up = fused_outputs(self, GATE_UP, x)  # one product when fused for CPU inference
-        gate, up = gate_up if gate_up is not None else (linear(self.gate_proj, x), linear(self.up_proj, x))
-        return linear(self.down_proj, F.silu(gate) * up)
+        if gate_up is not None:
+            return linear(self.down_proj, F.silu(gate_up[0]) * gate_up[1])
+        return linear(self.down_proj, gated_up(self.gate_proj, self.up_proj, x))
 
 
 class Block(nn.Module):
