@@ -94,3 +94,21 @@ def test_bf16_autocast_matches_autocast_linear():
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
     got.backward()
     assert h.grad.dtype == torch.float32 and w.grad.dtype == torch.float32
+
+
+def test_fused_loss_compiles_as_one_graph_and_matches_eager():
+    """Under torch.compile(fullgraph=True) the loss traces without a graph break (no
+    data-dependent branch reaches the graph) and gives eager's loss and gradients, with
+    ignored targets and without."""
+    g = torch.Generator().manual_seed(21)
+    h = torch.randn(24, 8, generator=g, requires_grad=True)
+    w = torch.randn(30, 8, generator=g, requires_grad=True)
+    compiled = torch.compile(linear_cross_entropy, backend="eager", fullgraph=True)
+    for ignored in (0, 5):
+        t = torch.randint(0, 30, (24,), generator=g)
+        t[:ignored] = -100
+        ref = linear_cross_entropy(h, w, t, rows=10)
+        got = compiled(h, w, t, rows=10)
+        torch.testing.assert_close(got, ref)
+        for a, b in zip(torch.autograd.grad(got, (h, w)), torch.autograd.grad(ref, (h, w)), strict=True):
+            torch.testing.assert_close(a, b)

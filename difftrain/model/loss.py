@@ -59,7 +59,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
             # ∂(Σ CE)/∂z = softmax(z) − onehot(t) on valid rows, 0 on ignored ones; in place
             g = logp.exp_()
             g.scatter_add_(1, safe, torch.full(safe.shape, -1.0, dtype=g.dtype, device=g.device))
-            if g.device.type != "cpu" or not bool(valid.all()):  # (on a GPU, no sync to check)
+            # skipped where every target counts, checked on the CPU outside torch.compile only
+            # (on a GPU the check would synchronise; under compile it would break the graph)
+            if g.device.type != "cpu" or torch.compiler.is_compiling() or not bool(valid.all()):
                 g.mul_(valid[:, None])
             g = g.to(h.dtype)
             if dh is not None and dnn:
