@@ -211,7 +211,7 @@ class _Attention(nn.Module, abc.ABC):
         xq, xk, xv = (
             qkv
             if qkv is not None
-            else linears((self.q_proj, self.k_proj, self.v_proj), x)  # one product in training too
+            else linears((self.q_proj, self.k_proj, self.v_proj), x)  # one ∂x accumulated in training
         )
         q = xq.view(B, T, self.n_q, d).transpose(1, 2)
         k = xk.view(B, T, self.n_kv, d).transpose(1, 2)

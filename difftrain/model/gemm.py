@@ -170,13 +170,16 @@ def _(x: Tensor, w: Tensor) -> Tensor:
     return x.new_empty((*x.shape[:-1], w.shape[0]))
 
 
+def _fp32_cpu(*tensors: Tensor) -> bool:
+    """Whether these are fp32 CPU tensors outside autocast: the products this module may run."""
+    return all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors) and not (
+        torch.is_autocast_enabled("cpu")
+    )
+
+
 def uses_onednn(*tensors: Tensor) -> bool:
     """Whether products of these tensors run by oneDNN here (fp32 CPU, no autocast, backend on)."""
-    return (
-        all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors)
-        and not torch.is_autocast_enabled("cpu")
-        and backend() == "onednn"
-    )
+    return _fp32_cpu(*tensors) and backend() == "onednn"
 
 
 def mm(a: Tensor, b: Tensor) -> Tensor:
@@ -306,7 +309,7 @@ class _GatedUp(torch.autograd.Function):
         if need_up:
             gw_up = _weight_grad_nd(g, x, ctx.dnn)
         if need_x:
-            gx = _sum_input_grads([g], (w_up,), ctx.dnn)
+            gx = _gw(g, w_up, ctx.dnn)
         g = torch.mul(gh, up, out=g)  # ∂silu(gate) = ∂h ⊙ up, then ∂gate, in place
         torch.ops.aten.silu_backward.grad_input(g, gate, grad_input=g)
         if need_gate:
@@ -326,10 +329,8 @@ def _own_path(x: Tensor, layers: tuple[nn.Module, ...]) -> bool | None:
         return None
     weights = [layer.weight for layer in layers]
     if not (
-        x.device.type == "cpu"
-        and x.dtype == torch.float32
-        and all(w.device.type == "cpu" and w.dtype == torch.float32 and w.is_contiguous() for w in weights)
-        and not torch.is_autocast_enabled("cpu")
+        _fp32_cpu(x, *weights)
+        and all(w.is_contiguous() for w in weights)
         and large_enough(x.numel() // max(1, x.shape[-1]), x.shape[-1], min(w.shape[0] for w in weights))
     ):
         return None
@@ -361,7 +362,8 @@ def linears(layers: tuple[nn.Module, ...], x: Tensor) -> tuple[Tensor, ...]:
 
 
 def gated_up(gate: nn.Module, up: nn.Module, x: Tensor) -> Tensor:
-    """silu(gate(x)) ⊙ up(x), the two products as one where they qualify (see `_GatedUp`)."""
+    """silu(gate(x)) ⊙ up(x), with one input gradient accumulated across the two products where
+    they qualify (see `_GatedUp`)."""
     dnn = _own_path(x, (gate, up))
     if dnn is None or gate.bias is not None or up.bias is not None:  # type: ignore[union-attr]
         return torch.nn.functional.silu(linear(gate, x)) * linear(up, x)
