@@ -11,7 +11,9 @@
 # (removed at exit; the data cache goes there too), touches no GPU settings, and needs no network.
 #
 # Testing the script itself without a GPU: GPU_CHECK_DEVICE=cpu runs every section on the CPU at
-# tiny sizes (the figures then mean nothing).
+# tiny sizes (the figures then mean nothing, and the GPU-scale targets are recorded as "info",
+# not judged). tests/test_gpu_check.py runs it so in `make test`: the script must not rot between
+# the rare sessions that get a GPU.
 #
 # Sections
 #   qlora  QLoRA fine-tuning on CUDA: a small diff base is pretrained, then fine-tuned with its
@@ -36,7 +38,8 @@
 #            attention cores and diff strategies, training tokens/s and MFU per arch and the
 #            diff/baseline ratio (target ≥ 0.95), optimizer bytes/param incl. paged_adamw8bit,
 #            decode, and `difftrain plan`'s peak against torch.cuda.max_memory_allocated per arch.
-#            Checks: every section ran, the plan is within 15 %, 8-bit state ≤ 2.1 bytes/param.
+#            Checks: every section ran, the plan is within 15 %, 8-bit state ≤ 2.1 bytes/param,
+#            each optimizer's state is the planner's bytes exactly.
 #            Also writes bench-full.json / bench-full.md (the README table).
 #   converge A short bf16-mixed + adamw8bit + compile training run on the GPU must reach the same
 #            validation loss as the same recipe in fp32 + AdamW on the CPU (|Δ| ≤ max(0.05, 2 %)).
@@ -460,9 +463,12 @@ cpu = device == "cpu"
 res = {"section": "bench", "ok": False, "device": "", "checks": {}, "figures": {}}
 
 
-def check(name, ok, detail):
-    res["checks"][name] = {"ok": bool(ok), "detail": detail}
-    print(f"  {'ok  ' if ok else 'FAIL'} {name}: {detail}", flush=True)
+def check(name, ok, detail, judged=True):
+    """A check; one that is not judged (a GPU-scale claim at the CPU dry run's tiny sizes) is
+    recorded with its figure but does not decide the section."""
+    res["checks"][name] = {"ok": bool(ok), "detail": detail, **({} if judged else {"judged": False})}
+    mark = ("ok  " if ok else "FAIL") if judged else "info"
+    print(f"  {mark} {name}: {detail}", flush=True)
 
 
 try:
@@ -483,11 +489,20 @@ try:
     check("sections_ran", not errors, "all sections ran" if not errors else json.dumps(errors)[:400])
     mem = sec.get("memory", {}).get("rows", [])
     worst = max((abs(r["error"]) for r in mem if isinstance(r.get("error"), float)), default=None)
+    # The 15 % and 2.1 bytes/param targets are claims about the 124M shape on a GPU: the CPU dry
+    # run's tiny model keeps most of its tensors under bitsandbytes' 4096-element minimum (32-bit
+    # state) and its peak RSS growth is mostly allocator noise, so there they are only recorded.
+    # What holds at any size is judged everywhere: the planner's optimizer bytes are exact.
     check("plan_within_15_percent", worst is not None and worst <= 0.15,
-          f"worst |estimate/measured - 1| = {worst} over {len(mem)} shapes ({sec.get('memory', {}).get('measured_by')})")
+          f"worst |estimate/measured - 1| = {worst} over {len(mem)} shapes ({sec.get('memory', {}).get('measured_by')})",
+          judged=not cpu)
     for r in sec.get("optimizer", {}).get("rows", []):
+        if r.get("available"):
+            check(f"{r['optimizer']}_state_as_planned", r["state_bytes"] == r["planned_state_bytes"],
+                  f"{r['state_bytes']:,} bytes measured, {r['planned_state_bytes']:,} planned")
         if r["optimizer"] in ("adamw8bit", "paged_adamw8bit") and r.get("available"):
-            check(f"{r['optimizer']}_bytes_per_param", r["bytes_per_param"] <= 2.1, f"{r['bytes_per_param']:.3f} bytes/param")
+            check(f"{r['optimizer']}_bytes_per_param", r["bytes_per_param"] <= 2.1, f"{r['bytes_per_param']:.3f} bytes/param",
+                  judged=not cpu)
     res["figures"] = {
         "targets": result["targets"],
         "train_step": [{k: r.get(k) for k in ("shape", "variant", "tokens_per_s", "mfu", "vs_baseline", "compile")}
@@ -501,7 +516,7 @@ try:
         "decode": [{k: r.get(k) for k in ("variant", "tokens_per_s", "vs_baseline", "agreeing_tokens", "new_tokens")}
                    for r in sec.get("decode", {}).get("rows", [])],
     }
-    res["ok"] = all(c["ok"] for c in res["checks"].values())
+    res["ok"] = all(c["ok"] for c in res["checks"].values() if c.get("judged", True))
 except Exception as e:
     res["error"] = f"{type(e).__name__}: {e}"
     res["traceback"] = traceback.format_exc()[-4000:]
