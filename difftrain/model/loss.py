@@ -42,7 +42,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
         total = torch.zeros((), dtype=torch.float32, device=h.device)
         dh = torch.empty_like(h) if need_h else None
         dw = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
-        # oneDNN products (model/gemm.py) have no out= form; ∂W's, made directly, is worth it?
+        # oneDNN's products (model/gemm.py) have no out= form: with them ∂h's rows are copied into
+        # dh and each chunk's ∂W is added to dw in a pass of its own; torch's BLAS writes both in place
         dnn = gemm.uses_onednn(h, weight) and gemm.large_enough(min(rows, N), *weight.shape[::-1])
         for a in range(0, N, rows):
             hc, tc = h[a : a + rows], targets[a : a + rows]
