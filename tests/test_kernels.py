@@ -166,6 +166,42 @@ def test_blocked_math_reads_projection_views_and_returns_gradients_in_their_layo
     assert grads[0].transpose(1, 2).is_contiguous() and grads[1].transpose(1, 2).is_contiguous()
 
 
+def test_blocked_math_runs_eagerly_under_torch_compile(monkeypatch):
+    # Traced, the core's backward became one slow fused kernel (kernels.diff_blocked_math): under
+    # torch.compile the autograd.Function must run as it does eagerly, on real tensors, forward
+    # and backward, and give eager's bits.
+    seen = []
+    forward, backward = kernels._DiffBlockedMath.forward, kernels._DiffBlockedMath.backward
+
+    def spy_forward(ctx, q, *rest):
+        seen.append(("forward", type(q)))
+        return forward(ctx, q, *rest)
+
+    def spy_backward(ctx, g):
+        seen.append(("backward", type(g)))
+        return backward(ctx, g)
+
+    monkeypatch.setattr(kernels._DiffBlockedMath, "forward", staticmethod(spy_forward))
+    monkeypatch.setattr(kernels._DiffBlockedMath, "backward", staticmethod(spy_backward))
+    torch._dynamo.reset()
+    T = 16
+    mask = AttnMask(T, T)
+    t = inputs("diff", 2, T, T)
+
+    def layer(q, k, v, lam):
+        return diff_attention(q * 1.5, k, v, lam, mask, "sdpa").out.square().sum()
+
+    ref = layer(*t.values())
+    ref_grads = torch.autograd.grad(ref, list(t.values()))
+    seen.clear()
+    got = torch.compile(layer, backend="aot_eager")(*t.values())
+    grads = torch.autograd.grad(got, list(t.values()))
+    assert seen == [("forward", torch.Tensor), ("backward", torch.Tensor)]
+    assert torch.equal(got, ref)
+    for a, b in zip(grads, ref_grads, strict=True):
+        assert torch.equal(a, b)
+
+
 def test_blocked_math_in_bf16_computes_in_fp32_and_returns_bf16_gradients():
     T = 12
     t = inputs("diff", 2, T, T)
