@@ -407,9 +407,10 @@ def diff_blocked_math(q: Tensor, k: Tensor, v: Tensor, lam: Tensor, mask: AttnMa
 
     Under torch.compile it runs as it does eagerly, behind a graph break. Traced, its backward's
     per-block writes into slices of ∂q and ∂K became one inductor kernel of 42 inputs with a
-    masked load per element, 32 ms a layer: the compiled training step took 1,235-1,288 ms
-    against eager's 1,160-1,190, and 1,048-1,105 with the break (`diff`, the bench's quickstart
-    shape, one thread, Intel Xeon)."""
+    masked load per element, 32 ms a layer: the compiled training step took 1.13× the eager
+    step's time, and 0.96× with the break (`diff`, the bench's quickstart shape, one thread,
+    Intel Xeon, interleaved; 0.95× at d512-seq512, which before did not finish warming up in
+    10 minutes). See benchmarks/README.md, session 12."""
     causal_only = mask.key_padding_mask is None and mask.q_offset + mask.q_len == mask.kv_len
     allowed = None if causal_only else mask.dense(q.device)
     dtype = torch.promote_types(torch.promote_types(q.dtype, k.dtype), v.dtype)
