@@ -247,8 +247,8 @@ def _accumulate(out: Tensor | None, g: Tensor, w: Tensor, dnn: bool) -> Tensor:
     itself to out (β = 1), with no separate pass for the sum."""
     if out is None:
         return _gw(g, w, dnn)
-    if dnn:
-        return out.add_(_dnn(g, w.t()))
+    if dnn:  # oneDNN's products have no out= form: the sum is a pass of its own
+        return out.add_(_gw(g, w, dnn))
     out.view(-1, out.shape[-1]).addmm_(g.reshape(-1, g.shape[-1]), w)
     return out
 
