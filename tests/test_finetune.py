@@ -236,6 +236,22 @@ def test_lora_resume_continues_the_exact_loss_curve(ws):
     assert resumed.summary["initial_val_loss"] == full.summary["initial_val_loss"]
 
 
+def test_resuming_a_finished_lora_run_keeps_it_and_rewrites_a_damaged_adapter(ws):
+    p = ws(name="done", steps=2, save_every=2)
+    run = finetune(load_recipe(p)).run_dir
+    good = {k: v.clone() for k, v in load_file(run / "adapter.safetensors").items()}
+    summary = (run / "summary.json").read_bytes()
+    again = finetune(load_recipe(p), resume=True)
+    assert again.finished_before and again.notes == [] and again.summary["steps"] == 2
+    with open(run / "adapter.safetensors", "r+b") as f:
+        f.truncate(100)
+    again = finetune(load_recipe(p), resume=True)
+    assert "adapter.safetensors is damaged" in again.notes[0]
+    restored = {k: v.clone() for k, v in load_file(run / "adapter.safetensors").items()}
+    assert restored.keys() == good.keys() and all(torch.equal(good[k], restored[k]) for k in good)
+    assert (run / "summary.json").read_bytes() == summary
+
+
 def test_full_finetune_trains_every_weight_and_writes_model_safetensors(ws, base_run):
     result = finetune(load_recipe(ws(name="fullft", method="full", steps=2, save_every=2)))
     run = result.run_dir

@@ -217,3 +217,81 @@ def test_train_compile_without_a_cpu_compiler_exits_2_before_anything_is_written
     assert "train.compile=true on CPU needs a C++ compiler (/nonexistent/bin/g++ on PATH)" in err
     assert len(err.strip().splitlines()) == 1, err
     assert not (p.parent / "runs").exists()
+
+
+def test_resuming_a_finished_run_trains_nothing_and_keeps_its_summary(workspace, capsys):
+    p = workspace(steps=4, save_every=2)
+    run = pretrain(load_recipe(p)).run_dir
+    summary = (run / "summary.json").read_bytes()
+    weights = (run / "model.safetensors").read_bytes()
+    metrics = (run / "metrics.csv").read_bytes()
+    again = pretrain(load_recipe(p), resume=True)
+    assert again.finished_before and again.resumed_from == 4 and again.notes == []
+    # nothing rewritten: the figures of the run that trained stay as they were
+    assert (run / "summary.json").read_bytes() == summary
+    assert (run / "model.safetensors").read_bytes() == weights
+    assert (run / "metrics.csv").read_bytes() == metrics
+    assert main(["pretrain", str(p), "--resume"]) == 0
+    out = capsys.readouterr().out
+    assert "had finished at step 4: nothing to train" in out and "train.max_steps=8" in out
+
+
+def test_resuming_a_finished_run_rewrites_damaged_weights_from_its_last_checkpoint(workspace, capsys):
+    p = workspace(steps=4, save_every=2)
+    run = pretrain(load_recipe(p)).run_dir
+    # copies: load_file maps the file, and truncating a mapped file faults its readers
+    good = {k: v.clone() for k, v in load_file(run / "model.safetensors").items()}
+    summary = (run / "summary.json").read_bytes()
+    with open(run / "model.safetensors", "r+b") as f:  # truncated, as a copy cut short leaves it
+        f.truncate(1000)
+    assert main(["pretrain", str(p), "--resume"]) == 0
+    err = capsys.readouterr().err
+    assert "model.safetensors is damaged" in err and "rewrote it from checkpoints/step-00000004.ckpt" in err
+    restored = {k: v.clone() for k, v in load_file(run / "model.safetensors").items()}
+    assert restored.keys() == good.keys() and all(torch.equal(good[k], restored[k]) for k in good)
+    assert (run / "summary.json").read_bytes() == summary
+    # weights of an older step (a kill between the checkpoint and the weights) are rewritten too
+    from safetensors.torch import save_file
+
+    save_file(good, str(run / "model.safetensors"), metadata={"format": "pt", "step": "2"})
+    again = pretrain(load_recipe(p), resume=True)
+    assert again.notes and "holds the weights of step 2, not of step 4" in again.notes[0]
+    assert load_file(run / "model.safetensors").keys() == good.keys()
+
+
+def test_resume_past_train_max_steps_is_refused_and_a_lost_summary_is_rebuilt(workspace):
+    p = workspace(steps=4, save_every=2)
+    run = pretrain(load_recipe(p)).run_dir
+    before = json.loads((run / "summary.json").read_text())
+    with pytest.raises(
+        RecipeError, match="at step 4 .*past train.max_steps=2.*raise train.max_steps above 4"
+    ):
+        pretrain(load_recipe(p, ["train.max_steps=2"]), resume=True)
+    assert json.loads((run / "summary.json").read_text()) == before
+    (run / "summary.json").unlink()  # killed after the last checkpoint, before the summary
+    rebuilt = pretrain(load_recipe(p), resume=True)
+    text = (run / "summary.json").read_text()
+    assert "NaN" not in text  # valid JSON: figures not measured are null
+    s = json.loads(text)
+    assert s["steps"] == 4 and s["final_train_loss"] == before["final_train_loss"]
+    assert s["final_val_loss"] == pytest.approx(before["final_val_loss"], rel=1e-6)
+    assert rebuilt.summary["steps"] == 4
+
+
+def test_a_start_that_failed_before_its_first_step_does_not_block_the_next(workspace, capsys):
+    p = workspace(steps=2, save_every=2)
+    # a window longer than the training split: refused before anything is written
+    assert (
+        main(["pretrain", str(p), "--no-progress", "model.max_seq_len=100000", "train.seq_len=100000"]) == 2
+    )
+    assert "fewer than one window" in capsys.readouterr().err
+    assert not (p.parent / "runs" / "r").exists()
+    # a folder that holds only what a start writes (a start killed before its first step): the
+    # next start takes it over without --overwrite
+    run = p.parent / "runs" / "r"
+    run.mkdir(parents=True)
+    (run / "recipe.yaml").write_text("name: r\n")
+    (run / "config.json").write_text("{}")
+    assert main(["pretrain", str(p), "--no-progress"]) == 0
+    assert (run / "model.safetensors").is_file()
+    assert json.loads((run / "config.json").read_text())["arch"] == "diff"

@@ -111,6 +111,28 @@ def oom_advice(recipe: Any, *, finetune: bool = False) -> str:
     )
 
 
+def peak_memory(summary: dict[str, Any]) -> str:
+    """The end table's peak-memory cell ("—" where a figure was not measured)."""
+    rss = summary.get("peak_rss_mb")
+    gpu = summary.get("peak_gpu_mem_mb")
+    return ("RSS —" if rss is None else f"RSS {rss:.0f} MB") + (f" · GPU {gpu:.0f} MB" if gpu else "")
+
+
+def report_finished(result: Any, command: str) -> None:
+    """What a resume of a run that had already finished says: that nothing was trained, what it
+    repaired, and how to train on. The end table that follows is the run's stored summary."""
+    from rich.markup import escape
+
+    for note in result.notes:
+        err_console.print(f"[yellow]repaired:[/] {escape(note)}", soft_wrap=True)
+    console.print(
+        f"{escape(str(result.run_dir))} had finished at step {result.resumed_from}: nothing to train "
+        f"(to train on, resume with a larger train.max_steps, e.g. `difftrain {command} "
+        f"{escape(str(result.run_dir / 'recipe.yaml'))} --resume train.max_steps={2 * int(result.resumed_from or 1)}`)",
+        soft_wrap=True,
+    )
+
+
 def run_training(command: str, train: Any, recipe: Any, *, on_start: Any, **kwargs: Any) -> Any:
     """Run `train(recipe, ...)` (pretrain or finetune) the way the CLI does for both commands.
 

@@ -7,7 +7,7 @@ from typing import Any
 
 import typer
 
-from difftrain.cli.common import console, err_console, fmt_count, kv_table
+from difftrain.cli.common import console, err_console, fmt_count, kv_table, peak_memory, report_finished
 
 
 def _start_table(info: dict[str, Any]) -> None:
@@ -90,8 +90,7 @@ def _end_table(summary: dict[str, Any], run_dir: Path) -> None:
         ),
         (
             "peak memory",
-            f"RSS {summary['peak_rss_mb']:.0f} MB"
-            + (f" · GPU {summary['peak_gpu_mem_mb']:.0f} MB" if summary.get("peak_gpu_mem_mb") else ""),
+            peak_memory(summary),
         ),
     ]
     if summary.get("method") in ("lora", "qlora"):
@@ -128,6 +127,8 @@ def finetune_command(
         "finetune", finetune, r, on_start=_start_table, resume=resume, overwrite=overwrite, progress=progress
     )
     if result.is_global_zero:  # one table, not one per process
+        if result.finished_before:
+            report_finished(result, "finetune")
         _end_table(result.summary, result.run_dir)
 
 

@@ -6,7 +6,7 @@ from typing import Any
 
 import typer
 
-from difftrain.cli.common import console, err_console, fmt_count, kv_table
+from difftrain.cli.common import console, err_console, fmt_count, kv_table, peak_memory, report_finished
 
 
 def _start_table(info: dict[str, Any]) -> None:
@@ -66,8 +66,7 @@ def _end_table(summary: dict[str, Any], run_dir: Any) -> None:
         ),
         (
             "peak memory",
-            f"RSS {summary['peak_rss_mb']:.0f} MB"
-            + (f" · GPU {summary['peak_gpu_mem_mb']:.0f} MB" if summary.get("peak_gpu_mem_mb") else ""),
+            peak_memory(summary),
         ),
     ]
     if summary.get("skipped_steps"):
@@ -129,6 +128,8 @@ def _train(r: Any, *, resume: bool | None, overwrite: bool, progress: bool | Non
         "pretrain", pretrain, r, on_start=_start_table, resume=resume, overwrite=overwrite, progress=progress
     )
     if result.is_global_zero:  # one table, not one per process
+        if result.finished_before:
+            report_finished(result, "pretrain")
         _end_table(result.summary, result.run_dir)
 
 

@@ -28,6 +28,9 @@ from difftrain.recipe import Recipe, resolve_auto
 from difftrain.rundir import CHECKPOINTS, CONFIG, METRICS, RECIPE, SUMMARY, TOKENIZER
 from difftrain.train.distributed import DistContext, check_strategy
 
+# What a run's start writes before its first step: a folder holding only these trained nothing.
+STARTUP_FILES = {RECIPE, CONFIG, TOKENIZER}
+
 # Keys that may change between a run and its resume (how long, how often, where to log).
 RESUMABLE_CHANGES = {
     "train.max_steps",
@@ -78,6 +81,8 @@ class TrainResult:
     resumed_from: int | None = None
     warnings: list[str] = field(default_factory=list)
     is_global_zero: bool = True  # False in the other processes of a multi-device run
+    finished_before: bool = False  # a resume of a run that had already reached its last step
+    notes: list[str] = field(default_factory=list)  # what a finished run's resume did (restored weights)
 
 
 def _cuda_facts() -> tuple[bool, bool]:
@@ -204,7 +209,12 @@ def prepare_run_dir(plan: Plan, *, resume: bool | str, overwrite: bool) -> tuple
     # unfinished atomic writes: those are not a run, and must not block its restart.
     for folder in (run_dir, run_dir / CHECKPOINTS):
         remove_stale_temps(folder)
-    has_files = run_dir.is_dir() and any(p.is_file() for p in run_dir.rglob("*"))
+    files = [p for p in run_dir.rglob("*") if p.is_file()] if run_dir.is_dir() else []
+    # only what a start writes before its first step (recipe, config, tokenizer): a start that
+    # failed (out of memory in the first step, a bad option found late) trained nothing; the
+    # next start writes them again
+    startup_only = existing.is_file() and all(p.parent == run_dir and p.name in STARTUP_FILES for p in files)
+    has_files = bool(files) and not startup_only
     if overwrite and run_dir.exists():
         if resume is True:
             raise RecipeError("--overwrite and --resume contradict each other; pick one")
@@ -323,6 +333,15 @@ def pretrain(
     r = r.model_copy(update={"model": model_cfg})
     r._recipe_dir, r._source = plan.recipe.recipe_dir, plan.recipe.source
 
+    L.seed_everything(r.seed, workers=True, verbose=False)
+    model = Transformer(model_cfg)
+    if r.train.activation_checkpointing:
+        model.set_activation_checkpointing(True)
+    # checks the data against the sequence length: a split too short fails before anything is written
+    dm = PretrainDataModule.from_config(
+        prepared, r.data, seq_len=plan.seq_len, micro_batch_size=r.train.micro_batch_size, seed=r.seed
+    )
+
     run_dir = plan.run_dir
     if dist.is_global_zero:
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -331,14 +350,6 @@ def pretrain(
             atomic_write_text(run_dir / RECIPE, r.to_yaml())
             model_cfg.to_json(run_dir / CONFIG)
             tokenizer.save(run_dir / TOKENIZER)
-
-    L.seed_everything(r.seed, workers=True, verbose=False)
-    model = Transformer(model_cfg)
-    if r.train.activation_checkpointing:
-        model.set_activation_checkpointing(True)
-    dm = PretrainDataModule.from_config(
-        prepared, r.data, seq_len=plan.seq_len, micro_batch_size=r.train.micro_batch_size, seed=r.seed
-    )
     result = fit(
         r,
         plan,
@@ -442,6 +453,10 @@ def fit(
     )
     lit.fault_hook = fault_hook
     lit.resume_path = point.path if point else None
+    if point is not None and point.step >= plan.max_steps:  # type: ignore[operator]
+        done = _resume_finished(r, plan, lit, point, export)
+        if done is not None:
+            return done
     # Training FLOPs per token: 6·N for trained weights, 4·N for frozen ones (forward + the
     # backward to their inputs, no weight gradient), embeddings excluded.
     n_total, n_trainable = count_params(model)
@@ -561,6 +576,91 @@ def fit(
     )
 
 
+def _resume_finished(r: Recipe, plan: Plan, lit: Any, point: Any, export: Any) -> TrainResult | None:
+    """A resume of a run whose last checkpoint is at (or past) train.max_steps: nothing to train.
+
+    Past it: an error (a resume cannot shorten a run). At it: the run's inference weights are
+    checked against the last checkpoint and rewritten from it when they are missing, damaged or
+    of an older step (a kill between the two saves, a truncated copy); the summary.json of the
+    run is kept as it is and returned. Without a summary (a kill after the last checkpoint, before
+    the summary) returns None, and `fit` measures the final validation loss and writes one."""
+    from difftrain.rundir import read_summary
+
+    run_dir, step = plan.run_dir, point.step
+    if step > plan.max_steps:  # type: ignore[operator]
+        raise RecipeError(
+            f"{run_dir} is at step {step} (its last checkpoint), past train.max_steps={plan.max_steps}: "
+            f"a resume only trains on; raise train.max_steps above {step}, or start again with --overwrite"
+        )
+    from difftrain.train.distributed import is_global_zero
+
+    notes = []
+    problem = _final_weights_problem(run_dir, step, adapter=export is not None)
+    if problem is not None:
+        if point.path.is_dir():
+            raise CheckpointError(
+                f"{problem}, and the last checkpoint ({point.path.name}) is sharded: rewrite the weights by "
+                "resuming with train.strategy=fsdp on as many GPUs as wrote it"
+            )
+        if is_global_zero():
+            from difftrain.train.checkpoint import load_checkpoint_file
+
+            ckpt = load_checkpoint_file(point.path)
+            lit.on_load_checkpoint(ckpt)
+            lit.load_state_dict(ckpt["state_dict"], strict=lit.strict_loading)
+            if export is not None:
+                export(run_dir, lit.model, step)
+            else:
+                from difftrain.rundir import WEIGHTS, save_weights
+
+                save_weights(run_dir / WEIGHTS, lit.model, {"step": str(step)})
+        notes.append(f"{problem}: rewrote it from {point.path.parent.name}/{point.path.name}")
+    summary = read_summary(run_dir)
+    if not summary:
+        return None
+    return TrainResult(
+        run_dir=run_dir,
+        summary=summary,
+        resumed_from=step,
+        warnings=point.warnings,
+        is_global_zero=is_global_zero(),
+        finished_before=True,
+        notes=notes,
+    )
+
+
+def _final_weights_problem(run_dir: Path, step: int, *, adapter: bool) -> str | None:
+    """What is wrong with a run's inference weights (model.safetensors, or adapter.safetensors +
+    adapter.json of a LoRA fine-tune) as the weights of step `step`; None when nothing is."""
+    import json
+
+    from safetensors import safe_open
+
+    from difftrain.adapters import ADAPTER_CONFIG, ADAPTER_WEIGHTS
+    from difftrain.rundir import WEIGHTS
+
+    path = run_dir / (ADAPTER_WEIGHTS if adapter else WEIGHTS)
+    if not path.is_file():
+        return f"{path} is missing"
+    try:
+        with safe_open(str(path), "pt") as f:
+            meta = f.metadata() or {}
+            for key in f.keys():
+                f.get_tensor(key)  # reads every tensor: a truncated file fails here
+    except Exception as e:  # safetensors raises its own error types, OSError, ValueError...
+        return f"{path} is damaged ({str(e).splitlines()[0][:120]})"
+    if meta.get("step") != str(step):
+        return f"{path} holds the weights of step {meta.get('step', '?')}, not of step {step}"
+    if adapter:
+        try:
+            spec = json.loads((run_dir / ADAPTER_CONFIG).read_text(encoding="utf-8"))
+        except (OSError, ValueError) as e:
+            return f"{run_dir / ADAPTER_CONFIG} is missing or damaged ({type(e).__name__})"
+        if not isinstance(spec, dict) or spec.get("step") != step:
+            return f"{run_dir / ADAPTER_CONFIG} is not of step {step}"
+    return None
+
+
 def _has_tensorboard() -> bool:
     import importlib.util
 
@@ -589,6 +689,12 @@ def _summary(
     if plan.accelerator == "cuda":
         peak_mem = torch.cuda.max_memory_allocated() / 2**20
     mfu = tps * cb.flops_per_token / cb.peak_flops if cb.peak_flops else None
+    last_loss: float | None = lit.last_loss
+    if not math.isfinite(lit.last_loss):  # no step ran in this process (a finished run's resume)
+        from difftrain.train.metrics import read_metrics
+
+        logged = [row["train/loss"] for row in read_metrics(plan.run_dir / METRICS) if "train/loss" in row]
+        last_loss = logged[-1] if logged and math.isfinite(logged[-1]) else None
     return {
         "name": r.name,
         "arch": r.model.arch,
@@ -599,9 +705,9 @@ def _summary(
         "train_time_s": round(train_time, 2),
         "tokens_per_s": round(tps, 1),
         "mfu": mfu,
-        "peak_rss_mb": round(cb.state.peak_rss_mb, 1),
+        "peak_rss_mb": round(cb.state.peak_rss_mb, 1) if cb.state.peak_rss_mb > 0 else None,
         "peak_gpu_mem_mb": peak_mem,
-        "final_train_loss": lit.last_loss,
+        "final_train_loss": last_loss,
         "final_val_loss": cb.state.last_val if math.isfinite(cb.state.last_val) else None,
         "best_val_loss": cb.state.best_val if math.isfinite(cb.state.best_val) else None,
         "skipped_steps": lit.skipped_steps,
