@@ -142,3 +142,70 @@ def atomic_save_safetensors(
     tensors = {k: v.detach().contiguous().cpu() for k, v in tensors.items()}
     with atomic_path(path) as tmp:
         save_file(tensors, str(tmp), metadata=metadata)
+
+
+LOCK_FILE = ".lock"
+"""The file a training process holds an exclusive lock on (flock) in its run directory."""
+
+
+class RunLock:
+    """An exclusive, advisory lock on a run directory (flock on `<run_dir>/.lock`), held by the
+    process that trains into it, so that a second `pretrain`/`finetune` of the same run (another
+    terminal, a resubmitted job) is refused instead of writing into the same files. The operating
+    system drops the lock when the process ends, however it ends, so a killed run never leaves a
+    stale one. Where flock is missing (Windows) runs are not locked."""
+
+    def __init__(self, run_dir: str | os.PathLike[str]) -> None:
+        self.path = Path(run_dir) / LOCK_FILE
+        self._fd: int | None = None
+
+    def holder(self) -> int | None:
+        """The pid that holds the lock now (0 if unknown), or None when nobody does."""
+        if not self.path.is_file() or self._fd is not None:
+            return None
+        try:
+            import fcntl
+        except ImportError:
+            return None
+        try:
+            fd = os.open(self.path, os.O_RDONLY)
+        except OSError:
+            return None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            try:
+                return int(self.path.read_text().strip() or 0)
+            except (OSError, ValueError):
+                return 0
+        else:
+            fcntl.flock(fd, fcntl.LOCK_UN)
+            return None
+        finally:
+            os.close(fd)
+
+    def acquire(self) -> int | None:
+        """Take the lock (the run directory must exist); None when taken, else the holder's pid
+        (0 if unknown)."""
+        try:
+            import fcntl
+        except ImportError:
+            return None
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(fd)
+            try:
+                return int(self.path.read_text().strip() or 0)
+            except (OSError, ValueError):
+                return 0
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()}\n".encode())
+        self._fd = fd
+        return None
+
+    def release(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)  # closing the descriptor drops the flock
+            self._fd = None

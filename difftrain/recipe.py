@@ -349,7 +349,8 @@ class FinetuneConfig(_Section):
 
 
 class Recipe(_Section):
-    """A whole recipe. `name` and the sections are required; everything else has a default."""
+    """A whole recipe. `name`, `train` (with its length) and, to pretrain, `model` are required;
+    everything else has a default."""
 
     name: str = Field(description="Run name; the run directory is out_dir/name.")
     description: str = Field(
@@ -370,11 +371,16 @@ class Recipe(_Section):
         "fine-tune takes it from finetune.base (settings given here must match, except "
         "attn_impl and max_seq_len).",
     )
-    data: DataConfig = Field(description="Training data sources and splits.")
+    data: DataConfig = Field(
+        default_factory=DataConfig,
+        description="Training data sources and splits (default: the Python standard library).",
+    )
     tokenizer: TokenizerConfig = Field(
         default_factory=TokenizerConfig, description="Tokenizer: trained on the data, or loaded."
     )
-    train: TrainConfig = Field(description="Training loop settings.")
+    train: TrainConfig = Field(
+        description="Training loop settings; required, with train.max_steps or train.max_tokens."
+    )
     optim: OptimConfig = Field(
         default_factory=OptimConfig, description="Optimizer and learning-rate schedule."
     )
@@ -388,6 +394,7 @@ class Recipe(_Section):
     _recipe_dir: Path = PrivateAttr(default_factory=Path.cwd)
     _source: str = PrivateAttr(default="")
     _model_keys: frozenset[str] = PrivateAttr(default=frozenset())
+    _own_run_dir: Path | None = PrivateAttr(default=None)
 
     @model_validator(mode="wrap")
     @classmethod
@@ -430,7 +437,36 @@ class Recipe(_Section):
 
     @property
     def run_dir(self) -> Path:
+        """out_dir/name; for the recipe.yaml of a run directory (loaded from it, `name` and
+        `out_dir` not overridden), that directory, wherever it is and from whichever folder."""
+        if self._own_run_dir is not None:
+            return self._own_run_dir
         return run_dir_for(self.out_dir, self.name)
+
+    def with_absolute_paths(self) -> Recipe:
+        """A copy whose relative local paths are absolute: data sources that are paths and the
+        data_files of hf: sources, tokenizer.path (against `recipe_dir`), finetune.base (against the
+        current folder). A run directory's recipe.yaml is written this way, so the run resumes
+        from its own recipe.yaml in any folder."""
+        data = self.model_dump()
+
+        def absolute(raw: str, base: Path) -> str:
+            p = Path(os.path.expanduser(raw))
+            return raw if p.is_absolute() else str(base.resolve() / raw)
+
+        for src in data["data"]["sources"]:
+            if not (src["source"].startswith("builtin:") or src["source"].startswith("hf:")):
+                src["source"] = absolute(src["source"], self.recipe_dir)
+            if src.get("data_files"):
+                src["data_files"] = [absolute(f, self.recipe_dir) for f in src["data_files"]]
+        if data["tokenizer"].get("path"):
+            data["tokenizer"]["path"] = absolute(data["tokenizer"]["path"], self.recipe_dir)
+        if data.get("finetune") and data["finetune"].get("base"):
+            data["finetune"]["base"] = absolute(data["finetune"]["base"], Path.cwd())
+        out = type(self).model_validate(data)
+        out._recipe_dir, out._source, out._model_keys = self._recipe_dir, self._source, self._model_keys
+        out._own_run_dir = self._own_run_dir
+        return out
 
     def to_yaml(self) -> str:
         return dump_yaml(self.model_dump(mode="json"))
@@ -499,8 +535,11 @@ def find_recipe(ref: str | os.PathLike[str], relative_to: Path | None = None) ->
         if c.is_file():
             return c
         if c.is_dir():
+            if (c / RUN_RECIPE).is_file():  # a run directory: its own recipe
+                return c / RUN_RECIPE
             raise RecipeError(
-                f"{c} is a folder, not a recipe file; pass a .yaml file or a shipped recipe name"
+                f"{c} is a folder, not a recipe file (nor a run directory with a {RUN_RECIPE}); "
+                "pass a .yaml file or a shipped recipe name"
             )
     shipped = shipped_recipes()
     name = ref_s[:-5] if ref_s.endswith(".yaml") else ref_s
@@ -579,7 +618,10 @@ def read_yaml(path: Path) -> tuple[dict[str, Any], dict[str, int]]:
     except RecursionError as e:
         raise RecipeError(f"{path}: the recipe nests too deeply; write it out plainly") from e
     if node is None:
-        raise RecipeError(f"{path} is empty; a recipe needs at least `name`, `model`, `data` and `train`")
+        raise RecipeError(
+            f"{path} is empty; a recipe needs at least `name`, `train` (with max_steps or max_tokens) and, "
+            "to pretrain, `model`"
+        )
     _count_nodes(node, [MAX_YAML_NODES])
     try:
         data = yaml.load(text, Loader=yaml.SafeLoader)  # noqa: S506 - SafeLoader: no tags, no code
@@ -723,8 +765,12 @@ def format_validation_error(
                     f, line = where[parent]
                     place = f"{f}, line {line}"
                     break
-        if overridden and dotted in overridden:
-            place = f"override `{dotted}`"
+        if overridden:
+            for n in range(len(loc), 0, -1):  # the key or the section the command line set
+                key = ".".join(str(p) for p in loc[:n])
+                if key in overridden:
+                    place = f"override `{key}`"
+                    break
         if err["type"] == "extra_forbidden":
             parent = _submodel(model, loc[:-1])
             options = list(parent.model_fields) if parent else []
@@ -735,6 +781,9 @@ def format_validation_error(
             suggestion = f" — did you mean `{prefix + '.' if prefix else ''}{hint[0]}`?" if hint else ""
             valid = f" (valid keys: {', '.join(options)})" if options and not hint else ""
             msgs.append(f"{place + ': ' if place else ''}unknown key `{dotted}`{suggestion}{valid}")
+        elif err["type"] == "missing" and loc and isinstance(loc[-1], int):  # a tuple too short
+            parent = ".".join(str(p) for p in loc[:-1])
+            msgs.append(f"{place + ': ' if place else ''}`{parent}` has too few values (no item {loc[-1]})")
         elif err["type"] == "missing":
             msgs.append(f"{place + ': ' if place else ''}missing key `{dotted}`")
         else:
@@ -796,7 +845,21 @@ def load_recipe(ref: str | os.PathLike[str], overrides: list[str] | tuple[str, .
     # the recipe's own folder.
     recipe._recipe_dir = Path.cwd() if is_shipped else path.resolve().parent
     recipe._source = f"shipped:{path.stem}" if is_shipped else str(path)
+    if is_run_recipe(path) and not overridden & {"name", "out_dir"}:
+        recipe._own_run_dir = path.parent
     return recipe
+
+
+RUN_RECIPE = "recipe.yaml"  # the recipe a run directory holds (difftrain.rundir.RECIPE)
+
+
+def is_run_recipe(path: Path) -> bool:
+    """Whether `path` is the recipe.yaml a run directory holds (next to its config.json or its
+    checkpoints/ folder)."""
+    folder = path.parent
+    return path.name == RUN_RECIPE and (
+        (folder / "config.json").is_file() or (folder / "checkpoints").is_dir()
+    )
 
 
 def recipe_from_dict(data: dict[str, Any], recipe_dir: Path | None = None) -> Recipe:
@@ -908,6 +971,14 @@ def explain_rows(section: str | None = None) -> list[tuple[str, str, str, str]]:
         for name, field in top:
             rows.append((name, _type_name(field.annotation), _default_repr(field), field.description or ""))
         for name, model in SECTIONS.items():
+            field = Recipe.model_fields[name]
+            if field.is_required():
+                default = "required"
+            elif name == "model":
+                default = "required to pretrain"
+            else:
+                default = "defaults below" if name != "finetune" else "null"
+            rows.append((name, "section", default, field.description or ""))
             walk(model, f"{name}.")
         return rows
     if section not in SECTIONS:

@@ -304,6 +304,7 @@ def test_only_rank_zero_writes_the_run_directory_and_prepares_the_data_once(ddp)
     run_dir, writes = ddp
     files = sorted(str(p.relative_to(run_dir)) for p in run_dir.rglob("*"))
     assert files == [
+        ".lock",  # rank 0's lock on the folder while it trained
         "checkpoints",
         "checkpoints/index.json",
         "checkpoints/last.ckpt",

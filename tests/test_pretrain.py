@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import csv
 import json
+import os
+import shutil
 import signal
 from pathlib import Path
 
 import lightning as L
 import pytest
 import torch
+import yaml
 from safetensors.torch import load_file
 
 from difftrain.cli.app import main
@@ -295,3 +298,89 @@ def test_a_start_that_failed_before_its_first_step_does_not_block_the_next(works
     assert main(["pretrain", str(p), "--no-progress"]) == 0
     assert (run / "model.safetensors").is_file()
     assert json.loads((run / "config.json").read_text())["arch"] == "diff"
+
+
+def test_a_run_resumes_from_its_own_recipe_from_any_folder_and_a_copy_resumes_itself(
+    workspace, tmp_path, monkeypatch, capsys
+):
+    # a user's recipe with relative paths: data next to the recipe, runs under the current folder
+    text = workspace(steps=4, save_every=2).read_text()
+    text = text.replace(f"sources: [{tmp_path / 'corpus'}]", "sources: [corpus]")
+    text = text.replace(f"out_dir: {tmp_path / 'runs'}", "out_dir: runs")
+    rel = tmp_path / "rel.yaml"
+    rel.write_text(text)
+    with pytest.raises(StopRequested):
+        pretrain(load_recipe(rel), extra_callbacks=[StopAt(2)])
+    run = tmp_path / "runs" / "r"
+    saved = yaml.safe_load((run / "recipe.yaml").read_text())
+    assert saved["data"]["sources"][0]["source"] == str(tmp_path / "corpus")  # absolute in the run
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    # the run directory stands for its recipe.yaml, and that recipe for that directory
+    assert main(["pretrain", str(run), "--resume", "--no-progress"]) == 0
+    assert sorted(losses(run)) == [1, 2, 3, 4] and not (elsewhere / "runs").exists()
+    monkeypatch.chdir(tmp_path)
+    assert pretrain(load_recipe(rel), resume=True).finished_before  # the user's recipe: the same run
+    # a copied run directory resumes (here: repairs) the copy, not the run it was copied from
+    copy = tmp_path / "runs" / "copy"
+    shutil.copytree(run, copy)
+    original = (run / "model.safetensors").read_bytes()
+    (copy / "model.safetensors").write_bytes(b"not weights")
+    capsys.readouterr()
+    assert main(["pretrain", str(copy / "recipe.yaml"), "--resume"]) == 0
+    assert f"{copy}/model.safetensors is damaged" in capsys.readouterr().err
+    assert (run / "model.safetensors").read_bytes() == original  # the original is not touched
+    a, b = load_file(run / "model.safetensors"), load_file(copy / "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_recipe_without_a_data_section_trains_on_the_documented_default(workspace):
+    r = load_recipe(workspace())
+    text = workspace().read_text()
+    start, end = text.index("data:\n"), text.index("tokenizer:\n")
+    p = Path("nodata.yaml")
+    p.write_text(text[:start] + text[end:])
+    assert [s.source for s in load_recipe(p).data.sources] == ["builtin:python-stdlib"]
+    assert r.data.sources[0].source != "builtin:python-stdlib"
+
+
+def test_dry_run_refuses_what_the_run_would_refuse_and_writes_nothing(workspace, capsys):
+    p = workspace(steps=2, save_every=2)
+    assert main(["pretrain", str(p), "--dry-run"]) == 0
+    assert "a new run" in capsys.readouterr().out
+    assert not (p.parent / "runs").exists()
+    assert main(["pretrain", str(p), "--no-progress"]) == 0
+    run = p.parent / "runs" / "r"
+    before = sorted((q.relative_to(run), q.stat().st_mtime_ns) for q in run.rglob("*"))
+    capsys.readouterr()
+    assert main(["pretrain", str(p), "--dry-run"]) == 2
+    assert "already holds a run" in capsys.readouterr().err
+    assert main(["pretrain", str(p), "--dry-run", "--resume", "model.n_layers=3"]) == 2
+    assert "holds a different run (model.n_layers differ)" in capsys.readouterr().err
+    assert main(["pretrain", str(p), "--dry-run", "--overwrite", "model.vocab_size=100"]) == 2
+    err = capsys.readouterr().err
+    assert "model.vocab_size is 100 but the tokenizer this recipe trains has" in err and "320" in err
+    assert main(["pretrain", str(p), "--dry-run", "--resume", "train.max_steps=4"]) == 0
+    assert "resumes from step 2" in capsys.readouterr().out
+    assert main(["pretrain", str(p), "--dry-run", "--overwrite"]) == 0
+    assert "replaces the run there" in capsys.readouterr().out
+    assert sorted((q.relative_to(run), q.stat().st_mtime_ns) for q in run.rglob("*")) == before
+
+
+def test_a_run_directory_another_process_trains_into_is_refused_and_left_alone(workspace, capsys):
+    from difftrain.io import RunLock
+
+    p = workspace(steps=2, save_every=2)
+    run = pretrain(load_recipe(p)).run_dir
+    lock = RunLock(run)
+    assert lock.acquire() is None  # as the process training into the folder holds it
+    try:
+        for args in (["--resume", "train.max_steps=4"], ["--overwrite"], ["--dry-run", "--overwrite"]):
+            assert main(["pretrain", str(p), "--no-progress", *args]) == 2
+            assert f"is in use: process {os.getpid()} is training into it" in capsys.readouterr().err
+        assert (run / "model.safetensors").is_file() and (run / "summary.json").is_file()  # nothing removed
+    finally:
+        lock.release()
+    assert main(["pretrain", str(p), "--no-progress", "--resume", "train.max_steps=4"]) == 0
+    assert sorted(losses(run)) == [1, 2, 3, 4]

@@ -154,6 +154,11 @@ def test_bad_override_says_override(tmp_path):
         load_recipe(write(tmp_path, MINIMAL), ["train.max_steps"])
     with pytest.raises(RecipeError, match="did you mean `train.max_steps`"):
         load_recipe(write(tmp_path, MINIMAL), ["train.max_step=5"])
+    # an item of an overridden value is the override's fault, not the file's
+    with pytest.raises(
+        RecipeError, match=r"^override `optim.betas`: `optim.betas` has too few values \(no item 1\)$"
+    ):
+        load_recipe(write(tmp_path, MINIMAL), ["optim.betas=[0.9]"])
 
 
 def test_missing_recipe_suggests_a_shipped_one():

@@ -98,12 +98,26 @@ def pretrain_command(
 
     r = load_recipe(recipe, overrides or [])
     if dry_run:
-        from difftrain.train.run import plan_run
+        from difftrain.train.run import plan_run, prepare_run_dir
 
         plan = plan_run(r)
+        # what the run would do with its folder, refused where the run would refuse
+        resuming, point = prepare_run_dir(
+            plan,
+            resume=plan.recipe.train.resume if resume is None else resume,
+            overwrite=overwrite,
+            dry_run=True,
+        )
+        _check_vocab(plan.recipe)
+        if resuming:
+            action = f"resumes from step {point.step}"
+        elif overwrite and plan.run_dir.exists():
+            action = "replaces the run there (--overwrite)"
+        else:
+            action = "a new run"
         rows = [
             ("recipe", r.source),
-            ("run", str(plan.run_dir)),
+            ("run", f"{plan.run_dir} ({action})"),
             (
                 "model",
                 f"{plan.recipe.model.arch} d_model={plan.recipe.model.d_model} n_layers={plan.recipe.model.n_layers}",
@@ -118,6 +132,29 @@ def pretrain_command(
         console.print(kv_table("dry run: the recipe is valid", rows))
         return
     _train(r, resume=resume, overwrite=overwrite, progress=progress)
+
+
+def _check_vocab(r: Any) -> None:
+    """The run's tokenizer check, as far as it can be made before the tokenizer exists: against
+    tokenizer.path, or the size of the tokenizer the recipe trains."""
+    from difftrain.errors import TokenizerError
+
+    vocab = r.model.vocab_size
+    if vocab == "auto":
+        return
+    if r.tokenizer.path is not None:
+        from pathlib import Path
+
+        from difftrain.data.tokenizer import check_vocab_fits, load_tokenizer
+
+        p = Path(r.tokenizer.path).expanduser()
+        check_vocab_fits(load_tokenizer(p if p.is_absolute() else r.recipe_dir / p), vocab)
+    elif vocab < r.tokenizer.train.vocab_size:
+        raise TokenizerError(
+            f"model.vocab_size is {vocab} but the tokenizer this recipe trains has tokenizer.train.vocab_size="
+            f"{r.tokenizer.train.vocab_size} tokens: ids past {vocab - 1} would have no embedding; set "
+            "model.vocab_size: auto (or lower tokenizer.train.vocab_size)"
+        )
 
 
 def _train(r: Any, *, resume: bool | None, overwrite: bool, progress: bool | None) -> None:

@@ -32,6 +32,7 @@ from difftrain.train.run import (
     _quiet_lightning,
     _with_memory_warning,
     fit,
+    locked,
     plan_run,
     prepare_run_dir,
     start_processes,
@@ -417,38 +418,44 @@ def finetune(
 
     if dist.is_global_zero:
         run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "checkpoints").mkdir(exist_ok=True)
-        if not resuming:
-            atomic_write_text(run_dir / RECIPE, r.to_yaml())
-            model_cfg.to_json(run_dir / CONFIG)
-            tokenizer.save(run_dir / TOKENIZER)
-    info = _with_memory_warning(info, r, plan.accelerator, point)  # `difftrain plan` covers fine-tunes too
-    result = fit(
-        r,
-        plan,
-        model,
-        dm,
-        point=point,
-        counts=counts,
-        has_val=has_val,
-        resume_command=f"difftrain finetune {run_dir / RECIPE} --resume",
-        progress=progress,
-        console=console,
-        on_start=on_start,
-        extra_callbacks=extra_callbacks,
-        fault_hook=fault_hook,
-        info=info,
-        export=export,
-        save_frozen=ft.method == "full",
-        step_seed=r.seed,
-        validate_first=True,
-        tokens_per_micro_batch=tokens_per_micro_batch,
-        summary_extra={
-            "method": ft.method,
-            "base": str(base),
-            "data_format": data_format,
-            **({"lora_rank": ft.lora.rank, "lora_alpha": ft.lora.alpha} if ft.method != "full" else {}),
-        },
-    )
+    with locked(run_dir, dist.is_global_zero):
+        if dist.is_global_zero:
+            (run_dir / "checkpoints").mkdir(exist_ok=True)
+            if not resuming:
+                atomic_write_text(
+                    run_dir / RECIPE, r.with_absolute_paths().to_yaml()
+                )  # resumable from any folder
+                model_cfg.to_json(run_dir / CONFIG)
+                tokenizer.save(run_dir / TOKENIZER)
+        info = _with_memory_warning(
+            info, r, plan.accelerator, point
+        )  # `difftrain plan` covers fine-tunes too
+        result = fit(
+            r,
+            plan,
+            model,
+            dm,
+            point=point,
+            counts=counts,
+            has_val=has_val,
+            resume_command=f"difftrain finetune {run_dir / RECIPE} --resume",
+            progress=progress,
+            console=console,
+            on_start=on_start,
+            extra_callbacks=extra_callbacks,
+            fault_hook=fault_hook,
+            info=info,
+            export=export,
+            save_frozen=ft.method == "full",
+            step_seed=r.seed,
+            validate_first=True,
+            tokens_per_micro_batch=tokens_per_micro_batch,
+            summary_extra={
+                "method": ft.method,
+                "base": str(base),
+                "data_format": data_format,
+                **({"lora_rank": ft.lora.rank, "lora_alpha": ft.lora.alpha} if ft.method != "full" else {}),
+            },
+        )
     dist.join()
     return result

@@ -11,6 +11,7 @@ to the model's vocabulary.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import shutil
@@ -23,7 +24,7 @@ from typing import Any
 import torch
 
 from difftrain.errors import CheckpointError, DeviceError, RecipeError, RunDirError
-from difftrain.io import atomic_write_json, atomic_write_text, remove_stale_temps
+from difftrain.io import LOCK_FILE, RunLock, atomic_write_json, atomic_write_text, remove_stale_temps
 from difftrain.recipe import Recipe, resolve_auto
 from difftrain.rundir import CHECKPOINTS, CONFIG, METRICS, RECIPE, SUMMARY, TOKENIZER
 from difftrain.train.distributed import DistContext, check_strategy
@@ -194,10 +195,13 @@ def recipe_differences(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
     return diffs
 
 
-def prepare_run_dir(plan: Plan, *, resume: bool | str, overwrite: bool) -> tuple[bool, Any]:
+def prepare_run_dir(
+    plan: Plan, *, resume: bool | str, overwrite: bool, dry_run: bool = False
+) -> tuple[bool, Any]:
     """Decide between a fresh start and a resume; refuse to clobber a different run.
 
-    Returns (resuming, ResumePoint | None).
+    Returns (resuming, ResumePoint | None). `dry_run`: decide and refuse the same way, but
+    remove nothing (`pretrain --dry-run`).
     """
     import yaml
 
@@ -205,11 +209,19 @@ def prepare_run_dir(plan: Plan, *, resume: bool | str, overwrite: bool) -> tuple
 
     run_dir = plan.run_dir
     existing = run_dir / RECIPE
+    holder = RunLock(run_dir).holder()
+    if holder is not None:  # before anything is removed: another process trains into this folder
+        raise RunDirError(_in_use(run_dir, holder))
     # A run killed while it started (or while saving) leaves empty folders and temporary files of
     # unfinished atomic writes: those are not a run, and must not block its restart.
     for folder in (run_dir, run_dir / CHECKPOINTS):
-        remove_stale_temps(folder)
-    files = [p for p in run_dir.rglob("*") if p.is_file()] if run_dir.is_dir() else []
+        if not dry_run:
+            remove_stale_temps(folder)
+    files = (
+        [p for p in run_dir.rglob("*") if p.is_file() and p != run_dir / LOCK_FILE]
+        if run_dir.is_dir()
+        else []
+    )
     # only what a start writes before its first step (recipe, config, tokenizer): a start that
     # failed (out of memory in the first step, a bad option found late) trained nothing; the
     # next start writes them again
@@ -218,7 +230,8 @@ def prepare_run_dir(plan: Plan, *, resume: bool | str, overwrite: bool) -> tuple
     if overwrite and run_dir.exists():
         if resume is True:
             raise RecipeError("--overwrite and --resume contradict each other; pick one")
-        shutil.rmtree(run_dir)
+        if not dry_run:
+            shutil.rmtree(run_dir)
         return False, None
     if not has_files:
         if resume is True:
@@ -234,8 +247,15 @@ def prepare_run_dir(plan: Plan, *, resume: bool | str, overwrite: bool) -> tuple
         raise RunDirError(
             f"{existing} is not valid YAML ({e}); use --overwrite to start the run again"
         ) from e
-    new = plan.recipe.model_dump(mode="json")
-    diffs = recipe_differences(old, new)
+    # the run's recipe.yaml holds absolute paths (older versions wrote them as given): the same
+    # run either way
+    diffs = min(
+        (
+            recipe_differences(old, plan.recipe.with_absolute_paths().model_dump(mode="json")),
+            recipe_differences(old, plan.recipe.model_dump(mode="json")),
+        ),
+        key=len,
+    )
     if resume is False:
         raise RunDirError(
             f"{run_dir} already holds a run; continue it with --resume, start again with --overwrite, "
@@ -250,9 +270,33 @@ def prepare_run_dir(plan: Plan, *, resume: bool | str, overwrite: bool) -> tuple
     if point is None:
         if resume is True:
             raise RunDirError(f"--resume: {run_dir} has no checkpoint yet; start it again with --overwrite")
-        shutil.rmtree(run_dir / CHECKPOINTS, ignore_errors=True)
+        if not dry_run:
+            shutil.rmtree(run_dir / CHECKPOINTS, ignore_errors=True)
         return False, None
     return True, point
+
+
+def _in_use(run_dir: Path, holder: int) -> str:
+    who = f"process {holder}" if holder else "another process"
+    return (
+        f"{run_dir} is in use: {who} is training into it; wait for it to end, or stop it (Ctrl-C "
+        "saves a checkpoint) and resume"
+    )
+
+
+@contextlib.contextmanager
+def locked(run_dir: Path, take: bool):
+    """Hold the run directory's lock (`RunLock`) while training into it; `take=False` on the ranks
+    other than 0 of a multi-process run, which write nothing of their own."""
+    lock = RunLock(run_dir)
+    if take:
+        holder = lock.acquire()
+        if holder is not None:
+            raise RunDirError(_in_use(run_dir, holder))
+    try:
+        yield
+    finally:
+        lock.release()
 
 
 def start_processes(plan: Plan) -> DistContext:
@@ -345,28 +389,32 @@ def pretrain(
     run_dir = plan.run_dir
     if dist.is_global_zero:
         run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / CHECKPOINTS).mkdir(exist_ok=True)
-        if not resuming:
-            atomic_write_text(run_dir / RECIPE, r.to_yaml())
-            model_cfg.to_json(run_dir / CONFIG)
-            tokenizer.save(run_dir / TOKENIZER)
-    result = fit(
-        r,
-        plan,
-        model,
-        dm,
-        point=point,
-        counts=model.num_params(),
-        has_val=r.data.val_windows > 0,
-        resume_command=f"difftrain pretrain {run_dir / RECIPE} --resume",
-        progress=progress,
-        console=console,
-        on_start=on_start,
-        extra_callbacks=extra_callbacks,
-        fault_hook=fault_hook,
-        info=_with_memory_warning({"data": prepared}, r, plan.accelerator, point),
-        tokens_per_micro_batch=r.train.micro_batch_size * plan.seq_len,
-    )
+    with locked(run_dir, dist.is_global_zero):
+        if dist.is_global_zero:
+            (run_dir / CHECKPOINTS).mkdir(exist_ok=True)
+            if not resuming:
+                atomic_write_text(
+                    run_dir / RECIPE, r.with_absolute_paths().to_yaml()
+                )  # resumable from any folder
+                model_cfg.to_json(run_dir / CONFIG)
+                tokenizer.save(run_dir / TOKENIZER)
+        result = fit(
+            r,
+            plan,
+            model,
+            dm,
+            point=point,
+            counts=model.num_params(),
+            has_val=r.data.val_windows > 0,
+            resume_command=f"difftrain pretrain {run_dir / RECIPE} --resume",
+            progress=progress,
+            console=console,
+            on_start=on_start,
+            extra_callbacks=extra_callbacks,
+            fault_hook=fault_hook,
+            info=_with_memory_warning({"data": prepared}, r, plan.accelerator, point),
+            tokens_per_micro_batch=r.train.micro_batch_size * plan.seq_len,
+        )
     dist.join()  # the ranks this process started have finished too
     return result
 
@@ -675,7 +723,8 @@ def _device_name(accelerator: str) -> str:
         return torch.cuda.get_device_name(0)
     import platform
 
-    return f"cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
+    n = torch.get_num_threads()
+    return f"cpu ({platform.processor() or platform.machine()}, {n} thread{'s' if n != 1 else ''})"
 
 
 def _summary(
