@@ -423,7 +423,7 @@ def test_eval_runs_several_suites_and_renders_tables(runs, capsys, monkeypatch):
     )
     out = capsys.readouterr().out
     assert code == 0
-    assert "bits/byte" in out and "Δloss" in out and "16 (ref)" in out
+    assert "bits/byte" in out and "Δloss" in out and "none (ref)" in out
     assert (runs["baseline"] / "eval" / "quant.json").is_file()
     assert not (runs["baseline"] / "eval" / "quant.png").exists()
 

@@ -158,7 +158,9 @@ def test_a_full_context_stops_generation_with_a_note(run_dir, capsys):
 
 
 def test_interactive_ctrl_c_interrupts_a_generation_without_quitting(run_dir, capsys, monkeypatch):
-    inputs = iter(["hello", KeyboardInterrupt, "/set top_p 2", "/set temperature 0.5", "def", "/quit"])
+    inputs = iter(
+        ["hello", KeyboardInterrupt, "/set top_p 2", "/set temperature 0.5", "/show", "def", "/quit"]
+    )
 
     def fake_input(prompt=""):
         x = next(inputs)
@@ -182,6 +184,8 @@ def test_interactive_ctrl_c_interrupts_a_generation_without_quitting(run_dir, ca
     assert code == 0
     assert "interrupted" in err
     assert "top_p=2.0 is outside (0, 1]" in err
+    # /show: the settings as /set names them, the one just set included
+    assert "max_new_tokens=4 greedy=false temperature=0.5 top_k=50 top_p=0.95" in err and "seed=0" in err
     assert err.count("tokens/s") == 1  # the second prompt ran to its end
     assert "def" in out
     assert calls["n"] > 3

@@ -3,14 +3,36 @@
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Iterator
 from typing import Any
 
-from rich.console import Console
+from rich.console import Console, ConsoleDimensions
 from rich.table import Table
 
-console = Console(highlight=False)
-err_console = Console(stderr=True, highlight=False)
+PIPE_WIDTH = 1000
+"""Columns of output that goes to a file or a pipe (COLUMNS unset): wide enough that no table
+cell or line is cut or wrapped, where rich would lay it out for 80 columns (or the width of a
+terminal the input comes from) and crop cells with "…"."""
+
+
+class WideWhenPiped(Console):
+    """A rich Console that lays out for PIPE_WIDTH columns when its output is not a terminal."""
+
+    @property
+    def size(self) -> ConsoleDimensions:
+        size = super().size
+        if self._width is None and not self.is_terminal and "COLUMNS" not in os.environ:
+            return ConsoleDimensions(PIPE_WIDTH, size.height)
+        return size
+
+    @size.setter
+    def size(self, new_size: tuple[int, int]) -> None:
+        Console.size.fset(self, new_size)  # type: ignore[attr-defined]
+
+
+console = WideWhenPiped(highlight=False)
+err_console = WideWhenPiped(stderr=True, highlight=False)
 
 
 def fmt_count(n: float) -> str:

@@ -208,7 +208,7 @@ def render(doc: dict[str, Any]) -> None:
             t.add_column("Δacc", justify="right")
         for r in res["rows"]:
             cells = [
-                f"{r['bits']}" + (" (ref)" if r["bits"] >= 16 else ""),
+                "none (ref)" if r["bits"] >= 16 else f"{r['bits']}",  # 16 stands for unquantized
                 f"{r['loss']:.4f}",
                 f"{r['ppl']:.3f}",
                 f"{r['delta_loss']:+.4f}",

@@ -365,10 +365,13 @@ def _command(session: Session, cmd: str, help_text: str) -> bool:
     if cmd == "/help":
         err_console.print(f"[dim]{escape(help_text)}", soft_wrap=True)
     elif cmd == "/show":
-        g = session.gen
-        err_console.print(
-            f"[dim]max_new_tokens={g.max_new_tokens} {g.sampling} seed={session.seed}", soft_wrap=True
+        g, smp = session.gen, session.gen.sampling
+        settings = (
+            f"max_new_tokens={g.max_new_tokens} greedy={str(smp.greedy).lower()} temperature={smp.temperature:g} "
+            f"top_k={smp.top_k} top_p={smp.top_p:g} min_p={smp.min_p:g} "
+            f"repetition_penalty={smp.repetition_penalty:g} seed={session.seed}"
         )
+        err_console.print(f"[dim]{escape(settings)}", soft_wrap=True)
     elif cmd.startswith("/set"):
         _set(session, cmd.split()[1:])
     else:

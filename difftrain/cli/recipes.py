@@ -15,9 +15,9 @@ recipes_app = typer.Typer(help="List, show, copy and explain recipes.", no_args_
 @recipes_app.command("list")
 def list_recipes() -> None:
     """List the shipped recipes with a one-line description each."""
-    from rich.console import Console
     from rich.table import Table
 
+    from difftrain.cli.common import console
     from difftrain.recipe import recipe_summary, shipped_recipes
 
     table = Table(title="shipped recipes", title_justify="left")
@@ -25,21 +25,23 @@ def list_recipes() -> None:
     table.add_column("description")
     for name, path in shipped_recipes().items():
         table.add_row(name, recipe_summary(path))
-    Console().print(table)
+    console.print(table)
 
 
 @recipes_app.command("show")
 def show(name: str = typer.Argument(..., help="Shipped recipe name or recipe path.")) -> None:
-    """Print a recipe file as written (comments included)."""
-    from rich.console import Console
+    """Print a recipe file as written (comments included; colored on a terminal, the exact text
+    when redirected, so `difftrain recipes show NAME > my.yaml` is a copy)."""
     from rich.syntax import Syntax
 
+    from difftrain.cli.common import console
     from difftrain.recipe import find_recipe
 
-    path = find_recipe(name)
-    Console().print(
-        Syntax(path.read_text(encoding="utf-8"), "yaml", theme="ansi_dark", background_color="default")
-    )
+    text = find_recipe(name).read_text(encoding="utf-8")
+    if not console.is_terminal:
+        typer.echo(text, nl=False)
+        return
+    console.print(Syntax(text, "yaml", theme="ansi_dark", background_color="default", word_wrap=True))
 
 
 @recipes_app.command("cp")
@@ -68,9 +70,9 @@ def explain(
     ),
 ) -> None:
     """Print every recipe key with its type, default and description: the recipe reference."""
-    from rich.console import Console
     from rich.table import Table
 
+    from difftrain.cli.common import console
     from difftrain.recipe import explain_rows, recipe_reference_markdown
 
     if markdown:
@@ -86,7 +88,7 @@ def explain(
     table.add_column("description")
     for row in rows:
         table.add_row(*row)
-    Console().print(table)
+    console.print(table)
 
 
 def register(app: typer.Typer) -> None:

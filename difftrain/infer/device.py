@@ -121,6 +121,12 @@ def require_compiler(device: torch.device, option: str = "--compile") -> None:
                 "pip install triton (it ships with Linux CUDA builds of torch) or leave out the option"
             )
     elif device.type == "cpu":
+        import logging
+
+        # torch's C++ build helpers warn "No CUDA runtime is found, using CUDA_HOME=..." where a CUDA
+        # toolkit is installed without a GPU: nothing to do with CPU kernels, and it lands in the
+        # middle of streamed text
+        logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
         names = [os.environ["CXX"]] if os.environ.get("CXX") else ["g++", "clang++", "c++"]
         if not any(shutil.which(n) for n in names):
             raise DeviceError(
