@@ -202,6 +202,16 @@ def test_merged_run_gives_the_logits_of_base_plus_adapter(ws, tmp_path):
         merge_run(run)
     with pytest.raises(RunDirError, match="nothing to merge"):
         merge_run(merged_dir, tmp_path / "again")
+    # `export` takes the adapter run as it is (base + adapter, merged on load): the merged run's export
+    from difftrain.interop.hf import export_hf
+
+    export_hf(run, tmp_path / "hf-adapter")
+    export_hf(merged_dir, tmp_path / "hf-merged")
+    ea, em = (
+        load_file(tmp_path / "hf-adapter" / "model.safetensors"),
+        load_file(tmp_path / "hf-merged" / "model.safetensors"),
+    )
+    assert ea.keys() == em.keys() and all(torch.equal(ea[k], em[k]) for k in ea)
 
 
 class StopAt(L.Callback):

@@ -483,3 +483,21 @@ def test_config_from_hf_reads_legacy_rope_theta_and_model_type_only_configs(tmp_
 def test_export_errors_are_difftrain_errors_for_a_missing_run(tmp_path):
     with pytest.raises(DifftrainError, match="no run directory"):
         export_hf(tmp_path / "missing", tmp_path / "hf")
+
+
+def test_the_exported_readme_snippet_samples_what_difftrain_generate_samples(
+    tmp_path, tok, monkeypatch, capsys
+):
+    from difftrain.infer.generate import prompt_ids
+
+    model = build_model(tok, "diff")
+    run = write_run(tmp_path / "run", model, tok)
+    export_hf(run, tmp_path / "hf")
+    card = (tmp_path / "hf" / "README.md").read_text()
+    snippet = card.split("```python\n", 1)[1].split("```", 1)[0]
+    monkeypatch.chdir(tmp_path)  # the snippet names the folder as a relative path
+    exec(compile(snippet, "README.md", "exec"), {})  # noqa: S102 - our own generated snippet
+    printed = capsys.readouterr().out
+    ids = torch.tensor([prompt_ids(tok, "def fibonacci(n):")])  # what `difftrain generate` feeds the model
+    ours = greedy(model, ids, 64)[0, 1:]
+    assert printed.rstrip("\n") == tok.decode(ours.tolist())

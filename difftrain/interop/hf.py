@@ -601,12 +601,8 @@ def export_hf(
 
     run_path, out = Path(run_dir), Path(out_dir)
     require_run_dir(run_path)
-    if (run_path / "adapter.json").is_file() and not (run_path / WEIGHTS).is_file():
-        raise InteropError(
-            f"{run_path} holds a LoRA adapter without merged weights; run `difftrain merge {run_path}` "
-            "and export the merged run"
-        )
-    require_weights(run_path)
+    if not (run_path / "adapter.json").is_file():  # a LoRA fine-tune: load_run merges its adapter
+        require_weights(run_path)
     if dtype not in DTYPES:
         raise InteropError(f"dtype {dtype!r} is not supported for export; choose one of {', '.join(DTYPES)}")
     if _same_dir(run_path, out):
@@ -673,10 +669,14 @@ def _model_card(config: ModelConfig, cls: str, run_path: Path, out: Path) -> str
         f"d_model {config.d_model}, {config.n_layers} layers, {config.n_heads} heads "
         f"({config.n_kv_heads} key/value heads), head_dim {config.head_dim}, vocabulary {config.vocab_size}, "
         f"context {config.max_seq_len}.\n\n"
-        "```python\nfrom transformers import AutoModelForCausalLM, AutoTokenizer\n"
+        "```python\nimport torch\nfrom transformers import AutoModelForCausalLM, AutoTokenizer\n"
         f'tok = AutoTokenizer.from_pretrained("{out.name}")\n'
-        f'model = AutoModelForCausalLM.from_pretrained("{out.name}")\n```\n\n'
-        "The tokenizer adds no special tokens; documents were separated by the eos token in training. "
+        f'model = AutoModelForCausalLM.from_pretrained("{out.name}")\n'
+        'ids = tok("def fibonacci(n):", return_tensors="pt").input_ids\n'
+        "ids = torch.cat([torch.tensor([[tok.eos_token_id]]), ids], dim=1)  # a document starts after eos\n"
+        "print(tok.decode(model.generate(ids, max_new_tokens=64, do_sample=False)[0, 1:]))\n```\n\n"
+        "The tokenizer adds no special tokens; documents were separated by the eos token in training, "
+        "so a prompt starts after one, as `difftrain generate` samples it (the same greedy tokens). "
         f"`{SIDECAR}` holds difftrain's exact tensors for `difftrain import` and is ignored by transformers.\n"
     )
 
