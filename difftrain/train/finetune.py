@@ -23,7 +23,6 @@ from typing import Any
 import torch
 
 from difftrain.errors import DataError, DeviceError, RecipeError, RunDirError
-from difftrain.io import atomic_write_text
 from difftrain.recipe import ChatTemplateConfig, FinetuneConfig, Recipe
 from difftrain.rundir import CONFIG, RECIPE, TOKENIZER, load_config, require_run_dir
 from difftrain.train.run import (
@@ -32,10 +31,10 @@ from difftrain.train.run import (
     _quiet_lightning,
     _with_memory_warning,
     fit,
-    locked,
     plan_run,
     prepare_run_dir,
     start_processes,
+    training_into,
 )
 
 # Model settings a fine-tune may change; everything else must equal the base run's.
@@ -416,20 +415,8 @@ def finetune(
     if t.activation_checkpointing:
         model.set_activation_checkpointing(True)
 
-    if dist.is_global_zero:
-        run_dir.mkdir(parents=True, exist_ok=True)
-    with locked(run_dir, dist.is_global_zero):
-        if dist.is_global_zero:
-            (run_dir / "checkpoints").mkdir(exist_ok=True)
-            if not resuming:
-                atomic_write_text(
-                    run_dir / RECIPE, r.with_absolute_paths().to_yaml()
-                )  # resumable from any folder
-                model_cfg.to_json(run_dir / CONFIG)
-                tokenizer.save(run_dir / TOKENIZER)
-        info = _with_memory_warning(
-            info, r, plan.accelerator, point
-        )  # `difftrain plan` covers fine-tunes too
+    info = _with_memory_warning(info, r, plan.accelerator, point)  # `difftrain plan` covers fine-tunes too
+    with training_into(run_dir, dist, r, tokenizer, fresh=not resuming):
         result = fit(
             r,
             plan,

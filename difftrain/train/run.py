@@ -17,6 +17,7 @@ import math
 import shutil
 import time
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -285,15 +286,27 @@ def _in_use(run_dir: Path, holder: int) -> str:
 
 
 @contextlib.contextmanager
-def locked(run_dir: Path, take: bool):
-    """Hold the run directory's lock (`RunLock`) while training into it; `take=False` on the ranks
-    other than 0 of a multi-process run, which write nothing of their own."""
+def training_into(
+    run_dir: Path, dist: DistContext, r: Recipe, tokenizer: Any, *, fresh: bool
+) -> Iterator[None]:
+    """Around the training of a run (pretrain or finetune), after every check: rank 0 creates the
+    run directory, holds its lock (`RunLock`) until the body ends, and on a fresh start writes
+    recipe.yaml (absolute paths: resumable from any folder), config.json and tokenizer.json. The
+    other ranks of a multi-process run write nothing of their own."""
     lock = RunLock(run_dir)
-    if take:
+    if dist.is_global_zero:
+        run_dir.mkdir(parents=True, exist_ok=True)
         holder = lock.acquire()
         if holder is not None:
             raise RunDirError(_in_use(run_dir, holder))
     try:
+        if dist.is_global_zero:
+            (run_dir / CHECKPOINTS).mkdir(exist_ok=True)
+            if fresh:
+                assert r.model is not None
+                atomic_write_text(run_dir / RECIPE, r.with_absolute_paths().to_yaml())
+                r.model.to_json(run_dir / CONFIG)
+                tokenizer.save(run_dir / TOKENIZER)
         yield
     finally:
         lock.release()
@@ -387,17 +400,7 @@ def pretrain(
     )
 
     run_dir = plan.run_dir
-    if dist.is_global_zero:
-        run_dir.mkdir(parents=True, exist_ok=True)
-    with locked(run_dir, dist.is_global_zero):
-        if dist.is_global_zero:
-            (run_dir / CHECKPOINTS).mkdir(exist_ok=True)
-            if not resuming:
-                atomic_write_text(
-                    run_dir / RECIPE, r.with_absolute_paths().to_yaml()
-                )  # resumable from any folder
-                model_cfg.to_json(run_dir / CONFIG)
-                tokenizer.save(run_dir / TOKENIZER)
+    with training_into(run_dir, dist, r, tokenizer, fresh=not resuming):
         result = fit(
             r,
             plan,
