@@ -163,6 +163,12 @@ def test_resume_continues_the_exact_loss_curve(workspace, arch):
     assert a == b  # bit-identical fp32 losses: data position, optimizer, schedule all restored
     wa, wb = load_file(full.run_dir / "model.safetensors"), load_file(resumed.run_dir / "model.safetensors")
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
+    if arch == "diff":  # extended by a resume: the folder's recipe says so, and resuming from it goes on
+        more = pretrain(load_recipe(resumed.run_dir, ["train.max_steps=8"]), resume=True)
+        assert more.resumed_from == 6 and more.summary["steps"] == 8
+        assert yaml.safe_load((resumed.run_dir / "recipe.yaml").read_text())["train"]["max_steps"] == 8
+        assert pretrain(load_recipe(resumed.run_dir), resume=True).finished_before
+        assert sorted(losses(resumed.run_dir)) == [1, 2, 3, 4, 5, 6, 7, 8]
 
 
 def test_checkpoints_are_pruned_to_keep_and_indexed(workspace):
@@ -266,11 +272,13 @@ def test_resume_past_train_max_steps_is_refused_and_a_lost_summary_is_rebuilt(wo
     p = workspace(steps=4, save_every=2)
     run = pretrain(load_recipe(p)).run_dir
     before = json.loads((run / "summary.json").read_text())
+    recipe_text = (run / "recipe.yaml").read_text()
     with pytest.raises(
         RecipeError, match="at step 4 .*past train.max_steps=2.*raise train.max_steps above 4"
     ):
         pretrain(load_recipe(p, ["train.max_steps=2"]), resume=True)
     assert json.loads((run / "summary.json").read_text()) == before
+    assert (run / "recipe.yaml").read_text() == recipe_text
     (run / "summary.json").unlink()  # killed after the last checkpoint, before the summary
     rebuilt = pretrain(load_recipe(p), resume=True)
     text = (run / "summary.json").read_text()

@@ -274,7 +274,19 @@ def prepare_run_dir(
         if not dry_run:
             shutil.rmtree(run_dir / CHECKPOINTS, ignore_errors=True)
         return False, None
+    if plan.max_steps is not None and point.step > plan.max_steps:
+        raise RecipeError(
+            f"{run_dir} is at step {point.step} (its last checkpoint), past train.max_steps={plan.max_steps}: "
+            f"a resume only trains on; raise train.max_steps above {point.step}, or start again with --overwrite"
+        )
     return True, point
+
+
+def _read_text(path: Path) -> str | None:
+    try:
+        return path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError):
+        return None
 
 
 def _in_use(run_dir: Path, holder: int) -> str:
@@ -292,7 +304,8 @@ def training_into(
     """Around the training of a run (pretrain or finetune), after every check: rank 0 creates the
     run directory, holds its lock (`RunLock`) until the body ends, and on a fresh start writes
     recipe.yaml (absolute paths: resumable from any folder), config.json and tokenizer.json. The
-    other ranks of a multi-process run write nothing of their own."""
+    other ranks of a multi-process run write nothing of their own. A resume rewrites recipe.yaml
+    where its resumable keys changed."""
     lock = RunLock(run_dir)
     if dist.is_global_zero:
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -302,9 +315,13 @@ def training_into(
     try:
         if dist.is_global_zero:
             (run_dir / CHECKPOINTS).mkdir(exist_ok=True)
+            text = r.with_absolute_paths().to_yaml()
+            if fresh or _read_text(run_dir / RECIPE) != text:
+                # a resume may change what RESUMABLE_CHANGES lists (train.max_steps, ...): the
+                # folder's recipe is the run as it goes on, so resuming from it continues that run
+                atomic_write_text(run_dir / RECIPE, text)
             if fresh:
                 assert r.model is not None
-                atomic_write_text(run_dir / RECIPE, r.with_absolute_paths().to_yaml())
                 r.model.to_json(run_dir / CONFIG)
                 tokenizer.save(run_dir / TOKENIZER)
         yield
@@ -628,22 +645,16 @@ def fit(
 
 
 def _resume_finished(r: Recipe, plan: Plan, lit: Any, point: Any, export: Any) -> TrainResult | None:
-    """A resume of a run whose last checkpoint is at (or past) train.max_steps: nothing to train.
-
-    Past it: an error (a resume cannot shorten a run). At it: the run's inference weights are
-    checked against the last checkpoint and rewritten from it when they are missing, damaged or
-    of an older step (a kill between the two saves, a truncated copy); the summary.json of the
-    run is kept as it is and returned. Without a summary (a kill after the last checkpoint, before
-    the summary) returns None, and `fit` measures the final validation loss and writes one."""
+    """A resume of a run whose last checkpoint is at train.max_steps (past it, `prepare_run_dir`
+    refused the resume): nothing to train. The run's inference weights are checked against the
+    last checkpoint and rewritten from it when they are missing, damaged or of an older step (a
+    kill between the two saves, a truncated copy); the summary.json of the run is kept as it is
+    and returned. Without a summary (a kill after the last checkpoint, before the summary) returns
+    None, and `fit` measures the final validation loss and writes one."""
     from difftrain.rundir import read_summary
+    from difftrain.train.distributed import is_global_zero
 
     run_dir, step = plan.run_dir, point.step
-    if step > plan.max_steps:  # type: ignore[operator]
-        raise RecipeError(
-            f"{run_dir} is at step {step} (its last checkpoint), past train.max_steps={plan.max_steps}: "
-            f"a resume only trains on; raise train.max_steps above {step}, or start again with --overwrite"
-        )
-    from difftrain.train.distributed import is_global_zero
 
     notes = []
     problem = _final_weights_problem(run_dir, step, adapter=export is not None)
