@@ -854,11 +854,15 @@ RUN_RECIPE = "recipe.yaml"  # the recipe a run directory holds (difftrain.rundir
 
 
 def is_run_recipe(path: Path) -> bool:
-    """Whether `path` is the recipe.yaml a run directory holds (next to its config.json or its
-    checkpoints/ folder)."""
+    """Whether `path` is the recipe.yaml a run directory holds: next to the config.json,
+    tokenizer.json and checkpoints/ folder a run writes before its first step (a user's own
+    recipe.yaml in a project folder is not taken for one, and its folder never becomes a run's)."""
     folder = path.parent
-    return path.name == RUN_RECIPE and (
-        (folder / "config.json").is_file() or (folder / "checkpoints").is_dir()
+    return (
+        path.name == RUN_RECIPE
+        and (folder / "config.json").is_file()
+        and (folder / "tokenizer.json").is_file()
+        and (folder / "checkpoints").is_dir()
     )
 
 

@@ -233,3 +233,18 @@ def test_atomic_writes_get_ordinary_file_permissions(tmp_path):
     mask = os.umask(0)
     os.umask(mask)
     assert (tmp_path / "f.txt").stat().st_mode & 0o777 == 0o666 & ~mask
+
+
+def test_a_recipe_yaml_outside_a_run_directory_keeps_out_dir_and_name(tmp_path):
+    """Only a run directory's own recipe.yaml stands for its folder: a user's recipe.yaml next to
+    an unrelated config.json must not turn the project folder into the run directory."""
+    proj = tmp_path / "proj"
+    proj.mkdir()
+    (proj / "recipe.yaml").write_text(MINIMAL)
+    (proj / "config.json").write_text("{}")
+    assert load_recipe(proj / "recipe.yaml").run_dir == Path("runs") / "tiny"
+    (proj / "tokenizer.json").write_text("{}")
+    (proj / "checkpoints").mkdir()
+    assert load_recipe(proj / "recipe.yaml").run_dir == proj  # now it is laid out as a run
+    assert load_recipe(proj).run_dir == proj  # and the folder stands for its recipe
+    assert load_recipe(proj / "recipe.yaml", ["name=other"]).run_dir == Path("runs") / "other"
