@@ -160,50 +160,47 @@ class RunLock:
         self._fd: int | None = None
 
     def holder(self) -> int | None:
-        """The pid that holds the lock now (0 if unknown), or None when nobody does."""
-        if not self.path.is_file() or self._fd is not None:
+        """The pid that holds the lock now (0 if unknown), or None when nobody does. Writes
+        nothing (a dry run calls it)."""
+        if self._fd is not None or not self.path.is_file():
             return None
-        try:
-            import fcntl
-        except ImportError:
-            return None
-        try:
-            fd = os.open(self.path, os.O_RDONLY)
-        except OSError:
-            return None
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            try:
-                return int(self.path.read_text().strip() or 0)
-            except (OSError, ValueError):
-                return 0
-        else:
-            fcntl.flock(fd, fcntl.LOCK_UN)
-            return None
-        finally:
-            os.close(fd)
+        fd, holder = self._lock(create=False)
+        if fd is not None:
+            os.close(fd)  # it was free: closing drops the lock just taken
+        return holder
 
     def acquire(self) -> int | None:
-        """Take the lock (the run directory must exist); None when taken, else the holder's pid
-        (0 if unknown)."""
+        """Take the lock, creating the run directory if need be; None when taken, else the
+        holder's pid (0 if unknown). A folder that cannot be written is a DifftrainError."""
+        fd, holder = self._lock(create=True)
+        if fd is not None:
+            os.ftruncate(fd, 0)
+            os.write(fd, f"{os.getpid()}\n".encode())
+            self._fd = fd
+        return holder
+
+    def _lock(self, *, create: bool) -> tuple[int | None, int | None]:
+        """(descriptor holding the lock, None), or (None, the holder's pid) when another open
+        file holds it; (None, None) where flock is missing."""
         try:
             import fcntl
         except ImportError:
-            return None
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            return None, None
+        try:
+            if create:
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT if create else os.O_RDONLY, 0o644)
+        except OSError as e:
+            raise DifftrainError(_os_error_message(self.path, e)) from e
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
             os.close(fd)
             try:
-                return int(self.path.read_text().strip() or 0)
+                return None, int(self.path.read_text().strip() or 0)
             except (OSError, ValueError):
-                return 0
-        os.ftruncate(fd, 0)
-        os.write(fd, f"{os.getpid()}\n".encode())
-        self._fd = fd
-        return None
+                return None, 0
+        return fd, None
 
     def release(self) -> None:
         if self._fd is not None:

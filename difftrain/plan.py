@@ -783,16 +783,18 @@ def _vocab_size(recipe: Any) -> int:
     m = recipe.model
     if isinstance(m.vocab_size, int):
         return m.vocab_size
-    if recipe.tokenizer.path is not None:
-        from difftrain.data.tokenizer import load_tokenizer
+    return 64 * math.ceil(tokenizer_size(recipe) / 64)
 
-        p = Path(recipe.tokenizer.path).expanduser()
-        if not p.is_absolute():
-            p = recipe.recipe_dir / p
-        size = load_tokenizer(p).vocab_size
-    else:
-        size = recipe.tokenizer.train.vocab_size
-    return 64 * math.ceil(size / 64)
+
+def tokenizer_size(recipe: Any) -> int:
+    """Tokens of the run's tokenizer, known before training: the size of tokenizer.path's, or the
+    size of the one the recipe trains (tokenizer.train.vocab_size)."""
+    tok_file = recipe.tokenizer.file(recipe.recipe_dir)
+    if tok_file is None:
+        return int(recipe.tokenizer.train.vocab_size)
+    from difftrain.data.tokenizer import load_tokenizer
+
+    return load_tokenizer(tok_file).vocab_size
 
 
 @dataclass

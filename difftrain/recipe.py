@@ -454,13 +454,14 @@ class Recipe(_Section):
             p = Path(os.path.expanduser(raw))
             return raw if p.is_absolute() else str(base.resolve() / raw)
 
-        for src in data["data"]["sources"]:
-            if not (src["source"].startswith("builtin:") or src["source"].startswith("hf:")):
-                src["source"] = absolute(src["source"], self.recipe_dir)
-            if src.get("data_files"):
-                src["data_files"] = [absolute(f, self.recipe_dir) for f in src["data_files"]]
-        if data["tokenizer"].get("path"):
-            data["tokenizer"]["path"] = absolute(data["tokenizer"]["path"], self.recipe_dir)
+        for spec, src in zip(self.data.sources, data["data"]["sources"], strict=True):
+            if spec.kind == "path":
+                src["source"] = absolute(spec.source, self.recipe_dir)
+            if spec.data_files:
+                src["data_files"] = [absolute(f, self.recipe_dir) for f in spec.data_files]
+        tok_file = self.tokenizer.file(self.recipe_dir)
+        if tok_file is not None:
+            data["tokenizer"]["path"] = str(tok_file.absolute())
         if data.get("finetune") and data["finetune"].get("base"):
             data["finetune"]["base"] = absolute(data["finetune"]["base"], Path.cwd())
         out = type(self).model_validate(data)
@@ -535,10 +536,10 @@ def find_recipe(ref: str | os.PathLike[str], relative_to: Path | None = None) ->
         if c.is_file():
             return c
         if c.is_dir():
-            if (c / RUN_RECIPE).is_file():  # a run directory: its own recipe
-                return c / RUN_RECIPE
+            if is_run_recipe(c / "recipe.yaml"):  # a run directory: its own recipe
+                return c / "recipe.yaml"
             raise RecipeError(
-                f"{c} is a folder, not a recipe file (nor a run directory with a {RUN_RECIPE}); "
+                f"{c} is a folder, not a recipe file (nor a run directory with a recipe.yaml); "
                 "pass a .yaml file or a shipped recipe name"
             )
     shipped = shipped_recipes()
@@ -850,19 +851,18 @@ def load_recipe(ref: str | os.PathLike[str], overrides: list[str] | tuple[str, .
     return recipe
 
 
-RUN_RECIPE = "recipe.yaml"  # the recipe a run directory holds (difftrain.rundir.RECIPE)
-
-
 def is_run_recipe(path: Path) -> bool:
     """Whether `path` is the recipe.yaml a run directory holds: next to the config.json,
     tokenizer.json and checkpoints/ folder a run writes before its first step (a user's own
     recipe.yaml in a project folder is not taken for one, and its folder never becomes a run's)."""
+    from difftrain.rundir import CHECKPOINTS, CONFIG, RECIPE, TOKENIZER
+
     folder = path.parent
     return (
-        path.name == RUN_RECIPE
-        and (folder / "config.json").is_file()
-        and (folder / "tokenizer.json").is_file()
-        and (folder / "checkpoints").is_dir()
+        path.name == RECIPE
+        and (folder / CONFIG).is_file()
+        and (folder / TOKENIZER).is_file()
+        and (folder / CHECKPOINTS).is_dir()
     )
 
 

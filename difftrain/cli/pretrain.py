@@ -136,24 +136,23 @@ def pretrain_command(
 
 def _check_vocab(r: Any) -> None:
     """The run's tokenizer check, as far as it can be made before the tokenizer exists: against
-    tokenizer.path, or the size of the tokenizer the recipe trains."""
+    tokenizer.path's size, or the size of the tokenizer the recipe trains (`plan.tokenizer_size`)."""
     from difftrain.errors import TokenizerError
+    from difftrain.plan import tokenizer_size
 
     vocab = r.model.vocab_size
     if vocab == "auto":
         return
-    if r.tokenizer.path is not None:
-        from pathlib import Path
-
-        from difftrain.data.tokenizer import check_vocab_fits, load_tokenizer
-
-        p = Path(r.tokenizer.path).expanduser()
-        check_vocab_fits(load_tokenizer(p if p.is_absolute() else r.recipe_dir / p), vocab)
-    elif vocab < r.tokenizer.train.vocab_size:
+    size = tokenizer_size(r)
+    if size > vocab:
+        what = (
+            f"the tokenizer {r.tokenizer.path} has"
+            if r.tokenizer.path is not None
+            else "the tokenizer this recipe trains has tokenizer.train.vocab_size="
+        )
         raise TokenizerError(
-            f"model.vocab_size is {vocab} but the tokenizer this recipe trains has tokenizer.train.vocab_size="
-            f"{r.tokenizer.train.vocab_size} tokens: ids past {vocab - 1} would have no embedding; set "
-            "model.vocab_size: auto (or lower tokenizer.train.vocab_size)"
+            f"model.vocab_size is {vocab} but {what}{size} tokens: ids past {vocab - 1} would have no "
+            "embedding; set model.vocab_size: auto (or at least " + str(size) + ")"
         )
 
 

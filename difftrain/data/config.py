@@ -335,3 +335,10 @@ class TokenizerConfig(BaseModel):
         default_factory=TokenizerTrainConfig,
         description="Settings of the byte-level BPE trained on the sources; ignored when path is set.",
     )
+
+    def file(self, base_dir: Path) -> Path | None:
+        """`path` resolved (~ expanded, relative to `base_dir`, the recipe's folder); None when unset."""
+        if self.path is None:
+            return None
+        p = Path(os.path.expanduser(self.path))
+        return p if p.is_absolute() else Path(base_dir) / p

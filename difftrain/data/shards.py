@@ -235,9 +235,9 @@ def prepare_tokenizer(
     """Load or train the tokenizer into the cache; returns (tokenizer.json path, from cache, seconds)."""
     t0 = time.perf_counter()
     root = data_cfg.resolved_cache_dir() / "tokenizers"
-    if tok_cfg.path is not None:
-        p = Path(os.path.expanduser(tok_cfg.path))
-        tok = load_tokenizer(p if p.is_absolute() else base_dir / p)
+    tok_file = tok_cfg.file(base_dir)
+    if tok_file is not None:
+        tok = load_tokenizer(tok_file)
         final = root / f"file-{tok.sha256[:20]}"
         if (final / "tokenizer.json").is_file():
             return final / "tokenizer.json", True, time.perf_counter() - t0

@@ -597,17 +597,14 @@ def export_hf(
     load offline: config.json, model.safetensors, generation_config.json, tokenizer.json,
     tokenizer_config.json, special_tokens_map.json, README.md, and difftrain.safetensors (exact
     round trips, see the module doc). `dtype`: float32 (exact), bfloat16 or float16."""
-    from difftrain.rundir import load_run, require_run_dir, require_weights, weights_state_dict
+    from difftrain.rundir import load_run, weights_state_dict
 
     run_path, out = Path(run_dir), Path(out_dir)
-    require_run_dir(run_path)
-    if not (run_path / "adapter.json").is_file():  # a LoRA fine-tune: load_run merges its adapter
-        require_weights(run_path)
     if dtype not in DTYPES:
         raise InteropError(f"dtype {dtype!r} is not supported for export; choose one of {', '.join(DTYPES)}")
     if _same_dir(run_path, out):
         raise InteropError(f"the export folder {out} is the run directory itself; choose another folder")
-    run = load_run(run_path)
+    run = load_run(run_path)  # checks the folder and its weights; a LoRA run: base + adapter, merged
     config: ModelConfig = run.config  # type: ignore[assignment]
     tok = run.tokenizer
     ours = {k: t.detach().float().clone() for k, t in weights_state_dict(run.model).items()}

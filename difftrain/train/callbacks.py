@@ -93,6 +93,20 @@ class RunState:
     history: list[tuple[int, float]] = field(default_factory=list)
 
 
+def save_inference_weights(
+    run_dir: Path,
+    model: torch.nn.Module,
+    step: int,
+    export: Callable[[Path, torch.nn.Module, int], None] | None,
+) -> None:
+    """The weights of step `step` that generate, eval and export load: model.safetensors, or what
+    `export` writes instead (a LoRA fine-tune: its adapter files)."""
+    if export is not None:
+        export(run_dir, model, step)
+    else:
+        save_weights(run_dir / "model.safetensors", model, {"step": str(step)})
+
+
 def peak_rss_mb() -> float:
     import resource
 
@@ -371,14 +385,12 @@ class RunCallback(L.Callback):
                 os.replace(target, path)
                 fsync_dir(self.ckpt_dir)
             record_checkpoint(self.ckpt_dir, path, step, self.keep)
-            if self.export is not None:
-                self.export(self.run_dir, pl_module.model, step)
-            elif full is not None:
+            if full is not None and self.export is None:
                 if pl_module.model.config.tie_embeddings:
                     full.pop("lm_head.weight", None)  # saved once, as the embedding
                 save_weights(self.run_dir / "model.safetensors", full, {"step": str(step)})
             else:
-                save_weights(self.run_dir / "model.safetensors", pl_module.model, {"step": str(step)})
+                save_inference_weights(self.run_dir, pl_module.model, step, self.export)
         trainer.strategy.barrier()
         self.state.saved_step = step
 

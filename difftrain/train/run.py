@@ -308,7 +308,6 @@ def training_into(
     where its resumable keys changed."""
     lock = RunLock(run_dir)
     if dist.is_global_zero:
-        run_dir.mkdir(parents=True, exist_ok=True)
         holder = lock.acquire()
         if holder is not None:
             raise RunDirError(_in_use(run_dir, holder))
@@ -665,17 +664,13 @@ def _resume_finished(r: Recipe, plan: Plan, lit: Any, point: Any, export: Any) -
                 "resuming with train.strategy=fsdp on as many GPUs as wrote it"
             )
         if is_global_zero():
+            from difftrain.train.callbacks import save_inference_weights
             from difftrain.train.checkpoint import load_checkpoint_file
 
             ckpt = load_checkpoint_file(point.path)
             lit.on_load_checkpoint(ckpt)
             lit.load_state_dict(ckpt["state_dict"], strict=lit.strict_loading)
-            if export is not None:
-                export(run_dir, lit.model, step)
-            else:
-                from difftrain.rundir import WEIGHTS, save_weights
-
-                save_weights(run_dir / WEIGHTS, lit.model, {"step": str(step)})
+            save_inference_weights(run_dir, lit.model, step, export)
         notes.append(f"{problem}: rewrote it from {point.path.parent.name}/{point.path.name}")
     summary = read_summary(run_dir)
     if not summary:
@@ -694,31 +689,29 @@ def _resume_finished(r: Recipe, plan: Plan, lit: Any, point: Any, export: Any) -
 def _final_weights_problem(run_dir: Path, step: int, *, adapter: bool) -> str | None:
     """What is wrong with a run's inference weights (model.safetensors, or adapter.safetensors +
     adapter.json of a LoRA fine-tune) as the weights of step `step`; None when nothing is."""
-    import json
-
     from safetensors import safe_open
 
-    from difftrain.adapters import ADAPTER_CONFIG, ADAPTER_WEIGHTS
-    from difftrain.rundir import WEIGHTS
+    from difftrain.adapters import ADAPTER_CONFIG, ADAPTER_WEIGHTS, read_adapter_spec
+    from difftrain.errors import DifftrainError
+    from difftrain.rundir import WEIGHTS, read_safetensors
 
     path = run_dir / (ADAPTER_WEIGHTS if adapter else WEIGHTS)
     if not path.is_file():
         return f"{path} is missing"
     try:
-        with safe_open(str(path), "pt") as f:
-            meta = f.metadata() or {}
-            for key in f.keys():
-                f.get_tensor(key)  # reads every tensor: a truncated file fails here
-    except Exception as e:  # safetensors raises its own error types, OSError, ValueError...
-        return f"{path} is damaged ({str(e).splitlines()[0][:120]})"
-    if meta.get("step") != str(step):
-        return f"{path} holds the weights of step {meta.get('step', '?')}, not of step {step}"
+        read_safetensors(path)  # every tensor: a truncated file fails here
+    except CheckpointError:
+        return f"{path} is damaged"
+    with safe_open(str(path), "pt") as f:  # the header only
+        written = (f.metadata() or {}).get("step")
+    if written != str(step):
+        return f"{path} holds the weights of step {written or '?'}, not of step {step}"
     if adapter:
         try:
-            spec = json.loads((run_dir / ADAPTER_CONFIG).read_text(encoding="utf-8"))
-        except (OSError, ValueError) as e:
-            return f"{run_dir / ADAPTER_CONFIG} is missing or damaged ({type(e).__name__})"
-        if not isinstance(spec, dict) or spec.get("step") != step:
+            spec_step = read_adapter_spec(run_dir).step
+        except DifftrainError:
+            return f"{run_dir / ADAPTER_CONFIG} is missing or damaged"
+        if spec_step != step:
             return f"{run_dir / ADAPTER_CONFIG} is not of step {step}"
     return None
 
