@@ -93,6 +93,20 @@ def test_compare_cli_prints_the_table_and_writes_the_curves(pair, tmp_path, caps
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 20_000
 
 
+def test_compare_plot_format_follows_the_suffix_and_an_unknown_one_is_refused_first(pair, tmp_path, capsys):
+    a, b = pair
+    svg = tmp_path / "curves.SVG"
+    assert main(["compare", str(a), str(b), "--plot", str(svg)]) == 0
+    assert b"<svg" in svg.read_bytes()[:2000]
+    capsys.readouterr()
+    for bad, why in (("curves.txt", "ends in '.txt'"), ("curves", "has no suffix")):
+        assert main(["compare", str(a), str(b), "--plot", str(tmp_path / "new" / bad)]) == 2
+        out, err = capsys.readouterr()
+        assert why in err and ".png, .svg, .pdf" in err and "Traceback" not in err
+        assert out == ""  # refused before the table is printed
+    assert not (tmp_path / "new").exists()  # and nothing was written
+
+
 def test_compare_json_holds_rows_with_a_value_per_run(pair, capsys):
     a, b = pair
     assert main(["compare", str(a), str(b), "--json"]) == 0

@@ -18,7 +18,8 @@ One table: parameters, tokens, wall time, tokens/s, final and best validation lo
 run's summary.json), then the headline figures of every eval suite present in all the runs
 (RUN_DIR/eval/<suite>.json, made by `difftrain eval`); the best value of each row is bold.
 --suite insists on given suites (an error names the runs that lack them). --plot draws the
-loss curves (train and validation, against tokens and against training time) as a PNG.
+loss curves (train and validation, against tokens and against training time) as a PNG, SVG
+or PDF, by the suffix of the file name.
 """
 
 
@@ -68,7 +69,7 @@ def render(cmp: Any) -> None:
 def compare_command(
     run_dirs: list[str] = typer.Argument(..., help="Two or more run directories."),
     plot: str = typer.Option(
-        None, "--plot", help="Write the loss curves to this PNG file (e.g. compare.png)."
+        None, "--plot", help="Write the loss curves to this figure: .png, .svg or .pdf (e.g. compare.png)."
     ),
     suite: list[str] = typer.Option(
         None, "--suite", "-s", help="Show these eval suites (must exist in every run)."
@@ -81,6 +82,7 @@ def compare_command(
     if plot is not None:
         from difftrain.evals import plots
 
+        plots.figure_format(plot)
         plots.require()
     cmp = compare_runs(run_dirs, suites or None)
     written = plot_curves(cmp, plot) if plot is not None else None

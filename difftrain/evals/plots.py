@@ -1,4 +1,5 @@
-"""Figures of the evaluations and of `difftrain compare`, as PNG files.
+"""Figures of the evaluations and of `difftrain compare`, as PNG files (compare: SVG or PDF too,
+by the suffix of the path it is given).
 
 matplotlib is an optional dependency (`pip install 'difftrain[plot]'`); every function here
 imports it lazily and raises a DifftrainError that says how to install it when it is missing.
@@ -42,10 +43,28 @@ def _figure(w: float, h: float) -> Any:
     return Figure(figsize=(w, h), dpi=110, layout="constrained")
 
 
+FORMATS = {".png": "png", ".svg": "svg", ".pdf": "pdf"}
+"""Figure file formats, by the name's suffix (case ignored)."""
+
+
+def figure_format(path: Path | str) -> str:
+    """The format a figure at `path` is written in, from its suffix; a DifftrainError naming the
+    suffixes there are when it has none of them (checked before anything is computed)."""
+    suffix = Path(path).suffix.lower()
+    if suffix not in FORMATS:
+        what = f"ends in {suffix!r}" if suffix else "has no suffix"
+        raise DifftrainError(
+            f"the figure path {str(path)!r} {what}; name it with one of {', '.join(FORMATS)} "
+            f"(e.g. compare.png)"
+        )
+    return FORMATS[suffix]
+
+
 def _save(fig: Any, path: Path | str) -> Path:
     path = Path(path)
+    fmt = figure_format(path)
     with atomic_path(path) as tmp:
-        fig.savefig(tmp, format="png")
+        fig.savefig(tmp, format=fmt)
     return path
 
 
