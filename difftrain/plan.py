@@ -485,6 +485,7 @@ class MemoryPlan:
             "params": self.params,
             "trained_params": self.trained_params,
             "method": self.method,
+            "model": self.config.model_dump(mode="json"),
             "settings": asdict(self.settings),
             "target": asdict(self.target),
             "bytes": {k: round(v) for k, v in self.breakdown().items()},
@@ -826,8 +827,9 @@ class RecipePlan:
         }
 
 
-def recipe_settings(recipe: Any, target: Target) -> tuple[ModelConfig, Settings, list[Param], str]:
-    """The model, settings, parameters and fine-tuning method a recipe resolves to on `target`."""
+def recipe_settings(recipe: Any, target: Target) -> tuple[ModelConfig, Settings, list[Param], str, list[str]]:
+    """The model, settings, parameters and fine-tuning method a recipe resolves to on `target`,
+    and notes on how they were found."""
     from difftrain.recipe import resolve_auto
 
     cuda = target.kind == "cuda"
@@ -835,8 +837,11 @@ def recipe_settings(recipe: Any, target: Target) -> tuple[ModelConfig, Settings,
     method = "full"
     trained: set[str] | None = None
     quantized: set[str] | None = None
+    notes: list[str] = []
     if r.finetune is not None:
-        config, trained, quantized, method = _finetune_model(r)
+        config, base_note = _finetune_model(r)
+        trained, quantized, method = set(), set(), r.finetune.method
+        notes += [base_note] if base_note else []
     else:
         if r.model is None:
             raise RecipeError(f"{recipe.source or recipe.name}: no model: section to plan for")
@@ -858,15 +863,38 @@ def recipe_settings(recipe: Any, target: Target) -> tuple[ModelConfig, Settings,
         params = model_params(config)
     else:
         params = _finetune_params(config, r, trained, quantized or set())
-    return config, settings, params, method
+    return config, settings, params, method, notes
 
 
-def _finetune_model(r: Any) -> tuple[ModelConfig, set[str], set[str], str]:
-    from difftrain.train.finetune import base_run_dir, resolve_model
+def _finetune_model(r: Any) -> tuple[ModelConfig, str | None]:
+    """The model a fine-tune trains: its base run's, or, before that run exists, the model of the
+    shipped recipe that writes it (with a note saying so), so a fine-tune can be planned first."""
+    from difftrain.train.finetune import apply_model_keys, base_run_dir, resolve_model
 
     ft = r.finetune
-    config = resolve_model(r, base_run_dir(ft))
-    return config, set(), set(), ft.method
+    stand_in = None if Path(ft.base).expanduser().exists() else _recipe_writing(Path(ft.base).expanduser())
+    if stand_in is None:
+        return resolve_model(r, base_run_dir(ft)), None
+    base_cfg = stand_in.model.replace(vocab_size=_vocab_size(stand_in))
+    note = (
+        f"finetune.base {ft.base} does not exist yet: planned with the model of the recipe that writes it "
+        f"(`difftrain pretrain {stand_in.name}`)"
+    )
+    return apply_model_keys(r, base_cfg, f"recipe {stand_in.name}"), note
+
+
+def _recipe_writing(run_dir: Path) -> Any:
+    """The shipped pretraining recipe whose run directory is `run_dir` (runs/NAME from the current
+    folder), or None."""
+    from difftrain.recipe import load_recipe, shipped_recipes
+
+    path = shipped_recipes().get(run_dir.name)
+    if path is None:
+        return None
+    recipe = load_recipe(path)
+    if recipe.finetune is not None or recipe.model is None:
+        return None
+    return recipe if recipe.run_dir.absolute() == run_dir.absolute() else None
 
 
 def _finetune_params(config: ModelConfig, r: Any, trained: set[str], quantized: set[str]) -> list[Param]:
@@ -903,8 +931,9 @@ def _finetune_params(config: ModelConfig, r: Any, trained: set[str], quantized: 
 
 def plan_recipe(recipe: Any, target: Target) -> RecipePlan:
     """Plan `recipe` on `target`; suggestions when it does not fit."""
-    config, settings, params, method = recipe_settings(recipe, target)
+    config, settings, params, method, notes = recipe_settings(recipe, target)
     plan = plan_memory(config, settings, target, params, method=method)
+    plan.notes[:0] = notes
     suggestions = [] if plan.fits else suggest(config, settings, target, params, method=method)
     kv = kv_cache_bytes(config)
     gen_bytes = int(sum(p.numel for p in params) * 4 + kv + config.vocab_size * 4)  # type: ignore[operator]

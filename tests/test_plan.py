@@ -237,3 +237,24 @@ def test_pretrain_adds_the_plan_warning_to_its_start_up_warnings_only_when_neede
     info = _with_memory_warning({"data": None}, too_big, "cpu", None)
     assert len(info["warnings"]) == 1 and "difftrain plan" in info["warnings"][0]
     assert "warnings" not in _with_memory_warning({"data": None}, load_recipe("quickstart"), "cpu", None)
+
+
+def test_a_finetune_is_planned_before_its_base_run_exists_with_the_model_of_the_recipe_that_writes_it(
+    tmp_path, monkeypatch, capsys
+):
+    monkeypatch.chdir(tmp_path)  # no runs/ here
+    code, out, _ = plan_cli(capsys, "finetune-lora-124m", "--gpu-mem", "24GB", "--json")
+    data = json.loads(out)
+    base = load_recipe("diff-124m").model
+    assert code == 0 and data["method"] == "lora"
+    assert (data["model"]["d_model"], data["model"]["n_layers"]) == (base.d_model, base.n_layers)
+    assert any(
+        "runs/diff-124m does not exist yet" in n and "difftrain pretrain diff-124m" in n
+        for n in data["notes"]
+    )
+    # a base that no shipped recipe writes is still the error that says to train it first
+    code, _, err = plan_cli(capsys, "finetune-lora-124m", "finetune.base=runs/mine")
+    assert code == 2 and "no run directory runs/mine; train it first" in err
+    # and the recipe's own model keys are checked against the stand-in's architecture
+    code, _, err = plan_cli(capsys, "finetune-lora-124m", f"model.d_model={base.d_model * 2}")
+    assert code == 2 and "but recipe diff-124m has d_model=" in err

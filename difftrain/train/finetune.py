@@ -145,7 +145,12 @@ def base_run_dir(ft: FinetuneConfig) -> Path:
 def resolve_model(recipe: Recipe, base: Path) -> Any:
     """The base run's ModelConfig with the recipe's own `model:` keys applied; a key that would
     change the architecture is a RecipeError."""
-    base_cfg = load_config(base)
+    return apply_model_keys(recipe, load_config(base), f"the base run {base}")
+
+
+def apply_model_keys(recipe: Recipe, base_cfg: Any, base: str) -> Any:
+    """`base_cfg` (the model of `base`, as the messages name it) with the recipe's own `model:`
+    keys applied; a key that would change the architecture is a RecipeError."""
     if recipe.model is None or not recipe.model_keys:
         return base_cfg
     updates = {k: getattr(recipe.model, k) for k in recipe.model_keys}
@@ -154,7 +159,7 @@ def resolve_model(recipe: Recipe, base: Path) -> Any:
     for k, v in updates.items():
         if k not in CHANGEABLE_MODEL_KEYS and v != getattr(base_cfg, k):
             raise RecipeError(
-                f"model.{k}={v} but the base run {base} has {k}={getattr(base_cfg, k)}: a fine-tune keeps the "
+                f"model.{k}={v} but {base} has {k}={getattr(base_cfg, k)}: a fine-tune keeps the "
                 f"base's architecture (only {', '.join(sorted(CHANGEABLE_MODEL_KEYS))} may change); remove "
                 f"model.{k} from the recipe"
             )
