@@ -444,10 +444,10 @@ class Recipe(_Section):
         return run_dir_for(self.out_dir, self.name)
 
     def with_absolute_paths(self) -> Recipe:
-        """A copy whose relative local paths are absolute: data sources that are paths and the
-        data_files of hf: sources, tokenizer.path (against `recipe_dir`), finetune.base (against the
-        current folder). A run directory's recipe.yaml is written this way, so the run resumes
-        from its own recipe.yaml in any folder."""
+        """A copy whose relative local paths are absolute: data sources that are paths, hf: sources
+        that name a local folder and the data_files of hf: sources, tokenizer.path (against
+        `recipe_dir`), finetune.base (against the current folder). A run directory's recipe.yaml is
+        written this way, so the run resumes from its own recipe.yaml in any folder."""
         data = self.model_dump()
 
         def absolute(raw: str, base: Path) -> str:
@@ -457,6 +457,10 @@ class Recipe(_Section):
         for spec, src in zip(self.data.sources, data["data"]["sources"], strict=True):
             if spec.kind == "path":
                 src["source"] = absolute(spec.source, self.recipe_dir)
+            local = spec.hf_local_dir(self.recipe_dir) if spec.kind == "hf" else None
+            if local is not None:  # hf:./folder[:config][@split] → hf:/abs/folder[:config][@split]
+                name = spec.hf_parts()[0]
+                src["source"] = f"hf:{local.resolve()}{spec.source[3 + len(name) :]}"
             if spec.data_files:
                 src["data_files"] = [absolute(f, self.recipe_dir) for f in spec.data_files]
         tok_file = self.tokenizer.file(self.recipe_dir)

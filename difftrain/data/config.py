@@ -188,6 +188,27 @@ class SourceSpec(BaseModel):
             )
         return self
 
+    def hf_parts(self) -> tuple[str, str | None, str]:
+        """An hf: source's (dataset, config or None, split; "train" when not given)."""
+        rest = self.source[3:]
+        split = "train"
+        if "@" in rest:
+            rest, split = rest.rsplit("@", 1)
+        config = None
+        if ":" in rest:
+            rest, config = rest.split(":", 1)
+        return rest, config or None, split
+
+    def hf_local_dir(self, base_dir: Path) -> Path | None:
+        """The local folder an hf: source names (a path starting with '.', '/' or '~', or one
+        with a separator that exists), resolved against `base_dir`; None for a hub dataset."""
+        name = self.hf_parts()[0]
+        p = Path(os.path.expanduser(name))
+        p = p if p.is_absolute() else base_dir / p
+        if name.startswith((".", "/", "~")) or (os.sep in name and p.exists()):
+            return p
+        return None
+
     @property
     def kind(self) -> Literal["builtin", "hf", "path"]:
         if self.source.startswith("builtin:"):

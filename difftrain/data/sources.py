@@ -280,16 +280,6 @@ class Source:
                 yield f"{path}, row {row}", dict(zip(columns, values, strict=True))
                 row += 1
 
-    def _hf_parts(self) -> tuple[str, str | None, str]:
-        rest = self.spec.source[3:]
-        split = "train"
-        if "@" in rest:
-            rest, split = rest.rsplit("@", 1)
-        config = None
-        if ":" in rest:
-            rest, config = rest.split(":", 1)
-        return rest, config or None, split
-
     def _hf_data_files(self) -> list[Path] | None:
         if not self.spec.data_files:
             return None
@@ -308,10 +298,9 @@ class Source:
         return files
 
     def _hf_local_dir(self) -> Path | None:
-        name = self._hf_parts()[0]
-        if not (name.startswith((".", "/", "~")) or os.sep in name and self._resolve(name).exists()):
+        p = self.spec.hf_local_dir(self.base_dir)
+        if p is None:
             return None
-        p = self._resolve(name)
         if not p.exists():
             raise DataError(f"{self.label}: local dataset folder {p} does not exist; fix the path")
         return p
@@ -324,7 +313,7 @@ class Source:
                 f"{self.label}: hf: sources need the `datasets` library; install it with "
                 "pip install 'difftrain[hf]'"
             ) from e
-        name, config, split = self._hf_parts()
+        name, config, split = self.spec.hf_parts()
         local = self._hf_local_dir()
         try:
             if (

@@ -98,3 +98,21 @@ def test_an_absolute_out_dir_is_allowed_on_purpose(project, capsys):
     assert (target / "r" / "model.safetensors").is_file()
     # the run went where out_dir says: no runs/ next to the recipe or in the current folder
     assert not (root / "elsewhere" / "runs").exists() and not (root / "proj" / "runs").exists()
+
+
+def test_a_run_recipe_makes_local_hf_folders_absolute_and_leaves_hub_names_alone(project):
+    root, recipe = project
+    proj = root / "proj"
+    (proj / "saved").mkdir()
+    p = recipe(
+        source="'hf:./saved@test', 'hf:~/ds:cfg', 'hf:wikitext:wikitext-2-raw-v1@train', "
+        "{source: 'hf:json', data_files: [corpus/a.jsonl]}, corpus"
+    )
+    r = load_recipe(p).with_absolute_paths()
+    src = [s.source for s in r.data.sources]
+    assert src[0] == f"hf:{(proj / 'saved').resolve()}@test"  # not the current folder's ./saved
+    assert src[1] == f"hf:{Path('~/ds').expanduser()}:cfg"
+    assert src[2:4] == ["hf:wikitext:wikitext-2-raw-v1@train", "hf:json"]  # hub names and builders
+    assert r.data.sources[3].data_files == [str(proj.resolve() / "corpus/a.jsonl")]
+    assert src[4] == str(proj.resolve() / "corpus")
+    assert r.data.sources[0].hf_parts() == (str((proj / "saved").resolve()), None, "test")
