@@ -392,3 +392,21 @@ def test_a_run_directory_another_process_trains_into_is_refused_and_left_alone(w
         lock.release()
     assert main(["pretrain", str(p), "--no-progress", "--resume", "train.max_steps=4"]) == 0
     assert sorted(losses(run)) == [1, 2, 3, 4]
+
+
+@pytest.mark.parametrize("steps", [8, 6], ids=["ends-on-a-val-step", "final-val-after-the-bar"])
+def test_the_progress_bar_shows_the_newest_val_loss_with_its_step(workspace, steps):
+    import io
+
+    from rich.console import Console
+
+    out = io.StringIO()
+    result = pretrain(
+        load_recipe(workspace(steps=steps)), progress=True, console=Console(file=out, width=250)
+    )
+    bar = [line for line in out.getvalue().splitlines() if line.startswith("step ")][-1]
+    assert f"step {steps}/{steps}" in bar
+    if steps == 8:  # validated at step 8 after the bar's update for the step: the bar shows it
+        assert f"val {result.summary['final_val_loss']:.4f} (step 8)" in bar
+    else:  # the final validation (step 6) runs after training; the bar names its step 4 value
+        assert "(step 4)" in bar and f"val {result.summary['final_val_loss']:.4f}" not in bar

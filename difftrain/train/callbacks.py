@@ -226,18 +226,26 @@ class RunCallback(L.Callback):
         if step % self.log_every == 0 or step == 1:
             self._log(trainer, pl_module, step)
         self._check_spike(trainer, pl_module, step)
-        if self._progress is not None:
-            lr = trainer.optimizers[0].param_groups[0]["lr"]
-            self._progress.update(
-                self._task,
-                completed=step,
-                info=f"loss {pl_module.last_loss:.4f} · {self.tokens_per_s:,.0f} tok/s · lr {lr:.2e}"
-                + (f" · val {self.state.last_val:.4f}" if math.isfinite(self.state.last_val) else ""),
-            )
+        self._show(trainer, pl_module)
         if step % self.save_every == 0 and step < trainer.max_steps:
             self.save(trainer, pl_module)
         if self._stop_signal is not None:
             self._stop(trainer, pl_module)
+
+    def _show(self, trainer: L.Trainer, pl_module: Any) -> None:
+        """The progress bar at the current step: loss, throughput, lr and the newest val loss with
+        the step it was measured at (a run's last validation may come after the bar has stopped:
+        then the summary below it has the final one)."""
+        if self._progress is None:
+            return
+        lr = trainer.optimizers[0].param_groups[0]["lr"]
+        val = self.state.last_val
+        self._progress.update(
+            self._task,
+            completed=trainer.global_step,
+            info=f"loss {pl_module.last_loss:.4f} · {self.tokens_per_s:,.0f} tok/s · lr {lr:.2e}"
+            + (f" · val {val:.4f} (step {self.state.last_val_step})" if math.isfinite(val) else ""),
+        )
 
     # ---- loss spikes -----------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -345,6 +353,7 @@ class RunCallback(L.Callback):
                     },
                     step=trainer.global_step,
                 )
+            self._show(trainer, pl_module)  # validation runs after the step's update of the bar
 
     def on_train_end(self, trainer: L.Trainer, pl_module: Any) -> None:
         if self.state.saved_step != trainer.global_step and trainer.global_step > 0:
