@@ -345,3 +345,28 @@ def gen_chat(capsys, *args) -> tuple[int, str, str]:
     code = main(["chat", *map(str, args)])
     out, err = capsys.readouterr()
     return code, out, err
+
+
+def test_chat_drops_the_oldest_exchanges_whole_to_fit_the_context_and_keeps_the_system_message():
+    from types import SimpleNamespace
+
+    from difftrain.cli.generate import Chat
+    from difftrain.errors import DataError
+
+    roles = {"system": "S{content}|", "user": "U{content}|", "assistant": "A{content}<|end|>"}
+    chat = Chat(SimpleNamespace(roles=roles), "sys")
+    chars = SimpleNamespace(encode=lambda text: list(text))  # one token per character
+
+    def say(*turns):
+        chat.messages[:] = [{"role": r, "content": c} for r, c in turns]
+
+    say(("user", "aaaa"), ("assistant", "bbbb"), ("user", "cc"), ("assistant", "dd"), ("user", "e"))
+    whole = chat.render()
+    assert chat.fit(chars, len(whole) + 1) == (whole, list(whole), 0)  # fits: nothing dropped
+    text, ids, dropped = chat.fit(chars, len(whole))  # one token short: the first exchange goes
+    assert dropped == 2 and text.startswith("Ssys|Ucc|") and ids == list(text)
+    assert [m["content"] for m in chat.messages] == ["cc", "dd", "e"]
+    say(("user", "x" * 50))
+    with pytest.raises(DataError, match="the context is 20: shorten it"):
+        chat.fit(chars, 20)
+    assert chat.messages == []  # the message that cannot fit is taken back

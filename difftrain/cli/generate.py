@@ -51,7 +51,8 @@ CHAT_HELP = (
     "Each turn renders the conversation with the run's finetune.chat_template (the default template for "
     "runs not fine-tuned on messages), adds the assistant header, and streams the reply until the "
     "template's end marker (<|end|>) or <|eos|>. When the conversation outgrows max_seq_len, the oldest "
-    "turns are dropped (the system message is kept). Ctrl-C stops a reply; /reset starts over; "
+    "exchanges are dropped, with a note (the system message is kept); a reply stops when it fills the "
+    "context. Ctrl-C stops a reply; /reset starts over; "
     "Ctrl-D or /quit exits."
 )
 
@@ -453,6 +454,29 @@ class Chat:
             "".join(self.roles[m["role"]].replace("{content}", m["content"]) for m in msgs) + self.reply_head
         )
 
+    def fit(self, tokenizer: Any, limit: int) -> tuple[str, list[int], int]:
+        """(rendered text, ids, messages dropped): the oldest exchanges are dropped, a user turn
+        with the replies after it at a time (the system message stays), until the rendering
+        leaves room for at least one new token in `limit`. A DataError when the newest message
+        alone does not fit (it is taken back)."""
+        dropped = 0
+        text = self.render()
+        ids = tokenizer.encode(text)
+        while len(ids) > limit - 1 and len(self.messages) > 1:
+            self.messages.pop(0)
+            dropped += 1
+            while len(self.messages) > 1 and self.messages[0]["role"] != "user":
+                self.messages.pop(0)
+                dropped += 1
+            text = self.render()
+            ids = tokenizer.encode(text)
+        if len(ids) > limit - 1:
+            self.messages.pop()
+            raise DataError(
+                f"the message is {len(ids)} tokens with the template; the context is {limit}: shorten it"
+            )
+        return text, ids, dropped
+
 
 def chat_repl(session: Session, chat: Chat) -> None:
     """Read user turns until EOF; stream each reply; drop old turns when the context is full."""
@@ -482,16 +506,18 @@ def chat_repl(session: Session, chat: Chat) -> None:
         if cmd == "" or _command(session, cmd, CHAT_HELP):
             continue
         chat.messages.append({"role": "user", "content": unescape(line)})
-        text = chat.render()
-        ids = tokenizer.encode(text)
-        while len(ids) > limit - 1 and len(chat.messages) > 1:  # keep room for at least one token
-            chat.messages.pop(0)
-            text = chat.render()
-            ids = tokenizer.encode(text)
-        if len(ids) > limit - 1:
-            chat.messages.pop()
-            _error(f"the message is {len(ids)} tokens with the template; the context is {limit}: shorten it")
+        try:
+            text, ids, dropped = chat.fit(tokenizer, limit)
+        except DataError as e:
+            _error(str(e))
             continue
+        if dropped:
+            err_console.print(
+                f"[dim](the conversation outgrew the context of {limit} tokens: the oldest {dropped} "
+                f"message{'s' if dropped > 1 else ''} {'are' if dropped > 1 else 'is'} no longer seen; "
+                "/reset starts over)",
+                soft_wrap=True,
+            )
         row = Row(session.seed + session.rows_done, 0, Prompt(line, "input"), text, ids)
         console.print("[bold cyan]assistant »[/] ", end="")
         try:
