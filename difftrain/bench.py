@@ -1056,7 +1056,7 @@ def measure_training_peak(spec: dict[str, Any]) -> dict[str, Any]:
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        return float(loss)
+        return float(loss.detach())
 
     for _ in range(3):
         loss = step()
