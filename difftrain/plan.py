@@ -872,7 +872,8 @@ def _finetune_model(r: Any) -> tuple[ModelConfig, str | None]:
     from difftrain.train.finetune import apply_model_keys, base_run_dir, resolve_model
 
     ft = r.finetune
-    stand_in = None if Path(ft.base).expanduser().exists() else _recipe_writing(Path(ft.base).expanduser())
+    base = Path(ft.base).expanduser()
+    stand_in = None if base.exists() else _recipe_writing(base)
     if stand_in is None:
         return resolve_model(r, base_run_dir(ft)), None
     base_cfg = stand_in.model.replace(vocab_size=_vocab_size(stand_in))

@@ -457,10 +457,9 @@ class Recipe(_Section):
         for spec, src in zip(self.data.sources, data["data"]["sources"], strict=True):
             if spec.kind == "path":
                 src["source"] = absolute(spec.source, self.recipe_dir)
-            local = spec.hf_local_dir(self.recipe_dir) if spec.kind == "hf" else None
-            if local is not None:  # hf:./folder[:config][@split] → hf:/abs/folder[:config][@split]
-                name = spec.hf_parts()[0]
-                src["source"] = f"hf:{local.resolve()}{spec.source[3 + len(name) :]}"
+            if spec.kind == "hf" and spec.hf_local_dir(self.recipe_dir) is not None:
+                name = spec.hf_parts()[0]  # hf:./folder[:config][@split] → hf:/abs/folder[:config][@split]
+                src["source"] = f"hf:{absolute(name, self.recipe_dir)}{spec.source[3 + len(name) :]}"
             if spec.data_files:
                 src["data_files"] = [absolute(f, self.recipe_dir) for f in spec.data_files]
         tok_file = self.tokenizer.file(self.recipe_dir)

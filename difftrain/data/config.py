@@ -98,6 +98,12 @@ class DocstringsSpec(BaseModel):
     )
 
 
+def resolve_path(raw: str, base_dir: Path) -> Path:
+    """A path of a recipe: ~ expanded, relative to `base_dir` (the recipe's folder) unless absolute."""
+    p = Path(os.path.expanduser(raw))
+    return p if p.is_absolute() else Path(base_dir) / p
+
+
 class SourceSpec(BaseModel):
     """One entry of `data.sources`: where documents come from and how much they weigh."""
 
@@ -203,8 +209,7 @@ class SourceSpec(BaseModel):
         """The local folder an hf: source names (a path starting with '.', '/' or '~', or one
         with a separator that exists), resolved against `base_dir`; None for a hub dataset."""
         name = self.hf_parts()[0]
-        p = Path(os.path.expanduser(name))
-        p = p if p.is_absolute() else base_dir / p
+        p = resolve_path(name, base_dir)
         if name.startswith((".", "/", "~")) or (os.sep in name and p.exists()):
             return p
         return None
@@ -361,5 +366,4 @@ class TokenizerConfig(BaseModel):
         """`path` resolved (~ expanded, relative to `base_dir`, the recipe's folder); None when unset."""
         if self.path is None:
             return None
-        p = Path(os.path.expanduser(self.path))
-        return p if p.is_absolute() else Path(base_dir) / p
+        return resolve_path(self.path, base_dir)

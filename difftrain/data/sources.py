@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import IO, Any, Literal
 
 from difftrain.data import builtin
-from difftrain.data.config import DataConfig, SourceSpec
+from difftrain.data.config import DataConfig, SourceSpec, resolve_path
 from difftrain.errors import DataError
 
 RECORD_SUFFIXES = frozenset({".jsonl", ".json", ".parquet"})
@@ -89,8 +89,7 @@ class Source:
         return f"data.sources[{self.index}] ('{self.spec.source}')"
 
     def _resolve(self, raw: str) -> Path:
-        p = Path(os.path.expanduser(raw))
-        return p if p.is_absolute() else self.base_dir / p
+        return resolve_path(raw, self.base_dir)
 
     # -- local files -------------------------------------------------------------------------
     def _walk(self, root: Path) -> list[Path]:
