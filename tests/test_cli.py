@@ -25,6 +25,19 @@ def test_usage_errors_exit_2_with_a_message_and_no_traceback(argv, message, caps
     assert "--help" in err  # says where to look
 
 
+def test_help_text_wraps_at_the_terminal_not_at_the_docstring_line_breaks(capsys, monkeypatch):
+    from difftrain.cli.app import unwrap_help
+
+    assert unwrap_help("One line\n    and its rest.\n\n    Second\n    paragraph.") == (
+        "One line and its rest.\n\nSecond paragraph."
+    )
+    monkeypatch.setenv("COLUMNS", "200")  # wide enough for every paragraph of prepare's docstring
+    assert main(["prepare", "--help"]) == 0
+    out = capsys.readouterr().out
+    # the docstring wraps after "it is the way"; a line break there in --help is the bug this guards
+    assert "it is the way to check the data" in out
+
+
 def test_help_and_version_exit_0(capsys):
     assert main(["--help"]) == 0
     assert "pretrain" in capsys.readouterr().out

@@ -8,7 +8,9 @@ Heavy imports (torch, lightning) happen inside the commands so that `difftrain -
 from __future__ import annotations
 
 import importlib
+import inspect
 import os
+import re
 import sys
 
 import typer
@@ -67,15 +69,27 @@ def _root(
         configured_backend()
 
 
+def unwrap_help(doc: str) -> str:
+    """A docstring as help text: the lines of each paragraph joined into one. Typer's rich mode
+    keeps a docstring's line breaks, so `--help` showed them mid-sentence, wherever the source
+    wrapped; the terminal wraps the joined text instead."""
+    paragraphs = re.split(r"\n\s*\n", inspect.cleandoc(doc))
+    return "\n\n".join(" ".join(line.strip() for line in p.splitlines()) for p in paragraphs)
+
+
+def _unwrap_commands(group: typer.Typer) -> None:
+    for info in group.registered_commands:
+        if info.help is None and info.callback is not None and info.callback.__doc__:
+            info.help = unwrap_help(info.callback.__doc__)
+    for sub in group.registered_groups:
+        if sub.typer_instance is not None:
+            _unwrap_commands(sub.typer_instance)
+
+
 def _register_all() -> None:
     for name in COMMAND_MODULES:
-        try:
-            module = importlib.import_module(f"difftrain.cli.{name}")
-        except ModuleNotFoundError as e:  # a command whose module has not landed yet
-            if e.name == f"difftrain.cli.{name}":
-                continue
-            raise
-        module.register(app)
+        importlib.import_module(f"difftrain.cli.{name}").register(app)
+    _unwrap_commands(app)
 
 
 _register_all()

@@ -40,8 +40,10 @@ def bench_command(
         help="Print the README's tables from an existing JSON result and exit (measures nothing).",
     ),
 ) -> None:
-    """Measure attention cores, training steps, the Lightning overhead, transformers on the same
-    weights, optimizers, decoding and the memory planner, in one process, as ratios (see the README)."""
+    """Measure speed and memory in one process, as ratios (see the README).
+
+    Attention cores, training steps, the Lightning overhead, transformers on the same weights,
+    optimizers, decoding and the memory planner."""
     from difftrain.bench import SECTIONS, BenchOptions, bench_markdown, run_bench, validate_result
     from difftrain.errors import ConfigError
 

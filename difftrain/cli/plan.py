@@ -26,10 +26,12 @@ def plan_command(
     ),
     as_json: bool = typer.Option(False, "--json", help="Print the plan as JSON instead of tables."),
 ) -> None:
-    """Estimate the memory of a training run before it starts: parameters; weights, gradients and
-    optimizer state; activations per micro-batch (each arch, with and without activation
-    checkpointing, each precision); the KV cache for generation; the peak. Says whether it fits
-    and lists the cheapest changes that make it fit. Exit code 0 when it fits, 1 when it does not."""
+    """Estimate a training run's memory before it starts: does it fit, and what would make it fit.
+
+    Parameters; weights, gradients and optimizer state; activations per micro-batch (each arch,
+    with and without activation checkpointing, each precision); the KV cache for generation; the
+    peak. Says whether it fits and lists the cheapest changes that make it fit. Exit code 0 when it
+    fits, 1 when it does not."""
     from difftrain.errors import ConfigError
     from difftrain.plan import detect_target, plan_recipe
     from difftrain.recipe import load_recipe
