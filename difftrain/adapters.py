@@ -365,6 +365,18 @@ def default_merge_dir(run_dir: Path) -> Path:
     return run_dir.parent / f"{run_dir.name}-merged"
 
 
+def _runs_read_by(run_dir: Path) -> list[Path]:
+    """The adapter run and every base under it (a base may itself be an adapter run)."""
+    runs, seen = [run_dir], {run_dir.resolve()}
+    while (runs[-1] / ADAPTER_CONFIG).is_file():
+        base = resolve_base(runs[-1], read_adapter_spec(runs[-1]))
+        if base.resolve() in seen:
+            break
+        runs.append(base)
+        seen.add(base.resolve())
+    return runs
+
+
 def merge_run(run_dir: Path | str, out_dir: Path | str | None = None, *, overwrite: bool = False) -> Path:
     """Fold a LoRA adapter into its base and write a plain run directory (no adapter, no checkpoints).
 
@@ -386,15 +398,21 @@ def merge_run(run_dir: Path | str, out_dir: Path | str | None = None, *, overwri
         raise RunDirError(
             f"the merged run must go to a new directory, not {run_dir} itself (the adapter run stays resumable)"
         )
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        if not overwrite:
-            raise RunDirError(f"{out} already exists; choose another OUT_DIR or pass --overwrite")
-        if out.is_dir():
-            shutil.rmtree(out)
-        else:
-            out.unlink()
+    for read in _runs_read_by(run_dir):  # --overwrite must never remove what the merge reads
+        if out.resolve() == read.resolve() or out.resolve() in read.resolve().parents:
+            what = "is" if out.resolve() == read.resolve() else "holds"
+            raise RunDirError(
+                f"OUT_DIR {out} {what} the run {read} that the merge reads (the adapter or its base); "
+                "choose another OUT_DIR"
+            )
+    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not overwrite:
+        raise RunDirError(f"{out} already exists; choose another OUT_DIR or pass --overwrite")
     run = load_adapter_run(run_dir, merge=True)
     spec = read_adapter_spec(run_dir)
+    if out.is_dir():  # removed once the merged model is in memory
+        shutil.rmtree(out)
+    elif out.exists():
+        out.unlink()
     out.mkdir(parents=True, exist_ok=True)
     run.config.to_json(out / CONFIG)  # type: ignore[attr-defined]
     run.tokenizer.save(out / TOKENIZER)  # type: ignore[attr-defined]

@@ -148,6 +148,38 @@ LOCK_FILE = ".lock"
 """The file a training process holds an exclusive lock on (flock) in its run directory."""
 
 
+def _nearest_existing(path: Path) -> Path:
+    p = path.absolute()
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    return p
+
+
+def check_run_dir_creatable(run_dir: str | os.PathLike[str]) -> None:
+    """Refuse, writing nothing, a run directory that cannot be created or written (`pretrain
+    --dry-run` checks what `make_run_dir` would find)."""
+    run_dir = Path(run_dir)
+    base = _nearest_existing(run_dir)
+    if not base.is_dir() or not os.access(base, os.W_OK | os.X_OK):
+        why = "is not a folder" if not base.is_dir() else "is not writable"
+        raise DifftrainError(
+            f"cannot create the run directory {run_dir}: {base} {why}; set out_dir (or name) to a folder you can write"
+        )
+
+
+def make_run_dir(run_dir: str | os.PathLike[str]) -> None:
+    """Create a run directory (and its parents); a failure names the folder and the fix."""
+    run_dir = Path(run_dir)
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        if e.errno == errno.ENOSPC:
+            raise DifftrainError(_os_error_message(run_dir, e)) from e
+        raise DifftrainError(
+            f"cannot create the run directory {run_dir}: {e.strerror or e}; set out_dir (or name) to a folder you can write"
+        ) from e
+
+
 class RunLock:
     """An exclusive, advisory lock on a run directory (flock on `<run_dir>/.lock`), held by the
     process that trains into it, so that a second `pretrain`/`finetune` of the same run (another
@@ -186,9 +218,9 @@ class RunLock:
             import fcntl
         except ImportError:
             return None, None
+        if create:
+            make_run_dir(self.path.parent)
         try:
-            if create:
-                self.path.parent.mkdir(parents=True, exist_ok=True)
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT if create else os.O_RDONLY, 0o644)
         except OSError as e:
             raise DifftrainError(_os_error_message(self.path, e)) from e

@@ -24,7 +24,7 @@ import math
 import os
 import typing
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import (
@@ -210,6 +210,9 @@ class TrainConfig(_Section):
         return self
 
 
+_Beta = Annotated[float, Field(ge=0, lt=1)]
+
+
 class OptimConfig(_Section):
     name: Literal["auto", "adamw", "adamw8bit", "paged_adamw8bit", "lion8bit"] = Field(
         "auto",
@@ -224,7 +227,7 @@ class OptimConfig(_Section):
     decay_embeddings: bool = Field(
         False, description="Also apply weight decay to the embedding (and untied output head)."
     )
-    betas: tuple[float, float] = Field((0.9, 0.95), description="Adam/Lion beta1, beta2.")
+    betas: tuple[_Beta, _Beta] = Field((0.9, 0.95), description="Adam/Lion beta1, beta2 (each in [0, 1)).")
     eps: float = Field(1e-8, gt=0, description="Adam epsilon.")
     warmup_steps: int = Field(100, ge=0, description="Linear warmup from 0 to lr over this many steps.")
     schedule: Literal["cosine", "linear", "constant", "wsd"] = Field(

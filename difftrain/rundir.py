@@ -18,6 +18,7 @@ tensors are a CheckpointError that says which.
 from __future__ import annotations
 
 import json
+import shlex
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -118,20 +119,24 @@ def require_run_dir(path: Path) -> Path:
     return path
 
 
+def training_command(path: Path) -> str:
+    """`finetune` for a run whose recipe.yaml has a finetune: section, else `pretrain` (a run's
+    recipe.yaml holds every section, `finetune: null` in a pretraining run's)."""
+    import yaml
+
+    try:
+        recipe = yaml.safe_load((path / RECIPE).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, yaml.YAMLError):
+        return "pretrain"
+    return "finetune" if isinstance(recipe, dict) and recipe.get("finetune") else "pretrain"
+
+
 def require_weights(path: Path) -> Path:
     """model.safetensors of a run, or a RunDirError that says where training stands and what to do."""
     weights = path / WEIGHTS
     if weights.is_file():
         return weights
-    command = "pretrain"
-    try:
-        if any(
-            line.startswith("finetune:") for line in (path / RECIPE).read_text(encoding="utf-8").splitlines()
-        ):
-            command = "finetune"
-    except (OSError, UnicodeDecodeError):
-        pass
-    resume = f"`difftrain {command} {path / RECIPE} --resume`"
+    resume = f"`difftrain {training_command(path)} {shlex.quote(str(path / RECIPE))} --resume`"
     ckpts = sorted((path / CHECKPOINTS).glob("*.ckpt")) if (path / CHECKPOINTS).is_dir() else []
     if ckpts:
         raise RunDirError(

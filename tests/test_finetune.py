@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from difftrain.adapters import load_adapter_run, merge_run, read_adapter_spec
+from difftrain.adapters import load_adapter_run, merge_run, read_adapter_spec, resolve_base
 from difftrain.cli.app import main
 from difftrain.errors import CheckpointError, ConfigError, DataError, RecipeError, RunDirError
 from difftrain.model.lora import LoRALinear
@@ -200,6 +200,14 @@ def test_merged_run_gives_the_logits_of_base_plus_adapter(ws, tmp_path):
     assert json.loads((merged_dir / "summary.json").read_text())["merged_from"]["method"] == "lora"
     with pytest.raises(RunDirError, match="already exists"):
         merge_run(run)
+    # --overwrite never removes what the merge reads: the base, or a folder that holds it or the adapter
+    base = resolve_base(run, read_adapter_spec(run))
+    for out in (base, base.parent, run.parent):
+        before = sorted(p.relative_to(out) for p in out.rglob("*"))
+        with pytest.raises(RunDirError, match="that the merge reads"):
+            merge_run(run, out, overwrite=True)
+        assert sorted(p.relative_to(out) for p in out.rglob("*")) == before
+    assert merge_run(run, overwrite=True) == merged_dir  # a merged run is replaced
     with pytest.raises(RunDirError, match="nothing to merge"):
         merge_run(merged_dir, tmp_path / "again")
     # `export` takes the adapter run as it is (base + adapter, merged on load): the merged run's export

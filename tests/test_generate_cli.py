@@ -239,6 +239,24 @@ def test_a_run_without_weights_says_so_and_how_to_resume(tmp_path, capsys):
     assert "has no model.safetensors yet" in err and "--resume" in err
 
 
+def test_the_resume_advice_names_the_command_that_trained_the_run(tmp_path):
+    from difftrain.errors import RunDirError
+    from difftrain.rundir import require_weights
+
+    run = tmp_path / "run dir"
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "checkpoints" / "step-00000004.ckpt").write_bytes(b"x")
+    # a run's recipe.yaml lists every section: a pretraining run's holds `finetune: null`
+    for recipe, command in (
+        ("finetune: null\nname: a\n", "pretrain"),
+        ("finetune:\n  base: runs/a\n", "finetune"),
+    ):
+        (run / "recipe.yaml").write_text(recipe)
+        with pytest.raises(RunDirError) as e:
+            require_weights(run)
+        assert f"`difftrain {command} '{run / 'recipe.yaml'}' --resume`" in str(e.value)
+
+
 def test_a_tokenizer_from_another_run_is_refused(tmp_path, capsys):
     run = make_run(tmp_path / "mismatch", vocab_size=200)
     code, _, err = gen(capsys, run, "--prompt", "x")

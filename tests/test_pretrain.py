@@ -201,6 +201,8 @@ def test_a_different_run_in_the_directory_is_refused(workspace):
 def test_batch_arithmetic_is_checked_before_training(workspace):
     with pytest.raises(RecipeError, match="not divisible"):
         pretrain(load_recipe(workspace(), ["train.global_batch_size=5"]))
+    with pytest.raises(RecipeError, match="global_batch_size=2 is smaller than one step of micro-batches"):
+        pretrain(load_recipe(workspace(), ["train.micro_batch_size=4", "train.global_batch_size=2"]))
     with pytest.raises(RecipeError, match="longer than model.max_seq_len"):
         pretrain(load_recipe(workspace(), ["train.seq_len=64"]))
 
@@ -214,6 +216,31 @@ def test_cli_pretrain_and_errors_exit_2(workspace, capsys):
     assert "already holds a run" in capsys.readouterr().err
     assert main(["pretrain", str(p), "train.micro_batch_size=3"]) == 2
     assert main(["pretrain", str(p), "--dry-run", "train.max_steps=9", "--overwrite"]) == 0
+
+
+def test_overwrite_keeps_the_old_run_until_every_check_has_passed(workspace, capsys):
+    p = workspace(steps=2, save_every=2)
+    assert main(["pretrain", str(p), "--no-progress"]) == 0
+    run = p.parent / "runs" / "r"
+    before = sorted((q.relative_to(run), q.stat().st_mtime_ns) for q in run.rglob("*"))
+    capsys.readouterr()
+    mistakes = {  # each found after the run directory was decided on, before training
+        "tokenizer.path=nope/tokenizer.json": "nope/tokenizer.json does not exist",
+        "data.sources=[missing.txt]": "missing.txt does not exist",
+        "model.attn_impl=flex": "model.attn_impl=flex has no backward pass on CPU",
+        "optim.betas=[1.5,0.9]": "Input should be less than 1",
+    }
+    for override, message in mistakes.items():
+        assert main(["pretrain", str(p), "--no-progress", "--overwrite", override]) == 2, override
+        assert message in capsys.readouterr().err, override
+        assert sorted((q.relative_to(run), q.stat().st_mtime_ns) for q in run.rglob("*")) == before
+    # a good --overwrite replaces it: the old checkpoint of step 2 is gone, the new run has 3 steps
+    assert (
+        main(["pretrain", str(p), "--no-progress", "--overwrite", "train.max_steps=3", "train.save_every=3"])
+        == 0
+    )
+    assert sorted(losses(run)) == [1, 2, 3]
+    assert [q.name for q in (run / "checkpoints").iterdir() if q.name == "step-00000002.ckpt"] == []
 
 
 def test_train_compile_without_a_cpu_compiler_exits_2_before_anything_is_written(
@@ -374,6 +401,24 @@ def test_dry_run_refuses_what_the_run_would_refuse_and_writes_nothing(workspace,
     assert main(["pretrain", str(p), "--dry-run", "--overwrite"]) == 0
     assert "replaces the run there" in capsys.readouterr().out
     assert sorted((q.relative_to(run), q.stat().st_mtime_ns) for q in run.rglob("*")) == before
+
+
+def test_dry_run_checks_the_files_the_run_reads_and_the_folder_it_writes(workspace, capsys, tmp_path):
+    p = workspace(steps=2, save_every=2)
+    (tmp_path / "blocker").write_text("a file where a folder should be")
+    cases = {
+        "tokenizer.path=nope/tokenizer.json": "nope/tokenizer.json does not exist",
+        f"tokenizer.path={p}": "not a valid tokenizer.json",
+        "data.sources=[missing.txt]": "missing.txt does not exist",
+        "data.sources=[hf:./no-such-folder]": "local dataset folder",
+        "model.attn_impl=flex": "model.attn_impl=flex has no backward pass on CPU",
+        f"out_dir={tmp_path / 'blocker' / 'runs'}": "blocker is not a folder; set out_dir",
+    }
+    for override, message in cases.items():
+        assert main(["pretrain", str(p), "--dry-run", override]) == 2, override
+        err = capsys.readouterr().err
+        assert message in err and len(err.strip().splitlines()) == 1, (override, err)
+    assert not (tmp_path / "runs").exists() and not (tmp_path / "cache").exists()
 
 
 def test_a_run_directory_another_process_trains_into_is_refused_and_left_alone(workspace, capsys):

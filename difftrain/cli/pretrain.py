@@ -109,6 +109,7 @@ def pretrain_command(
             dry_run=True,
         )
         _check_vocab(plan.recipe)
+        _check_inputs(plan.recipe)
         if resuming:
             action = f"resumes from step {point.step}"
         elif overwrite and plan.run_dir.exists():
@@ -154,6 +155,19 @@ def _check_vocab(r: Any) -> None:
             f"model.vocab_size is {vocab} but {what}{size} tokens: ids past {vocab - 1} would have no "
             "embedding; set model.vocab_size: auto (or at least " + str(size) + ")"
         )
+
+
+def _check_inputs(r: Any) -> None:
+    """What the run reads and writes, checked without reading the data or writing anything: the
+    tokenizer file loads, every local data source exists, the run directory can be created."""
+    from difftrain.data.sources import resolve_sources
+    from difftrain.io import check_run_dir_creatable
+    from difftrain.plan import tokenizer_size
+
+    tokenizer_size(r)  # loads tokenizer.path, if the recipe names one
+    for source in resolve_sources(r.data, r.recipe_dir):  # path sources are checked as they resolve
+        source.check_local_files()
+    check_run_dir_creatable(r.run_dir)
 
 
 def _train(r: Any, *, resume: bool | None, overwrite: bool, progress: bool | None) -> None:

@@ -131,6 +131,13 @@ class Source:
             )
         return files
 
+    def check_local_files(self) -> None:
+        """Raise DataError if a local file or folder this source names is missing (path sources
+        are checked when they resolve; this adds an hf: source's local folder and data_files)."""
+        if self.spec.kind == "hf":
+            self._hf_local_dir()
+            self._hf_data_files()
+
     # -- identity ----------------------------------------------------------------------------
     def _file_stats(self, files: list[Path]) -> list[tuple[str, int, int]]:
         out = []

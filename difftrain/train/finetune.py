@@ -285,6 +285,10 @@ def finetune(
     r = recipe.model_copy(update={"model": model_cfg, "tokenizer": TokenizerConfig(path=str(base_tok_path))})
     r._recipe_dir, r._source, r._model_keys = recipe.recipe_dir, recipe.source, recipe.model_keys
     plan = plan_run(r)
+    if plan.run_dir.resolve() == base.resolve():
+        raise RecipeError(
+            f"finetune.base is {base}, the folder this fine-tune writes to; give the fine-tune its own `name`"
+        )
     _check_method(ft.method, plan)
     r = plan.recipe
     dist = start_processes(plan)  # several devices: every rank runs what follows; writes on rank 0
@@ -421,7 +425,7 @@ def finetune(
         model.set_activation_checkpointing(True)
 
     info = _with_memory_warning(info, r, plan.accelerator, point)  # `difftrain plan` covers fine-tunes too
-    with training_into(run_dir, dist, r, tokenizer, fresh=not resuming):
+    with training_into(run_dir, dist, r, tokenizer, fresh=not resuming, replace=overwrite):
         result = fit(
             r,
             plan,

@@ -141,6 +141,11 @@ def plan_run(recipe: Recipe) -> Plan:
             f"{recipe.source or recipe.name}: no model: section; a pretraining recipe needs one "
             "(a fine-tune fills it from finetune.base)"
         )
+    if m.attn_impl == "flex" and accelerator != "cuda":  # found before anything is written
+        raise DeviceError(
+            "model.attn_impl=flex has no backward pass on CPU in this torch; train on CPU with "
+            "model.attn_impl=sdpa (or auto), or use flex on a CUDA GPU"
+        )
     seq_len = t.seq_len or m.max_seq_len
     if seq_len > m.max_seq_len:
         raise RecipeError(
@@ -148,6 +153,12 @@ def plan_run(recipe: Recipe) -> Plan:
         )
     per_step = t.micro_batch_size * world
     global_bs = t.global_batch_size or per_step
+    if global_bs < per_step:
+        raise RecipeError(
+            f"train.global_batch_size={global_bs} is smaller than one step of micro-batches "
+            f"(micro_batch_size×devices×nodes = {t.micro_batch_size}×{devices}×{t.num_nodes} = {per_step}); "
+            f"raise it to {per_step} or lower train.micro_batch_size"
+        )
     if global_bs % per_step:
         raise RecipeError(
             f"train.global_batch_size={global_bs} is not divisible by micro_batch_size×devices×nodes = "
@@ -231,8 +242,8 @@ def prepare_run_dir(
     if overwrite and run_dir.exists():
         if resume is True:
             raise RecipeError("--overwrite and --resume contradict each other; pick one")
-        if not dry_run:
-            shutil.rmtree(run_dir)
+        # removed by `training_into(replace=True)`, after every check: a mistake found on the way
+        # (a missing tokenizer, bad data) must not cost the run that is there
         return False, None
     if not has_files:
         if resume is True:
@@ -299,13 +310,14 @@ def _in_use(run_dir: Path, holder: int) -> str:
 
 @contextlib.contextmanager
 def training_into(
-    run_dir: Path, dist: DistContext, r: Recipe, tokenizer: Any, *, fresh: bool
+    run_dir: Path, dist: DistContext, r: Recipe, tokenizer: Any, *, fresh: bool, replace: bool = False
 ) -> Iterator[None]:
     """Around the training of a run (pretrain or finetune), after every check: rank 0 creates the
     run directory, holds its lock (`RunLock`) until the body ends, and on a fresh start writes
     recipe.yaml (absolute paths: resumable from any folder), config.json and tokenizer.json. The
     other ranks of a multi-process run write nothing of their own. A resume rewrites recipe.yaml
-    where its resumable keys changed."""
+    where its resumable keys changed. `replace` (--overwrite on a fresh start): what the folder
+    held is removed first, under the lock."""
     lock = RunLock(run_dir)
     if dist.is_global_zero:
         holder = lock.acquire()
@@ -313,6 +325,8 @@ def training_into(
             raise RunDirError(_in_use(run_dir, holder))
     try:
         if dist.is_global_zero:
+            if fresh and replace:
+                _clear_run_dir(run_dir)
             (run_dir / CHECKPOINTS).mkdir(exist_ok=True)
             text = r.with_absolute_paths().to_yaml()
             if fresh or _read_text(run_dir / RECIPE) != text:
@@ -326,6 +340,17 @@ def training_into(
         yield
     finally:
         lock.release()
+
+
+def _clear_run_dir(run_dir: Path) -> None:
+    """Remove everything in `run_dir` except its lock file (held by this process)."""
+    for child in run_dir.iterdir():
+        if child.name == LOCK_FILE:
+            continue
+        if child.is_dir() and not child.is_symlink():
+            shutil.rmtree(child)
+        else:
+            child.unlink()
 
 
 def start_processes(plan: Plan) -> DistContext:
@@ -416,7 +441,7 @@ def pretrain(
     )
 
     run_dir = plan.run_dir
-    with training_into(run_dir, dist, r, tokenizer, fresh=not resuming):
+    with training_into(run_dir, dist, r, tokenizer, fresh=not resuming, replace=overwrite):
         result = fit(
             r,
             plan,
