@@ -445,6 +445,22 @@ def test_a_non_empty_destination_is_refused_unless_overwrite(tmp_path, tok):
     assert (tmp_path / "back" / "notes.txt").read_text() == "mine"
     with pytest.raises(InteropError, match="not empty"):
         export_hf(tmp_path / "run", hf)
+    import_hf(hf, tmp_path / "back", overwrite=True)  # an import may be imported over
+
+
+def test_overwrite_never_writes_over_a_difftrain_run(tmp_path, tok):
+    hf = exported(tmp_path, tok)
+    other = write_run(tmp_path / "other", build_model(tok, "baseline", 8, 4), tok)
+    (other / "checkpoints").mkdir()
+    (other / "recipe.yaml").write_text("name: other\n")
+    before = {p.name: p.read_bytes() for p in other.iterdir() if p.is_file()}
+    with pytest.raises(InteropError, match="holds a difftrain run .* never over a run"):
+        export_hf(tmp_path / "run", other, overwrite=True)  # would replace its config and weights
+    with pytest.raises(InteropError, match="holds a difftrain run \\(checkpoints\\)"):
+        import_hf(hf, other, overwrite=True)
+    assert {p.name: p.read_bytes() for p in other.iterdir() if p.is_file()} == before
+    with pytest.raises(InteropError, match="is a difftrain run directory, not a transformers checkpoint"):
+        import_hf(other, tmp_path / "elsewhere")
 
 
 def test_cli_exports_and_imports_and_rejects_unknown_formats(tmp_path, tok, capsys):

@@ -112,6 +112,15 @@ def test_from_json_errors_name_the_file_and_field(tmp_path):
     bad.write_text(json.dumps({"arch": "diff", "d_model": 64, "n_heads": 4, "n_kv_heads": 4, "dropout": 0.1}))
     with pytest.raises(ConfigError, match=r"bad.json.dropout: unknown key"):
         ModelConfig.from_json(bad)
+    hf = tmp_path / "hf" / "config.json"
+    hf.parent.mkdir()
+    hf.write_text(
+        json.dumps({"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64})
+    )
+    with pytest.raises(
+        ConfigError, match=r"is a transformers config \(llama\), not a difftrain one; .*difftrain import"
+    ):
+        ModelConfig.from_json(hf)
 
 
 def test_replace_validates_and_resolves_auto_vocab():

@@ -70,10 +70,11 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from difftrain.adapters import ADAPTER_CONFIG
 from difftrain.errors import DifftrainError, InteropError
 from difftrain.io import atomic_save_safetensors, atomic_write_bytes, atomic_write_json, atomic_write_text
 from difftrain.model.config import ModelConfig
-from difftrain.rundir import CONFIG, RECIPE, TOKENIZER, WEIGHTS
+from difftrain.rundir import CHECKPOINTS, CONFIG, METRICS, RECIPE, TOKENIZER, WEIGHTS
 
 LLAMA = "LlamaForCausalLM"
 DIFFLLAMA = "DiffLlamaForCausalLM"
@@ -564,13 +565,23 @@ def _read_json(path: Path, what: str) -> dict[str, Any]:
     return data
 
 
-def _prepare_out_dir(path: Path, overwrite: bool, flag: str, what: str) -> None:
+def _prepare_out_dir(path: Path, overwrite: bool, flag: str, what: str, *, keep_runs: str) -> None:
+    """`keep_runs`: "any" refuses --overwrite into any difftrain run directory (an export would
+    replace its config.json and weights), "trained" only into one that training wrote (checkpoints,
+    metrics, an adapter); an earlier import may be imported over."""
     if path.exists() and not path.is_dir():
         raise InteropError(f"{path} is a file; choose a folder for the {what}")
-    if path.is_dir() and any(path.iterdir()) and not overwrite:
-        raise InteropError(
-            f"{path} exists and is not empty; choose a new folder or pass {flag} to write into it"
-        )
+    if path.is_dir() and any(path.iterdir()):
+        if not overwrite:
+            raise InteropError(
+                f"{path} exists and is not empty; choose a new folder or pass {flag} to write into it"
+            )
+        trained = [n for n in (CHECKPOINTS, METRICS, ADAPTER_CONFIG) if (path / n).exists()]
+        if trained or (keep_runs == "any" and (path / RECIPE).is_file()):
+            raise InteropError(
+                f"{path} holds a difftrain run ({(trained or [RECIPE])[0]}); {flag} writes into a folder but never "
+                "over a run: choose a new folder, or remove that run first"
+            )
     path.mkdir(parents=True, exist_ok=True)
 
 
@@ -610,7 +621,7 @@ def export_hf(
     ours = {k: t.detach().float().clone() for k, t in weights_state_dict(run.model).items()}
     hf_sd = to_hf_state_dict(ours, config, DTYPES[dtype])  # raises for diff2 before anything is written
     cls = HF_CLASS_OF_ARCH[config.arch]
-    _prepare_out_dir(out, overwrite, "--overwrite", "export")
+    _prepare_out_dir(out, overwrite, "--overwrite", "export", keep_runs="any")
 
     # Tensors whose conversion does not invert bit for bit are kept in the sidecar (fp32 only:
     # a bf16/fp16 export is rounded anyway).
@@ -729,6 +740,11 @@ def import_hf(
         )
     if _same_dir(src, dst):
         raise InteropError(f"the run directory {dst} is the checkpoint folder itself; choose another folder")
+    if (src / RECIPE).is_file():
+        raise InteropError(
+            f"{src} is a difftrain run directory, not a transformers checkpoint: generate, eval and finetune "
+            "take it as it is (`difftrain export` makes a transformers checkpoint of it)"
+        )
     hf_cfg = _read_json(src / CONFIG, "checkpoint")
     config, cls = config_from_hf(hf_cfg, src / CONFIG)
     tok_path = src / TOKENIZER
@@ -766,7 +782,7 @@ def import_hf(
     ):
         notes.append("the checkpoint has no subln weights (DiffLlama's groupnorm has none): set to ones")
 
-    _prepare_out_dir(dst, overwrite, "--overwrite", "run directory")
+    _prepare_out_dir(dst, overwrite, "--overwrite", "run directory", keep_runs="trained")
     meta = {"format": "pt", "producer": "difftrain", "imported_from": str(src), "hf_class": cls}
     atomic_save_safetensors(dst / WEIGHTS, sd, metadata=meta)
     atomic_write_bytes(dst / TOKENIZER, tok_path.read_bytes())

@@ -212,6 +212,11 @@ class ModelConfig(BaseModel):
             raise ConfigError(f"{p}: cannot read model config: {e}") from None
         except json.JSONDecodeError as e:
             raise ConfigError(f"{p}, line {e.lineno}: invalid JSON in model config: {e.msg}") from None
+        if isinstance(data, dict) and ("model_type" in data or "architectures" in data):
+            raise ConfigError(
+                f"{p} is a transformers config ({data.get('model_type') or data.get('architectures')}), not a "
+                f"difftrain one; turn the folder into a run with `difftrain import {p.parent} RUN_DIR`"
+            )
         return cls.from_dict(data, where=str(p))
 
     def to_json(self, path: str | os.PathLike[str]) -> None:
