@@ -388,3 +388,24 @@ def test_chat_drops_the_oldest_exchanges_whole_to_fit_the_context_and_keeps_the_
     with pytest.raises(DataError, match="the context is 20: shorten it"):
         chat.fit(chars, 20)
     assert chat.messages == []  # the message that cannot fit is taken back
+
+
+def test_ctrl_c_during_a_generation_exits_130_with_one_line(run_dir, capsys, monkeypatch):
+    import os
+    import signal
+
+    calls = {"n": 0}
+    forward = Transformer.forward
+
+    def interrupted_forward(self, *a, **kw):
+        calls["n"] += 1
+        if calls["n"] == 3:  # a real SIGINT, as a terminal's Ctrl-C sends it
+            os.kill(os.getpid(), signal.SIGINT)
+        return forward(self, *a, **kw)
+
+    monkeypatch.setattr(Transformer, "forward", interrupted_forward)
+    monkeypatch.setattr(FlatDecoder, "build", classmethod(lambda cls, m: None))  # every step via forward
+    code, _, err = gen(capsys, run_dir, "--prompt", "def", "-n", 50, "--seed", 0)
+    assert code == 130
+    assert err.strip().splitlines()[-1] == "error: interrupted (Ctrl-C)"
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # main put Python's back

@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+import re
 import shutil
 import signal
 from pathlib import Path
@@ -446,12 +447,34 @@ def test_the_progress_bar_shows_the_newest_val_loss_with_its_step(workspace, ste
     from rich.console import Console
 
     out = io.StringIO()
-    result = pretrain(
-        load_recipe(workspace(steps=steps)), progress=True, console=Console(file=out, width=250)
-    )
-    bar = [line for line in out.getvalue().splitlines() if line.startswith("step ")][-1]
+    console = Console(file=out, width=250, force_terminal=True, color_system=None)
+    result = pretrain(load_recipe(workspace(steps=steps)), progress=True, console=console)
+    frames = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]|\r", "\n", out.getvalue())  # the live display's redraws
+    bar = [line for line in frames.splitlines() if line.startswith("step ")][-1]
     assert f"step {steps}/{steps}" in bar
     if steps == 8:  # validated at step 8 after the bar's update for the step: the bar shows it
         assert f"val {result.summary['final_val_loss']:.4f} (step 8)" in bar
     else:  # the final validation (step 6) runs after training; the bar names its step 4 value
         assert "(step 4)" in bar and f"val {result.summary['final_val_loss']:.4f}" not in bar
+
+
+@pytest.mark.parametrize("progress", [True, False], ids=["log-file", "no-progress"])
+def test_without_a_live_bar_each_log_step_prints_a_plain_line(workspace, progress):
+    import io
+
+    from rich.console import Console
+
+    out = io.StringIO()  # not a terminal: a log file, a pipe, a batch job's output
+    result = pretrain(
+        load_recipe(workspace(steps=6), ["train.log_every=2", "train.val_every=3"]),
+        progress=progress,
+        console=Console(file=out, width=250),
+    )
+    lines = [line for line in out.getvalue().splitlines() if line.startswith("step ")]
+    train = [line.split(" · ")[0] for line in lines if " · loss " in line]
+    assert train == ["step 1/6", "step 2/6", "step 4/6", "step 6/6"]
+    assert all(" tok/s · lr " in line and " · eta " in line for line in lines if " · loss " in line)
+    vals = [line for line in lines if " · val " in line]
+    assert [v.split(" · ")[0] for v in vals] == ["step 3/6", "step 6/6"]
+    assert vals[-1].endswith(f"val {result.summary['final_val_loss']:.4f}")
+    assert "━" not in out.getvalue()  # no frame of a bar

@@ -12,6 +12,8 @@ import inspect
 import os
 import re
 import sys
+from collections.abc import Callable
+from typing import Any
 
 import typer
 
@@ -104,12 +106,50 @@ def error_line(message: str) -> None:
     Console(stderr=True, highlight=False, soft_wrap=True).print(f"[bold red]error:[/] {escape(message)}")
 
 
+_CTRL_C = {"seen": False}
+
+
+def _watch_ctrl_c() -> Callable[[], None]:
+    """Python's own Ctrl-C behaviour (KeyboardInterrupt), noted in `_CTRL_C`; returns the undo.
+    Training installs its own handler (finish the step, save) while it runs."""
+    import signal
+    import threading
+
+    _CTRL_C["seen"] = False
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None
+    if signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        return lambda: None
+
+    def on_sigint(signum: int, frame: Any) -> None:
+        _CTRL_C["seen"] = True
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGINT, on_sigint)
+    return lambda: signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+def _interrupted() -> None:
+    """Ctrl-C outside training (which saves and says how to resume): one line. On a terminal a
+    newline first ends what was being streamed to stdout (a generation) on the same screen."""
+    try:
+        if sys.stdout.isatty():
+            sys.stdout.write("\n")
+        sys.stdout.flush()
+    except (OSError, ValueError):
+        pass
+    error_line("interrupted (Ctrl-C)")
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the console script; returns the process exit code."""
     args = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in args
+    watch = _watch_ctrl_c()
     try:
         result = app(args=args, prog_name="difftrain", standalone_mode=False)
+        if result == 130 and _CTRL_C["seen"]:  # Typer turns Ctrl-C into a silent return of 130
+            _interrupted()
     except DifftrainError as e:
         if debug:
             raise
@@ -124,8 +164,10 @@ def main(argv: list[str] | None = None) -> int:
         e.show()  # type: ignore[attr-defined]
         return e.exit_code  # type: ignore[attr-defined]
     except KeyboardInterrupt:
-        error_line("interrupted")
+        _interrupted()
         return 130
+    finally:
+        watch()
     return result if isinstance(result, int) else 0
 
 

@@ -53,37 +53,57 @@ def kv_table(title: str, rows: list[tuple[str, str]]) -> Table:
     return table
 
 
-@contextlib.contextmanager
-def data_progress() -> Iterator[Any]:
-    """A rich progress display for data preparation; yields the callback `prepare_data` calls.
+class DataBars:
+    """The callback `prepare_data` calls with `difftrain.data.shards.PrepareProgress` reports
+    (stage, source, documents, bytes, tokens, total_bytes): one transient bar per stage on stderr.
+    The display starts with the first report (a cache hit shows and prints nothing), only on a
+    terminal (a log file gets no frames), and `stop` ends it (training stops it as it starts)."""
 
-    The callback receives `difftrain.data.shards.PrepareProgress` reports (stage, source,
-    documents, bytes, tokens, total_bytes) and shows one bar per stage.
-    """
-    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeElapsedColumn
+    def __init__(self) -> None:
+        from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeElapsedColumn
 
-    bars = Progress(
-        TextColumn("[bold]{task.description}"),
-        BarColumn(),
-        DownloadColumn(),
-        TextColumn("{task.fields[info]}"),
-        TimeElapsedColumn(),
-        console=err_console,
-        transient=True,
-    )
-    tasks: dict[str, Any] = {}
-    labels = {"tokenizer": "training tokenizer", "shards": "tokenizing"}
+        self.bars = Progress(
+            TextColumn("[bold]{task.description}"),
+            BarColumn(),
+            DownloadColumn(),
+            TextColumn("{task.fields[info]}"),
+            TimeElapsedColumn(),
+            console=err_console,
+            transient=True,
+        )
+        self.tasks: dict[str, Any] = {}
+        self.live = False
 
-    def update(p: Any) -> None:
+    def __call__(self, p: Any) -> None:
+        if not err_console.is_terminal:
+            return
+        if not self.live:
+            self.bars.start()
+            self.live = True
         info = f"{p.source} · {fmt_count(p.documents)} docs" + (
             f" · {fmt_count(p.tokens)} tokens" if p.tokens else ""
         )
-        if p.stage not in tasks:
-            tasks[p.stage] = bars.add_task(labels.get(p.stage, p.stage), total=p.total_bytes, info=info)
-        bars.update(tasks[p.stage], completed=p.bytes, total=p.total_bytes, info=info)
+        labels = {"tokenizer": "training tokenizer", "shards": "tokenizing"}
+        if p.stage not in self.tasks:
+            self.tasks[p.stage] = self.bars.add_task(
+                labels.get(p.stage, p.stage), total=p.total_bytes, info=info
+            )
+        self.bars.update(self.tasks[p.stage], completed=p.bytes, total=p.total_bytes, info=info)
 
-    with bars:
-        yield update
+    def stop(self) -> None:
+        if self.live:
+            self.bars.stop()
+            self.live = False
+
+
+@contextlib.contextmanager
+def data_progress() -> Iterator[DataBars]:
+    """`DataBars` for the duration of the block."""
+    bars = DataBars()
+    try:
+        yield bars
+    finally:
+        bars.stop()
 
 
 def oom_advice(recipe: Any, *, finetune: bool = False) -> str:
@@ -173,7 +193,13 @@ def run_training(command: str, train: Any, recipe: Any, *, on_start: Any, **kwar
 
     try:
         with data_progress() as dp:
-            return train(recipe, console=console, on_start=on_start, data_progress=dp, **kwargs)
+
+            def started(info: Any) -> None:  # the data bars end before the run's own output
+                dp.stop()
+                if on_start is not None:
+                    on_start(info)
+
+            return train(recipe, console=console, on_start=started, data_progress=dp, **kwargs)
     except StopRequested as stop:
         # one unbroken line (soft wrap) with the path quoted: it is meant to be copied and pasted
         cmd = f"difftrain {command} {shlex.quote(str(recipe.run_dir / 'recipe.yaml'))} --resume"

@@ -113,6 +113,16 @@ def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
 
 
+def _duration(seconds: float) -> str:
+    """3725.0 → '1h02m', 125.0 → '2m05s', 9.4 → '9s'."""
+    s = int(round(seconds))
+    if s >= 3600:
+        return f"{s // 3600}h{s % 3600 // 60:02d}m"
+    if s >= 60:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s}s"
+
+
 class RunCallback(L.Callback):
     def __init__(
         self,
@@ -162,6 +172,8 @@ class RunCallback(L.Callback):
         self._window_tokens = 0
         self.tokens_per_s = 0.0
         self.peak_flops: float | None = None
+        self._sec_per_step: float | None = None
+        self._lines = False
 
     # ---- signals ---------------------------------------------------------------------------
     def _on_signal(self, signum: int, frame: Any) -> None:
@@ -197,7 +209,14 @@ class RunCallback(L.Callback):
         self._window_tokens = pl_module.tokens_seen
         self.state.saved_step = trainer.global_step if trainer.global_step > 0 else -1
         self.peak_flops = peak_flops(pl_module.device)
-        if self.show_progress and trainer.is_global_zero:
+        self._sec_per_step = None
+        # A live bar on a terminal; in a log file (or with the bar off) a plain line per log step:
+        # rich's bar writes only its last frame where it cannot redraw
+        terminal = self.console is None or self.console.is_terminal
+        self._lines = (
+            self.console is not None and trainer.is_global_zero and not (self.show_progress and terminal)
+        )
+        if self.show_progress and terminal and trainer.is_global_zero:
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
             self._progress = Progress(
@@ -225,6 +244,7 @@ class RunCallback(L.Callback):
         step = trainer.global_step
         if step % self.log_every == 0 or step == 1:
             self._log(trainer, pl_module, step)
+            self._line(trainer, pl_module, step)
         self._check_spike(trainer, pl_module, step)
         self._show(trainer, pl_module)
         if step % self.save_every == 0 and step < trainer.max_steps:
@@ -246,6 +266,23 @@ class RunCallback(L.Callback):
             info=f"loss {pl_module.last_loss:.4f} · {self.tokens_per_s:,.0f} tok/s · lr {lr:.2e}"
             + (f" · val {val:.4f} (step {self.state.last_val_step})" if math.isfinite(val) else ""),
         )
+
+    def _line(self, trainer: L.Trainer, pl_module: Any, step: int, val: float | None = None) -> None:
+        """The plain log line of a step (or of a validation), printed where no bar is shown."""
+        if not self._lines:
+            return
+        head = f"step {step}/{trainer.max_steps}"
+        if val is not None:
+            self.console.print(f"{head} · val {val:.4f}", highlight=False, soft_wrap=True)
+            return
+        lr = trainer.optimizers[0].param_groups[0]["lr"]
+        parts = [head, f"loss {pl_module.last_loss:.4f}"]
+        if self.tokens_per_s:
+            parts.append(f"{self.tokens_per_s:,.0f} tok/s")
+        parts.append(f"lr {lr:.2e}")
+        if self._sec_per_step:
+            parts.append(f"eta {_duration(self._sec_per_step * (trainer.max_steps - step))}")
+        self.console.print(" · ".join(parts), highlight=False, soft_wrap=True)
 
     # ---- loss spikes -----------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -319,6 +356,7 @@ class RunCallback(L.Callback):
             # batches vary in length; for pretraining this is steps × tokens_per_step)
             seen = pl_module.tokens_seen - self._window_tokens
             self.tokens_per_s = seen / (now - self._window_t)
+            self._sec_per_step = (now - self._window_t) / steps
         self._window_t, self._window_step, self._window_tokens = now, step, pl_module.tokens_seen
         metrics = {
             "train/loss": pl_module.last_loss,
@@ -354,6 +392,8 @@ class RunCallback(L.Callback):
                     step=trainer.global_step,
                 )
             self._show(trainer, pl_module)  # validation runs after the step's update of the bar
+            if trainer.global_step > 0:  # not Lightning's sanity check
+                self._line(trainer, pl_module, trainer.global_step, val=v)
 
     def on_train_end(self, trainer: L.Trainer, pl_module: Any) -> None:
         if self.state.saved_step != trainer.global_step and trainer.global_step > 0:
