@@ -253,7 +253,10 @@ class LoggingConfig(_Section):
         None, description="Weights & Biases project to log to (needs `pip install wandb`)."
     )
     wandb_entity: str | None = Field(None, description="Weights & Biases entity (team or user).")
-    progress: bool = Field(True, description="Show the rich progress bar (off in non-interactive logs).")
+    progress: bool = Field(
+        True,
+        description="Show the rich progress bar on a terminal. Without a terminal (a log file, a batch job) or with the bar off: one plain line every train.log_every steps and after each validation.",
+    )
 
 
 DEFAULT_LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
