@@ -72,6 +72,8 @@ def atomic_path(path: str | os.PathLike[str]) -> Iterator[Path]:
     tmp = Path(tmp_name)
     try:
         yield tmp
+        # again after the writer: one that replaces the file (safetensors' save_file) makes it 0600
+        os.chmod(tmp, 0o666 & ~_UMASK)
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
         os.replace(tmp, dest)

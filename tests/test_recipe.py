@@ -227,12 +227,16 @@ def test_deep_merge_does_not_mutate_inputs():
 def test_atomic_writes_get_ordinary_file_permissions(tmp_path):
     import os
 
-    from difftrain.io import atomic_write_text
+    import torch
+
+    from difftrain.io import atomic_save_safetensors, atomic_write_text
 
     atomic_write_text(tmp_path / "f.txt", "x")
+    atomic_save_safetensors(tmp_path / "w.safetensors", {"w": torch.zeros(2)})  # its writer makes 0600 files
     mask = os.umask(0)
     os.umask(mask)
-    assert (tmp_path / "f.txt").stat().st_mode & 0o777 == 0o666 & ~mask
+    for name in ("f.txt", "w.safetensors"):
+        assert (tmp_path / name).stat().st_mode & 0o777 == 0o666 & ~mask, name
 
 
 def test_a_recipe_yaml_outside_a_run_directory_keeps_out_dir_and_name(tmp_path):
