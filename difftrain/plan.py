@@ -142,7 +142,10 @@ def parse_memory(text: str) -> int:
         raise ConfigError(
             f"--gpu-mem {text!r}: give a size with a unit, e.g. 8GB, 11.5GiB or 24000MB (GB = GiB = 2^30 bytes)"
         )
-    return int(float(m.group(1)) * _UNITS[unit])
+    size = int(float(m.group(1)) * _UNITS[unit])
+    if size < MiB:
+        raise ConfigError(f"--gpu-mem {text!r} is less than 1 MiB; give the GPU's memory, e.g. 8GB")
+    return size
 
 
 def fmt_bytes(n: float) -> str:

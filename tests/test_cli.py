@@ -43,3 +43,22 @@ def test_help_and_version_exit_0(capsys):
     assert "pretrain" in capsys.readouterr().out
     assert main(["--version"]) == 0
     assert "difftrain" in capsys.readouterr().out
+
+
+def test_recipes_cp_copies_to_a_file_or_into_a_folder(tmp_path, capsys):
+    from difftrain.recipe import find_recipe
+
+    shipped = find_recipe("quickstart").read_bytes()
+    assert main(["recipes", "cp", "quickstart", str(tmp_path / "my.yaml")]) == 0
+    assert (tmp_path / "my.yaml").read_bytes() == shipped
+    assert main(["recipes", "cp", "quickstart", str(tmp_path)]) == 0  # an existing folder
+    assert (tmp_path / "quickstart.yaml").read_bytes() == shipped
+    assert main(["recipes", "cp", "quickstart", str(tmp_path / "new") + "/"]) == 0  # a folder to create
+    assert (tmp_path / "new" / "quickstart.yaml").read_bytes() == shipped
+    capsys.readouterr()
+    (tmp_path / "my.yaml").write_text("mine")
+    assert main(["recipes", "cp", "quickstart", str(tmp_path / "my.yaml")]) == 2
+    assert "already exists; pass --force" in capsys.readouterr().err
+    assert (tmp_path / "my.yaml").read_text() == "mine"
+    assert main(["recipes", "cp", "quickstart", str(tmp_path / "my.yaml"), "--force"]) == 0
+    assert (tmp_path / "my.yaml").read_bytes() == shipped

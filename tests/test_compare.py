@@ -134,6 +134,8 @@ def test_compare_refusals_are_one_line_with_exit_code_2(pair, tmp_path, capsys):
     a, b = pair
     assert main(["compare", str(a)]) == 2
     assert "compare needs two or more run directories" in _error(capsys)
+    assert main(["compare", str(a), str(b), str(a) + "/"]) == 2
+    assert "are the same run; compare different runs" in _error(capsys)
     assert main(["compare", str(a), str(b), "--suite", "icl-order"]) == 2
     assert f"{b} has no `icl-order` result" in _error(capsys)
     assert main(["compare", str(a), str(b), "--suite", "needel"]) == 2

@@ -46,6 +46,9 @@ def test_memory_sizes_parse_with_binary_units_and_reject_bare_numbers():
     for bad in ("8", "eight GB", "8XB", ""):
         with pytest.raises(ConfigError, match="with a unit"):
             parse_memory(bad)
+    for tiny in ("0GB", "0.5KiB"):
+        with pytest.raises(ConfigError, match="less than 1 MiB"):
+            parse_memory(tiny)
 
 
 def test_optimizer_state_bytes_follow_adamw_and_bitsandbytes_rules_by_hand():
@@ -204,6 +207,8 @@ def test_plan_cli_exit_codes_fit_does_not_fit_and_bad_input(capsys):
     assert code == 1 and "does not fit" in out and "train.micro_batch_size=" in out
     code, _, err = plan_cli(capsys, "diff-124m", "--gpu-mem", "8")
     assert code == 2 and "with a unit" in err
+    code, _, err = plan_cli(capsys, "diff-124m", "--gpu-mem", "8GB", "--device", "cpu")
+    assert code == 2 and "give one of them" in err
     code, _, err = plan_cli(capsys, "no-such-recipe")
     assert code == 2
 

@@ -393,7 +393,7 @@ def test_dry_run_refuses_what_the_run_would_refuse_and_writes_nothing(workspace,
     assert main(["pretrain", str(p), "--dry-run"]) == 2
     assert "already holds a run" in capsys.readouterr().err
     assert main(["pretrain", str(p), "--dry-run", "--resume", "model.n_layers=3"]) == 2
-    assert "holds a different run (model.n_layers differ)" in capsys.readouterr().err
+    assert "holds a different run (model.n_layers differs)" in capsys.readouterr().err
     assert main(["pretrain", str(p), "--dry-run", "--overwrite", "model.vocab_size=100"]) == 2
     err = capsys.readouterr().err
     assert "model.vocab_size is 100 but the tokenizer this recipe trains has" in err and "320" in err

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shlex
 from pathlib import Path
 from typing import Any
 
@@ -95,8 +96,8 @@ def _end_table(summary: dict[str, Any], run_dir: Path) -> None:
     ]
     if summary.get("method") in ("lora", "qlora"):
         rows.append(("saved", f"{run_dir / 'adapter.safetensors'} (adapter; base: {summary['base']})"))
-        rows.append(("merge", f"difftrain merge {run_dir}"))
-    rows.append(("next", f"difftrain generate {run_dir}"))
+        rows.append(("merge", f"difftrain merge {shlex.quote(str(run_dir))}"))
+    rows.append(("next", f"difftrain generate {shlex.quote(str(run_dir))}"))
     console.print(kv_table("done", rows))
 
 
@@ -155,7 +156,7 @@ def merge_command(
         rows.append(
             ("note", "4-bit base layers were dequantized: the merged weights are the model QLoRA trained")
         )
-    rows.append(("next", f"difftrain generate {out}"))
+    rows.append(("next", f"difftrain generate {shlex.quote(str(out))}"))
     console.print(kv_table("merged", rows))
 
 

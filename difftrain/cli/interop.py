@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shlex
 from pathlib import Path
 
 import typer
@@ -62,7 +63,7 @@ def import_command(
         ),
         ("wrote", f"{r.run_dir}: {', '.join(r.files)}"),
         *(("note", n) for n in r.notes),
-        ("next", f"difftrain generate {r.run_dir}"),
+        ("next", f"difftrain generate {shlex.quote(str(r.run_dir))}"),
     ]
     console.print(kv_table("difftrain import", rows))
 

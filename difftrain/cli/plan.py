@@ -38,6 +38,10 @@ def plan_command(
 
     if device not in ("auto", "cpu"):
         raise ConfigError(f"--device {device!r}: choose auto or cpu (use --gpu-mem to plan for a GPU)")
+    if device == "cpu" and gpu_mem is not None:
+        raise ConfigError(
+            "--device cpu plans for this machine's RAM and --gpu-mem for a GPU; give one of them"
+        )
     r = load_recipe(recipe, overrides or [])
     target = detect_target(gpu_mem, device)
     rp = plan_recipe(r, target)

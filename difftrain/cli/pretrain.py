@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shlex
 from typing import Any
 
 import typer
@@ -71,7 +72,7 @@ def _end_table(summary: dict[str, Any], run_dir: Any) -> None:
     ]
     if summary.get("skipped_steps"):
         rows.append(("skipped steps", str(summary["skipped_steps"])))
-    rows.append(("next", f"difftrain generate {run_dir}"))
+    rows.append(("next", f"difftrain generate {shlex.quote(str(run_dir))}"))
     console.print(kv_table("done", rows))
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 
@@ -47,14 +48,17 @@ def show(name: str = typer.Argument(..., help="Shipped recipe name or recipe pat
 @recipes_app.command("cp")
 def cp(
     name: str = typer.Argument(..., help="Shipped recipe name."),
-    dest: Path = typer.Argument(..., help="Destination file or folder."),
+    dest: str = typer.Argument(
+        ..., help="Destination file, or folder (an existing one, or a name ending in /)."
+    ),
     force: bool = typer.Option(False, "--force", help="Overwrite an existing file."),
 ) -> None:
     """Copy a shipped recipe to DEST so you can edit it (like `tune cp`)."""
     from difftrain.recipe import find_recipe
 
     src = find_recipe(name)
-    target = dest / src.name if dest.is_dir() else dest
+    folder = dest.endswith(("/", os.sep)) or Path(dest).expanduser().is_dir()
+    target = Path(dest).expanduser() / src.name if folder else Path(dest).expanduser()
     if target.exists() and not force:
         raise RecipeError(f"{target} already exists; pass --force to overwrite it or pick another name")
     target.parent.mkdir(parents=True, exist_ok=True)

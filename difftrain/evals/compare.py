@@ -125,6 +125,14 @@ def compare_runs(paths: Sequence[str | Path], suites: Sequence[str] | None = Non
             raise RunDirError(
                 f"{d} is not a difftrain run directory (no config.json, summary.json or metrics.csv)"
             )
+    seen: dict[Path, Path] = {}
+    for d in dirs:
+        if d.resolve() in seen:
+            raise ConfigError(
+                f"{d} and {seen[d.resolve()]} are the same run; compare different runs "
+                "(`difftrain eval` shows one run's results)"
+            )
+        seen[d.resolve()] = d
     wanted = [check_suite(s) for s in suites] if suites else None
     labels = _labels(dirs)
     runs = [RunRecord(d, lab, read_summary(d), _config(d)) for d, lab in zip(dirs, labels, strict=True)]

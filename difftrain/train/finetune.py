@@ -15,6 +15,7 @@ The loop itself — optimizer, precision, checkpoints, exact resume, progress, s
 from __future__ import annotations
 
 import math
+import shlex
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -434,7 +435,7 @@ def finetune(
             point=point,
             counts=counts,
             has_val=has_val,
-            resume_command=f"difftrain finetune {run_dir / RECIPE} --resume",
+            resume_command=f"difftrain finetune {shlex.quote(str(run_dir / RECIPE))} --resume",
             progress=progress,
             console=console,
             on_start=on_start,

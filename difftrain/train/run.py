@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import shlex
 import shutil
 import time
 import warnings
@@ -275,7 +276,7 @@ def prepare_run_dir(
         )
     if diffs:
         raise RunDirError(
-            f"{run_dir} holds a different run ({', '.join(diffs[:4])}{'…' if len(diffs) > 4 else ''} differ); "
+            f"{run_dir} holds a different run ({', '.join(diffs[:4])}{'…' if len(diffs) > 4 else ''} {'differs' if len(diffs) == 1 else 'differ'}); "
             "use --overwrite to replace it or choose another `name`"
         )
     point = find_resume_checkpoint(run_dir / CHECKPOINTS)
@@ -450,7 +451,7 @@ def pretrain(
             point=point,
             counts=model.num_params(),
             has_val=r.data.val_windows > 0,
-            resume_command=f"difftrain pretrain {run_dir / RECIPE} --resume",
+            resume_command=f"difftrain pretrain {shlex.quote(str(run_dir / RECIPE))} --resume",
             progress=progress,
             console=console,
             on_start=on_start,
