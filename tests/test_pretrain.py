@@ -157,8 +157,11 @@ def test_resume_continues_the_exact_loss_curve(workspace, arch):
             extra_callbacks=[StopAt(3)],
         )
     assert stop.value.step == 3
+    stopped = json.loads((full.run_dir.parent / "split" / "summary.json").read_text())
+    assert stopped["steps"] == 3 and stopped["finished"] is False  # where the run stands
     resumed = pretrain(load_recipe(workspace(name="split", arch=arch, steps=6, save_every=4)), resume=True)
     assert resumed.resumed_from == 3
+    assert resumed.summary["steps"] == 6 and resumed.summary["finished"] is True
     a, b = losses(full.run_dir), losses(resumed.run_dir)
     assert sorted(a) == sorted(b) == [1, 2, 3, 4, 5, 6]
     assert a == b  # bit-identical fp32 losses: data position, optimizer, schedule all restored
@@ -170,6 +173,33 @@ def test_resume_continues_the_exact_loss_curve(workspace, arch):
         assert yaml.safe_load((resumed.run_dir / "recipe.yaml").read_text())["train"]["max_steps"] == 8
         assert pretrain(load_recipe(resumed.run_dir), resume=True).finished_before
         assert sorted(losses(resumed.run_dir)) == [1, 2, 3, 4, 5, 6, 7, 8]
+
+
+def test_a_resume_may_split_the_global_batch_differently_but_not_change_it(workspace, capsys):
+    """Micro-batch and activation checkpointing only change memory: the steps that follow see the
+    same samples (the data position counts samples) and give the same losses up to summation order."""
+    full = pretrain(load_recipe(workspace(name="full", steps=6, save_every=3)))
+    p = workspace(name="split", steps=6, save_every=3)
+    with pytest.raises(StopRequested):
+        pretrain(load_recipe(p), extra_callbacks=[StopAt(3)])
+    resumed = pretrain(
+        load_recipe(p, ["train.micro_batch_size=1", "train.activation_checkpointing=true"]), resume=True
+    )
+    assert resumed.resumed_from == 3
+    a, b = losses(full.run_dir), losses(resumed.run_dir)
+    assert sorted(b) == [1, 2, 3, 4, 5, 6]
+    assert all(abs(a[s] - b[s]) <= 1e-5 * abs(a[s]) for s in a), (
+        a,
+        b,
+    )  # 4 micro-batches of 1 sum in another order
+    # a global batch of 2 instead of 4 is another run (each step would see other samples)
+    assert (
+        main(["pretrain", str(p), "--resume", "--dry-run", "train.max_steps=8", "train.global_batch_size=2"])
+        == 2
+    )
+    err = capsys.readouterr().err
+    assert "trains with a global batch of 4 sequences per step, this recipe makes 2" in err
+    assert "set train.global_batch_size=4" in err
 
 
 def test_checkpoints_are_pruned_to_keep_and_indexed(workspace):

@@ -153,6 +153,15 @@ def oom_advice(recipe: Any, *, finetune: bool = False) -> str:
     )
 
 
+def wall_time(summary: dict[str, Any]) -> str:
+    """The end table's wall-time cell. A resumed run's tokens and tokens/s cover the whole run,
+    this process's wall time only its own part: then the cell says both."""
+    wall, train = summary["wall_time_s"], summary.get("train_time_s") or 0.0
+    if train > wall:
+        return f"{wall:.1f} s this session · {train:.1f} s of training in all"
+    return f"{wall:.1f} s"
+
+
 def peak_memory(summary: dict[str, Any]) -> str:
     """The end table's peak-memory cell ("—" where a figure was not measured)."""
     rss = summary.get("peak_rss_mb")

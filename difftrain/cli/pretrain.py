@@ -7,7 +7,15 @@ from typing import Any
 
 import typer
 
-from difftrain.cli.common import console, err_console, fmt_count, kv_table, peak_memory, report_finished
+from difftrain.cli.common import (
+    console,
+    err_console,
+    fmt_count,
+    kv_table,
+    peak_memory,
+    report_finished,
+    wall_time,
+)
 
 
 def _start_table(info: dict[str, Any]) -> None:
@@ -55,7 +63,7 @@ def _end_table(summary: dict[str, Any], run_dir: Any) -> None:
 
     rows = [
         ("steps", f"{summary['steps']} ({fmt_count(summary['tokens'])} tokens)"),
-        ("wall time", f"{summary['wall_time_s']:.1f} s"),
+        ("wall time", wall_time(summary)),
         (
             "throughput",
             f"{summary['tokens_per_s']:,.0f} tokens/s"

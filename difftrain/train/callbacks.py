@@ -263,7 +263,10 @@ class RunCallback(L.Callback):
         self._progress.update(
             self._task,
             completed=trainer.global_step,
-            info=f"loss {pl_module.last_loss:.4f} · {self.tokens_per_s:,.0f} tok/s · lr {lr:.2e}"
+            info=f"loss {pl_module.last_loss:.4f}"
+            # (no rate until a log step measured one: a short resume may have none)
+            + (f" · {self.tokens_per_s:,.0f} tok/s" if self.tokens_per_s else "")
+            + f" · lr {lr:.2e}"
             + (f" · val {val:.4f} (step {self.state.last_val_step})" if math.isfinite(val) else ""),
         )
 

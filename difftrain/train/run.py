@@ -49,6 +49,11 @@ RESUMABLE_CHANGES = {
     "train.spike_lr_factor",
     "train.devices",
     "train.num_nodes",
+    # how a step's batch is split and how much memory it takes: free to change as long as the
+    # global batch stays (checked apart, `_global_batch`); the data position counts samples
+    "train.micro_batch_size",
+    "train.global_batch_size",
+    "train.activation_checkpointing",
     "train.strategy",
     "train.fsdp",
     "data.val_windows",
@@ -208,6 +213,22 @@ def recipe_differences(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
     return diffs
 
 
+def _global_batch(recipe: dict[str, Any]) -> int | None:
+    """The sequences per optimizer step of a run's recipe.yaml (None where it cannot be read)."""
+    t = recipe.get("train") if isinstance(recipe, dict) else None
+    if not isinstance(t, dict):
+        return None
+    try:
+        if t.get("global_batch_size"):
+            return int(t["global_batch_size"])
+        devices = t.get("devices", 1)
+        if devices == "auto":  # a run's recipe.yaml holds the resolved count; older ones may not
+            return None
+        return int(t["micro_batch_size"]) * int(devices) * int(t.get("num_nodes", 1))
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
 def prepare_run_dir(
     plan: Plan, *, resume: bool | str, overwrite: bool, dry_run: bool = False
 ) -> tuple[bool, Any]:
@@ -269,6 +290,15 @@ def prepare_run_dir(
         ),
         key=len,
     )
+    old_global = _global_batch(old)
+    if not diffs and old_global is not None and old_global != plan.global_batch_size:
+        t = plan.recipe.train
+        raise RunDirError(
+            f"{run_dir} trains with a global batch of {old_global} sequences per step, this recipe makes "
+            f"{plan.global_batch_size} (micro_batch_size {t.micro_batch_size} × devices {plan.world_size} × "
+            f"accumulation {plan.accumulate}); set train.global_batch_size={old_global} to resume it "
+            "(micro-batch and devices may change), or start again with --overwrite"
+        )
     if resume is False:
         raise RunDirError(
             f"{run_dir} already holds a run; continue it with --resume, start again with --overwrite, "
@@ -516,7 +546,7 @@ def fit(
     import lightning as L
 
     from difftrain.model.lora import count_params
-    from difftrain.train.callbacks import RunCallback, flops_per_token
+    from difftrain.train.callbacks import RunCallback, StopRequested, flops_per_token
     from difftrain.train.checkpoint import AtomicCheckpointIO
     from difftrain.train.distributed import build_strategy, is_global_zero
     from difftrain.train.lit import LitLM
@@ -640,7 +670,17 @@ def fit(
             initial_val = cb.state.last_val
         cb.state.last_val, cb.state.best_val, cb.state.last_val_step = math.nan, math.inf, -1
     t0 = time.perf_counter()
-    trainer.fit(lit, datamodule=datamodule, ckpt_path=str(point.path) if point else None, weights_only=True)
+    try:
+        trainer.fit(
+            lit, datamodule=datamodule, ckpt_path=str(point.path) if point else None, weights_only=True
+        )
+    except StopRequested:
+        # stopped (and saved): summary.json says where the run stands, not what an earlier end said
+        if trainer.is_global_zero and trainer.global_step > 0:
+            stopped = _summary(r, plan, lit, cb, time.perf_counter() - t0, counts, trainer)
+            stopped.update(summary_extra or {}, trainable_params=n_trainable, finished=False)
+            atomic_write_json(run_dir / SUMMARY, stopped)
+        raise
     wall = time.perf_counter() - t0
     if trainer.global_step > 0 and has_val and cb.state.last_val_step != trainer.global_step:
         # (a run whose last step was a val_every step has its final loss already)
@@ -651,6 +691,7 @@ def fit(
             cb.state.best_val = min(cb.state.best_val, float(val))
     summary = _summary(r, plan, lit, cb, wall, counts, trainer)
     summary["trainable_params"] = n_trainable
+    summary["finished"] = True
     if summary_extra:
         summary.update(summary_extra)
     if validate_first:
@@ -699,8 +740,8 @@ def _resume_finished(r: Recipe, plan: Plan, lit: Any, point: Any, export: Any) -
             save_inference_weights(run_dir, lit.model, step, export)
         notes.append(f"{problem}: rewrote it from {point.path.parent.name}/{point.path.name}")
     summary = read_summary(run_dir)
-    if not summary:
-        return None
+    if not summary or summary.get("finished") is False or summary.get("steps") != step:
+        return None  # none, or one of a stop before the end: the fit below writes the final one
     return TrainResult(
         run_dir=run_dir,
         summary=summary,
