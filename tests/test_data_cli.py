@@ -57,6 +57,20 @@ def test_prepare_prints_the_figures_and_reuses_the_cache(
     assert "reused from cache" in capsys.readouterr().out
 
 
+def test_prepare_says_when_the_trained_tokenizer_is_smaller_than_asked(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    recipe = write_recipe(tmp_path)
+    monkeypatch.setenv("COLUMNS", "300")
+    assert main(["prepare", str(recipe), "--no-progress", "tokenizer.train.vocab_size=5000"]) == 0
+    out = capsys.readouterr().out
+    size = int(re.search(r"vocabulary\s+(\d+) tokens", out).group(1))
+    assert size < 5000 and f"{size} of the 5,000 asked for (tokenizer.train.vocab_size)" in out
+    # as many as it can learn asked for: no note
+    assert main(["prepare", str(recipe), "--no-progress", f"tokenizer.train.vocab_size={size}"]) == 0
+    assert "asked for" not in capsys.readouterr().out
+
+
 def test_prepare_errors_are_one_red_line_with_exit_code_2(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

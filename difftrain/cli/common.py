@@ -153,6 +153,17 @@ def oom_advice(recipe: Any, *, finetune: bool = False) -> str:
     )
 
 
+def vocab_shortfall(tokenizer_size: int, tokenizer_cfg: Any) -> str:
+    """A note when the tokenizer a recipe trains came out smaller than tokenizer.train.vocab_size
+    (a small corpus runs out of pairs to merge); "" otherwise."""
+    if tokenizer_cfg.path is not None or tokenizer_size >= tokenizer_cfg.train.vocab_size:
+        return ""
+    return (
+        f" — {tokenizer_size:,} of the {tokenizer_cfg.train.vocab_size:,} asked for "
+        "(tokenizer.train.vocab_size): the data has no more pairs to merge"
+    )
+
+
 def wall_time(summary: dict[str, Any]) -> str:
     """The end table's wall-time cell. A resumed run's tokens and tokens/s cover the whole run,
     this process's wall time only its own part: then the cell says both."""

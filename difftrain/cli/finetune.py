@@ -31,7 +31,7 @@ def _start_table(info: dict[str, Any]) -> None:
         ),
         (
             "base",
-            f"{info['base']} · {m.arch} · d_model {m.d_model} · {m.n_layers} layers · vocab {m.vocab_size}",
+            f"{info['base']} · {m.arch} · d_model {m.d_model} · {m.n_layers} layer{'s' if m.n_layers != 1 else ''} · vocab {m.vocab_size}",
         ),
     ]
     method = ft.method

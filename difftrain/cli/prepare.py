@@ -6,7 +6,7 @@ from typing import Any
 
 import typer
 
-from difftrain.cli.common import console, data_progress, err_console, fmt_count, kv_table
+from difftrain.cli.common import console, data_progress, err_console, fmt_count, kv_table, vocab_shortfall
 
 
 def _bytes(n: float) -> str:
@@ -16,15 +16,19 @@ def _bytes(n: float) -> str:
     return f"{n:.0f} B"
 
 
-def prepare_table(prepared: Any) -> Any:
-    """The summary table of a `PreparedData` (also used by `pretrain` if it wants it)."""
+def prepare_table(prepared: Any, tokenizer_cfg: Any = None) -> Any:
+    """The summary table of a `PreparedData`; `tokenizer_cfg` (the recipe's) adds a note when the
+    trained tokenizer came out smaller than asked."""
     s = prepared.stats
     cached = "reused from cache" if prepared.from_cache else "built now"
     tok_note = "cached" if prepared.tokenizer_from_cache else f"trained in {s.tokenizer_seconds:.1f} s"
     rows = [
         ("documents", f"{s.documents:,} ({s.train_documents:,} train · {s.val_documents:,} val)"),
         ("bytes", _bytes(s.bytes)),
-        ("tokens", f"{s.tokens:,} ({fmt_count(s.tokens)})"),
+        (
+            "tokens",
+            f"{s.tokens:,}" + (f" ({fmt_count(s.tokens)})" if fmt_count(s.tokens) != f"{s.tokens:,}" else ""),
+        ),
         ("tokens/byte", f"{s.tokens_per_byte:.3f}"),
         ("train tokens", f"{s.train_tokens:,}"),
         (
@@ -32,7 +36,11 @@ def prepare_table(prepared: Any) -> Any:
             f"{s.val_tokens:,}"
             + ("  (held out from the end: too few documents to split)" if s.split == "tail" else ""),
         ),
-        ("vocabulary", f"{s.vocab_size:,} tokens ({tok_note}) · shards {prepared.index['dtype']}"),
+        (
+            "vocabulary",
+            f"{s.vocab_size:,} tokens ({tok_note}) · shards {prepared.index['dtype']}"
+            + (vocab_shortfall(s.vocab_size, tokenizer_cfg) if tokenizer_cfg is not None else ""),
+        ),
         ("time", f"{s.seconds:.1f} s ({cached})"),
         ("cache", f"{prepared.cache_dir}  ({_bytes(s.cache_bytes)})"),
         ("tokenizer", str(prepared.tokenizer_path)),
@@ -67,7 +75,7 @@ def prepare_command(
             prepared = prepare_data(r.data, r.tokenizer, seed=r.seed, base_dir=r.recipe_dir, progress=update)
     else:
         prepared = prepare_data(r.data, r.tokenizer, seed=r.seed, base_dir=r.recipe_dir)
-    console.print(prepare_table(prepared))
+    console.print(prepare_table(prepared, r.tokenizer))
     for src in prepared.stats.sources:
         for example in src.get("bad_examples", []):
             err_console.print(f"[yellow]skipped:[/] {example}")

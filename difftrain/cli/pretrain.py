@@ -14,6 +14,7 @@ from difftrain.cli.common import (
     kv_table,
     peak_memory,
     report_finished,
+    vocab_shortfall,
     wall_time,
 )
 
@@ -29,12 +30,16 @@ def _start_table(info: dict[str, Any]) -> None:
         ),
         (
             "model",
-            f"{m.arch} · d_model {m.d_model} · {m.n_layers} layers · {m.n_heads} heads"
+            f"{m.arch} · d_model {m.d_model} · {m.n_layers} layer{'s' if m.n_layers != 1 else ''} · {m.n_heads} head{'s' if m.n_heads != 1 else ''}"
             + (f" ({m.n_kv_heads} kv)" if m.n_kv_heads != m.n_heads else "")
             + f" · head_dim {m.head_dim}",
         ),
         ("parameters", " · ".join(f"{k} {fmt_count(v)}" for k, v in counts.items() if v)),
-        ("vocabulary", f"{m.vocab_size} (tokenizer {info['data'].tokenizer_path.name})"),
+        (
+            "vocabulary",
+            f"{m.vocab_size} (tokenizer {info['data'].tokenizer_path.name})"
+            + vocab_shortfall(info["data"].stats.vocab_size, r.tokenizer),
+        ),
         (
             "batch",
             f"{plan.global_batch_size} seq × {plan.seq_len} tok = {fmt_count(plan.tokens_per_step)} tok/step "
