@@ -442,6 +442,18 @@ class Recipe(_Section):
         return self._source
 
     @property
+    def command_arg(self) -> str:
+        """The recipe as a command line names it: a shipped recipe's name, a file's path (quoted
+        for the shell where it needs it); RECIPE when it came from neither."""
+        import shlex
+
+        if not self._source:
+            return "RECIPE"
+        if self._source.startswith("shipped:"):
+            return self._source.removeprefix("shipped:")
+        return shlex.quote(self._source)
+
+    @property
     def run_dir(self) -> Path:
         """out_dir/name; for the recipe.yaml of a run directory (loaded from it, `name` and
         `out_dir` not overridden), that directory, wherever it is and from whichever folder."""

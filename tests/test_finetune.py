@@ -397,6 +397,9 @@ def test_bad_input_is_a_clear_error(ws, tmp_path, base_run, capsys):
         finetune(load_recipe(ws(name="role", data=bad)))
     with pytest.raises(RecipeError, match="fine-tuning recipe"):
         pretrain(load_recipe(ws(name="wrongcmd")))
+    for args in (["finetune-quickstart"], ["finetune-quickstart", "--dry-run"]):  # named as it is typed
+        assert main(["pretrain", *args]) == 2
+        assert "run it with `difftrain finetune finetune-quickstart`" in capsys.readouterr().err
     with pytest.raises(RecipeError, match="no finetune: section"):
         finetune(load_recipe(base_run / "recipe.yaml"))
     # through the CLI: one red line, exit 2

@@ -241,8 +241,12 @@ def test_batch_arithmetic_is_checked_before_training(workspace):
 def test_cli_pretrain_and_errors_exit_2(workspace, capsys):
     p = workspace(steps=2, save_every=2)
     assert main(["pretrain", str(p), "--no-progress"]) == 0
-    out = capsys.readouterr().out
+    out, err = capsys.readouterr()
     assert "done" in out and "difftrain generate" in out
+    # the recipe's 2 warm-up steps fill this 2-step run
+    assert "optim.warmup_steps=2 is not below train.max_steps=2: the whole run is warm-up" in " ".join(
+        err.split()
+    )
     assert main(["pretrain", str(p)]) == 2
     assert "already holds a run" in capsys.readouterr().err
     assert main(["pretrain", str(p), "train.micro_batch_size=3"]) == 2

@@ -112,8 +112,9 @@ def pretrain_command(
 
     r = load_recipe(recipe, overrides or [])
     if dry_run:
-        from difftrain.train.run import plan_run, prepare_run_dir
+        from difftrain.train.run import plan_run, prepare_run_dir, require_pretraining
 
+        require_pretraining(r)
         plan = plan_run(r)
         # what the run would do with its folder, refused where the run would refuse
         resuming, point = prepare_run_dir(

@@ -404,6 +404,15 @@ def _quiet_lightning() -> None:
     warnings.filterwarnings("ignore", message=".*`IterableDataset` has `__len__` defined.*")
 
 
+def require_pretraining(recipe: Recipe) -> None:
+    """A fine-tuning recipe given to `pretrain` says which command runs it."""
+    if recipe.finetune is not None:
+        raise RecipeError(
+            f"{recipe.source or recipe.name} is a fine-tuning recipe (finetune.base: {recipe.finetune.base}); "
+            f"run it with `difftrain finetune {recipe.command_arg}`"
+        )
+
+
 def pretrain(
     recipe: Recipe,
     *,
@@ -429,11 +438,7 @@ def pretrain(
     from difftrain.model import Transformer
 
     _quiet_lightning()
-    if recipe.finetune is not None:
-        raise RecipeError(
-            f"{recipe.source or recipe.name} is a fine-tuning recipe (finetune.base: {recipe.finetune.base}); "
-            f"run it with `difftrain finetune {recipe.source or 'RECIPE'}`"
-        )
+    require_pretraining(recipe)
     plan = plan_run(recipe)
     r = plan.recipe
     resume_flag: bool | str = r.train.resume if resume is None else resume
@@ -661,6 +666,13 @@ def fit(
         "device": _device_name(plan.accelerator),
         **(info or {}),
     }
+    if r.optim.warmup_steps >= plan.max_steps and point is None:
+        start_info["warnings"] = [
+            *start_info["warnings"],
+            f"optim.warmup_steps={r.optim.warmup_steps} is not below train.max_steps={plan.max_steps}: the "
+            f"whole run is warm-up (shortened to {max(plan.max_steps - 1, 0)} steps), with no {r.optim.schedule} "
+            "schedule after it; lower optim.warmup_steps",
+        ]
     if on_start is not None and is_global_zero():
         on_start(start_info)
     initial_val = None
