@@ -1006,13 +1006,24 @@ def explain_rows(section: str | None = None) -> list[tuple[str, str, str, str]]:
             rows.append((name, "section", default, field.description or ""))
             walk(model, f"{name}.")
         return rows
-    if section not in SECTIONS:
-        hint = difflib.get_close_matches(section, list(SECTIONS), n=1)
+    head = section.split(".", 1)[0]
+    if head not in SECTIONS:
+        hint = difflib.get_close_matches(head, list(SECTIONS), n=1)
         raise RecipeError(
-            f"no recipe section `{section}`{' — did you mean `' + hint[0] + '`?' if hint else ''} (sections: {', '.join(SECTIONS)})"
+            f"no recipe section `{head}`{' — did you mean `' + hint[0] + '`?' if hint else ''} (sections: {', '.join(SECTIONS)})"
         )
-    walk(SECTIONS[section], f"{section}.")
-    return rows
+    walk(SECTIONS[head], f"{head}.")
+    if head == section:
+        return rows
+    # a key (train.max_steps) or a group of keys (finetune.lora): the rows under it
+    picked = [r for r in rows if r[0] == section or r[0].startswith((section + ".", section + "[]."))]
+    if not picked:
+        hint = difflib.get_close_matches(section, [r[0] for r in rows], n=1)
+        raise RecipeError(
+            f"no recipe key `{section}`{' — did you mean `' + hint[0] + '`?' if hint else ''} "
+            f"(`difftrain recipes explain {head}` lists the keys of {head})"
+        )
+    return picked
 
 
 def recipe_reference_markdown() -> str:

@@ -188,6 +188,17 @@ def test_every_field_is_documented():
         assert key in keys
 
 
+def test_explain_takes_a_section_a_key_or_a_group_of_keys():
+    train = explain_rows("train")
+    assert [r for r in train if r[0] == "train.max_steps"] == explain_rows("train.max_steps")
+    lora = [r[0] for r in explain_rows("finetune.lora")]
+    assert "finetune.lora.rank" in lora and all(k.startswith("finetune.lora.") for k in lora)
+    with pytest.raises(RecipeError, match="no recipe key `train.max_step` — did you mean `train.max_steps`"):
+        explain_rows("train.max_step")
+    with pytest.raises(RecipeError, match="no recipe section `trian` — did you mean `train`"):
+        explain_rows("trian.max_steps")
+
+
 def test_readme_recipe_table_is_generated_from_the_schema():
     readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
     assert recipe_reference_markdown() in readme, (

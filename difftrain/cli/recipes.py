@@ -68,12 +68,15 @@ def cp(
 
 @recipes_app.command("explain")
 def explain(
-    section: str = typer.Argument(None, help="Section: model, data, tokenizer, train, optim, logging, ..."),
+    section: str = typer.Argument(
+        None,
+        help="A section (model, data, tokenizer, train, optim, logging, ...) or a key (train.max_steps).",
+    ),
     markdown: bool = typer.Option(
         False, "--markdown", help="Print the reference as a Markdown table (the README's)."
     ),
 ) -> None:
-    """Print every recipe key with its type, default and description: the recipe reference."""
+    """Print every recipe key (of a section, or one key) with its type, default and description."""
     from rich.table import Table
 
     from difftrain.cli.common import console
