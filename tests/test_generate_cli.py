@@ -97,6 +97,8 @@ def test_a_seed_reproduces_the_samples_streamed_or_batched(run_dir, capsys):
     assert code == 0
     for r in first:
         assert r["prompt"] + r["completion"] in out
+    rules = [line for line in out.splitlines() if "· sample " in line]
+    assert len(rules) == 4 and all(len(line) <= 80 for line in rules)  # piped: 80 columns, not 1000
     other = json_results(capsys, *args[:-1], 6)
     assert [r["token_ids"] for r in other] != [r["token_ids"] for r in first]
 
@@ -159,7 +161,16 @@ def test_a_full_context_stops_generation_with_a_note(run_dir, capsys):
 
 def test_interactive_ctrl_c_interrupts_a_generation_without_quitting(run_dir, capsys, monkeypatch):
     inputs = iter(
-        ["hello", KeyboardInterrupt, "/set top_p 2", "/set temperature 0.5", "/show", "def", "/quit"]
+        [
+            "hello",
+            KeyboardInterrupt,
+            "/set top_p 2",
+            "/bogus",
+            "/set temperature 0.5",
+            "/show",
+            "def",
+            "/quit",
+        ]
     )
 
     def fake_input(prompt=""):
@@ -184,6 +195,7 @@ def test_interactive_ctrl_c_interrupts_a_generation_without_quitting(run_dir, ca
     assert code == 0
     assert "interrupted" in err
     assert "top_p=2.0 is outside (0, 1]" in err
+    assert "unknown command /bogus; /help lists the commands" in err  # not sent to the model
     # /show: the settings as /set names them, the one just set included
     assert "max_new_tokens=4 greedy=false temperature=0.5 top_k=50 top_p=0.95" in err and "seed=0" in err
     assert err.count("tokens/s") == 1  # the second prompt ran to its end

@@ -225,9 +225,11 @@ class Session:
 
     def _header(self, row: Row, n_rows: int, echo: bool) -> None:
         if n_rows > 1:
-            console.rule(
-                f"[dim]{escape(row.prompt.where)} · sample {row.sample + 1}/{self.num_samples}", align="left"
-            )
+            from rich.rule import Rule
+
+            title = f"[dim]{escape(row.prompt.where)} · sample {row.sample + 1}/{self.num_samples}"
+            # the terminal's width; piped, where the console lays out for very long lines, 80 columns
+            console.print(Rule(title, align="left"), width=console.width if console.is_terminal else 80)
         if echo:
             console.print(row.text, style="dim", end="", markup=False, highlight=False, soft_wrap=True)
 
@@ -375,6 +377,8 @@ def _command(session: Session, cmd: str, help_text: str) -> bool:
         err_console.print(f"[dim]{escape(settings)}", soft_wrap=True)
     elif cmd.startswith("/set"):
         _set(session, cmd.split()[1:])
+    elif re.fullmatch(r"/[A-Za-z]+", cmd):  # a lone /word is a command, mistyped (text has more)
+        _error(f"unknown command {cmd}; /help lists the commands")
     else:
         return False
     return True
