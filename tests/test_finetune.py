@@ -213,8 +213,8 @@ def test_merged_run_gives_the_logits_of_base_plus_adapter(ws, tmp_path):
     # `export` takes the adapter run as it is (base + adapter, merged on load): the merged run's export
     from difftrain.interop.hf import export_hf
 
-    export_hf(run, tmp_path / "hf-adapter")
-    export_hf(merged_dir, tmp_path / "hf-merged")
+    assert any("adapter merged in" in n for n in export_hf(run, tmp_path / "hf-adapter").notes)
+    assert not any("adapter" in n for n in export_hf(merged_dir, tmp_path / "hf-merged").notes)
     ea, em = (
         load_file(tmp_path / "hf-adapter" / "model.safetensors"),
         load_file(tmp_path / "hf-merged" / "model.safetensors"),

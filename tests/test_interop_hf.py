@@ -511,7 +511,7 @@ def test_the_exported_readme_snippet_samples_what_difftrain_generate_samples(
     export_hf(run, tmp_path / "hf")
     card = (tmp_path / "hf" / "README.md").read_text()
     snippet = card.split("```python\n", 1)[1].split("```", 1)[0]
-    monkeypatch.chdir(tmp_path)  # the snippet names the folder as a relative path
+    monkeypatch.chdir(tmp_path / "run")  # the snippet names the folder as the export was given it
     exec(compile(snippet, "README.md", "exec"), {})  # noqa: S102 - our own generated snippet
     printed = capsys.readouterr().out
     ids = torch.tensor([prompt_ids(tok, "def fibonacci(n):")])  # what `difftrain generate` feeds the model

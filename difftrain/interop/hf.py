@@ -627,6 +627,10 @@ def export_hf(
     # a bf16/fp16 export is rounded anyway).
     exact: dict[str, Tensor] = {}
     notes: list[str] = []
+    if (run_path / ADAPTER_CONFIG).is_file():
+        notes.append(
+            "a LoRA run: exported as its base with the adapter merged in (as `difftrain merge` makes it)"
+        )
     if dtype == "float32":
         back = from_hf_state_dict(hf_sd, config)
         exact = {k: t for k, t in ours.items() if k in back and not torch.equal(back[k], t)}
@@ -678,8 +682,8 @@ def _model_card(config: ModelConfig, cls: str, run_path: Path, out: Path) -> str
         f"({config.n_kv_heads} key/value heads), head_dim {config.head_dim}, vocabulary {config.vocab_size}, "
         f"context {config.max_seq_len}.\n\n"
         "```python\nimport torch\nfrom transformers import AutoModelForCausalLM, AutoTokenizer\n"
-        f'tok = AutoTokenizer.from_pretrained("{out.name}")\n'
-        f'model = AutoModelForCausalLM.from_pretrained("{out.name}")\n'
+        f'tok = AutoTokenizer.from_pretrained("{out}")\n'
+        f'model = AutoModelForCausalLM.from_pretrained("{out}")\n'
         'ids = tok("def fibonacci(n):", return_tensors="pt").input_ids\n'
         "ids = torch.cat([torch.tensor([[tok.eos_token_id]]), ids], dim=1)  # a document starts after eos\n"
         "print(tok.decode(model.generate(ids, max_new_tokens=64, do_sample=False)[0, 1:]))\n```\n\n"
