@@ -157,16 +157,21 @@ def _nearest_existing(path: Path) -> Path:
     return p
 
 
+def _uncreatable(run_dir: Path, why: str) -> DifftrainError:
+    return DifftrainError(
+        f"cannot create the run directory {run_dir}: {why}; set out_dir (or name) to a folder you can write"
+    )
+
+
 def check_run_dir_creatable(run_dir: str | os.PathLike[str]) -> None:
     """Refuse, writing nothing, a run directory that cannot be created or written (`pretrain
     --dry-run` checks what `make_run_dir` would find)."""
     run_dir = Path(run_dir)
     base = _nearest_existing(run_dir)
-    if not base.is_dir() or not os.access(base, os.W_OK | os.X_OK):
-        why = "is not a folder" if not base.is_dir() else "is not writable"
-        raise DifftrainError(
-            f"cannot create the run directory {run_dir}: {base} {why}; set out_dir (or name) to a folder you can write"
-        )
+    if not base.is_dir():
+        raise _uncreatable(run_dir, f"{base} is not a folder")
+    if not os.access(base, os.W_OK | os.X_OK):
+        raise _uncreatable(run_dir, f"{base} is not writable")
 
 
 def make_run_dir(run_dir: str | os.PathLike[str]) -> None:
@@ -177,9 +182,7 @@ def make_run_dir(run_dir: str | os.PathLike[str]) -> None:
     except OSError as e:
         if e.errno == errno.ENOSPC:
             raise DifftrainError(_os_error_message(run_dir, e)) from e
-        raise DifftrainError(
-            f"cannot create the run directory {run_dir}: {e.strerror or e}; set out_dir (or name) to a folder you can write"
-        ) from e
+        raise _uncreatable(run_dir, e.strerror or str(e)) from e
 
 
 class RunLock:

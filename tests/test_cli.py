@@ -62,3 +62,7 @@ def test_recipes_cp_copies_to_a_file_or_into_a_folder(tmp_path, capsys):
     assert (tmp_path / "my.yaml").read_text() == "mine"
     assert main(["recipes", "cp", "quickstart", str(tmp_path / "my.yaml"), "--force"]) == 0
     assert (tmp_path / "my.yaml").read_bytes() == shipped
+    capsys.readouterr()
+    assert main(["recipes", "cp", "quickstart", str(tmp_path / "my.yaml" / "x.yaml")]) == 2  # under a file
+    err = capsys.readouterr().err
+    assert "cannot write" in err and "Traceback" not in err

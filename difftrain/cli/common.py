@@ -153,6 +153,11 @@ def oom_advice(recipe: Any, *, finetune: bool = False) -> str:
     )
 
 
+def plural(n: int, word: str) -> str:
+    """1 → '1 layer', 4 → '4 layers'."""
+    return f"{n} {word}{'' if n == 1 else 's'}"
+
+
 def vocab_shortfall(tokenizer_size: int, tokenizer_cfg: Any) -> str:
     """A note when the tokenizer a recipe trains came out smaller than tokenizer.train.vocab_size
     (a small corpus runs out of pairs to merge); "" otherwise."""

@@ -14,6 +14,7 @@ from difftrain.cli.common import (
     fmt_count,
     kv_table,
     peak_memory,
+    plural,
     report_finished,
     wall_time,
 )
@@ -31,7 +32,7 @@ def _start_table(info: dict[str, Any]) -> None:
         ),
         (
             "base",
-            f"{info['base']} · {m.arch} · d_model {m.d_model} · {m.n_layers} layer{'s' if m.n_layers != 1 else ''} · vocab {m.vocab_size}",
+            f"{info['base']} · {m.arch} · d_model {m.d_model} · {plural(m.n_layers, 'layer')} · vocab {m.vocab_size}",
         ),
     ]
     method = ft.method

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import typer
 
-from difftrain.cli.common import console, fmt_count, kv_table
+from difftrain.cli.common import console, fmt_count, kv_table, plural
 
 FORMATS = ("hf",)
 
@@ -58,7 +58,7 @@ def import_command(
         ("from", f"{hf_dir} ({r.hf_class})"),
         (
             "model",
-            f"{c.arch} · d_model {c.d_model} · {c.n_layers} layer{'s' if c.n_layers != 1 else ''} · {c.n_heads} head{'s' if c.n_heads != 1 else ''} ({c.n_kv_heads} kv) "
+            f"{c.arch} · d_model {c.d_model} · {plural(c.n_layers, 'layer')} · {plural(c.n_heads, 'head')} ({c.n_kv_heads} kv) "
             f"· {fmt_count(r.num_params)} parameters",
         ),
         ("wrote", f"{r.run_dir}: {', '.join(r.files)}"),

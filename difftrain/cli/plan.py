@@ -7,7 +7,7 @@ from typing import Any
 
 import typer
 
-from difftrain.cli.common import console, fmt_count, kv_table
+from difftrain.cli.common import console, fmt_count, kv_table, plural
 
 
 def plan_command(
@@ -64,7 +64,7 @@ def _render(r: Any, rp: Any) -> None:
         ("recipe", str(r.source or r.name)),
         (
             "model",
-            f"{c.arch} · d_model {c.d_model} · {c.n_layers} layer{'s' if c.n_layers != 1 else ''} · {c.n_heads} head{'s' if c.n_heads != 1 else ''} · vocab {c.vocab_size}"
+            f"{c.arch} · d_model {c.d_model} · {plural(c.n_layers, 'layer')} · {plural(c.n_heads, 'head')} · vocab {c.vocab_size}"
             + (f" · {p.method}" if p.method != "full" else ""),
         ),
         ("parameters", f"{fmt_count(p.params)} ({fmt_count(p.trained_params)} trained)"),

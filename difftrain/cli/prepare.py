@@ -25,10 +25,7 @@ def prepare_table(prepared: Any, tokenizer_cfg: Any = None) -> Any:
     rows = [
         ("documents", f"{s.documents:,} ({s.train_documents:,} train · {s.val_documents:,} val)"),
         ("bytes", _bytes(s.bytes)),
-        (
-            "tokens",
-            f"{s.tokens:,}" + (f" ({fmt_count(s.tokens)})" if fmt_count(s.tokens) != f"{s.tokens:,}" else ""),
-        ),
+        ("tokens", f"{s.tokens:,}" + (f" ({fmt_count(s.tokens)})" if s.tokens >= 1000 else "")),
         ("tokens/byte", f"{s.tokens_per_byte:.3f}"),
         ("train tokens", f"{s.train_tokens:,}"),
         (

@@ -13,6 +13,7 @@ from difftrain.cli.common import (
     fmt_count,
     kv_table,
     peak_memory,
+    plural,
     report_finished,
     vocab_shortfall,
     wall_time,
@@ -30,7 +31,7 @@ def _start_table(info: dict[str, Any]) -> None:
         ),
         (
             "model",
-            f"{m.arch} · d_model {m.d_model} · {m.n_layers} layer{'s' if m.n_layers != 1 else ''} · {m.n_heads} head{'s' if m.n_heads != 1 else ''}"
+            f"{m.arch} · d_model {m.d_model} · {plural(m.n_layers, 'layer')} · {plural(m.n_heads, 'head')}"
             + (f" ({m.n_kv_heads} kv)" if m.n_kv_heads != m.n_heads else "")
             + f" · head_dim {m.head_dim}",
         ),
@@ -123,7 +124,6 @@ def pretrain_command(
             overwrite=overwrite,
             dry_run=True,
         )
-        _check_vocab(plan.recipe)
         _check_inputs(plan.recipe)
         if resuming:
             action = f"resumes from step {point.step}"
@@ -150,17 +150,13 @@ def pretrain_command(
     _train(r, resume=resume, overwrite=overwrite, progress=progress)
 
 
-def _check_vocab(r: Any) -> None:
+def _check_vocab(r: Any, size: int) -> None:
     """The run's tokenizer check, as far as it can be made before the tokenizer exists: against
     tokenizer.path's size, or the size of the tokenizer the recipe trains (`plan.tokenizer_size`)."""
     from difftrain.errors import TokenizerError
-    from difftrain.plan import tokenizer_size
 
     vocab = r.model.vocab_size
-    if vocab == "auto":
-        return
-    size = tokenizer_size(r)
-    if size > vocab:
+    if vocab != "auto" and size > vocab:
         what = (
             f"the tokenizer {r.tokenizer.path} has"
             if r.tokenizer.path is not None
@@ -174,12 +170,13 @@ def _check_vocab(r: Any) -> None:
 
 def _check_inputs(r: Any) -> None:
     """What the run reads and writes, checked without reading the data or writing anything: the
-    tokenizer file loads, every local data source exists, the run directory can be created."""
+    tokenizer file loads and fits model.vocab_size, every local data source exists, the run
+    directory can be created."""
     from difftrain.data.sources import resolve_sources
     from difftrain.io import check_run_dir_creatable
     from difftrain.plan import tokenizer_size
 
-    tokenizer_size(r)  # loads tokenizer.path, if the recipe names one
+    _check_vocab(r, tokenizer_size(r))  # loads tokenizer.path, if the recipe names one
     for source in resolve_sources(r.data, r.recipe_dir):  # path sources are checked as they resolve
         source.check_local_files()
     check_run_dir_creatable(r.run_dir)

@@ -61,8 +61,13 @@ def cp(
     target = Path(dest).expanduser() / src.name if folder else Path(dest).expanduser()
     if target.exists() and not force:
         raise RecipeError(f"{target} already exists; pass --force to overwrite it or pick another name")
-    target.parent.mkdir(parents=True, exist_ok=True)
-    shutil.copyfile(src, target)
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(src, target)
+    except OSError as e:
+        raise RecipeError(
+            f"cannot write {target}: {e.strerror or e}; choose a DEST in a folder you can write"
+        ) from e
     typer.echo(f"copied {src.name} to {target}")
 
 

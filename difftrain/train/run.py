@@ -295,7 +295,7 @@ def prepare_run_dir(
         t = plan.recipe.train
         raise RunDirError(
             f"{run_dir} trains with a global batch of {old_global} sequences per step, this recipe makes "
-            f"{plan.global_batch_size} (micro_batch_size {t.micro_batch_size} × devices {plan.world_size} × "
+            f"{plan.global_batch_size} (micro_batch_size {t.micro_batch_size} × devices×nodes {plan.world_size} × "
             f"accumulation {plan.accumulate}); set train.global_batch_size={old_global} to resume it "
             "(micro-batch and devices may change), or start again with --overwrite"
         )
@@ -689,9 +689,10 @@ def fit(
     except StopRequested:
         # stopped (and saved): summary.json says where the run stands, not what an earlier end said
         if trainer.is_global_zero and trainer.global_step > 0:
-            stopped = _summary(r, plan, lit, cb, time.perf_counter() - t0, counts, trainer)
-            stopped.update(summary_extra or {}, trainable_params=n_trainable, finished=False)
-            atomic_write_json(run_dir / SUMMARY, stopped)
+            summary = _summary(r, plan, lit, cb, time.perf_counter() - t0, counts, trainer)
+            summary.update(trainable_params=n_trainable, finished=False)
+            summary.update(summary_extra or {})
+            atomic_write_json(run_dir / SUMMARY, summary)
         raise
     wall = time.perf_counter() - t0
     if trainer.global_step > 0 and has_val and cb.state.last_val_step != trainer.global_step:
@@ -702,10 +703,8 @@ def fit(
             cb.state.last_val = float(val)
             cb.state.best_val = min(cb.state.best_val, float(val))
     summary = _summary(r, plan, lit, cb, wall, counts, trainer)
-    summary["trainable_params"] = n_trainable
-    summary["finished"] = True
-    if summary_extra:
-        summary.update(summary_extra)
+    summary.update(trainable_params=n_trainable, finished=True)
+    summary.update(summary_extra or {})
     if validate_first:
         if initial_val is None and point is not None:  # a resumed run: logged at step 0
             rows = [x for x in read_metrics(run_dir / METRICS) if x.get("step") == 0 and "val/loss" in x]
