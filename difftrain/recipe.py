@@ -607,6 +607,28 @@ def _key_lines(node: yaml.Node, prefix: str, out: dict[str, int]) -> None:
             _key_lines(v, key + ".", out)
 
 
+def _check_unique_keys(node: yaml.Node, path: Path, prefix: str = "") -> None:
+    """A key given twice in one mapping is a RecipeError: YAML loaders keep the last silently, so
+    the recipe would not train what its first line says (a copy-paste slip, a merge conflict)."""
+    if isinstance(node, yaml.MappingNode):
+        seen: dict[str, int] = {}
+        for k, v in node.value:
+            if isinstance(k, yaml.ScalarNode) and k.tag != "tag:yaml.org,2002:merge":  # `<<:` merges
+                line = k.start_mark.line + 1
+                if k.value in seen:
+                    raise RecipeError(
+                        f"{path}, line {line}: `{prefix}{k.value}` is set twice (also on line "
+                        f"{seen[k.value]}); keep one"
+                    )
+                seen[k.value] = line
+                _check_unique_keys(v, path, f"{prefix}{k.value}.")
+            else:
+                _check_unique_keys(v, path, prefix)
+    elif isinstance(node, yaml.SequenceNode):
+        for i, v in enumerate(node.value):
+            _check_unique_keys(v, path, f"{prefix}{i}.")
+
+
 def _yaml_error(path: Path, e: yaml.YAMLError) -> str:
     """One line: file, line and column when known, and the parser's complaint."""
     mark = getattr(e, "problem_mark", None)
@@ -645,6 +667,7 @@ def read_yaml(path: Path) -> tuple[dict[str, Any], dict[str, int]]:
             "to pretrain, `model`"
         )
     _count_nodes(node, [MAX_YAML_NODES])
+    _check_unique_keys(node, path)
     try:
         data = yaml.load(text, Loader=yaml.SafeLoader)  # noqa: S506 - SafeLoader: no tags, no code
     except yaml.YAMLError as e:
@@ -692,7 +715,10 @@ def _load_tree(
         raise RecipeError(
             f"{path}, line {lines.get('extends', '?')}: `extends` must be a recipe path or name"
         )
-    parent_path = find_recipe(parent, relative_to=path.parent)
+    try:
+        parent_path = find_recipe(parent, relative_to=path.parent)
+    except RecipeError as e:
+        raise RecipeError(f"{path}, line {lines.get('extends', '?')}: `extends: {parent}`: {e}") from e
     base, base_where = _load_tree(parent_path, (*chain, resolved))
     base_where.update(where)
     return deep_merge(base, data), base_where
@@ -787,12 +813,20 @@ def format_validation_error(
                     f, line = where[parent]
                     place = f"{f}, line {line}"
                     break
+        what = f"`{dotted}`" if dotted else "recipe"
         if overridden:
             for n in range(len(loc), 0, -1):  # the key or the section the command line set
                 key = ".".join(str(p) for p in loc[:n])
                 if key in overridden:
                     place = f"override `{key}`"
+                    if key == dotted:  # "override `k`='x': …", not "override `k`: `k`='x': …"
+                        place, what = "", f"override `{key}`"
                     break
+            else:  # a section's own check (e.g. max_steps or max_tokens) after keys under it were set
+                inside = sorted(k for k in overridden if dotted and k.startswith(dotted + "."))
+                if inside:
+                    set_keys = ", ".join(f"`{k}`" for k in inside)
+                    place = f"{place + ', ' if place else ''}with override {set_keys}"
         if err["type"] == "extra_forbidden":
             parent = _submodel(model, loc[:-1])
             options = list(parent.model_fields) if parent else []
@@ -808,13 +842,20 @@ def format_validation_error(
             msgs.append(f"{place + ': ' if place else ''}`{parent}` has too few values (no item {loc[-1]})")
         elif err["type"] == "missing":
             msgs.append(f"{place + ': ' if place else ''}missing key `{dotted}`")
+        elif err["type"] in ("model_type", "model_attributes_type", "dict_type"):  # `train: 5`
+            given = err.get("input")
+            shown = repr(given) if len(repr(given)) < 60 else type(given).__name__
+            section = _submodel(model, loc)
+            example = f" such as `{dotted}.{next(iter(section.model_fields))}`" if section else ""
+            msgs.append(
+                f"{place + ': ' if place else ''}{what} must be a section of keys{example}, not {shown}"
+            )
         else:
             given = err.get("input")
             shown = repr(given) if not isinstance(given, dict) and len(repr(given)) < 60 else ""
-            what = f"`{dotted}`" if dotted else "recipe"
-            msgs.append(
-                f"{place + ': ' if place else ''}{what}{'=' + shown if shown else ''}: {err['msg'].removeprefix('Value error, ')}"
-            )
+            # pydantic's wording ("Input should be a valid integer") in the recipe's own terms
+            msg = err["msg"].removeprefix("Value error, ").replace("Input should be", "must be")
+            msgs.append(f"{place + ': ' if place else ''}{what}{'=' + shown if shown else ''}: {msg}")
     extra = f" (and {len(msgs) - 3} more)" if len(msgs) > 3 else ""
     return "; ".join(msgs[:3]) + extra
 

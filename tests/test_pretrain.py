@@ -263,7 +263,7 @@ def test_overwrite_keeps_the_old_run_until_every_check_has_passed(workspace, cap
         "tokenizer.path=nope/tokenizer.json": "nope/tokenizer.json does not exist",
         "data.sources=[missing.txt]": "missing.txt does not exist",
         "model.attn_impl=flex": "model.attn_impl=flex has no backward pass on CPU",
-        "optim.betas=[1.5,0.9]": "Input should be less than 1",
+        "optim.betas=[1.5,0.9]": "must be less than 1",
     }
     for override, message in mistakes.items():
         assert main(["pretrain", str(p), "--no-progress", "--overwrite", override]) == 2, override

@@ -161,6 +161,63 @@ def test_bad_override_says_override(tmp_path):
         load_recipe(write(tmp_path, MINIMAL), ["optim.betas=[0.9]"])
 
 
+def test_override_messages_speak_the_recipes_terms(tmp_path):
+    p = write(tmp_path, MINIMAL)
+    cases = {
+        # the key itself named once, pydantic's "Input should be" in the recipe's words
+        "train.max_steps=abc": r"^override `train.max_steps`='abc': must be a valid integer",
+        "model.arch=dif": r"^override `model.arch`='dif': must be 'baseline', 'diff' or 'diff2'$",
+        # a section given a scalar says what a section is
+        "model=3": r"^override `model` must be a section of keys such as `model.arch`, not 3$",
+        # a section's own check that an override under it broke names the override, not only the file
+        "train.max_steps=": r"r.yaml, line 9, with override `train.max_steps`: `train`: set train.max_steps",
+    }
+    for override, message in cases.items():
+        with pytest.raises(RecipeError, match=message):
+            load_recipe(p, [override])
+
+
+def test_a_section_given_a_value_names_the_file_line(tmp_path):
+    with pytest.raises(
+        RecipeError,
+        match=r"r.yaml, line 2: `train` must be a section of keys such as `train\.max_steps`, not 5$",
+    ):
+        load_recipe(write(tmp_path, "name: x\ntrain: 5\nmodel: {d_model: 64}\n"))
+
+
+def test_a_key_set_twice_is_refused_with_both_lines(tmp_path):
+    twice = MINIMAL + "  max_steps: 7\n"  # train.max_steps again, at the end of train:
+    with pytest.raises(
+        RecipeError, match=r"r.yaml, line 12: `train.max_steps` is set twice \(also on line 10\); keep one"
+    ):
+        load_recipe(write(tmp_path, twice))
+    with pytest.raises(RecipeError, match=r"line 3: `name` is set twice \(also on line 1\)"):
+        load_recipe(write(tmp_path, "name: a\nmodel: {d_model: 64}\nname: b\n"))
+    # in a list item too; the same key in different mappings is fine, and so is a YAML merge key
+    with pytest.raises(RecipeError, match=r"`data.sources.0.weight` is set twice"):
+        load_recipe(
+            write(
+                tmp_path,
+                MINIMAL.replace(
+                    "sources: [builtin:python-stdlib]",
+                    "sources: [{source: builtin:python-stdlib, weight: 1, weight: 2}]",
+                ),
+            )
+        )
+    merged = MINIMAL.replace("train:\n", "base: &b {micro_batch_size: 2}\ntrain:\n  <<: *b\n").replace(
+        "  micro_batch_size: 2\n", "", 1
+    )
+    assert "base" in yaml.safe_load(merged)
+    ok = write(tmp_path, merged.replace("base: &b", "x-base: &b"))
+    with pytest.raises(RecipeError, match="unknown key `x-base`"):  # parsed: the merge key is no duplicate
+        load_recipe(ok)
+
+
+def test_extends_a_missing_recipe_names_the_line(tmp_path):
+    with pytest.raises(RecipeError, match=r"r.yaml, line 2: `extends: nosuch`: no recipe file `nosuch`"):
+        load_recipe(write(tmp_path, "name: x\nextends: nosuch\n"))
+
+
 def test_missing_recipe_suggests_a_shipped_one():
     with pytest.raises(RecipeError, match="did you mean `quickstart`"):
         load_recipe("quickstrat")
