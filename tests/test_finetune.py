@@ -469,3 +469,67 @@ def test_shipped_finetune_recipes_validate_and_quickstart_runs_on_a_stand_in_bas
     )
     result = finetune(r)
     assert result.summary["steps"] == 2 and result.summary["method"] == "lora"
+
+
+def _snapshot(folder: Path) -> dict[str, tuple[int, int]]:
+    return {
+        str(p): (p.stat().st_size, p.stat().st_mtime_ns) for p in sorted(folder.rglob("*")) if p.is_file()
+    }
+
+
+def test_dry_run_checks_base_data_and_run_folder_and_writes_nothing(ws, tmp_path, base_run, capsys):
+    # a new fine-tune: the plan, the records counted, nothing written (no run folder, no cache)
+    cache_before = _snapshot(base_run.parent.parent)
+    assert main(["finetune", str(ws(name="dry")), "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "dry run: the fine-tune is ready" in out and "a new run" in out
+    assert "train ·" in out and "lora · rank 4" in out
+    assert not (tmp_path / "runs").exists()
+    assert _snapshot(base_run.parent.parent) == cache_before
+    # refused where the run refuses, before anything is written: exit 2, one line each
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"messages": [{"role": "bot", "content": "hi"}]}) + "\n")
+    mistakes = {
+        str(ws(name="nobase", base=tmp_path / "missing")): "no run directory",
+        str(ws(name="role", data=bad)): "role 'bot'",
+        str(ws(name="nodata", data=tmp_path / "none.jsonl")): "none.jsonl",
+    }
+    for recipe, message in mistakes.items():
+        assert main(["finetune", recipe, "--dry-run"]) == 2, recipe
+        assert message in capsys.readouterr().err
+    assert main(["finetune", str(ws(name="dry")), "--dry-run", "model.d_model=64"]) == 2
+    assert "a fine-tune keeps the base's architecture" in capsys.readouterr().err
+    assert main(["finetune", str(ws(name="dry")), "--dry-run", "--resume"]) == 2
+    assert "holds no run yet" in capsys.readouterr().err
+    assert not (tmp_path / "runs").exists()
+
+
+def test_dry_run_of_a_run_that_grew_its_vocabulary_resumes_it(ws, tmp_path, capsys):
+    # the run's recipe.yaml records the grown vocabulary: the dry run must compare against that,
+    # or every resume of a chat fine-tune whose template adds tokens would be "a different run"
+    data = tmp_path / "tool.jsonl"
+    msgs = [
+        {"role": "user", "content": "x"},
+        {"role": "tool", "content": "42"},
+        {"role": "assistant", "content": "ok"},
+    ]
+    data.write_text("".join(json.dumps({"messages": msgs}) + "\n" for _ in range(6)))
+    extra = """\
+  chat_template:
+    roles: {user: "<|user|>{content}<|end|>", tool: "<|tool|>{content}<|end|>", assistant: "<|assistant|>{content}<|end|>"}
+    special_tokens: ["<|user|>", "<|tool|>", "<|assistant|>", "<|end|>"]
+"""
+    p = ws(name="chat", steps=2, save_every=2, data=data)
+    p.write_text(p.read_text().replace("  lora: {rank: 4", extra + "  lora: {rank: 4"))
+    run = finetune(load_recipe(p)).run_dir
+    before = _snapshot(run)
+    assert main(["finetune", str(p), "--dry-run", "--resume", "train.max_steps=3"]) == 0
+    out = capsys.readouterr().out
+    assert "resumes from step 2" in out and "<|tool|> (vocab 320 → 384)" in out
+    assert main(["finetune", str(p), "--dry-run"]) == 2  # as the run: say --resume or --overwrite
+    assert "already holds a run; continue it with --resume" in capsys.readouterr().err
+    assert main(["finetune", str(p), "--dry-run", "--resume", "finetune.lora.rank=8"]) == 2
+    assert "holds a different run (finetune.lora.rank" in capsys.readouterr().err
+    assert main(["finetune", str(p), "--dry-run", "--overwrite"]) == 0
+    assert "replaces the run there" in capsys.readouterr().out
+    assert _snapshot(run) == before

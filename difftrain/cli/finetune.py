@@ -123,6 +123,11 @@ def finetune_command(
     overwrite: bool = typer.Option(
         False, "--overwrite", help="Replace a run directory that holds another run."
     ),
+    dry_run: bool = typer.Option(
+        False,
+        "--dry-run",
+        help="Check the recipe, its base run and its data, and show the plan; train nothing, write nothing.",
+    ),
     progress: bool = typer.Option(
         None, "--progress/--no-progress", help="Show the progress bar (default: logging.progress)."
     ),
@@ -133,6 +138,9 @@ def finetune_command(
     from difftrain.train.finetune import finetune
 
     r = load_recipe(recipe, overrides or [])
+    if dry_run:
+        _dry_run(r, resume=resume, overwrite=overwrite)
+        return
     result = run_training(
         "finetune", finetune, r, on_start=_start_table, resume=resume, overwrite=overwrite, progress=progress
     )
@@ -140,6 +148,51 @@ def finetune_command(
         if result.finished_before:
             report_finished(result, "finetune")
         _end_table(result.summary, result.run_dir)
+
+
+def _dry_run(r: Any, *, resume: bool | None, overwrite: bool) -> None:
+    from difftrain.train.finetune import dry_run_finetune
+
+    d = dry_run_finetune(r, resume=resume, overwrite=overwrite)
+    plan = d["plan"]
+    ft, m = plan.recipe.finetune, plan.recipe.model
+    if d["resuming"]:
+        action = f"resumes from step {d['point'].step}"
+    elif overwrite and plan.run_dir.exists():
+        action = "replaces the run there (--overwrite)"
+    else:
+        action = "a new run"
+    method = ft.method + (f" · rank {ft.lora.rank} · alpha {ft.lora.alpha:g}" if ft.method != "full" else "")
+    if d["data_format"] == "instruction":
+        rec = d["records"]
+        data = f"instruction records: {rec['train_records']:,} train · {rec['val_records']:,} val"
+        if rec["truncated"]:
+            data += f" · {rec['truncated']} truncated to {plan.seq_len} tokens"
+    else:
+        data = "plain text (continued pretraining; tokenized when the run starts)"
+    rows = [
+        ("recipe", r.source),
+        (
+            "base",
+            f"{d['base']} · {m.arch} · d_model {m.d_model} · {plural(m.n_layers, 'layer')} · vocab {d['base_vocab_size']}",
+        ),
+        ("run", f"{plan.run_dir} ({action})"),
+        ("method", method),
+        ("data", data),
+    ]
+    if d["new_tokens"]:
+        rows.append(
+            ("new tokens", f"{', '.join(d['new_tokens'])} (vocab {d['base_vocab_size']} → {m.vocab_size})")
+        )
+    rows += [
+        ("batch", f"{plan.global_batch_size} × ≤{plan.seq_len} (accumulate {plan.accumulate})"),
+        ("steps", str(plan.max_steps)),
+        (
+            "device",
+            f"{plan.accelerator} × {plan.world_size} · {plan.recipe.train.precision} · {plan.recipe.optim.name}",
+        ),
+    ]
+    console.print(kv_table("dry run: the fine-tune is ready", rows))
 
 
 def merge_command(

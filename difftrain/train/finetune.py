@@ -229,6 +229,150 @@ def _compute_dtype(precision: str) -> torch.dtype:
 
 
 # --------------------------------------------------------------------------------------------
+# the stages a run and its dry run share
+
+
+def plan_finetune(recipe: Recipe) -> tuple[Plan, Path]:
+    """Check the recipe against its base run and this machine: (plan, base run directory).
+
+    The plan's recipe has the base run's model (with the recipe's own changeable `model:` keys)
+    and the base's tokenizer. Reads the base's config.json; loads no weights, writes nothing.
+    """
+    from difftrain.data.config import TokenizerConfig
+
+    ft = recipe.finetune
+    if ft is None:
+        raise RecipeError(
+            f"{recipe.source or recipe.name} has no finetune: section; add one with at least "
+            "`finetune: {base: runs/NAME}`, or train from scratch with `difftrain pretrain`"
+        )
+    base = base_run_dir(ft)
+    model_cfg = resolve_model(recipe, base)
+    base_tok_path = (base / TOKENIZER).resolve()
+    if (
+        recipe.tokenizer.path is not None
+        and Path(recipe.tokenizer.path).expanduser().resolve() != base_tok_path
+    ):
+        raise RecipeError(
+            f"tokenizer.path={recipe.tokenizer.path}: a fine-tune uses its base run's tokenizer ({base_tok_path}); "
+            "remove tokenizer.path from the recipe"
+        )
+    r = recipe.model_copy(update={"model": model_cfg, "tokenizer": TokenizerConfig(path=str(base_tok_path))})
+    r._recipe_dir, r._source, r._model_keys = recipe.recipe_dir, recipe.source, recipe.model_keys
+    plan = plan_run(r)
+    plan.recipe._model_keys = recipe.model_keys
+    if plan.run_dir.resolve() == base.resolve():
+        raise RecipeError(
+            f"finetune.base is {base}, the folder this fine-tune writes to; give the fine-tune its own `name`"
+        )
+    _check_method(ft.method, plan)
+    return plan, base
+
+
+def instruction_data(plan: Plan, tokenizer: Any) -> tuple[Any, list[int], Any, dict[str, Any]]:
+    """Read and tokenize the recipe's instruction records (nothing is written): (tokenizer grown by
+    the chat template's special tokens where `messages` records need them, the new token ids, the
+    set-up SFTDataModule, record counts for the start table)."""
+    from difftrain.data.modules import SFTDataModule, load_sft_records
+
+    r = plan.recipe
+    ft, t = r.finetune, r.train
+    assert ft is not None
+    try:
+        train_records, val_records, stats = load_sft_records(r.data, seed=r.seed, base_dir=r.recipe_dir)
+    except DataError as e:
+        if "has no field" in str(e) or "plain documents" in str(e):
+            raise DataError(f"{e} (for plain text, set finetune.data_format: text)") from e
+        raise
+    new_ids: list[int] = []
+    if any("messages" in x and "prompt" not in x for x in (*train_records, *val_records)):
+        tokenizer, new_ids = add_special_tokens(tokenizer, ft.chat_template.special_tokens)
+    dm = SFTDataModule(
+        train_records,
+        val_records,
+        tokenizer=tokenizer,
+        max_seq_len=plan.seq_len,
+        micro_batch_size=t.micro_batch_size,
+        seed=r.seed,
+        template=SFTTemplate.from_config(ft),
+        train_on_prompt=ft.train_on_prompt,
+        pad_to_max_seq_len=bool(t.compile),
+        num_workers=r.data.num_workers,
+        pin_memory=r.data.pin_memory,
+    )
+    dm.setup()  # tokenizes every record now: bad records fail before anything is written
+    records = {
+        "train_records": len(dm.train_examples),
+        "val_records": len(dm.val_examples),
+        "truncated": dm.truncated,
+        "sources": stats,
+    }
+    return tokenizer, new_ids, dm, records
+
+
+def _grown_model(plan: Plan, tokenizer: Any) -> Any:
+    """The model config with room for every id of `tokenizer` (a multiple of 64); sets it as the
+    plan's recipe's model, which is what the run's recipe.yaml records."""
+    r = plan.recipe
+    model_cfg = r.model
+    vocab_size = max(int(model_cfg.vocab_size), 64 * math.ceil(tokenizer.vocab_size / 64))
+    if vocab_size != model_cfg.vocab_size:
+        model_cfg = model_cfg.replace(vocab_size=vocab_size)
+    grown = r.model_copy(update={"model": model_cfg})
+    grown._recipe_dir, grown._source, grown._model_keys = r.recipe_dir, r.source, r.model_keys
+    plan.recipe = grown
+    return model_cfg
+
+
+def dry_run_finetune(
+    recipe: Recipe, *, resume: bool | None = None, overwrite: bool = False
+) -> dict[str, Any]:
+    """`finetune --dry-run`: every check the run makes before its first write — the base run, the
+    recipe against this machine, the data (instruction records read and tokenized; local text
+    sources found), the run folder (resume or refusal, as the run decides) — and nothing written.
+
+    Returns what the run would do: plan, base, data_format, records (instruction data), new_tokens,
+    base_vocab_size, resuming, point.
+    """
+    from difftrain.data.sources import resolve_sources
+    from difftrain.data.tokenizer import load_tokenizer
+    from difftrain.io import check_run_dir_creatable
+
+    plan, base = plan_finetune(recipe)
+    r = plan.recipe
+    assert r.finetune is not None
+    data_format = resolve_data_format(r)
+    tokenizer = load_tokenizer(base / TOKENIZER)
+    records: dict[str, Any] = {}
+    new_ids: list[int] = []
+    if data_format == "instruction":
+        tokenizer, new_ids, _, records = instruction_data(plan, tokenizer)
+    else:
+        for source in resolve_sources(r.data, r.recipe_dir):  # path sources are checked as they resolve
+            source.check_local_files()
+    base_vocab_size = r.model.vocab_size
+    _grown_model(plan, tokenizer)
+    resuming, point = prepare_run_dir(
+        plan, resume=r.train.resume if resume is None else resume, overwrite=overwrite, dry_run=True
+    )
+    if resuming and r.finetune.method != "full" and (plan.run_dir / "adapter.json").is_file():
+        from difftrain.adapters import read_adapter_spec, resolve_base
+
+        resolve_base(plan.run_dir, read_adapter_spec(plan.run_dir))
+    check_run_dir_creatable(plan.run_dir)
+    return {
+        "plan": plan,
+        "base": base,
+        "data_format": data_format,
+        "records": records,
+        "new_tokens": {tokenizer.id_to_token(i): i for i in new_ids},
+        "base_vocab_size": base_vocab_size,
+        "resuming": resuming,
+        "point": point,
+    }
+
+
+# --------------------------------------------------------------------------------------------
 # the entry point
 
 
@@ -260,38 +404,14 @@ def finetune(
         resolve_base,
         save_adapter,
     )
-    from difftrain.data.config import TokenizerConfig
     from difftrain.data.tokenizer import load_tokenizer
     from difftrain.model.lora import grow_vocab
     from difftrain.rundir import load_run
 
     _quiet_lightning()
-    ft = recipe.finetune
-    if ft is None:
-        raise RecipeError(
-            f"{recipe.source or recipe.name} has no finetune: section; add one with at least "
-            "`finetune: {base: runs/NAME}`, or train from scratch with `difftrain pretrain`"
-        )
-    base = base_run_dir(ft)
-    model_cfg = resolve_model(recipe, base)
-    base_tok_path = (base / TOKENIZER).resolve()
-    if (
-        recipe.tokenizer.path is not None
-        and Path(recipe.tokenizer.path).expanduser().resolve() != base_tok_path
-    ):
-        raise RecipeError(
-            f"tokenizer.path={recipe.tokenizer.path}: a fine-tune uses its base run's tokenizer ({base_tok_path}); "
-            "remove tokenizer.path from the recipe"
-        )
-    r = recipe.model_copy(update={"model": model_cfg, "tokenizer": TokenizerConfig(path=str(base_tok_path))})
-    r._recipe_dir, r._source, r._model_keys = recipe.recipe_dir, recipe.source, recipe.model_keys
-    plan = plan_run(r)
-    if plan.run_dir.resolve() == base.resolve():
-        raise RecipeError(
-            f"finetune.base is {base}, the folder this fine-tune writes to; give the fine-tune its own `name`"
-        )
-    _check_method(ft.method, plan)
-    r = plan.recipe
+    plan, base = plan_finetune(recipe)
+    r, ft = plan.recipe, plan.recipe.finetune
+    assert ft is not None
     dist = start_processes(plan)  # several devices: every rank runs what follows; writes on rank 0
     t = r.train
     data_format = resolve_data_format(r)
@@ -301,44 +421,15 @@ def finetune(
     base_vocab_rows = tokenizer.vocab_size
     new_ids: list[int] = []
     info: dict[str, Any] = {"base": base, "method": ft.method, "data_format": data_format}
-    template = SFTTemplate.from_config(ft)
     if data_format == "instruction":
-        from difftrain.data.modules import SFTDataModule, load_sft_records
-
-        try:
-            train_records, val_records, stats = load_sft_records(r.data, seed=r.seed, base_dir=r.recipe_dir)
-        except DataError as e:
-            if "has no field" in str(e) or "plain documents" in str(e):
-                raise DataError(f"{e} (for plain text, set finetune.data_format: text)") from e
-            raise
-        if any("messages" in x and "prompt" not in x for x in (*train_records, *val_records)):
-            tokenizer, new_ids = add_special_tokens(tokenizer, ft.chat_template.special_tokens)
-        dm: Any = SFTDataModule(
-            train_records,
-            val_records,
-            tokenizer=tokenizer,
-            max_seq_len=plan.seq_len,
-            micro_batch_size=t.micro_batch_size,
-            seed=r.seed,
-            template=template,
-            train_on_prompt=ft.train_on_prompt,
-            pad_to_max_seq_len=bool(t.compile),
-            num_workers=r.data.num_workers,
-            pin_memory=r.data.pin_memory,
-        )
-        dm.setup()  # tokenizes every record now: bad records fail before anything is written
-        has_val = len(dm.val_examples) > 0
-        if has_val and len(dm.val_examples) < plan.world_size:
+        tokenizer, new_ids, dm, records = instruction_data(plan, tokenizer)
+        has_val = records["val_records"] > 0
+        if has_val and records["val_records"] < plan.world_size:
             raise DataError(
-                f"{len(dm.val_examples)} validation records for {plan.world_size} processes, and every "
+                f"{records['val_records']} validation records for {plan.world_size} processes, and every "
                 "process validates at least one; raise data.val_fraction or train on fewer devices"
             )
-        info.update(
-            train_records=len(dm.train_examples),
-            val_records=len(dm.val_examples),
-            truncated=dm.truncated,
-            sources=stats,
-        )
+        info.update(records)
         tokens_per_micro_batch = 0
     else:
         from difftrain.data.modules import PretrainDataModule
@@ -359,12 +450,8 @@ def finetune(
         has_val = r.data.val_windows > 0
         info["data"] = prepared
         tokens_per_micro_batch = t.micro_batch_size * plan.seq_len
-    vocab_size = max(int(model_cfg.vocab_size), 64 * math.ceil(tokenizer.vocab_size / 64))
-    if vocab_size != model_cfg.vocab_size:
-        model_cfg = model_cfg.replace(vocab_size=vocab_size)
-    r = r.model_copy(update={"model": model_cfg})
-    r._recipe_dir, r._source, r._model_keys = plan.recipe.recipe_dir, plan.recipe.source, recipe.model_keys
-    plan.recipe = r
+    model_cfg = _grown_model(plan, tokenizer)
+    vocab_size, r = model_cfg.vocab_size, plan.recipe
     info["new_tokens"] = {tokenizer.id_to_token(i): i for i in new_ids}
 
     resume_flag: bool | str = t.resume if resume is None else resume
