@@ -285,7 +285,7 @@ def test_sft_batches_train_only_on_responses_end_to_end(ws, tmp_path, base_run):
     data.write_text(json.dumps({"prompt": "def f(a):\n", "response": "    return a\n"}) + "\n")
     grab = Grab()
     r = load_recipe(ws(name="mask", steps=1, save_every=1, data=data), ["data.val_fraction=0"])
-    finetune(r, extra_callbacks=[grab])
+    assert finetune(r, extra_callbacks=[grab]).summary["record_kinds"] == ["prompt/response"]  # for `chat`
     tok = load_run(base_run).tokenizer
     p, resp = tok.encode("def f(a):\n"), tok.encode("    return a\n")
     ids = p + resp + [tok.eos_id]
@@ -310,10 +310,11 @@ def test_messages_are_rendered_with_the_chat_template_and_only_replies_trained(w
     ]
     data.write_text(json.dumps({"messages": msgs}) + "\n")
     grab = Grab()
-    finetune(
+    result = finetune(
         load_recipe(ws(name="chat", steps=1, save_every=1, data=data), ["data.val_fraction=0"]),
         extra_callbacks=[grab],
     )
+    assert json.loads((result.run_dir / "summary.json").read_text())["record_kinds"] == ["messages"]
     tok = load_run(base_run).tokenizer
     prompt = tok.encode("<|system|>\nBe brief.<|end|>\n<|user|>\nadd a b<|end|>\n<|assistant|>\n")
     reply = tok.encode("a + b<|end|>\n") + [tok.eos_id]

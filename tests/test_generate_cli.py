@@ -370,6 +370,26 @@ def test_chat_renders_the_conversation_streams_replies_until_end_and_resets(tmp_
     assert err.count("stopped: stop string") == 3
 
 
+def test_chat_notes_a_run_fine_tuned_on_prompt_response_records(tmp_path, capsys, monkeypatch):
+    def eof(prompt=""):
+        raise EOFError
+
+    monkeypatch.setattr(builtins, "input", eof)
+    note = "fine-tuned on prompt/response records, not `messages`"
+    for kinds, noted in (
+        (["prompt/response"], True),
+        (["messages"], False),
+        (["messages", "prompt/response"], False),
+    ):
+        run = finetuned_run(tmp_path / "-".join(k[0] for k in kinds), {"data_format": "instruction"})
+        (run / "summary.json").write_text(json.dumps({"record_kinds": kinds}))
+        code, _, err = gen_chat(capsys, run, "--seed", 0)
+        assert code == 0 and (note in err) == noted, (kinds, err)
+    (run / "summary.json").write_text("{not json")  # an unreadable summary: no note, no error
+    code, _, err = gen_chat(capsys, run, "--seed", 0)
+    assert code == 0 and note not in err
+
+
 def gen_chat(capsys, *args) -> tuple[int, str, str]:
     capsys.readouterr()
     code = main(["chat", *map(str, args)])

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import re
 import secrets
+import shlex
 import sys
 import time
 from dataclasses import dataclass, field, replace
@@ -178,6 +179,16 @@ def prompt_style(run_path: Path) -> PromptStyle:
             fmt = "instruction"
     prompt_format = ft.get("prompt_format") if isinstance(ft.get("prompt_format"), str) else "{prompt}"
     return PromptStyle(instruction=fmt == "instruction", prompt_format=prompt_format, chat=chat)
+
+
+def _record_kinds(run_path: Path) -> list[str] | None:
+    """The kinds of instruction records a fine-tune trained on ("messages", "prompt/response"), as
+    its summary.json records them; None where it does not say (older runs, pretraining)."""
+    try:
+        kinds = json.loads((Path(run_path) / "summary.json").read_text(encoding="utf-8")).get("record_kinds")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return kinds if isinstance(kinds, list) else None
 
 
 # ----- running and rendering -------------------------------------------------------------------
@@ -779,6 +790,13 @@ def chat_command(
         err_console.print(
             f"[yellow]note:[/] {escape(str(run.path))} is not instruction-tuned; it reads the chat template as plain "
             "text (fine-tune it on `messages` records with `difftrain finetune` for a model that follows it)",
+            soft_wrap=True,
+        )
+    elif _record_kinds(run.path) == ["prompt/response"]:
+        err_console.print(
+            f"[yellow]note:[/] {escape(str(run.path))} was fine-tuned on prompt/response records, not `messages`: "
+            "it never saw the chat template; `difftrain generate "
+            f"{escape(shlex.quote(str(run.path)))} -p TEXT` gives it prompts in the format it learned",
             soft_wrap=True,
         )
     session = Session(run, gen, num_samples=1, seed=seed, batch_size=1, style=style)

@@ -301,7 +301,12 @@ def instruction_data(plan: Plan, tokenizer: Any) -> tuple[Any, list[int], Any, d
         pin_memory=r.data.pin_memory,
     )
     dm.setup()  # tokenizes every record now: bad records fail before anything is written
+    kinds = {
+        "messages" if "messages" in x and "prompt" not in x else "prompt/response"
+        for x in (*train_records, *val_records)
+    }
     records = {
+        "record_kinds": sorted(kinds),
         "train_records": len(dm.train_examples),
         "val_records": len(dm.val_examples),
         "truncated": dm.truncated,
@@ -538,6 +543,7 @@ def finetune(
                 "method": ft.method,
                 "base": str(base),
                 "data_format": data_format,
+                **({"record_kinds": info["record_kinds"]} if "record_kinds" in info else {}),
                 **({"lora_rank": ft.lora.rank, "lora_alpha": ft.lora.alpha} if ft.method != "full" else {}),
             },
         )
