@@ -146,6 +146,24 @@ def test_ppl_on_another_source_reads_all_of_it(runs, tmp_path):
     assert doc["results"]["split_tokens"] == tokens and doc["results"]["windows"] == 3
 
 
+def test_ppl_on_an_instruction_fine_tune_says_it_scores_every_token(runs, tmp_path, capsys):
+    import shutil
+
+    assert "note" not in evaluate(load_run(runs["baseline"]), "ppl", EvalOptions(windows=2))["results"]
+    sft = tmp_path / "sft"
+    shutil.copytree(runs["baseline"], sft, ignore=shutil.ignore_patterns("eval"))
+    recipe = yaml.safe_load((sft / "recipe.yaml").read_text())
+    recipe["finetune"] = {"base": str(runs["baseline"]), "data_format": "instruction"}
+    (sft / "recipe.yaml").write_text(yaml.safe_dump(recipe))
+    res = evaluate(load_run(sft), "ppl", EvalOptions(windows=2))["results"]
+    assert "scored the responses only" in res["note"]
+    assert main(["eval", str(sft), "--suite", "ppl", "--windows", "2"]) == 0
+    assert "prompts too" in capsys.readouterr().out
+    src = tmp_path / "other.txt"  # another source is plain text: nothing to note
+    src.write_text(" ".join(filler_sentence(random.Random(1)) for _ in range(40)))
+    assert "note" not in evaluate(load_run(sft), "ppl", EvalOptions(data=str(src), windows=2))["results"]
+
+
 # ----- needle ----------------------------------------------------------------------------------
 def test_needle_generator_places_the_queried_needles_at_the_requested_depths(runs):
     tok = load_run(runs["baseline"]).tokenizer

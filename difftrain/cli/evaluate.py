@@ -111,6 +111,7 @@ def render(doc: dict[str, Any]) -> None:
                     ("perplexity", f"{res['ppl']:.3f}"),
                     ("bits/token", f"{res['bits_per_token']:.4f}"),
                     ("bits/byte", _f(res["bits_per_byte"])),
+                    *([("note", res["note"])] if res.get("note") else []),
                 ],
             )
         )

@@ -72,6 +72,15 @@ def summarize(nll: np.ndarray, tw: TokenWindows) -> dict[str, Any]:
     }
 
 
+def _instruction_tuned(run: Run) -> bool:
+    """Whether the run was fine-tuned on instruction records (its validation split holds them)."""
+    from difftrain.evals.common import _run_recipe
+    from difftrain.train.finetune import resolve_data_format
+
+    recipe = _run_recipe(run.path)  # eval_windows has read it already: it is readable
+    return recipe.finetune is not None and resolve_data_format(recipe) == "instruction"
+
+
 def run(run: Run, opts: EvalOptions, progress: Progress = _no_progress) -> SuiteOutput:
     check_positive("--windows", opts.windows)
     tw = eval_windows(run, data=opts.data, count=opts.windows, full=opts.full)
@@ -79,6 +88,11 @@ def run(run: Run, opts: EvalOptions, progress: Progress = _no_progress) -> Suite
     res = summarize(nll, tw)
     res["source"] = tw.source
     res["split_tokens"] = tw.split_tokens
+    if opts.data is None and _instruction_tuned(run):
+        res["note"] = (
+            "an instruction fine-tune: every token of its validation records is scored, as plain text "
+            "(prompts too); its training val loss scored the responses only"
+        )
     settings = {
         "data": opts.data or "validation",
         "windows": len(tw.windows),
