@@ -15,6 +15,8 @@ from difftrain.cli.app import main
         (["plan"], "Missing argument"),
         (["no-such-command"], "No such command"),
         (["bench", "--reps", "many"], "Invalid value for '--reps'"),
+        (["pretrian"], "No such command 'pretrian'. Did you mean 'pretrain'? (see `difftrain --help`)"),
+        (["recipes", "shw"], "(see `difftrain recipes --help`)"),
     ],
 )
 def test_usage_errors_exit_2_with_a_message_and_no_traceback(argv, message, capsys):
@@ -22,7 +24,10 @@ def test_usage_errors_exit_2_with_a_message_and_no_traceback(argv, message, caps
     err = capsys.readouterr().err
     assert message in err
     assert "Traceback" not in err
-    assert "--help" in err  # says where to look
+    # one line, as every user-facing error: the error first, then where the help is
+    assert len(err.strip().splitlines()) == 1 and err.startswith("error: ")
+    command = "difftrain" if argv[0] == "pretrian" or argv[0].startswith("no-") else f"difftrain {argv[0]}"
+    assert err.rstrip().endswith(f"(see `{command} --help`)")
 
 
 def test_help_text_wraps_at_the_terminal_not_at_the_docstring_line_breaks(capsys, monkeypatch):

@@ -106,6 +106,16 @@ def error_line(message: str) -> None:
     Console(stderr=True, highlight=False, soft_wrap=True).print(f"[bold red]error:[/] {escape(message)}")
 
 
+def usage_message(e: Exception) -> str:
+    """Click's usage error (its four lines: usage, "Try --help", blank, error) as one: the error
+    and where the help is."""
+    message = e.format_message().replace("Input should be", "must be").rstrip(".")  # type: ignore[attr-defined]
+    ctx = getattr(e, "ctx", None)
+    if ctx is None:
+        return message
+    return f"{message} (see `{ctx.command_path} --help`)"
+
+
 _CTRL_C = {"seen": False}
 
 
@@ -160,8 +170,8 @@ def main(argv: list[str] | None = None) -> int:
     except typer.Abort:
         error_line("aborted")
         return 130
-    except _USAGE_ERROR as e:  # unknown option, missing argument, bad value: click's usage message
-        e.show()  # type: ignore[attr-defined]
+    except _USAGE_ERROR as e:  # unknown option, missing argument, bad value: one line, as every error
+        error_line(usage_message(e))
         return e.exit_code  # type: ignore[attr-defined]
     except KeyboardInterrupt:
         _interrupted()
