@@ -322,26 +322,28 @@ def test_messages_are_rendered_with_the_chat_template_and_only_replies_trained(w
     assert grab.batch["targets"][0].tolist() == [-100] * (len(prompt) - 1) + reply
 
 
-def test_a_template_token_the_base_lacks_grows_embedding_and_head(ws, tmp_path, base_run):
-    data = tmp_path / "tool.jsonl"
+def tool_template_recipe(ws, tmp_path: Path, name: str, records: int) -> Path:
+    """A 2-step LoRA recipe on `records` chat records with a `tool` role, whose template adds
+    `<|tool|>`, a token the base's tokenizer lacks."""
+    data = tmp_path / f"{name}.jsonl"
     msgs = [
         {"role": "user", "content": "x"},
         {"role": "tool", "content": "42"},
         {"role": "assistant", "content": "ok"},
     ]
-    data.write_text(json.dumps({"messages": msgs}) + "\n")
-    extra = """\
+    data.write_text("".join(json.dumps({"messages": msgs}) + "\n" for _ in range(records)))
+    template = """\
   chat_template:
     roles: {user: "<|user|>{content}<|end|>", tool: "<|tool|>{content}<|end|>", assistant: "<|assistant|>{content}<|end|>"}
     special_tokens: ["<|user|>", "<|tool|>", "<|assistant|>", "<|end|>"]
 """
-    text = (
-        ws(name="grow", steps=2, save_every=2, data=data)
-        .read_text()
-        .replace("  lora: {rank: 4", extra + "  lora: {rank: 4")
-    )
-    p = tmp_path / "grow.yaml"
-    p.write_text(text)
+    p = ws(name=name, steps=2, save_every=2, data=data)
+    p.write_text(p.read_text().replace("  lora: {rank: 4", template + "  lora: {rank: 4"))
+    return p
+
+
+def test_a_template_token_the_base_lacks_grows_embedding_and_head(ws, tmp_path, base_run):
+    p = tool_template_recipe(ws, tmp_path, "grow", records=1)
     result = finetune(load_recipe(p, ["data.val_fraction=0"]))
     run = result.run_dir
     base_cfg = json.loads((base_run / "config.json").read_text())
@@ -508,20 +510,7 @@ def test_dry_run_checks_base_data_and_run_folder_and_writes_nothing(ws, tmp_path
 def test_dry_run_of_a_run_that_grew_its_vocabulary_resumes_it(ws, tmp_path, capsys):
     # the run's recipe.yaml records the grown vocabulary: the dry run must compare against that,
     # or every resume of a chat fine-tune whose template adds tokens would be "a different run"
-    data = tmp_path / "tool.jsonl"
-    msgs = [
-        {"role": "user", "content": "x"},
-        {"role": "tool", "content": "42"},
-        {"role": "assistant", "content": "ok"},
-    ]
-    data.write_text("".join(json.dumps({"messages": msgs}) + "\n" for _ in range(6)))
-    extra = """\
-  chat_template:
-    roles: {user: "<|user|>{content}<|end|>", tool: "<|tool|>{content}<|end|>", assistant: "<|assistant|>{content}<|end|>"}
-    special_tokens: ["<|user|>", "<|tool|>", "<|assistant|>", "<|end|>"]
-"""
-    p = ws(name="chat", steps=2, save_every=2, data=data)
-    p.write_text(p.read_text().replace("  lora: {rank: 4", extra + "  lora: {rank: 4"))
+    p = tool_template_recipe(ws, tmp_path, "chat", records=6)
     run = finetune(load_recipe(p)).run_dir
     before = _snapshot(run)
     assert main(["finetune", str(p), "--dry-run", "--resume", "train.max_steps=3"]) == 0
