@@ -593,40 +593,27 @@ def _count_nodes(node: yaml.Node, budget: list[int], seen_depth: int = 0) -> Non
             _count_nodes(v, budget, seen_depth + 1)
 
 
-def _key_lines(node: yaml.Node, prefix: str, out: dict[str, int]) -> None:
+def _key_lines(node: yaml.Node, path: Path, prefix: str, out: dict[str, int]) -> None:
+    """Record the line of every dotted key under `node` in `out`. A key given twice in one mapping
+    is a RecipeError: YAML loaders keep the last silently, so the recipe would not train what its
+    first line says (a copy-paste slip, a merge conflict). YAML merge keys (`<<:`) may repeat."""
     if isinstance(node, yaml.MappingNode):
+        seen: dict[str, int] = {}
         for k, v in node.value:
             if isinstance(k, yaml.ScalarNode):
-                key = f"{prefix}{k.value}"
-                out.setdefault(key, k.start_mark.line + 1)
-                _key_lines(v, key + ".", out)
+                key, line = f"{prefix}{k.value}", k.start_mark.line + 1
+                if k.value in seen and k.tag != "tag:yaml.org,2002:merge":
+                    raise RecipeError(
+                        f"{path}, line {line}: `{key}` is set twice (also on line {seen[k.value]}); keep one"
+                    )
+                seen[k.value] = line
+                out.setdefault(key, line)
+                _key_lines(v, path, key + ".", out)
     elif isinstance(node, yaml.SequenceNode):
         for i, v in enumerate(node.value):
             key = f"{prefix}{i}"
             out.setdefault(key, v.start_mark.line + 1)
-            _key_lines(v, key + ".", out)
-
-
-def _check_unique_keys(node: yaml.Node, path: Path, prefix: str = "") -> None:
-    """A key given twice in one mapping is a RecipeError: YAML loaders keep the last silently, so
-    the recipe would not train what its first line says (a copy-paste slip, a merge conflict)."""
-    if isinstance(node, yaml.MappingNode):
-        seen: dict[str, int] = {}
-        for k, v in node.value:
-            if isinstance(k, yaml.ScalarNode) and k.tag != "tag:yaml.org,2002:merge":  # `<<:` merges
-                line = k.start_mark.line + 1
-                if k.value in seen:
-                    raise RecipeError(
-                        f"{path}, line {line}: `{prefix}{k.value}` is set twice (also on line "
-                        f"{seen[k.value]}); keep one"
-                    )
-                seen[k.value] = line
-                _check_unique_keys(v, path, f"{prefix}{k.value}.")
-            else:
-                _check_unique_keys(v, path, prefix)
-    elif isinstance(node, yaml.SequenceNode):
-        for i, v in enumerate(node.value):
-            _check_unique_keys(v, path, f"{prefix}{i}.")
+            _key_lines(v, path, key + ".", out)
 
 
 def _yaml_error(path: Path, e: yaml.YAMLError) -> str:
@@ -667,7 +654,8 @@ def read_yaml(path: Path) -> tuple[dict[str, Any], dict[str, int]]:
             "to pretrain, `model`"
         )
     _count_nodes(node, [MAX_YAML_NODES])
-    _check_unique_keys(node, path)
+    lines: dict[str, int] = {}
+    _key_lines(node, path, "", lines)  # and refuses a key given twice
     try:
         data = yaml.load(text, Loader=yaml.SafeLoader)  # noqa: S506 - SafeLoader: no tags, no code
     except yaml.YAMLError as e:
@@ -680,8 +668,6 @@ def read_yaml(path: Path) -> tuple[dict[str, Any], dict[str, int]]:
         raise RecipeError(
             f"{path}: a recipe must be a mapping of keys (name:, model:, ...), not {type(data).__name__}"
         )
-    lines: dict[str, int] = {}
-    _key_lines(node, "", lines)
     return data, lines
 
 
@@ -1086,8 +1072,7 @@ def resolve_auto(recipe: Recipe, *, cuda: bool, bf16: bool) -> Recipe:
     `cuda`: training runs on a CUDA device; `bf16`: that device supports bf16. The attention
     kernel (`model.attn_impl: auto`) is resolved by the model itself at run time per device.
     """
-    r = recipe.model_copy(deep=True)
-    r._recipe_dir, r._source, r._model_keys = recipe._recipe_dir, recipe._source, recipe._model_keys
+    r = recipe.model_copy(deep=True)  # private attributes (folder, source, model keys) included
     if r.train.precision == "auto":
         r.train.precision = ("bf16-mixed" if bf16 else "16-mixed") if cuda else "32-true"
     if r.train.compile == "auto":

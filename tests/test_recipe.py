@@ -320,3 +320,13 @@ def test_a_recipe_yaml_outside_a_run_directory_keeps_out_dir_and_name(tmp_path):
     assert load_recipe(proj / "recipe.yaml").run_dir == proj  # now it is laid out as a run
     assert load_recipe(proj).run_dir == proj  # and the folder stands for its recipe
     assert load_recipe(proj / "recipe.yaml", ["name=other"]).run_dir == Path("runs") / "other"
+
+
+def test_copies_of_a_recipe_keep_its_folder_source_and_own_model_keys(tmp_path):
+    # the loader's private state survives model_copy (resolve_auto, the fine-tune's model swap and
+    # the run's vocabulary rely on it): a relative data path must keep meaning the recipe's folder
+    r = load_recipe(write(tmp_path, MINIMAL))
+    assert r.model_keys == {"d_model", "n_layers", "n_heads", "max_seq_len"}
+    for copy in (r.model_copy(), r.model_copy(deep=True), r.model_copy(update={"seed": 9})):
+        assert (copy.recipe_dir, copy.source, copy.model_keys) == (r.recipe_dir, r.source, r.model_keys)
+        assert copy.recipe_dir == tmp_path.resolve()

@@ -59,6 +59,8 @@ class DataBars:
     The display starts with the first report (a cache hit shows and prints nothing), only on a
     terminal (a log file gets no frames), and `stop` ends it (training stops it as it starts)."""
 
+    LABELS = {"tokenizer": "training tokenizer", "shards": "tokenizing"}
+
     def __init__(self) -> None:
         from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -83,10 +85,9 @@ class DataBars:
         info = f"{p.source} · {fmt_count(p.documents)} docs" + (
             f" · {fmt_count(p.tokens)} tokens" if p.tokens else ""
         )
-        labels = {"tokenizer": "training tokenizer", "shards": "tokenizing"}
         if p.stage not in self.tasks:
             self.tasks[p.stage] = self.bars.add_task(
-                labels.get(p.stage, p.stage), total=p.total_bytes, info=info
+                self.LABELS.get(p.stage, p.stage), total=p.total_bytes, info=info
             )
         self.bars.update(self.tasks[p.stage], completed=p.bytes, total=p.total_bytes, info=info)
 
@@ -151,6 +152,21 @@ def oom_advice(recipe: Any, *, finetune: bool = False) -> str:
         + estimate
         + " — then run again (add --resume if a checkpoint was saved)"
     )
+
+
+def dry_run_rows(plan: Any, resuming: bool, point: Any, overwrite: bool) -> dict[str, str]:
+    """The rows both dry runs show: what the run does with its folder, and the device."""
+    if resuming:
+        action = f"resumes from step {point.step}"
+    elif overwrite and plan.run_dir.exists():
+        action = "replaces the run there (--overwrite)"
+    else:
+        action = "a new run"
+    r = plan.recipe
+    return {
+        "run": f"{plan.run_dir} ({action})",
+        "device": f"{plan.accelerator} × {plan.world_size} · {r.train.precision} · {r.optim.name}",
+    }
 
 
 def plural(n: int, word: str) -> str:

@@ -10,6 +10,7 @@ import typer
 
 from difftrain.cli.common import (
     console,
+    dry_run_rows,
     err_console,
     fmt_count,
     kv_table,
@@ -156,12 +157,7 @@ def _dry_run(r: Any, *, resume: bool | None, overwrite: bool) -> None:
     d = dry_run_finetune(r, resume=resume, overwrite=overwrite)
     plan = d["plan"]
     ft, m = plan.recipe.finetune, plan.recipe.model
-    if d["resuming"]:
-        action = f"resumes from step {d['point'].step}"
-    elif overwrite and plan.run_dir.exists():
-        action = "replaces the run there (--overwrite)"
-    else:
-        action = "a new run"
+    shared = dry_run_rows(plan, d["resuming"], d["point"], overwrite)
     method = ft.method + (f" · rank {ft.lora.rank} · alpha {ft.lora.alpha:g}" if ft.method != "full" else "")
     if d["data_format"] == "instruction":
         rec = d["records"]
@@ -176,7 +172,7 @@ def _dry_run(r: Any, *, resume: bool | None, overwrite: bool) -> None:
             "base",
             f"{d['base']} · {m.arch} · d_model {m.d_model} · {plural(m.n_layers, 'layer')} · vocab {d['base_vocab_size']}",
         ),
-        ("run", f"{plan.run_dir} ({action})"),
+        ("run", shared["run"]),
         ("method", method),
         ("data", data),
     ]
@@ -187,10 +183,7 @@ def _dry_run(r: Any, *, resume: bool | None, overwrite: bool) -> None:
     rows += [
         ("batch", f"{plan.global_batch_size} × ≤{plan.seq_len} (accumulate {plan.accumulate})"),
         ("steps", str(plan.max_steps)),
-        (
-            "device",
-            f"{plan.accelerator} × {plan.world_size} · {plan.recipe.train.precision} · {plan.recipe.optim.name}",
-        ),
+        ("device", shared["device"]),
     ]
     console.print(kv_table("dry run: the fine-tune is ready", rows))
 

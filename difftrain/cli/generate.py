@@ -184,10 +184,14 @@ def prompt_style(run_path: Path) -> PromptStyle:
 def _record_kinds(run_path: Path) -> list[str] | None:
     """The kinds of instruction records a fine-tune trained on ("messages", "prompt/response"), as
     its summary.json records them; None where it does not say (older runs, pretraining)."""
+    from difftrain.errors import RunDirError
+    from difftrain.rundir import read_summary
+
     try:
-        kinds = json.loads((Path(run_path) / "summary.json").read_text(encoding="utf-8")).get("record_kinds")
-    except (OSError, ValueError, AttributeError):
+        summary = read_summary(run_path)
+    except RunDirError:  # an unreadable summary: no note (generate and chat do not need it)
         return None
+    kinds = summary.get("record_kinds") if isinstance(summary, dict) else None
     return kinds if isinstance(kinds, list) else None
 
 

@@ -9,6 +9,7 @@ import typer
 
 from difftrain.cli.common import (
     console,
+    dry_run_rows,
     err_console,
     fmt_count,
     kv_table,
@@ -125,25 +126,15 @@ def pretrain_command(
             dry_run=True,
         )
         _check_inputs(plan.recipe)
-        if resuming:
-            action = f"resumes from step {point.step}"
-        elif overwrite and plan.run_dir.exists():
-            action = "replaces the run there (--overwrite)"
-        else:
-            action = "a new run"
+        shared = dry_run_rows(plan, resuming, point, overwrite)
+        m = plan.recipe.model
         rows = [
             ("recipe", r.source),
-            ("run", f"{plan.run_dir} ({action})"),
-            (
-                "model",
-                f"{plan.recipe.model.arch} d_model={plan.recipe.model.d_model} n_layers={plan.recipe.model.n_layers}",
-            ),
+            ("run", shared["run"]),
+            ("model", f"{m.arch} d_model={m.d_model} n_layers={m.n_layers}"),
             ("batch", f"{plan.global_batch_size} × {plan.seq_len} (accumulate {plan.accumulate})"),
             ("steps", str(plan.max_steps)),
-            (
-                "device",
-                f"{plan.accelerator} × {plan.world_size} · {plan.recipe.train.precision} · {plan.recipe.optim.name}",
-            ),
+            ("device", shared["device"]),
         ]
         console.print(kv_table("dry run: the recipe is valid", rows))
         return
@@ -172,13 +163,12 @@ def _check_inputs(r: Any) -> None:
     """What the run reads and writes, checked without reading the data or writing anything: the
     tokenizer file loads and fits model.vocab_size, every local data source exists, the run
     directory can be created."""
-    from difftrain.data.sources import resolve_sources
+    from difftrain.data.sources import check_local_sources
     from difftrain.io import check_run_dir_creatable
     from difftrain.plan import tokenizer_size
 
     _check_vocab(r, tokenizer_size(r))  # loads tokenizer.path, if the recipe names one
-    for source in resolve_sources(r.data, r.recipe_dir):  # path sources are checked as they resolve
-        source.check_local_files()
+    check_local_sources(r.data, r.recipe_dir)
     check_run_dir_creatable(r.run_dir)
 
 

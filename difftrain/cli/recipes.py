@@ -57,8 +57,8 @@ def cp(
     from difftrain.recipe import find_recipe
 
     src = find_recipe(name)
-    folder = dest.endswith(("/", os.sep)) or Path(dest).expanduser().is_dir()
-    target = Path(dest).expanduser() / src.name if folder else Path(dest).expanduser()
+    path = Path(dest).expanduser()
+    target = path / src.name if dest.endswith(("/", os.sep)) or path.is_dir() else path
     if target.exists() and not force:
         raise RecipeError(f"{target} already exists; pass --force to overwrite it or pick another name")
     try:

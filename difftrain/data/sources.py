@@ -538,6 +538,13 @@ def resolve_sources(data_cfg: DataConfig, base_dir: str | os.PathLike[str]) -> l
     return [Source(spec, i, base) for i, spec in enumerate(data_cfg.sources)]
 
 
+def check_local_sources(data_cfg: DataConfig, base_dir: str | os.PathLike[str]) -> None:
+    """Raise DataError for a local file or folder of `data.sources` that is missing, reading none
+    of the data (the dry runs of pretrain and finetune)."""
+    for source in resolve_sources(data_cfg, base_dir):  # path sources are checked as they resolve
+        source.check_local_files()
+
+
 def sources_fingerprint(sources: list[Source]) -> str:
     """One hash over all sources, in order."""
     h = hashlib.sha256()

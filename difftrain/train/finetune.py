@@ -257,10 +257,10 @@ def plan_finetune(recipe: Recipe) -> tuple[Plan, Path]:
             f"tokenizer.path={recipe.tokenizer.path}: a fine-tune uses its base run's tokenizer ({base_tok_path}); "
             "remove tokenizer.path from the recipe"
         )
-    r = recipe.model_copy(update={"model": model_cfg, "tokenizer": TokenizerConfig(path=str(base_tok_path))})
-    r._recipe_dir, r._source, r._model_keys = recipe.recipe_dir, recipe.source, recipe.model_keys
-    plan = plan_run(r)
-    plan.recipe._model_keys = recipe.model_keys
+    # (model_copy keeps the recipe's folder, source and own model keys)
+    plan = plan_run(
+        recipe.model_copy(update={"model": model_cfg, "tokenizer": TokenizerConfig(path=str(base_tok_path))})
+    )
     if plan.run_dir.resolve() == base.resolve():
         raise RecipeError(
             f"finetune.base is {base}, the folder this fine-tune writes to; give the fine-tune its own `name`"
@@ -284,8 +284,12 @@ def instruction_data(plan: Plan, tokenizer: Any) -> tuple[Any, list[int], Any, d
         if "has no field" in str(e) or "plain documents" in str(e):
             raise DataError(f"{e} (for plain text, set finetune.data_format: text)") from e
         raise
+    kinds = {
+        "messages" if "messages" in x and "prompt" not in x else "prompt/response"
+        for x in (*train_records, *val_records)
+    }
     new_ids: list[int] = []
-    if any("messages" in x and "prompt" not in x for x in (*train_records, *val_records)):
+    if "messages" in kinds:  # rendered through the chat template: its tokens must exist
         tokenizer, new_ids = add_special_tokens(tokenizer, ft.chat_template.special_tokens)
     dm = SFTDataModule(
         train_records,
@@ -301,10 +305,11 @@ def instruction_data(plan: Plan, tokenizer: Any) -> tuple[Any, list[int], Any, d
         pin_memory=r.data.pin_memory,
     )
     dm.setup()  # tokenizes every record now: bad records fail before anything is written
-    kinds = {
-        "messages" if "messages" in x and "prompt" not in x else "prompt/response"
-        for x in (*train_records, *val_records)
-    }
+    if 0 < len(dm.val_examples) < plan.world_size:
+        raise DataError(
+            f"{len(dm.val_examples)} validation records for {plan.world_size} processes, and every "
+            "process validates at least one; raise data.val_fraction or train on fewer devices"
+        )
     records = {
         "record_kinds": sorted(kinds),
         "train_records": len(dm.train_examples),
@@ -318,15 +323,21 @@ def instruction_data(plan: Plan, tokenizer: Any) -> tuple[Any, list[int], Any, d
 def _grown_model(plan: Plan, tokenizer: Any) -> Any:
     """The model config with room for every id of `tokenizer` (a multiple of 64); sets it as the
     plan's recipe's model, which is what the run's recipe.yaml records."""
-    r = plan.recipe
-    model_cfg = r.model
+    model_cfg = plan.recipe.model
     vocab_size = max(int(model_cfg.vocab_size), 64 * math.ceil(tokenizer.vocab_size / 64))
     if vocab_size != model_cfg.vocab_size:
         model_cfg = model_cfg.replace(vocab_size=vocab_size)
-    grown = r.model_copy(update={"model": model_cfg})
-    grown._recipe_dir, grown._source, grown._model_keys = r.recipe_dir, r.source, r.model_keys
-    plan.recipe = grown
+    plan.recipe = plan.recipe.model_copy(update={"model": model_cfg})
     return model_cfg
+
+
+def _check_resumed_adapter(plan: Plan) -> None:
+    """A LoRA run being resumed must find the base it was trained on (same weights' SHA-256)."""
+    from difftrain.adapters import ADAPTER_CONFIG, read_adapter_spec, resolve_base
+
+    ft = plan.recipe.finetune
+    if ft is not None and ft.method != "full" and (plan.run_dir / ADAPTER_CONFIG).is_file():
+        resolve_base(plan.run_dir, read_adapter_spec(plan.run_dir))
 
 
 def dry_run_finetune(
@@ -339,7 +350,7 @@ def dry_run_finetune(
     Returns what the run would do: plan, base, data_format, records (instruction data), new_tokens,
     base_vocab_size, resuming, point.
     """
-    from difftrain.data.sources import resolve_sources
+    from difftrain.data.sources import check_local_sources
     from difftrain.data.tokenizer import load_tokenizer
     from difftrain.io import check_run_dir_creatable
 
@@ -353,17 +364,14 @@ def dry_run_finetune(
     if data_format == "instruction":
         tokenizer, new_ids, _, records = instruction_data(plan, tokenizer)
     else:
-        for source in resolve_sources(r.data, r.recipe_dir):  # path sources are checked as they resolve
-            source.check_local_files()
+        check_local_sources(r.data, r.recipe_dir)
     base_vocab_size = r.model.vocab_size
     _grown_model(plan, tokenizer)
     resuming, point = prepare_run_dir(
         plan, resume=r.train.resume if resume is None else resume, overwrite=overwrite, dry_run=True
     )
-    if resuming and r.finetune.method != "full" and (plan.run_dir / "adapter.json").is_file():
-        from difftrain.adapters import read_adapter_spec, resolve_base
-
-        resolve_base(plan.run_dir, read_adapter_spec(plan.run_dir))
+    if resuming:
+        _check_resumed_adapter(plan)
     check_run_dir_creatable(plan.run_dir)
     return {
         "plan": plan,
@@ -405,8 +413,6 @@ def finetune(
         adapt_model,
         base_reference,
         plan_adapter,
-        read_adapter_spec,
-        resolve_base,
         save_adapter,
     )
     from difftrain.data.tokenizer import load_tokenizer
@@ -429,11 +435,6 @@ def finetune(
     if data_format == "instruction":
         tokenizer, new_ids, dm, records = instruction_data(plan, tokenizer)
         has_val = records["val_records"] > 0
-        if has_val and records["val_records"] < plan.world_size:
-            raise DataError(
-                f"{records['val_records']} validation records for {plan.world_size} processes, and every "
-                "process validates at least one; raise data.val_fraction or train on fewer devices"
-            )
         info.update(records)
         tokens_per_micro_batch = 0
     else:
@@ -464,8 +465,8 @@ def finetune(
         lambda: prepare_run_dir(plan, resume=resume_flag, overwrite=overwrite)
     )
     run_dir = plan.run_dir
-    if resuming and ft.method != "full" and (run_dir / "adapter.json").is_file():
-        resolve_base(run_dir, read_adapter_spec(run_dir))  # the base must be the one trained on
+    if resuming:
+        _check_resumed_adapter(plan)
 
     # the model: base weights, grown vocabulary, then LoRA (and 4-bit) or all weights trainable
     L.seed_everything(r.seed, workers=True, verbose=False)

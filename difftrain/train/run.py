@@ -464,8 +464,7 @@ def pretrain(
     if model_cfg.vocab_size == "auto":
         model_cfg = model_cfg.replace(vocab_size=64 * math.ceil(tokenizer.vocab_size / 64))
     check_vocab_fits(tokenizer, model_cfg.vocab_size)
-    r = r.model_copy(update={"model": model_cfg})
-    r._recipe_dir, r._source = plan.recipe.recipe_dir, plan.recipe.source
+    r = r.model_copy(update={"model": model_cfg})  # (keeps the recipe's folder and source)
 
     L.seed_everything(r.seed, workers=True, verbose=False)
     model = Transformer(model_cfg)
@@ -682,6 +681,13 @@ def fit(
             initial_val = cb.state.last_val
         cb.state.last_val, cb.state.best_val, cb.state.last_val_step = math.nan, math.inf, -1
     t0 = time.perf_counter()
+
+    def summary_of(wall: float, *, finished: bool) -> dict[str, Any]:
+        summary = _summary(r, plan, lit, cb, wall, counts, trainer)
+        summary.update(trainable_params=n_trainable, finished=finished)
+        summary.update(summary_extra or {})
+        return summary
+
     try:
         trainer.fit(
             lit, datamodule=datamodule, ckpt_path=str(point.path) if point else None, weights_only=True
@@ -689,10 +695,7 @@ def fit(
     except StopRequested:
         # stopped (and saved): summary.json says where the run stands, not what an earlier end said
         if trainer.is_global_zero and trainer.global_step > 0:
-            summary = _summary(r, plan, lit, cb, time.perf_counter() - t0, counts, trainer)
-            summary.update(trainable_params=n_trainable, finished=False)
-            summary.update(summary_extra or {})
-            atomic_write_json(run_dir / SUMMARY, summary)
+            atomic_write_json(run_dir / SUMMARY, summary_of(time.perf_counter() - t0, finished=False))
         raise
     wall = time.perf_counter() - t0
     if trainer.global_step > 0 and has_val and cb.state.last_val_step != trainer.global_step:
@@ -702,9 +705,7 @@ def fit(
         if val is not None:
             cb.state.last_val = float(val)
             cb.state.best_val = min(cb.state.best_val, float(val))
-    summary = _summary(r, plan, lit, cb, wall, counts, trainer)
-    summary.update(trainable_params=n_trainable, finished=True)
-    summary.update(summary_extra or {})
+    summary = summary_of(wall, finished=True)
     if validate_first:
         if initial_val is None and point is not None:  # a resumed run: logged at step 0
             rows = [x for x in read_metrics(run_dir / METRICS) if x.get("step") == 0 and "val/loss" in x]
