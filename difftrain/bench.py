@@ -54,6 +54,7 @@ from difftrain.errors import ConfigError, DeviceError
 SCHEMA = 1
 SECTIONS = ("attention", "train_step", "lightning", "hf", "optimizer", "decode", "memory")
 MODES = ("quick", "default", "full")
+PRECISIONS = ("32-true", "bf16-mixed", "bf16-true", "16-mixed")
 ARCHS = ("baseline", "diff", "diff2")
 
 Progress = Callable[[str], None]
@@ -128,6 +129,27 @@ class BenchOptions:
     precision: str | None = None
     command: str = ""
 
+    def check(self) -> None:
+        """ConfigError for an option out of range (before anything is set or measured)."""
+        if self.mode not in MODES:
+            raise ConfigError(f"bench mode {self.mode!r} is unknown; choose one of {', '.join(MODES)}")
+        unknown = [s for s in self.sections if s not in SECTIONS]
+        if unknown:
+            raise ConfigError(f"unknown bench section(s) {', '.join(unknown)}; choose from {', '.join(SECTIONS)}")
+        if self.precision is not None and self.precision not in PRECISIONS:
+            raise ConfigError(f"--precision {self.precision} is unknown; choose one of {' | '.join(PRECISIONS)}")
+        for flag, value, least in (("--threads", self.threads, 1), ("--reps", self.reps, 1), ("--warmup", self.warmup, 0)):
+            if value is not None and value < least:
+                raise ConfigError(f"{flag} {value} must be ≥ {least}")
+
+    def default_out(self, device: torch.device) -> str:
+        """bench-<device>-<mode>.json, with the sections appended for a run of some (`--only`), so
+        that it never replaces the result of a whole run."""
+        stem = f"bench-{device.type}-{self.mode}"
+        if set(self.sections) != set(SECTIONS):
+            stem += "-" + "-".join(s for s in SECTIONS if s in self.sections)
+        return stem + ".json"
+
     def resolved_device(self) -> torch.device:
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -157,11 +179,7 @@ class Plan:
 
 
 def make_plan(opts: BenchOptions) -> Plan:
-    if opts.mode not in MODES:
-        raise ConfigError(f"bench mode {opts.mode!r} is unknown; choose one of {', '.join(MODES)}")
-    unknown = [s for s in opts.sections if s not in SECTIONS]
-    if unknown:
-        raise ConfigError(f"unknown bench section(s) {', '.join(unknown)}; choose from {', '.join(SECTIONS)}")
+    opts.check()
     device = opts.resolved_device()
     cuda = device.type == "cuda"
     precision = opts.precision or ("bf16-mixed" if cuda else "32-true")
@@ -218,9 +236,9 @@ def make_plan(opts: BenchOptions) -> Plan:
             lightning_steps=5,
         )
     if opts.reps is not None:
-        p.reps = max(1, opts.reps)
+        p.reps = opts.reps
     if opts.warmup is not None:
-        p.warmup = max(0, opts.warmup)
+        p.warmup = opts.warmup
     return p
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from difftrain.bench import (
     QUICKSTART,
@@ -189,6 +190,21 @@ def test_bench_cli_renders_markdown_and_refuses_bad_arguments(quick_result, tmp_
     assert code == 2 and "contradict" in err
     code, _, err = bench_cli(capsys, "--quick", "--only", "nonsense")
     assert code == 2 and "unknown bench section" in err
+    for args, says in (
+        (("--threads", "-1"), "--threads -1 must be ≥ 1"),
+        (("--threads", "0"), "--threads 0 must be ≥ 1"),
+        (("--reps", "0"), "--reps 0 must be ≥ 1"),
+        (("--precision", "fp8"), "--precision fp8 is unknown"),
+    ):
+        code, _, err = bench_cli(capsys, "--quick", "--only", "memory", *args)
+        assert code == 2 and says in err and "Traceback" not in err, (args, err)
+
+
+def test_a_partial_run_does_not_take_the_whole_runs_file_name():
+    cpu = torch.device("cpu")
+    assert BenchOptions(mode="quick").default_out(cpu) == "bench-cpu-quick.json"
+    assert BenchOptions(sections=tuple(reversed(SECTIONS))).default_out(cpu) == "bench-cpu-default.json"
+    assert BenchOptions(sections=("memory", "hf")).default_out(cpu) == "bench-cpu-default-hf-memory.json"
 
 
 @pytest.mark.slow

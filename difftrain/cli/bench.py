@@ -29,10 +29,10 @@ def bench_command(
     precision: str = typer.Option(
         None,
         "--precision",
-        help="32-true | bf16-mixed | bf16-true (default: 32-true on CPU, bf16-mixed on CUDA).",
+        help="32-true | bf16-mixed | bf16-true | 16-mixed (default: 32-true on CPU, bf16-mixed on CUDA).",
     ),
     out: Path = typer.Option(
-        None, "--out", help="Write the JSON result here (default: bench-<device>-<mode>.json)."
+        None, "--out", help="Write the JSON result here (default: bench-<device>-<mode>.json; with --only, the sections are appended to the name)."
     ),
     markdown: Path = typer.Option(
         None,
@@ -73,6 +73,7 @@ def bench_command(
         precision=precision,
         command="difftrain bench " + " ".join(sys.argv[2:] if sys.argv[1:2] == ["bench"] else sys.argv[1:]),
     )
+    opts.check()
     dev = opts.resolved_device()
     import os
 
@@ -89,12 +90,13 @@ def bench_command(
     with console.status("benchmarking…") as status:
         result = run_bench(opts, progress=lambda msg: status.update(f"benchmarking: {msg}"))
     _render(result)
-    path = out or Path(f"bench-{dev.type}-{mode}.json")
+    path = out or Path(opts.default_out(dev))
     from difftrain.io import atomic_write_json
 
+    replaced = " (replacing the earlier result there)" if path.exists() else ""
     atomic_write_json(path, result)
     console.print(
-        f"wrote {path} ({result['seconds']:.0f} s); README tables: difftrain bench --markdown {path}"
+        f"wrote {path}{replaced} ({result['seconds']:.0f} s); README tables: difftrain bench --markdown {path}"
     )
 
 
