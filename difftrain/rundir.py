@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from difftrain.errors import CheckpointError, RunDirError
-from difftrain.io import atomic_save_safetensors
+from difftrain.io import RunLock, atomic_save_safetensors
 
 CONFIG = "config.json"
 WEIGHTS = "model.safetensors"
@@ -136,6 +136,13 @@ def require_weights(path: Path) -> Path:
     weights = path / WEIGHTS
     if weights.is_file():
         return weights
+    holder = RunLock(path).holder()
+    if holder is not None:
+        by = f" (pid {holder})" if holder else ""
+        raise RunDirError(
+            f"{path} is still training{by} and has not saved {WEIGHTS} yet; wait for its first save "
+            "(every train.save_every steps) or for the run to end"
+        )
     resume = f"`difftrain {training_command(path)} {shlex.quote(str(path / RECIPE))} --resume`"
     ckpts = sorted((path / CHECKPOINTS).glob("*.ckpt")) if (path / CHECKPOINTS).is_dir() else []
     if ckpts:

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import builtins
+import io
 import json
+import os
 
 import pytest
 import torch
@@ -125,7 +127,7 @@ def test_compile_without_a_cpu_compiler_exits_2_before_loading(run_dir, capsys, 
     assert "or leave out the option" in err
 
 
-def test_prompt_file_of_lines_and_jsonl(run_dir, tmp_path, capsys):
+def test_prompt_file_of_lines_and_jsonl(run_dir, tmp_path, capsys, monkeypatch):
     lines = tmp_path / "prompts.txt"
     lines.write_text("first prompt\n\nsecond\\n prompt\n")
     res = json_results(capsys, run_dir, "--prompt-file", lines, "-n", 2, "--seed", 0)
@@ -137,6 +139,9 @@ def test_prompt_file_of_lines_and_jsonl(run_dir, tmp_path, capsys):
     records.write_text(json.dumps({"prompt": "a\nb", "id": 1}) + "\n" + json.dumps({"prompt": "c"}) + "\n")
     res = json_results(capsys, run_dir, "--prompt-file", records, "-n", 2)
     assert [r["prompt"] for r in res] == ["a\nb", "c"]
+    monkeypatch.setattr("sys.stdin", io.StringIO("from stdin\n\nsecond\n"))
+    res = json_results(capsys, run_dir, "--prompt-file", "-", "-n", 2, "--seed", 0)
+    assert [(r["prompt"], r["source"]) for r in res] == [("from stdin", "stdin, line 1"), ("second", "stdin, line 3")]
 
 
 def test_escapes_in_prompt_become_newlines(run_dir, capsys):
@@ -226,7 +231,7 @@ def test_bad_arguments_exit_2_with_one_line(run_dir, capsys, args, message):
     assert message in err
 
 
-def test_bad_prompt_files_exit_2_with_the_line(run_dir, tmp_path, capsys):
+def test_bad_prompt_files_exit_2_with_the_line(run_dir, tmp_path, capsys, monkeypatch):
     f = tmp_path / "p.jsonl"
     f.write_text('{"prompt": "ok"}\n{"text": "no prompt"}\n')
     code, _, err = gen(capsys, run_dir, "--prompt-file", f)
@@ -242,6 +247,10 @@ def test_bad_prompt_files_exit_2_with_the_line(run_dir, tmp_path, capsys):
     assert code == 2 and "holds no prompts" in err
     code, _, err = gen(capsys, run_dir, "--prompt-file", empty, "--prompt", "x")
     assert code == 2 and "not both" in err
+    with monkeypatch.context() as m:  # `-` reads standard input, plain lines
+        m.setattr("sys.stdin", io.StringIO("\n \n"))
+        code, _, err = gen(capsys, run_dir, "--prompt-file", "-")
+    assert code == 2 and "--prompt-file - (standard input) holds no prompts" in err
 
 
 def test_a_run_without_weights_says_so_and_how_to_resume(tmp_path, capsys):
@@ -249,6 +258,20 @@ def test_a_run_without_weights_says_so_and_how_to_resume(tmp_path, capsys):
     code, _, err = gen(capsys, run, "--prompt", "x")
     assert code == 2 and len(err.strip().splitlines()) == 1
     assert "has no model.safetensors yet" in err and "--resume" in err
+
+
+def test_a_run_still_training_is_not_told_to_resume(tmp_path, capsys):
+    from difftrain.io import RunLock
+
+    run = make_run(tmp_path / "training", weights=False)
+    lock = RunLock(run)
+    assert lock.acquire() is None  # as pretrain holds it (another open file: flock conflicts)
+    try:
+        code, _, err = gen(capsys, run, "--prompt", "x")
+    finally:
+        lock.release()
+    assert code == 2 and len(err.strip().splitlines()) == 1
+    assert f"is still training (pid {os.getpid()})" in err and "--resume" not in err
 
 
 def test_the_resume_advice_names_the_command_that_trained_the_run(tmp_path):
@@ -416,6 +439,10 @@ def test_chat_drops_the_oldest_exchanges_whole_to_fit_the_context_and_keeps_the_
     text, ids, dropped = chat.fit(chars, len(whole))  # one token short: the first exchange goes
     assert dropped == 2 and text.startswith("Ssys|Ucc|") and ids == list(text)
     assert [m["content"] for m in chat.messages] == ["cc", "dd", "e"]
+    say(("user", "aaaa"), ("assistant", "bbbb"), ("user", "cc"), ("assistant", "dd"), ("user", "e"))
+    text, _, dropped = chat.fit(chars, len(whole) + 1, room=25)  # the reply's room: both exchanges go
+    assert dropped == 4 and text == "Ssys|Ue|A" and [m["content"] for m in chat.messages] == ["e"]
+    assert chat.fit(chars, len(text) + 1, room=25) == (text, list(text), 0)  # the newest alone: 1 suffices
     say(("user", "x" * 50))
     with pytest.raises(DataError, match="the context is 20: shorten it"):
         chat.fit(chars, 20)

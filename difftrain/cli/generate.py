@@ -77,9 +77,11 @@ class Prompt:
 
 
 def read_prompt_file(path: Path) -> list[Prompt]:
-    """One prompt per non-blank line, or for .jsonl one JSON object with a "prompt" field per line."""
+    """One prompt per non-blank line, or for .jsonl one JSON object with a "prompt" field per line;
+    `-` reads plain lines from standard input."""
+    stdin = str(path) == "-"
     try:
-        lines = path.read_text(encoding="utf-8").splitlines()
+        lines = (sys.stdin.read() if stdin else path.read_text(encoding="utf-8")).splitlines()
     except FileNotFoundError:
         raise DataError(f"--prompt-file {path} does not exist") from None
     except UnicodeDecodeError as e:
@@ -87,11 +89,12 @@ def read_prompt_file(path: Path) -> list[Prompt]:
     except OSError as e:
         raise DataError(f"--prompt-file {path}: cannot read it ({e.strerror})") from None
     prompts = []
-    jsonl = path.suffix.lower() == ".jsonl"
+    jsonl = not stdin and path.suffix.lower() == ".jsonl"
+    name = "stdin" if stdin else str(path)
     for n, line in enumerate(lines, start=1):
         if not line.strip():
             continue
-        where = f"{path}, line {n}"
+        where = f"{name}, line {n}"
         if not jsonl:
             prompts.append(Prompt(line, where))
             continue
@@ -111,7 +114,8 @@ def read_prompt_file(path: Path) -> list[Prompt]:
             raise DataError(f'{where}: "prompt" is empty; remove the line or give some text')
         prompts.append(Prompt(record["prompt"], where, record))
     if not prompts:
-        raise DataError(f"--prompt-file {path} holds no prompts (it is empty or blank)")
+        what = "- (standard input)" if stdin else str(path)
+        raise DataError(f"--prompt-file {what} holds no prompts (it is empty or blank)")
     return prompts
 
 
@@ -473,15 +477,16 @@ class Chat:
             "".join(self.roles[m["role"]].replace("{content}", m["content"]) for m in msgs) + self.reply_head
         )
 
-    def fit(self, tokenizer: Any, limit: int) -> tuple[str, list[int], int]:
+    def fit(self, tokenizer: Any, limit: int, room: int = 1) -> tuple[str, list[int], int]:
         """(rendered text, ids, messages dropped): the oldest exchanges are dropped, a user turn
         with the replies after it at a time (the system message stays), until the rendering
-        leaves room for at least one new token in `limit`. A DataError when the newest message
-        alone does not fit (it is taken back)."""
+        leaves `room` new tokens for the reply in `limit`, or only the newest message is left
+        (which needs room for one). A DataError when the newest message alone does not fit (it
+        is taken back)."""
         dropped = 0
         text = self.render()
         ids = tokenizer.encode(text)
-        while len(ids) > limit - 1 and len(self.messages) > 1:
+        while len(ids) > limit - max(1, room) and len(self.messages) > 1:
             self.messages.pop(0)
             dropped += 1
             while len(self.messages) > 1 and self.messages[0]["role"] != "user":
@@ -526,7 +531,8 @@ def chat_repl(session: Session, chat: Chat) -> None:
             continue
         chat.messages.append({"role": "user", "content": unescape(line)})
         try:
-            text, ids, dropped = chat.fit(tokenizer, limit)
+            # a reply gets its max_new_tokens, or a quarter of the context when that is more
+            text, ids, dropped = chat.fit(tokenizer, limit, room=min(session.gen.max_new_tokens, limit // 4))
         except DataError as e:
             _error(str(e))
             continue
@@ -611,7 +617,7 @@ def generate_command(
         None, "--prompt", "-p", help="Prompt text (repeat for several). \\n is a newline."
     ),
     prompt_file: Path = typer.Option(
-        None, "--prompt-file", help='One prompt per line, or a .jsonl with a "prompt" field per line.'
+        None, "--prompt-file", help='One prompt per line, or a .jsonl with a "prompt" field per line; - reads lines from stdin.'
     ),
     max_new_tokens: int = typer.Option(
         256, "--max-new-tokens", "-n", help="Most tokens to generate per completion."
