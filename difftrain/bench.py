@@ -135,10 +135,18 @@ class BenchOptions:
             raise ConfigError(f"bench mode {self.mode!r} is unknown; choose one of {', '.join(MODES)}")
         unknown = [s for s in self.sections if s not in SECTIONS]
         if unknown:
-            raise ConfigError(f"unknown bench section(s) {', '.join(unknown)}; choose from {', '.join(SECTIONS)}")
+            raise ConfigError(
+                f"unknown bench section(s) {', '.join(unknown)}; choose from {', '.join(SECTIONS)}"
+            )
         if self.precision is not None and self.precision not in PRECISIONS:
-            raise ConfigError(f"--precision {self.precision} is unknown; choose one of {' | '.join(PRECISIONS)}")
-        for flag, value, least in (("--threads", self.threads, 1), ("--reps", self.reps, 1), ("--warmup", self.warmup, 0)):
+            raise ConfigError(
+                f"--precision {self.precision} is unknown; choose one of {' | '.join(PRECISIONS)}"
+            )
+        for flag, value, least in (
+            ("--threads", self.threads, 1),
+            ("--reps", self.reps, 1),
+            ("--warmup", self.warmup, 0),
+        ):
             if value is not None and value < least:
                 raise ConfigError(f"{flag} {value} must be ≥ {least}")
 

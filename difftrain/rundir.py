@@ -204,6 +204,18 @@ def load_run(path: Path | str, device: str | torch.device = "cpu", dtype: torch.
     return Run(path=path, model=model, config=config, tokenizer=tokenizer)
 
 
+def imported_from(path: Path) -> str | None:
+    """Where `difftrain import` took the run's weights from (their safetensors metadata), or None
+    for a trained run (or weights that cannot be read)."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(Path(path) / WEIGHTS), framework="pt") as f:
+            return (f.metadata() or {}).get("imported_from")
+    except Exception:  # missing or unreadable weights: not this function's error to report
+        return None
+
+
 def read_summary(path: Path) -> dict:
     f = Path(path) / SUMMARY
     if not f.is_file():

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import csv
 import json
+import os
+import shutil
 
 import pytest
 from test_eval import make_run
@@ -120,8 +122,56 @@ def test_compare_notes_results_computed_with_different_settings(pair, tmp_path):
     c = make_run(tmp_path, "c", "diff2", tokenizer=load_run(a).tokenizer)
     save_result(c, evaluate(load_run(c), "ppl", EvalOptions(windows=3)))
     cmp = compare_runs([a, c])
-    assert any("ppl: a-diff and c were evaluated with different settings (windows)" in n for n in cmp.notes)
+    assert any(
+        "ppl: a-diff and c were evaluated with different settings (windows 2 vs 3)" in n for n in cmp.notes
+    )
     assert any("c has no summary.json" in n for n in cmp.notes)
+
+
+def test_suites_chosen_with_suite_get_no_not_in_every_run_note(pair):
+    a, b = pair
+    assert compare_runs([a, b]).partial == {"icl-order": ["b-base"]}
+    assert compare_runs([a, b], suites=["ppl"]).partial == {}  # the user chose; before: "missing in " (empty)
+
+
+def test_a_result_is_stale_when_the_weights_change_not_when_the_run_is_copied(pair, tmp_path):
+    a, b = pair
+    copy = tmp_path / "a-copy"
+    shutil.copytree(a, copy, copy_function=shutil.copyfile)  # `cp -r`: new modification times
+    assert not compare_runs([copy, b]).notes  # the same weights: its results still hold
+    weights = copy / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # another step's weights, the same size
+    weights.write_bytes(bytes(data))
+    notes = compare_runs([copy, b]).notes
+    assert any("the result of a-copy predates its current weights" in n for n in notes), notes
+    shutil.copyfile(a / "model.safetensors", weights)  # the evaluated weights again, a new time
+    assert not compare_runs([copy, b]).notes
+    doc = json.loads((copy / "eval" / "ppl.json").read_text())
+    del doc["weights"]["sample"]  # a result written before the sample was kept: the time decides
+    (copy / "eval" / "ppl.json").write_text(json.dumps(doc))
+    assert compare_runs([copy, b]).notes
+    os.utime(weights, ns=(doc["weights"]["mtime_ns"], doc["weights"]["mtime_ns"]))
+    assert not compare_runs([copy, b]).notes
+
+
+def test_an_imported_run_is_noted_as_imported_not_unfinished(pair, tmp_path):
+    from difftrain.io import atomic_save_safetensors
+    from difftrain.rundir import read_safetensors
+
+    a, b = pair
+    imp = tmp_path / "imp"
+    shutil.copytree(a, imp)
+    (imp / "summary.json").unlink()
+    sd = read_safetensors(imp / "model.safetensors")
+    atomic_save_safetensors(
+        imp / "model.safetensors", sd, metadata={"format": "pt", "imported_from": "hf/qs"}
+    )
+    notes = compare_runs([imp, b]).notes
+    assert any(
+        "imp was imported from hf/qs (`difftrain import`): it has no training figures" in n for n in notes
+    )
+    assert not any("training unfinished" in n for n in notes)
 
 
 def _error(capsys) -> str:

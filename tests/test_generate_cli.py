@@ -141,7 +141,10 @@ def test_prompt_file_of_lines_and_jsonl(run_dir, tmp_path, capsys, monkeypatch):
     assert [r["prompt"] for r in res] == ["a\nb", "c"]
     monkeypatch.setattr("sys.stdin", io.StringIO("from stdin\n\nsecond\n"))
     res = json_results(capsys, run_dir, "--prompt-file", "-", "-n", 2, "--seed", 0)
-    assert [(r["prompt"], r["source"]) for r in res] == [("from stdin", "stdin, line 1"), ("second", "stdin, line 3")]
+    assert [(r["prompt"], r["source"]) for r in res] == [
+        ("from stdin", "stdin, line 1"),
+        ("second", "stdin, line 3"),
+    ]
 
 
 def test_escapes_in_prompt_become_newlines(run_dir, capsys):

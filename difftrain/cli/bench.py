@@ -32,7 +32,9 @@ def bench_command(
         help="32-true | bf16-mixed | bf16-true | 16-mixed (default: 32-true on CPU, bf16-mixed on CUDA).",
     ),
     out: Path = typer.Option(
-        None, "--out", help="Write the JSON result here (default: bench-<device>-<mode>.json; with --only, the sections are appended to the name)."
+        None,
+        "--out",
+        help="Write the JSON result here (default: bench-<device>-<mode>.json; with --only, the sections are appended to the name).",
     ),
     markdown: Path = typer.Option(
         None,

@@ -617,7 +617,9 @@ def generate_command(
         None, "--prompt", "-p", help="Prompt text (repeat for several). \\n is a newline."
     ),
     prompt_file: Path = typer.Option(
-        None, "--prompt-file", help='One prompt per line, or a .jsonl with a "prompt" field per line; - reads lines from stdin.'
+        None,
+        "--prompt-file",
+        help='One prompt per line, or a .jsonl with a "prompt" field per line; - reads lines from stdin.',
     ),
     max_new_tokens: int = typer.Option(
         256, "--max-new-tokens", "-n", help="Most tokens to generate per completion."

@@ -5,7 +5,7 @@ result is one JSON document, written atomically to `RUN_DIR/eval/<suite>.json`:
 
     {
       "suite": "ppl", "format": 1, "run": "runs/quickstart", "arch": "diff", "params": 4194304,
-      "weights": {"size": ..., "mtime_ns": ...},    which model.safetensors was evaluated
+      "weights": {"size": ..., "mtime_ns": ..., "sample": ...},   which model.safetensors was evaluated
       "created": "2025-01-01T12:00:00+0000", "seconds": 12.3, "device": "cpu", "dtype": "float32",
       "settings": {...},     everything that decides the numbers (grid, seed, data, windows)
       "results": {...},      the suite's figures
@@ -115,7 +115,9 @@ def finish(
         "run": str(run.path),
         "arch": run.config.arch,  # type: ignore[attr-defined]
         "params": model_params(run.model),
-        "weights": {"size": st.st_size, "mtime_ns": st.st_mtime_ns} if st else None,
+        "weights": {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "sample": weights_sample(w)}
+        if st
+        else None,
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "seconds": round(seconds, 3),
         "device": str(device),
@@ -153,13 +155,35 @@ def load_result(run_dir: Path | str, suite: str) -> dict[str, Any] | None:
     return doc
 
 
+SAMPLE_BYTES = 1 << 16
+
+
+def weights_sample(path: Path) -> str:
+    """A digest of three 64 KiB stretches of a weights file (its start, with the header, its middle
+    and its end): any training step changes them, and reading them costs nothing next to an eval."""
+    h = hashlib.sha256()
+    size = path.stat().st_size
+    with path.open("rb") as f:
+        for at in sorted({0, max(0, size // 2 - SAMPLE_BYTES // 2), max(0, size - SAMPLE_BYTES)}):
+            f.seek(at)
+            h.update(f.read(SAMPLE_BYTES))
+    return h.hexdigest()[:16]
+
+
 def stale(run_dir: Path | str, doc: dict[str, Any]) -> bool:
-    """Whether the weights changed since the result was computed (training continued)."""
+    """Whether the weights changed since the result was computed (training continued). The same
+    size and modification time mean the same file; a new modification time (a copied run folder)
+    is looked into by the content sample, where the result has one."""
     w = Path(run_dir) / WEIGHTS
-    if not w.is_file() or not doc.get("weights"):
+    seen = doc.get("weights")
+    if not w.is_file() or not seen:
         return False
     st = w.stat()
-    return (st.st_size, st.st_mtime_ns) != (doc["weights"]["size"], doc["weights"]["mtime_ns"])
+    if st.st_size != seen["size"]:
+        return True
+    if st.st_mtime_ns == seen["mtime_ns"]:
+        return False
+    return seen.get("sample") is None or seen["sample"] != weights_sample(w)
 
 
 # ---------------------------------------------------------------------------------------------

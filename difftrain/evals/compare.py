@@ -15,7 +15,7 @@ from typing import Any
 from difftrain.errors import ConfigError, RunDirError
 from difftrain.evals import SUITES, check_suite
 from difftrain.evals.common import load_result, result_path, stale
-from difftrain.rundir import CONFIG, METRICS, read_summary, require_run_dir
+from difftrain.rundir import CONFIG, METRICS, imported_from, read_summary, require_run_dir
 
 
 @dataclass
@@ -111,6 +111,15 @@ def _diff_keys(a: Any, b: Any, prefix: str = "") -> list[str]:
     return [] if a == b else [prefix.rstrip(".")]
 
 
+def _setting(doc: dict[str, Any], key: str) -> str:
+    """The value of a dotted settings key of an eval result, short enough for a note."""
+    value: Any = doc.get("settings")
+    for part in key.split("."):
+        value = value.get(part) if isinstance(value, dict) else None
+    text = "—" if value is None else str(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
 def compare_runs(paths: Sequence[str | Path], suites: Sequence[str] | None = None) -> Comparison:
     """Gather the comparison of `paths` (two or more run directories).
 
@@ -139,8 +148,11 @@ def compare_runs(paths: Sequence[str | Path], suites: Sequence[str] | None = Non
     notes: list[str] = []
     for r in runs:
         if not r.summary:
+            source = imported_from(r.path)
             notes.append(
-                f"{r.path} has no summary.json (training unfinished?): its training figures are missing"
+                f"{r.path} was imported from {source} (`difftrain import`): it has no training figures"
+                if source
+                else f"{r.path} has no summary.json (training unfinished?): its training figures are missing"
             )
         for s in SUITES:
             doc = load_result(r.path, s)
@@ -157,11 +169,15 @@ def compare_runs(paths: Sequence[str | Path], suites: Sequence[str] | None = Non
         shown = wanted
     else:
         shown = [s for s in SUITES if all(s in r.evals for r in runs)]
-    partial = {
-        s: [r.label for r in runs if s not in r.evals]
-        for s in SUITES
-        if s not in shown and any(s in r.evals for r in runs)
-    }
+    partial = (  # suites that some runs have and others lack (none when --suite chose them)
+        {}
+        if wanted
+        else {
+            s: [r.label for r in runs if s not in r.evals]
+            for s in SUITES
+            if s not in shown and any(s in r.evals for r in runs)
+        }
+    )
 
     def get(key: str) -> list[Any]:
         return [r.summary.get(key) for r in runs]
@@ -195,9 +211,10 @@ def compare_runs(paths: Sequence[str | Path], suites: Sequence[str] | None = Non
         for r, d in zip(runs[1:], docs[1:], strict=True):
             keys = _diff_keys(docs[0].get("settings"), d.get("settings"))
             if keys:
+                shown_keys = ", ".join(f"{k} {_setting(docs[0], k)} vs {_setting(d, k)}" for k in keys[:3])
                 notes.append(
                     f"{s}: {runs[0].label} and {r.label} were evaluated with different settings "
-                    f"({', '.join(keys[:3])}); rerun `difftrain eval` with the same options to compare them fairly"
+                    f"({shown_keys}); rerun `difftrain eval` with the same options to compare them fairly"
                 )
         for r, d in zip(runs, docs, strict=True):
             if stale(r.path, d):
