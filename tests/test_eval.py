@@ -424,6 +424,8 @@ def test_eval_unknown_suite_suggests_the_closest_name(runs, capsys):
         (["--needles", "4x0"], "R (queried) must be in 1 … N=4"),
         (["--bits", "8,1"], "--bits 1 is out of range"),
         (["--samples", "0"], "--samples 0 must be ≥ 1"),
+        (["--suite", "icl-order", "--demos", "0"], "--demos 0 must be ≥ 2"),  # not "the default"
+        (["--suite", "icl-order", "--permutations", "0"], "--permutations 0 must be ≥ 2"),
         (["--lengths", "64,abc"], "--lengths 'abc' is not a number"),
         (["--suite", "needle", "--lengths", "40", "--needles", "4x1"], "too short for 4 needles"),
         (["--suite", "attention", "--lengths", "1000"], "--lengths 1000 does not fit"),

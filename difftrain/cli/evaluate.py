@@ -272,7 +272,7 @@ def eval_command(
     ),
     batch_size: int = typer.Option(8, "--batch-size", help="Sequences per forward pass."),
     windows: int = typer.Option(
-        None, "--windows", help="ppl/quant: number of windows (default: the run's data.val_windows)."
+        None, "--windows", help="ppl/quant: number of windows (default: the run's data.val_windows, or 32 where that is 0)."
     ),
     lengths: str = typer.Option(
         None, "--lengths", help="needle/attention: context lengths in tokens, e.g. 64,128,192."
@@ -333,8 +333,10 @@ def eval_command(
         plot=plot,
     )
     check_positive("--batch-size", batch_size)
-    for name, v in (("--windows", windows), ("--samples", samples), ("--tokens", tokens), ("--items", items)):
+    for name, v in (("--windows", windows), ("--samples", samples), ("--tokens", tokens)):
         check_positive(name, v)
+    for name, v in (("--demos", demos), ("--permutations", permutations), ("--items", items)):
+        check_positive(name, v, 2)  # icl-order compares orders of at least two demonstrations
     check_depths(opts.depths)
     if opts.bits is not None:
         check_bits(opts.bits)

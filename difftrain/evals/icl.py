@@ -121,9 +121,9 @@ def fitting_demos(tokenizer: Any, max_len: int, want: int, seed: int) -> int:
 
 def run(run: Run, opts: EvalOptions, progress: Progress = _no_progress) -> SuiteOutput:
     base = FULL if opts.full else QUICK
-    D = opts.demos or base["demos"]
-    P = opts.permutations or base["permutations"]
-    M = opts.items or base["items"]
+    D = base["demos"] if opts.demos is None else opts.demos  # 0 is refused below, not "the default"
+    P = base["permutations"] if opts.permutations is None else opts.permutations
+    M = base["items"] if opts.items is None else opts.items
     check_positive("--demos", D, 2)
     check_positive("--permutations", P, 2)
     check_positive("--items", M, 2)
