@@ -405,8 +405,14 @@ def merge_run(run_dir: Path | str, out_dir: Path | str | None = None, *, overwri
                 f"OUT_DIR {out} {what} the run {read} that the merge reads (the adapter or its base); "
                 "choose another OUT_DIR"
             )
-    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not overwrite:
-        raise RunDirError(f"{out} already exists; choose another OUT_DIR or pass --overwrite")
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        if not overwrite:
+            raise RunDirError(f"{out} already exists; choose another OUT_DIR or pass --overwrite")
+        if not (out.is_dir() and ((out / CONFIG).is_file() or (out / RECIPE).is_file())):
+            raise RunDirError(
+                f"{out} exists and is not a difftrain run directory: --overwrite replaces only runs; "
+                "choose another OUT_DIR, or move it away yourself"
+            )
     run = load_adapter_run(run_dir, merge=True)
     spec = read_adapter_spec(run_dir)
     if out.is_dir():  # removed once the merged model is in memory

@@ -208,6 +208,12 @@ def test_merged_run_gives_the_logits_of_base_plus_adapter(ws, tmp_path):
             merge_run(run, out, overwrite=True)
         assert sorted(p.relative_to(out) for p in out.rglob("*")) == before
     assert merge_run(run, overwrite=True) == merged_dir  # a merged run is replaced
+    mine = tmp_path / "my-folder"  # ... but not a folder of the user's that is no run
+    mine.mkdir()
+    (mine / "notes.txt").write_text("important")
+    with pytest.raises(RunDirError, match="is not a difftrain run directory: --overwrite replaces only runs"):
+        merge_run(run, mine, overwrite=True)
+    assert (mine / "notes.txt").read_text() == "important"
     with pytest.raises(RunDirError, match="nothing to merge"):
         merge_run(merged_dir, tmp_path / "again")
     # `export` takes the adapter run as it is (base + adapter, merged on load): the merged run's export

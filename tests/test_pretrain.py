@@ -278,6 +278,18 @@ def test_overwrite_keeps_the_old_run_until_every_check_has_passed(workspace, cap
     assert [q.name for q in (run / "checkpoints").iterdir() if q.name == "step-00000002.ckpt"] == []
 
 
+def test_overwrite_never_removes_a_folder_that_is_not_a_run(workspace, capsys):
+    p = workspace(steps=2, save_every=2)
+    mine = p.parent / "runs" / "r"  # where the recipe's run would go: a folder of the user's
+    mine.mkdir(parents=True)
+    (mine / "notes.txt").write_text("important")
+    for flags in ([], ["--overwrite"], ["--overwrite", "--dry-run"]):
+        assert main(["pretrain", str(p), "--no-progress", *flags]) == 2, flags
+        err = capsys.readouterr().err
+        assert "exists and is not a difftrain run directory" in err and len(err.strip().splitlines()) == 1
+    assert [q.name for q in mine.iterdir()] == ["notes.txt"]
+
+
 def test_train_compile_without_a_cpu_compiler_exits_2_before_anything_is_written(
     workspace, capsys, monkeypatch
 ):

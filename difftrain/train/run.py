@@ -264,6 +264,11 @@ def prepare_run_dir(
     if overwrite and run_dir.exists():
         if resume is True:
             raise RecipeError("--overwrite and --resume contradict each other; pick one")
+        if files and not (existing.is_file() or (run_dir / CONFIG).is_file()):
+            raise RunDirError(
+                f"{run_dir} exists and is not a difftrain run directory (no {RECIPE}): --overwrite replaces "
+                "only runs; choose another `name`/`out_dir`, or move its files away yourself"
+            )
         # removed by `training_into(replace=True)`, after every check: a mistake found on the way
         # (a missing tokenizer, bad data) must not cost the run that is there
         return False, None
