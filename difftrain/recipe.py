@@ -559,6 +559,11 @@ def find_recipe(ref: str | os.PathLike[str], relative_to: Path | None = None) ->
         if c.is_dir():
             if is_run_recipe(c / "recipe.yaml"):  # a run directory: its own recipe
                 return c / "recipe.yaml"
+            if (c / "recipe.yaml").is_file():
+                raise RecipeError(
+                    f"{c} holds a recipe.yaml but not a run's files (config.json, checkpoints/, ...); "
+                    f"pass {c / 'recipe.yaml'} to use it as a recipe"
+                )
             raise RecipeError(
                 f"{c} is a folder, not a recipe file (nor a run directory with a recipe.yaml); "
                 "pass a .yaml file or a shipped recipe name"
@@ -900,18 +905,18 @@ def load_recipe(ref: str | os.PathLike[str], overrides: list[str] | tuple[str, .
 
 
 def is_run_recipe(path: Path) -> bool:
-    """Whether `path` is the recipe.yaml a run directory holds: next to the config.json,
-    tokenizer.json and checkpoints/ folder a run writes before its first step (a user's own
-    recipe.yaml in a project folder is not taken for one, and its folder never becomes a run's)."""
-    from difftrain.rundir import CHECKPOINTS, CONFIG, RECIPE, TOKENIZER
+    """Whether `path` is the recipe.yaml a run directory holds: next to at least two of what a
+    run writes (config.json, tokenizer.json, checkpoints/, model.safetensors, metrics.csv,
+    summary.json, adapter.json). One of them may be lost (a deleted checkpoints/ folder, a
+    missing config.json) and the folder is still the run's, which a resume repairs; a user's own
+    recipe.yaml in a project folder is not taken for one, and its folder never becomes a run's."""
+    from difftrain.rundir import CHECKPOINTS, CONFIG, METRICS, RECIPE, SUMMARY, TOKENIZER, WEIGHTS
 
     folder = path.parent
-    return (
-        path.name == RECIPE
-        and (folder / CONFIG).is_file()
-        and (folder / TOKENIZER).is_file()
-        and (folder / CHECKPOINTS).is_dir()
-    )
+    if path.name != RECIPE or not path.is_file():
+        return False
+    marks = [(folder / f).is_file() for f in (CONFIG, TOKENIZER, WEIGHTS, METRICS, SUMMARY, "adapter.json")]
+    return sum(marks) + (folder / CHECKPOINTS).is_dir() >= 2
 
 
 def recipe_from_dict(data: dict[str, Any], recipe_dir: Path | None = None) -> Recipe:

@@ -417,6 +417,42 @@ def test_a_run_resumes_from_its_own_recipe_from_any_folder_and_a_copy_resumes_it
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+def test_a_copy_missing_config_or_tokenizer_resumes_itself_and_gets_them_back(workspace, tmp_path, capsys):
+    p = workspace(steps=4, save_every=2)
+    with pytest.raises(StopRequested):
+        pretrain(load_recipe(p), extra_callbacks=[StopAt(2)])
+    run = tmp_path / "runs" / "r"
+    config, tok = (run / "config.json").read_bytes(), (run / "tokenizer.json").read_bytes()
+    before = sorted((q.relative_to(run), q.stat().st_mtime_ns) for q in run.rglob("*"))
+    copy = tmp_path / "runs" / "copy"
+    shutil.copytree(run, copy)
+    (copy / "config.json").unlink()  # a run folder still: its recipe.yaml names the copy, not runs/r
+    (copy / "tokenizer.json").write_text("garbage")
+    capsys.readouterr()
+    assert main(["pretrain", str(copy / "recipe.yaml"), "--resume", "--no-progress"]) == 0
+    err = " ".join(capsys.readouterr().err.split())
+    assert f"{copy}/config.json was missing or damaged: written again" in err
+    assert f"{copy}/tokenizer.json was missing or damaged" in err
+    assert sorted(losses(copy)) == [1, 2, 3, 4]
+    assert (copy / "config.json").read_bytes() == config and (copy / "tokenizer.json").read_bytes() == tok
+    assert sorted((q.relative_to(run), q.stat().st_mtime_ns) for q in run.rglob("*")) == before
+    # a readable tokenizer that is not the one training goes on with is refused, nothing written
+    other = shutil.copytree(run, tmp_path / "runs" / "other")
+    from difftrain.data.tokenizer import load_tokenizer
+
+    t = load_tokenizer(other / "tokenizer.json")
+    t.tk.add_tokens(["<|new|>"])
+    t.save(other / "tokenizer.json")
+    mtimes = sorted((q.relative_to(other), q.stat().st_mtime_ns) for q in other.rglob("*"))
+    assert main(["pretrain", str(other), "--resume", "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert (
+        "tokenizer.json is not the tokenizer this recipe trains with" in err
+        and len(err.strip().splitlines()) == 1
+    )
+    assert sorted((q.relative_to(other), q.stat().st_mtime_ns) for q in other.rglob("*")) == mtimes
+
+
 def test_a_recipe_without_a_data_section_trains_on_the_documented_default(workspace):
     r = load_recipe(workspace())
     text = workspace().read_text()

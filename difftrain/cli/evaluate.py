@@ -272,7 +272,9 @@ def eval_command(
     ),
     batch_size: int = typer.Option(8, "--batch-size", help="Sequences per forward pass."),
     windows: int = typer.Option(
-        None, "--windows", help="ppl/quant: number of windows (default: the run's data.val_windows, or 32 where that is 0)."
+        None,
+        "--windows",
+        help="ppl/quant: number of windows (default: the run's data.val_windows, or 32 where that is 0).",
     ),
     lengths: str = typer.Option(
         None, "--lengths", help="needle/attention: context lengths in tokens, e.g. 64,128,192."

@@ -34,6 +34,7 @@ from difftrain.train.run import (
     fit,
     plan_run,
     prepare_run_dir,
+    resumed_run_files,
     start_processes,
     training_into,
 )
@@ -465,8 +466,10 @@ def finetune(
         lambda: prepare_run_dir(plan, resume=resume_flag, overwrite=overwrite)
     )
     run_dir = plan.run_dir
+    restore: list[str] = []
     if resuming:
         _check_resumed_adapter(plan)
+        restore = dist.on_rank_zero(lambda: resumed_run_files(run_dir, tokenizer, point))
 
     # the model: base weights, grown vocabulary, then LoRA (and 4-bit) or all weights trainable
     L.seed_everything(r.seed, workers=True, verbose=False)
@@ -519,7 +522,7 @@ def finetune(
         model.set_activation_checkpointing(True)
 
     info = _with_memory_warning(info, r, plan.accelerator, point)  # `difftrain plan` covers fine-tunes too
-    with training_into(run_dir, dist, r, tokenizer, fresh=not resuming, replace=overwrite):
+    with training_into(run_dir, dist, r, tokenizer, fresh=not resuming, replace=overwrite, restore=restore):
         result = fit(
             r,
             plan,

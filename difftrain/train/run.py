@@ -18,7 +18,7 @@ import shlex
 import shutil
 import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -317,7 +317,10 @@ def prepare_run_dir(
     point = find_resume_checkpoint(run_dir / CHECKPOINTS)
     if point is None:
         if resume is True:
-            raise RunDirError(f"--resume: {run_dir} has no checkpoint yet; start it again with --overwrite")
+            raise RunDirError(
+                f"--resume: {run_dir} has no checkpoint to resume from (its {CHECKPOINTS}/ holds none); "
+                "start it again with --overwrite"
+            )
         if not dry_run:
             shutil.rmtree(run_dir / CHECKPOINTS, ignore_errors=True)
         return False, None
@@ -344,16 +347,57 @@ def _in_use(run_dir: Path, holder: int) -> str:
     )
 
 
+def resumed_run_files(run_dir: Path, tokenizer: Any, point: Any) -> list[str]:
+    """On a resume (rank 0, before anything is written): which of config.json and tokenizer.json
+    `training_into` writes again because they are missing or unreadable (the recipe check has
+    matched the model already, and the tokenizer is the one training goes on with); each gets a
+    start-up warning in `point`. A readable tokenizer.json that is not the tokenizer training goes
+    on with is a RunDirError: the data or tokenizer settings changed since the run started, and
+    the model's token ids would change meaning."""
+    from difftrain.data.tokenizer import load_tokenizer
+    from difftrain.errors import TokenizerError
+    from difftrain.model import ModelConfig
+
+    restore = []
+    try:
+        ModelConfig.from_json(run_dir / CONFIG)
+    except Exception:  # missing, not JSON, not a model: the recipe's model is the run's
+        restore.append(CONFIG)
+    tok = run_dir / TOKENIZER
+    try:
+        theirs = load_tokenizer(tok).sha256
+    except TokenizerError:
+        restore.append(TOKENIZER)
+    else:
+        if theirs != tokenizer.sha256:
+            raise RunDirError(
+                f"{tok} is not the tokenizer this recipe trains with (the data or tokenizer settings changed "
+                "since the run started, which would change what the model's token ids mean); restore them, "
+                "or start again with --overwrite"
+            )
+    for name in restore:
+        point.warnings.append(f"{run_dir / name} was missing or damaged: written again for this run")
+    return restore
+
+
 @contextlib.contextmanager
 def training_into(
-    run_dir: Path, dist: DistContext, r: Recipe, tokenizer: Any, *, fresh: bool, replace: bool = False
+    run_dir: Path,
+    dist: DistContext,
+    r: Recipe,
+    tokenizer: Any,
+    *,
+    fresh: bool,
+    replace: bool = False,
+    restore: Sequence[str] = (),
 ) -> Iterator[None]:
     """Around the training of a run (pretrain or finetune), after every check: rank 0 creates the
     run directory, holds its lock (`RunLock`) until the body ends, and on a fresh start writes
     recipe.yaml (absolute paths: resumable from any folder), config.json and tokenizer.json. The
     other ranks of a multi-process run write nothing of their own. A resume rewrites recipe.yaml
-    where its resumable keys changed. `replace` (--overwrite on a fresh start): what the folder
-    held is removed first, under the lock."""
+    where its resumable keys changed, and config.json and tokenizer.json where `restore` names
+    them (`resumed_run_files`). `replace` (--overwrite on a fresh start): what the folder held is
+    removed first, under the lock."""
     lock = RunLock(run_dir)
     if dist.is_global_zero:
         holder = lock.acquire()
@@ -369,9 +413,10 @@ def training_into(
                 # a resume may change what RESUMABLE_CHANGES lists (train.max_steps, ...): the
                 # folder's recipe is the run as it goes on, so resuming from it continues that run
                 atomic_write_text(run_dir / RECIPE, text)
-            if fresh:
-                assert r.model is not None
+            assert r.model is not None
+            if fresh or CONFIG in restore:
                 r.model.to_json(run_dir / CONFIG)
+            if fresh or TOKENIZER in restore:
                 tokenizer.save(run_dir / TOKENIZER)
         yield
     finally:
@@ -481,7 +526,8 @@ def pretrain(
     )
 
     run_dir = plan.run_dir
-    with training_into(run_dir, dist, r, tokenizer, fresh=not resuming, replace=overwrite):
+    restore = dist.on_rank_zero(lambda: resumed_run_files(run_dir, tokenizer, point)) if resuming else []
+    with training_into(run_dir, dist, r, tokenizer, fresh=not resuming, replace=overwrite, restore=restore):
         result = fit(
             r,
             plan,
