@@ -66,7 +66,7 @@ def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
     except (SafetensorError, OSError, ValueError, RuntimeError) as e:
         raise CheckpointError(
             f"{path} is damaged or not a safetensors file ({e}); restore it, or rewrite it from the last checkpoint "
-            f"with `difftrain pretrain {path.parent / RECIPE} --resume`"
+            f"with `difftrain {training_command(path.parent)} {shlex.quote(str(path.parent / RECIPE))} --resume`"
         ) from e
 
 
@@ -145,6 +145,11 @@ def require_weights(path: Path) -> Path:
         )
     resume = f"`difftrain {training_command(path)} {shlex.quote(str(path / RECIPE))} --resume`"
     ckpts = sorted((path / CHECKPOINTS).glob("*.ckpt")) if (path / CHECKPOINTS).is_dir() else []
+    if (path / "adapter.safetensors").is_file():  # a LoRA fine-tune (never has WEIGHTS) lost adapter.json
+        raise RunDirError(
+            f"{path} has adapter.safetensors but no adapter.json (a LoRA fine-tune's description of it); "
+            f"restore it, or write both again from the last checkpoint with {resume}"
+        )
     if ckpts:
         raise RunDirError(
             f"{path} has no {WEIGHTS} but has checkpoints ({ckpts[-1].name}); rewrite the weights from the "

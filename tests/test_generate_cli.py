@@ -278,8 +278,8 @@ def test_a_run_still_training_is_not_told_to_resume(tmp_path, capsys):
 
 
 def test_the_resume_advice_names_the_command_that_trained_the_run(tmp_path):
-    from difftrain.errors import RunDirError
-    from difftrain.rundir import require_weights
+    from difftrain.errors import CheckpointError, RunDirError
+    from difftrain.rundir import read_safetensors, require_weights
 
     run = tmp_path / "run dir"
     (run / "checkpoints").mkdir(parents=True)
@@ -293,6 +293,13 @@ def test_the_resume_advice_names_the_command_that_trained_the_run(tmp_path):
         with pytest.raises(RunDirError) as e:
             require_weights(run)
         assert f"`difftrain {command} '{run / 'recipe.yaml'}' --resume`" in str(e.value)
+        (run / "adapter.safetensors").write_bytes(b"damaged")
+        with pytest.raises(CheckpointError) as e:  # damaged weights (a LoRA run's adapter)
+            read_safetensors(run / "adapter.safetensors")
+        assert f"`difftrain {command} '{run / 'recipe.yaml'}' --resume`" in str(e.value)
+        with pytest.raises(RunDirError, match="has adapter.safetensors but no adapter.json"):
+            require_weights(run)  # a LoRA run never has model.safetensors: its lost adapter.json is named
+        (run / "adapter.safetensors").unlink()
 
 
 def test_a_tokenizer_from_another_run_is_refused(tmp_path, capsys):

@@ -134,9 +134,16 @@ class SFTTemplate:
 def base_run_dir(ft: FinetuneConfig) -> Path:
     base = Path(ft.base).expanduser()
     if not base.exists():
+        from difftrain.recipe import shipped_recipes
+
+        example = (
+            f"`difftrain pretrain {base.name}` writes runs/{base.name}"
+            if base.name in shipped_recipes()
+            else "e.g. `difftrain pretrain quickstart` writes runs/quickstart"
+        )
         raise RunDirError(
-            f"finetune.base: no run directory {base}; train it first (e.g. `difftrain pretrain quickstart` "
-            "writes runs/quickstart) or fix the path (relative to the current folder)"
+            f"finetune.base: no run directory {base}; train it first ({example}) or fix the path "
+            "(relative to the current folder)"
         )
     require_run_dir(base)
     if not (base / CONFIG).is_file():
