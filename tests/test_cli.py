@@ -30,6 +30,14 @@ def test_usage_errors_exit_2_with_a_message_and_no_traceback(argv, message, caps
     assert err.rstrip().endswith(f"(see `{command} --help`)")
 
 
+@pytest.mark.parametrize("argv", [[], ["recipes"]])
+def test_a_command_group_run_bare_shows_its_help_and_no_empty_error(argv, capsys):
+    assert main(argv) == 0
+    out, err = capsys.readouterr()
+    assert "Commands" in out and ("pretrain" if not argv else "explain") in out
+    assert "error" not in err  # it printed "error:  (see ...)" with an empty message, exit 2
+
+
 def test_help_text_wraps_at_the_terminal_not_at_the_docstring_line_breaks(capsys, monkeypatch):
     from difftrain.cli.app import unwrap_help
 

@@ -560,3 +560,21 @@ def test_without_a_live_bar_each_log_step_prints_a_plain_line(workspace, progres
     assert [v.split(" · ")[0] for v in vals] == ["step 3/6", "step 6/6"]
     assert vals[-1].endswith(f"val {result.summary['final_val_loss']:.4f}")
     assert "━" not in out.getvalue()  # no frame of a bar
+
+
+def test_the_dry_run_vocabulary_check_names_the_tokenizer_and_its_size():
+    from types import SimpleNamespace
+
+    from difftrain.cli.pretrain import _check_vocab
+    from difftrain.errors import TokenizerError
+
+    model = SimpleNamespace(vocab_size=100)
+    given = SimpleNamespace(model=model, tokenizer=SimpleNamespace(path="runs/a/tokenizer.json"))
+    with pytest.raises(
+        TokenizerError, match=r"the tokenizer runs/a/tokenizer.json has 512 tokens: ids past 99"
+    ):
+        _check_vocab(given, 512)
+    trained = SimpleNamespace(model=model, tokenizer=SimpleNamespace(path=None))
+    with pytest.raises(TokenizerError, match=r"trains has tokenizer.train.vocab_size=512: ids past 99"):
+        _check_vocab(trained, 512)
+    _check_vocab(SimpleNamespace(model=SimpleNamespace(vocab_size="auto"), tokenizer=given.tokenizer), 512)

@@ -171,6 +171,8 @@ def main(argv: list[str] | None = None) -> int:
         error_line("aborted")
         return 130
     except _USAGE_ERROR as e:  # unknown option, missing argument, bad value: one line, as every error
+        if not e.format_message():  # a command group run bare: click has printed its help, nothing failed
+            return 0
         error_line(usage_message(e))
         return e.exit_code  # type: ignore[attr-defined]
     except KeyboardInterrupt:

@@ -149,13 +149,13 @@ def _check_vocab(r: Any, size: int) -> None:
     vocab = r.model.vocab_size
     if vocab != "auto" and size > vocab:
         what = (
-            f"the tokenizer {r.tokenizer.path} has"
+            f"the tokenizer {r.tokenizer.path} has {size} tokens"
             if r.tokenizer.path is not None
-            else "the tokenizer this recipe trains has tokenizer.train.vocab_size="
+            else f"the tokenizer this recipe trains has tokenizer.train.vocab_size={size}"
         )
         raise TokenizerError(
-            f"model.vocab_size is {vocab} but {what}{size} tokens: ids past {vocab - 1} would have no "
-            "embedding; set model.vocab_size: auto (or at least " + str(size) + ")"
+            f"model.vocab_size is {vocab} but {what}: ids past {vocab - 1} would have no "
+            f"embedding; set model.vocab_size: auto (or at least {size})"
         )
 
 
