@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import json
+import shutil
 import signal
 from pathlib import Path
 
@@ -260,7 +261,7 @@ def test_lora_resume_continues_the_exact_loss_curve(ws):
     assert resumed.summary["initial_val_loss"] == full.summary["initial_val_loss"]
 
 
-def test_resuming_a_finished_lora_run_keeps_it_and_rewrites_a_damaged_adapter(ws):
+def test_resuming_a_finished_lora_run_keeps_it_and_rewrites_a_damaged_adapter(ws, base_run, tmp_path):
     p = ws(name="done", steps=2, save_every=2)
     run = finetune(load_recipe(p)).run_dir
     good = {k: v.clone() for k, v in load_file(run / "adapter.safetensors").items()}
@@ -274,6 +275,12 @@ def test_resuming_a_finished_lora_run_keeps_it_and_rewrites_a_damaged_adapter(ws
     restored = {k: v.clone() for k, v in load_file(run / "adapter.safetensors").items()}
     assert restored.keys() == good.keys() and all(torch.equal(good[k], restored[k]) for k in good)
     assert (run / "summary.json").read_bytes() == summary
+    # its own recipe.yaml with another base: named as a different base, not as tokenizer.path
+    other = shutil.copytree(base_run, tmp_path / "other-base")
+    with pytest.raises(
+        RunDirError, match=rf"was fine-tuned from {base_run}, not finetune.base={other}: a different"
+    ):
+        finetune(load_recipe(run, [f"finetune.base={other}"]), resume=True)
 
 
 def test_full_finetune_trains_every_weight_and_writes_model_safetensors(ws, base_run):

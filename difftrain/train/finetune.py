@@ -261,6 +261,13 @@ def plan_finetune(recipe: Recipe) -> tuple[Plan, Path]:
         recipe.tokenizer.path is not None
         and Path(recipe.tokenizer.path).expanduser().resolve() != base_tok_path
     ):
+        run = recipe._own_run_dir
+        if run is not None:  # a fine-tune's own recipe.yaml holds its base's tokenizer: the base changed
+            old_base = Path(recipe.tokenizer.path).expanduser().parent
+            raise RunDirError(
+                f"{run} was fine-tuned from {old_base}, not finetune.base={ft.base}: a different base makes a "
+                "different run; resume it from its base, or fine-tune the new base into another `name`"
+            )
         raise RecipeError(
             f"tokenizer.path={recipe.tokenizer.path}: a fine-tune uses its base run's tokenizer ({base_tok_path}); "
             "remove tokenizer.path from the recipe"
