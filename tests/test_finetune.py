@@ -499,7 +499,7 @@ def test_dry_run_checks_base_data_and_run_folder_and_writes_nothing(ws, tmp_path
     assert main(["finetune", str(ws(name="dry")), "--dry-run"]) == 0
     out = capsys.readouterr().out
     assert "dry run: the fine-tune is ready" in out and "a new run" in out
-    assert "train ·" in out and "lora · rank 4" in out
+    assert "train ·" in out and "lora · rank 4" in out and "layers (self_attn.q_proj" in out
     assert not (tmp_path / "runs").exists()
     assert _snapshot(base_run.parent.parent) == cache_before
     # refused where the run refuses, before anything is written: exit 2, one line each
@@ -515,6 +515,8 @@ def test_dry_run_checks_base_data_and_run_folder_and_writes_nothing(ws, tmp_path
         assert message in capsys.readouterr().err
     assert main(["finetune", str(ws(name="dry")), "--dry-run", "model.d_model=64"]) == 2
     assert "a fine-tune keeps the base's architecture" in capsys.readouterr().err
+    assert main(["finetune", str(ws(name="dry")), "--dry-run", "finetune.lora.target_modules=[qproj]"]) == 2
+    assert "pattern `qproj` matches no linear layer" in capsys.readouterr().err  # as the run refuses it
     assert main(["finetune", str(ws(name="dry")), "--dry-run", "--resume"]) == 2
     assert "holds no run yet" in capsys.readouterr().err
     assert not (tmp_path / "runs").exists()

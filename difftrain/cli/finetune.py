@@ -159,6 +159,11 @@ def _dry_run(r: Any, *, resume: bool | None, overwrite: bool) -> None:
     ft, m = plan.recipe.finetune, plan.recipe.model
     shared = dry_run_rows(plan, d["resuming"], d["point"], overwrite)
     method = ft.method + (f" · rank {ft.lora.rank} · alpha {ft.lora.alpha:g}" if ft.method != "full" else "")
+    if d["lora_targets"]:
+        from difftrain.model.lora import short_names
+
+        targets = d["lora_targets"]
+        method += f" · {plural(len(targets), 'layer')} ({', '.join(short_names(targets))})"
     if d["data_format"] == "instruction":
         rec = d["records"]
         data = f"instruction records: {rec['train_records']:,} train · {rec['val_records']:,} val"

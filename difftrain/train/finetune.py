@@ -363,7 +363,7 @@ def dry_run_finetune(
     sources found), the run folder (resume or refusal, as the run decides) — and nothing written.
 
     Returns what the run would do: plan, base, data_format, records (instruction data), new_tokens,
-    base_vocab_size, resuming, point.
+    base_vocab_size, resuming, point, lora_targets (the adapted layers; None for a full fine-tune).
     """
     from difftrain.data.sources import check_local_sources
     from difftrain.data.tokenizer import load_tokenizer
@@ -381,7 +381,25 @@ def dry_run_finetune(
     else:
         check_local_sources(r.data, r.recipe_dir)
     base_vocab_size = r.model.vocab_size
-    _grown_model(plan, tokenizer)
+    model_cfg = _grown_model(plan, tokenizer)
+    spec = None
+    if r.finetune.method != "full":  # the adapter's targets, on a model of shapes only (meta: no memory)
+        from difftrain.adapters import plan_adapter
+        from difftrain.model import Transformer
+
+        with torch.device("meta"):
+            skeleton = Transformer(model_cfg)
+        ft = r.finetune
+        spec = plan_adapter(
+            skeleton,
+            method=ft.method,
+            rank=ft.lora.rank,
+            alpha=ft.lora.alpha,
+            dropout=ft.lora.dropout,
+            target_modules=ft.lora.target_modules,
+            train_lambdas=ft.train_lambdas,
+            train_embeddings=bool(new_ids),
+        )
     resuming, point = prepare_run_dir(
         plan, resume=r.train.resume if resume is None else resume, overwrite=overwrite, dry_run=True
     )
@@ -397,6 +415,7 @@ def dry_run_finetune(
         "base_vocab_size": base_vocab_size,
         "resuming": resuming,
         "point": point,
+        "lora_targets": spec.targets if spec is not None else None,
     }
 
 
