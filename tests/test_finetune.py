@@ -409,7 +409,9 @@ def test_bad_input_is_a_clear_error(ws, tmp_path, base_run, capsys):
         finetune(load_recipe(ws(name="pat"), ["finetune.lora.target_modules=[qkv]"]))
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps({"messages": [{"role": "bot", "content": "hi"}]}) + "\n")
-    with pytest.raises(DataError, match="role 'bot'.*roles: system, user, assistant"):
+    with pytest.raises(
+        DataError, match=rf"{bad}, line 1: message 0 .* role 'bot'.*roles: system, user, assistant"
+    ):
         finetune(load_recipe(ws(name="role", data=bad)))
     with pytest.raises(RecipeError, match="fine-tuning recipe"):
         pretrain(load_recipe(ws(name="wrongcmd")))
@@ -423,6 +425,21 @@ def test_bad_input_is_a_clear_error(ws, tmp_path, base_run, capsys):
     assert "role 'bot'" in capsys.readouterr().err
     assert main(["merge", str(base_run)]) == 2
     assert "nothing to merge" in capsys.readouterr().err
+
+
+def test_bad_chat_records_are_skipped_under_skip_and_counted_at_start(ws, tmp_path, capsys):
+    good = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}
+    lines = [json.dumps(good)] * 12
+    lines[3] = json.dumps({"messages": [{"role": "bot", "content": "x"}]})  # a role the template lacks
+    lines[7] = json.dumps({"messages": [{"role": "user", "content": "only a question"}]})  # nothing trained
+    data = tmp_path / "chat.jsonl"
+    data.write_text("\n".join(lines) + "\n")
+    p = ws(name="skip", steps=1, save_every=1, data=data)
+    assert main(["finetune", str(p), "--no-progress", "data.on_bad_record=skip"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "skipped records" in out and "2 malformed (data.on_bad_record: skip); the first:" in out
+    assert main(["finetune", str(p), "--dry-run", "--overwrite"]) == 2  # the default: refused, named
+    assert f"{data}, line 4: message 0 of a `messages` record has role 'bot'" in capsys.readouterr().err
 
 
 def test_a_changed_base_is_detected_when_loading_the_adapter(ws, tmp_path, base_run):

@@ -578,3 +578,15 @@ def test_the_dry_run_vocabulary_check_names_the_tokenizer_and_its_size():
     with pytest.raises(TokenizerError, match=r"trains has tokenizer.train.vocab_size=512: ids past 99"):
         _check_vocab(trained, 512)
     _check_vocab(SimpleNamespace(model=SimpleNamespace(vocab_size="auto"), tokenizer=given.tokenizer), 512)
+
+
+def test_records_skipped_under_skip_are_counted_in_the_start_table(workspace, tmp_path, capsys):
+    p = workspace(steps=1, save_every=1)
+    text = tmp_path / "docs.jsonl"
+    doc = {"text": "def add(a, b):\n    return a + b\n" * 20}
+    text.write_text("\n".join([json.dumps(doc)] * 30 + ["not json"] + [json.dumps(doc)] * 30) + "\n")
+    assert (
+        main(["pretrain", str(p), "--no-progress", f"data.sources=[{text}]", "data.on_bad_record=skip"]) == 0
+    )
+    out = " ".join(capsys.readouterr().out.split())
+    assert "skipped records" in out and "1 malformed (data.on_bad_record: skip); the first:" in out

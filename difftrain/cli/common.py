@@ -169,6 +169,19 @@ def dry_run_rows(plan: Any, resuming: bool, point: Any, overwrite: bool) -> dict
     }
 
 
+def skipped_records_row(count: int, examples: list[str]) -> list[tuple[str, str]]:
+    """The start table's row for records `data.on_bad_record: skip` dropped (none when none were)."""
+    if not count:
+        return []
+    first = f"; the first: {examples[0]}" if examples else ""
+    return [("skipped records", f"{count:,} malformed (data.on_bad_record: skip){first}")]
+
+
+def prepared_bad_examples(prepared: Any) -> list[str]:
+    """The bad records `prepare_data` noted, over every source."""
+    return [x for src in prepared.stats.sources for x in src.get("bad_examples", [])]
+
+
 def plural(n: int, word: str) -> str:
     """1 → '1 layer', 4 → '4 layers'."""
     return f"{n} {word}{'' if n == 1 else 's'}"

@@ -16,7 +16,9 @@ from difftrain.cli.common import (
     kv_table,
     peak_memory,
     plural,
+    prepared_bad_examples,
     report_finished,
+    skipped_records_row,
     wall_time,
 )
 
@@ -65,6 +67,10 @@ def _start_table(info: dict[str, Any]) -> None:
     else:
         data = f"plain text (continued pretraining) · {fmt_count(info['data'].index['train']['tokens'])} train tokens"
     rows.append(("data", data))
+    if info["data_format"] == "instruction":
+        rows += skipped_records_row(info.get("bad_records", 0), info.get("bad_examples", []))
+    else:
+        rows += skipped_records_row(info["data"].stats.bad_records, prepared_bad_examples(info["data"]))
     if info.get("new_tokens"):
         rows.append(("new tokens", ", ".join(f"{k} → {v}" for k, v in info["new_tokens"].items())))
     rows += [

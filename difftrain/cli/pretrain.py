@@ -15,7 +15,9 @@ from difftrain.cli.common import (
     kv_table,
     peak_memory,
     plural,
+    prepared_bad_examples,
     report_finished,
+    skipped_records_row,
     vocab_shortfall,
     wall_time,
 )
@@ -37,6 +39,7 @@ def _start_table(info: dict[str, Any]) -> None:
             + f" · head_dim {m.head_dim}",
         ),
         ("parameters", " · ".join(f"{k} {fmt_count(v)}" for k, v in counts.items() if v)),
+        *skipped_records_row(info["data"].stats.bad_records, prepared_bad_examples(info["data"])),
         (
             "vocabulary",
             f"{m.vocab_size} (tokenizer {info['data'].tokenizer_path.name})"

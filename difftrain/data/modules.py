@@ -618,9 +618,14 @@ class SFTDataModule(_ResumableDataModule):
 
 
 def load_sft_records(
-    data_cfg: DataConfig, *, seed: int, base_dir: str | os.PathLike[str]
+    data_cfg: DataConfig,
+    *,
+    seed: int,
+    base_dir: str | os.PathLike[str],
+    check_messages: Callable[[list[Any]], object] | None = None,
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[SourceStats]]:
-    """Read the recipe's instruction records and split them like the token shards.
+    """Read the recipe's instruction records and split them like the token shards
+    (`check_messages`: see `Source.records`).
 
     Record d of source s goes to validation when u("val", seed, s, d) < val_fraction; a
     training record of a source with weight w appears ⌊w⌋ times plus once more with probability
@@ -633,7 +638,7 @@ def load_sft_records(
     for src in resolve_sources(data_cfg, base_dir):
         stats = SourceStats(src.spec.source)
         all_stats.append(stats)
-        for d, rec in enumerate(src.records(stats, data_cfg.on_bad_record)):
+        for d, rec in enumerate(src.records(stats, data_cfg.on_bad_record, check_messages)):
             if data_cfg.val_fraction > 0 and unit_hash("val", seed, src.index, d) < data_cfg.val_fraction:
                 val.append(rec)
             else:

@@ -21,7 +21,7 @@ import hashlib
 import json
 import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import IO, Any, Literal
@@ -479,12 +479,19 @@ class Source:
                     stats.files += 1
                     yield from self._text_file(path, stats, policy)
 
-    def records(self, stats: SourceStats, policy: BadRecordPolicy = "error") -> Iterator[dict[str, Any]]:
+    def records(
+        self,
+        stats: SourceStats,
+        policy: BadRecordPolicy = "error",
+        check_messages: Callable[[list[Any]], object] | None = None,
+    ) -> Iterator[dict[str, Any]]:
         """Instruction records {"prompt", "response", ...} of this source (fine-tuning data).
 
         `prompt_field` / `response_field` are renamed to "prompt" / "response"; other fields of
         jsonl/json records are kept (a chat template may use them). A .jsonl/.json record with
-        `messages` (a list of {role, content}) and no prompt field is passed on as it is.
+        `messages` (a list of {role, content}) and no prompt field is passed on as it is, once
+        `check_messages` (the chat template's rendering) accepts it: a DataError it raises makes
+        the record a bad one, named with its file and line (and skipped under `skip`).
         """
         limit = self.spec.max_documents
         count = 0
@@ -498,7 +505,7 @@ class Source:
                 "builtin:python-docstrings or on a .jsonl of records"
             )
         else:
-            gen = self._checked_records(stats, policy)
+            gen = self._checked_records(stats, policy, check_messages)
         for rec in gen:
             stats.documents += 1
             if "messages" in rec and "prompt" not in rec:
@@ -510,16 +517,29 @@ class Source:
             if limit is not None and count >= limit:
                 return
 
-    def _checked_records(self, stats: SourceStats, policy: BadRecordPolicy) -> Iterator[dict[str, Any]]:
+    def _checked_records(
+        self,
+        stats: SourceStats,
+        policy: BadRecordPolicy,
+        check_messages: Callable[[list[Any]], object] | None,
+    ) -> Iterator[dict[str, Any]]:
         pf, rf = self.spec.prompt_field, self.spec.response_field
         for where, rec in self._records([pf, rf], stats, policy):
             if pf not in rec and "messages" in rec:  # a chat record, rendered by the chat template
-                if isinstance(rec["messages"], list) and all(isinstance(m, dict) for m in rec["messages"]):
-                    yield rec
-                else:
+                if not (
+                    isinstance(rec["messages"], list) and all(isinstance(m, dict) for m in rec["messages"])
+                ):
                     self._bad(
                         stats, policy, f"{where}: 'messages' must be a list of {{role, content}} objects"
                     )
+                    continue
+                if check_messages is not None:
+                    try:
+                        check_messages(rec["messages"])
+                    except DataError as e:
+                        self._bad(stats, policy, f"{where}: {e}")
+                        continue
+                yield rec
                 continue
             prompt = self._field(where, rec, pf, "prompt_field", stats, policy)
             if prompt is None:

@@ -294,7 +294,12 @@ def instruction_data(plan: Plan, tokenizer: Any) -> tuple[Any, list[int], Any, d
     ft, t = r.finetune, r.train
     assert ft is not None
     try:
-        train_records, val_records, stats = load_sft_records(r.data, seed=r.seed, base_dir=r.recipe_dir)
+        train_records, val_records, stats = load_sft_records(
+            r.data,
+            seed=r.seed,
+            base_dir=r.recipe_dir,
+            check_messages=lambda messages: render_messages(messages, ft.chat_template),
+        )
     except DataError as e:
         if "has no field" in str(e) or "plain documents" in str(e):
             raise DataError(f"{e} (for plain text, set finetune.data_format: text)") from e
@@ -331,6 +336,8 @@ def instruction_data(plan: Plan, tokenizer: Any) -> tuple[Any, list[int], Any, d
         "val_records": len(dm.val_examples),
         "truncated": dm.truncated,
         "sources": stats,
+        "bad_records": sum(st.bad_records for st in stats),
+        "bad_examples": [x for st in stats for x in st.bad_examples],
     }
     return tokenizer, new_ids, dm, records
 
