@@ -441,10 +441,17 @@ def test_a_non_empty_destination_is_refused_unless_overwrite(tmp_path, tok):
     (tmp_path / "back" / "notes.txt").write_text("mine")
     with pytest.raises(InteropError, match="not empty; .* --overwrite"):
         import_hf(hf, tmp_path / "back")
-    import_hf(hf, tmp_path / "back", overwrite=True)
+    r = import_hf(hf, tmp_path / "back", overwrite=True)
     assert (tmp_path / "back" / "notes.txt").read_text() == "mine"
+    assert "notes.txt" not in r.files  # kept, not written: not listed as written
     with pytest.raises(InteropError, match="not empty"):
         export_hf(tmp_path / "run", hf)
+    (hf / "mine.txt").write_text("mine")
+    r = export_hf(tmp_path / "run", hf, overwrite=True)
+    assert "mine.txt" not in r.files and {"config.json", "model.safetensors", "tokenizer.json"} <= set(
+        r.files
+    )
+    assert all((hf / f).is_file() for f in r.files)
     import_hf(hf, tmp_path / "back", overwrite=True)  # an import may be imported over
 
 

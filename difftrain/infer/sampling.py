@@ -48,7 +48,7 @@ class SamplingConfig:
         # written as `not (ok)` so that NaN is rejected too
         if not (t >= 0 and math.isfinite(t)):
             raise ConfigError(
-                f"temperature={t} is invalid: it must be ≥ 0 (e.g. --temperature 0.8; 0 or --greedy "
+                f"temperature={t} is invalid: it must be a finite number ≥ 0 (e.g. --temperature 0.8; 0 or --greedy "
                 "picks the most probable token)"
             )
         if not (isinstance(k, int) and k >= 0):

@@ -658,14 +658,18 @@ def export_hf(
     atomic_write_bytes(
         out / TOKENIZER, tok.to_str().encode("utf-8") if tok.path is None else Path(tok.path).read_bytes()
     )
-    for name, text in hf_tokenizer_files(tok, config.max_seq_len).items():
+    tokenizer_files = hf_tokenizer_files(tok, config.max_seq_len)
+    for name, text in tokenizer_files.items():
         atomic_write_text(out / name, text)
     atomic_write_json(
         out / "generation_config.json", {"bos_token_id": bos, "eos_token_id": eos, "pad_token_id": pad}
     )
     atomic_write_text(out / "README.md", _model_card(config, cls, run_path, out))
     atomic_write_json(out / CONFIG, hf_config_dict(config, bos_id=bos, eos_id=eos, pad_id=pad, dtype=dtype))
-    files = sorted(p.name for p in out.iterdir() if not p.name.startswith("."))
+    # what this export wrote (an --overwrite keeps other files of the folder; they are not listed)
+    files = sorted(
+        {WEIGHTS, SIDECAR, TOKENIZER, *tokenizer_files, "generation_config.json", "README.md", CONFIG}
+    )
     n = sum(t.numel() for t in hf_sd.values())
     return ExportResult(out, cls, config.arch, dtype, files, n, notes)
 
@@ -807,6 +811,6 @@ def import_hf(
         f"# The weights are in this folder; fine-tune from it with `finetune.base: {dst}`.\n"
     )
     atomic_write_text(dst / RECIPE, header + recipe.to_yaml())
-    files = sorted(p.name for p in dst.iterdir() if not p.name.startswith("."))
+    files = sorted((WEIGHTS, TOKENIZER, CONFIG, RECIPE))  # what this import wrote
     n = sum(t.numel() for t in sd.values())
     return ImportResult(dst, cls, config, files, n, exact, notes)
