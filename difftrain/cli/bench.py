@@ -115,6 +115,11 @@ def _render(result: dict[str, Any]) -> None:
         for row in rows:
             table.add_row(*[str(c) for c in row])
         console.print(table)
+    console.print(
+        "[dim]Ratios are medians of per-repetition ratios (the variants timed in turn, each repetition "
+        "against its neighbour), so with few repetitions they can differ from the ratio of two median columns.",
+        soft_wrap=True,
+    )
 
 
 def register(app: typer.Typer) -> None:
