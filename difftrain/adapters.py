@@ -226,6 +226,20 @@ def plan_adapter(
     )
 
 
+def plan_finetune_adapter(model: nn.Module, ft: Any, *, train_embeddings: bool) -> AdapterSpec:
+    """`plan_adapter` with a recipe's `finetune:` section (method, LoRA settings, λ)."""
+    return plan_adapter(
+        model,
+        method=ft.method,
+        rank=ft.lora.rank,
+        alpha=ft.lora.alpha,
+        dropout=ft.lora.dropout,
+        target_modules=ft.lora.target_modules,
+        train_lambdas=ft.train_lambdas,
+        train_embeddings=train_embeddings,
+    )
+
+
 def adapt_model(
     model: nn.Module,
     spec: AdapterSpec,

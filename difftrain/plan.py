@@ -906,7 +906,7 @@ def _finetune_params(config: ModelConfig, r: Any, trained: set[str], quantized: 
     (frozen; 4-bit for QLoRA's decoder linears)."""
     import torch
 
-    from difftrain.adapters import plan_adapter
+    from difftrain.adapters import plan_finetune_adapter
     from difftrain.model.lora import apply_lora
     from difftrain.model.transformer import Transformer
 
@@ -915,16 +915,7 @@ def _finetune_params(config: ModelConfig, r: Any, trained: set[str], quantized: 
         model = Transformer(config)
     if ft.method == "full":
         return _params_of(model)
-    spec = plan_adapter(
-        model,
-        method=ft.method,
-        rank=ft.lora.rank,
-        alpha=ft.lora.alpha,
-        dropout=ft.lora.dropout,
-        target_modules=ft.lora.target_modules,
-        train_lambdas=ft.train_lambdas,
-        train_embeddings=False,
-    )
+    spec = plan_finetune_adapter(model, ft, train_embeddings=False)
     with torch.device("meta"):
         apply_lora(model, spec.targets, rank=spec.rank, alpha=spec.alpha, dropout=spec.dropout)
     names = {n for n, _ in model.named_parameters()}

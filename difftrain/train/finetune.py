@@ -391,22 +391,13 @@ def dry_run_finetune(
     model_cfg = _grown_model(plan, tokenizer)
     spec = None
     if r.finetune.method != "full":  # the adapter's targets, on a model of shapes only (meta: no memory)
-        from difftrain.adapters import plan_adapter
+        from difftrain.adapters import plan_finetune_adapter
         from difftrain.model import Transformer
 
         with torch.device("meta"):
             skeleton = Transformer(model_cfg)
         ft = r.finetune
-        spec = plan_adapter(
-            skeleton,
-            method=ft.method,
-            rank=ft.lora.rank,
-            alpha=ft.lora.alpha,
-            dropout=ft.lora.dropout,
-            target_modules=ft.lora.target_modules,
-            train_lambdas=ft.train_lambdas,
-            train_embeddings=bool(new_ids),
-        )
+        spec = plan_finetune_adapter(skeleton, ft, train_embeddings=bool(new_ids))
     resuming, point = prepare_run_dir(
         plan, resume=r.train.resume if resume is None else resume, overwrite=overwrite, dry_run=True
     )
@@ -453,7 +444,7 @@ def finetune(
     from difftrain.adapters import (
         adapt_model,
         base_reference,
-        plan_adapter,
+        plan_finetune_adapter,
         save_adapter,
     )
     from difftrain.data.tokenizer import load_tokenizer
@@ -524,16 +515,7 @@ def finetune(
     if ft.method == "full":
         model.requires_grad_(True)
     else:
-        spec = plan_adapter(
-            model,
-            method=ft.method,
-            rank=ft.lora.rank,
-            alpha=ft.lora.alpha,
-            dropout=ft.lora.dropout,
-            target_modules=ft.lora.target_modules,
-            train_lambdas=ft.train_lambdas,
-            train_embeddings=bool(new_ids),
-        )
+        spec = plan_finetune_adapter(model, ft, train_embeddings=bool(new_ids))
         device = torch.device("cuda", torch.cuda.current_device()) if plan.accelerator == "cuda" else "cpu"
         adapt_model(
             model,
