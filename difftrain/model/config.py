@@ -78,7 +78,8 @@ class ModelConfig(BaseModel):
         "auto",
         description=(
             "Vocabulary size (rows of the embedding and lm_head). `auto` takes the tokenizer's "
-            "vocabulary size when the run starts."
+            "vocabulary size when the run starts, rounded up to a multiple of 64 (faster products; "
+            "the extra rows are never a token)."
         ),
     )
     d_model: int = Field(512, ge=1, description="Width of the residual stream.")
