@@ -29,6 +29,8 @@ from torch import nn
 from difftrain.errors import CheckpointError, ConfigError, RunDirError
 from difftrain.io import atomic_save_safetensors, atomic_write_json, atomic_write_text
 from difftrain.rundir import (
+    ADAPTER_CONFIG,
+    ADAPTER_WEIGHTS,
     CONFIG,
     METRICS,
     RECIPE,
@@ -36,14 +38,13 @@ from difftrain.rundir import (
     TOKENIZER,
     WEIGHTS,
     Run,
+    holds_run,
     load_config,
     read_safetensors,
     require_run_dir,
     save_weights,
 )
 
-ADAPTER_WEIGHTS = "adapter.safetensors"
-ADAPTER_CONFIG = "adapter.json"
 FORMAT = "difftrain-lora"
 VERSION = 1
 
@@ -422,7 +423,7 @@ def merge_run(run_dir: Path | str, out_dir: Path | str | None = None, *, overwri
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         if not overwrite:
             raise RunDirError(f"{out} already exists; choose another OUT_DIR or pass --overwrite")
-        if not (out.is_dir() and ((out / CONFIG).is_file() or (out / RECIPE).is_file())):
+        if not (out.is_dir() and holds_run(out)):
             raise RunDirError(
                 f"{out} exists and is not a difftrain run directory: --overwrite replaces only runs; "
                 "choose another OUT_DIR, or move it away yourself"

@@ -910,13 +910,12 @@ def is_run_recipe(path: Path) -> bool:
     summary.json, adapter.json). One of them may be lost (a deleted checkpoints/ folder, a
     missing config.json) and the folder is still the run's, which a resume repairs; a user's own
     recipe.yaml in a project folder is not taken for one, and its folder never becomes a run's."""
-    from difftrain.rundir import CHECKPOINTS, CONFIG, METRICS, RECIPE, SUMMARY, TOKENIZER, WEIGHTS
+    from difftrain.rundir import CHECKPOINTS, RECIPE, RUN_FILES
 
     folder = path.parent
     if path.name != RECIPE or not path.is_file():
         return False
-    marks = [(folder / f).is_file() for f in (CONFIG, TOKENIZER, WEIGHTS, METRICS, SUMMARY, "adapter.json")]
-    return sum(marks) + (folder / CHECKPOINTS).is_dir() >= 2
+    return sum((folder / f).is_file() for f in RUN_FILES) + (folder / CHECKPOINTS).is_dir() >= 2
 
 
 def recipe_from_dict(data: dict[str, Any], recipe_dir: Path | None = None) -> Recipe:

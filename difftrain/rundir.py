@@ -34,6 +34,15 @@ RECIPE = "recipe.yaml"
 SUMMARY = "summary.json"
 METRICS = "metrics.csv"
 CHECKPOINTS = "checkpoints"
+ADAPTER_WEIGHTS = "adapter.safetensors"  # a LoRA fine-tune's weights (it has no WEIGHTS)
+ADAPTER_CONFIG = "adapter.json"
+RUN_FILES = (CONFIG, TOKENIZER, WEIGHTS, METRICS, SUMMARY, ADAPTER_CONFIG)  # files only runs write
+
+
+def holds_run(folder: Path) -> bool:
+    """Whether `folder` holds a difftrain run (its recipe.yaml or config.json): the only kind of
+    folder an --overwrite may replace."""
+    return (folder / RECIPE).is_file() or (folder / CONFIG).is_file()
 
 
 def weights_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -145,9 +154,9 @@ def require_weights(path: Path) -> Path:
         )
     resume = f"`difftrain {training_command(path)} {shlex.quote(str(path / RECIPE))} --resume`"
     ckpts = sorted((path / CHECKPOINTS).glob("*.ckpt")) if (path / CHECKPOINTS).is_dir() else []
-    if (path / "adapter.safetensors").is_file():  # a LoRA fine-tune (never has WEIGHTS) lost adapter.json
+    if (path / ADAPTER_WEIGHTS).is_file():  # a LoRA fine-tune (never has WEIGHTS) lost its adapter config
         raise RunDirError(
-            f"{path} has adapter.safetensors but no adapter.json (a LoRA fine-tune's description of it); "
+            f"{path} has {ADAPTER_WEIGHTS} but no {ADAPTER_CONFIG} (a LoRA fine-tune's description of it); "
             f"restore it, or write both again from the last checkpoint with {resume}"
         )
     if ckpts:
@@ -182,7 +191,7 @@ def load_run(path: Path | str, device: str | torch.device = "cpu", dtype: torch.
     from difftrain.model import Transformer
 
     path = require_run_dir(Path(path))
-    adapter = path / "adapter.json"
+    adapter = path / ADAPTER_CONFIG
     if adapter.is_file() and not (path / WEIGHTS).is_file():
         from difftrain.adapters import load_adapter_run
 

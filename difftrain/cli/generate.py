@@ -531,7 +531,7 @@ def chat_repl(session: Session, chat: Chat) -> None:
             continue
         chat.messages.append({"role": "user", "content": unescape(line)})
         try:
-            # a reply gets its max_new_tokens, or a quarter of the context when that is more
+            # a reply gets room for its max_new_tokens, at most a quarter of the context
             text, ids, dropped = chat.fit(tokenizer, limit, room=min(session.gen.max_new_tokens, limit // 4))
         except DataError as e:
             _error(str(e))

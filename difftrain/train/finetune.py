@@ -378,7 +378,8 @@ def dry_run_finetune(
 
     plan, base = plan_finetune(recipe)
     r = plan.recipe
-    assert r.finetune is not None
+    ft = r.finetune
+    assert ft is not None
     data_format = resolve_data_format(r)
     tokenizer = load_tokenizer(base / TOKENIZER)
     records: dict[str, Any] = {}
@@ -390,13 +391,12 @@ def dry_run_finetune(
     base_vocab_size = r.model.vocab_size
     model_cfg = _grown_model(plan, tokenizer)
     spec = None
-    if r.finetune.method != "full":  # the adapter's targets, on a model of shapes only (meta: no memory)
+    if ft.method != "full":  # the adapter's targets, on a model of shapes only (meta: no memory)
         from difftrain.adapters import plan_finetune_adapter
         from difftrain.model import Transformer
 
         with torch.device("meta"):
             skeleton = Transformer(model_cfg)
-        ft = r.finetune
         spec = plan_finetune_adapter(skeleton, ft, train_embeddings=bool(new_ids))
     resuming, point = prepare_run_dir(
         plan, resume=r.train.resume if resume is None else resume, overwrite=overwrite, dry_run=True

@@ -28,7 +28,7 @@ import torch
 from difftrain.errors import CheckpointError, DeviceError, RecipeError, RunDirError
 from difftrain.io import LOCK_FILE, RunLock, atomic_write_json, atomic_write_text, remove_stale_temps
 from difftrain.recipe import Recipe, resolve_auto
-from difftrain.rundir import CHECKPOINTS, CONFIG, METRICS, RECIPE, SUMMARY, TOKENIZER
+from difftrain.rundir import CHECKPOINTS, CONFIG, METRICS, RECIPE, SUMMARY, TOKENIZER, holds_run
 from difftrain.train.distributed import DistContext, check_strategy
 
 # What a run's start writes before its first step: a folder holding only these trained nothing.
@@ -264,7 +264,7 @@ def prepare_run_dir(
     if overwrite and run_dir.exists():
         if resume is True:
             raise RecipeError("--overwrite and --resume contradict each other; pick one")
-        if files and not (existing.is_file() or (run_dir / CONFIG).is_file()):
+        if files and not holds_run(run_dir):
             raise RunDirError(
                 f"{run_dir} exists and is not a difftrain run directory (no {RECIPE}): --overwrite replaces "
                 "only runs; choose another `name`/`out_dir`, or move its files away yourself"
