@@ -21,11 +21,13 @@ import json
 import shlex
 from dataclasses import dataclass
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from difftrain.errors import CheckpointError, RunDirError
 from difftrain.io import RunLock, atomic_save_safetensors
+
+if TYPE_CHECKING:  # torch loads where weights are touched: recipe checks must not wait for it
+    import torch
 
 CONFIG = "config.json"
 WEIGHTS = "model.safetensors"
@@ -60,6 +62,8 @@ def save_weights(
 ) -> None:
     """Write model.safetensors atomically, from a model or from its saved-form state dict (e.g. the
     full weights gathered from FSDP shards)."""
+    import torch
+
     meta = {"format": "pt", "producer": "difftrain"}
     meta.update(metadata or {})
     sd = weights_state_dict(model) if isinstance(model, torch.nn.Module) else model

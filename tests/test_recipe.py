@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -330,3 +332,16 @@ def test_copies_of_a_recipe_keep_its_folder_source_and_own_model_keys(tmp_path):
     for copy in (r.model_copy(), r.model_copy(deep=True), r.model_copy(update={"seed": 9})):
         assert (copy.recipe_dir, copy.source, copy.model_keys) == (r.recipe_dir, r.source, r.model_keys)
         assert copy.recipe_dir == tmp_path.resolve()
+
+
+def test_reading_a_recipe_does_not_import_torch():
+    # A mistyped recipe name or key must be reported at once: importing torch takes seconds on a
+    # small CPU, and torch._dynamo seconds more, so neither may load on the recipe path.
+    code = (
+        "import sys, difftrain.recipe as r; r.load_recipe('quickstart')\n"
+        "print(sorted(m for m in ('torch', 'torch._dynamo') if m in sys.modules))\n"
+        "import difftrain.model.kernels\n"
+        "print('torch._dynamo' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split("\n")[:2] == ["[]", "False"]

@@ -5,8 +5,28 @@ Imports nothing from the rest of difftrain except the leaf modules `errors` and 
 
 from __future__ import annotations
 
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from difftrain.model.config import ModelConfig, lambda_init, num_params
-from difftrain.model.kernels import AttnMask
-from difftrain.model.transformer import KVCache, LMOutput, Transformer
+
+if TYPE_CHECKING:
+    from difftrain.model.kernels import AttnMask
+    from difftrain.model.transformer import KVCache, LMOutput, Transformer
 
 __all__ = ["AttnMask", "KVCache", "LMOutput", "ModelConfig", "Transformer", "lambda_init", "num_params"]
+
+# The torch modules load on first use, so that reading a recipe (difftrain.model.config) does not
+# import torch: a mistyped recipe name or key is reported at once instead of after seconds.
+_LAZY = {
+    "AttnMask": "kernels",
+    "KVCache": "transformer",
+    "LMOutput": "transformer",
+    "Transformer": "transformer",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(f"difftrain.model.{_LAZY[name]}"), name)
+    raise AttributeError(f"module 'difftrain.model' has no attribute {name!r}")

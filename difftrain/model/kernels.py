@@ -398,7 +398,12 @@ class _DiffBlockedMath(torch.autograd.Function):
         return dq, dk, dv.to(v_dtype), dlam.to(lam_dtype), None, None
 
 
-@torch.compiler.disable
+# torch._disable_dynamo is torch.compiler.disable that imports torch._dynamo on the first call
+# instead of at import: that import is seconds on a small CPU, and every command imports this file.
+_disable_dynamo = getattr(torch, "_disable_dynamo", torch.compiler.disable)
+
+
+@_disable_dynamo
 def diff_blocked_math(q: Tensor, k: Tensor, v: Tensor, lam: Tensor, mask: AttnMask) -> Tensor:
     """`_DiffBlockedMath`: the diff core on materialised fp32 maps, causal query blocks (see the
     class). Any mask: with key padding (or queries that are not the newest keys) each block takes
