@@ -124,6 +124,9 @@ class Run:
 def require_run_dir(path: Path) -> Path:
     path = Path(path)
     if not path.exists():
+        guess = Path("runs") / path  # `generate quickstart` for runs/quickstart, the usual slip
+        if not path.is_absolute() and guess.is_dir():
+            raise RunDirError(f"no run directory {path}; did you mean {guess}? (runs live under runs/)")
         raise RunDirError(
             f"no run directory {path}; train one with `difftrain pretrain RECIPE` (or check the path)"
         )

@@ -313,6 +313,15 @@ def test_a_missing_run_directory_is_an_error(tmp_path, capsys):
     assert code == 2 and "no run directory" in err
 
 
+def test_a_run_name_points_to_its_folder_under_runs(tmp_path, monkeypatch, capsys):
+    (tmp_path / "runs" / "quickstart").mkdir(parents=True)
+    monkeypatch.chdir(tmp_path)
+    code, _, err = gen(capsys, "quickstart", "--prompt", "x")
+    assert code == 2 and "no run directory quickstart; did you mean runs/quickstart?" in err
+    code, _, err = gen(capsys, "other", "--prompt", "x")
+    assert code == 2 and "did you mean" not in err and "train one with" in err
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message shown when no GPU is present")
 def test_asking_for_cuda_without_a_gpu_is_an_error(run_dir, capsys):
     code, _, err = gen(capsys, run_dir, "--device", "cuda", "--prompt", "x")

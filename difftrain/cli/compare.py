@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 from typing import Any
 
 import typer
@@ -76,6 +77,10 @@ def compare_command(
     ),
     as_json: bool = typer.Option(False, "--json", help="Print the comparison as JSON on stdout."),
 ) -> None:
+    from difftrain.rundir import require_run_dir
+
+    for d in run_dirs:  # a mistyped path fails before torch loads
+        require_run_dir(Path(d))
     from difftrain.evals.compare import compare_runs, plot_curves
 
     suites = [p.strip() for s in suite or [] for p in s.split(",") if p.strip()]

@@ -142,9 +142,10 @@ def finetune_command(
     """Fine-tune the run named by finetune.base (full, LoRA or QLoRA) into runs/<name>/."""
     from difftrain.cli.common import run_training
     from difftrain.recipe import load_recipe
+
+    r = load_recipe(recipe, overrides or [])  # before torch loads: a typo fails at once
     from difftrain.train.finetune import finetune
 
-    r = load_recipe(recipe, overrides or [])
     if dry_run:
         _dry_run(r, resume=resume, overwrite=overwrite)
         return

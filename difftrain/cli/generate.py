@@ -666,9 +666,12 @@ def generate_command(
     ),
     compile: bool = typer.Option(False, "--compile", help=COMPILE_HELP),
 ) -> None:
+    from difftrain.rundir import require_run_dir
+
+    # Arguments first: a mistyped path fails before torch loads, other typos before the model loads.
+    require_run_dir(run_dir)
     from difftrain.infer.generate import GenerationConfig
 
-    # Arguments first: a typo fails in milliseconds, before the model loads.
     sampling = _sampling_config(temperature, top_k, top_p, min_p, repetition_penalty, greedy)
     if compile and not cache:
         raise ConfigError("--compile runs the cached decode step; leave out --no-cache (or --compile)")
@@ -784,6 +787,9 @@ def chat_command(
     ),
     compile: bool = typer.Option(False, "--compile", help=COMPILE_HELP),
 ) -> None:
+    from difftrain.rundir import require_run_dir
+
+    require_run_dir(run_dir)  # a mistyped path fails before torch loads
     from difftrain.infer.generate import GenerationConfig
     from difftrain.recipe import ChatTemplateConfig
 

@@ -27,10 +27,13 @@ def export_command(
 ) -> None:
     """Export a run for transformers: baseline → LlamaForCausalLM, diff → DiffLlamaForCausalLM."""
     from difftrain.errors import InteropError
-    from difftrain.interop.hf import export_hf
+    from difftrain.rundir import require_run_dir
 
     if format not in FORMATS:
         raise InteropError(f"--format {format!r} is not supported; choose one of: {', '.join(FORMATS)}")
+    require_run_dir(run_dir)  # a mistyped path fails before torch loads
+    from difftrain.interop.hf import export_hf
+
     r = export_hf(run_dir, out_dir, dtype=dtype, overwrite=overwrite)
     rows = [
         ("run", str(run_dir)),
