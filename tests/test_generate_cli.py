@@ -175,7 +175,11 @@ def test_interactive_ctrl_c_interrupts_a_generation_without_quitting(run_dir, ca
             "/set top_p 2",
             "/bogus",
             "/set temperature 0.5",
+            "/set greedy maybe",
             "/show",
+            "/set greedy on",
+            "/show",
+            "/set greedy off",
             "def",
             "/quit",
         ]
@@ -206,6 +210,8 @@ def test_interactive_ctrl_c_interrupts_a_generation_without_quitting(run_dir, ca
     assert "unknown command /bogus; /help lists the commands" in err  # not sent to the model
     # /show: the settings as /set names them, the one just set included
     assert "max_new_tokens=4 greedy=false temperature=0.5 top_k=50 top_p=0.95" in err and "seed=0" in err
+    assert "greedy: 'maybe' is not on or off; use /set greedy on (or off)" in err  # left unchanged
+    assert "max_new_tokens=4 greedy=true temperature=0.5" in err
     assert err.count("tokens/s") == 1  # the second prompt ran to its end
     assert "def" in out
     assert calls["n"] > 3

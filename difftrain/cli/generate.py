@@ -347,13 +347,24 @@ def _result(c: Any, row: Row) -> dict[str, Any]:
 
 
 # ----- interactive -----------------------------------------------------------------------------
+
+
+def _switch(value: str) -> bool:
+    v = value.lower()
+    if v in ("1", "true", "on", "yes"):
+        return True
+    if v in ("0", "false", "off", "no"):
+        return False
+    raise ConfigError(f"greedy: {value!r} is not on or off; use /set greedy on (or off)")
+
+
 _SETTABLE = {
     "temperature": float,
     "top_k": int,
     "top_p": float,
     "min_p": float,
     "repetition_penalty": float,
-    "greedy": lambda v: v.lower() in ("1", "true", "on", "yes"),
+    "greedy": _switch,
 }
 
 REPL_HELP = """Type a prompt and press Enter; its continuation streams below it.
