@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import socket
 from pathlib import Path
 
 import pytest
@@ -197,8 +198,45 @@ def test_hf_source_offline_is_a_clear_error(tmp_path: Path, monkeypatch: pytest.
         raise ConnectionError("Couldn't reach 'someone/corpus' on the Hub (LocalEntryNotFoundError)")
 
     monkeypatch.setattr(datasets, "load_dataset", offline)
+    monkeypatch.setattr(socket, "getaddrinfo", lambda *a, **k: [])  # the hub's name resolves
     with pytest.raises(
         DataError,
         match=r"could not load Hugging Face dataset 'someone/corpus' \(ConnectionError.*save_to_disk",
     ):
         docs(["hf:someone/corpus:default@train"], tmp_path)
+
+
+def test_an_unreachable_hub_reads_the_cache_at_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Offline, datasets retries each request for ~25 s before it falls back to its cache: when the
+    # hub's name does not resolve, the load runs in offline mode (cache only), and a dataset that
+    # is not cached is a one-line error without the retries.
+    import datasets
+    import huggingface_hub.constants as hub
+
+    def no_dns(host, *a, **k):
+        raise socket.gaierror(-2, "Name or service not known")
+
+    seen = []
+
+    def load_dataset(name, *args, **kwargs):
+        seen.append((name, datasets.config.HF_HUB_OFFLINE, hub.HF_HUB_OFFLINE))
+        raise FileNotFoundError(f"Dataset {name} is not cached")
+
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.delenv("HF_DATASETS_OFFLINE", raising=False)
+    monkeypatch.setenv("HF_ENDPOINT", "https://hub.example.org")
+    monkeypatch.setattr(socket, "getaddrinfo", no_dns)
+    before = datasets.config.HF_HUB_OFFLINE, hub.HF_HUB_OFFLINE
+    monkeypatch.setattr(datasets, "load_dataset", load_dataset)
+    with pytest.raises(
+        DataError,
+        match=r"'someone/corpus' \(hub.example.org cannot be reached from this machine and the dataset is not "
+        r"in the local cache\); download it where there is network",
+    ):
+        docs(["hf:someone/corpus"], tmp_path)
+    assert seen == [("someone/corpus", True, True)]
+    assert (datasets.config.HF_HUB_OFFLINE, hub.HF_HUB_OFFLINE) == before  # restored
+    monkeypatch.undo()
+    monkeypatch.setattr(socket, "getaddrinfo", no_dns)  # local files still load through a builder
+    (tmp_path / "d.jsonl").write_text('{"text": "h1"}\n')
+    assert docs([{"source": "hf:json", "data_files": ["d.jsonl"]}], tmp_path) == ["h1"]

@@ -20,8 +20,10 @@ import gzip
 import hashlib
 import json
 import os
+import socket
 import sys
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import IO, Any, Literal
@@ -321,6 +323,7 @@ class Source:
             ) from e
         name, config, split = self.spec.hf_parts()
         local = self._hf_local_dir()
+        unreachable = _unreachable_hub() if local is None else None
         try:
             if (
                 local is not None
@@ -340,19 +343,26 @@ class Source:
                     ds = ds[split]
                 return ds
             files = self._hf_data_files()
-            return datasets.load_dataset(
-                str(local) if local is not None else name,
-                config,
-                split=split,
-                data_files=[str(f) for f in files] if files else None,
-                streaming=self.spec.streaming,
-            )
+            with _hub_offline(unreachable is not None):
+                return datasets.load_dataset(
+                    str(local) if local is not None else name,
+                    config,
+                    split=split,
+                    data_files=[str(f) for f in files] if files else None,
+                    streaming=self.spec.streaming,
+                )
         except DataError:
             raise
         except Exception as e:
             text = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
             if "split" in str(e).lower() and isinstance(e, (ValueError, KeyError)):
                 hint = "choose an existing split with hf:<dataset>[:<config>]@<split>"
+            elif unreachable is not None:  # the cache was read already: HF_DATASETS_OFFLINE adds nothing
+                text = f"{unreachable} cannot be reached from this machine and the dataset is not in the local cache"
+                hint = (
+                    "download it where there is network, save it with dataset.save_to_disk(DIR) and use "
+                    "source 'hf:DIR'; for local files use e.g. source 'hf:json' with data_files"
+                )
             else:
                 hint = (
                     "if this machine is offline, download the dataset where there is network, "
@@ -588,3 +598,42 @@ def require_documents(src: Source, stats: SourceStats) -> None:
             f"{src.label}: the source yielded no documents{why}; it is empty — point it at text, or "
             "remove it from data.sources"
         )
+
+
+def _unreachable_hub() -> str | None:
+    """The Hugging Face Hub's host when its name does not resolve (an offline machine), else None.
+
+    Offline, `datasets` retries each request five times over ~25 s, printing every retry, before
+    it falls back to its cache; one name lookup finds out at once. Already-offline settings
+    (HF_HUB_OFFLINE / HF_DATASETS_OFFLINE) skip the lookup.
+    """
+    if any(
+        os.environ.get(v, "").upper() in ("1", "ON", "YES", "TRUE")
+        for v in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")
+    ):
+        return None
+    from urllib.parse import urlparse
+
+    host = urlparse(os.environ.get("HF_ENDPOINT") or "https://huggingface.co").hostname or "huggingface.co"
+    try:
+        socket.getaddrinfo(host, 443)
+    except OSError:
+        return host
+    return None
+
+
+@contextmanager
+def _hub_offline(offline: bool) -> Iterator[None]:
+    """Run `datasets` in offline mode (it reads its local cache only) while `offline`."""
+    if not offline:
+        yield
+        return
+    import datasets.config
+    import huggingface_hub.constants as hub
+
+    saved = datasets.config.HF_HUB_OFFLINE, hub.HF_HUB_OFFLINE
+    datasets.config.HF_HUB_OFFLINE = hub.HF_HUB_OFFLINE = True
+    try:
+        yield
+    finally:
+        datasets.config.HF_HUB_OFFLINE, hub.HF_HUB_OFFLINE = saved
