@@ -51,6 +51,28 @@ def test_help_text_wraps_at_the_terminal_not_at_the_docstring_line_breaks(capsys
     assert "it is the way to check the data" in out
 
 
+def test_every_help_text_fits_an_80_column_terminal():
+    # Paragraphs are joined (the terminal wraps them); a table keeps its lines, so each must fit
+    # 80 columns less the 1-space margin, or it wraps mid-row (eval's list of suites did).
+    import typer.main
+
+    from difftrain.cli.app import app
+
+    def walk(cmd, path):
+        yield path, cmd.help or ""
+        for name, sub in getattr(cmd, "commands", {}).items():
+            yield from walk(sub, f"{path} {name}")
+
+    texts = dict(walk(typer.main.get_command(app), "difftrain"))
+    assert {"difftrain eval", "difftrain compare", "difftrain recipes explain"} <= set(texts)
+    for path, text in texts.items():
+        for para in text.split("\n\n"):
+            lines = para.splitlines()
+            assert len(lines) == 1 or all(line.startswith(" ") for line in lines[1:]), (path, para)
+            assert len(lines) == 1 or all(len(line) <= 78 for line in lines), (path, para)
+    assert "  needle     multi-needle retrieval" in texts["difftrain eval"]
+
+
 def test_help_and_version_exit_0(capsys):
     assert main(["--help"]) == 0
     assert "pretrain" in capsys.readouterr().out

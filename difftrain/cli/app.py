@@ -72,17 +72,24 @@ def _root(
 
 
 def unwrap_help(doc: str) -> str:
-    """A docstring as help text: the lines of each paragraph joined into one. Typer's rich mode
-    keeps a docstring's line breaks, so `--help` showed them mid-sentence, wherever the source
-    wrapped; the terminal wraps the joined text instead."""
+    """A docstring or help text as shown: the lines of each paragraph joined into one. Typer's
+    rich mode keeps the text's line breaks, so `--help` showed them mid-sentence, wherever the
+    source wrapped; the terminal wraps the joined text instead. A paragraph with an indented line
+    is a table (eval's list of suites) and keeps its lines."""
     paragraphs = re.split(r"\n\s*\n", inspect.cleandoc(doc))
-    return "\n\n".join(" ".join(line.strip() for line in p.splitlines()) for p in paragraphs)
+    return "\n\n".join(
+        p
+        if any(line.startswith(" ") for line in p.splitlines())
+        else " ".join(line.strip() for line in p.splitlines())
+        for p in paragraphs
+    )
 
 
 def _unwrap_commands(group: typer.Typer) -> None:
     for info in group.registered_commands:
-        if info.help is None and info.callback is not None and info.callback.__doc__:
-            info.help = unwrap_help(info.callback.__doc__)
+        text = info.help or (info.callback.__doc__ if info.callback is not None else None)
+        if text:
+            info.help = unwrap_help(text)
     for sub in group.registered_groups:
         if sub.typer_instance is not None:
             _unwrap_commands(sub.typer_instance)

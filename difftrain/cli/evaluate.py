@@ -18,19 +18,26 @@ from rich.table import Table
 from difftrain.cli.common import console, err_console, fmt_count, kv_table
 from difftrain.errors import ConfigError
 
-HELP = """Evaluate a run: perplexity, needle retrieval, attention and outlier probes, quantization.
+HELP = """Evaluate a run: perplexity, needle retrieval, attention and outlier probes,
+quantization.
 
 Suites (--suite, repeatable or comma-separated; `all` runs every one):
 
-  ppl        loss, perplexity and bits per byte on the run's validation windows (or --data)
-  needle     multi-needle retrieval: accuracy over context length × depth × (N needles, R queried),
-             greedy decoding, heat map eval/needle.png
-  attention  attention mass on the answer span vs the rest of the context during retrieval,
-             per layer and depth (--plot draws the maps: eval/attention.png)
-  outliers   top-1/2/3/10/100, median and kurtosis of attention logits and hidden states
-  quant      the ppl figures with attention logits fake-quantized to --bits (default 8,6,4),
-             and needle accuracy too with --with-needle; plot eval/quant.png
-  icl-order  in-context classification accuracy over orders of the demonstrations
+  ppl        loss, perplexity and bits per byte on the validation windows
+             (or --data)
+  needle     multi-needle retrieval: accuracy over context length × depth ×
+             (N needles, R queried), greedy decoding; heat map
+             eval/needle.png
+  attention  attention mass on the answer span vs the rest of the context
+             during retrieval, per layer and depth (--plot draws the maps:
+             eval/attention.png)
+  outliers   top-1/2/3/10/100, median and kurtosis of attention logits and
+             hidden states
+  quant      the ppl figures with attention logits fake-quantized to --bits
+             (default 8,6,4), needle accuracy too with --with-needle; plot
+             eval/quant.png
+  icl-order  in-context classification accuracy over orders of the
+             demonstrations
 
 Results go to RUN_DIR/eval/<suite>.json; `difftrain compare` puts them side by side. Defaults
 take about a minute per suite on a 2-core CPU for the quickstart model; --full runs the
