@@ -240,3 +240,24 @@ def test_an_unreachable_hub_reads_the_cache_at_once(tmp_path: Path, monkeypatch:
     monkeypatch.setattr(socket, "getaddrinfo", no_dns)  # local files still load through a builder
     (tmp_path / "d.jsonl").write_text('{"text": "h1"}\n')
     assert docs([{"source": "hf:json", "data_files": ["d.jsonl"]}], tmp_path) == ["h1"]
+
+
+def test_hf_json_with_a_bad_file_names_the_file_not_the_network(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    def no_dns(host, *a, **k):
+        raise AssertionError("a packaged builder reading local files must not look up the Hub")
+
+    monkeypatch.setattr(socket, "getaddrinfo", no_dns)
+    (tmp_path / "bad.jsonl").write_text('{"text": "a"}\n{"text": "b\n')
+    with pytest.raises(
+        DataError,
+        match=r"datasets' json builder could not read data_files \(.*JSON parse error.*\); fix the file, "
+        r"or name it as a source itself",
+    ):
+        docs([{"source": "hf:json", "data_files": ["bad.jsonl"]}], tmp_path)
+    captured = capsys.readouterr()
+    assert "Failed to load JSON" not in captured.err + captured.out  # datasets' own log line
+    assert "Generating train split" not in captured.err + captured.out  # and its progress bar
+    with pytest.raises(DataError, match=r"hf:json reads local files and needs data_files; add data_files"):
+        docs(["hf:json"], tmp_path)

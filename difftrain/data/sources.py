@@ -323,7 +323,13 @@ class Source:
             ) from e
         name, config, split = self.spec.hf_parts()
         local = self._hf_local_dir()
-        unreachable = _unreachable_hub() if local is None else None
+        builder = local is None and _packaged_builder(name)  # hf:json etc.: local files, no Hub
+        if builder and not self.spec.data_files:
+            raise DataError(
+                f"{self.label}: hf:{name} reads local files and needs data_files; add data_files: [FILE, ...] "
+                "to this source (or name the files as sources themselves)"
+            )
+        unreachable = _unreachable_hub() if local is None and not builder else None
         try:
             if (
                 local is not None
@@ -343,7 +349,7 @@ class Source:
                     ds = ds[split]
                 return ds
             files = self._hf_data_files()
-            with _hub_offline(unreachable is not None):
+            with _hub_offline(unreachable is not None), _quiet_datasets(local is not None or builder):
                 return datasets.load_dataset(
                     str(local) if local is not None else name,
                     config,
@@ -357,6 +363,15 @@ class Source:
             text = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
             if "split" in str(e).lower() and isinstance(e, (ValueError, KeyError)):
                 hint = "choose an existing split with hf:<dataset>[:<config>]@<split>"
+            elif builder:  # the files are at fault: datasets hides the reason in the exception's cause
+                why = e.__cause__ or e.__context__
+                if why is not None and str(why):
+                    text = f"{text}; {type(why).__name__}: {str(why).splitlines()[0]}"
+                raise DataError(
+                    f"{self.label}: datasets' {name} builder could not read data_files ({text}); fix the "
+                    "file, or name it as a source itself (data.sources: [FILE]) to get the line of each "
+                    "bad record"
+                ) from e
             elif unreachable is not None:  # the cache was read already: HF_DATASETS_OFFLINE adds nothing
                 text = f"{unreachable} cannot be reached from this machine and the dataset is not in the local cache"
                 hint = (
@@ -620,6 +635,37 @@ def _unreachable_hub() -> str | None:
     except OSError:
         return host
     return None
+
+
+def _packaged_builder(name: str) -> bool:
+    """Whether `name` is one of `datasets`' own builders (json, csv, parquet, text, ...), which read
+    local data_files and need no Hub."""
+    try:
+        from datasets.packaged_modules import _PACKAGED_DATASETS_MODULES
+    except ImportError:  # a layout of a future datasets: ask the Hub, as for any name
+        return False
+    return name in _PACKAGED_DATASETS_MODULES
+
+
+@contextmanager
+def _quiet_datasets(quiet: bool) -> Iterator[None]:
+    """Without `datasets`' progress bars and log lines while `quiet` (reading local files: the
+    library never prints, and errors come back as one DataError); a Hub download keeps its bars."""
+    if not quiet:
+        yield
+        return
+    import datasets.utils as ds_utils
+    from datasets.utils import logging as ds_logging
+
+    bars_off, level = ds_utils.are_progress_bars_disabled(), ds_logging.get_verbosity()
+    ds_utils.disable_progress_bars()
+    ds_logging.set_verbosity(ds_logging.CRITICAL)  # a bad file is logged as an error, then raised
+    try:
+        yield
+    finally:
+        ds_logging.set_verbosity(level)
+        if not bars_off:
+            ds_utils.enable_progress_bars()
 
 
 @contextmanager
