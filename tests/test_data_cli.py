@@ -87,3 +87,23 @@ def test_prepare_refuses_a_tokenizer_larger_than_the_model_vocab(
     assert main(["prepare", str(recipe), "--no-progress"]) == 2
     err = " ".join(capsys.readouterr().err.split())
     assert re.search(r"has \d+ tokens but model\.vocab_size is 256.*set model\.vocab_size: auto", err)
+
+
+def test_a_cache_folder_that_cannot_be_made_is_one_line_naming_its_setting(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    recipe = write_recipe(tmp_path)
+    (tmp_path / "afile").write_text("x")
+    assert main(["prepare", str(recipe), f"data.cache_dir={tmp_path / 'afile'}"]) == 2
+    assert f"afile (data.cache_dir): {tmp_path / 'afile'} is not a folder; set data.cache_dir to" in (
+        capsys.readouterr().err
+    )
+    monkeypatch.setenv("DIFFTRAIN_CACHE", str(tmp_path / "afile" / "sub"))
+    assert main(["prepare", str(recipe), "data.cache_dir=null"]) == 2
+    assert "($DIFFTRAIN_CACHE): " in capsys.readouterr().err
+    # the dry run finds it too, and writes nothing
+    assert (
+        main(["pretrain", str(recipe), "--dry-run", "data.cache_dir=null", f"out_dir={tmp_path / 'runs'}"])
+        == 2
+    )
+    assert "($DIFFTRAIN_CACHE)" in capsys.readouterr().err and not (tmp_path / "runs").exists()

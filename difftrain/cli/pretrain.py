@@ -164,14 +164,15 @@ def _check_vocab(r: Any, size: int) -> None:
 
 def _check_inputs(r: Any) -> None:
     """What the run reads and writes, checked without reading the data or writing anything: the
-    tokenizer file loads and fits model.vocab_size, every local data source exists, the run
-    directory can be created."""
+    tokenizer file loads and fits model.vocab_size, every local data source exists, the cache
+    folder and the run directory can be created."""
     from difftrain.data.sources import check_local_sources
     from difftrain.io import check_run_dir_creatable
     from difftrain.plan import tokenizer_size
 
     _check_vocab(r, tokenizer_size(r))  # loads tokenizer.path, if the recipe names one
     check_local_sources(r.data, r.recipe_dir)
+    r.data.check_cache_dir()
     check_run_dir_creatable(r.run_dir)
 
 

@@ -288,6 +288,28 @@ class DataConfig(BaseModel):
             return Path(self.cache_dir).expanduser()
         return default_cache_dir()
 
+    def check_cache_dir(self) -> Path:
+        """The cache folder, refused (writing nothing) when it cannot be created or written: a
+        DataError that names the setting it came from."""
+        from difftrain.errors import DataError
+
+        path = self.resolved_cache_dir()
+        p = path.absolute()
+        while not p.exists() and p != p.parent:
+            p = p.parent
+        why = f"{p} is not a folder" if not p.is_dir() else None
+        if why is None and not os.access(p, os.W_OK | os.X_OK):
+            why = f"{p} is not writable"
+        if why is None:
+            return path
+        if self.cache_dir:
+            origin, fix = "data.cache_dir", "set data.cache_dir to a folder you can write"
+        else:
+            env = "DIFFTRAIN_CACHE" if os.environ.get("DIFFTRAIN_CACHE") else "XDG_CACHE_HOME"
+            origin = f"${env}" if os.environ.get(env) else "the default cache"
+            fix = "set $DIFFTRAIN_CACHE (or data.cache_dir) to a folder you can write"
+        raise DataError(f"cannot use the cache folder {path} ({origin}): {why}; {fix}")
+
 
 def default_cache_dir() -> Path:
     """$DIFFTRAIN_CACHE, else $XDG_CACHE_HOME/difftrain, else ~/.cache/difftrain."""

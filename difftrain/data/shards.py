@@ -163,10 +163,16 @@ def _clean_stale_tmp(parent: Path) -> None:
 @contextlib.contextmanager
 def _building(final: Path) -> Iterator[Path]:
     """Yield a temp folder next to `final`; rename it to `final` if the block completes."""
-    final.parent.mkdir(parents=True, exist_ok=True)
-    _clean_stale_tmp(final.parent)
     tmp2 = final.parent / f".tmp-{final.name}-{os.getpid()}-{os.urandom(4).hex()}"
-    tmp2.mkdir()
+    try:
+        final.parent.mkdir(parents=True, exist_ok=True)
+        _clean_stale_tmp(final.parent)
+        tmp2.mkdir()
+    except OSError as e:  # check_cache_dir passed, yet the folder cannot be made (/proc, a race)
+        raise DataError(
+            f"cannot write the cache folder {final.parent}: {e.strerror or e}; set $DIFFTRAIN_CACHE "
+            "(or data.cache_dir) to a folder you can write"
+        ) from e
     try:
         yield tmp2
         for p in tmp2.iterdir():
@@ -234,7 +240,7 @@ def prepare_tokenizer(
 ) -> tuple[Path, bool, float]:
     """Load or train the tokenizer into the cache; returns (tokenizer.json path, from cache, seconds)."""
     t0 = time.perf_counter()
-    root = data_cfg.resolved_cache_dir() / "tokenizers"
+    root = data_cfg.check_cache_dir() / "tokenizers"
     tok_file = tok_cfg.file(base_dir)
     if tok_file is not None:
         tok = load_tokenizer(tok_file)
@@ -449,6 +455,7 @@ def prepare_data(
     recipe's folder. progress: called with `PrepareProgress` reports while text is read.
     """
     t0 = time.perf_counter()
+    data_cfg.check_cache_dir()
     base = Path(base_dir).expanduser().resolve()
     sources = resolve_sources(data_cfg, base)
     tok_path, tok_cached, tok_seconds = prepare_tokenizer(
