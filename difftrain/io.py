@@ -243,3 +243,9 @@ class RunLock:
         if self._fd is not None:
             os.close(self._fd)  # closing the descriptor drops the flock
             self._fd = None
+
+
+def json_error_reason(e: json.JSONDecodeError) -> str:
+    """json's message with the column it leaves out of e.msg ("Unterminated string starting at
+    column 10"); the line is for the caller to name."""
+    return f"{e.msg.removesuffix(' at')} at column {e.colno}"

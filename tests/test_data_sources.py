@@ -261,3 +261,30 @@ def test_hf_json_with_a_bad_file_names_the_file_not_the_network(
     assert "Generating train split" not in captured.err + captured.out  # and its progress bar
     with pytest.raises(DataError, match=r"hf:json reads local files and needs data_files; add data_files"):
         docs(["hf:json"], tmp_path)
+
+
+@pytest.mark.parametrize("suffix", [".txt.gz", ".jsonl.gz", ".json.gz"])
+def test_a_truncated_or_corrupt_gzip_is_a_data_error_naming_the_file(tmp_path: Path, suffix: str) -> None:
+    # gzip raises EOFError for a file cut short: uncaught, the CLI took it for Ctrl-D ("aborted", 130)
+    import random
+
+    rng = random.Random(0)
+    if suffix == ".txt.gz":
+        body = " ".join(str(rng.random()) for _ in range(5000))
+    else:
+        body = "".join(json.dumps({"text": str(rng.random())}) + "\n" for _ in range(2000))
+    whole = gzip.compress(body.encode())
+    (tmp_path / f"cut{suffix}").write_bytes(whole[: len(whole) // 2])
+    with pytest.raises(DataError, match=rf"cannot read .*cut{suffix} \(the gzip file is truncated"):
+        docs([f"cut{suffix}"], tmp_path)
+    (tmp_path / f"junk{suffix}").write_bytes(b"not gzip at all")
+    with pytest.raises(DataError, match=rf"cannot read .*junk{suffix} \(not a valid gzip file"):
+        docs([f"junk{suffix}"], tmp_path)
+
+
+def test_a_json_error_keeps_its_position(tmp_path: Path) -> None:
+    (tmp_path / "d.jsonl").write_text('{"text": "a"}\n{"text": "b\n')
+    with pytest.raises(
+        DataError, match=r"d.jsonl, line 2: not valid JSON \(Unterminated string starting at column 10\)"
+    ):
+        docs(["d.jsonl"], tmp_path)

@@ -247,7 +247,7 @@ def test_bad_prompt_files_exit_2_with_the_line(run_dir, tmp_path, capsys, monkey
     assert code == 2 and f'{f}, line 2: no "prompt" field' in err
     f.write_text('{"prompt": "ok"}\n{"prompt": \n')
     code, _, err = gen(capsys, run_dir, "--prompt-file", f)
-    assert code == 2 and f"{f}, line 2: invalid JSON" in err
+    assert code == 2 and f"{f}, line 2: invalid JSON (Expecting value at column 12)" in err
     code, _, err = gen(capsys, run_dir, "--prompt-file", tmp_path / "missing.txt")
     assert code == 2 and "does not exist" in err
     empty = tmp_path / "empty.txt"

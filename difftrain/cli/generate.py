@@ -79,6 +79,8 @@ class Prompt:
 def read_prompt_file(path: Path) -> list[Prompt]:
     """One prompt per non-blank line, or for .jsonl one JSON object with a "prompt" field per line;
     `-` reads plain lines from standard input."""
+    from difftrain.io import json_error_reason
+
     stdin = str(path) == "-"
     try:
         lines = (sys.stdin.read() if stdin else path.read_text(encoding="utf-8")).splitlines()
@@ -102,7 +104,7 @@ def read_prompt_file(path: Path) -> list[Prompt]:
             record = json.loads(line)
         except json.JSONDecodeError as e:
             raise DataError(
-                f'{where}: invalid JSON ({e.msg}); each line must be an object like {{"prompt": "..."}}'
+                f'{where}: invalid JSON ({json_error_reason(e)}); each line must be an object like {{"prompt": "..."}}'
             ) from None
         if not isinstance(record, dict) or "prompt" not in record:
             raise DataError(

@@ -22,6 +22,7 @@ import json
 import os
 import socket
 import sys
+import zlib
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
@@ -31,6 +32,7 @@ from typing import IO, Any, Literal
 from difftrain.data import builtin
 from difftrain.data.config import DataConfig, SourceSpec, resolve_path
 from difftrain.errors import DataError
+from difftrain.io import json_error_reason as _json_reason
 
 RECORD_SUFFIXES = frozenset({".jsonl", ".json", ".parquet"})
 TEXT_SUFFIXES = frozenset(
@@ -70,6 +72,23 @@ def _suffix(path: Path) -> str:
 
 def _open(path: Path) -> IO[bytes]:
     return gzip.open(path, "rb") if path.suffix.lower() == ".gz" else open(path, "rb")
+
+
+# What reading a file can raise: OSError (gzip.BadGzipFile among them), and from a .gz cut short
+# EOFError, which the CLI would otherwise take for Ctrl-D, and zlib.error for corrupt data.
+_READ_ERRORS = (OSError, EOFError, zlib.error)
+
+
+def _unreadable(label: str, path: Path, e: BaseException) -> DataError:
+    if isinstance(e, EOFError):
+        why = "the gzip file is truncated: it ends before its end-of-stream marker"
+    elif isinstance(e, (gzip.BadGzipFile, zlib.error)):
+        why = f"not a valid gzip file: {e}"
+    else:
+        why = getattr(e, "strerror", None) or str(e)
+    return DataError(
+        f"{label}: cannot read {path} ({why}); fix or replace the file, or remove it from the source"
+    )
 
 
 class Source:
@@ -195,8 +214,8 @@ class Source:
         try:
             with _open(path) as f:
                 data = f.read()
-        except OSError as e:
-            raise DataError(f"{self.label}: cannot read {path} ({e.strerror or e})") from e
+        except _READ_ERRORS as e:
+            raise _unreadable(self.label, path, e) from e
         try:
             yield data.decode("utf-8-sig")
         except UnicodeDecodeError as e:
@@ -217,12 +236,14 @@ class Source:
             except json.JSONDecodeError as e:
                 if e.msg != "Extra data":
                     raise DataError(
-                        f"{path}, line {e.lineno}: not valid JSON ({e.msg}); fix the file (a .json source "
-                        "holds a list of records or JSON lines)"
+                        f"{path}, line {e.lineno}: not valid JSON ({_json_reason(e)}); fix the file "
+                        "(a .json source holds a list of records or JSON lines)"
                     ) from e
                 obj = None  # JSON lines in a .json file
-            except (OSError, UnicodeDecodeError) as e:
+            except UnicodeDecodeError as e:
                 raise DataError(f"{self.label}: cannot read {path} ({e})") from e
+            except _READ_ERRORS as e:
+                raise _unreadable(self.label, path, e) from e
             if obj is not None:
                 items = obj if isinstance(obj, list) else [obj]
                 for i, item in enumerate(items):
@@ -245,9 +266,9 @@ class Source:
                         continue
                     where = f"{path}, line {n}"
                     try:
-                        obj = json.loads(raw)
+                        obj = json.loads(raw.rstrip(b"\r\n"))
                     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-                        reason = e.msg if isinstance(e, json.JSONDecodeError) else "not UTF-8"
+                        reason = _json_reason(e) if isinstance(e, json.JSONDecodeError) else "not UTF-8"
                         self._bad(
                             stats, policy, f"{where}: not valid JSON ({reason}); fix or delete the line"
                         )
@@ -260,8 +281,8 @@ class Source:
                         )
                         continue
                     yield where, obj
-        except OSError as e:
-            raise DataError(f"{self.label}: cannot read {path} ({e.strerror or e})") from e
+        except _READ_ERRORS as e:
+            raise _unreadable(self.label, path, e) from e
 
     def _parquet_rows(self, path: Path, columns: list[str]) -> Iterator[tuple[str, dict[str, Any]]]:
         try:

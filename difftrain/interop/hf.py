@@ -72,7 +72,13 @@ from torch import Tensor
 
 from difftrain.adapters import ADAPTER_CONFIG
 from difftrain.errors import DifftrainError, InteropError
-from difftrain.io import atomic_save_safetensors, atomic_write_bytes, atomic_write_json, atomic_write_text
+from difftrain.io import (
+    atomic_save_safetensors,
+    atomic_write_bytes,
+    atomic_write_json,
+    atomic_write_text,
+    json_error_reason,
+)
 from difftrain.model.config import ModelConfig
 from difftrain.rundir import CHECKPOINTS, CONFIG, METRICS, RECIPE, TOKENIZER, WEIGHTS
 
@@ -559,7 +565,7 @@ def _read_json(path: Path, what: str) -> dict[str, Any]:
     except (OSError, UnicodeDecodeError) as e:
         raise InteropError(f"cannot read {path}: {e}") from e
     except json.JSONDecodeError as e:
-        raise InteropError(f"{path}, line {e.lineno}: invalid JSON: {e.msg}") from e
+        raise InteropError(f"{path}, line {e.lineno}: invalid JSON: {json_error_reason(e)}") from e
     if not isinstance(data, dict):
         raise InteropError(f"{path}: expected a JSON object, got {type(data).__name__}")
     return data

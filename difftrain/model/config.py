@@ -28,7 +28,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from difftrain.errors import ConfigError
-from difftrain.io import atomic_write_json
+from difftrain.io import atomic_write_json, json_error_reason
 
 Arch = Literal["baseline", "diff", "diff2"]
 AttnImpl = Literal["auto", "eager", "sdpa", "flex"]
@@ -212,7 +212,9 @@ class ModelConfig(BaseModel):
         except (OSError, UnicodeDecodeError) as e:
             raise ConfigError(f"{p}: cannot read model config: {e}") from None
         except json.JSONDecodeError as e:
-            raise ConfigError(f"{p}, line {e.lineno}: invalid JSON in model config: {e.msg}") from None
+            raise ConfigError(
+                f"{p}, line {e.lineno}: invalid JSON in model config: {json_error_reason(e)}"
+            ) from None
         if isinstance(data, dict) and ("model_type" in data or "architectures" in data):
             raise ConfigError(
                 f"{p} is a transformers config ({data.get('model_type') or data.get('architectures')}), not a "
