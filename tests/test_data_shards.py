@@ -229,3 +229,32 @@ def test_a_document_spelling_a_special_token_cannot_forge_a_document_boundary(tm
     docs = read_docs(p.train_path, p.dtype, tok.eos_id)
     assert len(docs) == 6 and "before <|eos|> after <|bos|>" in [tok.decode(d) for d in docs]
     assert tok.bos_id not in np.fromfile(p.train_path, p.dtype).tolist()
+
+
+def test_the_tokenizer_sample_of_a_few_huge_documents_is_never_empty_nor_past_max_bytes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Whole documents were kept with probability max_bytes / S: two big files could both be
+    # dropped ("no documents"), or one taken whole, far past max_bytes.
+    monkeypatch.setattr(shards, "TOKENIZER_SAMPLE_PIECE", 1000)
+    c = tmp_path / "corpus"
+    c.mkdir()
+    for i in range(2):
+        (c / f"big{i}.txt").write_text(" ".join(f"w{(i * 7 + j) % 97}" for j in range(20000)))
+    srcs = sources_mod.resolve_sources(cfg(tmp_path), tmp_path)
+    for max_bytes in (50, 3000, 40000):
+        texts = list(shards._training_texts(srcs, cfg(tmp_path), max_bytes, None))
+        used = sum(map(len, texts))
+        assert 0 < used <= max_bytes
+        if max_bytes == 40000:  # sampled over both files, not the head of the first
+            assert len(texts) > 10 and any(t in (c / "big1.txt").read_text() for t in texts[-3:])
+    # most documents are one piece: a small-document corpus samples as before (the same tokenizer)
+    make_corpus(tmp_path / "small")
+    small = sources_mod.resolve_sources(cfg(tmp_path, sources=["small/corpus"]), tmp_path)
+    texts = list(shards._training_texts(small, cfg(tmp_path), 800, None))
+    kept = [
+        t
+        for d, t in enumerate(_texts(tmp_path / "small"))
+        if shards.unit_hash("tok", 0, d) < 800 / sum(map(len, _texts(tmp_path / "small")))
+    ]
+    assert texts and texts[:-1] == kept[: len(texts) - 1] and kept[len(texts) - 1].startswith(texts[-1])

@@ -144,3 +144,70 @@ def test_vocab_larger_than_the_model_is_refused_and_auto_takes_the_tokenizer_siz
 def test_training_on_no_text_is_a_clear_error() -> None:
     with pytest.raises(TokenizerError, match="no text"):
         train_tokenizer(iter([]), TokenizerTrainConfig(vocab_size=300))
+
+
+PIECES = st.lists(
+    st.sampled_from(
+        [" a", " é", " 日", "a", "Z", " ", "  ", "\n", "\t", " 4", "2", "'s", "!", "<|eos|>", "🎉", "\u00a0"]
+    ),
+    max_size=200,
+).map("".join)
+
+
+@pytest.mark.parametrize("digits", [True, False])
+@settings(max_examples=120, deadline=None)
+@given(text=PIECES)
+def test_encoding_in_pieces_gives_the_ids_of_the_whole(digits: bool, text: str) -> None:
+    # encode_arrays cuts long texts (bounded memory): only where byte-level BPE splits anyway.
+    # Cutting before " 4" was wrong with single-digit splitting (the space stays apart there).
+    import numpy as np
+
+    from difftrain.data import tokenizer as tokmod
+
+    t = _piece_tokenizers[digits]
+    whole = t.encode_batch([text], allow_special=False)[0]
+    pieces = tokmod.word_start_pieces(text, 16)
+    assert "".join(pieces) == text and all(len(p) <= 16 for p in pieces[:-1])
+    old = tokmod.ENCODE_PIECE
+    tokmod.ENCODE_PIECE = 16
+    try:
+        got = t.encode_arrays([text, "", text[:10]], np.uint32, allow_special=False)
+    finally:
+        tokmod.ENCODE_PIECE = old
+    # exact unless a window had no word start and was cut hard at 16 (documented)
+    if all(len(p) < 16 for p in pieces[:-1]):
+        assert got[0].tolist() == whole
+    assert got[1].size == 0
+    assert got[2].tolist() == t.encode_batch([text[:10]], allow_special=False)[0]
+
+
+def test_a_long_text_is_encoded_in_pieces_to_the_same_ids() -> None:
+    import numpy as np
+
+    from difftrain.data import tokenizer as tokmod
+
+    # "x  42": with single digits the space before 4 stays apart, so no cut may fall there
+    text = "".join(CORPUS * 200) + HARD * 50 + "return  42 or\n  7 " * 300
+    assert len(tokmod.word_start_pieces(text, 1000)) > 50
+    for t in _piece_tokenizers.values():
+        old, tokmod.ENCODE_PIECE = tokmod.ENCODE_PIECE, 1000
+        try:
+            (got,) = t.encode_arrays([text], np.uint16, allow_special=False)
+        finally:
+            tokmod.ENCODE_PIECE = old
+        assert got.tolist() == t.encode_batch([text], allow_special=False)[0]
+
+
+_piece_tokenizers = {
+    d: train_tokenizer(CORPUS * 5 + [HARD], TokenizerTrainConfig(vocab_size=320, individual_digits=d))
+    for d in (True, False)
+}
+
+
+def test_only_tokenizers_that_split_at_word_starts_are_encoded_in_pieces(tok: Tokenizer) -> None:
+    assert tok.splits_exactly
+    tk = tokenizers.Tokenizer(tokenizers.models.BPE({"<|eos|>": 0, "a": 1}, []))
+    tk.pre_tokenizer = tokenizers.pre_tokenizers.Metaspace()  # SentencePiece style: ▁ before each piece
+    assert not Tokenizer(tk).splits_exactly
+    tk.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=True)
+    assert not Tokenizer(tk).splits_exactly

@@ -42,7 +42,7 @@ from difftrain.data.sources import (
     resolve_sources,
     sources_fingerprint,
 )
-from difftrain.data.tokenizer import Tokenizer, load_tokenizer, train_tokenizer
+from difftrain.data.tokenizer import Tokenizer, load_tokenizer, train_tokenizer, word_start_pieces
 from difftrain.errors import DataError
 from difftrain.io import atomic_write_json, fsync_dir
 
@@ -116,6 +116,10 @@ class PreparedData:
 
 # ---------------------------------------------------------------------------------------------
 # hashing helpers
+
+
+TOKENIZER_SAMPLE_PIECE = 1 << 16
+"""Characters: the unit of the tokenizer's training sample (see `_training_texts`)."""
 
 
 def unit_hash(*parts: object) -> float:
@@ -202,30 +206,46 @@ def _dir_bytes(path: Path) -> int:
 def _training_texts(
     sources: list[Source], data_cfg: DataConfig, max_bytes: int, progress: ProgressFn | None
 ) -> Iterator[str]:
-    """Documents for tokenizer training: at most `max_bytes`, sampled evenly over the corpus.
+    """Text for tokenizer training: at most `max_bytes`, sampled evenly over the corpus.
 
-    With an estimated corpus size S > max_bytes, document d of source s is kept when
-    u("tok", s, d) < max_bytes / S (a fixed hash: the same tokenizer for every seed).
+    Documents are cut into pieces of about TOKENIZER_SAMPLE_PIECE characters (at word starts;
+    most documents are one piece). With an estimated corpus size S > max_bytes, piece k of
+    document d of source s is kept when u("tok", s, d[, k]) < max_bytes / S (a fixed hash: the
+    same tokenizer for every seed). Cutting large documents keeps a corpus of a few huge files
+    from being all dropped by chance, or taken whole far past max_bytes; a non-empty corpus
+    always gives some text (its first piece, if the sample missed every piece).
     """
     estimates = [s.estimated_bytes() for s in sources]
     known = sum(e for e in estimates if e)
     keep = min(1.0, max_bytes / known) if known and None not in estimates else 1.0
     total = min(known, max_bytes) if known else None
     used = docs = 0
+    first: str | None = None
     for s in sources:
         stats = SourceStats(s.spec.source)
         for d, text in enumerate(s.documents(stats, data_cfg.on_bad_record)):
-            if keep < 1.0 and unit_hash("tok", s.index, d) >= keep:
-                continue
             if used >= max_bytes:
                 break
-            used += len(text)
-            docs += 1
-            if progress is not None and docs % 64 == 0:
+            taken = False
+            for k, piece in enumerate(word_start_pieces(text, TOKENIZER_SAMPLE_PIECE)):
+                if first is None and piece:
+                    first = piece[:max_bytes]
+                if keep < 1.0 and unit_hash("tok", s.index, d, *([k] if k else [])) >= keep:
+                    continue
+                piece = piece[: max_bytes - used]
+                if not piece:
+                    break
+                used += len(piece)
+                taken = True
+                yield piece
+            docs += taken
+            if progress is not None and taken and docs % 64 == 0:
                 progress(PrepareProgress("tokenizer", s.spec.source, docs, used, 0, total))
-            yield text
         if stats.documents == 0:
             require_documents(s, stats)
+    if used == 0 and first is not None:
+        used, docs = len(first), 1
+        yield first
     if progress is not None:
         progress(PrepareProgress("tokenizer", "", docs, used, 0, total))
 
@@ -261,6 +281,7 @@ def prepare_tokenizer(
             "on_bad_record": data_cfg.on_bad_record,
             "train": tok_cfg.train.model_dump(mode="json"),
             "tokenizers": ".".join(tokenizers.__version__.split(".")[:2]),
+            "sample": 2,  # _training_texts samples pieces of documents (1: whole documents)
         }
     )
     final = root / key
@@ -348,7 +369,7 @@ def _build_shards(
             def flush(batch: list[str], first: int, src: Source = s) -> int:
                 nonlocal seen_tokens
                 n = 0
-                for i, ids in enumerate(tok.encode_batch(batch, allow_special=False)):
+                for i, ids in enumerate(tok.encode_arrays(batch, dtype, allow_special=False)):
                     arr = np.empty(len(ids) + 1, dtype=dtype)
                     arr[:-1] = ids
                     arr[-1] = eos[0]

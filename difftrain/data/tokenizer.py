@@ -24,6 +24,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from functools import cached_property
 from pathlib import Path
 
+import numpy as np
 import tokenizers
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
@@ -38,6 +39,33 @@ CHAT_TOKENS = ("<|system|>", "<|user|>", "<|assistant|>", "<|end|>")
 _EOS_NAMES = (EOS, "<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>", "<|im_end|>", "[SEP]")
 _BOS_NAMES = (BOS, "<s>", "<|begin_of_text|>", "<bos>", "<|startoftext|>", "[CLS]")
 _PAD_NAMES = (PAD, "<pad>", "[PAD]", "<|finetune_right_pad_id|>")
+
+ENCODE_PIECE = 1 << 18
+"""Characters: a longer text is encoded in pieces of about this size. `tokenizers` holds ~130
+bytes per character while it encodes a text, so one 60 MB document took 8 GB at once."""
+_ENCODE_GROUP = 1 << 20  # characters encoded by one call (pieces of several texts, in parallel)
+
+
+def word_start_pieces(text: str, size: int) -> list[str]:
+    """`text` cut into pieces of at most about `size` characters, each cut before a space that
+    starts a word of letters (" x"): GPT-2's pre-tokenizer splits there anyway (a run of spaces
+    gives its last one to the word), so byte-level BPE encodes the pieces to the same ids as the
+    whole. (Not before " 4": with single-digit splitting, the space does not join the digit.) A
+    stretch of `size` characters with no such space is cut where it reaches `size`."""
+    if len(text) <= size:
+        return [text]
+    pieces: list[str] = []
+    start = 0
+    while len(text) - start > size:
+        lo, cut = start + size // 2, start + size
+        j = text.rfind(" ", lo, cut)
+        while j > lo and not text[j + 1].isalpha():
+            j = text.rfind(" ", lo, j)
+        cut = j if j > lo else cut
+        pieces.append(text[start:cut])
+        start = cut
+    pieces.append(text[start:])
+    return pieces
 
 
 def _bytes_to_unicode() -> dict[int, str]:
@@ -113,6 +141,51 @@ class Tokenizer:
             return [e.ids for e in fast(list(texts), add_special_tokens=False)]
         finally:
             self.tk.encode_special_tokens = False
+
+    def encode_arrays(
+        self, texts: Sequence[str], dtype: np.dtype, allow_special: bool = True
+    ) -> list[np.ndarray]:
+        """`encode_batch` as arrays, in bounded memory: texts longer than ENCODE_PIECE are
+        encoded in pieces where that gives the same ids (`splits_exactly`), and at most about
+        _ENCODE_GROUP characters are encoded at once."""
+        pieces: list[tuple[int, str]] = []
+        for i, text in enumerate(texts):
+            parts = word_start_pieces(text, ENCODE_PIECE) if self.splits_exactly else [text]
+            pieces.extend((i, p) for p in parts)
+        out: list[list[np.ndarray]] = [[] for _ in texts]
+        group: list[tuple[int, str]] = []
+        size = 0
+        for k, (i, p) in enumerate(pieces):
+            group.append((i, p))
+            size += len(p)
+            if size >= _ENCODE_GROUP or k == len(pieces) - 1:
+                for (owner, _), ids in zip(
+                    group, self.encode_batch([t for _, t in group], allow_special), strict=True
+                ):
+                    out[owner].append(np.asarray(ids, dtype=dtype))
+                group, size = [], 0
+        return [
+            parts[0] if len(parts) == 1 else np.concatenate(parts) if parts else np.empty(0, dtype)
+            for parts in out
+        ]
+
+    @cached_property
+    def splits_exactly(self) -> bool:
+        """Whether encoding a text in `word_start_pieces` gives the ids of encoding it whole: true
+        for byte-level BPE with GPT-2's regex (the tokenizers difftrain trains, GPT-2's), without
+        a normaliser or a prefix space; others are encoded whole."""
+        spec = json.loads(self.tk.to_str())
+        pre = spec.get("pre_tokenizer") or {}
+        steps = pre.get("pretokenizers", []) if pre.get("type") == "Sequence" else [pre]
+
+        def gpt2_byte_level(p: dict) -> bool:
+            return p.get("type") == "ByteLevel" and not p.get("add_prefix_space") and p.get("use_regex", True)
+
+        return (
+            spec.get("normalizer") is None
+            and any(gpt2_byte_level(p) for p in steps)
+            and all(gpt2_byte_level(p) or p.get("type") == "Digits" for p in steps)
+        )
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
         return self.tk.decode(list(ids), skip_special_tokens=skip_special_tokens)
