@@ -73,7 +73,7 @@ MAX_RECIPE_BYTES = 1_000_000
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
 
 class FSDPConfig(_Section):

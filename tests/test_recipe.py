@@ -345,3 +345,19 @@ def test_reading_a_recipe_does_not_import_torch():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.split("\n")[:2] == ["[]", "False"]
+
+
+@pytest.mark.parametrize(
+    "override", ["optim.lr=1e400", "optim.lr=inf", "optim.eps=nan", "train.grad_clip=1e999"]
+)
+def test_numbers_that_become_infinite_are_refused(tmp_path, override):
+    # YAML reads 1e400 (no dot) as a string, which pydantic turned into inf after the
+    # finiteness check of the YAML tree: the run started with `lr inf` and diverged.
+    key = override.split("=")[0]
+    with pytest.raises(RecipeError, match=rf"`{key}`='.*': must be a finite number"):
+        load_recipe(write(tmp_path, MINIMAL), [override])
+    section, field = key.split(".")
+    value = override.split("=")[1]
+    child = write(tmp_path, f"extends: r.yaml\n{section}:\n  {field}: {value}\n", "r2.yaml")
+    with pytest.raises(RecipeError, match=rf"r2.yaml, line 3: `{key}`='{value}': must be a finite number"):
+        load_recipe(child)

@@ -22,7 +22,7 @@ BUILTIN_SOURCES = ("python-stdlib", "needles", "python-docstrings")
 class NeedlesSpec(BaseModel):
     """Parameters of the synthetic multi-needle retrieval corpus (`builtin:needles`)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     context_tokens: int = Field(
         1024,
@@ -86,7 +86,7 @@ class NeedlesSpec(BaseModel):
 class DocstringsSpec(BaseModel):
     """Parameters of the stdlib instruction dataset (`builtin:python-docstrings`)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     min_docstring_chars: int = Field(
         20, ge=1, description="Skip functions whose docstring is shorter than this many characters."
@@ -107,7 +107,7 @@ def resolve_path(raw: str, base_dir: Path) -> Path:
 class SourceSpec(BaseModel):
     """One entry of `data.sources`: where documents come from and how much they weigh."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     source: str = Field(
         ...,
@@ -226,7 +226,7 @@ class SourceSpec(BaseModel):
 class DataConfig(BaseModel):
     """The `data:` section: sources, validation split, bad-record policy, cache and loaders."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     sources: list[SourceSpec] = Field(
         default_factory=lambda: [SourceSpec(source="builtin:python-stdlib")],
@@ -330,7 +330,7 @@ reserved now so that fine-tuning with a chat template does not change the vocabu
 class TokenizerTrainConfig(BaseModel):
     """How to train a byte-level BPE tokenizer on the recipe's sources."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     vocab_size: int = Field(
         8192,
@@ -372,7 +372,7 @@ class TokenizerTrainConfig(BaseModel):
 class TokenizerConfig(BaseModel):
     """The `tokenizer:` section: load an existing tokenizer.json, or train one."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     path: str | None = Field(
         None,

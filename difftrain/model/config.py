@@ -62,7 +62,7 @@ def config_error_from_validation(err: ValidationError, where: str = "model") -> 
 class ModelConfig(BaseModel):
     """Architecture of the decoder. Shapes are in the paper's symbols: H = n_heads, d = head_dim."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     arch: Arch = Field(
         "diff",
