@@ -1038,10 +1038,14 @@ def explain_rows(section: str | None = None) -> list[tuple[str, str, str, str]]:
             walk(model, f"{name}.")
         return rows
     head = section.split(".", 1)[0]
+    top = Recipe.model_fields.get(section)
+    if top is not None and section not in SECTIONS:  # name, seed, out_dir, ...
+        return [(section, _type_name(top.annotation), _default_repr(top), top.description or "")]
     if head not in SECTIONS:
-        hint = difflib.get_close_matches(head, list(SECTIONS), n=1)
+        hint = difflib.get_close_matches(head, list(Recipe.model_fields), n=1)
         raise RecipeError(
-            f"no recipe section `{head}`{' — did you mean `' + hint[0] + '`?' if hint else ''} (sections: {', '.join(SECTIONS)})"
+            f"no recipe section `{head}`{' — did you mean `' + hint[0] + '`?' if hint else ''} (sections: "
+            f"{', '.join(SECTIONS)}; top-level keys: {', '.join(n for n in Recipe.model_fields if n not in SECTIONS)})"
         )
     walk(SECTIONS[head], f"{head}.")
     if head == section:
@@ -1057,10 +1061,10 @@ def explain_rows(section: str | None = None) -> list[tuple[str, str, str, str]]:
     return picked
 
 
-def recipe_reference_markdown() -> str:
-    """The README's recipe reference table, generated from the schema."""
+def recipe_reference_markdown(section: str | None = None) -> str:
+    """The README's recipe reference table (of one section or key), generated from the schema."""
     out = ["| key | type | default | description |", "| --- | --- | --- | --- |"]
-    for key, typ, default, desc in explain_rows():
+    for key, typ, default, desc in explain_rows(section):
         cell = lambda s: s.replace("|", "\\|").replace("\n", " ")  # noqa: E731
         out.append(f"| `{key}` | {cell(typ)} | {cell(default)} | {cell(desc)} |")
     return "\n".join(out) + "\n"

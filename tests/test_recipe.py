@@ -361,3 +361,22 @@ def test_numbers_that_become_infinite_are_refused(tmp_path, override):
     child = write(tmp_path, f"extends: r.yaml\n{section}:\n  {field}: {value}\n", "r2.yaml")
     with pytest.raises(RecipeError, match=rf"r2.yaml, line 3: `{key}`='{value}': must be a finite number"):
         load_recipe(child)
+
+
+def test_explain_shows_brackets_and_explains_top_level_keys(capsys, monkeypatch):
+    # rich read `[:<config>]` and `[builtin:python-stdlib]` as markup and dropped them
+    from difftrain.cli.app import main
+
+    monkeypatch.setenv("COLUMNS", "250")
+    assert main(["recipes", "explain", "data.sources"]) == 0
+    out = capsys.readouterr().out
+    assert "[builtin:python-stdlib]" in out and "hf:<dataset>[:<config>][@<split>]" in out
+    assert "list[SourceSpec]" in out
+    assert main(["recipes", "explain", "seed"]) == 0
+    assert "Seed for initialisation" in capsys.readouterr().out
+    assert main(["recipes", "explain", "nme"]) == 2
+    assert "did you mean `name`?" in capsys.readouterr().err
+    assert main(["recipes", "explain", "optim.lr", "--markdown"]) == 0
+    assert capsys.readouterr().out.splitlines()[2:] == [
+        "| `optim.lr` | float | 0.0003 | Peak learning rate. |"
+    ]

@@ -82,13 +82,14 @@ def explain(
     ),
 ) -> None:
     """Print every recipe key (of a section, or one key) with its type, default and description."""
+    from rich.markup import escape
     from rich.table import Table
 
     from difftrain.cli.common import console
     from difftrain.recipe import explain_rows, recipe_reference_markdown
 
     if markdown:
-        typer.echo(recipe_reference_markdown(), nl=False)
+        typer.echo(recipe_reference_markdown(section), nl=False)
         return
     rows = explain_rows(section)
     table = Table(
@@ -98,8 +99,8 @@ def explain(
     table.add_column("type", style="magenta")
     table.add_column("default", style="green")
     table.add_column("description")
-    for row in rows:
-        table.add_row(*row)
+    for row in rows:  # escaped: `list[str]`, 'hf:<dataset>[:<config>]' are not rich markup
+        table.add_row(*map(escape, row))
     console.print(table)
 
 

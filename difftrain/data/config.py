@@ -238,7 +238,7 @@ class DataConfig(BaseModel):
         0.01,
         ge=0.0,
         lt=0.5,
-        description="Fraction of documents held out for validation (chosen by a hash of the seed "
+        description="Fraction of documents held out for validation, in [0, 0.5) (chosen by a hash of the seed "
         "and the document's position, so the split is deterministic). A corpus too small to give "
         "the validation split any document holds out the last val_fraction of its tokens instead.",
     )
