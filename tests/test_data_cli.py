@@ -69,6 +69,25 @@ def test_prepare_says_when_the_trained_tokenizer_is_smaller_than_asked(
     # as many as it can learn asked for: no note
     assert main(["prepare", str(recipe), "--no-progress", f"tokenizer.train.vocab_size={size}"]) == 0
     assert "asked for" not in capsys.readouterr().out
+    # a small max_bytes sample, not the data, ran out of pairs: the note says so
+    assert main(["prepare", str(recipe), "--no-progress", "tokenizer.train.max_bytes=300"]) == 0
+    out = capsys.readouterr().out
+    assert "its sample of 300 bytes (tokenizer.train.max_bytes, of " in out and "raise max_bytes" in out
+
+
+def test_prepare_names_a_loaded_tokenizer_and_counts_the_skipped_records_it_does_not_list(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    recipe = write_recipe(tmp_path)
+    monkeypatch.setenv("COLUMNS", "300")
+    (tmp_path / "extra.jsonl").write_text('{"text": "ok"}\n' + "not json\n" * 9)
+    assert main(["prepare", str(recipe), "--no-progress"]) == 0
+    out, err = capsys.readouterr()
+    tok = re.search(r"tokenizer\s+(\S+tokenizer\.json)", out).group(1)
+    assert err.count("skipped:") == 6 and "… and 4 more in extra.jsonl" in err  # 5 listed of 9
+    assert main(["prepare", str(recipe), "--no-progress", f"tokenizer.path={tok}"]) == 0
+    out = capsys.readouterr().out
+    assert f"(loaded from {tok})" in out and "trained in" not in out
 
 
 def test_prepare_errors_are_one_red_line_with_exit_code_2(
@@ -107,3 +126,11 @@ def test_a_cache_folder_that_cannot_be_made_is_one_line_naming_its_setting(
         == 2
     )
     assert "($DIFFTRAIN_CACHE)" in capsys.readouterr().err and not (tmp_path / "runs").exists()
+
+
+def test_prepare_sends_a_fine_tuning_recipe_to_its_dry_run(capsys: pytest.CaptureFixture[str]) -> None:
+    # prepare trained a new tokenizer for it, and read instruction records as text documents
+    assert main(["prepare", "finetune-quickstart"]) == 2
+    err = capsys.readouterr().err
+    assert "finetune-quickstart is a fine-tuning recipe (finetune.base: runs/quickstart)" in err
+    assert "`difftrain finetune finetune-quickstart --dry-run`" in err

@@ -126,8 +126,11 @@ def test_empty_corpus_is_an_error_naming_the_source(tmp_path: Path) -> None:
     with pytest.raises(DataError, match=r"data\.sources\[0\] \('e\.txt'\): the source yielded no documents"):
         docs(["e.txt"], tmp_path)
     (tmp_path / "all_bad.jsonl").write_text("nope\n")
-    with pytest.raises(DataError, match=r"no documents \(1 malformed records skipped\)"):
+    with pytest.raises(
+        DataError, match=r"every record is malformed \(1 skipped by data.on_bad_record: skip\)"
+    ) as e:
         docs(["all_bad.jsonl"], tmp_path, on_bad_record="skip")
+    assert "it is empty" not in str(e.value)  # it is not: its records are bad
 
 
 def test_max_documents_caps_a_source(tmp_path: Path) -> None:

@@ -187,15 +187,20 @@ def plural(n: int, word: str) -> str:
     return f"{n} {word}{'' if n == 1 else 's'}"
 
 
-def vocab_shortfall(tokenizer_size: int, tokenizer_cfg: Any) -> str:
+def vocab_shortfall(tokenizer_size: int, tokenizer_cfg: Any, corpus_bytes: int | None = None) -> str:
     """A note when the tokenizer a recipe trains came out smaller than tokenizer.train.vocab_size
-    (a small corpus runs out of pairs to merge); "" otherwise."""
+    (a small corpus, or a small tokenizer.train.max_bytes sample of it, runs out of pairs to
+    merge); "" otherwise."""
     if tokenizer_cfg.path is not None or tokenizer_size >= tokenizer_cfg.train.vocab_size:
         return ""
-    return (
-        f" — {tokenizer_size:,} of the {tokenizer_cfg.train.vocab_size:,} asked for "
-        "(tokenizer.train.vocab_size): the data has no more pairs to merge"
-    )
+    asked = f" — {tokenizer_size:,} of the {tokenizer_cfg.train.vocab_size:,} asked for (tokenizer.train.vocab_size): "
+    max_bytes = tokenizer_cfg.train.max_bytes
+    if corpus_bytes is not None and corpus_bytes > max_bytes:
+        return (
+            asked + f"its sample of {max_bytes:,} bytes (tokenizer.train.max_bytes, of {corpus_bytes:,}) has "
+            "no more pairs to merge; raise max_bytes for more"
+        )
+    return asked + "the data has no more pairs to merge"
 
 
 def wall_time(summary: dict[str, Any]) -> str:

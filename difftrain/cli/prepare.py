@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import typer
+from rich.markup import escape
 
 from difftrain.cli.common import console, data_progress, err_console, fmt_count, kv_table, vocab_shortfall
 
@@ -21,7 +22,10 @@ def prepare_table(prepared: Any, tokenizer_cfg: Any = None) -> Any:
     trained tokenizer came out smaller than asked."""
     s = prepared.stats
     cached = "reused from cache" if prepared.from_cache else "built now"
-    tok_note = "cached" if prepared.tokenizer_from_cache else f"trained in {s.tokenizer_seconds:.1f} s"
+    if tokenizer_cfg is not None and tokenizer_cfg.path is not None:
+        tok_note = f"loaded from {tokenizer_cfg.path}"
+    else:
+        tok_note = "cached" if prepared.tokenizer_from_cache else f"trained in {s.tokenizer_seconds:.1f} s"
     rows = [
         ("documents", f"{s.documents:,} ({s.train_documents:,} train · {s.val_documents:,} val)"),
         ("bytes", _bytes(s.bytes)),
@@ -36,7 +40,7 @@ def prepare_table(prepared: Any, tokenizer_cfg: Any = None) -> Any:
         (
             "vocabulary",
             f"{s.vocab_size:,} tokens ({tok_note}) · shards {prepared.index['dtype']}"
-            + (vocab_shortfall(s.vocab_size, tokenizer_cfg) if tokenizer_cfg is not None else ""),
+            + (vocab_shortfall(s.vocab_size, tokenizer_cfg, s.bytes) if tokenizer_cfg is not None else ""),
         ),
         ("time", f"{s.seconds:.1f} s ({cached})"),
         ("cache", f"{prepared.cache_dir}  ({_bytes(s.cache_bytes)})"),
@@ -67,6 +71,16 @@ def prepare_command(
     from difftrain.recipe import load_recipe
 
     r = load_recipe(recipe, overrides or [])
+    if r.finetune is not None:  # its data needs the base run's tokenizer and the finetune checks
+        import shlex
+
+        from difftrain.errors import RecipeError
+
+        raise RecipeError(
+            f"{recipe} is a fine-tuning recipe (finetune.base: {r.finetune.base}): its data is tokenized "
+            f"with the base run's tokenizer when the fine-tune starts; check it with `difftrain finetune "
+            f"{shlex.quote(recipe)} --dry-run` (records, bad records, truncation)"
+        )
     if progress:
         with data_progress() as update:
             prepared = prepare_data(r.data, r.tokenizer, seed=r.seed, base_dir=r.recipe_dir, progress=update)
@@ -74,8 +88,16 @@ def prepare_command(
         prepared = prepare_data(r.data, r.tokenizer, seed=r.seed, base_dir=r.recipe_dir)
     console.print(prepare_table(prepared, r.tokenizer))
     for src in prepared.stats.sources:
-        for example in src.get("bad_examples", []):
-            err_console.print(f"[yellow]skipped:[/] {example}")
+        examples = src.get("bad_examples", [])
+        for example in examples:
+            err_console.print(f"[yellow]skipped:[/] {escape(example)}", soft_wrap=True)
+        more = src.get("bad_records", 0) - len(examples)
+        if more > 0:
+            err_console.print(
+                f"[yellow]skipped:[/] … and {more:,} more in {escape(src['source'])} (the first "
+                f"{len(examples)} are listed; with data.on_bad_record=error the first stops the run)",
+                soft_wrap=True,
+            )
     vocab = getattr(r.model, "vocab_size", "auto")
     if vocab != "auto":
         from difftrain.data.tokenizer import check_vocab_fits, load_tokenizer

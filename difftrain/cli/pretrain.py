@@ -43,7 +43,7 @@ def _start_table(info: dict[str, Any]) -> None:
         (
             "vocabulary",
             f"{m.vocab_size} (tokenizer {info['data'].tokenizer_path.name})"
-            + vocab_shortfall(info["data"].stats.vocab_size, r.tokenizer),
+            + vocab_shortfall(info["data"].stats.vocab_size, r.tokenizer, info["data"].stats.bytes),
         ),
         (
             "batch",

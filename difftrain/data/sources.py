@@ -628,10 +628,16 @@ def iter_documents(data_cfg: DataConfig, base_dir: str | os.PathLike[str]) -> It
 
 
 def require_documents(src: Source, stats: SourceStats) -> None:
-    if stats.documents == 0:
-        why = f" ({stats.bad_records} malformed records skipped)" if stats.bad_records else ""
+    if stats.documents == 0 and stats.bad_records:
+        n = stats.bad_records
         raise DataError(
-            f"{src.label}: the source yielded no documents{why}; it is empty — point it at text, or "
+            f"{src.label}: every record is malformed ({n} skipped by data.on_bad_record: skip), so the "
+            "source yielded no documents; with data.on_bad_record=error the first one is named with "
+            "its line (a wrong text_field?) — fix the records, or remove the source from data.sources"
+        )
+    if stats.documents == 0:
+        raise DataError(
+            f"{src.label}: the source yielded no documents; it is empty — point it at text, or "
             "remove it from data.sources"
         )
 
