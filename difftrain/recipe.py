@@ -711,8 +711,45 @@ def _load_tree(
     except RecipeError as e:
         raise RecipeError(f"{path}, line {lines.get('extends', '?')}: `extends: {parent}`: {e}") from e
     base, base_where = _load_tree(parent_path, (*chain, resolved))
+    if parent_path.parent.resolve() != path.parent.resolve():
+        _rebase_paths(base, parent_path.parent.resolve())
     base_where.update(where)
     return deep_merge(base, data), base_where
+
+
+def _rebase(raw: Any, folder: Path) -> Any:
+    """A recipe-relative path of a recipe in `folder`, made absolute (other values unchanged)."""
+    if not isinstance(raw, str) or not raw or raw.startswith(("builtin:", "/", "~")):
+        return raw
+    if raw.startswith("hf:"):  # only a local folder (hf:./saved@test) is a path
+        rest = raw[3:]
+        return f"hf:{folder / rest}" if rest.startswith(".") else raw
+    return str(folder / raw)
+
+
+def _rebase_paths(data: dict[str, Any], folder: Path) -> None:
+    """Make the paths a recipe resolves against its own folder (data sources, data_files,
+    tokenizer.path) absolute, in the tree of an extended recipe in another folder: a child in
+    another folder would otherwise resolve the parent's `corpus/` against its own folder."""
+    d = data.get("data")
+    if isinstance(d, dict):
+        sources = d.get("sources")
+        if isinstance(sources, (str, list)):
+            items = [sources] if isinstance(sources, str) else sources
+            out = []
+            for item in items:
+                if isinstance(item, dict):
+                    item = dict(item)
+                    item["source"] = _rebase(item.get("source"), folder)
+                    if isinstance(item.get("data_files"), list):
+                        item["data_files"] = [_rebase(f, folder) for f in item["data_files"]]
+                    out.append(item)
+                else:
+                    out.append(_rebase(item, folder))
+            d["sources"] = out[0] if isinstance(sources, str) else out
+    t = data.get("tokenizer")
+    if isinstance(t, dict) and "path" in t:
+        t["path"] = _rebase(t["path"], folder)
 
 
 # --------------------------------------------------------------------------------------------

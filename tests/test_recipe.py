@@ -380,3 +380,37 @@ def test_explain_shows_brackets_and_explains_top_level_keys(capsys, monkeypatch)
     assert capsys.readouterr().out.splitlines()[2:] == [
         "| `optim.lr` | float | 0.0003 | Peak learning rate. |"
     ]
+
+
+def test_an_extended_recipe_in_another_folder_keeps_its_paths(tmp_path):
+    # The parent's `corpus` was resolved against the child's folder: sub/corpus, not parent/corpus.
+    (tmp_path / "parent").mkdir()
+    (tmp_path / "child").mkdir()
+    write(
+        tmp_path / "parent",
+        MINIMAL.replace(
+            "sources: [builtin:python-stdlib]",
+            "sources: [corpus, {source: 'hf:./saved@test'}, {source: 'hf:json', data_files: [d.jsonl]}, "
+            "builtin:needles, /abs/x]",
+        )
+        + "tokenizer:\n  path: tok.json\n",
+        "base.yaml",
+    )
+    r = load_recipe(write(tmp_path / "child", "extends: ../parent/base.yaml\nname: c\n", "c.yaml"))
+    p = (tmp_path / "parent").resolve()
+    assert [s.source for s in r.data.sources] == [
+        str(p / "corpus"),
+        f"hf:{p / './saved@test'}",
+        "hf:json",
+        "builtin:needles",
+        "/abs/x",
+    ]
+    assert r.data.sources[2].data_files == [str(p / "d.jsonl")]
+    assert r.tokenizer.file(r.recipe_dir) == p / "tok.json"
+    # the child's own sources stay relative to the child
+    r = load_recipe(
+        write(
+            tmp_path / "child", "extends: ../parent/base.yaml\nname: c\ndata:\n  sources: [mine]\n", "c2.yaml"
+        )
+    )
+    assert [s.source for s in r.data.sources] == ["mine"]
