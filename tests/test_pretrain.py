@@ -478,7 +478,13 @@ def test_dry_run_refuses_what_the_run_would_refuse_and_writes_nothing(workspace,
     assert "holds a different run (model.n_layers differs)" in capsys.readouterr().err
     assert main(["pretrain", str(p), "--dry-run", "--overwrite", "model.vocab_size=100"]) == 2
     err = capsys.readouterr().err
-    assert "model.vocab_size is 100 but the tokenizer this recipe trains has" in err and "320" in err
+    assert "model.vocab_size is 100 but the tokenizer this recipe trains has at least 263 tokens" in err
+    assert "320" in err
+    # above the least it can have, below what it asks for: the run may work (a small corpus gives
+    # fewer tokens), so the dry run warns where it refused a run that trains
+    assert main(["pretrain", str(p), "--dry-run", "--overwrite", "model.vocab_size=300"]) == 0
+    err = capsys.readouterr().err
+    assert "warning:" in err and "may have up to 320 tokens" in err and "stops if it has more than 300" in err
     assert main(["pretrain", str(p), "--dry-run", "--resume", "train.max_steps=4"]) == 0
     assert "resumes from step 2" in capsys.readouterr().out
     assert main(["pretrain", str(p), "--dry-run", "--overwrite"]) == 0
@@ -574,10 +580,19 @@ def test_the_dry_run_vocabulary_check_names_the_tokenizer_and_its_size():
         TokenizerError, match=r"the tokenizer runs/a/tokenizer.json has 512 tokens: ids past 99"
     ):
         _check_vocab(given, 512)
-    trained = SimpleNamespace(model=model, tokenizer=SimpleNamespace(path=None))
-    with pytest.raises(TokenizerError, match=r"trains has tokenizer.train.vocab_size=512: ids past 99"):
+    trained = SimpleNamespace(
+        model=model, tokenizer=SimpleNamespace(path=None, train=SimpleNamespace(extra_special_tokens=["<x>"]))
+    )
+    with pytest.raises(TokenizerError, match=r"trains has at least 264 tokens .*up to 512.*: ids past 99"):
         _check_vocab(trained, 512)
-    _check_vocab(SimpleNamespace(model=SimpleNamespace(vocab_size="auto"), tokenizer=given.tokenizer), 512)
+    model.vocab_size = 264  # the least it can have: the run may fit, so a warning
+    assert "may have up to 512 tokens" in _check_vocab(trained, 512)
+    assert (
+        _check_vocab(
+            SimpleNamespace(model=SimpleNamespace(vocab_size="auto"), tokenizer=given.tokenizer), 512
+        )
+        is None
+    )
 
 
 def test_records_skipped_under_skip_are_counted_in_the_start_table(workspace, tmp_path, capsys):

@@ -128,7 +128,7 @@ def pretrain_command(
             overwrite=overwrite,
             dry_run=True,
         )
-        _check_inputs(plan.recipe)
+        warnings = _check_inputs(plan.recipe)
         shared = dry_run_rows(plan, resuming, point, overwrite)
         m = plan.recipe.model
         rows = [
@@ -140,40 +140,56 @@ def pretrain_command(
             ("device", shared["device"]),
         ]
         console.print(kv_table("dry run: the recipe is valid", rows))
+        for w in warnings:
+            err_console.print(f"[yellow]warning:[/] {w}", soft_wrap=True, markup=False, highlight=False)
         return
     _train(r, resume=resume, overwrite=overwrite, progress=progress)
 
 
-def _check_vocab(r: Any, size: int) -> None:
+def _check_vocab(r: Any, size: int) -> str | None:
     """The run's tokenizer check, as far as it can be made before the tokenizer exists: against
-    tokenizer.path's size, or the size of the tokenizer the recipe trains (`plan.tokenizer_size`)."""
+    tokenizer.path's size (refused, as the run refuses it), or against the size the recipe asks
+    of the tokenizer it trains (a warning: a small corpus gives fewer tokens, and the run only
+    stops if the trained one does not fit)."""
     from difftrain.errors import TokenizerError
 
     vocab = r.model.vocab_size
-    if vocab != "auto" and size > vocab:
-        what = (
-            f"the tokenizer {r.tokenizer.path} has {size} tokens"
-            if r.tokenizer.path is not None
-            else f"the tokenizer this recipe trains has tokenizer.train.vocab_size={size}"
-        )
+    if vocab == "auto" or size <= vocab:
+        return None
+    if r.tokenizer.path is not None:
         raise TokenizerError(
-            f"model.vocab_size is {vocab} but {what}: ids past {vocab - 1} would have no "
-            f"embedding; set model.vocab_size: auto (or at least {size})"
+            f"model.vocab_size is {vocab} but the tokenizer {r.tokenizer.path} has {size} tokens: ids past "
+            f"{vocab - 1} would have no embedding; set model.vocab_size: auto (or at least {size})"
         )
+    from difftrain.data.config import SPECIAL_TOKENS
+
+    least = 256 + len(SPECIAL_TOKENS) + len(r.tokenizer.train.extra_special_tokens)  # bytes + specials
+    if vocab < least:
+        raise TokenizerError(
+            f"model.vocab_size is {vocab} but the tokenizer this recipe trains has at least {least} tokens "
+            f"(256 bytes and the special tokens; up to {size}, tokenizer.train.vocab_size): ids past "
+            f"{vocab - 1} would have no embedding; set model.vocab_size: auto (or at least {size})"
+        )
+    return (
+        f"model.vocab_size is {vocab} but the tokenizer this recipe trains may have up to {size} tokens "
+        f"(tokenizer.train.vocab_size): the run stops if it has more than {vocab}; set model.vocab_size: "
+        f"auto (or at least {size})"
+    )
 
 
-def _check_inputs(r: Any) -> None:
+def _check_inputs(r: Any) -> list[str]:
     """What the run reads and writes, checked without reading the data or writing anything: the
     tokenizer file loads and fits model.vocab_size, every local data source exists, the cache
-    folder and the run directory can be created."""
+    folder and the run directory can be created. Returns the warnings."""
     from difftrain.data.sources import check_local_sources
     from difftrain.io import check_run_dir_creatable
     from difftrain.plan import tokenizer_size
 
-    _check_vocab(r, tokenizer_size(r))  # loads tokenizer.path, if the recipe names one
+    warning = _check_vocab(r, tokenizer_size(r))  # loads tokenizer.path, if the recipe names one
     check_local_sources(r.data, r.recipe_dir)
     r.data.check_cache_dir()
     check_run_dir_creatable(r.run_dir)
+    return [warning] if warning else []
 
 
 def _train(r: Any, *, resume: bool | None, overwrite: bool, progress: bool | None) -> None:
