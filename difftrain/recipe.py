@@ -574,6 +574,8 @@ def find_recipe(ref: str | os.PathLike[str], relative_to: Path | None = None) ->
         return shipped[name]
     hint = difflib.get_close_matches(name, list(shipped), n=1)
     suggestion = f" — did you mean `{hint[0]}`?" if hint else ""
+    if "=" in ref_s and not suggestion:  # `prepare train.max_steps=3 mine.yaml`
+        raise RecipeError(f"`{ref_s}` is an override, not a recipe: the recipe comes first (RECIPE {ref_s})")
     raise RecipeError(
         f"no recipe file `{ref_s}` and no shipped recipe of that name{suggestion} (see `difftrain recipes list`)"
     )
@@ -777,6 +779,18 @@ def parse_override(text: str) -> tuple[list[str], Any]:
 
 
 def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    for i, text in enumerate(overrides):  # `train.max_steps = 3`: the shell made three words of it
+        prev = overrides[i - 1] if i > 0 else None
+        nxt = overrides[i + 1] if i + 1 < len(overrides) else None
+        if (
+            text == "="
+            or (text.startswith("=") and prev is not None and "=" not in prev)
+            or (text.endswith("=") and nxt is not None and "=" not in nxt)
+        ):
+            joined = " ".join(overrides[max(i - 1, 0) : i + 2])
+            raise RecipeError(
+                f"override `{joined}` has spaces around `=`; write it as one word: `{joined.replace(' ', '')}`"
+            )
     out = copy.deepcopy(data)
     for text in overrides:
         keys, value = parse_override(text)

@@ -414,3 +414,26 @@ def test_an_extended_recipe_in_another_folder_keeps_its_paths(tmp_path):
         )
     )
     assert [s.source for s in r.data.sources] == ["mine"]
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [["train.max_steps", "=", "3"], ["train.max_steps=", "3"], ["train.max_steps", "=3"]],
+)
+def test_spaces_around_the_equals_sign_are_named(tmp_path, overrides):
+    with pytest.raises(
+        RecipeError, match=r"has spaces around `=`; write it as one word: `train.max_steps=3`"
+    ):
+        load_recipe(write(tmp_path, MINIMAL), overrides)
+
+
+def test_an_empty_override_value_before_another_override_is_not_taken_for_spaces(tmp_path):
+    r = load_recipe(write(tmp_path, MINIMAL), ["data.cache_dir=", "train.max_steps=3"])
+    assert r.data.cache_dir is None and r.train.max_steps == 3
+
+
+def test_an_override_given_before_the_recipe_says_so():
+    with pytest.raises(
+        RecipeError, match=r"`train.max_steps=3` is an override, not a recipe: the recipe comes first"
+    ):
+        load_recipe("train.max_steps=3")
