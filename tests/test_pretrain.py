@@ -21,6 +21,7 @@ from difftrain.errors import RecipeError, RunDirError
 from difftrain.recipe import load_recipe
 from difftrain.train.callbacks import RunCallback, StopRequested
 from difftrain.train.checkpoint import find_resume_checkpoint, load_checkpoint_file
+from difftrain.train.metrics import read_metrics
 from difftrain.train.run import pretrain
 
 WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu".split()
@@ -244,9 +245,14 @@ def test_cli_pretrain_and_errors_exit_2(workspace, capsys):
     out, err = capsys.readouterr()
     assert "done" in out and "difftrain generate" in out
     # the recipe's 2 warm-up steps fill this 2-step run
-    assert "optim.warmup_steps=2 is not below train.max_steps=2: the whole run is warm-up" in " ".join(
+    assert "optim.warmup_steps=2 is not below train.max_steps=2: warm-up is cut to 1 step and" in " ".join(
         err.split()
     )
+    # metrics.csv logs the lr each step used: step 1 of the 1-step warm-up at half the peak, the
+    # last at the peak (it logged the next step's lr, after the scheduler moved: 0.5 then 0.1)
+    rows = [r for r in read_metrics(p.parent / "runs" / "r" / "metrics.csv") if "train/lr" in r]
+    peak = load_recipe(p).optim.lr
+    assert [r["train/lr"] for r in rows] == pytest.approx([peak / 2, peak])
     assert main(["pretrain", str(p)]) == 2
     assert "already holds a run" in capsys.readouterr().err
     assert main(["pretrain", str(p), "train.micro_batch_size=3"]) == 2

@@ -258,7 +258,7 @@ class RunCallback(L.Callback):
         then the summary below it has the final one)."""
         if self._progress is None:
             return
-        lr = trainer.optimizers[0].param_groups[0]["lr"]
+        lr = _step_lr(trainer, pl_module)
         val = self.state.last_val
         self._progress.update(
             self._task,
@@ -278,7 +278,7 @@ class RunCallback(L.Callback):
         if val is not None:
             self.console.print(f"{head} · val {val:.4f}", highlight=False, soft_wrap=True)
             return
-        lr = trainer.optimizers[0].param_groups[0]["lr"]
+        lr = _step_lr(trainer, pl_module)
         parts = [head, f"loss {pl_module.last_loss:.4f}"]
         if self.tokens_per_s:
             parts.append(f"{self.tokens_per_s:,.0f} tok/s")
@@ -363,7 +363,7 @@ class RunCallback(L.Callback):
         self._window_t, self._window_step, self._window_tokens = now, step, pl_module.tokens_seen
         metrics = {
             "train/loss": pl_module.last_loss,
-            "train/lr": trainer.optimizers[0].param_groups[0]["lr"],
+            "train/lr": _step_lr(trainer, pl_module),
             "train/grad_norm": pl_module.last_grad_norm,
             "train/tokens": float(pl_module.tokens_seen),
             "train/tokens_per_s": self.tokens_per_s,
@@ -452,3 +452,10 @@ class RunCallback(L.Callback):
             self.save(trainer, pl_module)
         self._finish()
         raise StopRequested(signum, trainer.global_step)
+
+
+def _step_lr(trainer: L.Trainer, pl_module: Any) -> float:
+    """The learning rate the last step used: logged with that step's loss (the optimizer's own
+    is already the next step's, after the scheduler moved)."""
+    lr = getattr(pl_module, "last_lr", math.nan)
+    return lr if math.isfinite(lr) else trainer.optimizers[0].param_groups[0]["lr"]

@@ -85,6 +85,7 @@ class LitLM(L.LightningModule):
         self.stepped = False  # True right after an optimizer step (read by the run callback)
         self.last_loss = float("nan")
         self.last_grad_norm = float("nan")
+        self.last_lr = float("nan")  # the lr of the last optimizer step (the scheduler has moved on)
         self.train_time = 0.0  # seconds spent in training steps (resumed runs add to it)
         self._t0: float | None = None
         # test hook: a callable(step, loss) -> loss, used by reliability tests to inject faults
@@ -172,6 +173,7 @@ class LitLM(L.LightningModule):
                 torch.nn.utils.clip_grads_with_norm_(params, self.grad_clip, torch.tensor(grad_norm))
             else:
                 self.clip_gradients(opt, gradient_clip_val=self.grad_clip, gradient_clip_algorithm="norm")
+        self.last_lr = opt.param_groups[0]["lr"]
         opt.step()
         opt.zero_grad(set_to_none=True)
         self.lr_schedulers().step()

@@ -719,9 +719,14 @@ def fit(
     if r.optim.warmup_steps >= plan.max_steps and point is None:
         start_info["warnings"] = [
             *start_info["warnings"],
-            f"optim.warmup_steps={r.optim.warmup_steps} is not below train.max_steps={plan.max_steps}: the "
-            f"whole run is warm-up (shortened to {max(plan.max_steps - 1, 0)} steps), with no {r.optim.schedule} "
-            "schedule after it; lower optim.warmup_steps",
+            (
+                f"optim.warmup_steps={r.optim.warmup_steps} with train.max_steps=1: the one step runs at the "
+                f"peak optim.lr (no warm-up, no {r.optim.schedule} decay)"
+                if plan.max_steps <= 1
+                else f"optim.warmup_steps={r.optim.warmup_steps} is not below train.max_steps={plan.max_steps}: "
+                f"warm-up is cut to {plan.max_steps - 1} step{'s' if plan.max_steps != 2 else ''} and the {r.optim.schedule} schedule to the "
+                "last step; lower optim.warmup_steps"
+            ),
         ]
     if on_start is not None and is_global_zero():
         on_start(start_info)
