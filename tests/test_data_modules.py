@@ -290,3 +290,12 @@ def test_sft_records_load_from_jsonl_fields_and_from_stdlib_docstrings(tmp_path:
     assert len(train) == 20 and not val and train[0]["prompt"].strip()
     with pytest.raises(DataError, match="holds plain documents, not prompt/response records"):
         load_sft_records(DataConfig(sources=["builtin:needles"]), seed=0, base_dir=tmp_path)
+
+
+def test_more_validation_windows_than_the_split_holds_are_capped_with_a_note(shard_dir: Path) -> None:
+    # 800 validation tokens hold 800 - 17 + 1 = 784 different windows of 17: asking for 100,000
+    # ran for minutes over repeats of the same windows
+    dm = dm_for(shard_dir, val_windows=100_000)
+    assert len(dm.val_offsets) == 784 and len(set(dm.val_offsets.tolist())) == 784
+    assert dm.val_note is not None and "more than the 784 different windows" in dm.val_note
+    assert dm_for(shard_dir, val_windows=784).val_note is None

@@ -278,6 +278,15 @@ class PretrainDataModule(_ResumableDataModule):
                 f"the validation split has {self.val_data.n_tokens} tokens, fewer than one window of "
                 f"max_seq_len + 1 = {window}; raise data.val_fraction, or set data.val_windows: 0"
             )
+        distinct = self.val_data.n_tokens - window + 1  # windows with different starts
+        self.val_note: str | None = None
+        if val_windows > distinct:  # more would repeat windows, and cost time for nothing
+            self.val_note = (
+                f"data.val_windows={val_windows:,} is more than the {distinct:,} different windows the validation "
+                f"split holds ({self.val_data.n_tokens:,} tokens): validating on those {distinct:,}; raise "
+                "data.val_fraction for more"
+            )
+            val_windows = distinct
         self.val_offsets = (
             val_window_offsets(self.val_data.n_tokens, window, val_windows)
             if val_windows > 0

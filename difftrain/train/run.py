@@ -542,7 +542,9 @@ def pretrain(
             on_start=on_start,
             extra_callbacks=extra_callbacks,
             fault_hook=fault_hook,
-            info=_with_memory_warning({"data": prepared}, r, plan.accelerator, point),
+            info=_with_data_note(
+                _with_memory_warning({"data": prepared}, r, plan.accelerator, point), dm, point
+            ),
             tokens_per_micro_batch=r.train.micro_batch_size * plan.seq_len,
         )
     dist.join()  # the ranks this process started have finished too
@@ -562,6 +564,14 @@ def _with_memory_warning(info: dict[str, Any], r: Recipe, accelerator: str, poin
         return info
     if warning:
         info["warnings"] = [*(point.warnings if point else []), warning]
+    return info
+
+
+def _with_data_note(info: dict[str, Any], dm: Any, point: Any) -> dict[str, Any]:
+    """Add the data module's note (validation windows capped) to the start-up warnings."""
+    note = getattr(dm, "val_note", None)
+    if note:
+        info["warnings"] = [*info.get("warnings", point.warnings if point else []), note]
     return info
 
 
