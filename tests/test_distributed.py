@@ -507,3 +507,28 @@ def test_rank_zero_goes_first_and_its_errors_reach_every_rank(tmp_path):
     assert start1 >= end0  # the same monotonic clock: one machine
     for r in (0, 1):
         assert logs[r][2:] == ["decided by 0", "raised DataError: data/x.txt: no documents; add some"]
+
+
+def test_several_nodes_without_a_launcher_are_refused_not_waited_for(monkeypatch, capsys, tmp_path):
+    # train.num_nodes=2 on one machine waited in the rendezvous forever, deaf to Ctrl-C
+    from difftrain.cli.app import main
+    from difftrain.errors import DeviceError
+    from difftrain.train.distributed import require_node_launcher
+
+    for var in ("WORLD_SIZE", "SLURM_NTASKS", "MASTER_ADDR", "NODE_RANK"):
+        monkeypatch.delenv(var, raising=False)
+    with pytest.raises(
+        DeviceError, match=r"train.num_nodes=2 runs on 2 machines, but no launcher started this one"
+    ):
+        require_node_launcher(2)
+    require_node_launcher(1)
+    monkeypatch.setenv("MASTER_ADDR", "10.0.0.1")
+    monkeypatch.setenv("NODE_RANK", "1")
+    require_node_launcher(2)  # the environment says where rank 0 listens
+    monkeypatch.delenv("MASTER_ADDR")
+    monkeypatch.setenv("WORLD_SIZE", "4")  # torchrun
+    require_node_launcher(2)
+    monkeypatch.delenv("WORLD_SIZE")
+    monkeypatch.chdir(tmp_path)
+    assert main(["pretrain", "quickstart", "train.num_nodes=2", "--dry-run"]) == 2
+    assert "no launcher started this one" in capsys.readouterr().err

@@ -189,6 +189,9 @@ def _check_inputs(r: Any) -> list[str]:
     check_local_sources(r.data, r.recipe_dir)
     r.data.check_cache_dir()
     check_run_dir_creatable(r.run_dir)
+    from difftrain.train.distributed import require_node_launcher
+
+    require_node_launcher(r.train.num_nodes)
     return [warning] if warning else []
 
 

@@ -313,6 +313,24 @@ def _launched_processes() -> int:
     return 1
 
 
+def require_node_launcher(num_nodes: int) -> None:
+    """A run over several machines is started on each of them by a launcher (torchrun, srun)
+    that says where rank 0 listens; without one, joining would wait for the other nodes forever
+    (and ignore Ctrl-C there): refused instead."""
+    if (
+        num_nodes <= 1
+        or _launched_processes() > 1
+        or ("MASTER_ADDR" in os.environ and "NODE_RANK" in os.environ)
+    ):
+        return
+    raise DeviceError(
+        f"train.num_nodes={num_nodes} runs on {num_nodes} machines, but no launcher started this one "
+        f"(no torchrun or SLURM environment, no MASTER_ADDR/NODE_RANK); start it on every node with "
+        f"torchrun --nnodes {num_nodes} --node-rank N --master-addr HOST ... (or srun), or set "
+        "train.num_nodes: 1 to train on this machine"
+    )
+
+
 def _set_threads(processes_per_node: int) -> None:
     """One machine's cores shared among its processes unless OMP_NUM_THREADS says otherwise."""
     if "OMP_NUM_THREADS" in os.environ:
@@ -330,6 +348,7 @@ def start(recipe: Any, *, accelerator: str, devices: int, num_nodes: int) -> Dis
     Call it before writing anything: every rank runs the code that follows.
     """
     world = devices * num_nodes
+    require_node_launcher(num_nodes)
     if world == 1:
         launched = _launched_processes()
         if launched > 1:
