@@ -171,10 +171,11 @@ def require_weights(path: Path) -> Path:
             f"{path} has no {WEIGHTS} but has checkpoints ({ckpts[-1].name}); rewrite the weights from the "
             f"last checkpoint by resuming: {resume}"
         )
-    if (path / RECIPE).is_file():
+    if (path / RECIPE).is_file():  # no checkpoint either: nothing to resume, start it again
+        start = f"`difftrain {training_command(path)} {shlex.quote(str(path / RECIPE))}`"
         raise RunDirError(
-            f"{path} has no {WEIGHTS} yet (training still running or stopped before its first save); "
-            f"resume it with {resume}"
+            f"{path} has no {WEIGHTS} and no checkpoint (it stopped before its first save, every "
+            f"train.save_every steps); start it again with {start}"
         )
     raise RunDirError(f"{path} is not a difftrain run directory (no {WEIGHTS}, no {RECIPE})")
 

@@ -262,11 +262,13 @@ def test_bad_prompt_files_exit_2_with_the_line(run_dir, tmp_path, capsys, monkey
     assert code == 2 and "--prompt-file - (standard input) holds no prompts" in err
 
 
-def test_a_run_without_weights_says_so_and_how_to_resume(tmp_path, capsys):
+def test_a_run_without_weights_or_checkpoints_says_to_start_it_again(tmp_path, capsys):
+    # it said "resume it with ... --resume", which resume refuses: there is nothing to resume
     run = make_run(tmp_path / "unfinished", weights=False)
     code, _, err = gen(capsys, run, "--prompt", "x")
     assert code == 2 and len(err.strip().splitlines()) == 1
-    assert "has no model.safetensors yet" in err and "--resume" in err
+    assert "has no model.safetensors and no checkpoint" in err
+    assert f"start it again with `difftrain pretrain {run / 'recipe.yaml'}`" in err and "--resume" not in err
 
 
 def test_a_run_still_training_is_not_told_to_resume(tmp_path, capsys):
