@@ -495,3 +495,11 @@ def test_ctrl_c_during_a_generation_exits_130_with_one_line(run_dir, capsys, mon
     assert code == 130
     assert err.strip().splitlines()[-1] == "error: interrupted (Ctrl-C)"
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # main put Python's back
+
+
+def test_chat_refuses_a_system_message_that_fills_the_context(tmp_path, capsys, monkeypatch):
+    # every user message was refused as too long ("the message is 612 tokens"): the message was "hi"
+    monkeypatch.setattr(builtins, "input", lambda prompt="": "hi")
+    run = finetuned_run(tmp_path / "ft", {"data_format": "instruction"})
+    code, _, err = gen_chat(capsys, run, "--system", "word " * 200, "--seed", 0)
+    assert code == 2 and "--system is" in err and "tokens with the template; the context is 64" in err

@@ -814,6 +814,13 @@ def chat_command(
     run, load_s = _load(run_dir, device, dtype)
     style = prompt_style(run.path)
     chat = Chat(style.chat or ChatTemplateConfig(), system)
+    if system:  # every message would be refused as too long: say whose text is
+        n = len(run.tokenizer.encode(chat.render()))
+        if n > run.config.max_seq_len - 8:
+            raise ConfigError(
+                f"--system is {n} tokens with the template; the context is {run.config.max_seq_len} "
+                "(max_seq_len) and needs room for your messages and the replies: shorten it"
+            )
     if chat.end:
         gen = replace(gen, stop=(chat.end,))
     _banner(run, load_s, seed, style)
