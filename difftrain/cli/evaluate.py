@@ -45,6 +45,9 @@ paper-sized grids, and the grid options set any part explicitly.
 """
 
 
+_EXAMPLES = {"--lengths": "64,128,192", "--depths": "0,0.5,1", "--bits": "8,6,4"}
+
+
 def _split(text: str | None, what: str, cast: Any) -> list[Any] | None:
     if text is None:
         return None
@@ -57,7 +60,8 @@ def _split(text: str | None, what: str, cast: Any) -> list[Any] | None:
             out.append(cast(part))
         except ValueError:
             raise ConfigError(
-                f"{what} {part!r} is not a number; give a comma-separated list, e.g. {what} 8,6,4"
+                f"{what} {part!r} is not a number; give a comma-separated list, e.g. {what} "
+                f"{_EXAMPLES.get(what, '1,2,3')}"
             ) from None
     if not out:
         raise ConfigError(f"{what} is empty; give a comma-separated list")

@@ -147,8 +147,7 @@ class Source:
             files = [path]
         else:
             raise DataError(
-                f"{self.label}: {path} does not exist; fix the path in the recipe (relative paths "
-                f"start at {self.base_dir})"
+                f"{self.label}: {path} does not exist; fix the path (relative paths start at {self.base_dir})"
             )
         return files
 

@@ -176,25 +176,28 @@ def find_resume_checkpoint(ckpt_dir: Path) -> ResumePoint | None:
         for e in reversed(entries):
             path = ckpt_dir / e["file"]
             if not path.exists():
-                warnings.append(f"checkpoint {path.name} is listed but missing; trying an older one")
+                warnings.append(f"checkpoint {path.name} is listed but missing")
                 continue
             if sha256_file(path) != e["sha256"]:
-                warnings.append(
-                    f"checkpoint {path.name} is damaged (checksum mismatch); falling back to an older one"
-                )
+                warnings.append(f"checkpoint {path.name} is damaged (checksum mismatch)")
                 continue
-            return ResumePoint(path, int(e["step"]), warnings)
+            return ResumePoint(path, int(e["step"]), _falling_back(warnings, path))
     for path in sorted(ckpt_dir.glob("step-*.ckpt"), reverse=True):
         if any(path.name == e["file"] for e in entries) or path.is_dir():
             continue  # already judged above (or an unindexed sharded folder: not trusted)
         try:
             ckpt = load_checkpoint_file(path)
         except CheckpointError:
-            warnings.append(f"checkpoint {path.name} cannot be loaded; falling back to an older one")
+            warnings.append(f"checkpoint {path.name} cannot be loaded")
             continue
-        return ResumePoint(path, int(ckpt.get("global_step", 0)), warnings)
+        return ResumePoint(path, int(ckpt.get("global_step", 0)), _falling_back(warnings, path))
     if warnings:
         raise CheckpointError(
             f"no intact checkpoint in {ckpt_dir} ({'; '.join(warnings)}); start the run again with --overwrite"
         )
     return None
+
+
+def _falling_back(reasons: list[str], used: Path) -> list[str]:
+    """The warnings of a resume that skipped newer checkpoints: each, and where it resumes."""
+    return [f"{r}; resuming from the older {used.name}" for r in reasons]
