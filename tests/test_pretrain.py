@@ -611,3 +611,18 @@ def test_records_skipped_under_skip_are_counted_in_the_start_table(workspace, tm
     )
     out = " ".join(capsys.readouterr().out.split())
     assert "skipped records" in out and "1 malformed (data.on_bad_record: skip); the first:" in out
+
+
+def test_a_run_that_lost_its_recipe_is_named_a_run_not_a_folder_to_remove(workspace, capsys):
+    p = workspace(steps=2, save_every=2)
+    assert main(["pretrain", str(p), "--no-progress"]) == 0
+    run = p.parent / "runs" / "r"
+    saved = (run / "recipe.yaml").read_text()
+    (run / "recipe.yaml").unlink()
+    capsys.readouterr()
+    assert main(["pretrain", str(p), "--resume", "train.max_steps=4", "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "holds a run (config.json or checkpoints/) whose recipe.yaml is missing; restore it" in err
+    assert "remove it" not in err and (run / "checkpoints").is_dir()
+    (run / "recipe.yaml").write_text(saved)  # restored as told: the run resumes
+    assert main(["pretrain", str(p), "--resume", "train.max_steps=4", "--no-progress"]) == 0

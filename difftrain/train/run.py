@@ -277,6 +277,12 @@ def prepare_run_dir(
             raise RunDirError(f"--resume: {run_dir} holds no run yet; start it without --resume")
         return False, None
     if not existing.is_file():
+        if (run_dir / CONFIG).is_file() or (run_dir / CHECKPOINTS).is_dir():  # a run that lost its recipe
+            raise RunDirError(
+                f"{run_dir} holds a run ({CONFIG} or {CHECKPOINTS}/) whose {RECIPE} is missing; restore it "
+                f"(the recipe the run was started with, as {run_dir / RECIPE}) to resume, or start over with "
+                "--overwrite"
+            )
         raise RunDirError(
             f"{run_dir} exists and is not a difftrain run directory; choose another `name`/`out_dir` or remove it"
         )
