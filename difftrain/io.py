@@ -249,3 +249,16 @@ def json_error_reason(e: json.JSONDecodeError) -> str:
     """json's message with the column it leaves out of e.msg ("Unterminated string starting at
     column 10"); the line is for the caller to name."""
     return f"{e.msg.removesuffix(' at')} at column {e.colno}"
+
+
+def lazy_getattr(package: str, table: dict[str, str]) -> Any:
+    """A package's module `__getattr__` that imports `package.<table[name]>` on the first use of
+    `name` (the packages that re-export torch code stay cheap to import)."""
+    import importlib
+
+    def __getattr__(name: str) -> Any:
+        if name in table:
+            return getattr(importlib.import_module(f"{package}.{table[name]}"), name)
+        raise AttributeError(f"module {package!r} has no attribute {name!r}")
+
+    return __getattr__

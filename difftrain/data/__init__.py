@@ -13,7 +13,7 @@ Heavy modules (torch, lightning) load only when `modules` is first used.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from difftrain.data.config import (
     SPECIAL_TOKENS,
@@ -24,6 +24,7 @@ from difftrain.data.config import (
     TokenizerConfig,
     TokenizerTrainConfig,
 )
+from difftrain.io import lazy_getattr
 
 if TYPE_CHECKING:
     from difftrain.data.builtin import Needle, NeedleExample, make_needle_example
@@ -61,13 +62,7 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        import importlib
-
-        module = importlib.import_module(f"difftrain.data.{_LAZY[name]}")
-        return getattr(module, name)
-    raise AttributeError(f"module 'difftrain.data' has no attribute {name!r}")
+__getattr__ = lazy_getattr(__name__, _LAZY)
 
 
 __all__ = [

@@ -5,9 +5,9 @@ Imports nothing from the rest of difftrain except the leaf modules `errors` and 
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from difftrain.io import lazy_getattr
 from difftrain.model.config import ModelConfig, lambda_init, num_params
 
 if TYPE_CHECKING:
@@ -25,8 +25,4 @@ _LAZY = {
     "Transformer": "transformer",
 }
 
-
-def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        return getattr(importlib.import_module(f"difftrain.model.{_LAZY[name]}"), name)
-    raise AttributeError(f"module 'difftrain.model' has no attribute {name!r}")
+__getattr__ = lazy_getattr(__name__, _LAZY)
