@@ -166,12 +166,20 @@ def _uncreatable(run_dir: Path, why: str) -> DifftrainError:
 def check_run_dir_creatable(run_dir: str | os.PathLike[str]) -> None:
     """Refuse, writing nothing, a run directory that cannot be created or written (`pretrain
     --dry-run` checks what `make_run_dir` would find)."""
-    run_dir = Path(run_dir)
-    base = _nearest_existing(run_dir)
+    why = uncreatable_reason(Path(run_dir))
+    if why is not None:
+        raise _uncreatable(Path(run_dir), why)
+
+
+def uncreatable_reason(folder: Path) -> str | None:
+    """Why `folder` (and its missing parents) cannot be created and written, judged by its
+    nearest existing ancestor without writing anything; None when it can."""
+    base = _nearest_existing(folder)
     if not base.is_dir():
-        raise _uncreatable(run_dir, f"{base} is not a folder")
+        return f"{base} is not a folder"
     if not os.access(base, os.W_OK | os.X_OK):
-        raise _uncreatable(run_dir, f"{base} is not writable")
+        return f"{base} is not writable"
+    return None
 
 
 def make_run_dir(run_dir: str | os.PathLike[str]) -> None:

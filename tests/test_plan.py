@@ -236,12 +236,12 @@ def test_planned_peak_matches_the_tensor_peak_of_a_real_training_step(arch, chec
 
 
 def test_pretrain_adds_the_plan_warning_to_its_start_up_warnings_only_when_needed():
-    from difftrain.train.run import _with_memory_warning
+    from difftrain.train.run import memory_warnings
 
     too_big = load_recipe("quickstart", ["train.micro_batch_size=65536", "train.global_batch_size=65536"])
-    info = _with_memory_warning({"data": None}, too_big, "cpu", None)
-    assert len(info["warnings"]) == 1 and "difftrain plan" in info["warnings"][0]
-    assert "warnings" not in _with_memory_warning({"data": None}, load_recipe("quickstart"), "cpu", None)
+    warnings = memory_warnings(too_big, "cpu")
+    assert len(warnings) == 1 and "difftrain plan" in warnings[0]
+    assert memory_warnings(load_recipe("quickstart"), "cpu") == []
 
 
 def test_a_finetune_is_planned_before_its_base_run_exists_with_the_model_of_the_recipe_that_writes_it(

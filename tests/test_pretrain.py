@@ -622,7 +622,7 @@ def test_a_run_that_lost_its_recipe_is_named_a_run_not_a_folder_to_remove(worksp
     capsys.readouterr()
     assert main(["pretrain", str(p), "--resume", "train.max_steps=4", "--no-progress"]) == 2
     err = capsys.readouterr().err
-    assert "holds a run (config.json or checkpoints/) whose recipe.yaml is missing; restore it" in err
+    assert "holds a run (config.json) whose recipe.yaml is missing; restore it" in err
     assert "remove it" not in err and (run / "checkpoints").is_dir()
     (run / "recipe.yaml").write_text(saved)  # restored as told: the run resumes
     assert main(["pretrain", str(p), "--resume", "train.max_steps=4", "--no-progress"]) == 0

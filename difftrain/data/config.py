@@ -292,14 +292,10 @@ class DataConfig(BaseModel):
         """The cache folder, refused (writing nothing) when it cannot be created or written: a
         DataError that names the setting it came from."""
         from difftrain.errors import DataError
+        from difftrain.io import uncreatable_reason
 
         path = self.resolved_cache_dir()
-        p = path.absolute()
-        while not p.exists() and p != p.parent:
-            p = p.parent
-        why = f"{p} is not a folder" if not p.is_dir() else None
-        if why is None and not os.access(p, os.W_OK | os.X_OK):
-            why = f"{p} is not writable"
+        why = uncreatable_reason(path)
         if why is None:
             return path
         if self.cache_dir:

@@ -476,7 +476,6 @@ def prepare_data(
     recipe's folder. progress: called with `PrepareProgress` reports while text is read.
     """
     t0 = time.perf_counter()
-    data_cfg.check_cache_dir()
     base = Path(base_dir).expanduser().resolve()
     sources = resolve_sources(data_cfg, base)
     tok_path, tok_cached, tok_seconds = prepare_tokenizer(

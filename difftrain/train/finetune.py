@@ -30,8 +30,8 @@ from difftrain.train.run import (
     Plan,
     TrainResult,
     _quiet_lightning,
-    _with_memory_warning,
     fit,
+    memory_warnings,
     plan_run,
     prepare_run_dir,
     resumed_run_files,
@@ -543,7 +543,6 @@ def finetune(
     if t.activation_checkpointing:
         model.set_activation_checkpointing(True)
 
-    info = _with_memory_warning(info, r, plan.accelerator, point)  # `difftrain plan` covers fine-tunes too
     with training_into(run_dir, dist, r, tokenizer, fresh=not resuming, replace=overwrite, restore=restore):
         result = fit(
             r,
@@ -560,6 +559,7 @@ def finetune(
             extra_callbacks=extra_callbacks,
             fault_hook=fault_hook,
             info=info,
+            warnings=memory_warnings(r, plan.accelerator),  # `difftrain plan` covers fine-tunes too
             export=export,
             save_frozen=ft.method == "full",
             step_seed=r.seed,

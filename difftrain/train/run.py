@@ -277,9 +277,9 @@ def prepare_run_dir(
             raise RunDirError(f"--resume: {run_dir} holds no run yet; start it without --resume")
         return False, None
     if not existing.is_file():
-        if (run_dir / CONFIG).is_file() or (run_dir / CHECKPOINTS).is_dir():  # a run that lost its recipe
+        if holds_run(run_dir):  # a run that lost its recipe (its config.json is there)
             raise RunDirError(
-                f"{run_dir} holds a run ({CONFIG} or {CHECKPOINTS}/) whose {RECIPE} is missing; restore it "
+                f"{run_dir} holds a run ({CONFIG}) whose {RECIPE} is missing; restore it "
                 f"(the recipe the run was started with, as {run_dir / RECIPE}) to resume, or start over with "
                 "--overwrite"
             )
@@ -548,18 +548,17 @@ def pretrain(
             on_start=on_start,
             extra_callbacks=extra_callbacks,
             fault_hook=fault_hook,
-            info=_with_data_note(
-                _with_memory_warning({"data": prepared}, r, plan.accelerator, point), dm, point
-            ),
+            info={"data": prepared},
+            warnings=[*memory_warnings(r, plan.accelerator), *([dm.val_note] if dm.val_note else [])],
             tokens_per_micro_batch=r.train.micro_batch_size * plan.seq_len,
         )
     dist.join()  # the ranks this process started have finished too
     return result
 
 
-def _with_memory_warning(info: dict[str, Any], r: Recipe, accelerator: str, point: Any) -> dict[str, Any]:
-    """Add `difftrain plan`'s warning when the run (pretraining or fine-tuning) will not fit this
-    device (CUDA: the GPU's memory; CPU: the RAM) to the start-up warnings. The planner only
+def memory_warnings(r: Recipe, accelerator: str) -> list[str]:
+    """`difftrain plan`'s warning when the run (pretraining or fine-tuning) will not fit this
+    device (CUDA: the GPU's memory; CPU: the RAM), for the start-up warnings. The planner only
     advises: it never stops a run."""
     from difftrain.plan import fit_warning
 
@@ -567,18 +566,8 @@ def _with_memory_warning(info: dict[str, Any], r: Recipe, accelerator: str, poin
         warning = fit_warning(r, accelerator)
     except Exception as e:  # a planner failure must not cost the user a run
         logging.getLogger(__name__).debug("memory plan skipped: %s", e)
-        return info
-    if warning:
-        info["warnings"] = [*(point.warnings if point else []), warning]
-    return info
-
-
-def _with_data_note(info: dict[str, Any], dm: Any, point: Any) -> dict[str, Any]:
-    """Add the data module's note (validation windows capped) to the start-up warnings."""
-    note = getattr(dm, "val_note", None)
-    if note:
-        info["warnings"] = [*info.get("warnings", point.warnings if point else []), note]
-    return info
+        return []
+    return [warning] if warning else []
 
 
 def fit(
@@ -597,6 +586,7 @@ def fit(
     extra_callbacks: list[Any] | None = None,
     fault_hook: Any = None,
     info: dict[str, Any] | None = None,
+    warnings: Sequence[str] = (),
     export: Any = None,
     save_frozen: bool = True,
     step_seed: int | None = None,
@@ -728,7 +718,7 @@ def fit(
         "trainable_params": n_trainable,
         "total_params": n_total,
         "resumed_from": point.step if point else None,
-        "warnings": point.warnings if point else [],
+        "warnings": [*(point.warnings if point else []), *warnings],  # the resume's, then the caller's
         "device": _device_name(plan.accelerator),
         **(info or {}),
     }
