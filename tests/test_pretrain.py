@@ -176,6 +176,47 @@ def test_resume_continues_the_exact_loss_curve(workspace, arch):
         assert sorted(losses(resumed.run_dir)) == [1, 2, 3, 4, 5, 6, 7, 8]
 
 
+def val_losses(run_dir: Path) -> dict[int, float]:
+    return {r["step"]: r["val/loss"] for r in read_metrics(run_dir / "metrics.csv") if "val/loss" in r}
+
+
+class CopyAtValidation(L.Callback):
+    """Copy the run directory as it is on disk when the validation of step `step` starts: what a
+    SIGKILL at that instant would leave."""
+
+    def __init__(self, step: int, dest: Path) -> None:
+        self.step, self.dest = step, dest
+
+    def on_validation_start(self, trainer, pl_module):
+        if trainer.state.fn == "fit" and trainer.global_step == self.step:
+            run_cb = next(c for c in trainer.callbacks if isinstance(c, RunCallback))
+            shutil.copytree(run_cb.run_dir, self.dest)
+
+
+def test_a_checkpoint_keeps_the_validation_of_its_step_through_a_kill_or_a_stop(workspace, tmp_path):
+    """A save_every step that is also a val_every step is saved after its validation: a kill
+    during a later validation, or a graceful stop at that step, resumes with every validation of
+    the uninterrupted run (a resume does not validate the step it starts from again)."""
+    full = pretrain(load_recipe(workspace(name="full", steps=12, save_every=4)))
+    want = val_losses(full.run_dir)
+    assert sorted(want) == [4, 8, 12]
+    killed = tmp_path / "runs" / "killed"
+    pretrain(
+        load_recipe(workspace(name="live", steps=12, save_every=4)),
+        extra_callbacks=[CopyAtValidation(8, killed)],
+    )
+    assert find_resume_checkpoint(killed / "checkpoints").step == 4
+    assert val_losses(killed) == {4: want[4]}  # the checkpoint's metrics hold its validation
+    resumed = pretrain(load_recipe(killed), resume=True)
+    assert resumed.resumed_from == 4 and val_losses(killed) == want
+    p = workspace(name="stopped", steps=12, save_every=4)
+    with pytest.raises(StopRequested):
+        pretrain(load_recipe(p), extra_callbacks=[StopAt(4)])  # a SIGTERM at a val_every step
+    assert val_losses(full.run_dir.parent / "stopped") == {4: want[4]}
+    assert pretrain(load_recipe(p), resume=True).resumed_from == 4
+    assert val_losses(full.run_dir.parent / "stopped") == want
+
+
 def test_a_resume_may_split_the_global_batch_differently_but_not_change_it(workspace, capsys):
     """Micro-batch and activation checkpointing only change memory: the steps that follow see the
     same samples (the data position counts samples) and give the same losses up to summation order."""
@@ -193,6 +234,17 @@ def test_a_resume_may_split_the_global_batch_differently_but_not_change_it(works
         a,
         b,
     )  # 4 micro-batches of 1 sum in another order
+    # validations stay on the val_every steps, though the run has taken 4 micro-batches per step
+    # since the resume instead of 2
+    more = pretrain(
+        load_recipe(resumed.run_dir, ["train.max_steps=12", "train.micro_batch_size=4"]), resume=True
+    )
+    assert more.resumed_from == 6 and sorted(val_losses(more.run_dir)) == [
+        4,
+        6,
+        8,
+        12,
+    ]  # 6: the end of the first run
     # a global batch of 2 instead of 4 is another run (each step would see other samples)
     assert (
         main(["pretrain", str(p), "--resume", "--dry-run", "train.max_steps=8", "train.global_batch_size=2"])

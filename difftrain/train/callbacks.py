@@ -141,7 +141,9 @@ class RunCallback(L.Callback):
         spike_rollback: bool = False,
         spike_lr_factor: float = 0.5,
         warmup_steps: int = 0,
+        val_every: int = 0,
     ) -> None:
+        self.val_every = val_every  # 0: no validation during training
         self.spike_factor = spike_factor
         self.spike_rollback = spike_rollback
         self.spike_lr_factor = spike_lr_factor
@@ -208,6 +210,12 @@ class RunCallback(L.Callback):
         self._window_step = trainer.global_step
         self._window_tokens = pl_module.tokens_seen
         self.state.saved_step = trainer.global_step if trainer.global_step > 0 else -1
+        # Validation every val_every optimizer steps, decided here rather than by Lightning, which
+        # counts micro-batches since the run began: a resume that splits the global batch into
+        # another number of micro-batches would move its validations off the val_every steps.
+        trainer.fit_loop.epoch_loop._should_check_val_fx = lambda data_fetcher: self.validates(
+            trainer, pl_module
+        )
         self.peak_flops = peak_flops(pl_module.device)
         self._sec_per_step = None
         # A live bar on a terminal; in a log file (or with the bar off) a plain line per log step:
@@ -247,6 +255,22 @@ class RunCallback(L.Callback):
             self._line(trainer, pl_module, step)
         self._check_spike(trainer, pl_module, step)
         self._show(trainer, pl_module)
+        if not self.validates(trainer, pl_module):  # else after the validation (on_validation_end)
+            self._save_or_stop(trainer, pl_module)
+
+    def validates(self, trainer: L.Trainer, pl_module: Any) -> bool:
+        """Whether the optimizer step just taken is followed by a validation."""
+        return (
+            self.val_every > 0
+            and getattr(pl_module, "stepped", False)
+            and trainer.global_step % self.val_every == 0
+        )
+
+    def _save_or_stop(self, trainer: L.Trainer, pl_module: Any) -> None:
+        """The checkpoint of a save_every step, and the stop a signal asked for: after the step's
+        validation where it has one, so that the metrics a checkpoint keeps include that step's
+        validation (a resume does not validate the step it resumes from again)."""
+        step = trainer.global_step
         if step % self.save_every == 0 and step < trainer.max_steps:
             self.save(trainer, pl_module)
         if self._stop_signal is not None:
@@ -397,6 +421,8 @@ class RunCallback(L.Callback):
             self._show(trainer, pl_module)  # validation runs after the step's update of the bar
             if trainer.global_step > 0:  # not Lightning's sanity check
                 self._line(trainer, pl_module, trainer.global_step, val=v)
+        if trainer.state.fn == "fit" and self.validates(trainer, pl_module):
+            self._save_or_stop(trainer, pl_module)
 
     def on_train_end(self, trainer: L.Trainer, pl_module: Any) -> None:
         if self.state.saved_step != trainer.global_step and trainer.global_step > 0:

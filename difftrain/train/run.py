@@ -670,6 +670,7 @@ def fit(
         spike_rollback=t.spike_rollback,
         spike_lr_factor=t.spike_lr_factor,
         warmup_steps=r.optim.warmup_steps,
+        val_every=t.val_every if has_val else 0,
     )
     loggers: list[Any] = [MetricsCSV(run_dir / METRICS, resume_step=point.step if point else None)]
     tb = r.logging.tensorboard

@@ -11,8 +11,8 @@ checks each snapshot against an uninterrupted reference run of the same recipe:
 - the checkpoint `--resume` picks holds exactly the reference's weights, optimizer position and
   data position at its step, and the next process resumed from that very step;
 - model.safetensors, whenever present, holds exactly the reference's weights at its step;
-- the chain's final weights and loss curve equal the uninterrupted run's bit for bit, and no
-  temporary file is left behind.
+- the chain's final weights, loss curve and validations equal the uninterrupted run's bit for
+  bit, and no temporary file is left behind.
 
 The same is done for `difftrain prepare`: a kill while the tokenizer or the token shards are
 being built never leaves a cache entry that looks valid but is not.
@@ -244,6 +244,10 @@ def test_the_killed_chain_ends_exactly_where_an_uninterrupted_run_does(chain):
     curve = {r["step"]: r["train/loss"] for r in read_metrics(run / "metrics.csv") if "train/loss" in r}
     ref_curve = {r["step"]: r["train/loss"] for r in read_metrics(ref / "metrics.csv") if "train/loss" in r}
     assert curve == ref_curve and sorted(curve) == list(range(1, STEPS + 1))
+    # and every validation of it: a checkpoint at a val_every step is written after its validation
+    val = {r["step"]: r["val/loss"] for r in read_metrics(run / "metrics.csv") if "val/loss" in r}
+    ref_val = {r["step"]: r["val/loss"] for r in read_metrics(ref / "metrics.csv") if "val/loss" in r}
+    assert val == ref_val and sorted(val) == list(range(5, STEPS + 1, 5))
     assert read_json(run / "summary.json")["steps"] == STEPS
     assert len(list((run / "checkpoints").glob("step-*.ckpt"))) == 2  # keep_checkpoints
     assert tmp_leftovers(run) == []  # torn temporary files of the killed writes were cleaned up
