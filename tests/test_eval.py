@@ -49,7 +49,14 @@ def make_corpus(root: Path) -> Path:
 
 
 def make_run(
-    root: Path, name: str, arch: str, *, seed: int = 0, tokenizer=None, init_std: float = 0.1
+    root: Path,
+    name: str,
+    arch: str,
+    *,
+    seed: int = 0,
+    tokenizer=None,
+    init_std: float = 0.1,
+    max_seq_len: int = SEQ,
 ) -> Path:
     """A run directory holding a random tiny model: config, weights, tokenizer, recipe.yaml."""
     corpus = make_corpus(root)
@@ -62,7 +69,13 @@ def make_run(
     torch.manual_seed(seed)
     # vocab 448 > the tokenizer's 420 ids: the padded rows a real run has too
     cfg = ModelConfig(
-        arch=arch, vocab_size=448, d_model=32, n_layers=2, n_heads=4, max_seq_len=SEQ, init_std=init_std
+        arch=arch,
+        vocab_size=448,
+        d_model=32,
+        n_layers=2,
+        n_heads=4,
+        max_seq_len=max_seq_len,
+        init_std=init_std,
     )
     cfg.to_json(run / "config.json")
     save_weights(run / "model.safetensors", Transformer(cfg))
@@ -427,8 +440,16 @@ def test_eval_unknown_suite_suggests_the_closest_name(runs, capsys):
         (["--suite", "icl-order", "--demos", "0"], "--demos 0 must be ≥ 2"),  # not "the default"
         (["--suite", "icl-order", "--permutations", "0"], "--permutations 0 must be ≥ 2"),
         (["--lengths", "64,abc"], "--lengths 'abc' is not a number"),
-        (["--suite", "needle", "--lengths", "40", "--needles", "4x1"], "too short for 4 needles"),
-        (["--suite", "attention", "--lengths", "1000"], "--lengths 1000 does not fit"),
+        (
+            ["--suite", "needle", "--lengths", "40", "--needles", "4x1"],
+            "with 4 needles: a haystack of at least",
+        ),
+        (
+            ["--suite", "needle", "--lengths", "10", "--needles", "1x1"],
+            "--lengths 10 is too short for 1 needles",
+        ),
+        (["--suite", "attention", "--lengths", "1000"], "with 4 needles: a haystack"),
+        (["--suite", "attention", "--needles", "1x1", "--lengths", "1000"], "--lengths 1000 does not fit"),
     ],
 )
 def test_eval_rejects_bad_options_with_one_line(runs, capsys, args, message):
@@ -467,6 +488,47 @@ def test_without_matplotlib_figures_are_skipped_with_a_note_and_plot_requests_fa
     assert "pip install 'difftrain[plot]'" in _error(capsys)
     assert main(["compare", str(runs["baseline"]), str(runs["diff"]), "--plot", "x.png"]) == 2
     assert "pip install 'difftrain[plot]'" in _error(capsys)
+
+
+def test_a_context_too_short_for_a_suite_names_the_context_it_needs_or_an_option_that_fits(runs):
+    """The advice of a refusal can be followed: the context named is the shortest that works,
+    and fewer needles or demonstrations are offered only where they fit."""
+    from difftrain.evals.icl import prompts
+    from difftrain.evals.needle import default_grid, max_context, min_context
+
+    tok = load_run(runs["baseline"]).tokenizer
+    one = EvalOptions(needles=[(1, 1)])
+    need = min(n for n in range(8, 400) if min_context(tok, 1) <= max_context(tok, n, 1, 1))
+    default_grid(tok, need, one)
+    for opts in (one, EvalOptions(), EvalOptions(lengths=[8])):
+        with pytest.raises(ConfigError, match=f"even with one needle: .* max_seq_len is at least {need}$"):
+            default_grid(tok, need - 1, opts)
+    with pytest.raises(ConfigError, match="too short for a needle test with 4 needles.*; use --needles 1x1$"):
+        default_grid(tok, need, EvalOptions(needles=[(4, 1)]))
+    least = prompts(tok, 10_000, EvalOptions(demos=2)).longest
+    assert prompts(tok, least, EvalOptions()).demos == 2  # the default shrinks to what fits
+    for opts in (EvalOptions(), EvalOptions(demos=2), EvalOptions(demos=8)):
+        with pytest.raises(ConfigError, match=f"fewest demonstrations \\(2\\).* at least {least}$"):
+            prompts(tok, least - 1, opts)
+    six = prompts(tok, 10_000, EvalOptions(demos=6)).longest
+    with pytest.raises(ConfigError, match="use --demos [3-6] or fewer$") as e:
+        prompts(tok, six, EvalOptions(demos=8))
+    fewer = int(str(e.value).split("--demos ")[-1].split()[0])
+    assert prompts(tok, six, EvalOptions(demos=fewer)).demos == fewer
+
+
+def test_suite_all_skips_the_suites_a_short_context_cannot_run_and_runs_the_others(runs, tmp_path, capsys):
+    short = make_run(
+        tmp_path, "short", "diff", tokenizer=load_run(runs["baseline"]).tokenizer, max_seq_len=48
+    )
+    assert main(["eval", str(short), "--suite", "all", "--windows", "2", "--no-plot"]) == 0
+    err = capsys.readouterr().err
+    for suite in ("needle", "attention", "icl-order"):
+        assert f"skipped {suite}: " in err
+        assert not (short / "eval" / f"{suite}.json").exists()
+    assert sorted(p.name for p in (short / "eval").iterdir()) == ["outliers.json", "ppl.json", "quant.json"]
+    assert main(["eval", str(short), "--suite", "all,needle"]) == 2  # named: it must run
+    assert "even with one needle" in _error(capsys)
 
 
 def test_suite_lists_accept_commas_repeats_and_all():

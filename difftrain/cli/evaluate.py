@@ -85,6 +85,15 @@ def parse_suites(values: list[str] | None) -> list[str]:
     return names
 
 
+def named_suites(values: list[str] | None) -> set[str]:
+    """The suites --suite names itself (not only through `all`): those must run; a suite that
+    only `all` brings in is skipped, with a note, where it cannot run on the model."""
+    from difftrain.evals import check_suite
+
+    parts = [p.strip() for v in values or ["ppl"] for p in v.split(",")]
+    return {check_suite(p) for p in parts if p and p.lower() != "all"}
+
+
 # ----- rendering -------------------------------------------------------------------------------
 def _f(v: Any, spec: str = ".4f") -> str:
     if v is None:
@@ -366,8 +375,16 @@ def eval_command(
     dt = resolve_dtype(dtype, dev)
     run = load_run(run_dir, device=dev, dtype=dt)
     cpu_inference_layout(run.model)
+    named = named_suites(suite)
+    skipped: dict[str, str] = {}
     for s in suites:
-        preflight(run, s, opts)
+        try:
+            preflight(run, s, opts)
+        except ConfigError as e:
+            if s in named:
+                raise
+            skipped[s] = str(e)
+    suites = [s for s in suites if s not in skipped]
     if not as_json:
         n = sum(p.numel() for p in run.model.parameters())
         err_console.print(
@@ -375,6 +392,8 @@ def eval_command(
             f" · {dev} {str(dt).removeprefix('torch.')}",
             soft_wrap=True,
         )
+    for s, why in skipped.items():
+        err_console.print(f"[yellow]skipped {s}: {escape(why)}[/]", soft_wrap=True)
     docs = {}
     for s in suites:
         doc = _run_with_progress(run, s, opts, show=not as_json and err_console.is_terminal)

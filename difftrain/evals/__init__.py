@@ -79,6 +79,10 @@ def preflight(run: Any, suite: str, opts: EvalOptions) -> None:
         from difftrain.evals.needle import default_grid
 
         default_grid(tok, max_len, replace(opts, needles=opts.needles or NEEDLES_DEFAULT), quick_lengths=1)
+    elif suite == "icl-order":
+        from difftrain.evals.icl import prompts
+
+        prompts(tok, max_len, opts)
 
 
 def evaluate(

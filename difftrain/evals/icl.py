@@ -23,6 +23,7 @@ best − worst margin (the order sensitivity); chance is 0.5.
 from __future__ import annotations
 
 import random
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -119,21 +120,25 @@ def fitting_demos(tokenizer: Any, max_len: int, want: int, seed: int) -> int:
     return d
 
 
-def run(run: Run, opts: EvalOptions, progress: Progress = _no_progress) -> SuiteOutput:
-    base = FULL if opts.full else QUICK
-    D = base["demos"] if opts.demos is None else opts.demos  # 0 is refused below, not "the default"
-    P = base["permutations"] if opts.permutations is None else opts.permutations
-    M = base["items"] if opts.items is None else opts.items
-    check_positive("--demos", D, 2)
-    check_positive("--permutations", P, 2)
-    check_positive("--items", M, 2)
-    tok, model = run.tokenizer, run.model
-    max_len = run.config.max_seq_len  # type: ignore[attr-defined]
-    if opts.demos is None:  # the default shrinks (in pairs) to what the model's context holds
-        D = fitting_demos(tok, max_len, D, opts.seed)
-    demos = items(opts.seed, D, "demos")
-    tests = items(opts.seed, M, "tests")
-    rng = random.Random(stable_seed("icl-order", "orders", opts.seed))
+@dataclass
+class Prompts:
+    """The token ids the suite scores: one prefix (demonstrations) per order, one suffix per
+    test item, one candidate per label; `longest` is the longest prefix + suffix + candidate."""
+
+    demos: int
+    permutations: int
+    items: int
+    orders: list[list[int]]
+    prefixes: list[list[int]]
+    suffixes: list[list[int]]
+    cands: list[list[int]]
+    longest: int
+
+
+def _prompts(tok: Any, D: int, P: int, M: int, seed: int) -> Prompts:
+    demos = items(seed, D, "demos")
+    tests = items(seed, M, "tests")
+    rng = random.Random(stable_seed("icl-order", "orders", seed))
     orders: list[list[int]] = []
     seen: set[tuple[int, ...]] = set()
     for _ in range(100 * P):
@@ -151,12 +156,56 @@ def run(run: Run, opts: EvalOptions, progress: Progress = _no_progress) -> Suite
         for o in orders
     ]
     longest = max(len(p) for p in prefixes) + max(len(x) for x in suffixes) + max(len(c) for c in cands)
-    if longest > max_len:
-        per = longest / (D + 1)
+    return Prompts(D, P, M, orders, prefixes, suffixes, cands, longest)
+
+
+def prompts(tok: Any, max_len: int, opts: EvalOptions) -> Prompts:
+    """The prompts the options ask for, checked against the model's context (a ConfigError
+    naming an option that fits, or the context the suite needs, when they do not fit)."""
+    base = FULL if opts.full else QUICK
+    D = base["demos"] if opts.demos is None else opts.demos  # 0 is refused below, not "the default"
+    P = base["permutations"] if opts.permutations is None else opts.permutations
+    M = base["items"] if opts.items is None else opts.items
+    check_positive("--demos", D, 2)
+    check_positive("--permutations", P, 2)
+    check_positive("--items", M, 2)
+    if opts.demos is None:  # the default shrinks (in pairs) to what the model's context holds
+        D = fitting_demos(tok, max_len, D, opts.seed)
+    out = _prompts(tok, D, P, M, opts.seed)
+    if out.longest <= max_len:
+        return out
+    step = 1 if opts.demos is not None else 2  # the default keeps half of each label
+    fewer = next(
+        (d for d in range(D - step, 1, -step) if _prompts(tok, d, P, M, opts.seed).longest <= max_len), None
+    )
+    if fewer is not None:
+        if opts.demos is None:
+            return _prompts(tok, fewer, P, M, opts.seed)
         raise ConfigError(
-            f"--demos {D}: the prompts are up to {longest} tokens but max_seq_len={max_len}; "
-            f"use --demos {max(2, int(max_len / per) - 1)} or fewer"
+            f"--demos {D}: the prompts are up to {out.longest} tokens but max_seq_len={max_len}; "
+            f"use --demos {fewer} or fewer"
         )
+    least = out if D == 2 else _prompts(tok, 2, P, M, opts.seed)
+    raise ConfigError(
+        f"icl-order does not fit max_seq_len={max_len}: prompts with the fewest demonstrations (2) take up to "
+        f"{least.longest} tokens; evaluate a model whose max_seq_len is at least {least.longest}"
+    )
+
+
+def run(run: Run, opts: EvalOptions, progress: Progress = _no_progress) -> SuiteOutput:
+    tok, model = run.tokenizer, run.model
+    pr = prompts(tok, run.config.max_seq_len, opts)  # type: ignore[attr-defined]
+    D, P, M, orders, prefixes, suffixes, cands, longest = (
+        pr.demos,
+        pr.permutations,
+        pr.items,
+        pr.orders,
+        pr.prefixes,
+        pr.suffixes,
+        pr.cands,
+        pr.longest,
+    )
+    tests = items(opts.seed, M, "tests")
     scores = np.zeros((len(orders), M, len(cands)))
     for k, prefix in enumerate(prefixes):
         scores[k] = label_scores(model, prefix, suffixes, cands, max(1, opts.batch_size))

@@ -229,6 +229,8 @@ def default_grid(
     low = max(min_context(tokenizer, n) for n, _ in needles)
     most = max(needles)
     top = min(max_context(tokenizer, max_seq_len, n, r) for n, r in needles)
+    if top < low:
+        raise ConfigError(_too_short(tokenizer, max_seq_len, most[0], low))
     if opts.lengths:
         lengths = sorted(set(opts.lengths))
         if lengths[-1] > top:
@@ -242,12 +244,6 @@ def default_grid(
                 f"and at least half of a haystack should be filler; use lengths ≥ {low}"
             )
     else:
-        if top < low:
-            raise ConfigError(
-                f"max_seq_len={max_seq_len} is too short for a needle test with {most[0]} needles: a haystack of at "
-                f"least {low} tokens plus the question and answer does not fit; use fewer --needles (e.g. 1x1) "
-                "or a model with a longer context"
-            )
         # top·i/k for i = 1 … k (the paper's evenly spaced lengths), those long enough for the
         # needles; the shortest usable and the longest length when fewer than two remain
         k = 8 if opts.full else quick_lengths
@@ -256,6 +252,22 @@ def default_grid(
             lengths = sorted({low, top})
     return NeedleGrid(
         lengths=lengths, depths=[float(d) for d in depths], needles=list(needles), samples=samples
+    )
+
+
+def _too_short(tokenizer: Any, max_seq_len: int, n: int, low: int) -> str:
+    """Why no haystack fits: with fewer needles when one needle would fit, else the context the
+    test needs."""
+    one = max_context(tokenizer, max_seq_len, 1, 1)
+    if n > 1 and min_context(tokenizer, 1) <= one:
+        return (
+            f"max_seq_len={max_seq_len} is too short for a needle test with {n} needles: a haystack of at least "
+            f"{low} tokens plus the question and answer does not fit; use --needles 1x1"
+        )
+    need = max_seq_len + min_context(tokenizer, 1) - one
+    return (
+        f"max_seq_len={max_seq_len} is too short for a needle test, even with one needle: it needs a context of "
+        f"at least {need} tokens; evaluate a model whose max_seq_len is at least {need}"
     )
 
 
