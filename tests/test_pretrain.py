@@ -255,6 +255,20 @@ def test_a_resume_may_split_the_global_batch_differently_but_not_change_it(works
     assert "set train.global_batch_size=4" in err
 
 
+def test_the_run_folder_records_the_global_batch_so_a_resume_may_change_the_micro_batch(workspace):
+    """A recipe without train.global_batch_size trains with micro_batch_size × devices: the run's
+    recipe.yaml writes that number out, so resuming from the run folder with a smaller micro-batch
+    accumulates to the same global batch instead of being refused as another run."""
+    p = workspace(name="nogb", steps=4, save_every=2)
+    p.write_text(p.read_text().replace("  global_batch_size: 4\n", ""))
+    with pytest.raises(StopRequested):
+        pretrain(load_recipe(p), extra_callbacks=[StopAt(2)])
+    run = p.parent / "runs" / "nogb"
+    assert yaml.safe_load((run / "recipe.yaml").read_text())["train"]["global_batch_size"] == 2
+    resumed = pretrain(load_recipe(run, ["train.micro_batch_size=1"]), resume=True)
+    assert resumed.resumed_from == 2 and resumed.summary["tokens"] == 4 * 2 * 32
+
+
 def test_checkpoints_are_pruned_to_keep_and_indexed(workspace):
     r = load_recipe(workspace(steps=8, save_every=2), ["train.keep_checkpoints=2"])
     run = pretrain(r).run_dir

@@ -171,6 +171,9 @@ def plan_run(recipe: Recipe) -> Plan:
             f"{t.micro_batch_size}×{devices}×{t.num_nodes} = {per_step}; pick a multiple of {per_step}"
         )
     accumulate = global_bs // per_step
+    # written out in the run's recipe.yaml: the global batch is the run's, not the micro-batch's,
+    # so a resume from the run folder may change train.micro_batch_size (or devices) and keep it
+    resolved.train.global_batch_size = global_bs
     tokens_per_step = global_bs * seq_len
     max_steps = t.max_steps or -(-t.max_tokens // tokens_per_step)  # type: ignore[operator]  # ceil, exact for any size
     return Plan(
