@@ -190,12 +190,29 @@ def find_resume_checkpoint(ckpt_dir: Path) -> ResumePoint | None:
         except CheckpointError:
             warnings.append(f"checkpoint {path.name} cannot be loaded")
             continue
-        return ResumePoint(path, int(ckpt.get("global_step", 0)), _falling_back(warnings, path))
+        unchecked = (
+            f"{ckpt_dir.name}/{INDEX} is {_index_state(ckpt_dir)}: {path.name} was checked by loading it, "
+            "not against a recorded checksum (the next checkpoint writes a new index)"
+        )
+        return ResumePoint(path, int(ckpt.get("global_step", 0)), [*_falling_back(warnings, path), unchecked])
     if warnings:
         raise CheckpointError(
             f"no intact checkpoint in {ckpt_dir} ({'; '.join(warnings)}); start the run again with --overwrite"
         )
     return None
+
+
+def _index_state(ckpt_dir: Path) -> str:
+    """Why a checkpoint was not found in the index: the index is missing, unreadable, or does
+    not list it."""
+    f = ckpt_dir / INDEX
+    if not f.is_file():
+        return "missing"
+    try:
+        json.loads(f.read_text())["checkpoints"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return "unreadable"
+    return "without an entry for it"
 
 
 def _falling_back(reasons: list[str], used: Path) -> list[str]:

@@ -126,6 +126,15 @@ class LitLM(L.LightningModule):
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_multiplier(self.optim_cfg, self.total_steps))
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
+    def on_train_start(self) -> None:
+        # The next step's lr from this run's schedule. A resume restores the optimizer's lr as the
+        # saved schedule left it: the same value when the run's length is unchanged, but a resume
+        # that changed train.max_steps has a new schedule, which would otherwise start a step late.
+        sched = self.lr_schedulers()
+        opt = self.optimizers()
+        for g, base, fn in zip(opt.param_groups, sched.base_lrs, sched.lr_lambdas, strict=True):
+            g["lr"] = base * fn(sched.last_epoch)
+
     # ---- training --------------------------------------------------------------------------
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
         if self._t0 is None:

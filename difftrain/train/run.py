@@ -338,7 +338,38 @@ def prepare_run_dir(
             f"{run_dir} is at step {point.step} (its last checkpoint), past train.max_steps={plan.max_steps}: "
             f"a resume only trains on; raise train.max_steps above {point.step}, or start again with --overwrite"
         )
+    note = _schedule_note(old, plan, point.step, old_global)
+    if note:
+        point.warnings.append(note)
     return True, point
+
+
+def _schedule_note(old: dict[str, Any], plan: Plan, step: int, old_global: int | None) -> str | None:
+    """A resume whose length changed (train.max_steps / max_tokens) recomputes the learning-rate
+    schedule over the new length: the note says how far the lr of the next step moves from the
+    one the run's own schedule had (a finished cosine run extended warms up again)."""
+    from difftrain.train.optim import lr_multiplier
+
+    t = old.get("train") if isinstance(old, dict) else None
+    if not isinstance(t, dict) or plan.max_steps is None:
+        return None
+    try:
+        before = int(t["max_steps"]) if t.get("max_steps") else None
+        if before is None and t.get("max_tokens") and old_global:
+            before = -(-int(t["max_tokens"]) // (old_global * plan.seq_len))
+    except (TypeError, ValueError):
+        return None
+    cfg = plan.recipe.optim
+    if before is None or before == plan.max_steps or cfg.schedule == "constant":
+        return None
+    was, now = lr_multiplier(cfg, before)(step) * cfg.lr, lr_multiplier(cfg, plan.max_steps)(step) * cfg.lr
+    if abs(now - was) <= 0.05 * was:
+        return None
+    return (
+        f"the run's length changed from {before} to {plan.max_steps} steps: its {cfg.schedule} learning-rate "
+        f"schedule now spans {plan.max_steps} steps, so step {step + 1} runs at lr {now:.2e} where the run's "
+        f"own schedule had {was:.2e}"
+    )
 
 
 def _read_text(path: Path) -> str | None:

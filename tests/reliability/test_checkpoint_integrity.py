@@ -130,8 +130,13 @@ def test_a_damaged_index_falls_back_to_the_step_files_that_load(run_copy):
     _truncate(0.5)(run / "checkpoints" / step_file(6))
     point = resume_point(run)
     assert point.step == 4 and "cannot be loaded" in point.warnings[0]
+    # the integrity check is gone with the index: the resume says so rather than go on silently
+    assert point.warnings[-1].startswith(
+        f"checkpoints/index.json is unreadable: {step_file(4)} was checked by loading it"
+    )
     (run / "checkpoints" / "index.json").unlink()
-    assert resume_point(run).step == 4
+    point = resume_point(run)
+    assert point.step == 4 and point.warnings[-1].startswith("checkpoints/index.json is missing: ")
 
 
 def test_no_intact_checkpoint_is_an_error_that_says_what_to_do(run_copy, capsys):
