@@ -269,6 +269,45 @@ def test_the_run_folder_records_the_global_batch_so_a_resume_may_change_the_micr
     assert resumed.resumed_from == 2 and resumed.summary["tokens"] == 4 * 2 * 32
 
 
+def test_a_longer_resume_follows_the_new_schedule_from_its_first_step_and_says_so(workspace):
+    """Extending a finished cosine run recomputes the schedule over the new length: the first
+    resumed step already runs at the new schedule's lr (not the restored one), with a warning."""
+    from difftrain.train.optim import lr_multiplier
+
+    p = workspace(name="longer", steps=6, save_every=3)
+    first = pretrain(load_recipe(p))
+    assert first.summary["steps"] == 6
+    r = load_recipe(first.run_dir, ["train.max_steps=10"])
+    more = pretrain(r, resume=True)
+    assert more.resumed_from == 6
+    (note,) = [w for w in more.warnings if "schedule" in w]
+    assert "changed from 6 to 10 steps" in note and "step 7 runs at lr" in note
+    lrs = {x["step"]: x["train/lr"] for x in read_metrics(first.run_dir / "metrics.csv") if "train/lr" in x}
+    f_old, f_new = lr_multiplier(r.optim, 6), lr_multiplier(r.optim, 10)
+    assert lrs[6] == pytest.approx(r.optim.lr * f_old(5), rel=1e-6)
+    for step in range(7, 11):
+        assert lrs[step] == pytest.approx(r.optim.lr * f_new(step - 1), rel=1e-6), step
+    assert f_new(6) > 2 * f_old(6)  # the warm-up again that the note announces
+
+
+def test_sigterm_during_start_up_ends_with_one_line_and_exit_143(workspace, capsys, monkeypatch):
+    """Before training installs its own handlers, a SIGTERM (a job scheduler's stop) is reported
+    like a Ctrl-C, not a silent death; Python's handlers are back afterwards."""
+    from difftrain.train import run as run_module
+
+    plan_run = run_module.plan_run
+
+    def terminated(recipe):
+        os.kill(os.getpid(), signal.SIGTERM)
+        return plan_run(recipe)
+
+    monkeypatch.setattr(run_module, "plan_run", terminated)
+    assert main(["pretrain", str(workspace(name="term")), "--no-progress"]) == 143
+    assert capsys.readouterr().err.strip().splitlines()[-1] == "error: interrupted (SIGTERM)"
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
 def test_checkpoints_are_pruned_to_keep_and_indexed(workspace):
     r = load_recipe(workspace(steps=8, save_every=2), ["train.keep_checkpoints=2"])
     run = pretrain(r).run_dir

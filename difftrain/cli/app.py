@@ -123,27 +123,35 @@ def usage_message(e: Exception) -> str:
     return f"{message} (see `{ctx.command_path} --help`)"
 
 
-_CTRL_C = {"seen": False}
+_CTRL_C: dict[str, Any] = {"seen": False, "signal": "Ctrl-C"}
 
 
 def _watch_ctrl_c() -> Callable[[], None]:
-    """Python's own Ctrl-C behaviour (KeyboardInterrupt), noted in `_CTRL_C`; returns the undo.
-    Training installs its own handler (finish the step, save) while it runs."""
+    """Python's own Ctrl-C behaviour (KeyboardInterrupt), noted in `_CTRL_C`, and the same for
+    SIGTERM (which would end the process without a word); returns the undo. Training installs
+    its own handlers (finish the step, save) while it runs."""
     import signal
     import threading
 
-    _CTRL_C["seen"] = False
+    _CTRL_C.update(seen=False, signal="Ctrl-C")
     if threading.current_thread() is not threading.main_thread():
         return lambda: None
-    if signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
-        return lambda: None
+    undo = []
 
-    def on_sigint(signum: int, frame: Any) -> None:
-        _CTRL_C["seen"] = True
+    def on_signal(signum: int, frame: Any) -> None:
+        _CTRL_C.update(seen=True, signal="Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name)
         raise KeyboardInterrupt
 
-    signal.signal(signal.SIGINT, on_sigint)
-    return lambda: signal.signal(signal.SIGINT, signal.default_int_handler)
+    for sig, default in ((signal.SIGINT, signal.default_int_handler), (signal.SIGTERM, signal.SIG_DFL)):
+        if signal.getsignal(sig) is default:
+            signal.signal(sig, on_signal)
+            undo.append((sig, default))
+
+    def restore() -> None:
+        for sig, default in undo:
+            signal.signal(sig, default)
+
+    return restore
 
 
 def _interrupted() -> None:
@@ -155,7 +163,11 @@ def _interrupted() -> None:
         sys.stdout.flush()
     except (OSError, ValueError):
         pass
-    error_line("interrupted (Ctrl-C)")
+    error_line(f"interrupted ({_CTRL_C['signal']})")
+
+
+def _interrupted_code() -> int:
+    return 143 if _CTRL_C["signal"] == "SIGTERM" else 130
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -167,6 +179,7 @@ def main(argv: list[str] | None = None) -> int:
         result = app(args=args, prog_name="difftrain", standalone_mode=False)
         if result == 130 and _CTRL_C["seen"]:  # Typer turns Ctrl-C into a silent return of 130
             _interrupted()
+            result = _interrupted_code()
     except DifftrainError as e:
         if debug:
             raise
@@ -184,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
         return e.exit_code  # type: ignore[attr-defined]
     except KeyboardInterrupt:
         _interrupted()
-        return 130
+        return _interrupted_code()
     finally:
         watch()
     return result if isinstance(result, int) else 0

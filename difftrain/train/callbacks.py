@@ -16,6 +16,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import math
 import os
 import signal
@@ -89,7 +91,8 @@ class RunState:
     best_val: float = math.inf
     last_val: float = math.nan
     last_val_step: int = -1  # the global step `last_val` was measured at
-    saved_step: int = -1
+    saved_step: int = -1  # the step saved last in this process (none: -1); no second save of it
+    checkpoint_step: int = -1  # the step of the newest complete checkpoint on disk (none: -1)
     history: list[tuple[int, float]] = field(default_factory=list)
 
 
@@ -180,6 +183,13 @@ class RunCallback(L.Callback):
     # ---- signals ---------------------------------------------------------------------------
     def _on_signal(self, signum: int, frame: Any) -> None:
         if self._stop_signal is not None:  # second signal: leave now (all writes are atomic)
+            saved = self.state.checkpoint_step
+            where = (
+                f"resume from its last checkpoint (step {saved})" if saved > 0 else "it has no checkpoint yet"
+            )
+            how = f" with: {self.resume_command}" if saved > 0 and self.resume_command else ""
+            with contextlib.suppress(OSError):  # os.write: safe in a signal handler, unlike print
+                os.write(2, f"\nquit at once ({signal.Signals(signum).name} again): {where}{how}\n".encode())
             os._exit(128 + signum)
         self._stop_signal = signum
         if self.console is not None:
@@ -210,6 +220,7 @@ class RunCallback(L.Callback):
         self._window_step = trainer.global_step
         self._window_tokens = pl_module.tokens_seen
         self.state.saved_step = trainer.global_step if trainer.global_step > 0 else -1
+        self.state.checkpoint_step = self.state.saved_step
         # Validation every val_every optimizer steps, decided here rather than by Lightning, which
         # counts micro-batches since the run began: a resume that splits the global batch into
         # another number of micro-batches would move its validations off the val_every steps.
@@ -470,7 +481,7 @@ class RunCallback(L.Callback):
             else:
                 save_inference_weights(self.run_dir, pl_module.model, step, self.export)
         trainer.strategy.barrier()
-        self.state.saved_step = step
+        self.state.saved_step = self.state.checkpoint_step = step
 
     def _stop(self, trainer: L.Trainer, pl_module: Any) -> None:
         signum = self._stop_signal or signal.SIGINT

@@ -162,6 +162,12 @@ def test_a_second_ctrl_c_exits_at_once_without_corrupting_anything(stopped, caps
     point = resume_point(p.run_dir)
     assert point is not None and point.warnings == []
     assert safetensors_step(p.run_dir / "model.safetensors") == point.step
+    # the last line says where the run stands, not the first signal's "saving…"
+    last = err.strip().splitlines()[-1]
+    assert last.startswith(
+        f"quit at once (SIGINT again): resume from its last checkpoint (step {point.step}) with: "
+    )
+    assert last.endswith(" --resume") and "difftrain pretrain " in last
     monkeypatch.chdir(p.root)
     recipe = p.run_dir / "recipe.yaml"
     assert (
