@@ -195,3 +195,41 @@ def test_compare_refusals_are_one_line_with_exit_code_2(pair, tmp_path, capsys):
     (tmp_path / "empty").mkdir()
     assert main(["compare", str(a), str(tmp_path / "empty")]) == 2
     assert "is not a difftrain run directory" in _error(capsys)
+
+
+def test_a_stopped_run_is_noted_with_the_command_that_finishes_it(pair, tmp_path):
+    a, b = pair
+    stopped = tmp_path / "stopped run"
+    shutil.copytree(a, stopped)
+    summary = json.loads((stopped / "summary.json").read_text())
+    (stopped / "summary.json").write_text(json.dumps({**summary, "steps": 6, "finished": False}))
+    (stopped / "recipe.yaml").write_text((stopped / "recipe.yaml").read_text() + "finetune: null\n")
+    notes = compare_runs([stopped, b]).notes
+    assert any(
+        "stopped run stopped at step 6, before the end of its training" in n
+        and f"`difftrain pretrain '{stopped}' --resume` finishes it" in n
+        for n in notes
+    ), notes
+    assert not compare_runs([a, b]).notes  # finished runs: no note
+    from difftrain.io import RunLock
+
+    lock = RunLock(stopped)
+    assert lock.acquire() is None
+    try:
+        assert any(
+            "stopped run is still training: its final figures are those of step 6" in n
+            for n in compare_runs([stopped, b]).notes
+        )
+    finally:
+        lock.release()
+
+
+def test_a_context_length_difference_is_noted_without_advice_no_option_can_follow(pair, tmp_path):
+    a, _ = pair
+    short = make_run(tmp_path, "short", "diff", tokenizer=load_run(a).tokenizer, max_seq_len=64)
+    save_result(short, evaluate(load_run(short), "ppl", EvalOptions(windows=2)))
+    notes = [n for n in compare_runs([a, short]).notes if n.startswith("ppl:")]
+    assert notes == [
+        "ppl: a-diff and short were evaluated at different context lengths (seq_len 160 vs 64: each model's "
+        "max_seq_len), which no eval option changes; compare them with that in mind"
+    ]

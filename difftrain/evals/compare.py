@@ -7,6 +7,7 @@ recomputed, so comparing is instant; `difftrain eval` fills in missing suites.
 
 from __future__ import annotations
 
+import shlex
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -15,7 +16,15 @@ from typing import Any
 from difftrain.errors import ConfigError, RunDirError
 from difftrain.evals import SUITES, check_suite
 from difftrain.evals.common import load_result, result_path, stale
-from difftrain.rundir import CONFIG, METRICS, imported_from, read_summary, require_run_dir
+from difftrain.io import RunLock
+from difftrain.rundir import (
+    CONFIG,
+    METRICS,
+    imported_from,
+    read_summary,
+    require_run_dir,
+    training_command,
+)
 
 
 @dataclass
@@ -102,6 +111,11 @@ def _params(rec: RunRecord) -> int | None:
     return None
 
 
+# Settings of an eval result that the model fixes, not an option: the windows' length is the
+# model's max_seq_len.
+MODEL_SETTINGS = {"seq_len"}
+
+
 def _diff_keys(a: Any, b: Any, prefix: str = "") -> list[str]:
     if isinstance(a, dict) and isinstance(b, dict):
         out = []
@@ -154,6 +168,16 @@ def compare_runs(paths: Sequence[str | Path], suites: Sequence[str] | None = Non
                 if source
                 else f"{r.path} has no summary.json (training unfinished?): its training figures are missing"
             )
+        elif r.summary.get("finished") is False:
+            step = r.summary.get("steps")
+            if RunLock(r.path).holder() is not None:
+                notes.append(f"{r.label} is still training: its final figures are those of step {step}")
+            else:
+                cmd = f"difftrain {training_command(r.path)} {shlex.quote(str(r.path))} --resume"
+                notes.append(
+                    f"{r.label} stopped at step {step}, before the end of its training: its final figures are "
+                    f"those of that step; `{cmd}` finishes it"
+                )
         for s in SUITES:
             doc = load_result(r.path, s)
             if doc is not None:
@@ -210,6 +234,15 @@ def compare_runs(paths: Sequence[str | Path], suites: Sequence[str] | None = Non
         table[s] = rows
         for r, d in zip(runs[1:], docs[1:], strict=True):
             keys = _diff_keys(docs[0].get("settings"), d.get("settings"))
+            model_keys = [k for k in keys if k in MODEL_SETTINGS]
+            keys = [k for k in keys if k not in MODEL_SETTINGS]
+            if model_keys:
+                shown_keys = ", ".join(f"{k} {_setting(docs[0], k)} vs {_setting(d, k)}" for k in model_keys)
+                notes.append(
+                    f"{s}: {runs[0].label} and {r.label} were evaluated at different context lengths "
+                    f"({shown_keys}: each model's max_seq_len), which no eval option changes; compare them "
+                    "with that in mind"
+                )
             if keys:
                 shown_keys = ", ".join(f"{k} {_setting(docs[0], k)} vs {_setting(d, k)}" for k in keys[:3])
                 notes.append(
