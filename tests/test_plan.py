@@ -263,3 +263,22 @@ def test_a_finetune_is_planned_before_its_base_run_exists_with_the_model_of_the_
     # and the recipe's own model keys are checked against the stand-in's architecture
     code, _, err = plan_cli(capsys, "finetune-lora-124m", f"model.d_model={base.d_model * 2}")
     assert code == 2 and "but recipe diff-124m has d_model=" in err
+
+
+def test_every_shipped_recipe_fits_the_gpu_its_description_names(capsys):
+    """A shipped recipe that says "for one 8 GB GPU" fits 8 GB by the plan, and the comment at its
+    top quotes the plan's figures (finetune-lora-124m claimed ≈ 6 GB at micro 16; it needed 12.3)."""
+    import re
+
+    from difftrain.recipe import load_recipe, shipped_recipes
+
+    sized = {}
+    for name in shipped_recipes():
+        m = re.search(r"(\d+) GB GPU", load_recipe(name).description or "")
+        if m:
+            sized[name] = int(m.group(1))
+    assert {"diff-124m", "diff-350m-8gb", "finetune-lora-124m", "finetune-qlora-350m-8gb"} <= set(sized)
+    for name, gb in sized.items():
+        code, out, _ = plan_cli(capsys, name, "--gpu-mem", f"{gb}GB", "--json")
+        data = json.loads(out)
+        assert code == 0 and data["fits"], (name, data["device_need"] / GiB)
