@@ -136,6 +136,8 @@ _UNITS = {
 def parse_memory(text: str) -> int:
     """'8GB', '8 GiB', '11.5G', '24000MB' → bytes. GB and GiB both mean 2³⁰ (GPU memory sizes are
     binary: an "8 GB" card has 8192 MiB)."""
+    if str(text).strip().startswith("-"):
+        raise ConfigError(f"--gpu-mem {text!r} is negative; give the GPU's memory, e.g. 8GB")
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
     unit = m.group(2).lower() if m else ""
     if m is None or unit not in _UNITS or _UNITS[unit] is None:

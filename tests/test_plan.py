@@ -211,6 +211,14 @@ def test_plan_cli_exit_codes_fit_does_not_fit_and_bad_input(capsys):
     assert code == 2 and "give one of them" in err
     code, _, err = plan_cli(capsys, "no-such-recipe")
     assert code == 2
+    code, _, err = plan_cli(capsys, "quickstart", "--gpu-mem", "-8GB")
+    assert code == 2 and "--gpu-mem '-8GB' is negative" in err
+    # a size the CUDA context alone overflows: "a smaller model" would not help
+    code, out, _ = plan_cli(capsys, "quickstart", "--gpu-mem", "200MB")
+    assert code == 1 and "the CUDA context alone takes about 512.0 MiB, more than 200.0 MiB" in " ".join(
+        out.split()
+    )
+    assert "smaller model" not in out
 
 
 def test_plan_cli_json_reports_the_breakdown_and_suggestions(capsys):

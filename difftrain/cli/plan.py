@@ -122,6 +122,12 @@ def _render(r: Any, rp: Any) -> None:
                 console.print(
                     f"  [cyan]{sug.overrides}[/]  → needs {fmt_bytes(sug.plan.device_need)} ({'; '.join(sug.why)})"
                 )
+        elif p.target.memory <= p.target.overhead:
+            console.print(
+                f"[yellow]the {'CUDA context' if p.target.kind == 'cuda' else 'process'} alone takes about "
+                f"{fmt_bytes(p.target.overhead)}, more than {fmt_bytes(p.target.memory)}: no model trains there; "
+                "give --gpu-mem the GPU's whole memory, e.g. 8GB[/]"
+            )
         else:
             console.print(
                 "[yellow]no combination of 8-bit optimizer, checkpointing, micro-batch, bf16-true and "
