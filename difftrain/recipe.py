@@ -240,7 +240,7 @@ class OptimConfig(_Section):
     )
     stable_embedding: bool = Field(
         False,
-        description="With an 8-bit optimizer, use bitsandbytes' StableEmbedding (layer norm + 32-bit optimizer state for the embedding).",
+        description="With an 8-bit optimizer, keep the embedding's optimizer state in 32 bits (the stabilising half of bitsandbytes' StableEmbedding; its extra LayerNorm is not added, so the architecture stays the same). No effect with adamw, whose state is 32-bit anyway.",
     )
 
 
