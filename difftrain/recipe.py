@@ -799,6 +799,11 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
             nxt = node.get(k)
             if nxt is None:
                 nxt = node[k] = {}
+            if isinstance(nxt, list):
+                raise RecipeError(
+                    f"override `{text}`: `{'.'.join(keys[: i + 1])}` is a list, not a section; set the whole "
+                    f"list: `{'.'.join(keys[: i + 1])}=[...]`"
+                )
             if not isinstance(nxt, dict):
                 raise RecipeError(f"override `{text}`: `{'.'.join(keys[: i + 1])}` is not a section")
             node = nxt
@@ -881,7 +886,24 @@ def format_validation_error(
             msgs.append(f"{place + ': ' if place else ''}unknown key `{dotted}`{suggestion}{valid}")
         elif err["type"] == "missing" and loc and isinstance(loc[-1], int):  # a tuple too short
             parent = ".".join(str(p) for p in loc[:-1])
-            msgs.append(f"{place + ': ' if place else ''}`{parent}` has too few values (no item {loc[-1]})")
+            msgs.append(
+                f"{place + ': ' if place else ''}`{parent}` has too few values (no item {loc[-1]})"
+                + _list_example(model, loc[:-1], parent)
+            )
+        elif err["type"] == "too_short":  # an empty list that needs items
+            n = (err.get("ctx") or {}).get("min_length", 1)
+            example = " such as `data.sources=[path/to/texts]`" if dotted == "data.sources" else ""
+            msgs.append(
+                f"{place + ': ' if place else ''}{what} is empty; it needs at least {n} item{'s' if n != 1 else ''}"
+                + example
+            )
+        elif err["type"] in ("tuple_type", "list_type") and not isinstance(err.get("input"), dict):
+            given = err.get("input")
+            listed = isinstance(given, str) and "," in given
+            msgs.append(
+                f"{place + ': ' if place else ''}{what}={given!r} must be a list in brackets"
+                + (f", e.g. `{dotted}=[{given}]`" if listed else _list_example(model, loc, dotted))
+            )
         elif err["type"] == "missing":
             msgs.append(f"{place + ': ' if place else ''}missing key `{dotted}`")
         elif err["type"] in ("model_type", "model_attributes_type", "dict_type"):  # `train: 5`
@@ -900,6 +922,16 @@ def format_validation_error(
             msgs.append(f"{place + ': ' if place else ''}{what}{'=' + shown if shown else ''}: {msg}")
     extra = f" (and {len(msgs) - 3} more)" if len(msgs) > 3 else ""
     return "; ".join(msgs[:3]) + extra
+
+
+def _list_example(model: type[BaseModel], loc: tuple[Any, ...], dotted: str) -> str:
+    """", e.g. `optim.betas=[0.9,0.95]`" from the field's default (empty when it has none)."""
+    parent = _submodel(model, loc[:-1])
+    field = parent.model_fields.get(str(loc[-1])) if parent else None
+    default = getattr(field, "default", None)
+    if isinstance(default, (tuple, list)) and default:
+        return f"; give all {len(default)}, e.g. `{dotted}=[{','.join(str(x) for x in default)}]`"
+    return ""
 
 
 # --------------------------------------------------------------------------------------------

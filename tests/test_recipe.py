@@ -158,9 +158,42 @@ def test_bad_override_says_override(tmp_path):
         load_recipe(write(tmp_path, MINIMAL), ["train.max_step=5"])
     # an item of an overridden value is the override's fault, not the file's
     with pytest.raises(
-        RecipeError, match=r"^override `optim.betas`: `optim.betas` has too few values \(no item 1\)$"
+        RecipeError,
+        match=r"^override `optim.betas`: `optim.betas` has too few values \(no item 1\); give all 2, "
+        r"e.g. `optim.betas=\[0.9,0.95\]`$",
     ):
         load_recipe(write(tmp_path, MINIMAL), ["optim.betas=[0.9]"])
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        (
+            "optim.betas=0.9,0.99",
+            "override `optim.betas`='0.9,0.99' must be a list in brackets, e.g. `optim.betas=[0.9,0.99]`",
+        ),
+        (
+            "optim.betas=0.9",
+            "override `optim.betas`=0.9 must be a list in brackets; give all 2, e.g. `optim.betas=[0.9,0.95]`",
+        ),
+        (
+            "data.sources=[]",
+            "override `data.sources` is empty; it needs at least 1 item such as `data.sources=[path/to/texts]`",
+        ),
+        (
+            "data.sources.0.weight=2",
+            "override `data.sources.0.weight=2`: `data.sources` is a list, not a section; set the whole list: `data.sources=[...]`",
+        ),
+    ],
+)
+def test_list_override_mistakes_say_how_to_write_the_list(tmp_path, override, message):
+    """Each message carries a fix that works: the example it gives loads."""
+    p = write(tmp_path, MINIMAL)
+    with pytest.raises(RecipeError) as e:
+        load_recipe(p, [override])
+    assert str(e.value) == message
+    if "e.g. `" in message:
+        load_recipe(p, [message.split("e.g. `")[1].rstrip("`")])
 
 
 def test_override_messages_speak_the_recipes_terms(tmp_path):
