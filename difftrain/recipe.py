@@ -925,7 +925,8 @@ def format_validation_error(
 
 
 def _list_example(model: type[BaseModel], loc: tuple[Any, ...], dotted: str) -> str:
-    """", e.g. `optim.betas=[0.9,0.95]`" from the field's default (empty when it has none)."""
+    """The example a list's message ends with (`optim.betas=[0.9,0.95]`), from the field's default;
+    empty when it has none."""
     parent = _submodel(model, loc[:-1])
     field = parent.model_fields.get(str(loc[-1])) if parent else None
     default = getattr(field, "default", None)
