@@ -288,6 +288,11 @@ def test_a_longer_resume_follows_the_new_schedule_from_its_first_step_and_says_s
     for step in range(7, 11):
         assert lrs[step] == pytest.approx(r.optim.lr * f_new(step - 1), rel=1e-6), step
     assert f_new(6) > 2 * f_old(6)  # the warm-up again that the note announces
+    # another number of validation windows: the val curve changes its yardstick, and says so
+    again = pretrain(load_recipe(first.run_dir, ["train.max_steps=11", "data.val_windows=2"]), resume=True)
+    assert any(
+        "data.val_windows changed from 4 to 2: validation losses after step 10" in w for w in again.warnings
+    )
 
 
 def test_sigterm_during_start_up_ends_with_one_line_and_exit_143(workspace, capsys, monkeypatch):

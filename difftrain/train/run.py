@@ -341,6 +341,13 @@ def prepare_run_dir(
     note = _schedule_note(old, plan, point.step, old_global)
     if note:
         point.warnings.append(note)
+    old_data = old.get("data") if isinstance(old, dict) else None
+    windows = old_data.get("val_windows") if isinstance(old_data, dict) else None
+    if isinstance(windows, int) and windows != plan.recipe.data.val_windows:
+        point.warnings.append(
+            f"data.val_windows changed from {windows} to {plan.recipe.data.val_windows}: validation losses "
+            f"after step {point.step} are measured on other windows than those before it"
+        )
     return True, point
 
 
