@@ -497,6 +497,32 @@ def test_ctrl_c_during_a_generation_exits_130_with_one_line(run_dir, capsys, mon
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # main put Python's back
 
 
+def test_sigterm_during_an_interactive_generation_ends_the_command(run_dir, capsys, monkeypatch):
+    """Ctrl-C in the REPL only stops the reply; a SIGTERM (`kill`, a scheduler) must end the
+    process, with one line and exit 143, not be taken for a Ctrl-C and wait for the next prompt."""
+    import builtins
+    import os
+    import signal
+
+    calls = {"n": 0}
+    forward = Transformer.forward
+
+    def terminated_forward(self, *a, **kw):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return forward(self, *a, **kw)
+
+    prompts = iter(["def", "class"])
+    monkeypatch.setattr(builtins, "input", lambda prompt="": next(prompts))
+    monkeypatch.setattr(Transformer, "forward", terminated_forward)
+    monkeypatch.setattr(FlatDecoder, "build", classmethod(lambda cls, m: None))  # every step via forward
+    code, _, err = gen(capsys, run_dir, "--interactive", "-n", 20, "--seed", 0)
+    assert code == 143 and err.strip().splitlines()[-1] == "error: interrupted (SIGTERM)"
+    assert next(prompts) == "class"  # the REPL did not read another prompt
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+
+
 def test_chat_refuses_a_system_message_that_fills_the_context(tmp_path, capsys, monkeypatch):
     # every user message was refused as too long ("the message is 612 tokens"): the message was "hi"
     monkeypatch.setattr(builtins, "input", lambda prompt="": "hi")

@@ -123,23 +123,31 @@ def usage_message(e: Exception) -> str:
     return f"{message} (see `{ctx.command_path} --help`)"
 
 
-_CTRL_C: dict[str, Any] = {"seen": False, "signal": "Ctrl-C"}
+_CTRL_C = {"seen": False}
+
+
+class Terminated(BaseException):
+    """SIGTERM outside training (which saves first): it ends the command with one line, as Ctrl-C
+    does, but is no KeyboardInterrupt, so that a chat's "Ctrl-C stops this reply" does not catch
+    it and keep the process alive."""
 
 
 def _watch_ctrl_c() -> Callable[[], None]:
-    """Python's own Ctrl-C behaviour (KeyboardInterrupt), noted in `_CTRL_C`, and the same for
-    SIGTERM (which would end the process without a word); returns the undo. Training installs
-    its own handlers (finish the step, save) while it runs."""
+    """Python's own Ctrl-C behaviour (KeyboardInterrupt), noted in `_CTRL_C`, and SIGTERM as
+    `Terminated` (by default it ends the process without a word); returns the undo. Training
+    installs its own handlers (finish the step, save) while it runs."""
     import signal
     import threading
 
-    _CTRL_C.update(seen=False, signal="Ctrl-C")
+    _CTRL_C["seen"] = False
     if threading.current_thread() is not threading.main_thread():
         return lambda: None
     undo = []
 
     def on_signal(signum: int, frame: Any) -> None:
-        _CTRL_C.update(seen=True, signal="Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name)
+        if signum != signal.SIGINT:
+            raise Terminated
+        _CTRL_C["seen"] = True
         raise KeyboardInterrupt
 
     for sig, default in ((signal.SIGINT, signal.default_int_handler), (signal.SIGTERM, signal.SIG_DFL)):
@@ -154,7 +162,7 @@ def _watch_ctrl_c() -> Callable[[], None]:
     return restore
 
 
-def _interrupted() -> None:
+def _interrupted(by: str = "Ctrl-C") -> None:
     """Ctrl-C outside training (which saves and says how to resume): one line. On a terminal a
     newline first ends what was being streamed to stdout (a generation) on the same screen."""
     try:
@@ -163,11 +171,7 @@ def _interrupted() -> None:
         sys.stdout.flush()
     except (OSError, ValueError):
         pass
-    error_line(f"interrupted ({_CTRL_C['signal']})")
-
-
-def _interrupted_code() -> int:
-    return 143 if _CTRL_C["signal"] == "SIGTERM" else 130
+    error_line(f"interrupted ({by})")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -179,7 +183,6 @@ def main(argv: list[str] | None = None) -> int:
         result = app(args=args, prog_name="difftrain", standalone_mode=False)
         if result == 130 and _CTRL_C["seen"]:  # Typer turns Ctrl-C into a silent return of 130
             _interrupted()
-            result = _interrupted_code()
     except DifftrainError as e:
         if debug:
             raise
@@ -197,7 +200,10 @@ def main(argv: list[str] | None = None) -> int:
         return e.exit_code  # type: ignore[attr-defined]
     except KeyboardInterrupt:
         _interrupted()
-        return _interrupted_code()
+        return 130
+    except Terminated:
+        _interrupted("SIGTERM")
+        return 143
     finally:
         watch()
     return result if isinstance(result, int) else 0
