@@ -72,14 +72,10 @@ def parse_suites(values: list[str] | None) -> list[str]:
     from difftrain.evals import SUITES, check_suite
 
     names: list[str] = []
-    for v in values or ["ppl"]:
-        for part in v.split(","):
-            part = part.strip()
-            if not part:
-                continue
-            for s in list(SUITES) if part.lower() == "all" else [check_suite(part)]:
-                if s not in names:
-                    names.append(s)
+    for part in _suite_parts(values):
+        for s in list(SUITES) if part.lower() == "all" else [check_suite(part)]:
+            if s not in names:
+                names.append(s)
     if not names:
         raise ConfigError("--suite is empty; choose from " + ", ".join(SUITES))
     return names
@@ -90,8 +86,12 @@ def named_suites(values: list[str] | None) -> set[str]:
     only `all` brings in is skipped, with a note, where it cannot run on the model."""
     from difftrain.evals import check_suite
 
-    parts = [p.strip() for v in values or ["ppl"] for p in v.split(",")]
-    return {check_suite(p) for p in parts if p and p.lower() != "all"}
+    return {check_suite(p) for p in _suite_parts(values) if p.lower() != "all"}
+
+
+def _suite_parts(values: list[str] | None) -> list[str]:
+    """The names --suite was given (repeated, comma-separated; default ppl)."""
+    return [p.strip() for v in values or ["ppl"] for p in v.split(",") if p.strip()]
 
 
 # ----- rendering -------------------------------------------------------------------------------

@@ -123,7 +123,8 @@ def fitting_demos(tokenizer: Any, max_len: int, want: int, seed: int) -> int:
 @dataclass
 class Prompts:
     """The token ids the suite scores: one prefix (demonstrations) per order, one suffix per
-    test item, one candidate per label; `longest` is the longest prefix + suffix + candidate."""
+    test item (its label index in `gold`), one candidate per label; `longest` is the longest
+    prefix + suffix + candidate."""
 
     demos: int
     permutations: int
@@ -132,6 +133,7 @@ class Prompts:
     prefixes: list[list[int]]
     suffixes: list[list[int]]
     cands: list[list[int]]
+    gold: list[int]
     longest: int
 
 
@@ -156,7 +158,7 @@ def _prompts(tok: Any, D: int, P: int, M: int, seed: int) -> Prompts:
         for o in orders
     ]
     longest = max(len(p) for p in prefixes) + max(len(x) for x in suffixes) + max(len(c) for c in cands)
-    return Prompts(D, P, M, orders, prefixes, suffixes, cands, longest)
+    return Prompts(D, P, M, orders, prefixes, suffixes, cands, [lab for _, lab in tests], longest)
 
 
 def prompts(tok: Any, max_len: int, opts: EvalOptions) -> Prompts:
@@ -193,28 +195,15 @@ def prompts(tok: Any, max_len: int, opts: EvalOptions) -> Prompts:
 
 
 def run(run: Run, opts: EvalOptions, progress: Progress = _no_progress) -> SuiteOutput:
-    tok, model = run.tokenizer, run.model
-    pr = prompts(tok, run.config.max_seq_len, opts)  # type: ignore[attr-defined]
-    D, P, M, orders, prefixes, suffixes, cands, longest = (
-        pr.demos,
-        pr.permutations,
-        pr.items,
-        pr.orders,
-        pr.prefixes,
-        pr.suffixes,
-        pr.cands,
-        pr.longest,
-    )
-    tests = items(opts.seed, M, "tests")
-    scores = np.zeros((len(orders), M, len(cands)))
-    for k, prefix in enumerate(prefixes):
-        scores[k] = label_scores(model, prefix, suffixes, cands, max(1, opts.batch_size))
-        progress(k + 1, len(prefixes))
+    pr = prompts(run.tokenizer, run.config.max_seq_len, opts)  # type: ignore[attr-defined]
+    scores = np.zeros((len(pr.orders), pr.items, len(pr.cands)))
+    for k, prefix in enumerate(pr.prefixes):
+        scores[k] = label_scores(run.model, prefix, pr.suffixes, pr.cands, max(1, opts.batch_size))
+        progress(k + 1, len(pr.prefixes))
     pred = scores.argmax(-1)
-    gold = np.array([lab for _, lab in tests])
-    acc = (pred == gold[None]).mean(axis=1)
+    acc = (pred == np.array(pr.gold)[None]).mean(axis=1)
     res = {
-        "per_order": [{"order": o, "accuracy": float(a)} for o, a in zip(orders, acc, strict=True)],
+        "per_order": [{"order": o, "accuracy": float(a)} for o, a in zip(pr.orders, acc, strict=True)],
         "mean": float(acc.mean()),
         "std": float(acc.std()),
         "best": float(acc.max()),
@@ -222,10 +211,11 @@ def run(run: Run, opts: EvalOptions, progress: Progress = _no_progress) -> Suite
         "margin": float(acc.max() - acc.min()),
         "chance": 0.5,
         "predicted_high": float(pred.mean()),
-        "prompt_tokens": longest,
+        "prompt_tokens": pr.longest,
     }
+    settings = {"demos": pr.demos, "permutations": pr.permutations, "items": pr.items, "seed": opts.seed}
     return SuiteOutput(
-        settings={"demos": D, "permutations": P, "items": M, "seed": opts.seed, "labels": list(LABELS)},
+        settings={**settings, "labels": list(LABELS)},
         results=res,
         headline=[
             headline("icl accuracy", res["mean"], "higher", ".3f"),

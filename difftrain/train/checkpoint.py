@@ -99,14 +99,19 @@ def step_file(step: int) -> str:
 
 
 def read_index(ckpt_dir: Path) -> list[dict[str, Any]]:
+    return _read_index(ckpt_dir)[0]
+
+
+def _read_index(ckpt_dir: Path) -> tuple[list[dict[str, Any]], str]:
+    """The index's entries, and its state: "missing", "unreadable" or "read"."""
     f = ckpt_dir / INDEX
     if not f.is_file():
-        return []
+        return [], "missing"
     try:
         entries = json.loads(f.read_text())["checkpoints"]
-        return [e for e in entries if isinstance(e, dict) and "file" in e and "sha256" in e]
+        return [e for e in entries if isinstance(e, dict) and "file" in e and "sha256" in e], "read"
     except (OSError, ValueError, KeyError, TypeError):
-        return []
+        return [], "unreadable"
 
 
 def record_checkpoint(ckpt_dir: Path, path: Path, step: int, keep: int) -> list[str]:
@@ -171,7 +176,7 @@ def find_resume_checkpoint(ckpt_dir: Path) -> ResumePoint | None:
     if not ckpt_dir.is_dir():
         return None
     warnings: list[str] = []
-    entries = read_index(ckpt_dir)
+    entries, state = _read_index(ckpt_dir)
     if entries:
         for e in reversed(entries):
             path = ckpt_dir / e["file"]
@@ -191,7 +196,8 @@ def find_resume_checkpoint(ckpt_dir: Path) -> ResumePoint | None:
             warnings.append(f"checkpoint {path.name} cannot be loaded")
             continue
         unchecked = (
-            f"{ckpt_dir.name}/{INDEX} is {_index_state(ckpt_dir)}: {path.name} was checked by loading it, "
+            f"{ckpt_dir.name}/{INDEX} {'has no entry for it' if state == 'read' else 'is ' + state}: "
+            f"{path.name} was checked by loading it, "
             "not against a recorded checksum (the next checkpoint writes a new index)"
         )
         return ResumePoint(path, int(ckpt.get("global_step", 0)), [*_falling_back(warnings, path), unchecked])
@@ -200,19 +206,6 @@ def find_resume_checkpoint(ckpt_dir: Path) -> ResumePoint | None:
             f"no intact checkpoint in {ckpt_dir} ({'; '.join(warnings)}); start the run again with --overwrite"
         )
     return None
-
-
-def _index_state(ckpt_dir: Path) -> str:
-    """Why a checkpoint was not found in the index: the index is missing, unreadable, or does
-    not list it."""
-    f = ckpt_dir / INDEX
-    if not f.is_file():
-        return "missing"
-    try:
-        json.loads(f.read_text())["checkpoints"]
-    except (OSError, ValueError, KeyError, TypeError):
-        return "unreadable"
-    return "without an entry for it"
 
 
 def _falling_back(reasons: list[str], used: Path) -> list[str]:
