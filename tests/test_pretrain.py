@@ -736,3 +736,18 @@ def test_a_run_that_lost_its_recipe_is_named_a_run_not_a_folder_to_remove(worksp
     assert "remove it" not in err and (run / "checkpoints").is_dir()
     (run / "recipe.yaml").write_text(saved)  # restored as told: the run resumes
     assert main(["pretrain", str(p), "--resume", "train.max_steps=4", "--no-progress"]) == 0
+
+
+def test_a_warm_up_as_long_as_the_run_is_noted_as_what_the_schedule_does(workspace):
+    from difftrain.train.run import _warmup_notes, plan_run
+
+    for steps, note in (
+        (1, "optim.warmup_steps=2 with train.max_steps=1: the one step runs at the peak optim.lr"),
+        (2, "optim.warmup_steps=2 is not below train.max_steps=2: warm-up is cut to 1 step and"),
+        (3, "optim.warmup_steps=3 is not below train.max_steps=3: warm-up is cut to 2 steps and"),
+    ):
+        r = load_recipe(workspace(name=f"w{steps}", steps=steps), [f"optim.warmup_steps={max(2, steps)}"])
+        (got,) = _warmup_notes(r, plan_run(r))
+        assert got.startswith(note), got
+    r = load_recipe(workspace(name="w6", steps=6))
+    assert _warmup_notes(r, plan_run(r)) == []

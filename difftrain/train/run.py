@@ -597,6 +597,23 @@ def pretrain(
     return result
 
 
+def _warmup_notes(r: Recipe, plan: Plan) -> list[str]:
+    """A warm-up as long as the run (`lr_multiplier` cuts it to max_steps - 1 steps)."""
+    warmup, steps, schedule = r.optim.warmup_steps, plan.max_steps, r.optim.schedule
+    if warmup < steps:
+        return []
+    if steps <= 1:
+        return [
+            f"optim.warmup_steps={warmup} with train.max_steps=1: the one step runs at the peak optim.lr "
+            f"(no warm-up, no {schedule} decay)"
+        ]
+    return [
+        f"optim.warmup_steps={warmup} is not below train.max_steps={steps}: warm-up is cut to "
+        f"{steps - 1} step{'s' if steps != 2 else ''} and the {schedule} schedule to the last step; lower "
+        "optim.warmup_steps"
+    ]
+
+
 def memory_warnings(r: Recipe, accelerator: str) -> list[str]:
     """`difftrain plan`'s warning when the run (pretraining or fine-tuning) will not fit this
     device (CUDA: the GPU's memory; CPU: the RAM), for the start-up warnings. The planner only
@@ -760,22 +777,15 @@ def fit(
         "trainable_params": n_trainable,
         "total_params": n_total,
         "resumed_from": point.step if point else None,
-        "warnings": [*(point.warnings if point else []), *warnings],  # the resume's, then the caller's
+        # the resume's warnings, then the caller's, then the schedule's (a fresh start only)
+        "warnings": [
+            *(point.warnings if point else []),
+            *warnings,
+            *([] if point else _warmup_notes(r, plan)),
+        ],
         "device": _device_name(plan.accelerator),
         **(info or {}),
     }
-    if r.optim.warmup_steps >= plan.max_steps and point is None:
-        start_info["warnings"] = [
-            *start_info["warnings"],
-            (
-                f"optim.warmup_steps={r.optim.warmup_steps} with train.max_steps=1: the one step runs at the "
-                f"peak optim.lr (no warm-up, no {r.optim.schedule} decay)"
-                if plan.max_steps <= 1
-                else f"optim.warmup_steps={r.optim.warmup_steps} is not below train.max_steps={plan.max_steps}: "
-                f"warm-up is cut to {plan.max_steps - 1} step{'s' if plan.max_steps != 2 else ''} and the {r.optim.schedule} schedule to the "
-                "last step; lower optim.warmup_steps"
-            ),
-        ]
     if on_start is not None and is_global_zero():
         on_start(start_info)
     initial_val = None
