@@ -243,6 +243,13 @@ def test_an_unreachable_hub_reads_the_cache_at_once(tmp_path: Path, monkeypatch:
     monkeypatch.setattr(socket, "getaddrinfo", no_dns)  # local files still load through a builder
     (tmp_path / "d.jsonl").write_text('{"text": "h1"}\n')
     assert docs([{"source": "hf:json", "data_files": ["d.jsonl"]}], tmp_path) == ["h1"]
+    monkeypatch.undo()  # an HF_ENDPOINT no lookup takes is unreachable too, not a traceback
+    monkeypatch.setenv("HF_ENDPOINT", "http://a..b")
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.delenv("HF_DATASETS_OFFLINE", raising=False)
+    monkeypatch.setattr(datasets, "load_dataset", load_dataset)
+    with pytest.raises(DataError, match=r"a\.\.b cannot be reached from this machine"):
+        docs(["hf:someone/corpus"], tmp_path)
 
 
 def test_hf_json_with_a_bad_file_names_the_file_not_the_network(

@@ -658,7 +658,7 @@ def _unreachable_hub() -> str | None:
     host = urlparse(os.environ.get("HF_ENDPOINT") or "https://huggingface.co").hostname or "huggingface.co"
     try:
         socket.getaddrinfo(host, 443)
-    except OSError:
+    except (OSError, UnicodeError):  # UnicodeError: a name no lookup takes (HF_ENDPOINT=http://a..b)
         return host
     return None
 
