@@ -11,6 +11,7 @@ import pytest
 from test_eval import make_run
 
 from difftrain.cli.app import main
+from difftrain.errors import RunDirError
 from difftrain.evals import EvalOptions, evaluate, save_result
 from difftrain.evals.compare import compare_runs
 from difftrain.rundir import load_run
@@ -233,3 +234,83 @@ def test_a_context_length_difference_is_noted_without_advice_no_option_can_follo
         "ppl: a-diff and short were evaluated at different context lengths (seq_len 160 vs 64: each model's "
         "max_seq_len), which no eval option changes; compare them with that in mind"
     ]
+
+
+def test_eval_on_another_source_keeps_the_validation_result_and_compare_shows_both(pair, tmp_path, capsys):
+    import random
+
+    from test_eval import filler_sentence
+
+    a0, b0 = pair
+    a, b = tmp_path / a0.name, tmp_path / b0.name
+    shutil.copytree(a0, a)
+    shutil.copytree(b0, b)
+    val = (a / "eval" / "ppl.json").read_bytes()
+    src = tmp_path / "texts" / "wiki.txt"
+    src.parent.mkdir()
+    src.write_text(" ".join(filler_sentence(random.Random(3)) for _ in range(80)))
+    assert (
+        main(["eval", str(a), "--suite", "ppl,needle", "--data", str(src), "--windows", "2", "--no-plot"])
+        == 0
+    )
+    assert "ppl@wiki.json" in capsys.readouterr().out
+    assert (a / "eval" / "ppl.json").read_bytes() == val  # the validation-split result is kept
+    doc = json.loads((a / "eval" / "ppl@wiki.json").read_text())
+    assert doc["suite"] == "ppl" and doc["label"] == "wiki" and doc["settings"]["data"] == str(src)
+    assert json.loads((a / "eval" / "needle.json").read_text())["label"] is None  # needle reads no --data
+
+    cmp = compare_runs([a, b])  # b lacks ppl@wiki: a note with the command that makes it
+    assert list(cmp.suites) == ["ppl"] and cmp.partial == {
+        "ppl@wiki": ["b-base"],
+        "needle": ["b-base"],
+        "icl-order": ["b-base"],
+    }
+    assert cmp.commands["ppl@wiki"] == f"difftrain eval RUN --suite ppl --data {src}"
+    with pytest.raises(RunDirError, match=f"has no `ppl@wiki` result .*--suite ppl --data {src}`"):
+        compare_runs([a, b], ["ppl@wiki"])
+
+    assert main(["eval", str(b), "--data", str(src), "--windows", "2"]) == 0
+    capsys.readouterr()
+    cmp = compare_runs([a, b])
+    assert list(cmp.suites) == ["ppl", "ppl@wiki"] and cmp.partial == {
+        "needle": ["b-base"],
+        "icl-order": ["b-base"],
+    }
+    wiki = {r.name: r.values for r in cmp.suites["ppl@wiki"]}
+    own = {r.name: r.values for r in cmp.suites["ppl"]}
+    assert wiki["loss"] != own["loss"]
+    assert wiki["loss"][1] == json.loads((b / "eval" / "ppl@wiki.json").read_text())["results"]["loss"]
+    assert list(compare_runs([a, b], ["PPL@wiki"]).suites) == ["ppl@wiki"]
+
+    # an explicit label, and the refusals
+    assert main(["eval", str(a), "--data", str(src), "--data-label", "wiki-2", "--windows", "2"]) == 0
+    assert (a / "eval" / "ppl@wiki-2.json").is_file()
+    capsys.readouterr()
+    for args, why in (
+        (["--data-label", "x"], "give --data SOURCE with it"),
+        (["--data", str(src), "--data-label", "../up"], "--data-label '../up' must be"),
+        (["--data", str(src), "--suite", "needle"], "--data applies to the suites that read text"),
+    ):
+        assert main(["eval", str(a), *args]) == 2
+        err = capsys.readouterr().err
+        assert why in err and "Traceback" not in err
+    assert sorted(p.name for p in (a / "eval").glob("ppl*.json")) == [
+        "ppl.json",
+        "ppl@wiki-2.json",
+        "ppl@wiki.json",
+    ]
+
+
+def test_data_labels_name_the_source():
+    from difftrain.evals.common import data_label
+
+    cases = {
+        "builtin:tiny-stories": "tiny-stories",
+        "data/wiki.txt": "wiki",
+        "data/*.txt": "data",
+        "hf:wikitext:wikitext-2-raw-v1@test": "wikitext-wikitext-2-raw-v1-test",
+        "hf:org/set": "set",
+        "notes/my file.jsonl": "my-file",
+        "**/*.md": "data",
+    }
+    assert {s: data_label(s) for s in cases} == cases

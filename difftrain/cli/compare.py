@@ -17,8 +17,9 @@ HELP = """Compare two or more runs side by side.
 
 One table: parameters, tokens, wall time, tokens/s, final and best validation loss (from each
 run's summary.json), then the headline figures of every eval suite present in all the runs
-(RUN_DIR/eval/<suite>.json, made by `difftrain eval`); the best value of each row is bold.
---suite insists on given suites (an error names the runs that lack them). --plot draws the
+(RUN_DIR/eval/<suite>.json, made by `difftrain eval`; a suite evaluated on another source with
+`eval --data` shows as `suite@label`); the best value of each row is bold. --suite insists on
+given suites (an error names the runs that lack them). --plot draws the
 loss curves (train and validation, against tokens and against training time) as a PNG, SVG
 or PDF, by the suffix of the file name.
 """
@@ -60,7 +61,7 @@ def render(cmp: Any) -> None:
     for suite, missing in cmp.partial.items():
         err_console.print(
             f"[yellow]note:[/] `{suite}` is not in every run (missing in {', '.join(missing)}); "
-            f"run `difftrain eval RUN --suite {suite}` on them to include it",
+            f"run `{escape(cmp.commands.get(suite, f'difftrain eval RUN --suite {suite}'))}` on them to include it",
             soft_wrap=True,
         )
     for note in cmp.notes:
@@ -73,7 +74,10 @@ def compare_command(
         None, "--plot", help="Write the loss curves to this figure: .png, .svg or .pdf (e.g. compare.png)."
     ),
     suite: list[str] = typer.Option(
-        None, "--suite", "-s", help="Show these eval suites (must exist in every run)."
+        None,
+        "--suite",
+        "-s",
+        help="Show these eval suites (must exist in every run); a result on `eval --data` is suite@label, e.g. ppl@wiki.",
     ),
     as_json: bool = typer.Option(False, "--json", help="Print the comparison as JSON on stdout."),
 ) -> None:

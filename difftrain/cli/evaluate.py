@@ -39,7 +39,9 @@ Suites (--suite, repeatable or comma-separated; `all` runs every one):
   icl-order  in-context classification accuracy over orders of the
              demonstrations
 
-Results go to RUN_DIR/eval/<suite>.json; `difftrain compare` puts them side by side. Defaults
+Results go to RUN_DIR/eval/<suite>.json (on --data: eval/<suite>@<label>.json, the label
+named after the source or given by --data-label, so the validation-split result stays);
+`difftrain compare` puts them side by side. Defaults
 take about a minute per suite on a 2-core CPU for the quickstart model; --full runs the
 paper-sized grids, and the grid options set any part explicitly.
 """
@@ -115,7 +117,7 @@ def _heading(text: str) -> None:
 def render(doc: dict[str, Any]) -> None:
     """Print one suite's result as rich tables."""
     suite, res, st = doc["suite"], doc["results"], doc["settings"]
-    title = f"{suite} · {doc['run']} ({doc['arch']})"
+    title = f"{suite}{'@' + doc['label'] if doc.get('label') else ''} · {doc['run']} ({doc['arch']})"
     if suite == "ppl":
         err = f" ± {res['loss_stderr']:.4f}" if res.get("loss_stderr") else ""
         console.print(
@@ -278,7 +280,12 @@ def eval_command(
     data: str = typer.Option(
         None,
         "--data",
-        help="ppl/outliers/quant: evaluate on this source (path, glob, builtin:NAME, hf:NAME) instead of the validation split.",
+        help="ppl/outliers/quant: evaluate on this source (path, glob, builtin:NAME, hf:NAME) instead of the validation split; saved as eval/<suite>@<label>.json.",
+    ),
+    data_label: str = typer.Option(
+        None,
+        "--data-label",
+        help="With --data: the label of its results (default: the source's name, e.g. wiki for data/wiki.txt).",
     ),
     full: bool = typer.Option(
         False, "--full", help="Paper-sized grids (much slower); explicit options still win."
@@ -331,7 +338,7 @@ def eval_command(
     ),
 ) -> None:
     from difftrain.evals import EvalOptions
-    from difftrain.evals.common import check_depths, check_positive
+    from difftrain.evals.common import DATA_SUITES, check_depths, check_label, check_positive
     from difftrain.evals.needle import parse_needles
     from difftrain.evals.quant import check_bits
 
@@ -353,7 +360,15 @@ def eval_command(
         permutations=permutations,
         items=items,
         plot=plot,
+        data_label=check_label(data_label) if data_label is not None else None,
     )
+    if data_label is not None and data is None:
+        raise ConfigError("--data-label names the results of --data; give --data SOURCE with it (or drop it)")
+    if data is not None and not any(s in DATA_SUITES for s in suites):
+        raise ConfigError(
+            f"--data applies to the suites that read text ({', '.join(DATA_SUITES)}), not {', '.join(suites)}: "
+            "drop --data, or add e.g. --suite ppl"
+        )
     check_positive("--batch-size", batch_size)
     for name, v in (("--windows", windows), ("--samples", samples), ("--tokens", tokens)):
         check_positive(name, v)

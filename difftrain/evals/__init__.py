@@ -10,7 +10,8 @@ Suites (each a module with `run(run, opts, progress) -> SuiteOutput`):
 - `icl-order`  in-context classification accuracy across orders of the demonstrations
 
 `evaluate(run, suite, opts)` runs one suite and returns its result document; `save_result`
-writes it to RUN_DIR/eval/<suite>.json.
+writes it to RUN_DIR/eval/<suite>.json, or RUN_DIR/eval/<suite>@<label>.json for a suite run on
+another source (`--data`), which so never replaces the validation-split result.
 """
 
 from __future__ import annotations
@@ -22,10 +23,12 @@ from typing import Any
 
 from difftrain.errors import ConfigError
 from difftrain.evals.common import (
+    DATA_SUITES,
     EvalOptions,
     Progress,
     SuiteOutput,
     _no_progress,
+    data_label,
     finish,
     load_result,
     result_path,
@@ -102,14 +105,18 @@ def evaluate(
     t0 = time.perf_counter()
     torch.manual_seed(opts.seed)
     out: SuiteOutput = module.run(run, opts, progress)
+    if opts.data is not None and suite in DATA_SUITES:
+        out.label = opts.data_label or data_label(opts.data)
     return finish(run, suite, out, seconds=time.perf_counter() - t0, device=p.device, dtype=p.dtype)
 
 
 __all__ = [
+    "DATA_SUITES",
     "SUITES",
     "SUITE_HELP",
     "EvalOptions",
     "check_suite",
+    "data_label",
     "evaluate",
     "preflight",
     "load_result",

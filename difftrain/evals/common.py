@@ -5,6 +5,7 @@ result is one JSON document, written atomically to `RUN_DIR/eval/<suite>.json`:
 
     {
       "suite": "ppl", "format": 1, "run": "runs/quickstart", "arch": "diff", "params": 4194304,
+      "label": null,         set (e.g. "wiki") when the suite ran on `--data`: see below
       "weights": {"size": ..., "mtime_ns": ..., "sample": ...},   which model.safetensors was evaluated
       "created": "2025-01-01T12:00:00+0000", "seconds": 12.3, "device": "cpu", "dtype": "float32",
       "settings": {...},     everything that decides the numbers (grid, seed, data, windows)
@@ -13,14 +14,22 @@ result is one JSON document, written atomically to `RUN_DIR/eval/<suite>.json`:
       "plots": ["runs/quickstart/eval/needle.png"]
     }
 
+A suite that reads text (ppl, outliers, quant) run on another source with `--data SOURCE` keeps
+its result apart, in `RUN_DIR/eval/<suite>@<label>.json` (the label names the source: `wiki` for
+data/wiki.txt, or `--data-label`), so that it never replaces the validation-split result;
+`result_key` is the file's stem ("ppl" or "ppl@wiki"), the name compare shows it under.
+
 `headline` is self-describing so that `difftrain compare` can put any suite side by side
 without knowing it; `settings` lets it warn when two runs were evaluated differently.
 """
 
 from __future__ import annotations
 
+import glob
 import hashlib
 import json
+import re
+import shlex
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -71,6 +80,8 @@ class EvalOptions:
     items: int | None = None
     plot: bool | None = None
     """None: the suite's default (needle and quant draw their figure, attention does not)."""
+    data_label: str | None = None
+    """The label of a `data` result (default: `data_label(data)`)."""
 
 
 @dataclass
@@ -82,6 +93,8 @@ class SuiteOutput:
     headline: list[dict[str, Any]]
     plots: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    label: str | None = None
+    """Set by `evaluate` for a result on `--data` (see the module docstring)."""
 
 
 def headline(name: str, value: float | None, better: str | None = None, fmt: str = ".4f") -> dict[str, Any]:
@@ -95,8 +108,67 @@ def stable_seed(*parts: object) -> int:
     return int.from_bytes(digest, "little") >> 1
 
 
-def result_path(run_dir: Path | str, suite: str) -> Path:
-    return Path(run_dir) / EVAL_DIR / f"{suite}.json"
+DATA_SUITES = ("ppl", "outliers", "quant")
+"""The suites that read text, and so take `--data`."""
+
+_LABEL_OK = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+
+
+def check_label(label: str) -> str:
+    """A `--data-label`: letters, digits, `.`, `_`, `-` (it becomes part of a file name)."""
+    if not _LABEL_OK.fullmatch(label) or label.endswith(".json"):
+        raise ConfigError(
+            f"--data-label {label!r} must be 1-64 letters, digits, '.', '_' or '-', starting with a letter "
+            "or digit (it names the result file eval/<suite>@<label>.json), e.g. --data-label wiki"
+        )
+    return label
+
+
+def data_label(source: str) -> str:
+    """The default label of results on `--data SOURCE`: the source's name without its folder,
+    scheme and suffix (`builtin:tiny-stories` → tiny-stories, `data/wiki.txt` → wiki,
+    `data/*.txt` → data, `hf:org/set:config@test` → set-config-test)."""
+
+    def last(text: str) -> str:
+        parts = [p for p in re.split(r"[\\/]", text) if p and not any(c in p for c in "*?[")]
+        return parts[-1] if parts else ""
+
+    text = source.strip()
+    if text.startswith("builtin:"):
+        name = text.removeprefix("builtin:")
+    elif text.startswith("hf:"):
+        rest, _, split = text.removeprefix("hf:").partition("@")
+        dataset, _, config = rest.partition(":")
+        name = "-".join(p for p in (last(dataset), config, split) if p)
+    else:
+        name = last(text)
+        if "." in name.strip("."):
+            name = name.strip(".").rsplit(".", 1)[0]
+    name = re.sub(r"[^A-Za-z0-9._-]+", "-", name).strip("-._")[:64].rstrip("-._")
+    return name or "data"
+
+
+def result_key(suite: str, label: str | None = None) -> str:
+    """The name of a result: the suite, or `suite@label` for a result on `--data`."""
+    return f"{suite}@{label}" if label else suite
+
+
+def split_key(key: str) -> tuple[str, str | None]:
+    suite, _, label = key.partition("@")
+    return suite, label or None
+
+
+def result_path(run_dir: Path | str, key: str) -> Path:
+    return Path(run_dir) / EVAL_DIR / f"{key}.json"
+
+
+def result_keys(run_dir: Path | str, suite: str) -> list[str]:
+    """The results of `suite` a run holds: its own (if any), then those on `--data` by label."""
+    folder = Path(run_dir) / EVAL_DIR
+    keys = [suite] if (folder / f"{suite}.json").is_file() else []
+    if folder.is_dir():
+        keys += sorted(p.stem for p in folder.glob(f"{glob.escape(suite)}@*.json") if p.is_file())
+    return keys
 
 
 def model_params(model: torch.nn.Module) -> int:
@@ -111,6 +183,7 @@ def finish(
     st = w.stat() if w.is_file() else None
     return {
         "suite": suite,
+        "label": out.label,
         "format": FORMAT,
         "run": str(run.path),
         "arch": run.config.arch,  # type: ignore[attr-defined]
@@ -131,28 +204,45 @@ def finish(
 
 
 def save_result(run_dir: Path | str, doc: dict[str, Any]) -> Path:
-    """Write `RUN_DIR/eval/<suite>.json` atomically; returns its path."""
-    path = result_path(run_dir, doc["suite"])
+    """Write `RUN_DIR/eval/<suite>.json` (`<suite>@<label>.json` for a result on `--data`)
+    atomically; returns its path."""
+    path = result_path(run_dir, result_key(doc["suite"], doc.get("label")))
     atomic_write_json(path, doc)
     return path
 
 
-def load_result(run_dir: Path | str, suite: str) -> dict[str, Any] | None:
-    """The stored result of `suite` for a run, or None when it was never run."""
-    path = result_path(run_dir, suite)
+def load_result(run_dir: Path | str, key: str) -> dict[str, Any] | None:
+    """The stored result `key` (a suite, or `suite@label`) of a run, or None when it was never run."""
+    path = result_path(run_dir, key)
     if not path.is_file():
         return None
+    suite, label = split_key(key)
+    again = f"difftrain eval {run_dir} --suite {suite}" + (" --data SOURCE" if label else "")
     try:
         doc = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise RunDirError(
-            f"{path} is not valid JSON ({e}); delete it and run `difftrain eval {run_dir} --suite {suite}` again"
-        ) from e
-    if not isinstance(doc, dict) or doc.get("suite") != suite or "headline" not in doc:
-        raise RunDirError(
-            f"{path} is not a difftrain eval result; delete it and run `difftrain eval {run_dir} --suite {suite}`"
-        )
+        raise RunDirError(f"{path} is not valid JSON ({e}); delete it and run `{again}` again") from e
+    if (
+        not isinstance(doc, dict)
+        or doc.get("suite") != suite
+        or (doc.get("label") or None) != label
+        or not isinstance(doc.get("headline"), list)
+    ):
+        raise RunDirError(f"{path} is not a difftrain eval result; delete it and run `{again}`")
     return doc
+
+
+def rerun_command(run_dir: Path | str, key: str, doc: dict[str, Any] | None = None) -> str:
+    """The `difftrain eval` command that (re)makes result `key` of a run; for a result on
+    `--data`, with the source another run's result `doc` was evaluated on."""
+    suite, label = split_key(key)
+    cmd = f"difftrain eval {shlex.quote(str(run_dir))} --suite {suite}"
+    if label:
+        source = (doc or {}).get("settings", {}).get("data")
+        cmd += f" --data {shlex.quote(str(source)) if source else 'SOURCE'}"
+        if source is None or data_label(str(source)) != label:
+            cmd += f" --data-label {label}"
+    return cmd
 
 
 SAMPLE_BYTES = 1 << 16

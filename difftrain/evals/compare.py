@@ -1,7 +1,8 @@
 """`difftrain compare`: runs side by side — training figures, every shared eval suite, curves.
 
 Reads only what runs already hold: summary.json (params, tokens, wall time, tokens/s, losses),
-metrics.csv (curves) and eval/<suite>.json (the `headline` of each suite). Nothing is
+metrics.csv (curves) and eval/<suite>.json (the `headline` of each suite; eval/<suite>@<label>.json,
+a suite run on another source with `--data`, shows as its own section `suite@label`). Nothing is
 recomputed, so comparing is instant; `difftrain eval` fills in missing suites.
 """
 
@@ -15,7 +16,15 @@ from typing import Any
 
 from difftrain.errors import ConfigError, RunDirError
 from difftrain.evals import SUITES, check_suite
-from difftrain.evals.common import load_result, result_path, stale
+from difftrain.evals.common import (
+    load_result,
+    rerun_command,
+    result_key,
+    result_keys,
+    result_path,
+    split_key,
+    stale,
+)
 from difftrain.io import RunLock
 from difftrain.rundir import (
     CONFIG,
@@ -65,8 +74,10 @@ class Comparison:
     training: list[Row]
     suites: dict[str, list[Row]]
     partial: dict[str, list[str]]
-    """Suites present in some runs only: suite → labels of the runs that lack it."""
+    """Results present in some runs only: suite (or suite@label) → labels of the runs that lack it."""
     notes: list[str]
+    commands: dict[str, str] = field(default_factory=dict)
+    """For each result in `partial`: the `difftrain eval` command that makes it (RUN for the run)."""
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -76,6 +87,7 @@ class Comparison:
             "training": [r.as_dict() for r in self.training],
             "suites": {s: [r.as_dict() for r in rows] for s, rows in self.suites.items()},
             "partial": self.partial,
+            "commands": self.commands,
             "notes": self.notes,
         }
 
@@ -134,11 +146,18 @@ def _setting(doc: dict[str, Any], key: str) -> str:
     return text if len(text) <= 40 else text[:37] + "..."
 
 
+def check_result(name: str) -> str:
+    """A result name given to `compare --suite`: a suite, or `suite@label` (a result on --data)."""
+    suite, label = split_key(name.strip())
+    return result_key(check_suite(suite), label)
+
+
 def compare_runs(paths: Sequence[str | Path], suites: Sequence[str] | None = None) -> Comparison:
     """Gather the comparison of `paths` (two or more run directories).
 
-    suites: the eval suites to show (each must exist in every run, else a RunDirError says
-    which run lacks it and how to make it); default: every suite present in all runs.
+    suites: the eval results to show, by suite or `suite@label` (each must exist in every run,
+    else a RunDirError says which run lacks it and how to make it); default: every result
+    present in all runs.
     """
     if len(paths) < 2:
         raise ConfigError("compare needs two or more run directories, e.g. `difftrain compare runs/a runs/b`")
@@ -156,7 +175,7 @@ def compare_runs(paths: Sequence[str | Path], suites: Sequence[str] | None = Non
                 "(`difftrain eval` shows one run's results)"
             )
         seen[d.resolve()] = d
-    wanted = [check_suite(s) for s in suites] if suites else None
+    wanted = list(dict.fromkeys(check_result(s) for s in suites)) if suites else None
     labels = _labels(dirs)
     runs = [RunRecord(d, lab, read_summary(d), _config(d)) for d, lab in zip(dirs, labels, strict=True)]
     notes: list[str] = []
@@ -179,29 +198,32 @@ def compare_runs(paths: Sequence[str | Path], suites: Sequence[str] | None = Non
                     f"those of that step; `{cmd}` finishes it"
                 )
         for s in SUITES:
-            doc = load_result(r.path, s)
-            if doc is not None:
-                r.evals[s] = doc
+            for key in result_keys(r.path, s):
+                doc = load_result(r.path, key)
+                if doc is not None:
+                    r.evals[key] = doc
+    # every result some run holds, in the order of SUITES, each suite's own before its labels
+    held = list(dict.fromkeys(k for s in SUITES for r in runs for k in r.evals if split_key(k)[0] == s))
+    held.sort(key=lambda k: (list(SUITES).index(split_key(k)[0]), split_key(k)[1] or ""))
+
+    def example(key: str) -> dict[str, Any] | None:
+        return next((r.evals[key] for r in runs if key in r.evals), None)
+
     if wanted:
         for s in wanted:
             for r in runs:
                 if s not in r.evals:
                     raise RunDirError(
                         f"{r.path} has no `{s}` result ({result_path(r.path, s)}); "
-                        f"run `difftrain eval {r.path} --suite {s}` first"
+                        f"run `{rerun_command(r.path, s, example(s))}` first"
                     )
         shown = wanted
     else:
-        shown = [s for s in SUITES if all(s in r.evals for r in runs)]
-    partial = (  # suites that some runs have and others lack (none when --suite chose them)
-        {}
-        if wanted
-        else {
-            s: [r.label for r in runs if s not in r.evals]
-            for s in SUITES
-            if s not in shown and any(s in r.evals for r in runs)
-        }
+        shown = [s for s in held if all(s in r.evals for r in runs)]
+    partial = (  # results that some runs have and others lack (none when --suite chose them)
+        {} if wanted else {s: [r.label for r in runs if s not in r.evals] for s in held if s not in shown}
     )
+    commands = {s: rerun_command("RUN", s, example(s)) for s in partial}
 
     def get(key: str) -> list[Any]:
         return [r.summary.get(key) for r in runs]
@@ -252,9 +274,11 @@ def compare_runs(paths: Sequence[str | Path], suites: Sequence[str] | None = Non
         for r, d in zip(runs, docs, strict=True):
             if stale(r.path, d):
                 notes.append(
-                    f"{s}: the result of {r.label} predates its current weights; rerun `difftrain eval {r.path} --suite {s}`"
+                    f"{s}: the result of {r.label} predates its current weights; rerun `{rerun_command(r.path, s, d)}`"
                 )
-    return Comparison(runs=runs, training=training, suites=table, partial=partial, notes=notes)
+    return Comparison(
+        runs=runs, training=training, suites=table, partial=partial, notes=notes, commands=commands
+    )
 
 
 def plot_curves(comparison: Comparison, path: str | Path) -> Path:
