@@ -55,6 +55,31 @@ def test_jsonl_json_and_gzip_read_the_configured_text_field(tmp_path: Path) -> N
     assert docs(["lines.json"], tmp_path) == ["l1", "l2"]
 
 
+def test_a_folders_config_json_is_text_while_its_record_files_stay_records(tmp_path: Path) -> None:
+    repo = tmp_path / "repo"
+    (repo / "src").mkdir(parents=True)
+    (repo / "src" / "a.js").write_text("let a = 1;")
+    pkg = '{"name": "pkg", "version": "1.0.0"}'
+    (repo / "package.json").write_text(pkg)
+    tsconfig = '{\n  // comments: not JSON\n  "strict": true\n}\n'
+    (repo / "tsconfig.json").write_text(tsconfig)
+    (repo / "records.json").write_text(json.dumps([{"text": "r1"}, {"text": "r2"}]))
+    (repo / "one.json").write_text(json.dumps({"text": "r3", "id": 1}))
+    (repo / "lines.json").write_text('{"text": "l1"}\n{"text": "l2"}\n')
+    got, stats = read_one("repo", tmp_path)
+    assert got == ["l1", "l2", "r3", pkg, "r1", "r2", "let a = 1;", tsconfig]
+    assert stats.json_documents == 2 and stats.files == 6 and stats.bad_records == 0
+    for named in ("repo/package.json", "repo/*.json"):  # a .json named itself or by a glob: records
+        with pytest.raises(DataError, match="package.json, record 0: record has no field 'text'"):
+            read_one(named, tmp_path)
+    got, stats = read_one("repo/s*", tmp_path)  # a glob matching a folder walks it
+    assert got == ["let a = 1;"]
+    # a broken record in a list is still an error, not text
+    (repo / "records.json").write_text('[{"text": "r1"}, {"text": 2}]')
+    with pytest.raises(DataError, match="records.json, record 1: field 'text' is int"):
+        read_one("repo", tmp_path)
+
+
 def test_bad_jsonl_line_names_file_and_line_unless_skipped_then_counted(tmp_path: Path) -> None:
     f = tmp_path / "d.jsonl"
     f.write_text(

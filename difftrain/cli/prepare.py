@@ -48,6 +48,12 @@ def prepare_table(prepared: Any, tokenizer_cfg: Any = None) -> Any:
     ]
     if s.bad_records:
         rows.insert(1, ("skipped records", f"{s.bad_records:,} malformed (data.on_bad_record: skip)"))
+    as_text = sum(src.get("json_documents", 0) for src in s.sources)
+    if as_text:
+        rows.insert(
+            1,
+            ("json as text", f"{as_text:,} .json files in folders hold no records (configs): read as text"),
+        )
     return kv_table("difftrain prepare", rows)
 
 

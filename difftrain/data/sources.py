@@ -8,6 +8,10 @@ second `prepare` with unchanged data never re-reads the text.
 
 File formats: `.jsonl` / `.json` / `.parquet` hold one document per record (the `text_field`
 of each record); any other file is one document (UTF-8 text). `.gz` files are decompressed.
+In a folder (or a glob matching folders) read for pretraining, a `.json` file is records only
+when it holds a list, JSON lines, or one object with the `text_field`: any other `.json` there
+(package.json, a tsconfig.json with comments: the configs of a code corpus) is one document of
+text, counted in `SourceStats.json_documents`. A `.json` file named itself is always records.
 
 Malformed input raises a DataError naming the file (and line or row) and the fix; with
 `data.on_bad_record: skip` a malformed record is dropped instead and counted in `SourceStats`.
@@ -57,6 +61,8 @@ class SourceStats:
     files: int = 0
     bad_records: int = 0
     bad_examples: list[str] = field(default_factory=list)
+    json_documents: int = 0
+    """`.json` files of a folder read as text (configs, not records): see the module docstring."""
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -99,6 +105,8 @@ class Source:
         self.index = index
         self.base_dir = base_dir
         self.files: list[Path] = []
+        self.walked: set[Path] = set()
+        """The files found by walking a folder (not named by the source itself)."""
         if spec.kind == "path":
             self.files = self._expand_paths()
         elif spec.source in ("builtin:python-stdlib", "builtin:python-docstrings"):
@@ -135,9 +143,13 @@ class Source:
                 )
             files: list[Path] = []
             for m in matches:
-                files.extend(self._walk(m) if m.is_dir() else [m])
+                found = self._walk(m) if m.is_dir() else [m]
+                if m.is_dir():
+                    self.walked.update(found)
+                files.extend(found)
         elif path.is_dir():
             files = self._walk(path)
+            self.walked.update(files)
             if not files:
                 raise DataError(
                     f"{self.label}: folder {path} holds no text files (.txt, .md, code, .jsonl, .json, "
@@ -175,6 +187,8 @@ class Source:
             "spec": self.spec.model_dump(mode="json"),
             "files": self._file_stats(self.files),
         }
+        if any(_suffix(f) == ".json" for f in self.walked):
+            ident["folder_json"] = 2  # how a folder's .json files are read (2: configs as text)
         if self.spec.kind == "builtin":
             ident["python"] = sys.version
             ident["generator"] = 1  # bump when a builtin corpus generator changes its output
@@ -223,6 +237,25 @@ class Source:
                 policy,
                 f"{path}: not UTF-8 text (byte {e.start}: {e.reason}); convert the file to UTF-8 or remove it",
             )
+
+    def _json_document(self, path: Path) -> bool:
+        """Whether a `.json` file found in a folder is a document rather than records: not a
+        list, not JSON lines, not an object with the text field (a config such as package.json,
+        or not JSON at all, such as a tsconfig.json with comments)."""
+        try:
+            with _open(path) as f:
+                data = f.read()
+        except _READ_ERRORS as e:
+            raise _unreadable(self.label, path, e) from e
+        if data.lstrip(b"\xef\xbb\xbf \t\r\n").startswith(b"["):
+            return False  # a list of records: not parsed twice
+        try:
+            obj = json.loads(data)
+        except json.JSONDecodeError as e:
+            return e.msg != "Extra data"  # JSON lines are records
+        except UnicodeDecodeError:
+            return False  # neither: the record reader names the file
+        return isinstance(obj, dict) and self.spec.text_field not in obj
 
     def _json_objects(
         self, path: Path, stats: SourceStats, policy: BadRecordPolicy
@@ -509,7 +542,11 @@ class Source:
             f = self.spec.text_field
             for path in self.files:
                 suffix = _suffix(path)
-                if suffix in RECORD_SUFFIXES:
+                if suffix == ".json" and path in self.walked and self._json_document(path):
+                    stats.files += 1
+                    stats.json_documents += 1
+                    yield from self._text_file(path, stats, policy)
+                elif suffix in RECORD_SUFFIXES:
                     stats.files += 1
                     rows = (
                         self._parquet_rows(path, [f])
