@@ -519,6 +519,9 @@ def test_dry_run_checks_base_data_and_run_folder_and_writes_nothing(ws, tmp_path
     assert "train ·" in out and "lora · rank 4" in out and "layers (self_attn.q_proj" in out
     assert not (tmp_path / "runs").exists()
     assert _snapshot(base_run.parent.parent) == cache_before
+    big = ["train.micro_batch_size=4000000", "train.global_batch_size=null"]  # warned as the run warns
+    assert main(["finetune", str(ws(name="dry")), "--dry-run", *big]) == 0
+    assert "warning: this run needs ≈" in capsys.readouterr().err
     # refused where the run refuses, before anything is written: exit 2, one line each
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps({"messages": [{"role": "bot", "content": "hi"}]}) + "\n")

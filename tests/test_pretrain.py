@@ -626,6 +626,31 @@ def test_dry_run_checks_the_files_the_run_reads_and_the_folder_it_writes(workspa
     assert not (tmp_path / "runs").exists() and not (tmp_path / "cache").exists()
 
 
+def test_dry_run_warns_as_the_run_would_of_memory_and_warm_up(workspace, capsys):
+    p = workspace(steps=2, save_every=2)
+    assert main(["pretrain", str(p), "--dry-run", "optim.warmup_steps=1"]) == 0
+    assert "warning:" not in capsys.readouterr().err
+    # a micro-batch no machine holds, and a warm-up longer than the run: warned, not refused
+    assert (
+        main(
+            [
+                "pretrain",
+                str(p),
+                "--dry-run",
+                "train.micro_batch_size=4000000",
+                "train.global_batch_size=null",
+                "optim.warmup_steps=5",
+            ]
+        )
+        == 0
+    )
+    err = capsys.readouterr().err
+    assert "warning: this run needs ≈" in err and f"difftrain plan {p}" in err
+    assert "warning: optim.warmup_steps=5 is not below train.max_steps=2" in err
+    assert "[yellow]" not in err and "[/]" not in err and "data.sources" not in err
+    assert not (p.parent / "runs").exists()
+
+
 def test_a_run_directory_another_process_trains_into_is_refused_and_left_alone(workspace, capsys):
     from difftrain.io import RunLock
 

@@ -35,6 +35,13 @@ console = WideWhenPiped(highlight=False)
 err_console = WideWhenPiped(stderr=True, highlight=False)
 
 
+def warn(text: str) -> None:
+    """A `warning:` line on stderr; the text is printed as it is (no rich markup in it)."""
+    from rich.markup import escape
+
+    err_console.print(f"[yellow]warning:[/] {escape(text)}", soft_wrap=True)
+
+
 def fmt_count(n: float) -> str:
     """12_345_678 → '12.3M'."""
     n = float(n)

@@ -11,7 +11,6 @@ import typer
 from difftrain.cli.common import (
     console,
     dry_run_rows,
-    err_console,
     fmt_count,
     kv_table,
     peak_memory,
@@ -20,6 +19,7 @@ from difftrain.cli.common import (
     report_finished,
     skipped_records_row,
     wall_time,
+    warn,
 )
 
 
@@ -89,7 +89,7 @@ def _start_table(info: dict[str, Any]) -> None:
     ]
     console.print(kv_table("difftrain finetune", rows))
     for w in info["warnings"]:
-        err_console.print(f"[yellow]warning:[/] {w}")
+        warn(w)
 
 
 def _end_table(summary: dict[str, Any], run_dir: Path) -> None:
@@ -198,6 +198,8 @@ def _dry_run(r: Any, *, resume: bool | None, overwrite: bool) -> None:
         ("device", shared["device"]),
     ]
     console.print(kv_table("dry run: the fine-tune is ready", rows))
+    for w in d["warnings"]:
+        warn(w)
 
 
 def merge_command(

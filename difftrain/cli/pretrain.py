@@ -10,7 +10,6 @@ import typer
 from difftrain.cli.common import (
     console,
     dry_run_rows,
-    err_console,
     fmt_count,
     kv_table,
     peak_memory,
@@ -20,6 +19,7 @@ from difftrain.cli.common import (
     skipped_records_row,
     vocab_shortfall,
     wall_time,
+    warn,
 )
 
 
@@ -64,7 +64,7 @@ def _start_table(info: dict[str, Any]) -> None:
     ]
     console.print(kv_table("difftrain pretrain", rows))
     for w in info["warnings"]:
-        err_console.print(f"[yellow]warning:[/] {w}")
+        warn(w)
 
 
 def _end_table(summary: dict[str, Any], run_dir: Any) -> None:
@@ -117,7 +117,12 @@ def pretrain_command(
 
     r = load_recipe(recipe, overrides or [])
     if dry_run:
-        from difftrain.train.run import plan_run, prepare_run_dir, require_pretraining
+        from difftrain.train.run import (
+            dry_run_warnings,
+            plan_run,
+            prepare_run_dir,
+            require_pretraining,
+        )
 
         require_pretraining(r)
         plan = plan_run(r)
@@ -128,7 +133,7 @@ def pretrain_command(
             overwrite=overwrite,
             dry_run=True,
         )
-        warnings = _check_inputs(plan.recipe)
+        warnings = _check_inputs(plan.recipe) + dry_run_warnings(plan, point)
         shared = dry_run_rows(plan, resuming, point, overwrite)
         m = plan.recipe.model
         rows = [
@@ -141,7 +146,7 @@ def pretrain_command(
         ]
         console.print(kv_table("dry run: the recipe is valid", rows))
         for w in warnings:
-            err_console.print(f"[yellow]warning:[/] {w}", soft_wrap=True, markup=False, highlight=False)
+            warn(w)
         return
     _train(r, resume=resume, overwrite=overwrite, progress=progress)
 

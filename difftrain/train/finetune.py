@@ -30,6 +30,7 @@ from difftrain.train.run import (
     Plan,
     TrainResult,
     _quiet_lightning,
+    dry_run_warnings,
     fit,
     memory_warnings,
     plan_run,
@@ -370,7 +371,8 @@ def dry_run_finetune(
     sources found), the run folder (resume or refusal, as the run decides) — and nothing written.
 
     Returns what the run would do: plan, base, data_format, records (instruction data), new_tokens,
-    base_vocab_size, resuming, point, lora_targets (the adapted layers; None for a full fine-tune).
+    base_vocab_size, resuming, point, lora_targets (the adapted layers; None for a full fine-tune),
+    warnings (memory plan, warm-up: what the run would warn of at its start).
     """
     from difftrain.data.sources import check_local_sources
     from difftrain.data.tokenizer import load_tokenizer
@@ -414,6 +416,7 @@ def dry_run_finetune(
         "resuming": resuming,
         "point": point,
         "lora_targets": spec.targets if spec is not None else None,
+        "warnings": dry_run_warnings(plan, point),
     }
 
 

@@ -597,6 +597,15 @@ def pretrain(
     return result
 
 
+def dry_run_warnings(plan: Plan, point: Any) -> list[str]:
+    """The start-up warnings a `--dry-run` can give without the data: the memory plan against
+    this device, and (a fresh start) the warm-up against the run's length."""
+    return [
+        *memory_warnings(plan.recipe, plan.accelerator),
+        *([] if point else _warmup_notes(plan.recipe, plan)),
+    ]
+
+
 def _warmup_notes(r: Recipe, plan: Plan) -> list[str]:
     """A warm-up as long as the run (`lr_multiplier` cuts it to max_steps - 1 steps)."""
     warmup, steps, schedule = r.optim.warmup_steps, plan.max_steps, r.optim.schedule
