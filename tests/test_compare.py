@@ -225,6 +225,27 @@ def test_a_stopped_run_is_noted_with_the_command_that_finishes_it(pair, tmp_path
         lock.release()
 
 
+def test_a_lock_file_that_cannot_be_read_is_a_note_not_a_failed_compare(pair, tmp_path, monkeypatch):
+    from difftrain.errors import DifftrainError
+    from difftrain.io import RunLock
+
+    a, b = pair
+    stopped = tmp_path / "stopped"
+    shutil.copytree(a, stopped)
+    summary = json.loads((stopped / "summary.json").read_text())
+    (stopped / "summary.json").write_text(json.dumps({**summary, "steps": 6, "finished": False}))
+
+    def unreadable(self):  # as another user's lock file without read permission
+        raise DifftrainError(f"cannot open {self.path}: permission denied")
+
+    monkeypatch.setattr(RunLock, "holder", unreadable)
+    cmp = compare_runs([stopped, b])
+    assert any(
+        "stopped stopped at step 6 or is still training (its lock file cannot be read" in n for n in cmp.notes
+    )
+    assert list(cmp.suites) == ["ppl"]  # its results are still compared
+
+
 def test_a_context_length_difference_is_noted_without_advice_no_option_can_follow(pair, tmp_path):
     a, _ = pair
     short = make_run(tmp_path, "short", "diff", tokenizer=load_run(a).tokenizer, max_seq_len=64)

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from difftrain.errors import ConfigError, RunDirError
+from difftrain.errors import ConfigError, DifftrainError, RunDirError
 from difftrain.evals import SUITES, check_suite
 from difftrain.evals.common import (
     load_result,
@@ -189,7 +189,17 @@ def compare_runs(paths: Sequence[str | Path], suites: Sequence[str] | None = Non
             )
         elif r.summary.get("finished") is False:
             step = r.summary.get("steps")
-            if RunLock(r.path).holder() is not None:
+            unreadable = None
+            try:
+                training = RunLock(r.path).holder() is not None
+            except DifftrainError as e:  # a .lock this user cannot open: say so, compare the rest
+                training, unreadable = False, str(e)
+            if unreadable is not None:
+                notes.append(
+                    f"{r.label} stopped at step {step} or is still training (its lock file cannot be read: "
+                    f"{unreadable}): its final figures are those of step {step}"
+                )
+            elif training:
                 notes.append(f"{r.label} is still training: its final figures are those of step {step}")
             else:
                 cmd = f"difftrain {training_command(r.path)} {shlex.quote(str(r.path))} --resume"
