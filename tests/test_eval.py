@@ -434,6 +434,8 @@ def test_eval_unknown_suite_suggests_the_closest_name(runs, capsys):
     ("args", "message"),
     [
         (["--depths", "0,1.5"], "--depths 1.5 is outside [0, 1]"),
+        (["--data", "no-such-file.txt"], "--data 'no-such-file.txt': "),  # before the model loads
+        (["--data", "hf:"], "--data 'hf:': hf: source needs a dataset name"),
         (["--needles", "4x0"], "R (queried) must be in 1 … N=4"),
         (["--bits", "8,1"], "--bits 1 is out of range"),
         (["--samples", "0"], "--samples 0 must be ≥ 1"),

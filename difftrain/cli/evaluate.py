@@ -338,7 +338,7 @@ def eval_command(
     ),
 ) -> None:
     from difftrain.evals import EvalOptions
-    from difftrain.evals.common import DATA_SUITES, check_depths, check_label, check_positive
+    from difftrain.evals.common import DATA_SUITES, check_depths, check_label, check_positive, data_source
     from difftrain.evals.needle import parse_needles
     from difftrain.evals.quant import check_bits
 
@@ -369,6 +369,8 @@ def eval_command(
             f"--data applies to the suites that read text ({', '.join(DATA_SUITES)}), not {', '.join(suites)}: "
             "drop --data, or add e.g. --suite ppl"
         )
+    if data is not None:
+        data_source(data)  # a missing file fails before the model loads
     check_positive("--batch-size", batch_size)
     for name, v in (("--windows", windows), ("--samples", samples), ("--tokens", tokens)):
         check_positive(name, v)

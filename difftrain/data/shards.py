@@ -469,15 +469,17 @@ def prepare_data(
     seed: int,
     base_dir: str | os.PathLike[str],
     progress: ProgressFn | None = None,
+    sources: list[Source] | None = None,
 ) -> PreparedData:
     """Tokenizer + token shards for a recipe's data, built once and then served from the cache.
 
     base_dir: folder that relative source paths (and tokenizer.path) are resolved against — the
     recipe's folder. progress: called with `PrepareProgress` reports while text is read.
+    sources: `data_cfg.sources` already resolved (e.g. named for their messages as an option).
     """
     t0 = time.perf_counter()
     base = Path(base_dir).expanduser().resolve()
-    sources = resolve_sources(data_cfg, base)
+    sources = resolve_sources(data_cfg, base) if sources is None else sources
     tok_path, tok_cached, tok_seconds = prepare_tokenizer(
         data_cfg, tok_cfg, base_dir=base, sources=sources, progress=progress
     )

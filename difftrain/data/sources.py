@@ -100,9 +100,11 @@ def _unreadable(label: str, path: Path, e: BaseException) -> DataError:
 class Source:
     """One resolved entry of `data.sources`."""
 
-    def __init__(self, spec: SourceSpec, index: int, base_dir: Path) -> None:
+    def __init__(self, spec: SourceSpec, index: int, base_dir: Path, *, name: str | None = None) -> None:
         self.spec = spec
         self.index = index
+        self.name = name
+        """How messages name the source (default: its place in data.sources), e.g. "--data 'x.txt'"."""
         self.base_dir = base_dir
         self.files: list[Path] = []
         self.walked: set[Path] = set()
@@ -115,7 +117,7 @@ class Source:
     # -- naming ------------------------------------------------------------------------------
     @property
     def label(self) -> str:
-        return f"data.sources[{self.index}] ('{self.spec.source}')"
+        return self.name or f"data.sources[{self.index}] ('{self.spec.source}')"
 
     def _resolve(self, raw: str) -> Path:
         return resolve_path(raw, self.base_dir)

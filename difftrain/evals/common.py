@@ -363,6 +363,23 @@ def token_byte_lengths(tokenizer: Any) -> np.ndarray:
     return out
 
 
+def data_source(data: str) -> Any:
+    """The `--data` source resolved against the current folder, named as the option in messages
+    (a missing file fails here, before a model loads); a `difftrain.data.sources.Source`."""
+    from difftrain.data.config import SourceSpec
+    from difftrain.data.sources import Source
+
+    try:
+        spec = SourceSpec(source=data)
+    except ValueError as e:
+        errors = e.errors() if hasattr(e, "errors") else []  # pydantic's ValidationError
+        msg = errors[0]["msg"].removeprefix("Value error, ") if errors else str(e) or "invalid source"
+        raise DataError(f"--data {data!r}: {msg}") from None
+    source = Source(spec, 0, Path.cwd().resolve(), name=f"--data {data!r}")
+    source.check_local_files()
+    return source
+
+
 def eval_windows(
     run: Run,
     *,
@@ -379,11 +396,12 @@ def eval_windows(
     loss in training). With `data`: all of that source (no split). Windows are evenly spaced
     over the split (`val_window_offsets`); `full` takes every non-overlapping window.
     """
-    from difftrain.data.config import DataConfig, SourceSpec, TokenizerConfig
+    from difftrain.data.config import DataConfig, TokenizerConfig
     from difftrain.data.modules import val_window_offsets
     from difftrain.data.shards import prepare_data
 
     recipe = _run_recipe(run.path) if data is None else None
+    sources = None
     seq_len = int(run.config.max_seq_len)  # type: ignore[attr-defined]
     window = seq_len + 1
     tok_cfg = TokenizerConfig(path=str((run.path / TOKENIZER).resolve()))
@@ -394,11 +412,9 @@ def eval_windows(
         if count is None and not full:
             count = data_cfg.val_windows or default_count
     else:
-        try:
-            spec = SourceSpec(source=data)
-        except ValueError as e:
-            msg = str(e).splitlines()[-1].strip() if str(e) else "invalid source"
-            raise DataError(f"--data {data!r}: {msg}") from None
+        source = data_source(data)
+        sources = [source]
+        spec = source.spec
         cache = None
         try:
             cache = _run_recipe(run.path).data.cache_dir
@@ -407,7 +423,7 @@ def eval_windows(
         data_cfg = DataConfig(sources=[spec], val_fraction=0.0, val_windows=0, cache_dir=cache)
         seed = 0
         base = Path.cwd()
-    prepared = prepare_data(data_cfg, tok_cfg, seed=seed, base_dir=base)
+    prepared = prepare_data(data_cfg, tok_cfg, seed=seed, base_dir=base, sources=sources)
     split = "val" if recipe is not None else "train"
     path = prepared.val_path if split == "val" else prepared.train_path
     n_tokens = int(prepared.index[split]["tokens"])
