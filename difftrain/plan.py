@@ -151,10 +151,10 @@ def parse_memory(text: str) -> int:
 
 
 def fmt_bytes(n: float) -> str:
-    """Bytes as '1.23 GiB' / '456.0 MiB' / '12.0 KiB'."""
-    for unit, size in (("GiB", GiB), ("MiB", MiB), ("KiB", KiB)):
+    """Bytes as '5.24 TiB' / '1.23 GiB' / '456.0 MiB' / '12.0 KiB'."""
+    for unit, size in (("TiB", 1024 * GiB), ("GiB", GiB), ("MiB", MiB), ("KiB", KiB)):
         if abs(n) >= size:
-            return f"{n / size:.2f} {unit}" if unit == "GiB" else f"{n / size:.1f} {unit}"
+            return f"{n / size:.2f} {unit}" if unit in ("GiB", "TiB") else f"{n / size:.1f} {unit}"
     return f"{n:.0f} B"
 
 

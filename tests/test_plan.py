@@ -38,6 +38,18 @@ def tiny(arch: str = "diff", **kw) -> ModelConfig:
     return ModelConfig(**{**fields, **kw})
 
 
+def test_sizes_print_in_the_largest_binary_unit():
+    from difftrain.plan import fmt_bytes
+
+    assert [fmt_bytes(n) for n in (512, 3 * 2**10, 1.5 * 2**20, 3 * GiB, 5359.36 * GiB)] == [
+        "512 B",
+        "3.0 KiB",
+        "1.5 MiB",
+        "3.00 GiB",
+        "5.23 TiB",
+    ]
+
+
 def test_memory_sizes_parse_with_binary_units_and_reject_bare_numbers():
     assert parse_memory("8GB") == 8 * 2**30
     assert parse_memory("8 GiB") == 8 * 2**30
