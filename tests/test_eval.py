@@ -539,3 +539,33 @@ def test_suite_lists_accept_commas_repeats_and_all():
     assert parse_suites(None) == ["ppl"]
     assert parse_suites(["ppl,needle", "ppl", "quant"]) == ["ppl", "needle", "quant"]
     assert parse_suites(["all"]) == ["ppl", "needle", "attention", "outliers", "quant", "icl-order"]
+
+
+def test_eval_show_prints_stored_results_without_running_and_notes_stale_ones(runs, tmp_path, capsys):
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(runs["baseline"], run, ignore=shutil.ignore_patterns("eval"))
+    assert main(["eval", str(run), "--show"]) == 2
+    assert "holds no eval results yet; make one with `difftrain eval" in _error(capsys)
+    doc = evaluate(load_run(run), "ppl", EvalOptions(windows=2))
+    save_result(run, doc)
+    assert main(["eval", str(run), "--show"]) == 0
+    out, err = capsys.readouterr()
+    assert f"{doc['results']['loss']:.4f}" in out and "computed " in out and err == ""
+    assert main(["eval", str(run), "--show", "--suite", "ppl", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out) == {"ppl": doc}
+    # a result older than the weights is shown with a note; one never made is an error with its command
+    stored = run / "eval" / "ppl.json"
+    stored.write_text(json.dumps({**doc, "weights": {**doc["weights"], "size": 1}}))
+    assert main(["eval", str(run), "--show"]) == 0
+    assert "ppl predates the run's current weights; rerun `difftrain eval" in capsys.readouterr().err
+    assert main(["eval", str(run), "--show", "--suite", "ppl@wiki"]) == 2
+    assert "has no `ppl@wiki` result" in _error(capsys)
+    assert main(["eval", str(run), "--show", "--windows", "3"]) == 2
+    assert "--show prints the stored results and runs nothing, so --windows would do nothing" in _error(
+        capsys
+    )
+    assert main(["eval", str(run), "--suite", "ppl@wiki"]) == 2
+    assert "print it with --show --suite ppl@wiki" in _error(capsys)
+    assert not (run / "eval" / "needle.json").exists() and len(list((run / "eval").iterdir())) == 1

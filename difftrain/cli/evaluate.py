@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 from typing import Any
 
 import typer
@@ -41,7 +42,7 @@ Suites (--suite, repeatable or comma-separated; `all` runs every one):
 
 Results go to RUN_DIR/eval/<suite>.json (on --data: eval/<suite>@<label>.json, the label
 named after the source or given by --data-label, so the validation-split result stays);
-`difftrain compare` puts them side by side. Defaults
+`--show` prints a run's stored results again; `difftrain compare` puts them side by side. Defaults
 take about a minute per suite on a 2-core CPU for the quickstart model; --full runs the
 paper-sized grids, and the grid options set any part explicitly.
 """
@@ -75,6 +76,11 @@ def parse_suites(values: list[str] | None) -> list[str]:
 
     names: list[str] = []
     for part in _suite_parts(values):
+        if "@" in part:
+            raise ConfigError(
+                f"--suite {part} names a stored result on another source: run it with --suite "
+                f"{part.split('@')[0]} --data SOURCE, or print it with --show --suite {part}"
+            )
         for s in list(SUITES) if part.lower() == "all" else [check_suite(part)]:
             if s not in names:
                 names.append(s)
@@ -266,6 +272,69 @@ def render(doc: dict[str, Any]) -> None:
         console.print(f"[dim]figure:[/] {p}")
 
 
+def show_results(run_dir: str, values: list[str] | None, as_json: bool) -> None:
+    """`eval --show`: print a run's stored results (every one, or --suite's) and run nothing."""
+    from difftrain.evals import SUITES, load_result
+    from difftrain.evals.common import rerun_command, result_keys, stale
+    from difftrain.evals.compare import check_result
+    from difftrain.rundir import require_run_dir
+
+    run = require_run_dir(Path(run_dir))
+    parts = [p.strip() for v in values or [] for p in v.split(",") if p.strip()]
+    if not parts or any(p.lower() == "all" for p in parts):
+        keys = [k for s in SUITES for k in result_keys(run, s)]
+        if not keys:
+            raise ConfigError(
+                f"{run} holds no eval results yet; make one with `difftrain eval {run} --suite ppl`"
+            )
+    else:
+        keys = list(dict.fromkeys(check_result(p) for p in parts))
+    docs: dict[str, Any] = {}
+    for key in keys:
+        doc = load_result(run, key)
+        if doc is None:
+            raise ConfigError(
+                f"{run} has no `{key}` result ({run / 'eval' / (key + '.json')}); "
+                f"run `{rerun_command(run, key)}` first"
+            )
+        docs[key] = doc
+    if as_json:
+        sys.stdout.write(json.dumps(docs, indent=2) + "\n")
+        return
+    for key, doc in docs.items():
+        render(doc)
+        when = doc.get("created", "?")
+        console.print(f"[dim]{run / 'eval' / (key + '.json')} · computed {when}[/]", soft_wrap=True)
+        if stale(run, doc):
+            err_console.print(
+                f"[yellow]note:[/] {key} predates the run's current weights; rerun `{escape(rerun_command(run, key, doc))}`",
+                soft_wrap=True,
+            )
+
+
+_RUN_OPTIONS = (  # eval_command's options that change what a suite run computes (not --show)
+    ("seed", "--seed"),
+    ("device", "--device"),
+    ("dtype", "--dtype"),
+    ("batch_size", "--batch-size"),
+    ("data", "--data"),
+    ("data_label", "--data-label"),
+    ("full", "--full"),
+    ("windows", "--windows"),
+    ("lengths", "--lengths"),
+    ("depths", "--depths"),
+    ("needles", "--needles"),
+    ("samples", "--samples"),
+    ("tokens", "--tokens"),
+    ("bits", "--bits"),
+    ("with_needle", "--with-needle"),
+    ("demos", "--demos"),
+    ("permutations", "--permutations"),
+    ("items", "--items"),
+    ("plot", "--plot/--no-plot"),
+)
+
+
 def eval_command(
     run_dir: str = typer.Argument(..., help="Run directory (e.g. runs/quickstart)."),
     suite: list[str] = typer.Option(
@@ -276,6 +345,11 @@ def eval_command(
     ),
     as_json: bool = typer.Option(
         False, "--json", help="Print the result documents as JSON on stdout (no tables)."
+    ),
+    show: bool = typer.Option(
+        False,
+        "--show",
+        help="Print the run's stored results (all, or --suite's, e.g. ppl,ppl@wiki) without running anything.",
     ),
     data: str = typer.Option(
         None,
@@ -337,6 +411,17 @@ def eval_command(
         help="Draw figures (default: needle and quant yes, attention maps only with --plot).",
     ),
 ) -> None:
+    if show:
+        given = {k: v for k, v in locals().items() if k in dict(_RUN_OPTIONS)}
+        defaults = {"seed": 0, "device": "auto", "dtype": "auto", "batch_size": 8}
+        used = [flag for name, flag in _RUN_OPTIONS if given[name] not in (None, False, defaults.get(name))]
+        if used:
+            raise ConfigError(
+                f"--show prints the stored results and runs nothing, so {', '.join(used)} would do nothing; "
+                "drop it (or drop --show to run the suites with it)"
+            )
+        show_results(run_dir, suite, as_json)
+        return
     from difftrain.evals import EvalOptions
     from difftrain.evals.common import DATA_SUITES, check_depths, check_label, check_positive, data_source
     from difftrain.evals.needle import parse_needles
