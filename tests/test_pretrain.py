@@ -626,6 +626,31 @@ def test_dry_run_checks_the_files_the_run_reads_and_the_folder_it_writes(workspa
     assert not (tmp_path / "runs").exists() and not (tmp_path / "cache").exists()
 
 
+@pytest.mark.parametrize("dry_run", [False, True], ids=["run", "dry-run"])
+def test_a_missing_data_file_is_refused_before_torch_loads(tmp_path, dry_run):
+    import subprocess
+    import sys
+
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(
+        "name: r\nmodel: {arch: diff, d_model: 32, n_layers: 1, n_heads: 2, max_seq_len: 32}\n"
+        "data: {sources: [missing.txt]}\ntrain: {max_steps: 2, micro_batch_size: 2}\n"
+    )
+    args = ["pretrain", str(recipe), *(["--dry-run"] if dry_run else [])]
+    probe = (
+        "import sys\nfrom difftrain.cli.app import main\n"
+        f"code = main({args!r})\n"
+        "print('torch loaded' if 'torch' in sys.modules else 'torch not loaded')\nsys.exit(code)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, cwd=tmp_path, timeout=120
+    )
+    assert done.returncode == 2, done.stderr
+    assert "missing.txt does not exist; fix the path" in done.stderr and "Traceback" not in done.stderr
+    assert done.stdout.strip() == "torch not loaded"
+    assert not (tmp_path / "runs").exists()
+
+
 def test_dry_run_warns_as_the_run_would_of_memory_and_warm_up(workspace, capsys):
     p = workspace(steps=2, save_every=2)
     assert main(["pretrain", str(p), "--dry-run", "optim.warmup_steps=1"]) == 0

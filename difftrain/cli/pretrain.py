@@ -116,6 +116,8 @@ def pretrain_command(
     from difftrain.recipe import load_recipe
 
     r = load_recipe(recipe, overrides or [])
+    if r.finetune is None:  # (a fine-tuning recipe is sent to `finetune` below)
+        _check_files(r)  # a missing file or unwritable folder fails in a second, before torch loads
     if dry_run:
         from difftrain.train.run import (
             dry_run_warnings,
@@ -180,6 +182,18 @@ def _check_vocab(r: Any, size: int) -> str | None:
         f"(tokenizer.train.vocab_size): the run stops if it has more than {vocab}; set model.vocab_size: "
         f"auto (or at least {size})"
     )
+
+
+def _check_files(r: Any) -> None:
+    """The local files the run reads and the folders it writes, checked without torch, reading
+    no data and writing nothing: every local data source exists, the cache folder and the run
+    directory can be created."""
+    from difftrain.data.sources import check_local_sources
+    from difftrain.io import check_run_dir_creatable
+
+    check_local_sources(r.data, r.recipe_dir)
+    r.data.check_cache_dir()
+    check_run_dir_creatable(r.run_dir)
 
 
 def _check_inputs(r: Any) -> list[str]:
