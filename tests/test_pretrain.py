@@ -676,6 +676,24 @@ def test_dry_run_warns_as_the_run_would_of_memory_and_warm_up(workspace, capsys)
     assert not (p.parent / "runs").exists()
 
 
+def test_a_resuming_dry_run_gives_the_resumes_warnings(workspace, capsys):
+    p = workspace(steps=4, save_every=2)
+    run = pretrain(load_recipe(p)).run_dir
+    newest = run / "checkpoints" / "step-00000004.ckpt"
+    data = bytearray(newest.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    newest.write_bytes(bytes(data))
+    capsys.readouterr()
+    assert main(["pretrain", str(p), "--dry-run", "--resume", "train.max_steps=6"]) == 0
+    out, err = capsys.readouterr()
+    assert "resumes from step 2" in out
+    assert (
+        "warning: checkpoint step-00000004.ckpt is damaged (checksum mismatch); resuming from the older step-00000002.ckpt"
+        in err
+    )
+    assert newest.read_bytes() == bytes(data)  # the dry run writes nothing
+
+
 def test_a_run_directory_another_process_trains_into_is_refused_and_left_alone(workspace, capsys):
     from difftrain.io import RunLock
 

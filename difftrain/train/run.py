@@ -597,13 +597,21 @@ def pretrain(
     return result
 
 
-def dry_run_warnings(plan: Plan, point: Any) -> list[str]:
-    """The start-up warnings a `--dry-run` can give without the data: the memory plan against
-    this device, and (a fresh start) the warm-up against the run's length."""
+def start_warnings(plan: Plan, point: Any, warnings: Sequence[str] = ()) -> list[str]:
+    """The warnings a run gives at its start: the resume's (a damaged checkpoint skipped, a
+    changed schedule, ...), the caller's (`warnings`: the memory plan, ...), then, on a fresh
+    start, the warm-up against the run's length."""
     return [
-        *memory_warnings(plan.recipe, plan.accelerator),
+        *(point.warnings if point else []),
+        *warnings,
         *([] if point else _warmup_notes(plan.recipe, plan)),
     ]
+
+
+def dry_run_warnings(plan: Plan, point: Any) -> list[str]:
+    """The start-up warnings a `--dry-run` can give without the data: those of `start_warnings`
+    with the memory plan against this device."""
+    return start_warnings(plan, point, memory_warnings(plan.recipe, plan.accelerator))
 
 
 def _warmup_notes(r: Recipe, plan: Plan) -> list[str]:
@@ -786,12 +794,7 @@ def fit(
         "trainable_params": n_trainable,
         "total_params": n_total,
         "resumed_from": point.step if point else None,
-        # the resume's warnings, then the caller's, then the schedule's (a fresh start only)
-        "warnings": [
-            *(point.warnings if point else []),
-            *warnings,
-            *([] if point else _warmup_notes(r, plan)),
-        ],
+        "warnings": start_warnings(plan, point, warnings),
         "device": _device_name(plan.accelerator),
         **(info or {}),
     }
