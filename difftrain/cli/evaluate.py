@@ -7,6 +7,7 @@ table per suite (or prints the JSON with --json).
 
 from __future__ import annotations
 
+import inspect
 import json
 import sys
 from pathlib import Path
@@ -275,13 +276,13 @@ def render(doc: dict[str, Any]) -> None:
 def show_results(run_dir: str, values: list[str] | None, as_json: bool) -> None:
     """`eval --show`: print a run's stored results (every one, or --suite's) and run nothing."""
     from difftrain.evals import SUITES, load_result
-    from difftrain.evals.common import rerun_command, result_keys, stale
+    from difftrain.evals.common import missing_result, rerun_command, result_keys, result_path, stale
     from difftrain.evals.compare import check_result
     from difftrain.rundir import require_run_dir
 
     run = require_run_dir(Path(run_dir))
-    parts = [p.strip() for v in values or [] for p in v.split(",") if p.strip()]
-    if not parts or any(p.lower() == "all" for p in parts):
+    parts = _suite_parts(values or ["all"])
+    if any(p.lower() == "all" for p in parts):
         keys = [k for s in SUITES for k in result_keys(run, s)]
         if not keys:
             raise ConfigError(
@@ -293,10 +294,7 @@ def show_results(run_dir: str, values: list[str] | None, as_json: bool) -> None:
     for key in keys:
         doc = load_result(run, key)
         if doc is None:
-            raise ConfigError(
-                f"{run} has no `{key}` result ({run / 'eval' / (key + '.json')}); "
-                f"run `{rerun_command(run, key)}` first"
-            )
+            raise missing_result(run, key)
         docs[key] = doc
     if as_json:
         sys.stdout.write(json.dumps(docs, indent=2) + "\n")
@@ -304,7 +302,7 @@ def show_results(run_dir: str, values: list[str] | None, as_json: bool) -> None:
     for key, doc in docs.items():
         render(doc)
         when = doc.get("created", "?")
-        console.print(f"[dim]{run / 'eval' / (key + '.json')} · computed {when}[/]", soft_wrap=True)
+        console.print(f"[dim]{result_path(run, key)} · computed {when}[/]", soft_wrap=True)
         if stale(run, doc):
             err_console.print(
                 f"[yellow]note:[/] {key} predates the run's current weights; rerun `{escape(rerun_command(run, key, doc))}`",
@@ -412,9 +410,8 @@ def eval_command(
     ),
 ) -> None:
     if show:
-        given = {k: v for k, v in locals().items() if k in dict(_RUN_OPTIONS)}
-        defaults = {"seed": 0, "device": "auto", "dtype": "auto", "batch_size": 8}
-        used = [flag for name, flag in _RUN_OPTIONS if given[name] not in (None, False, defaults.get(name))]
+        given, params = locals(), inspect.signature(eval_command).parameters
+        used = [flag for name, flag in _RUN_OPTIONS if given[name] != params[name].default.default]
         if used:
             raise ConfigError(
                 f"--show prints the stored results and runs nothing, so {', '.join(used)} would do nothing; "

@@ -197,18 +197,12 @@ def _check_files(r: Any) -> None:
 
 
 def _check_inputs(r: Any) -> list[str]:
-    """What the run reads and writes, checked without reading the data or writing anything: the
-    tokenizer file loads and fits model.vocab_size, every local data source exists, the cache
-    folder and the run directory can be created. Returns the warnings."""
-    from difftrain.data.sources import check_local_sources
-    from difftrain.io import check_run_dir_creatable
+    """The dry run's checks beyond `_check_files` (which ran first): the tokenizer file loads and
+    fits model.vocab_size, and a run over several nodes has a launcher. Returns the warnings."""
     from difftrain.plan import tokenizer_size
+    from difftrain.train.distributed import require_node_launcher
 
     warning = _check_vocab(r, tokenizer_size(r))  # loads tokenizer.path, if the recipe names one
-    check_local_sources(r.data, r.recipe_dir)
-    r.data.check_cache_dir()
-    check_run_dir_creatable(r.run_dir)
-    from difftrain.train.distributed import require_node_launcher
 
     require_node_launcher(r.train.num_nodes)
     return [warning] if warning else []

@@ -217,7 +217,7 @@ def load_result(run_dir: Path | str, key: str) -> dict[str, Any] | None:
     if not path.is_file():
         return None
     suite, label = split_key(key)
-    again = f"difftrain eval {run_dir} --suite {suite}" + (" --data SOURCE" if label else "")
+    again = rerun_command(run_dir, key)
     try:
         doc = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
@@ -230,6 +230,15 @@ def load_result(run_dir: Path | str, key: str) -> dict[str, Any] | None:
     ):
         raise RunDirError(f"{path} is not a difftrain eval result; delete it and run `{again}`")
     return doc
+
+
+def missing_result(run_dir: Path | str, key: str, example: dict[str, Any] | None = None) -> RunDirError:
+    """The error for result `key` a run lacks, with the command that makes it (`example`: another
+    run's result, whose --data source the command takes)."""
+    return RunDirError(
+        f"{run_dir} has no `{key}` result ({result_path(run_dir, key)}); "
+        f"run `{rerun_command(run_dir, key, example)}` first"
+    )
 
 
 def rerun_command(run_dir: Path | str, key: str, doc: dict[str, Any] | None = None) -> str:

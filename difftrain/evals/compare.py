@@ -18,10 +18,10 @@ from difftrain.errors import ConfigError, DifftrainError, RunDirError
 from difftrain.evals import SUITES, check_suite
 from difftrain.evals.common import (
     load_result,
+    missing_result,
     rerun_command,
     result_key,
     result_keys,
-    result_path,
     split_key,
     stale,
 )
@@ -223,10 +223,7 @@ def compare_runs(paths: Sequence[str | Path], suites: Sequence[str] | None = Non
         for s in wanted:
             for r in runs:
                 if s not in r.evals:
-                    raise RunDirError(
-                        f"{r.path} has no `{s}` result ({result_path(r.path, s)}); "
-                        f"run `{rerun_command(r.path, s, example(s))}` first"
-                    )
+                    raise missing_result(r.path, s, example(s))
         shown = wanted
     else:
         shown = [s for s in held if all(s in r.evals for r in runs)]

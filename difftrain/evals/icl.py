@@ -177,15 +177,14 @@ def prompts(tok: Any, max_len: int, opts: EvalOptions) -> Prompts:
     if out.longest <= max_len:
         return out
     step = 1 if opts.demos is not None else 2  # the default keeps half of each label
-    fewer = next(
-        (d for d in range(D - step, 1, -step) if _prompts(tok, d, P, M, opts.seed).longest <= max_len), None
-    )
+    tries = (_prompts(tok, d, P, M, opts.seed) for d in range(D - step, 1, -step))
+    fewer = next((p for p in tries if p.longest <= max_len), None)
     if fewer is not None:
         if opts.demos is None:
-            return _prompts(tok, fewer, P, M, opts.seed)
+            return fewer
         raise ConfigError(
             f"--demos {D}: the prompts are up to {out.longest} tokens but max_seq_len={max_len}; "
-            f"use --demos {fewer} or fewer"
+            f"use --demos {fewer.demos} or fewer"
         )
     least = out if D == 2 else _prompts(tok, 2, P, M, opts.seed)
     raise ConfigError(
