@@ -145,9 +145,11 @@ class Source:
                 )
             files: list[Path] = []
             for m in matches:
-                found = self._walk(m) if m.is_dir() else [m]
                 if m.is_dir():
+                    found = self._walk(m)
                     self.walked.update(found)
+                else:
+                    found = [m]
                 files.extend(found)
         elif path.is_dir():
             files = self._walk(path)
@@ -225,12 +227,18 @@ class Source:
             stats.bad_examples.append(message)
 
     # -- reading -----------------------------------------------------------------------------
-    def _text_file(self, path: Path, stats: SourceStats, policy: BadRecordPolicy) -> Iterator[str]:
+    def _read(self, path: Path) -> bytes:
         try:
             with _open(path) as f:
-                data = f.read()
+                return f.read()
         except _READ_ERRORS as e:
             raise _unreadable(self.label, path, e) from e
+
+    def _text_file(
+        self, path: Path, stats: SourceStats, policy: BadRecordPolicy, data: bytes | None = None
+    ) -> Iterator[str]:
+        """The file (`data`, when already read) as one document."""
+        data = self._read(path) if data is None else data
         try:
             yield data.decode("utf-8-sig")
         except UnicodeDecodeError as e:
@@ -240,24 +248,20 @@ class Source:
                 f"{path}: not UTF-8 text (byte {e.start}: {e.reason}); convert the file to UTF-8 or remove it",
             )
 
-    def _json_document(self, path: Path) -> bool:
-        """Whether a `.json` file found in a folder is a document rather than records: not a
-        list, not JSON lines, not an object with the text field (a config such as package.json,
-        or not JSON at all, such as a tsconfig.json with comments)."""
-        try:
-            with _open(path) as f:
-                data = f.read()
-        except _READ_ERRORS as e:
-            raise _unreadable(self.label, path, e) from e
+    def _json_document(self, path: Path) -> bytes | None:
+        """The bytes of a `.json` file found in a folder when it is a document rather than
+        records: not a list, not JSON lines, not an object with the text field (a config such as
+        package.json, or not JSON at all, such as a tsconfig.json with comments); else None."""
+        data = self._read(path)
         if data.lstrip(b"\xef\xbb\xbf \t\r\n").startswith(b"["):
-            return False  # a list of records: not parsed twice
+            return None  # a list of records: not parsed twice
         try:
             obj = json.loads(data)
         except json.JSONDecodeError as e:
-            return e.msg != "Extra data"  # JSON lines are records
+            return None if e.msg == "Extra data" else data  # JSON lines are records
         except UnicodeDecodeError:
-            return False  # neither: the record reader names the file
-        return isinstance(obj, dict) and self.spec.text_field not in obj
+            return None  # neither: the record reader names the file
+        return data if isinstance(obj, dict) and self.spec.text_field not in obj else None
 
     def _json_objects(
         self, path: Path, stats: SourceStats, policy: BadRecordPolicy
@@ -544,10 +548,11 @@ class Source:
             f = self.spec.text_field
             for path in self.files:
                 suffix = _suffix(path)
-                if suffix == ".json" and path in self.walked and self._json_document(path):
+                text = self._json_document(path) if suffix == ".json" and path in self.walked else None
+                if text is not None:
                     stats.files += 1
                     stats.json_documents += 1
-                    yield from self._text_file(path, stats, policy)
+                    yield from self._text_file(path, stats, policy, text)
                 elif suffix in RECORD_SUFFIXES:
                     stats.files += 1
                     rows = (
