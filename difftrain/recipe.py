@@ -37,7 +37,7 @@ from pydantic import (
     model_validator,
 )
 
-from difftrain.data.config import DataConfig, TokenizerConfig
+from difftrain.data.config import DataConfig, TokenizerConfig, absolute_path, absolute_source
 from difftrain.errors import ConfigError, RecipeError
 from difftrain.model.config import ModelConfig
 
@@ -467,24 +467,15 @@ class Recipe(_Section):
         `recipe_dir`), finetune.base (against the current folder). A run directory's recipe.yaml is
         written this way, so the run resumes from its own recipe.yaml in any folder."""
         data = self.model_dump()
-
-        def absolute(raw: str, base: Path) -> str:
-            p = Path(os.path.expanduser(raw))
-            return raw if p.is_absolute() else str(base.resolve() / raw)
-
         for spec, src in zip(self.data.sources, data["data"]["sources"], strict=True):
-            if spec.kind == "path":
-                src["source"] = absolute(spec.source, self.recipe_dir)
-            if spec.kind == "hf" and spec.hf_local_dir(self.recipe_dir) is not None:
-                name = spec.hf_parts()[0]  # hf:./folder[:config][@split] → hf:/abs/folder[:config][@split]
-                src["source"] = f"hf:{absolute(name, self.recipe_dir)}{spec.source[3 + len(name) :]}"
+            src["source"] = absolute_source(spec.source, self.recipe_dir)
             if spec.data_files:
-                src["data_files"] = [absolute(f, self.recipe_dir) for f in spec.data_files]
+                src["data_files"] = [absolute_path(f, self.recipe_dir) for f in spec.data_files]
         tok_file = self.tokenizer.file(self.recipe_dir)
         if tok_file is not None:
             data["tokenizer"]["path"] = str(tok_file.absolute())
         if data.get("finetune") and data["finetune"].get("base"):
-            data["finetune"]["base"] = absolute(data["finetune"]["base"], Path.cwd())
+            data["finetune"]["base"] = absolute_path(data["finetune"]["base"], Path.cwd())
         out = type(self).model_validate(data)
         out._recipe_dir, out._source, out._model_keys = self._recipe_dir, self._source, self._model_keys
         out._own_run_dir = self._own_run_dir
@@ -719,16 +710,6 @@ def _load_tree(
     return deep_merge(base, data), base_where
 
 
-def _rebase(raw: Any, folder: Path) -> Any:
-    """A recipe-relative path of a recipe in `folder`, made absolute (other values unchanged)."""
-    if not isinstance(raw, str) or not raw or raw.startswith(("builtin:", "/", "~")):
-        return raw
-    if raw.startswith("hf:"):  # only a local folder (hf:./saved@test) is a path
-        rest = raw[3:]
-        return f"hf:{folder / rest}" if rest.startswith(".") else raw
-    return str(folder / raw)
-
-
 def _rebase_paths(data: dict[str, Any], folder: Path) -> None:
     """Make the paths a recipe resolves against its own folder (data sources, data_files,
     tokenizer.path) absolute, in the tree of an extended recipe in another folder: a child in
@@ -742,16 +723,20 @@ def _rebase_paths(data: dict[str, Any], folder: Path) -> None:
             for item in items:
                 if isinstance(item, dict):
                     item = dict(item)
-                    item["source"] = _rebase(item.get("source"), folder)
+                    if isinstance(item.get("source"), str):
+                        item["source"] = absolute_source(item["source"], folder)
                     if isinstance(item.get("data_files"), list):
-                        item["data_files"] = [_rebase(f, folder) for f in item["data_files"]]
+                        item["data_files"] = [
+                            absolute_path(f, folder) if isinstance(f, str) and f else f
+                            for f in item["data_files"]
+                        ]
                     out.append(item)
                 else:
-                    out.append(_rebase(item, folder))
+                    out.append(absolute_source(item, folder) if isinstance(item, str) else item)
             d["sources"] = out[0] if isinstance(sources, str) else out
     t = data.get("tokenizer")
-    if isinstance(t, dict) and "path" in t:
-        t["path"] = _rebase(t["path"], folder)
+    if isinstance(t, dict) and isinstance(t.get("path"), str) and t["path"]:
+        t["path"] = absolute_path(t["path"], folder)
 
 
 # --------------------------------------------------------------------------------------------

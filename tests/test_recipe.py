@@ -419,12 +419,15 @@ def test_an_extended_recipe_in_another_folder_keeps_its_paths(tmp_path):
     # The parent's `corpus` was resolved against the child's folder: sub/corpus, not parent/corpus.
     (tmp_path / "parent").mkdir()
     (tmp_path / "child").mkdir()
+    (tmp_path / "parent" / "data" / "saved").mkdir(
+        parents=True
+    )  # a local folder without ./ (as the run reads it)
     write(
         tmp_path / "parent",
         MINIMAL.replace(
             "sources: [builtin:python-stdlib]",
             "sources: [corpus, {source: 'hf:./saved@test'}, {source: 'hf:json', data_files: [d.jsonl]}, "
-            "builtin:needles, /abs/x]",
+            "builtin:needles, /abs/x, 'hf:data/saved:cfg', 'hf:org/hub-set']",
         )
         + "tokenizer:\n  path: tok.json\n",
         "base.yaml",
@@ -437,6 +440,8 @@ def test_an_extended_recipe_in_another_folder_keeps_its_paths(tmp_path):
         "hf:json",
         "builtin:needles",
         "/abs/x",
+        f"hf:{p / 'data' / 'saved'}:cfg",
+        "hf:org/hub-set",  # a hub dataset: not a path
     ]
     assert r.data.sources[2].data_files == [str(p / "d.jsonl")]
     assert r.tokenizer.file(r.recipe_dir) == p / "tok.json"

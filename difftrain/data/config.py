@@ -223,6 +223,30 @@ class SourceSpec(BaseModel):
         return "path"
 
 
+def absolute_path(raw: str, base_dir: Path) -> str:
+    """A recipe's local path made absolute against `base_dir` (its folder), as text; one that is
+    absolute already (~ expanded) is kept as written."""
+    p = Path(os.path.expanduser(raw))
+    return raw if p.is_absolute() else str(Path(base_dir).resolve() / raw)
+
+
+def absolute_source(raw: str, base_dir: Path) -> str:
+    """A `data.sources` entry whose local path is made absolute against `base_dir`: a path (file,
+    folder, glob), or the folder of an hf: source that names one (`hf:./saved@test` →
+    `hf:/abs/saved@test`, `SourceSpec.hf_local_dir`); builtin: and hub sources, and an entry that
+    is not valid (validation names it), are kept as written."""
+    try:
+        spec = SourceSpec(source=raw)
+    except ValueError:
+        return raw
+    if spec.kind == "path":
+        return absolute_path(raw, base_dir)
+    if spec.kind == "hf" and spec.hf_local_dir(base_dir) is not None:
+        name = spec.hf_parts()[0]
+        return f"hf:{absolute_path(name, base_dir)}{raw[3 + len(name) :]}"
+    return raw
+
+
 class DataConfig(BaseModel):
     """The `data:` section: sources, validation split, bad-record policy, cache and loaders."""
 
