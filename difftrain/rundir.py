@@ -29,6 +29,8 @@ from difftrain.io import RunLock, atomic_save_safetensors
 if TYPE_CHECKING:  # torch loads where weights are touched: recipe checks must not wait for it
     import torch
 
+    from difftrain.recipe import FinetuneConfig
+
 CONFIG = "config.json"
 WEIGHTS = "model.safetensors"
 TOKENIZER = "tokenizer.json"
@@ -133,6 +135,28 @@ def require_run_dir(path: Path) -> Path:
     if not path.is_dir():
         raise RunDirError(f"{path} is a file, not a run directory")
     return path
+
+
+def base_run_dir(ft: FinetuneConfig) -> Path:
+    """The run directory `finetune.base` names, checked to hold a run (its config.json); reads
+    nothing else, so a fine-tune without its base fails before torch loads."""
+    base = Path(ft.base).expanduser()
+    if not base.exists():
+        from difftrain.recipe import shipped_recipes
+
+        example = (
+            f"`difftrain pretrain {base.name}` writes runs/{base.name}"
+            if base.name in shipped_recipes()
+            else "e.g. `difftrain pretrain quickstart` writes runs/quickstart"
+        )
+        raise RunDirError(
+            f"finetune.base: no run directory {base}; train it first ({example}) or fix the path "
+            "(relative to the current folder)"
+        )
+    require_run_dir(base)
+    if not (base / CONFIG).is_file():
+        raise RunDirError(f"finetune.base: {base} has no {CONFIG}; it is not a difftrain run directory")
+    return base
 
 
 def training_command(path: Path) -> str:

@@ -542,6 +542,32 @@ def test_dry_run_checks_base_data_and_run_folder_and_writes_nothing(ws, tmp_path
     assert not (tmp_path / "runs").exists()
 
 
+@pytest.mark.parametrize("dry_run", [False, True], ids=["run", "dry-run"])
+def test_a_missing_base_or_data_file_is_refused_before_torch_loads(ws, tmp_path, dry_run):
+    # the usual first mistake (no `difftrain pretrain` yet) must not wait for torch and Lightning
+    import subprocess
+    import sys
+
+    mistakes = {
+        str(ws(name="nobase", base=tmp_path / "runs" / "missing")): "finetune.base: no run directory",
+        str(ws(name="nodata", data=tmp_path / "none.jsonl")): "none.jsonl does not exist; fix the path",
+    }
+    for recipe, message in mistakes.items():
+        args = ["finetune", recipe, *(["--dry-run"] if dry_run else [])]
+        probe = (
+            "import sys\nfrom difftrain.cli.app import main\n"
+            f"code = main({args!r})\n"
+            "print('torch loaded' if 'torch' in sys.modules else 'torch not loaded')\nsys.exit(code)\n"
+        )
+        done = subprocess.run(
+            [sys.executable, "-c", probe], capture_output=True, text=True, cwd=tmp_path, timeout=120
+        )
+        assert done.returncode == 2, done.stderr
+        assert message in done.stderr and "Traceback" not in done.stderr, done.stderr
+        assert done.stdout.strip() == "torch not loaded"
+    assert not (tmp_path / "runs").exists()
+
+
 def test_dry_run_of_a_run_that_grew_its_vocabulary_resumes_it(ws, tmp_path, capsys):
     # the run's recipe.yaml records the grown vocabulary: the dry run must compare against that,
     # or every resume of a chat fine-tune whose template adds tokens would be "a different run"

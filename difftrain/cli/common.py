@@ -189,6 +189,15 @@ def prepared_bad_examples(prepared: Any) -> list[str]:
     return [x for src in prepared.stats.sources for x in src.get("bad_examples", [])]
 
 
+def json_as_text_row(stats: Any) -> list[tuple[str, str]]:
+    """The row saying how many `.json` files in source folders held no records and were read as
+    text (configs and the like); none when there were none. `stats` is a prepared corpus's."""
+    n = sum(src.get("json_documents", 0) for src in stats.sources)
+    if not n:
+        return []
+    return [("json as text", f"{n:,} .json files in folders hold no records (configs): read as text")]
+
+
 def plural(n: int, word: str) -> str:
     """1 → '1 layer', 4 → '4 layers'."""
     return f"{n} {word}{'' if n == 1 else 's'}"

@@ -12,6 +12,7 @@ from difftrain.cli.common import (
     console,
     dry_run_rows,
     fmt_count,
+    json_as_text_row,
     kv_table,
     peak_memory,
     plural,
@@ -71,6 +72,7 @@ def _start_table(info: dict[str, Any]) -> None:
         rows += skipped_records_row(info.get("bad_records", 0), info.get("bad_examples", []))
     else:
         rows += skipped_records_row(info["data"].stats.bad_records, prepared_bad_examples(info["data"]))
+        rows += json_as_text_row(info["data"].stats)
     if info.get("new_tokens"):
         rows.append(("new tokens", ", ".join(f"{k} → {v}" for k, v in info["new_tokens"].items())))
     rows += [
@@ -144,6 +146,7 @@ def finetune_command(
     from difftrain.recipe import load_recipe
 
     r = load_recipe(recipe, overrides or [])  # before torch loads: a typo fails at once
+    _check_files(r)  # and so does a missing base run, data file or unwritable folder
     from difftrain.train.finetune import finetune
 
     if dry_run:
@@ -156,6 +159,21 @@ def finetune_command(
         if result.finished_before:
             report_finished(result, "finetune")
         _end_table(result.summary, result.run_dir)
+
+
+def _check_files(r: Any) -> None:
+    """What a fine-tune reads and writes, checked without torch (about a second, not the eight
+    torch and Lightning take to load): the base run directory, every local data source, the run
+    folder can be created. Reads no records and writes nothing; the run checks the rest."""
+    from difftrain.data.sources import check_local_sources
+    from difftrain.io import check_run_dir_creatable
+    from difftrain.rundir import base_run_dir
+
+    if r.finetune is None:
+        return  # the run says what is missing (a finetune: section)
+    base_run_dir(r.finetune)
+    check_local_sources(r.data, r.recipe_dir)
+    check_run_dir_creatable(r.run_dir)
 
 
 def _dry_run(r: Any, *, resume: bool | None, overwrite: bool) -> None:

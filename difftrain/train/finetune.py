@@ -25,7 +25,7 @@ import torch
 
 from difftrain.errors import DataError, DeviceError, RecipeError, RunDirError
 from difftrain.recipe import ChatTemplateConfig, FinetuneConfig, Recipe
-from difftrain.rundir import CONFIG, RECIPE, TOKENIZER, load_config, require_run_dir
+from difftrain.rundir import RECIPE, TOKENIZER, base_run_dir, load_config
 from difftrain.train.run import (
     Plan,
     TrainResult,
@@ -130,26 +130,6 @@ class SFTTemplate:
 
 # --------------------------------------------------------------------------------------------
 # resolving a fine-tune recipe against its base run
-
-
-def base_run_dir(ft: FinetuneConfig) -> Path:
-    base = Path(ft.base).expanduser()
-    if not base.exists():
-        from difftrain.recipe import shipped_recipes
-
-        example = (
-            f"`difftrain pretrain {base.name}` writes runs/{base.name}"
-            if base.name in shipped_recipes()
-            else "e.g. `difftrain pretrain quickstart` writes runs/quickstart"
-        )
-        raise RunDirError(
-            f"finetune.base: no run directory {base}; train it first ({example}) or fix the path "
-            "(relative to the current folder)"
-        )
-    require_run_dir(base)
-    if not (base / CONFIG).is_file():
-        raise RunDirError(f"finetune.base: {base} has no {CONFIG}; it is not a difftrain run directory")
-    return base
 
 
 def resolve_model(recipe: Recipe, base: Path) -> Any:
