@@ -791,6 +791,24 @@ def test_records_skipped_under_skip_are_counted_in_the_start_table(workspace, tm
     assert "skipped records" in out and "1 malformed (data.on_bad_record: skip); the first:" in out
 
 
+def test_json_configs_read_as_text_are_counted_in_prepare_and_the_start_table(workspace, tmp_path, capsys):
+    p = workspace(steps=1, save_every=1)
+    folder = tmp_path / "repo"
+    folder.mkdir()
+    for i in range(12):
+        (folder / f"m{i}.py").write_text(f"def f{i}(a, b):\n    return a + b\n" * 20)
+    (folder / "settings.json").write_text(json.dumps({"lr": 0.1, "layers": [1, 2]}))  # no records
+    data = f"data.sources=[{folder}]"
+    assert main(["prepare", str(p), "--no-progress", data]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "json as text 1 .json files in folders hold no records (configs): read as text" in out
+    assert main(["pretrain", str(p), "--no-progress", data]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "json as text 1 .json files in folders hold no records (configs): read as text" in out
+    assert main(["pretrain", str(p), "--no-progress", "--overwrite"]) == 0  # the recipe's own corpus
+    assert "json as text" not in capsys.readouterr().out
+
+
 def test_a_run_that_lost_its_recipe_is_named_a_run_not_a_folder_to_remove(workspace, capsys):
     p = workspace(steps=2, save_every=2)
     assert main(["pretrain", str(p), "--no-progress"]) == 0

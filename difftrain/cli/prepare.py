@@ -7,7 +7,15 @@ from typing import Any
 import typer
 from rich.markup import escape
 
-from difftrain.cli.common import console, data_progress, err_console, fmt_count, kv_table, vocab_shortfall
+from difftrain.cli.common import (
+    console,
+    data_progress,
+    err_console,
+    fmt_count,
+    json_as_text_row,
+    kv_table,
+    vocab_shortfall,
+)
 
 
 def _bytes(n: float) -> str:
@@ -48,12 +56,7 @@ def prepare_table(prepared: Any, tokenizer_cfg: Any = None) -> Any:
     ]
     if s.bad_records:
         rows.insert(1, ("skipped records", f"{s.bad_records:,} malformed (data.on_bad_record: skip)"))
-    as_text = sum(src.get("json_documents", 0) for src in s.sources)
-    if as_text:
-        rows.insert(
-            1,
-            ("json as text", f"{as_text:,} .json files in folders hold no records (configs): read as text"),
-        )
+    rows[1:1] = json_as_text_row(s)
     return kv_table("difftrain prepare", rows)
 
 

@@ -11,6 +11,7 @@ from difftrain.cli.common import (
     console,
     dry_run_rows,
     fmt_count,
+    json_as_text_row,
     kv_table,
     peak_memory,
     plural,
@@ -40,6 +41,7 @@ def _start_table(info: dict[str, Any]) -> None:
         ),
         ("parameters", " · ".join(f"{k} {fmt_count(v)}" for k, v in counts.items() if v)),
         *skipped_records_row(info["data"].stats.bad_records, prepared_bad_examples(info["data"])),
+        *json_as_text_row(info["data"].stats),
         (
             "vocabulary",
             f"{m.vocab_size} (tokenizer {info['data'].tokenizer_path.name})"
