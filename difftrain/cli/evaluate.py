@@ -419,6 +419,9 @@ def eval_command(
             )
         show_results(run_dir, suite, as_json)
         return
+    from difftrain.rundir import require_run_dir
+
+    require_run_dir(Path(run_dir))  # the usual slip (a name without runs/) fails before torch loads
     from difftrain.evals import EvalOptions
     from difftrain.evals.common import DATA_SUITES, check_depths, check_label, check_positive, data_source
     from difftrain.evals.needle import parse_needles

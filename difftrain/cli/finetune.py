@@ -226,6 +226,9 @@ def merge_command(
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace OUT_DIR if it exists."),
 ) -> None:
     """Fold a LoRA adapter into its base run's weights and write a plain run directory."""
+    from difftrain.rundir import require_run_dir
+
+    require_run_dir(run_dir)  # before torch loads
     from difftrain.adapters import merge_run, read_adapter_spec
 
     out = merge_run(run_dir, out_dir, overwrite=overwrite)
