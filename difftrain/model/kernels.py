@@ -403,7 +403,23 @@ class _DiffBlockedMath(torch.autograd.Function):
 _disable_dynamo = getattr(torch, "_disable_dynamo", torch.compiler.disable)
 
 
-@_disable_dynamo
+def eager_under_compile(fn: Callable[..., Tensor]) -> Callable[..., Tensor]:
+    """`fn` behind a graph break under torch.compile (torch.compiler.disable), and a plain call
+    otherwise: the disabled wrapper imports torch._dynamo on its first call, 2.4 s on this 2-core
+    CPU, which was the whole of `generate`'s first token (1.4-2 s instead of 10 ms) once a prompt
+    reached the blocked core."""
+    disabled = _disable_dynamo(fn)
+
+    @functools.wraps(fn)
+    def call(*args, **kwargs):  # type: ignore[no-untyped-def]
+        if torch.compiler.is_compiling():  # traced: a constant True, and dynamo is loaded
+            return disabled(*args, **kwargs)
+        return fn(*args, **kwargs)
+
+    return call
+
+
+@eager_under_compile
 def diff_blocked_math(q: Tensor, k: Tensor, v: Tensor, lam: Tensor, mask: AttnMask) -> Tensor:
     """`_DiffBlockedMath`: the diff core on materialised fp32 maps, causal query blocks (see the
     class). Any mask: with key padding (or queries that are not the newest keys) each block takes
