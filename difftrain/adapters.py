@@ -116,7 +116,7 @@ def weights_file(run_dir: Path) -> Path:
 
 
 def weights_sha256(run_dir: Path) -> str:
-    from difftrain.train.checkpoint import sha256_file
+    from difftrain.io import sha256_file  # (train.checkpoint would load Lightning)
 
     return sha256_file(weights_file(run_dir))
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import hashlib
 import json
 import os
 import tempfile
@@ -270,3 +271,17 @@ def lazy_getattr(package: str, table: dict[str, str]) -> Any:
         raise AttributeError(f"module {package!r} has no attribute {name!r}")
 
     return __getattr__
+
+
+def sha256_file(path: Path) -> str:
+    """SHA-256 of a file; of a folder (an FSDP sharded checkpoint): over its files' relative names
+    and contents, in name order."""
+    h = hashlib.sha256()
+    files = sorted(f for f in path.rglob("*") if f.is_file()) if path.is_dir() else [path]
+    for file in files:
+        if path.is_dir():
+            h.update(str(file.relative_to(path)).encode() + b"\0")
+        with open(file, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 22), b""):
+                h.update(chunk)
+    return h.hexdigest()

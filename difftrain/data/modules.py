@@ -27,7 +27,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from difftrain.data.config import DataConfig
-from difftrain.data.shards import PreparedData, open_shards, training_repeats, unit_hash
+from difftrain.data.shards import PreparedData, open_shards, training_repeats, unit_hash, val_window_offsets
 from difftrain.data.sources import SourceStats, require_documents, resolve_sources
 from difftrain.data.tokenizer import Tokenizer
 from difftrain.errors import DataError
@@ -207,14 +207,6 @@ class _ValWindows(IterableDataset):
         for j in range(worker, len(self), n_workers):
             w = self.data.windows(self.offsets[j * self.batch : (j + 1) * self.batch], self.seq_len + 1)
             yield {"input_ids": w[:, :-1], "targets": w[:, 1:]}
-
-
-def val_window_offsets(n_tokens: int, window: int, count: int) -> np.ndarray:
-    """`count` window starts evenly spaced over [0, n_tokens − window] (fixed: no randomness)."""
-    span = n_tokens - window
-    if count <= 1:
-        return np.zeros(min(count, 1), dtype=np.int64)
-    return np.floor(np.arange(count) * (span / (count - 1))).astype(np.int64)
 
 
 class PretrainDataModule(_ResumableDataModule):

@@ -334,6 +334,14 @@ class _ShardWriter:
         self.f.close()
 
 
+def val_window_offsets(n_tokens: int, window: int, count: int) -> np.ndarray:
+    """`count` window starts evenly spaced over [0, n_tokens − window] (fixed: no randomness)."""
+    span = n_tokens - window
+    if count <= 1:
+        return np.zeros(min(count, 1), dtype=np.int64)
+    return np.floor(np.arange(count) * (span / (count - 1))).astype(np.int64)
+
+
 def training_repeats(weight: float, seed: int, source: int, doc: int) -> int:
     """How often training document `doc` of a source with weight w is written: ⌊w⌋, plus one
     when u("weight", seed, source, doc) < w − ⌊w⌋."""

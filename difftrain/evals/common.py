@@ -406,8 +406,10 @@ def eval_windows(
     over the split (`val_window_offsets`); `full` takes every non-overlapping window.
     """
     from difftrain.data.config import DataConfig, TokenizerConfig
-    from difftrain.data.modules import val_window_offsets
-    from difftrain.data.shards import prepare_data
+    from difftrain.data.shards import (
+        prepare_data,
+        val_window_offsets,  # (data.modules would load Lightning)
+    )
 
     recipe = _run_recipe(run.path) if data is None else None
     sources = None

@@ -16,7 +16,6 @@ their place cannot run code.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from dataclasses import dataclass
@@ -27,7 +26,7 @@ import torch
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 
 from difftrain.errors import CheckpointError
-from difftrain.io import atomic_path, atomic_write_json, fsync_dir
+from difftrain.io import atomic_path, atomic_write_json, fsync_dir, sha256_file
 
 INDEX = "index.json"
 LAST = "last.ckpt"
@@ -60,20 +59,6 @@ def load_checkpoint_file(path: Path, map_location: Any = "cpu") -> dict[str, Any
             f"checkpoint {path} cannot be loaded safely ({type(e).__name__}: {str(e).splitlines()[0][:160]}); "
             "it is damaged or not a difftrain checkpoint"
         ) from e
-
-
-def sha256_file(path: Path) -> str:
-    """SHA-256 of a file; of a folder (an FSDP sharded checkpoint): over its files' relative names
-    and contents, in name order."""
-    h = hashlib.sha256()
-    files = sorted(f for f in path.rglob("*") if f.is_file()) if path.is_dir() else [path]
-    for file in files:
-        if path.is_dir():
-            h.update(str(file.relative_to(path)).encode() + b"\0")
-        with open(file, "rb") as f:
-            for chunk in iter(lambda: f.read(1 << 22), b""):
-                h.update(chunk)
-    return h.hexdigest()
 
 
 def _size(path: Path) -> int:
