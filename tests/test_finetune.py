@@ -584,3 +584,26 @@ def test_dry_run_of_a_run_that_grew_its_vocabulary_resumes_it(ws, tmp_path, caps
     assert main(["finetune", str(p), "--dry-run", "--overwrite"]) == 0
     assert "replaces the run there" in capsys.readouterr().out
     assert _snapshot(run) == before
+
+
+def test_eval_and_generate_on_an_adapter_run_load_neither_lightning_nor_dynamo(ws, tmp_path):
+    # reading a run is not training: checking the base's weights hash (adapters) and spacing the
+    # validation windows (evals) once imported Lightning and torch._dynamo, 6 s of an 8.6 s eval
+    import subprocess
+    import sys
+
+    run = finetune(load_recipe(ws(name="light", steps=2, save_every=2))).run_dir
+    commands = [
+        ["eval", str(run), "--suite", "ppl"],
+        ["generate", str(run), "--prompt", "def add_1(a, b):\n    return a + b\n", "--max-new-tokens", "3"],
+    ]
+    probe = (
+        "import sys\nfrom difftrain.cli.app import main\n"
+        f"codes = [main(c) for c in {commands!r}]\n"
+        "print(codes, sorted(m for m in ('lightning', 'torch._dynamo') if m in sys.modules))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, cwd=tmp_path, timeout=300
+    )
+    assert done.stdout.strip().splitlines()[-1] == "[0, 0] []", done.stdout + done.stderr
+    assert (run / "eval" / "ppl.json").is_file()

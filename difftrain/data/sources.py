@@ -97,14 +97,35 @@ def _unreadable(label: str, path: Path, e: BaseException) -> DataError:
     )
 
 
+@dataclass(frozen=True)
+class RecordText:
+    """How a source of instruction records is read as text: each record becomes the document
+    `render(record)` (an instruction fine-tune's template: its prompt and response, or its chat
+    messages, as training saw them). `key` names the rendering in the shard cache's fingerprint."""
+
+    key: str
+    render: Callable[[dict[str, Any]], str]
+
+
 class Source:
     """One resolved entry of `data.sources`."""
 
-    def __init__(self, spec: SourceSpec, index: int, base_dir: Path, *, name: str | None = None) -> None:
+    def __init__(
+        self,
+        spec: SourceSpec,
+        index: int,
+        base_dir: Path,
+        *,
+        name: str | None = None,
+        records_as_text: RecordText | None = None,
+    ) -> None:
         self.spec = spec
         self.index = index
         self.name = name
         """How messages name the source (default: its place in data.sources), e.g. "--data 'x.txt'"."""
+        self.records_as_text = records_as_text
+        """Set: the source holds instruction records, read as text documents through it (the
+        evaluations of an instruction fine-tune); plain-text sources ignore it."""
         self.base_dir = base_dir
         self.files: list[Path] = []
         self.walked: set[Path] = set()
@@ -193,6 +214,8 @@ class Source:
         }
         if any(_suffix(f) == ".json" for f in self.walked):
             ident["folder_json"] = 2  # how a folder's .json files are read (2: configs as text)
+        if self._reads_records_as_text:
+            ident["records_as_text"] = self.records_as_text.key  # type: ignore[union-attr]
         if self.spec.kind == "builtin":
             ident["python"] = sys.version
             ident["generator"] = 1  # bump when a builtin corpus generator changes its output
@@ -527,8 +550,23 @@ class Source:
             if limit is not None and stats.documents >= limit:
                 return
 
+    @property
+    def _reads_records_as_text(self) -> bool:
+        plain = self.spec.kind == "builtin" and self.spec.source != "builtin:python-docstrings"
+        return self.records_as_text is not None and not plain
+
     def _raw_documents(self, stats: SourceStats, policy: BadRecordPolicy) -> Iterator[str]:
         src = self.spec.source
+        if self._reads_records_as_text:
+            render = self.records_as_text.render  # type: ignore[union-attr]
+            if src == "builtin:python-docstrings":
+                stats.files = len(self.files)
+                records = builtin.python_docstring_records(self.spec.docstrings, self.files)
+            else:
+                records = self._checked_records(stats, policy, lambda m: render({"messages": m}))
+            for rec in records:
+                yield render(rec)
+            return
         if src == "builtin:python-stdlib":
             stats.files = len(self.files)
             yield from builtin.python_stdlib_documents(self.files)
@@ -641,10 +679,12 @@ class Source:
             yield out
 
 
-def resolve_sources(data_cfg: DataConfig, base_dir: str | os.PathLike[str]) -> list[Source]:
+def resolve_sources(
+    data_cfg: DataConfig, base_dir: str | os.PathLike[str], records_as_text: RecordText | None = None
+) -> list[Source]:
     """Resolve every entry of `data.sources` (paths checked now, text read later)."""
     base = Path(base_dir).expanduser().resolve()
-    return [Source(spec, i, base) for i, spec in enumerate(data_cfg.sources)]
+    return [Source(spec, i, base, records_as_text=records_as_text) for i, spec in enumerate(data_cfg.sources)]
 
 
 def check_local_sources(data_cfg: DataConfig, base_dir: str | os.PathLike[str]) -> None:

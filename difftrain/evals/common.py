@@ -389,6 +389,24 @@ def data_source(data: str) -> Any:
     return source
 
 
+def records_as_text(recipe: Any) -> Any:
+    """For an instruction fine-tune's recipe: how its records read as text — through its own
+    template, prompts included, each record one document (a `RecordText`); None for other runs."""
+    if recipe.finetune is None:
+        return None
+    from difftrain.data.sources import RecordText
+    from difftrain.train.finetune import SFTTemplate, resolve_data_format
+
+    if resolve_data_format(recipe) != "instruction":
+        return None
+    ft = recipe.finetune
+    template = SFTTemplate.from_config(ft)
+    key = json.dumps(
+        [ft.prompt_format, ft.response_format, ft.chat_template.model_dump(mode="json")], sort_keys=True
+    )
+    return RecordText(key, lambda record: "".join(text for text, _ in template(record)))
+
+
 def eval_windows(
     run: Run,
     *,
@@ -420,6 +438,11 @@ def eval_windows(
         data_cfg = recipe.data
         seed = recipe.seed
         base = _sources_base(data_cfg, run.path)
+        as_text = records_as_text(recipe)
+        if as_text is not None:  # an instruction fine-tune: its records, as training rendered them
+            from difftrain.data.sources import resolve_sources
+
+            sources = resolve_sources(data_cfg, base, as_text)
         if count is None and not full:
             count = data_cfg.val_windows or default_count
     else:

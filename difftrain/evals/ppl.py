@@ -74,11 +74,11 @@ def summarize(nll: np.ndarray, tw: TokenWindows) -> dict[str, Any]:
 
 def _instruction_tuned(run: Run) -> bool:
     """Whether the run was fine-tuned on instruction records (its validation split holds them)."""
-    from difftrain.evals.common import _run_recipe
-    from difftrain.train.finetune import resolve_data_format
+    from difftrain.evals.common import _run_recipe, records_as_text
 
-    recipe = _run_recipe(run.path)  # eval_windows has read it already: it is readable
-    return recipe.finetune is not None and resolve_data_format(recipe) == "instruction"
+    return (
+        records_as_text(_run_recipe(run.path)) is not None
+    )  # (eval_windows read the recipe: it is readable)
 
 
 def run(run: Run, opts: EvalOptions, progress: Progress = _no_progress) -> SuiteOutput:
@@ -91,7 +91,7 @@ def run(run: Run, opts: EvalOptions, progress: Progress = _no_progress) -> Suite
     if opts.data is None and _instruction_tuned(run):
         res["note"] = (
             "an instruction fine-tune: every token of its validation records is scored, as plain text "
-            "(prompts too); its training val loss scored the responses only"
+            "through its template (prompts too); its training val loss scored the responses only"
         )
     settings = {
         "data": opts.data or "validation",
