@@ -543,28 +543,17 @@ def test_dry_run_checks_base_data_and_run_folder_and_writes_nothing(ws, tmp_path
 
 
 @pytest.mark.parametrize("dry_run", [False, True], ids=["run", "dry-run"])
-def test_a_missing_base_or_data_file_is_refused_before_torch_loads(ws, tmp_path, dry_run):
+def test_a_missing_base_or_data_file_is_refused_before_torch_loads(ws, tmp_path, dry_run, cli_probe):
     # the usual first mistake (no `difftrain pretrain` yet) must not wait for torch and Lightning
-    import subprocess
-    import sys
-
     mistakes = {
         str(ws(name="nobase", base=tmp_path / "runs" / "missing")): "finetune.base: no run directory",
         str(ws(name="nodata", data=tmp_path / "none.jsonl")): "none.jsonl does not exist; fix the path",
     }
-    for recipe, message in mistakes.items():
-        args = ["finetune", recipe, *(["--dry-run"] if dry_run else [])]
-        probe = (
-            "import sys\nfrom difftrain.cli.app import main\n"
-            f"code = main({args!r})\n"
-            "print('torch loaded' if 'torch' in sys.modules else 'torch not loaded')\nsys.exit(code)\n"
-        )
-        done = subprocess.run(
-            [sys.executable, "-c", probe], capture_output=True, text=True, cwd=tmp_path, timeout=120
-        )
-        assert done.returncode == 2, done.stderr
-        assert message in done.stderr and "Traceback" not in done.stderr, done.stderr
-        assert done.stdout.strip() == "torch not loaded"
+    flags = ["--dry-run"] if dry_run else []
+    done = cli_probe([["finetune", recipe, *flags] for recipe in mistakes], tmp_path)
+    assert done.codes == [2, 2] and done.loaded == [], done.stderr
+    errors = done.stderr.strip().splitlines()
+    assert len(errors) == 2 and all(m in e for m, e in zip(mistakes.values(), errors, strict=True)), errors
     assert not (tmp_path / "runs").exists()
 
 
@@ -586,24 +575,14 @@ def test_dry_run_of_a_run_that_grew_its_vocabulary_resumes_it(ws, tmp_path, caps
     assert _snapshot(run) == before
 
 
-def test_eval_and_generate_on_an_adapter_run_load_neither_lightning_nor_dynamo(ws, tmp_path):
+def test_eval_and_generate_on_an_adapter_run_load_neither_lightning_nor_dynamo(ws, tmp_path, cli_probe):
     # reading a run is not training: checking the base's weights hash (adapters) and spacing the
     # validation windows (evals) once imported Lightning and torch._dynamo, 6 s of an 8.6 s eval
-    import subprocess
-    import sys
-
     run = finetune(load_recipe(ws(name="light", steps=2, save_every=2))).run_dir
     commands = [
         ["eval", str(run), "--suite", "ppl"],
         ["generate", str(run), "--prompt", "def add_1(a, b):\n    return a + b\n", "--max-new-tokens", "3"],
     ]
-    probe = (
-        "import sys\nfrom difftrain.cli.app import main\n"
-        f"codes = [main(c) for c in {commands!r}]\n"
-        "print(codes, sorted(m for m in ('lightning', 'torch._dynamo') if m in sys.modules))\n"
-    )
-    done = subprocess.run(
-        [sys.executable, "-c", probe], capture_output=True, text=True, cwd=tmp_path, timeout=300
-    )
-    assert done.stdout.strip().splitlines()[-1] == "[0, 0] []", done.stdout + done.stderr
+    done = cli_probe(commands, tmp_path, modules=("lightning", "torch._dynamo"))
+    assert done.codes == [0, 0] and done.loaded == [], done.stderr
     assert (run / "eval" / "ppl.json").is_file()

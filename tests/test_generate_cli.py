@@ -531,12 +531,9 @@ def test_chat_refuses_a_system_message_that_fills_the_context(tmp_path, capsys, 
     assert code == 2 and "--system is" in err and "tokens with the template; the context is 64" in err
 
 
-def test_a_run_name_without_runs_is_refused_before_torch_loads_by_every_command(tmp_path):
+def test_a_run_name_without_runs_is_refused_before_torch_loads_by_every_command(tmp_path, cli_probe):
     # `difftrain eval quickstart` for runs/quickstart: the usual slip, answered at once (no 3-8 s
     # of torch and Lightning loading first) by each command that reads a run directory
-    import subprocess
-    import sys
-
     (tmp_path / "runs" / "quickstart").mkdir(parents=True)
     commands = [
         ["generate", "quickstart", "--prompt", "x"],
@@ -546,15 +543,8 @@ def test_a_run_name_without_runs_is_refused_before_torch_loads_by_every_command(
         ["export", "quickstart", "--format", "hf", "out"],
         ["compare", "quickstart", "runs/quickstart"],
     ]
-    probe = (
-        "import sys\nfrom difftrain.cli.app import main\n"
-        f"print([main(c) for c in {commands!r}])\n"
-        "print('torch loaded' if 'torch' in sys.modules else 'torch not loaded')\n"
-    )
-    done = subprocess.run(
-        [sys.executable, "-c", probe], capture_output=True, text=True, cwd=tmp_path, timeout=120
-    )
-    assert done.stdout.split("\n")[:2] == [str([2] * len(commands)), "torch not loaded"], done.stderr
+    done = cli_probe(commands, tmp_path)
+    assert done.codes == [2] * len(commands) and done.loaded == [], done.stderr
     errors = done.stderr.strip().splitlines()
     assert errors == [
         "error: no run directory quickstart; did you mean runs/quickstart? (runs live under runs/)"

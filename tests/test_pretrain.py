@@ -627,27 +627,15 @@ def test_dry_run_checks_the_files_the_run_reads_and_the_folder_it_writes(workspa
 
 
 @pytest.mark.parametrize("dry_run", [False, True], ids=["run", "dry-run"])
-def test_a_missing_data_file_is_refused_before_torch_loads(tmp_path, dry_run):
-    import subprocess
-    import sys
-
+def test_a_missing_data_file_is_refused_before_torch_loads(tmp_path, dry_run, cli_probe):
     recipe = tmp_path / "r.yaml"
     recipe.write_text(
         "name: r\nmodel: {arch: diff, d_model: 32, n_layers: 1, n_heads: 2, max_seq_len: 32}\n"
         "data: {sources: [missing.txt]}\ntrain: {max_steps: 2, micro_batch_size: 2}\n"
     )
-    args = ["pretrain", str(recipe), *(["--dry-run"] if dry_run else [])]
-    probe = (
-        "import sys\nfrom difftrain.cli.app import main\n"
-        f"code = main({args!r})\n"
-        "print('torch loaded' if 'torch' in sys.modules else 'torch not loaded')\nsys.exit(code)\n"
-    )
-    done = subprocess.run(
-        [sys.executable, "-c", probe], capture_output=True, text=True, cwd=tmp_path, timeout=120
-    )
-    assert done.returncode == 2, done.stderr
+    done = cli_probe([["pretrain", str(recipe), *(["--dry-run"] if dry_run else [])]], tmp_path)
+    assert done.codes == [2] and done.loaded == [], done.stderr
     assert "missing.txt does not exist; fix the path" in done.stderr and "Traceback" not in done.stderr
-    assert done.stdout.strip() == "torch not loaded"
     assert not (tmp_path / "runs").exists()
 
 

@@ -1,0 +1,34 @@
+"""Fixtures shared by the test files."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+
+@pytest.fixture()
+def cli_probe():
+    """Runs difftrain commands one after another in a fresh Python process, as a user's shell
+    would (nothing imported yet): `probe(commands, cwd, modules)` → .codes (each command's exit
+    code), .loaded (which of `modules` the commands imported), .stdout, .stderr."""
+
+    def probe(commands: list[list[str]], cwd: Path, modules: tuple[str, ...] = ("torch",)) -> SimpleNamespace:
+        script = (
+            "import json, sys\nfrom difftrain.cli.app import main\n"
+            f"codes = [main(c) for c in {commands!r}]\n"
+            f"print(json.dumps([codes, [m for m in {list(modules)!r} if m in sys.modules]]))\n"
+        )
+        done = subprocess.run(
+            [sys.executable, "-c", script], capture_output=True, text=True, cwd=cwd, timeout=300
+        )
+        lines = done.stdout.strip().splitlines()
+        assert done.returncode == 0 and lines, done.stdout + done.stderr
+        codes, loaded = json.loads(lines[-1])
+        return SimpleNamespace(codes=codes, loaded=loaded, stdout=done.stdout, stderr=done.stderr)
+
+    return probe
