@@ -821,7 +821,7 @@ def test_a_warm_up_as_long_as_the_run_is_noted_as_what_the_schedule_does(workspa
         (3, "optim.warmup_steps=3 is not below train.max_steps=3: warm-up is cut to 2 steps and"),
     ):
         r = load_recipe(workspace(name=f"w{steps}", steps=steps), [f"optim.warmup_steps={max(2, steps)}"])
-        (got,) = _warmup_notes(r, plan_run(r))
+        (got,) = _warmup_notes(plan_run(r))
         assert got.startswith(note), got
     r = load_recipe(workspace(name="w6", steps=6))
-    assert _warmup_notes(r, plan_run(r)) == []
+    assert _warmup_notes(plan_run(r)) == []

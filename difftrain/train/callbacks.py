@@ -90,8 +90,9 @@ class RunState:
     best_val: float = math.inf
     last_val: float = math.nan
     last_val_step: int = -1  # the global step `last_val` was measured at
-    saved_step: int = -1  # the step saved last in this process (none: -1); no second save of it
-    checkpoint_step: int = -1  # the step of the newest complete checkpoint on disk (none: -1)
+    saved_step: int = (
+        -1
+    )  # the step of the newest checkpoint: saved by this process or resumed from (none: -1)
     history: list[tuple[int, float]] = field(default_factory=list)
 
 
@@ -182,7 +183,7 @@ class RunCallback(L.Callback):
     # ---- signals ---------------------------------------------------------------------------
     def _on_signal(self, signum: int, frame: Any) -> None:
         if self._stop_signal is not None:  # second signal: leave now (all writes are atomic)
-            saved = self.state.checkpoint_step
+            saved = self.state.saved_step
             where = (
                 f"resume from its last checkpoint (step {saved})" if saved > 0 else "it has no checkpoint yet"
             )
@@ -219,7 +220,6 @@ class RunCallback(L.Callback):
         self._window_step = trainer.global_step
         self._window_tokens = pl_module.tokens_seen
         self.state.saved_step = trainer.global_step if trainer.global_step > 0 else -1
-        self.state.checkpoint_step = self.state.saved_step
         # Validation every val_every optimizer steps, decided here rather than by Lightning, which
         # counts micro-batches since the run began: a resume that splits the global batch into
         # another number of micro-batches would move its validations off the val_every steps.
@@ -480,7 +480,7 @@ class RunCallback(L.Callback):
             else:
                 save_inference_weights(self.run_dir, pl_module.model, step, self.export)
         trainer.strategy.barrier()
-        self.state.saved_step = self.state.checkpoint_step = step
+        self.state.saved_step = step
 
     def _stop(self, trainer: L.Trainer, pl_module: Any) -> None:
         signum = self._stop_signal or signal.SIGINT

@@ -604,7 +604,7 @@ def start_warnings(plan: Plan, point: Any, warnings: Sequence[str] = ()) -> list
     return [
         *(point.warnings if point else []),
         *warnings,
-        *([] if point else _warmup_notes(plan.recipe, plan)),
+        *([] if point else _warmup_notes(plan)),
     ]
 
 
@@ -614,9 +614,10 @@ def dry_run_warnings(plan: Plan, point: Any) -> list[str]:
     return start_warnings(plan, point, memory_warnings(plan.recipe, plan.accelerator))
 
 
-def _warmup_notes(r: Recipe, plan: Plan) -> list[str]:
+def _warmup_notes(plan: Plan) -> list[str]:
     """A warm-up as long as the run (`lr_multiplier` cuts it to max_steps - 1 steps)."""
-    warmup, steps, schedule = r.optim.warmup_steps, plan.max_steps, r.optim.schedule
+    optim = plan.recipe.optim
+    warmup, steps, schedule = optim.warmup_steps, plan.max_steps, optim.schedule
     if warmup < steps:
         return []
     if steps <= 1:
