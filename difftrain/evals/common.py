@@ -312,7 +312,8 @@ class TokenWindows:
     """Fixed windows of seq_len + 1 tokens: input = w[:-1], targets = w[1:].
 
     `source` says where they come from; `split_tokens` is the size of the split they were cut
-    from; `target_bytes` holds the UTF-8 bytes each window's targets stand for (bits per byte).
+    from; `target_bytes` holds the UTF-8 bytes each window's targets stand for (bits per byte);
+    `records_as_text`: an instruction fine-tune's records, read as text through its template.
     """
 
     windows: torch.Tensor
@@ -320,6 +321,7 @@ class TokenWindows:
     split: str
     split_tokens: int
     target_bytes: np.ndarray
+    records_as_text: bool = False
 
 
 def _run_recipe(run_dir: Path):
@@ -430,7 +432,7 @@ def eval_windows(
     )
 
     recipe = _run_recipe(run.path) if data is None else None
-    sources = None
+    sources = as_text = None
     seq_len = int(run.config.max_seq_len)  # type: ignore[attr-defined]
     window = seq_len + 1
     tok_cfg = TokenizerConfig(path=str((run.path / TOKENIZER).resolve()))
@@ -489,6 +491,7 @@ def eval_windows(
         split=split,
         split_tokens=n_tokens,
         target_bytes=target_bytes,
+        records_as_text=as_text is not None,
     )
 
 

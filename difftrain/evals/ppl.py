@@ -72,15 +72,6 @@ def summarize(nll: np.ndarray, tw: TokenWindows) -> dict[str, Any]:
     }
 
 
-def _instruction_tuned(run: Run) -> bool:
-    """Whether the run was fine-tuned on instruction records (its validation split holds them)."""
-    from difftrain.evals.common import _run_recipe, records_as_text
-
-    return (
-        records_as_text(_run_recipe(run.path)) is not None
-    )  # (eval_windows read the recipe: it is readable)
-
-
 def run(run: Run, opts: EvalOptions, progress: Progress = _no_progress) -> SuiteOutput:
     check_positive("--windows", opts.windows)
     tw = eval_windows(run, data=opts.data, count=opts.windows, full=opts.full)
@@ -88,7 +79,7 @@ def run(run: Run, opts: EvalOptions, progress: Progress = _no_progress) -> Suite
     res = summarize(nll, tw)
     res["source"] = tw.source
     res["split_tokens"] = tw.split_tokens
-    if opts.data is None and _instruction_tuned(run):
+    if tw.records_as_text:
         res["note"] = (
             "an instruction fine-tune: every token of its validation records is scored, as plain text "
             "through its template (prompts too); its training val loss scored the responses only"
