@@ -559,12 +559,7 @@ class Source:
         src = self.spec.source
         if self._reads_records_as_text:
             render = self.records_as_text.render  # type: ignore[union-attr]
-            if src == "builtin:python-docstrings":
-                stats.files = len(self.files)
-                records = builtin.python_docstring_records(self.spec.docstrings, self.files)
-            else:
-                records = self._checked_records(stats, policy, lambda m: render({"messages": m}))
-            for rec in records:
+            for rec in self._record_stream(stats, policy, lambda m: render({"messages": m})):
                 yield render(rec)
             return
         if src == "builtin:python-stdlib":
@@ -622,18 +617,7 @@ class Source:
         """
         limit = self.spec.max_documents
         count = 0
-        src = self.spec.source
-        if src == "builtin:python-docstrings":
-            stats.files = len(self.files)
-            gen: Iterator[dict[str, Any]] = builtin.python_docstring_records(self.spec.docstrings, self.files)
-        elif self.spec.kind == "builtin":
-            raise DataError(
-                f"{self.label}: '{src}' holds plain documents, not prompt/response records; fine-tune on "
-                "builtin:python-docstrings or on a .jsonl of records"
-            )
-        else:
-            gen = self._checked_records(stats, policy, check_messages)
-        for rec in gen:
+        for rec in self._record_stream(stats, policy, check_messages):
             stats.documents += 1
             if "messages" in rec and "prompt" not in rec:
                 stats.bytes += sum(len(str(m.get("content", "")).encode("utf-8")) for m in rec["messages"])
@@ -643,6 +627,25 @@ class Source:
             count += 1
             if limit is not None and count >= limit:
                 return
+
+    def _record_stream(
+        self,
+        stats: SourceStats,
+        policy: BadRecordPolicy,
+        check_messages: Callable[[list[Any]], object] | None,
+    ) -> Iterator[dict[str, Any]]:
+        """The source's instruction records, uncounted (`records` counts them and applies
+        max_documents; `documents` does, for records read as text)."""
+        src = self.spec.source
+        if src == "builtin:python-docstrings":
+            stats.files = len(self.files)
+            return builtin.python_docstring_records(self.spec.docstrings, self.files)
+        if self.spec.kind == "builtin":
+            raise DataError(
+                f"{self.label}: '{src}' holds plain documents, not prompt/response records; fine-tune on "
+                "builtin:python-docstrings or on a .jsonl of records"
+            )
+        return self._checked_records(stats, policy, check_messages)
 
     def _checked_records(
         self,
