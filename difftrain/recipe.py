@@ -495,6 +495,23 @@ def run_dir_for(out_dir: str, name: str) -> Path:
     return out / name
 
 
+def resolve_data_format(recipe: Recipe) -> str:
+    """finetune.data_format with `auto` decided by the first source."""
+    assert recipe.finetune is not None
+    fmt = recipe.finetune.data_format
+    if fmt != "auto":
+        return fmt
+    src = recipe.data.sources[0]
+    if src.source == "builtin:python-docstrings":
+        return "instruction"
+    if src.kind == "builtin":
+        return "text"
+    if src.kind == "hf":
+        return "instruction"
+    name = src.source.lower().removesuffix(".gz")
+    return "instruction" if name.endswith((".jsonl", ".json", ".parquet")) else "text"
+
+
 def dump_yaml(data: Any) -> str:
     return yaml.safe_dump(data, sort_keys=False, allow_unicode=True, default_flow_style=None)
 

@@ -543,18 +543,28 @@ def test_dry_run_checks_base_data_and_run_folder_and_writes_nothing(ws, tmp_path
 
 
 @pytest.mark.parametrize("dry_run", [False, True], ids=["run", "dry-run"])
-def test_a_missing_base_or_data_file_is_refused_before_torch_loads(ws, tmp_path, dry_run, cli_probe):
+def test_a_missing_base_or_data_file_is_refused_before_torch_loads(
+    ws, tmp_path, base_run, dry_run, cli_probe
+):
     # the usual first mistake (no `difftrain pretrain` yet) must not wait for torch and Lightning
-    mistakes = {
-        str(ws(name="nobase", base=tmp_path / "runs" / "missing")): "finetune.base: no run directory",
-        str(ws(name="nodata", data=tmp_path / "none.jsonl")): "none.jsonl does not exist; fix the path",
-    }
+    from difftrain.cli.common import check_files
+
+    blocker = tmp_path / "blocker"  # a file where the cache folder should be
+    blocker.write_text("")
+    bad_cache = f"data.cache_dir={blocker / 'cache'}"
+    corpus = base_run.parent.parent / "corpus"
+    mistakes = [
+        ([str(ws(name="nobase", base=tmp_path / "runs" / "missing"))], "finetune.base: no run directory"),
+        ([str(ws(name="nodata", data=tmp_path / "none.jsonl"))], "none.jsonl does not exist; fix the path"),
+        ([str(ws(name="text", data=corpus)), bad_cache], "set data.cache_dir to a folder you can write"),
+    ]
     flags = ["--dry-run"] if dry_run else []
-    done = cli_probe([["finetune", recipe, *flags] for recipe in mistakes], tmp_path)
-    assert done.codes == [2, 2] and done.loaded == [], done.stderr
+    done = cli_probe([["finetune", *args, *flags] for args, _ in mistakes], tmp_path)
+    assert done.codes == [2, 2, 2] and done.loaded == [], done.stderr
     errors = done.stderr.strip().splitlines()
-    assert len(errors) == 2 and all(m in e for m, e in zip(mistakes.values(), errors, strict=True)), errors
+    assert len(errors) == 3 and all(m in e for (_, m), e in zip(mistakes, errors, strict=True)), errors
     assert not (tmp_path / "runs").exists()
+    check_files(load_recipe(ws(name="sft"), [bad_cache]))  # instruction records use no cache: not refused
 
 
 def test_dry_run_of_a_run_that_grew_its_vocabulary_resumes_it(ws, tmp_path, capsys):

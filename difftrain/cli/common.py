@@ -189,6 +189,24 @@ def prepared_bad_examples(prepared: Any) -> list[str]:
     return [x for src in prepared.stats.sources for x in src.get("bad_examples", [])]
 
 
+def check_files(r: Any) -> None:
+    """What a training run reads and writes, checked without torch (a second, not the 8-12 s
+    torch and Lightning take to load), reading no data and writing nothing: a fine-tune's base
+    run directory, every local data source, the cache folder where the data is tokenized into
+    it (pretraining, a text fine-tune), the run directory can be created."""
+    from difftrain.data.sources import check_local_sources
+    from difftrain.io import check_run_dir_creatable
+    from difftrain.recipe import resolve_data_format
+    from difftrain.rundir import base_run_dir
+
+    if r.finetune is not None:
+        base_run_dir(r.finetune)
+    check_local_sources(r.data, r.recipe_dir)
+    if r.finetune is None or resolve_data_format(r) == "text":
+        r.data.check_cache_dir()
+    check_run_dir_creatable(r.run_dir)
+
+
 def json_as_text_row(stats: Any) -> list[tuple[str, str]]:
     """The row saying how many `.json` files in source folders held no records and were read as
     text (configs and the like); none when there were none. `stats` is a prepared corpus's."""

@@ -9,6 +9,7 @@ from typing import Any
 import typer
 
 from difftrain.cli.common import (
+    check_files,
     console,
     dry_run_rows,
     fmt_count,
@@ -146,7 +147,7 @@ def finetune_command(
     from difftrain.recipe import load_recipe
 
     r = load_recipe(recipe, overrides or [])  # before torch loads: a typo fails at once
-    _check_files(r)  # and so does a missing base run, data file or unwritable folder
+    check_files(r)  # and so does a missing base run, data file or unwritable folder
     from difftrain.train.finetune import finetune
 
     if dry_run:
@@ -159,21 +160,6 @@ def finetune_command(
         if result.finished_before:
             report_finished(result, "finetune")
         _end_table(result.summary, result.run_dir)
-
-
-def _check_files(r: Any) -> None:
-    """What a fine-tune reads and writes, checked without torch (about a second, not the eight
-    torch and Lightning take to load): the base run directory, every local data source, the run
-    folder can be created. Reads no records and writes nothing; the run checks the rest."""
-    from difftrain.data.sources import check_local_sources
-    from difftrain.io import check_run_dir_creatable
-    from difftrain.rundir import base_run_dir
-
-    if r.finetune is None:
-        return  # the run says what is missing (a finetune: section)
-    base_run_dir(r.finetune)
-    check_local_sources(r.data, r.recipe_dir)
-    check_run_dir_creatable(r.run_dir)
 
 
 def _dry_run(r: Any, *, resume: bool | None, overwrite: bool) -> None:

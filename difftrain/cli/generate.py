@@ -177,8 +177,7 @@ def prompt_style(run_path: Path) -> PromptStyle:
     fmt = ft.get("data_format", "auto")
     if fmt == "auto":
         try:
-            from difftrain.recipe import recipe_from_dict
-            from difftrain.train.finetune import resolve_data_format
+            from difftrain.recipe import recipe_from_dict, resolve_data_format
 
             fmt = resolve_data_format(recipe_from_dict(data, Path(run_path)))
         except Exception:  # the recipe no longer validates here: assume instruction tuning

@@ -8,6 +8,7 @@ from typing import Any
 import typer
 
 from difftrain.cli.common import (
+    check_files,
     console,
     dry_run_rows,
     fmt_count,
@@ -119,7 +120,7 @@ def pretrain_command(
 
     r = load_recipe(recipe, overrides or [])
     if r.finetune is None:  # (a fine-tuning recipe is sent to `finetune` below)
-        _check_files(r)  # a missing file or unwritable folder fails in a second, before torch loads
+        check_files(r)  # a missing file or unwritable folder fails in a second, before torch loads
     if dry_run:
         from difftrain.train.run import (
             dry_run_warnings,
@@ -186,20 +187,8 @@ def _check_vocab(r: Any, size: int) -> str | None:
     )
 
 
-def _check_files(r: Any) -> None:
-    """The local files the run reads and the folders it writes, checked without torch, reading
-    no data and writing nothing: every local data source exists, the cache folder and the run
-    directory can be created."""
-    from difftrain.data.sources import check_local_sources
-    from difftrain.io import check_run_dir_creatable
-
-    check_local_sources(r.data, r.recipe_dir)
-    r.data.check_cache_dir()
-    check_run_dir_creatable(r.run_dir)
-
-
 def _check_inputs(r: Any) -> list[str]:
-    """The dry run's checks beyond `_check_files` (which ran first): the tokenizer file loads and
+    """The dry run's checks beyond `check_files` (which ran first): the tokenizer file loads and
     fits model.vocab_size, and a run over several nodes has a launcher. Returns the warnings."""
     from difftrain.plan import tokenizer_size
     from difftrain.train.distributed import require_node_launcher

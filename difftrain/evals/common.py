@@ -397,7 +397,8 @@ def records_as_text(recipe: Any) -> Any:
     if recipe.finetune is None:
         return None
     from difftrain.data.sources import RecordText
-    from difftrain.train.finetune import SFTTemplate, resolve_data_format
+    from difftrain.recipe import resolve_data_format
+    from difftrain.train.finetune import SFTTemplate
 
     if resolve_data_format(recipe) != "instruction":
         return None

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from difftrain.errors import DataError, DeviceError, RecipeError, RunDirError
-from difftrain.recipe import ChatTemplateConfig, FinetuneConfig, Recipe
+from difftrain.recipe import ChatTemplateConfig, FinetuneConfig, Recipe, resolve_data_format
 from difftrain.rundir import RECIPE, TOKENIZER, base_run_dir, load_config
 from difftrain.train.run import (
     Plan,
@@ -154,23 +154,6 @@ def apply_model_keys(recipe: Recipe, base_cfg: Any, base: str) -> Any:
                 f"model.{k} from the recipe"
             )
     return base_cfg.replace(**updates)
-
-
-def resolve_data_format(recipe: Recipe) -> str:
-    """finetune.data_format with `auto` decided by the first source."""
-    assert recipe.finetune is not None
-    fmt = recipe.finetune.data_format
-    if fmt != "auto":
-        return fmt
-    src = recipe.data.sources[0]
-    if src.source == "builtin:python-docstrings":
-        return "instruction"
-    if src.kind == "builtin":
-        return "text"
-    if src.kind == "hf":
-        return "instruction"
-    name = src.source.lower().removesuffix(".gz")
-    return "instruction" if name.endswith((".jsonl", ".json", ".parquet")) else "text"
 
 
 def add_special_tokens(tokenizer: Any, tokens: Sequence[str]) -> tuple[Any, list[int]]:
