@@ -310,27 +310,8 @@ def show_results(run_dir: str, values: list[str] | None, as_json: bool) -> None:
             )
 
 
-_RUN_OPTIONS = (  # eval_command's options that change what a suite run computes (not --show)
-    ("seed", "--seed"),
-    ("device", "--device"),
-    ("dtype", "--dtype"),
-    ("batch_size", "--batch-size"),
-    ("data", "--data"),
-    ("data_label", "--data-label"),
-    ("full", "--full"),
-    ("windows", "--windows"),
-    ("lengths", "--lengths"),
-    ("depths", "--depths"),
-    ("needles", "--needles"),
-    ("samples", "--samples"),
-    ("tokens", "--tokens"),
-    ("bits", "--bits"),
-    ("with_needle", "--with-needle"),
-    ("demos", "--demos"),
-    ("permutations", "--permutations"),
-    ("items", "--items"),
-    ("plot", "--plot/--no-plot"),
-)
+_SHOW_PARAMS = {"run_dir", "suite", "as_json", "show"}
+"""eval_command's parameters that `--show` uses; every other option changes what a run computes."""
 
 
 def eval_command(
@@ -411,7 +392,11 @@ def eval_command(
 ) -> None:
     if show:
         given, params = locals(), inspect.signature(eval_command).parameters
-        used = [flag for name, flag in _RUN_OPTIONS if given[name] != params[name].default.default]
+        used = [
+            params[name].default.param_decls[0]
+            for name in params
+            if name not in _SHOW_PARAMS and given[name] != params[name].default.default
+        ]
         if used:
             raise ConfigError(
                 f"--show prints the stored results and runs nothing, so {', '.join(used)} would do nothing; "
