@@ -18,6 +18,7 @@ import ctypes
 import ctypes.util
 import os
 import sys
+from typing import Any
 
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
@@ -49,16 +50,25 @@ def _tune() -> str:
         return "off"
     if any(k in os.environ for k in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "GLIBC_TUNABLES")):
         return "user"
-    if not sys.platform.startswith("linux"):
+    mallopt = glibc_mallopt()
+    if mallopt is None:
         return "unavailable"
+    if mallopt(_M_MMAP_THRESHOLD, _INT_MAX) != 1 or mallopt(_M_TRIM_THRESHOLD, _INT_MAX) != 1:
+        return "unavailable"
+    return "tuned"
+
+
+def glibc_mallopt() -> Any:
+    """glibc's `mallopt(param, value)` through ctypes, or None where there is none (not Linux,
+    or a libc other than glibc: macOS, musl, whose mallopt does nothing)."""
+    if not sys.platform.startswith("linux"):
+        return None
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
         mallopt = libc.mallopt
         libc.gnu_get_libc_version  # noqa: B018 — glibc only (musl has a mallopt that does nothing)
     except (OSError, AttributeError):
-        return "unavailable"
+        return None
     mallopt.argtypes = (ctypes.c_int, ctypes.c_int)
     mallopt.restype = ctypes.c_int
-    if mallopt(_M_MMAP_THRESHOLD, _INT_MAX) != 1 or mallopt(_M_TRIM_THRESHOLD, _INT_MAX) != 1:
-        return "unavailable"
-    return "tuned"
+    return mallopt

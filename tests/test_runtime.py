@@ -9,6 +9,8 @@ import sys
 
 import pytest
 
+from difftrain import runtime
+
 CHILD = r"""
 import json, resource, sys
 from difftrain.runtime import tune_allocator
@@ -32,11 +34,11 @@ def _child(env_extra: dict[str, str]) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt is Linux-only")
+@pytest.mark.skipif(
+    runtime.glibc_mallopt() is None, reason="needs glibc's mallopt (Linux with glibc; not macOS or musl)"
+)
 def test_tuned_allocator_reuses_large_blocks():
     tuned = _child({})
-    if tuned["state"] == "unavailable":
-        pytest.skip("this libc has no mallopt (not glibc)")
     assert tuned["state"] == "tuned"
     # two 64 MiB tensors are 32,768 pages; once the heap has grown to hold them (a few rounds)
     # they come back without faults (an occasional round still maps one of them again)
