@@ -90,9 +90,8 @@ class RunState:
     best_val: float = math.inf
     last_val: float = math.nan
     last_val_step: int = -1  # the global step `last_val` was measured at
-    saved_step: int = (
-        -1
-    )  # the step of the newest checkpoint: saved by this process or resumed from (none: -1)
+    # the step of the newest complete checkpoint: saved by this process or resumed from (none: -1)
+    saved_step: int = -1
     history: list[tuple[int, float]] = field(default_factory=list)
 
 

@@ -239,7 +239,8 @@ def slowsave(seconds: float, args: list[str]) -> int:
 
     def stop(self, trainer, pl_module):  # type: ignore[no-untyped-def]
         checkpoint.torch.save = slow_save  # only the save of a graceful stop stalls
-        self.state.saved_step = -1  # and it always saves, even right after a periodic save
+        if self.state.saved_step == trainer.global_step:  # it always saves, even right after a periodic save
+            self.save(trainer, pl_module)
         return real_stop(self, trainer, pl_module)
 
     RunCallback._stop = stop  # type: ignore[method-assign]
