@@ -315,6 +315,13 @@ def test_eval_on_another_source_keeps_the_validation_result_and_compare_shows_bo
         assert main(["eval", str(a), *args]) == 2
         err = capsys.readouterr().err
         assert why in err and "Traceback" not in err
+    # a label no result file can have is refused as written, not sent looking outside eval/
+    for argv in (
+        ["eval", str(a), "--show", "--suite", "ppl@../up"],
+        ["compare", str(a), str(b), "-s", "ppl@../up"],
+    ):
+        assert main(argv) == 2
+        assert "--suite ppl@../up: the label '../up' must be 1-64 letters" in capsys.readouterr().err
     assert sorted(p.name for p in (a / "eval").glob("ppl*.json")) == [
         "ppl.json",
         "ppl@wiki-2.json",

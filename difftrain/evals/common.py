@@ -114,12 +114,13 @@ DATA_SUITES = ("ppl", "outliers", "quant")
 _LABEL_OK = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 
 
-def check_label(label: str) -> str:
-    """A `--data-label`: letters, digits, `.`, `_`, `-` (it becomes part of a file name)."""
+def check_label(label: str, given: str | None = None) -> str:
+    """A `--data-label`: letters, digits, `.`, `_`, `-` (it becomes part of a file name).
+    `given`: how the user wrote it, for the message (default `--data-label LABEL`)."""
     if not _LABEL_OK.fullmatch(label) or label.endswith(".json"):
         raise ConfigError(
-            f"--data-label {label!r} must be 1-64 letters, digits, '.', '_' or '-', starting with a letter "
-            "or digit (it names the result file eval/<suite>@<label>.json), e.g. --data-label wiki"
+            f"{given or f'--data-label {label!r}'} must be 1-64 letters, digits, '.', '_' or '-', starting with a "
+            "letter or digit (it names the result file eval/<suite>@<label>.json), e.g. --data-label wiki"
         )
     return label
 

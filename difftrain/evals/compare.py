@@ -17,6 +17,7 @@ from typing import Any
 from difftrain.errors import ConfigError, DifftrainError, RunDirError
 from difftrain.evals import SUITES, check_suite
 from difftrain.evals.common import (
+    check_label,
     load_result,
     missing_result,
     rerun_command,
@@ -149,6 +150,8 @@ def _setting(doc: dict[str, Any], key: str) -> str:
 def check_result(name: str) -> str:
     """A result name given to `compare --suite`: a suite, or `suite@label` (a result on --data)."""
     suite, label = split_key(name.strip())
+    if label is not None:
+        check_label(label, f"--suite {name.strip()}: the label {label!r}")
     return result_key(check_suite(suite), label)
 
 
