@@ -524,3 +524,28 @@ def test_the_exported_readme_snippet_samples_what_difftrain_generate_samples(
     ids = torch.tensor([prompt_ids(tok, "def fibonacci(n):")])  # what `difftrain generate` feeds the model
     ours = greedy(model, ids, 64)[0, 1:]
     assert printed.rstrip("\n") == tok.decode(ours.tolist())
+
+
+def test_folder_mistakes_of_import_and_export_are_answered_before_torch_loads(tmp_path, cli_probe):
+    # a missing or wrong folder is the usual slip: one line at once, not after 3-4 s of torch
+    run = tmp_path / "runs" / "mine"
+    run.mkdir(parents=True)
+    (run / "recipe.yaml").write_text("name: mine\n")
+    (run / "config.json").write_text("{}")
+    commands = [
+        ["import", "nowhere", "runs/back"],
+        ["import", "runs/mine", "runs/back"],
+        ["import", "runs/mine", "runs/mine"],
+        ["export", "runs/mine", "runs/mine"],
+        ["export", "runs/mine", "out", "--dtype", "int8"],
+    ]
+    done = cli_probe(commands, tmp_path)
+    assert done.codes == [2] * len(commands) and done.loaded == [], done.stderr
+    errors = done.stderr.strip().splitlines()
+    assert len(errors) == len(commands), errors
+    assert errors[0].startswith("error: no checkpoint folder nowhere; download one first")
+    assert "runs/mine is a difftrain run directory, not a transformers checkpoint" in errors[1]
+    assert "the run directory runs/mine is the checkpoint folder itself" in errors[2]
+    assert "the export folder runs/mine is the run directory itself" in errors[3]
+    assert "dtype 'int8' is not supported for export; choose one of float32, bfloat16, float16" in errors[4]
+    assert not (tmp_path / "runs" / "back").exists() and not (tmp_path / "out").exists()

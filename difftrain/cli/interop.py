@@ -27,11 +27,13 @@ def export_command(
 ) -> None:
     """Export a run for transformers: baseline → LlamaForCausalLM, diff → DiffLlamaForCausalLM."""
     from difftrain.errors import InteropError
+    from difftrain.interop.paths import check_export_paths
     from difftrain.rundir import require_run_dir
 
     if format not in FORMATS:
         raise InteropError(f"--format {format!r} is not supported; choose one of: {', '.join(FORMATS)}")
     require_run_dir(run_dir)  # a mistyped path fails before torch loads
+    check_export_paths(run_dir, out_dir, dtype)
     from difftrain.interop.hf import export_hf
 
     r = export_hf(run_dir, out_dir, dtype=dtype, overwrite=overwrite)
@@ -53,6 +55,9 @@ def import_command(
     overwrite: bool = typer.Option(False, "--overwrite", help="Write into RUN_DIR even if it is not empty."),
 ) -> None:
     """Import a Llama / DiffLlama checkpoint into a run directory (generate, eval and finetune accept it)."""
+    from difftrain.interop.paths import check_import_paths
+
+    check_import_paths(hf_dir, run_dir)  # a mistyped path fails before torch loads
     from difftrain.interop.hf import import_hf
 
     r = import_hf(hf_dir, run_dir, overwrite=overwrite)

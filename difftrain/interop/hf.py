@@ -72,6 +72,7 @@ from torch import Tensor
 
 from difftrain.adapters import ADAPTER_CONFIG
 from difftrain.errors import DifftrainError, InteropError
+from difftrain.interop.paths import EXPORT_DTYPES, check_export_paths, check_import_paths
 from difftrain.io import (
     atomic_save_safetensors,
     atomic_write_bytes,
@@ -94,7 +95,7 @@ SUBLN_EPS = 1e-5
 SIDECAR = "difftrain.safetensors"
 """Exact difftrain tensors and config kept next to an export (transformers ignores the file)."""
 HF_INDEX = "model.safetensors.index.json"
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = {name: getattr(torch, name) for name in EXPORT_DTYPES}
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # buffers some older checkpoints saved
 
 
@@ -591,13 +592,6 @@ def _prepare_out_dir(path: Path, overwrite: bool, flag: str, what: str, *, keep_
     path.mkdir(parents=True, exist_ok=True)
 
 
-def _same_dir(a: Path, b: Path) -> bool:
-    try:
-        return a.resolve() == b.resolve()
-    except OSError:
-        return False
-
-
 # --------------------------------------------------------------------------------------------
 # export
 
@@ -617,10 +611,7 @@ def export_hf(
     from difftrain.rundir import load_run, weights_state_dict
 
     run_path, out = Path(run_dir), Path(out_dir)
-    if dtype not in DTYPES:
-        raise InteropError(f"dtype {dtype!r} is not supported for export; choose one of {', '.join(DTYPES)}")
-    if _same_dir(run_path, out):
-        raise InteropError(f"the export folder {out} is the run directory itself; choose another folder")
+    check_export_paths(run_path, out, dtype)
     run = load_run(run_path)  # checks the folder and its weights; a LoRA run: base + adapter, merged
     config: ModelConfig = run.config  # type: ignore[assignment]
     tok = run.tokenizer
@@ -748,17 +739,7 @@ def import_hf(
     from difftrain.recipe import recipe_from_dict
 
     src, dst = Path(hf_dir), Path(run_dir)
-    if not src.is_dir():
-        raise InteropError(
-            f"no checkpoint folder {src}; download one first, e.g. `huggingface-cli download ORG/MODEL --local-dir {src}`"
-        )
-    if _same_dir(src, dst):
-        raise InteropError(f"the run directory {dst} is the checkpoint folder itself; choose another folder")
-    if (src / RECIPE).is_file():
-        raise InteropError(
-            f"{src} is a difftrain run directory, not a transformers checkpoint: generate, eval and finetune "
-            "take it as it is (`difftrain export` makes a transformers checkpoint of it)"
-        )
+    check_import_paths(src, dst)
     hf_cfg = _read_json(src / CONFIG, "checkpoint")
     config, cls = config_from_hf(hf_cfg, src / CONFIG)
     tok_path = src / TOKENIZER

@@ -1,0 +1,45 @@
+"""The folder checks of `export` and `import` that need no torch, so that a mistyped path is
+answered before torch loads (seconds on a small CPU)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from difftrain.errors import InteropError
+from difftrain.rundir import RECIPE
+
+EXPORT_DTYPES = ("float32", "bfloat16", "float16")
+"""Weight dtypes `export` writes."""
+
+
+def same_dir(a: Path, b: Path) -> bool:
+    """Whether a and b name the same folder (False when either cannot be resolved)."""
+    try:
+        return a.resolve() == b.resolve()
+    except OSError:
+        return False
+
+
+def check_export_paths(run_dir: Path, out_dir: Path, dtype: str) -> None:
+    """InteropError for an export dtype we do not write or an export folder that is the run itself."""
+    if dtype not in EXPORT_DTYPES:
+        raise InteropError(
+            f"dtype {dtype!r} is not supported for export; choose one of {', '.join(EXPORT_DTYPES)}"
+        )
+    if same_dir(run_dir, out_dir):
+        raise InteropError(f"the export folder {out_dir} is the run directory itself; choose another folder")
+
+
+def check_import_paths(src: Path, dst: Path) -> None:
+    """InteropError when `src` is not a folder, is the run directory to write, or is a difftrain run."""
+    if not src.is_dir():
+        raise InteropError(
+            f"no checkpoint folder {src}; download one first, e.g. `huggingface-cli download ORG/MODEL --local-dir {src}`"
+        )
+    if same_dir(src, dst):
+        raise InteropError(f"the run directory {dst} is the checkpoint folder itself; choose another folder")
+    if (src / RECIPE).is_file():
+        raise InteropError(
+            f"{src} is a difftrain run directory, not a transformers checkpoint: generate, eval and finetune "
+            "take it as it is (`difftrain export` makes a transformers checkpoint of it)"
+        )
