@@ -9,18 +9,8 @@ import json
 import pytest
 import torch
 
-from difftrain.bench import (
-    QUICKSTART,
-    SECTIONS,
-    BenchOptions,
-    bench_markdown,
-    diff_strategy,
-    evaluate_targets,
-    make_plan,
-    matched_config,
-    run_bench,
-    validate_result,
-)
+from difftrain.bench import QUICKSTART, diff_strategy, make_plan, matched_config, run_bench
+from difftrain.bench_report import SECTIONS, BenchOptions, bench_markdown, evaluate_targets, validate_result
 from difftrain.cli.app import main
 from difftrain.errors import ConfigError
 from difftrain.model import kernels
@@ -127,7 +117,7 @@ def test_targets_compare_measured_ratios_with_the_issue_goals():
 
 
 def test_transformers_table_shows_each_compiled_variant_against_its_own_reference():
-    from difftrain.bench import _hf_rows
+    from difftrain.bench_report import _hf_rows
 
     decode = {"arch": "diff", "new_tokens": 8, "agreeing_tokens": 8, "ours_tokens_per_s": 500.0}
     decode |= {"hf_tokens_per_s": 300.0, "speedup": 1.6, "speedup_cpu": 1.6}
@@ -198,6 +188,22 @@ def test_bench_cli_renders_markdown_and_refuses_bad_arguments(quick_result, tmp_
     ):
         code, _, err = bench_cli(capsys, "--quick", "--only", "memory", *args)
         assert code == 2 and says in err and "Traceback" not in err, (args, err)
+
+
+def test_bench_option_mistakes_and_markdown_need_no_torch(quick_result, tmp_path, cli_probe):
+    # a typo is answered at once and --markdown renders a result without loading torch (3.7 s)
+    (tmp_path / "r.json").write_text(json.dumps(quick_result))
+    commands = [
+        ["bench", "--only", "nothing"],
+        ["bench", "--threads", "0"],
+        ["bench", "--quick", "--full"],
+        ["bench", "--markdown", "missing.json"],
+        ["bench", "--markdown", "r.json"],
+    ]
+    done = cli_probe(commands, tmp_path)
+    assert done.codes == [2, 2, 2, 2, 0] and done.loaded == [], done.stderr
+    assert len(done.stderr.strip().splitlines()) == 4
+    assert bench_markdown(quick_result) in done.stdout
 
 
 def test_a_partial_run_does_not_take_the_whole_runs_file_name():

@@ -46,7 +46,7 @@ def bench_command(
 
     Attention cores, training steps, the Lightning overhead, transformers on the same weights,
     optimizers, decoding and the memory planner."""
-    from difftrain.bench import SECTIONS, BenchOptions, bench_markdown, run_bench, validate_result
+    from difftrain.bench_report import SECTIONS, BenchOptions, bench_markdown, validate_result
     from difftrain.errors import ConfigError
 
     if markdown is not None:
@@ -75,11 +75,13 @@ def bench_command(
         precision=precision,
         command="difftrain bench " + " ".join(sys.argv[2:] if sys.argv[1:2] == ["bench"] else sys.argv[1:]),
     )
-    opts.check()
+    opts.check()  # before torch loads: a mistyped option is answered at once
     dev = opts.resolved_device()
     import os
 
     import torch
+
+    from difftrain.bench import run_bench
 
     if threads:
         torch.set_num_threads(threads)
@@ -105,7 +107,7 @@ def bench_command(
 def _render(result: dict[str, Any]) -> None:
     from rich.table import Table
 
-    from difftrain.bench import describe, tables
+    from difftrain.bench_report import describe, tables
 
     console.print(f"[bold]difftrain bench[/] — {describe(result)}")
     for title, header, rows in tables(result):
