@@ -340,6 +340,25 @@ def test_a_different_run_in_the_directory_is_refused(workspace):
         pretrain(load_recipe(workspace(steps=4, save_every=2), ["model.d_model=64"]), resume=True)
 
 
+def test_the_command_named_to_continue_a_run_trained_with_overrides_works(workspace, capsys):
+    # trained with an override, started again without it: `--resume` with the recipe would be
+    # refused as another run, so the message names the run directory, which stands for its recipe
+    p = workspace(steps=4, save_every=2)
+    assert main(["pretrain", str(p), "--no-progress", "train.max_steps=2", "optim.warmup_steps=1"]) == 0
+    run = p.parent / "runs" / "r"
+    capsys.readouterr()
+    for flags in ([], ["--resume"]):
+        assert main(["pretrain", str(p), "--dry-run", *flags]) == 2
+        err = capsys.readouterr().err
+        assert "holds a different run (optim.warmup_steps differs)" in err, err
+        assert f"continue it as it was with `difftrain pretrain {run} --resume`" in err, err
+    assert main(["pretrain", str(run), "--resume", "--dry-run", "train.max_steps=4"]) == 0
+    assert "resum" in capsys.readouterr().out
+    # resuming asked for in the recipe, not on the command line: the message says where
+    assert main(["pretrain", str(p), "--dry-run", "--overwrite", "train.resume=true"]) == 2
+    assert "--overwrite and --resume (or train.resume: true) contradict each other" in capsys.readouterr().err
+
+
 def test_batch_arithmetic_is_checked_before_training(workspace):
     with pytest.raises(RecipeError, match="not divisible"):
         pretrain(load_recipe(workspace(), ["train.global_batch_size=5"]))
@@ -589,7 +608,7 @@ def test_dry_run_refuses_what_the_run_would_refuse_and_writes_nothing(workspace,
     before = sorted((q.relative_to(run), q.stat().st_mtime_ns) for q in run.rglob("*"))
     capsys.readouterr()
     assert main(["pretrain", str(p), "--dry-run"]) == 2
-    assert "already holds a run" in capsys.readouterr().err
+    assert "already holds a run; continue it with --resume" in capsys.readouterr().err
     assert main(["pretrain", str(p), "--dry-run", "--resume", "model.n_layers=3"]) == 2
     assert "holds a different run (model.n_layers differs)" in capsys.readouterr().err
     assert main(["pretrain", str(p), "--dry-run", "--overwrite", "model.vocab_size=100"]) == 2

@@ -246,6 +246,8 @@ def prepare_run_dir(
 
     run_dir = plan.run_dir
     existing = run_dir / RECIPE
+    # how the user asked to resume: the flag, or the recipe's key (which the flag's absence leaves)
+    asked = "--resume (or train.resume: true)" if plan.recipe.train.resume is True else "--resume"
     holder = RunLock(run_dir).holder()
     if holder is not None:  # before anything is removed: another process trains into this folder
         raise RunDirError(_in_use(run_dir, holder))
@@ -266,7 +268,7 @@ def prepare_run_dir(
     has_files = bool(files) and not startup_only
     if overwrite and run_dir.exists():
         if resume is True:
-            raise RecipeError("--overwrite and --resume contradict each other; pick one")
+            raise RecipeError(f"--overwrite and {asked} contradict each other; pick one")
         if files and not holds_run(run_dir):
             raise RunDirError(
                 f"{run_dir} exists and is not a difftrain run directory (no {RECIPE}): --overwrite replaces "
@@ -277,7 +279,7 @@ def prepare_run_dir(
         return False, None
     if not has_files:
         if resume is True:
-            raise RunDirError(f"--resume: {run_dir} holds no run yet; start it without --resume")
+            raise RunDirError(f"{asked}: {run_dir} holds no run yet; start it without resuming")
         return False, None
     if not existing.is_file():
         if holds_run(run_dir):  # a run that lost its recipe (its config.json is there)
@@ -313,15 +315,17 @@ def prepare_run_dir(
             f"accumulation {plan.accumulate}); set train.global_batch_size={old_global} to resume it "
             "(micro-batch and devices may change), or start again with --overwrite"
         )
+    if diffs:  # resuming with these settings is refused: name the command that resumes the run
+        command = "finetune" if plan.recipe.finetune is not None else "pretrain"
+        raise RunDirError(
+            f"{run_dir} holds a different run ({_listed(diffs)}); continue it as it was with "
+            f"`difftrain {command} {shlex.quote(str(run_dir))} --resume`, replace it with --overwrite, "
+            "or choose another `name`"
+        )
     if resume is False:
         raise RunDirError(
             f"{run_dir} already holds a run; continue it with --resume, start again with --overwrite, "
             "or choose another `name`"
-        )
-    if diffs:
-        raise RunDirError(
-            f"{run_dir} holds a different run ({', '.join(diffs[:4])}{'…' if len(diffs) > 4 else ''} {'differs' if len(diffs) == 1 else 'differ'}); "
-            "use --overwrite to replace it or choose another `name`"
         )
     point = find_resume_checkpoint(run_dir / CHECKPOINTS)
     if point is None:
@@ -349,6 +353,12 @@ def prepare_run_dir(
             f"after step {point.step} are measured on other windows than those before it"
         )
     return True, point
+
+
+def _listed(diffs: list[str]) -> str:
+    """'a differs' / 'a, b differ' / 'a, b, c, d… differ' for the keys in which two recipes differ."""
+    more = "…" if len(diffs) > 4 else ""
+    return f"{', '.join(diffs[:4])}{more} {'differs' if len(diffs) == 1 else 'differ'}"
 
 
 def _schedule_note(old: dict[str, Any], plan: Plan, step: int, old_global: int | None) -> str | None:
