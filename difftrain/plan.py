@@ -835,7 +835,7 @@ class RecipePlan:
 def recipe_settings(recipe: Any, target: Target) -> tuple[ModelConfig, Settings, list[Param], str, list[str]]:
     """The model, settings, parameters and fine-tuning method a recipe resolves to on `target`,
     and notes on how they were found."""
-    from difftrain.recipe import resolve_auto
+    from difftrain.recipe import global_batch, resolve_auto, train_seq_len
 
     cuda = target.kind == "cuda"
     r = resolve_auto(recipe, cuda=cuda, bf16=cuda)
@@ -852,12 +852,13 @@ def recipe_settings(recipe: Any, target: Target) -> tuple[ModelConfig, Settings,
             raise RecipeError(f"{recipe.source or recipe.name}: no model: section to plan for")
         config = r.model.replace(vocab_size=_vocab_size(r))
     t = r.train
-    seq_len = t.seq_len or config.max_seq_len
-    world = (int(t.devices) if t.devices != "auto" else 1) * t.num_nodes
+    seq_len = train_seq_len(t, config.max_seq_len)  # refused where `pretrain` refuses it
+    devices = int(t.devices) if t.devices != "auto" else 1
+    world = devices * t.num_nodes
     settings = Settings(
         micro_batch_size=t.micro_batch_size,
         seq_len=seq_len,
-        global_batch_size=t.global_batch_size or t.micro_batch_size * world,
+        global_batch_size=global_batch(t, devices)[0],  # refused where `pretrain` refuses it
         world_size=world,
         precision=t.precision,
         optimizer=r.optim.name,

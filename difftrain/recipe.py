@@ -512,6 +512,39 @@ def resolve_data_format(recipe: Recipe) -> str:
     return "instruction" if name.endswith((".jsonl", ".json", ".parquet")) else "text"
 
 
+def train_seq_len(train: TrainConfig, max_seq_len: int) -> int:
+    """The sequence length `train` trains at (train.seq_len, else the model's max_seq_len);
+    RecipeError when it is longer than the model's positions."""
+    seq_len = train.seq_len or max_seq_len
+    if seq_len > max_seq_len:
+        raise RecipeError(
+            f"train.seq_len={seq_len} is longer than model.max_seq_len={max_seq_len}; lower train.seq_len "
+            "or raise model.max_seq_len"
+        )
+    return seq_len
+
+
+def global_batch(train: TrainConfig, devices: int) -> tuple[int, int]:
+    """(global batch in sequences, micro-batches accumulated per step) of `train` on `devices`
+    devices per node; RecipeError when the global batch is not a whole number of steps of
+    micro-batches (`pretrain` refuses such a recipe and `plan` plans none)."""
+    t = train
+    per_step = t.micro_batch_size * devices * t.num_nodes
+    global_bs = t.global_batch_size or per_step
+    if global_bs < per_step:
+        raise RecipeError(
+            f"train.global_batch_size={global_bs} is smaller than one step of micro-batches "
+            f"(micro_batch_size×devices×nodes = {t.micro_batch_size}×{devices}×{t.num_nodes} = {per_step}); "
+            f"raise it to {per_step} or lower train.micro_batch_size"
+        )
+    if global_bs % per_step:
+        raise RecipeError(
+            f"train.global_batch_size={global_bs} is not divisible by micro_batch_size×devices×nodes = "
+            f"{t.micro_batch_size}×{devices}×{t.num_nodes} = {per_step}; pick a multiple of {per_step}"
+        )
+    return global_bs, global_bs // per_step
+
+
 def dump_yaml(data: Any) -> str:
     return yaml.safe_dump(data, sort_keys=False, allow_unicode=True, default_flow_style=None)
 

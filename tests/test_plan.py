@@ -233,6 +233,19 @@ def test_plan_cli_exit_codes_fit_does_not_fit_and_bad_input(capsys):
     assert "smaller model" not in out
 
 
+def test_plan_refuses_the_batch_and_length_pretrain_refuses_with_the_same_message(capsys):
+    # a plan for a run that cannot start would answer a question nobody can act on
+    for override, says in (
+        ("train.micro_batch_size=7", "train.global_batch_size=512 is not divisible by micro_batch_size"),
+        ("train.global_batch_size=4", "train.global_batch_size=4 is smaller than one step of micro-batches"),
+        ("train.seq_len=4096", "train.seq_len=4096 is longer than model.max_seq_len=1024"),
+    ):
+        code, _, err = plan_cli(capsys, "diff-124m", "--gpu-mem", "8GB", override)
+        capsys.readouterr()
+        assert main(["pretrain", "diff-124m", override, "--dry-run"]) == 2
+        assert code == 2 and says in err and err == capsys.readouterr().err, (override, err)
+
+
 def test_plan_cli_json_reports_the_breakdown_and_suggestions(capsys):
     code, out, _ = plan_cli(capsys, "diff-124m", "--gpu-mem", "8GB", "--json", "train.micro_batch_size=16")
     data = json.loads(out)

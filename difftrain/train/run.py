@@ -27,7 +27,7 @@ import torch
 
 from difftrain.errors import CheckpointError, DeviceError, RecipeError, RunDirError
 from difftrain.io import LOCK_FILE, RunLock, atomic_write_json, atomic_write_text, remove_stale_temps
-from difftrain.recipe import Recipe, resolve_auto
+from difftrain.recipe import Recipe, global_batch, resolve_auto, train_seq_len
 from difftrain.rundir import CHECKPOINTS, CONFIG, METRICS, RECIPE, SUMMARY, TOKENIZER, holds_run
 from difftrain.train.distributed import DistContext, check_strategy
 
@@ -152,25 +152,8 @@ def plan_run(recipe: Recipe) -> Plan:
             "model.attn_impl=flex has no backward pass on CPU in this torch; train on CPU with "
             "model.attn_impl=sdpa (or auto), or use flex on a CUDA GPU"
         )
-    seq_len = t.seq_len or m.max_seq_len
-    if seq_len > m.max_seq_len:
-        raise RecipeError(
-            f"train.seq_len={seq_len} is longer than model.max_seq_len={m.max_seq_len}; lower train.seq_len or raise model.max_seq_len"
-        )
-    per_step = t.micro_batch_size * world
-    global_bs = t.global_batch_size or per_step
-    if global_bs < per_step:
-        raise RecipeError(
-            f"train.global_batch_size={global_bs} is smaller than one step of micro-batches "
-            f"(micro_batch_size×devices×nodes = {t.micro_batch_size}×{devices}×{t.num_nodes} = {per_step}); "
-            f"raise it to {per_step} or lower train.micro_batch_size"
-        )
-    if global_bs % per_step:
-        raise RecipeError(
-            f"train.global_batch_size={global_bs} is not divisible by micro_batch_size×devices×nodes = "
-            f"{t.micro_batch_size}×{devices}×{t.num_nodes} = {per_step}; pick a multiple of {per_step}"
-        )
-    accumulate = global_bs // per_step
+    seq_len = train_seq_len(t, m.max_seq_len)
+    global_bs, accumulate = global_batch(t, devices)
     # written out in the run's recipe.yaml: the global batch is the run's, not the micro-batch's,
     # so a resume from the run folder may change train.micro_batch_size (or devices) and keep it
     resolved.train.global_batch_size = global_bs
