@@ -243,7 +243,14 @@ def compare_runs(paths: Sequence[str | Path], suites: Sequence[str] | None = Non
         Row("params", [_params(r) for r in runs], None, "count"),
         Row("steps", get("steps"), None, "d"),
         Row("tokens", get("tokens"), None, "count"),
-        Row("wall time (s)", get("wall_time_s"), "lower", ".1f"),
+        # all sessions of a resumed run (its wall_time_s is the last session's); older summaries
+        # have no train_time_s
+        Row(
+            "training time (s)",
+            [r.summary.get("train_time_s") or r.summary.get("wall_time_s") for r in runs],
+            "lower",
+            ".1f",
+        ),
         Row("tokens/s", get("tokens_per_s"), "higher", ",.0f"),
         Row("final train loss", get("final_train_loss"), "lower", ".4f"),
         Row("final val loss", get("final_val_loss"), "lower", ".4f"),
