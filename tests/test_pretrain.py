@@ -656,6 +656,16 @@ def test_a_missing_data_file_is_refused_before_torch_loads(tmp_path, dry_run, cl
     assert done.codes == [2] and done.loaded == [], done.stderr
     assert "missing.txt does not exist; fix the path" in done.stderr and "Traceback" not in done.stderr
     assert not (tmp_path / "runs").exists()
+    # and so is a missing tokenizer.path, resolved against the recipe's folder as training does
+    (tmp_path / "corpus.txt").write_text("some text\n" * 50)
+    (tmp_path / "sub").mkdir()
+    moved = tmp_path / "sub" / "r.yaml"
+    moved.write_text(
+        recipe.read_text().replace("missing.txt", "../corpus.txt") + "tokenizer: {path: tok.json}\n"
+    )
+    done = cli_probe([["pretrain", str(moved), *(["--dry-run"] if dry_run else [])]], tmp_path)
+    assert done.codes == [2] and done.loaded == [], done.stderr
+    assert f"tokenizer file {tmp_path / 'sub' / 'tok.json'} does not exist" in done.stderr
 
 
 def test_dry_run_warns_as_the_run_would_of_memory_and_warm_up(workspace, capsys):

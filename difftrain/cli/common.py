@@ -192,9 +192,11 @@ def prepared_bad_examples(prepared: Any) -> list[str]:
 def check_files(r: Any) -> None:
     """What a training run reads and writes, checked without torch (a second, not the 8-12 s
     torch and Lightning take to load), reading no data and writing nothing: a fine-tune's base
-    run directory, every local data source, the cache folder where the data is tokenized into
-    it (pretraining, a text fine-tune), the run directory can be created."""
+    run directory, every local data source, a pretraining run's tokenizer.path, the cache folder
+    where the data is tokenized into it (pretraining, a text fine-tune), the run directory can be
+    created."""
     from difftrain.data.sources import check_local_sources
+    from difftrain.data.tokenizer import tokenizer_file
     from difftrain.io import check_run_dir_creatable
     from difftrain.recipe import resolve_data_format
     from difftrain.rundir import base_run_dir
@@ -202,6 +204,9 @@ def check_files(r: Any) -> None:
     if r.finetune is not None:
         base_run_dir(r.finetune)
     check_local_sources(r.data, r.recipe_dir)
+    tok = r.tokenizer.file(r.recipe_dir)
+    if r.finetune is None and tok is not None:  # (a fine-tune uses its base run's)
+        tokenizer_file(tok)
     if r.finetune is None or resolve_data_format(r) == "text":
         r.data.check_cache_dir()
     check_run_dir_creatable(r.run_dir)

@@ -295,8 +295,9 @@ class StreamDecoder:
         return new_text[len(prefix_text) :]
 
 
-def load_tokenizer(path: str | os.PathLike[str]) -> Tokenizer:
-    """Load a HF tokenizer.json (or a folder holding one) into a `Tokenizer`."""
+def tokenizer_file(path: str | os.PathLike[str]) -> Path:
+    """The tokenizer.json that `path` (the file, or a folder holding one) names; TokenizerError
+    when there is none (checked before a run loads torch, `cli.common.check_files`)."""
     p = Path(path).expanduser()
     if p.is_dir():
         p = p / "tokenizer.json"
@@ -305,6 +306,12 @@ def load_tokenizer(path: str | os.PathLike[str]) -> Tokenizer:
             f"tokenizer file {p} does not exist; point tokenizer.path to a Hugging Face tokenizer.json "
             "(or a folder holding one), or unset it to train a tokenizer on the data"
         )
+    return p
+
+
+def load_tokenizer(path: str | os.PathLike[str]) -> Tokenizer:
+    """Load a HF tokenizer.json (or a folder holding one) into a `Tokenizer`."""
+    p = tokenizer_file(path)
     try:
         tk = tokenizers.Tokenizer.from_file(str(p))
     except Exception as e:  # the Rust side raises plain Exception with a serde message
