@@ -171,6 +171,16 @@ def training_command(path: Path) -> str:
     return "finetune" if isinstance(recipe, dict) and recipe.get("finetune") else "pretrain"
 
 
+def require_model_files(path: Path) -> Path:
+    """`require_run_dir`, and the weights `load_run` reads there: model.safetensors, or for a
+    LoRA run that was not merged its adapter (whose own files `load_adapter_run` checks). Reads
+    nothing and loads no torch: a folder that holds no model is refused at once."""
+    path = require_run_dir(path)
+    if not ((path / ADAPTER_CONFIG).is_file() and not (path / WEIGHTS).is_file()):
+        require_weights(path)
+    return path
+
+
 def require_weights(path: Path) -> Path:
     """model.safetensors of a run, or a RunDirError that says where training stands and what to do."""
     weights = path / WEIGHTS
@@ -222,13 +232,12 @@ def load_run(path: Path | str, device: str | torch.device = "cpu", dtype: torch.
     from difftrain.data.tokenizer import load_tokenizer
     from difftrain.model import Transformer
 
-    path = require_run_dir(Path(path))
-    adapter = path / ADAPTER_CONFIG
-    if adapter.is_file() and not (path / WEIGHTS).is_file():
+    path = require_model_files(Path(path))
+    if (path / ADAPTER_CONFIG).is_file() and not (path / WEIGHTS).is_file():
         from difftrain.adapters import load_adapter_run
 
         return load_adapter_run(path, device=device, dtype=dtype)
-    weights = require_weights(path)
+    weights = path / WEIGHTS
     config = load_config(path)
     tok_path = path / TOKENIZER
     if not tok_path.is_file():

@@ -549,3 +549,37 @@ def test_a_run_name_without_runs_is_refused_before_torch_loads_by_every_command(
     assert errors == [
         "error: no run directory quickstart; did you mean runs/quickstart? (runs live under runs/)"
     ] * len(commands), errors
+
+
+def test_option_mistakes_and_a_folder_without_a_model_are_refused_before_torch_loads(tmp_path, cli_probe):
+    # each of these used to wait 3-5 s for torch before saying what was wrong
+    run = tmp_path / "runs" / "r"
+    run.mkdir(parents=True)
+    (run / "model.safetensors").write_bytes(b"")  # the options are refused before it is read
+    (tmp_path / "runs" / "empty").mkdir()
+    mistakes = {
+        ("generate", "runs/r", "--top-p", "0"): "top_p=0.0 is outside (0, 1]",
+        ("generate", "runs/r", "--temperature", "-1"): "temperature=-1.0 is invalid",
+        ("generate", "runs/r", "-n", "0"): "max_new_tokens=0 must be a whole number ≥ 1",
+        ("generate", "runs/r", "--num-samples", "0"): "--num-samples 0 must be ≥ 1",
+        ("generate", "runs/r", "--no-cache", "--compile"): "--compile runs the cached decode step",
+        ("generate", "runs/r", "--interactive", "-p", "hi"): "--interactive reads prompts from the keyboard",
+        ("generate", "runs/r", "--prompt-file", "nope.txt"): "--prompt-file nope.txt does not exist",
+        ("generate", "runs/r", "--stop", ""): "a stop string is empty",
+        ("chat", "runs/r", "--top-p", "0"): "top_p=0.0 is outside (0, 1]",
+        ("eval", "runs/r", "--suite", "perplexity"): "unknown suite `perplexity`",
+        ("eval", "runs/r", "--suite", "ppl,needel"): "did you mean `needle`?",
+        ("eval", "runs/r", "--windows", "0"): "--windows 0 must be ≥ 1",
+        ("eval", "runs/r", "--suite", "quant", "--bits", "1"): "--bits 1 is out of range",
+        ("eval", "runs/r", "--data-label", "x"): "--data-label names the results of --data",
+        ("generate", "runs/empty"): "runs/empty is not a difftrain run directory (no model.safetensors",
+        ("chat", "runs/empty"): "runs/empty is not a difftrain run directory",
+        ("eval", "runs/empty"): "runs/empty is not a difftrain run directory",
+        ("export", "runs/empty", "out"): "runs/empty is not a difftrain run directory",
+    }
+    done = cli_probe([list(c) for c in mistakes], tmp_path)
+    assert done.codes == [2] * len(mistakes) and done.loaded == [], done.stderr
+    errors = done.stderr.strip().splitlines()
+    assert len(errors) == len(mistakes), errors
+    for (command, says), line in zip(mistakes.items(), errors, strict=True):
+        assert line.startswith("error: ") and says in line, (command, line)

@@ -404,13 +404,20 @@ def eval_command(
             )
         show_results(run_dir, suite, as_json)
         return
-    from difftrain.rundir import require_run_dir
+    from difftrain.rundir import require_model_files
 
-    require_run_dir(Path(run_dir))  # the usual slip (a name without runs/) fails before torch loads
+    # the usual slip (a name without runs/), or a folder without a model, fails before torch loads
+    require_model_files(Path(run_dir))
     from difftrain.evals import EvalOptions
-    from difftrain.evals.common import DATA_SUITES, check_depths, check_label, check_positive, data_source
+    from difftrain.evals.common import (
+        DATA_SUITES,
+        check_bits,
+        check_depths,
+        check_label,
+        check_positive,
+        data_source,
+    )
     from difftrain.evals.needle import parse_needles
-    from difftrain.evals.quant import check_bits
 
     suites = parse_suites(suite)
     opts = EvalOptions(

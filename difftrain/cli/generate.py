@@ -569,7 +569,7 @@ def chat_repl(session: Session, chat: Chat) -> None:
 
 # ----- the commands ----------------------------------------------------------------------------
 def _sampling_config(temperature, top_k, top_p, min_p, repetition_penalty, greedy) -> Any:
-    from difftrain.infer.sampling import SamplingConfig
+    from difftrain.infer.settings import SamplingConfig
 
     return SamplingConfig(
         temperature=temperature,
@@ -678,16 +678,16 @@ def generate_command(
     ),
     compile: bool = typer.Option(False, "--compile", help=COMPILE_HELP),
 ) -> None:
-    from difftrain.rundir import require_run_dir
+    from difftrain.rundir import require_model_files
 
-    # Arguments first: a mistyped path fails before torch loads, other typos before the model loads.
-    require_run_dir(run_dir)
-    from difftrain.infer.generate import GenerationConfig
+    # Arguments first: a mistyped path or option fails before torch loads, a missing compiler
+    # before the model loads.
+    require_model_files(run_dir)
+    from difftrain.infer.settings import GenerationConfig
 
     sampling = _sampling_config(temperature, top_k, top_p, min_p, repetition_penalty, greedy)
     if compile and not cache:
         raise ConfigError("--compile runs the cached decode step; leave out --no-cache (or --compile)")
-    _check_compile(compile, device)
     gen = GenerationConfig(
         max_new_tokens=max_new_tokens,
         sampling=sampling,
@@ -720,6 +720,7 @@ def generate_command(
         ]
     else:
         prompts = [Prompt("", "start of a document")]
+    _check_compile(compile, device)
     if seed is None:
         seed = secrets.randbelow(2**31)
 
@@ -799,15 +800,15 @@ def chat_command(
     ),
     compile: bool = typer.Option(False, "--compile", help=COMPILE_HELP),
 ) -> None:
-    from difftrain.rundir import require_run_dir
+    from difftrain.rundir import require_model_files
 
-    require_run_dir(run_dir)  # a mistyped path fails before torch loads
-    from difftrain.infer.generate import GenerationConfig
+    require_model_files(run_dir)  # a mistyped path or option fails before torch loads
+    from difftrain.infer.settings import GenerationConfig
     from difftrain.recipe import ChatTemplateConfig
 
     sampling = _sampling_config(temperature, top_k, top_p, min_p, repetition_penalty, greedy)
-    _check_compile(compile, device)
     gen = GenerationConfig(max_new_tokens=max_new_tokens, sampling=sampling, compile=compile)
+    _check_compile(compile, device)
     if seed is None:
         seed = secrets.randbelow(2**31)
     run, load_s = _load(run_dir, device, dtype)

@@ -34,14 +34,16 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 
 from difftrain.errors import ConfigError, DataError, RecipeError, RunDirError
 from difftrain.io import atomic_write_json
 from difftrain.rundir import RECIPE, TOKENIZER, WEIGHTS, Run
+
+if TYPE_CHECKING:  # torch loads when a suite runs, not when the CLI checks its options
+    import torch
 
 FORMAT = 1
 EVAL_DIR = "eval"
@@ -295,6 +297,23 @@ def check_positive(name: str, value: int | None, minimum: int = 1) -> None:
         raise ConfigError(f"{name} {value} must be ≥ {minimum}")
 
 
+BITS = [8, 6, 4]
+"""The quant suite's default widths of the attention logits."""
+REFERENCE_BITS = 16
+
+
+def check_bits(bits: list[int] | None) -> list[int]:
+    """The quant suite's widths, the unquantized reference first; ConfigError for none or one
+    out of range."""
+    bits = list(BITS if bits is None else bits)
+    if not bits:
+        raise ConfigError("--bits is empty; give bit widths such as 8,6,4")
+    bad = [b for b in bits if not 2 <= b <= 16]
+    if bad:
+        raise ConfigError(f"--bits {bad[0]} is out of range; widths go from 2 to 16 (16 = no quantization)")
+    return [REFERENCE_BITS] + sorted({b for b in bits if b < REFERENCE_BITS}, reverse=True)
+
+
 def check_depths(depths: Sequence[float] | None) -> None:
     if depths is not None:
         if not depths:
@@ -487,6 +506,8 @@ def eval_windows(
     del mm
     bytes_per_token = token_byte_lengths(run.tokenizer)
     target_bytes = bytes_per_token[np.clip(arr[:, 1:], 0, len(bytes_per_token) - 1)].sum(axis=1)
+    import torch
+
     return TokenWindows(
         windows=torch.from_numpy(arr),
         source=where,

@@ -23,21 +23,19 @@ from typing import Any
 
 import torch
 
-from difftrain.errors import ConfigError
 from difftrain.evals.common import (
+    REFERENCE_BITS,
     EvalOptions,
     Progress,
     SuiteOutput,
     _no_progress,
+    check_bits,
     check_positive,
     eval_windows,
     headline,
 )
 from difftrain.evals.ppl import summarize, window_nll
 from difftrain.rundir import Run
-
-BITS = [8, 6, 4]
-REFERENCE_BITS = 16
 
 
 def fake_quantize(scores: torch.Tensor, bits: int) -> torch.Tensor:
@@ -56,16 +54,6 @@ def fake_quantize(scores: torch.Tensor, bits: int) -> torch.Tensor:
 def quantizer(bits: int) -> Callable[[torch.Tensor, int], torch.Tensor]:
     """An attention-logit transform for `Transformer.set_attn_logit_transform`."""
     return lambda scores, layer: fake_quantize(scores, bits)
-
-
-def check_bits(bits: list[int] | None) -> list[int]:
-    bits = list(BITS if bits is None else bits)
-    if not bits:
-        raise ConfigError("--bits is empty; give bit widths such as 8,6,4")
-    bad = [b for b in bits if not 2 <= b <= 16]
-    if bad:
-        raise ConfigError(f"--bits {bad[0]} is out of range; widths go from 2 to 16 (16 = no quantization)")
-    return [REFERENCE_BITS] + sorted({b for b in bits if b < REFERENCE_BITS}, reverse=True)
 
 
 def run(run: Run, opts: EvalOptions, progress: Progress = _no_progress) -> SuiteOutput:

@@ -45,14 +45,15 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Literal, Protocol, Union
 
 import torch
 from torch import Tensor
 
-from difftrain.errors import ConfigError, DataError
-from difftrain.infer.sampling import Sampler, SamplingConfig
+from difftrain.errors import DataError
+from difftrain.infer.sampling import Sampler
+from difftrain.infer.settings import GenerationConfig, SamplingConfig
 from difftrain.model.decode import FlatDecoder
 
 FinishReason = Literal["eos", "stop", "length", "context"]
@@ -67,30 +68,6 @@ class TextTokenizer(Protocol):
     def encode(self, text: str) -> list[int]: ...
 
     def stream_decoder(self) -> object: ...
-
-
-@dataclass(frozen=True)
-class GenerationConfig:
-    """What to generate: how many tokens, how to sample, when to stop, which path to use."""
-
-    max_new_tokens: int = 256
-    sampling: SamplingConfig = field(default_factory=SamplingConfig)
-    stop: tuple[str, ...] = ()
-    stop_at_eos: bool = True
-    use_cache: bool = True
-    seed: int = 0
-    compile: bool = False
-
-    def __post_init__(self) -> None:
-        if not (isinstance(self.max_new_tokens, int) and self.max_new_tokens >= 1):
-            raise ConfigError(f"max_new_tokens={self.max_new_tokens} must be a whole number ≥ 1")
-        if any(s == "" for s in self.stop):
-            raise ConfigError("a stop string is empty: every --stop needs at least one character")
-        if self.compile and not self.use_cache:
-            raise ConfigError(
-                "compile runs the cached decode step; it cannot be combined with use_cache=False"
-            )
-        object.__setattr__(self, "stop", tuple(self.stop))
 
 
 @dataclass

@@ -22,51 +22,12 @@ same whether it is drawn alone or in a batch.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-from difftrain.errors import ConfigError
-
-
-@dataclass(frozen=True)
-class SamplingConfig:
-    """How the next token is chosen from the logits (see the module docstring for the math)."""
-
-    temperature: float = 0.8
-    top_k: int = 50
-    top_p: float = 0.95
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
-    greedy: bool = False
-
-    def __post_init__(self) -> None:
-        t, k, p, m, r = self.temperature, self.top_k, self.top_p, self.min_p, self.repetition_penalty
-        # written as `not (ok)` so that NaN is rejected too
-        if not (t >= 0 and math.isfinite(t)):
-            raise ConfigError(
-                f"temperature={t} is invalid: it must be a finite number ≥ 0 (e.g. --temperature 0.8; 0 or --greedy "
-                "picks the most probable token)"
-            )
-        if not (isinstance(k, int) and k >= 0):
-            raise ConfigError(f"top_k={k} is invalid: it must be a whole number ≥ 0 (0 turns top-k off)")
-        if not (0 < p <= 1):
-            raise ConfigError(
-                f"top_p={p} is outside (0, 1]: it is the probability mass kept (e.g. --top-p 0.95; 1 turns it off)"
-            )
-        if not (0 <= m <= 1):
-            raise ConfigError(f"min_p={m} is outside [0, 1]: e.g. --min-p 0.05 (0 turns it off)")
-        if not (r > 0 and math.isfinite(r)):
-            raise ConfigError(
-                f"repetition_penalty={r} is invalid: it must be > 0 (1 is off, 1.1-1.3 discourages repeats)"
-            )
-
-    @property
-    def is_greedy(self) -> bool:
-        return self.greedy or self.temperature == 0
+from difftrain.infer.settings import SamplingConfig
 
 
 # ----- the steps ---------------------------------------------------------------------------------
