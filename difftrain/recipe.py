@@ -512,6 +512,17 @@ def resolve_data_format(recipe: Recipe) -> str:
     return "instruction" if name.endswith((".jsonl", ".json", ".parquet")) else "text"
 
 
+def require_finetuning(recipe: Recipe) -> FinetuneConfig:
+    """The recipe's finetune: section; RecipeError saying what to add (or which command trains
+    it) when it has none (checked by `difftrain finetune` before torch loads)."""
+    if recipe.finetune is None:
+        raise RecipeError(
+            f"{recipe.source or recipe.name} has no finetune: section; add one with at least "
+            "`finetune: {base: runs/NAME}`, or train from scratch with `difftrain pretrain`"
+        )
+    return recipe.finetune
+
+
 def train_seq_len(train: TrainConfig, max_seq_len: int) -> int:
     """The sequence length `train` trains at (train.seq_len, else the model's max_seq_len);
     RecipeError when it is longer than the model's positions."""

@@ -144,9 +144,10 @@ def finetune_command(
 ) -> None:
     """Fine-tune the run named by finetune.base (full, LoRA or QLoRA) into runs/<name>/."""
     from difftrain.cli.common import run_training
-    from difftrain.recipe import load_recipe
+    from difftrain.recipe import load_recipe, require_finetuning
 
     r = load_recipe(recipe, overrides or [])  # before torch loads: a typo fails at once
+    require_finetuning(r)
     check_files(r)  # and so does a missing base run, data file or unwritable folder
     from difftrain.train.finetune import finetune
 

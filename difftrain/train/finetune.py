@@ -24,7 +24,13 @@ from typing import Any
 import torch
 
 from difftrain.errors import DataError, DeviceError, RecipeError, RunDirError
-from difftrain.recipe import ChatTemplateConfig, FinetuneConfig, Recipe, resolve_data_format
+from difftrain.recipe import (
+    ChatTemplateConfig,
+    FinetuneConfig,
+    Recipe,
+    require_finetuning,
+    resolve_data_format,
+)
 from difftrain.rundir import RECIPE, TOKENIZER, base_run_dir, load_config
 from difftrain.train.run import (
     Plan,
@@ -212,12 +218,7 @@ def plan_finetune(recipe: Recipe) -> tuple[Plan, Path]:
     """
     from difftrain.data.config import TokenizerConfig
 
-    ft = recipe.finetune
-    if ft is None:
-        raise RecipeError(
-            f"{recipe.source or recipe.name} has no finetune: section; add one with at least "
-            "`finetune: {base: runs/NAME}`, or train from scratch with `difftrain pretrain`"
-        )
+    ft = require_finetuning(recipe)
     base = base_run_dir(ft)
     model_cfg = resolve_model(recipe, base)
     base_tok_path = (base / TOKENIZER).resolve()
