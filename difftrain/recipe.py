@@ -172,6 +172,13 @@ class TrainConfig(_Section):
     num_nodes: int = Field(
         1, ge=1, description="Machines taking part (multi-node runs are launched with torchrun or SLURM)."
     )
+
+    @field_validator("devices")
+    @classmethod
+    def _some_devices(cls, v: int | str) -> int | str:
+        if isinstance(v, int) and v < 1:
+            raise ValueError(f"{v} devices: need at least 1 (or auto)")
+        return v
     strategy: Literal["auto", "ddp", "fsdp"] = Field(
         "auto",
         description="Distribution strategy (Lightning). auto: single device, or ddp for several. ddp: a full "

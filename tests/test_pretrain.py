@@ -854,3 +854,66 @@ def test_a_warm_up_as_long_as_the_run_is_noted_as_what_the_schedule_does(workspa
         assert got.startswith(note), got
     r = load_recipe(workspace(name="w6", steps=6))
     assert _warmup_notes(plan_run(r)) == []
+
+
+def test_the_early_run_directory_check_refuses_what_the_full_one_refuses_in_its_words(workspace, monkeypatch):
+    # `early_check` answers before torch loads; it must never refuse what the run would accept,
+    # nor say anything else than the run would (here both see a machine without CUDA)
+    from difftrain.train import runcheck
+    from difftrain.train.run import plan_run, prepare_run_dir
+
+    monkeypatch.setattr(runcheck, "no_cuda_here", lambda: True)
+    monkeypatch.setattr("difftrain.train.run._cuda_facts", lambda: (False, False))
+    p = workspace(steps=2, save_every=2)
+    pretrain(load_recipe(p))
+    cases = [  # overrides, --resume, --overwrite, accepted
+        ([], None, False, False),  # the run's own command again
+        (["optim.lr=1e-2"], None, False, False),  # another run
+        (["optim.lr=1e-2"], True, False, False),
+        ([], True, True, False),  # --resume --overwrite
+        (["train.resume=true"], None, True, False),
+        (["train.devices=2"], None, False, False),  # another global batch
+        (["name=fresh"], True, False, False),  # nothing to resume
+        (["train.max_steps=4"], True, False, True),  # a resume
+        (["optim.lr=1e-2"], None, True, True),  # replaced
+        (["name=fresh"], None, False, True),  # a new run
+    ]
+    for overrides, resume, overwrite, accepted in cases:
+        r = load_recipe(p, overrides)
+
+        def outcome(check):
+            try:
+                check()
+            except (RecipeError, RunDirError) as e:
+                return type(e), str(e)
+            return None
+
+        def full():
+            plan = plan_run(r)
+            flag = plan.recipe.train.resume if resume is None else resume
+            prepare_run_dir(plan, resume=flag, overwrite=overwrite, dry_run=True)
+
+        early = outcome(lambda: runcheck.early_check(r, resume=resume, overwrite=overwrite))
+        assert early == outcome(full), (overrides, resume, overwrite, early)
+        assert (early is None) == accepted, (overrides, resume, overwrite, early)
+
+
+def test_running_a_runs_command_again_is_refused_before_torch_loads(workspace, cli_probe):
+    from difftrain.train.runcheck import no_cuda_here
+
+    p = workspace(steps=2, save_every=2)
+    assert main(["pretrain", str(p), "--no-progress"]) == 0
+    commands = [
+        ["pretrain", str(p)],
+        ["pretrain", str(p), "--dry-run"],
+        ["pretrain", str(p), "optim.lr=1e-2"],
+        ["pretrain", str(p), "--resume", "--overwrite"],
+    ]
+    done = cli_probe(commands, p.parent)
+    assert done.codes == [2, 2, 2, 2], done.stderr
+    if no_cuda_here():  # (with a GPU driver present, torch decides what `auto` resolves to)
+        assert done.loaded == [], done.stderr
+    errors = done.stderr.strip().splitlines()
+    assert "already holds a run; continue it with --resume" in errors[0] and errors[0] == errors[1]
+    assert "holds a different run (optim.lr differs)" in errors[2]
+    assert "--overwrite and --resume contradict each other" in errors[3]

@@ -120,7 +120,10 @@ def pretrain_command(
 
     r = load_recipe(recipe, overrides or [])
     if r.finetune is None:  # (a fine-tuning recipe is sent to `finetune` below)
+        from difftrain.train.runcheck import early_check
+
         check_files(r)  # a missing file or unwritable folder fails in a second, before torch loads
+        early_check(r, resume=resume, overwrite=overwrite)  # and so does the run's own command again
     if dry_run:
         from difftrain.train.run import (
             dry_run_warnings,

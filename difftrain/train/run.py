@@ -28,41 +28,15 @@ import torch
 from difftrain.errors import CheckpointError, DeviceError, RecipeError, RunDirError
 from difftrain.io import LOCK_FILE, RunLock, atomic_write_json, atomic_write_text, remove_stale_temps
 from difftrain.recipe import Recipe, global_batch, resolve_auto, train_seq_len
-from difftrain.rundir import CHECKPOINTS, CONFIG, METRICS, RECIPE, SUMMARY, TOKENIZER, holds_run
+from difftrain.rundir import CHECKPOINTS, CONFIG, METRICS, RECIPE, SUMMARY, TOKENIZER
 from difftrain.train.distributed import DistContext, check_strategy
-
-# What a run's start writes before its first step: a folder holding only these trained nothing.
-STARTUP_FILES = {RECIPE, CONFIG, TOKENIZER}
-
-# Keys that may change between a run and its resume (how long, how often, where to log).
-RESUMABLE_CHANGES = {
-    "train.max_steps",
-    "train.max_tokens",
-    "train.resume",
-    "train.log_every",
-    "train.val_every",
-    "train.save_every",
-    "train.keep_checkpoints",
-    "train.nan_skip_limit",
-    "train.spike_factor",
-    "train.spike_rollback",
-    "train.spike_lr_factor",
-    "train.devices",
-    "train.num_nodes",
-    # how a step's batch is split and how much memory it takes: free to change as long as the
-    # global batch stays (checked apart, `_global_batch`); the data position counts samples
-    "train.micro_batch_size",
-    "train.global_batch_size",
-    "train.activation_checkpointing",
-    "train.strategy",
-    "train.fsdp",
-    "data.val_windows",
-    "logging",
-    "description",
-    "data.num_workers",
-    "data.pin_memory",
-    "data.cache_dir",
-}
+from difftrain.train.runcheck import (
+    RESUMABLE_CHANGES,  # noqa: F401  (the keys a resume may change, documented here too)
+    _global_batch,
+    _in_use,
+    check_run_dir,
+    require_not_in_use,
+)
 
 
 @dataclass
@@ -173,48 +147,6 @@ def plan_run(recipe: Recipe) -> Plan:
     )
 
 
-def _flatten(d: Any, prefix: str = "") -> dict[str, Any]:
-    if isinstance(d, dict):
-        out: dict[str, Any] = {}
-        for k, v in d.items():
-            out.update(_flatten(v, f"{prefix}{k}."))
-        return out
-    return {prefix[:-1]: d}
-
-
-def recipe_differences(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
-    """Dotted keys whose values differ, ignoring those a resume may change."""
-    a, b = _flatten(old), _flatten(new)
-    diffs = []
-    for k in sorted(set(a) | set(b)):
-        if any(k == r or k.startswith(r + ".") for r in RESUMABLE_CHANGES):
-            continue
-        va, vb = a.get(k), b.get(k)
-        if isinstance(va, list):
-            va = [tuple(x) if isinstance(x, list) else x for x in va]
-        if isinstance(vb, list):
-            vb = [tuple(x) if isinstance(x, list) else x for x in vb]
-        if va != vb and not (k.startswith("model.") and vb == "auto"):
-            diffs.append(k)
-    return diffs
-
-
-def _global_batch(recipe: dict[str, Any]) -> int | None:
-    """The sequences per optimizer step of a run's recipe.yaml (None where it cannot be read)."""
-    t = recipe.get("train") if isinstance(recipe, dict) else None
-    if not isinstance(t, dict):
-        return None
-    try:
-        if t.get("global_batch_size"):
-            return int(t["global_batch_size"])
-        devices = t.get("devices", 1)
-        if devices == "auto":  # a run's recipe.yaml holds the resolved count; older ones may not
-            return None
-        return int(t["micro_batch_size"]) * int(devices) * int(t.get("num_nodes", 1))
-    except (KeyError, TypeError, ValueError):
-        return None
-
-
 def prepare_run_dir(
     plan: Plan, *, resume: bool | str, overwrite: bool, dry_run: bool = False
 ) -> tuple[bool, Any]:
@@ -223,93 +155,24 @@ def prepare_run_dir(
     Returns (resuming, ResumePoint | None). `dry_run`: decide and refuse the same way, but
     remove nothing (`pretrain --dry-run`).
     """
-    import yaml
-
     from difftrain.train.checkpoint import find_resume_checkpoint
 
     run_dir = plan.run_dir
-    existing = run_dir / RECIPE
-    # how the user asked to resume: the flag, or the recipe's key (which the flag's absence leaves)
-    asked = "--resume (or train.resume: true)" if plan.recipe.train.resume is True else "--resume"
-    holder = RunLock(run_dir).holder()
-    if holder is not None:  # before anything is removed: another process trains into this folder
-        raise RunDirError(_in_use(run_dir, holder))
+    require_not_in_use(run_dir)  # before anything is removed
     # A run killed while it started (or while saving) leaves empty folders and temporary files of
     # unfinished atomic writes: those are not a run, and must not block its restart.
     for folder in (run_dir, run_dir / CHECKPOINTS):
         if not dry_run:
             remove_stale_temps(folder)
-    files = (
-        [p for p in run_dir.rglob("*") if p.is_file() and p != run_dir / LOCK_FILE]
-        if run_dir.is_dir()
-        else []
+    t = plan.recipe.train
+    old = check_run_dir(
+        plan.recipe,
+        resume=resume,
+        overwrite=overwrite,
+        batch=(plan.global_batch_size, t.micro_batch_size, plan.world_size, plan.accumulate),
     )
-    # only what a start writes before its first step (recipe, config, tokenizer): a start that
-    # failed (out of memory in the first step, a bad option found late) trained nothing; the
-    # next start writes them again
-    startup_only = existing.is_file() and all(p.parent == run_dir and p.name in STARTUP_FILES for p in files)
-    has_files = bool(files) and not startup_only
-    if overwrite and run_dir.exists():
-        if resume is True:
-            raise RecipeError(f"--overwrite and {asked} contradict each other; pick one")
-        if files and not holds_run(run_dir):
-            raise RunDirError(
-                f"{run_dir} exists and is not a difftrain run directory (no {RECIPE}): --overwrite replaces "
-                "only runs; choose another `name`/`out_dir`, or move its files away yourself"
-            )
-        # removed by `training_into(replace=True)`, after every check: a mistake found on the way
-        # (a missing tokenizer, bad data) must not cost the run that is there
+    if old is None:
         return False, None
-    if not has_files:
-        if resume is True:
-            raise RunDirError(f"{asked}: {run_dir} holds no run yet; start it without resuming")
-        return False, None
-    if not existing.is_file():
-        if holds_run(run_dir):  # a run that lost its recipe (its config.json is there)
-            raise RunDirError(
-                f"{run_dir} holds a run ({CONFIG}) whose {RECIPE} is missing; restore it "
-                f"(the recipe the run was started with, as {run_dir / RECIPE}) to resume, or start over with "
-                "--overwrite"
-            )
-        raise RunDirError(
-            f"{run_dir} exists and is not a difftrain run directory; choose another `name`/`out_dir` or remove it"
-        )
-    try:
-        old = yaml.safe_load(existing.read_text(encoding="utf-8")) or {}
-    except yaml.YAMLError as e:
-        raise RunDirError(
-            f"{existing} is not valid YAML ({e}); use --overwrite to start the run again"
-        ) from e
-    # the run's recipe.yaml holds absolute paths (older versions wrote them as given): the same
-    # run either way
-    diffs = min(
-        (
-            recipe_differences(old, plan.recipe.with_absolute_paths().model_dump(mode="json")),
-            recipe_differences(old, plan.recipe.model_dump(mode="json")),
-        ),
-        key=len,
-    )
-    old_global = _global_batch(old)
-    if not diffs and old_global is not None and old_global != plan.global_batch_size:
-        t = plan.recipe.train
-        raise RunDirError(
-            f"{run_dir} trains with a global batch of {old_global} sequences per step, this recipe makes "
-            f"{plan.global_batch_size} (micro_batch_size {t.micro_batch_size} × devices×nodes {plan.world_size} × "
-            f"accumulation {plan.accumulate}); set train.global_batch_size={old_global} to resume it "
-            "(micro-batch and devices may change), or start again with --overwrite"
-        )
-    if diffs:  # resuming with these settings is refused: name the command that resumes the run
-        command = "finetune" if plan.recipe.finetune is not None else "pretrain"
-        raise RunDirError(
-            f"{run_dir} holds a different run ({_listed(diffs)}); continue it as it was with "
-            f"`difftrain {command} {shlex.quote(str(run_dir))} --resume`, replace it with --overwrite, "
-            "or choose another `name`"
-        )
-    if resume is False:
-        raise RunDirError(
-            f"{run_dir} already holds a run; continue it with --resume, start again with --overwrite, "
-            "or choose another `name`"
-        )
     point = find_resume_checkpoint(run_dir / CHECKPOINTS)
     if point is None:
         if resume is True:
@@ -325,7 +188,7 @@ def prepare_run_dir(
             f"{run_dir} is at step {point.step} (its last checkpoint), past train.max_steps={plan.max_steps}: "
             f"a resume only trains on; raise train.max_steps above {point.step}, or start again with --overwrite"
         )
-    note = _schedule_note(old, plan, point.step, old_global)
+    note = _schedule_note(old, plan, point.step, _global_batch(old))
     if note:
         point.warnings.append(note)
     old_data = old.get("data") if isinstance(old, dict) else None
@@ -336,12 +199,6 @@ def prepare_run_dir(
             f"after step {point.step} are measured on other windows than those before it"
         )
     return True, point
-
-
-def _listed(diffs: list[str]) -> str:
-    """'a differs' / 'a, b differ' / 'a, b, c, d… differ' for the keys in which two recipes differ."""
-    more = "…" if len(diffs) > 4 else ""
-    return f"{', '.join(diffs[:4])}{more} {'differs' if len(diffs) == 1 else 'differ'}"
 
 
 def _schedule_note(old: dict[str, Any], plan: Plan, step: int, old_global: int | None) -> str | None:
@@ -377,14 +234,6 @@ def _read_text(path: Path) -> str | None:
         return path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError):
         return None
-
-
-def _in_use(run_dir: Path, holder: int) -> str:
-    who = f"process {holder}" if holder else "another process"
-    return (
-        f"{run_dir} is in use: {who} is training into it; wait for it to end, or stop it (Ctrl-C "
-        "saves a checkpoint) and resume"
-    )
 
 
 def resumed_run_files(run_dir: Path, tokenizer: Any, point: Any) -> list[str]:

@@ -1,0 +1,257 @@
+"""Whether a recipe may train into its run directory — a fresh start, a resume, or a refusal that
+says what to do — decided from the folder's files and its recipe.yaml alone, without torch.
+
+`train.run.prepare_run_dir` runs `check_run_dir` on the recipe resolved for this machine and goes
+on to the checkpoints. `early_check` runs it before torch and Lightning load (8-10 s on a small
+CPU), on the recipe as written, for the refusals that do not depend on the machine: rerunning
+the command of a run that is there is the usual slip, and is answered at once.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import sys
+from pathlib import Path
+from typing import Any
+
+from difftrain.errors import RecipeError, RunDirError
+from difftrain.io import LOCK_FILE, RunLock
+from difftrain.recipe import Recipe, global_batch, resolve_auto
+from difftrain.rundir import CONFIG, RECIPE, TOKENIZER, holds_run
+
+# What a run's start writes before its first step: a folder holding only these trained nothing.
+STARTUP_FILES = {RECIPE, CONFIG, TOKENIZER}
+
+# Keys that may change between a run and its resume (how long, how often, where to log).
+RESUMABLE_CHANGES = {
+    "train.max_steps",
+    "train.max_tokens",
+    "train.resume",
+    "train.log_every",
+    "train.val_every",
+    "train.save_every",
+    "train.keep_checkpoints",
+    "train.nan_skip_limit",
+    "train.spike_factor",
+    "train.spike_rollback",
+    "train.spike_lr_factor",
+    "train.devices",
+    "train.num_nodes",
+    # how a step's batch is split and how much memory it takes: free to change as long as the
+    # global batch stays (checked apart, `_global_batch`); the data position counts samples
+    "train.micro_batch_size",
+    "train.global_batch_size",
+    "train.activation_checkpointing",
+    "train.strategy",
+    "train.fsdp",
+    "data.val_windows",
+    "logging",
+    "description",
+    "data.num_workers",
+    "data.pin_memory",
+    "data.cache_dir",
+}
+
+
+def _flatten(d: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(d, dict):
+        out: dict[str, Any] = {}
+        for k, v in d.items():
+            out.update(_flatten(v, f"{prefix}{k}."))
+        return out
+    return {prefix[:-1]: d}
+
+
+def recipe_differences(old: dict[str, Any], new: dict[str, Any], *, unresolved: bool = False) -> list[str]:
+    """Dotted keys whose values differ, ignoring those a resume may change. `unresolved`: `new`
+    is a recipe whose machine-dependent `auto` values are not resolved yet (`early_check`), and
+    a key set to auto there is not counted as a difference."""
+    a, b = _flatten(old), _flatten(new)
+    diffs = []
+    for k in sorted(set(a) | set(b)):
+        if any(k == r or k.startswith(r + ".") for r in RESUMABLE_CHANGES):
+            continue
+        va, vb = a.get(k), b.get(k)
+        if isinstance(va, list):
+            va = [tuple(x) if isinstance(x, list) else x for x in va]
+        if isinstance(vb, list):
+            vb = [tuple(x) if isinstance(x, list) else x for x in vb]
+        if va != vb and not ((unresolved or k.startswith("model.")) and vb == "auto"):
+            diffs.append(k)
+    return diffs
+
+
+def _global_batch(recipe: dict[str, Any]) -> int | None:
+    """The sequences per optimizer step of a run's recipe.yaml (None where it cannot be read)."""
+    t = recipe.get("train") if isinstance(recipe, dict) else None
+    if not isinstance(t, dict):
+        return None
+    try:
+        if t.get("global_batch_size"):
+            return int(t["global_batch_size"])
+        devices = t.get("devices", 1)
+        if devices == "auto":  # a run's recipe.yaml holds the resolved count; older ones may not
+            return None
+        return int(t["micro_batch_size"]) * int(devices) * int(t.get("num_nodes", 1))
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
+def _listed(diffs: list[str]) -> str:
+    """'a differs' / 'a, b differ' / 'a, b, c, d… differ' for the keys in which two recipes differ."""
+    more = "…" if len(diffs) > 4 else ""
+    return f"{', '.join(diffs[:4])}{more} {'differs' if len(diffs) == 1 else 'differ'}"
+
+
+def _in_use(run_dir: Path, holder: int) -> str:
+    who = f"process {holder}" if holder else "another process"
+    return (
+        f"{run_dir} is in use: {who} is training into it; wait for it to end, or stop it (Ctrl-C "
+        "saves a checkpoint) and resume"
+    )
+
+
+def require_not_in_use(run_dir: Path) -> None:
+    """RunDirError when another process trains into `run_dir` (holds its lock)."""
+    holder = RunLock(run_dir).holder()
+    if holder is not None:
+        raise RunDirError(_in_use(run_dir, holder))
+
+
+Batch = tuple[int, int, int, int]
+"""(global batch, micro-batch, devices×nodes, accumulation) of the recipe to train."""
+
+
+def check_run_dir(
+    recipe: Recipe, *, resume: bool | str, overwrite: bool, batch: Batch | None, early: bool = False
+) -> dict[str, Any] | None:
+    """Refuse what may not train into `recipe.run_dir`; else the recipe.yaml of the run there when
+    it may be resumed (`resume` True or "auto" and the same run), None for a fresh start.
+
+    `batch` is None where the global batch is not known yet (train.devices: auto before torch).
+    `early` (`early_check`): `recipe`'s auto values are not resolved, so keys set to auto are not
+    compared, and where that or an unknown batch leaves the answer open it returns None and
+    decides nothing (the full check runs later)."""
+    import yaml
+
+    run_dir = recipe.run_dir
+    existing = run_dir / RECIPE
+    # how the user asked to resume: the flag, or the recipe's key (which the flag's absence leaves)
+    asked = "--resume (or train.resume: true)" if recipe.train.resume is True else "--resume"
+    require_not_in_use(run_dir)
+    files = (
+        [p for p in run_dir.rglob("*") if p.is_file() and p != run_dir / LOCK_FILE]
+        if run_dir.is_dir()
+        else []
+    )
+    if early:  # temporary files of unfinished writes, which the full check removes first
+        files = [p for p in files if not (p.name.startswith(".") and p.name.endswith(".tmp"))]
+    # only what a start writes before its first step (recipe, config, tokenizer): a start that
+    # failed (out of memory in the first step, a bad option found late) trained nothing; the
+    # next start writes them again
+    startup_only = existing.is_file() and all(p.parent == run_dir and p.name in STARTUP_FILES for p in files)
+    has_files = bool(files) and not startup_only
+    if overwrite and run_dir.exists():
+        if resume is True:
+            raise RecipeError(f"--overwrite and {asked} contradict each other; pick one")
+        if files and not holds_run(run_dir):
+            raise RunDirError(
+                f"{run_dir} exists and is not a difftrain run directory (no {RECIPE}): --overwrite replaces "
+                "only runs; choose another `name`/`out_dir`, or move its files away yourself"
+            )
+        # removed by `training_into(replace=True)`, after every check: a mistake found on the way
+        # (a missing tokenizer, bad data) must not cost the run that is there
+        return None
+    if not has_files:
+        if resume is True:
+            raise RunDirError(f"{asked}: {run_dir} holds no run yet; start it without resuming")
+        return None
+    if not existing.is_file():
+        if holds_run(run_dir):  # a run that lost its recipe (its config.json is there)
+            raise RunDirError(
+                f"{run_dir} holds a run ({CONFIG}) whose {RECIPE} is missing; restore it "
+                f"(the recipe the run was started with, as {run_dir / RECIPE}) to resume, or start over with "
+                "--overwrite"
+            )
+        raise RunDirError(
+            f"{run_dir} exists and is not a difftrain run directory; choose another `name`/`out_dir` or remove it"
+        )
+    try:
+        old = yaml.safe_load(existing.read_text(encoding="utf-8")) or {}
+    except yaml.YAMLError as e:
+        raise RunDirError(
+            f"{existing} is not valid YAML ({e}); use --overwrite to start the run again"
+        ) from e
+    # the run's recipe.yaml holds absolute paths (older versions wrote them as given): the same
+    # run either way
+    diffs = min(
+        (
+            recipe_differences(old, recipe.with_absolute_paths().model_dump(mode="json"), unresolved=early),
+            recipe_differences(old, recipe.model_dump(mode="json"), unresolved=early),
+        ),
+        key=len,
+    )
+    if diffs:  # resuming with these settings is refused: name the command that resumes the run
+        command = "finetune" if recipe.finetune is not None else "pretrain"
+        raise RunDirError(
+            f"{run_dir} holds a different run ({_listed(diffs)}); continue it as it was with "
+            f"`difftrain {command} {shlex.quote(str(run_dir))} --resume`, replace it with --overwrite, "
+            "or choose another `name`"
+        )
+    if early and (batch is None or _has_auto(recipe)):
+        return None  # the same run as far as can be told before the machine is known
+    old_global = _global_batch(old)
+    if batch is not None and old_global is not None and old_global != batch[0]:
+        global_bs, micro, world, accumulate = batch
+        raise RunDirError(
+            f"{run_dir} trains with a global batch of {old_global} sequences per step, this recipe makes "
+            f"{global_bs} (micro_batch_size {micro} × devices×nodes {world} × accumulation {accumulate}); "
+            f"set train.global_batch_size={old_global} to resume it (micro-batch and devices may change), "
+            "or start again with --overwrite"
+        )
+    if resume is False:
+        raise RunDirError(
+            f"{run_dir} already holds a run; continue it with --resume, start again with --overwrite, "
+            "or choose another `name`"
+        )
+    return old
+
+
+def _has_auto(recipe: Recipe) -> bool:
+    """Whether a value `resolve_auto` fixes per machine is still auto in `recipe`."""
+    t = recipe.train
+    return "auto" in (t.precision, t.compile, recipe.optim.name)
+
+
+def no_cuda_here() -> bool:
+    """True where torch cannot see a CUDA (or ROCm) GPU whatever it finds: macOS, or Linux
+    without the device files of the NVIDIA, AMD (ROCm) and WSL GPU drivers. False where it may
+    (then only torch can tell)."""
+    if sys.platform == "darwin":
+        return True
+    if sys.platform.startswith("linux"):
+        return not any(os.path.exists(p) for p in ("/dev/nvidiactl", "/dev/nvidia0", "/dev/kfd", "/dev/dxg"))
+    return False
+
+
+def early_check(recipe: Recipe, *, resume: bool | None, overwrite: bool) -> None:
+    """`check_run_dir` for a pretraining recipe before torch loads: the refusals that do not
+    depend on the machine (another run there, the run's own command run again, a run in use,
+    --resume with nothing to resume). On a machine without a GPU (`no_cuda_here`) the recipe's
+    auto values resolve as `plan_run` resolves them there, and the check is the full one up to
+    the checkpoints. Decides nothing else and writes nothing."""
+    if recipe.finetune is not None:  # its model and tokenizer come from the base run, read later
+        return
+    t = recipe.train
+    cpu_only = no_cuda_here() and t.accelerator != "cuda"  # (a cuda accelerator is refused later)
+    if cpu_only:
+        recipe = resolve_auto(recipe, cuda=False, bf16=False)
+    batch = None
+    if t.devices != "auto" or cpu_only:
+        devices = 1 if t.devices == "auto" else int(t.devices)
+        global_bs, accumulate = global_batch(t, devices)
+        batch = (global_bs, t.micro_batch_size, devices * t.num_nodes, accumulate)
+    check_run_dir(
+        recipe, resume=t.resume if resume is None else resume, overwrite=overwrite, batch=batch, early=True
+    )
