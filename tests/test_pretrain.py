@@ -878,24 +878,27 @@ def test_the_early_run_directory_check_refuses_what_the_full_one_refuses_in_its_
         (["optim.lr=1e-2"], None, True, True),  # replaced
         (["name=fresh"], None, False, True),  # a new run
     ]
+
+    def outcome(check, *args):
+        try:
+            check(*args)
+        except (RecipeError, RunDirError) as e:
+            return type(e), str(e)
+        return None
+
+    def early(r, resume, overwrite):
+        runcheck.early_check(r, resume=resume, overwrite=overwrite)
+
+    def full(r, resume, overwrite):
+        plan = plan_run(r)
+        flag = plan.recipe.train.resume if resume is None else resume
+        prepare_run_dir(plan, resume=flag, overwrite=overwrite, dry_run=True)
+
     for overrides, resume, overwrite, accepted in cases:
         r = load_recipe(p, overrides)
-
-        def outcome(check):
-            try:
-                check()
-            except (RecipeError, RunDirError) as e:
-                return type(e), str(e)
-            return None
-
-        def full():
-            plan = plan_run(r)
-            flag = plan.recipe.train.resume if resume is None else resume
-            prepare_run_dir(plan, resume=flag, overwrite=overwrite, dry_run=True)
-
-        early = outcome(lambda: runcheck.early_check(r, resume=resume, overwrite=overwrite))
-        assert early == outcome(full), (overrides, resume, overwrite, early)
-        assert (early is None) == accepted, (overrides, resume, overwrite, early)
+        said = outcome(early, r, resume, overwrite)
+        assert said == outcome(full, r, resume, overwrite), (overrides, resume, overwrite, said)
+        assert (said is None) == accepted, (overrides, resume, overwrite, said)
 
 
 def test_running_a_runs_command_again_is_refused_before_torch_loads(workspace, cli_probe):
