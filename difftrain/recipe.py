@@ -179,6 +179,7 @@ class TrainConfig(_Section):
         if isinstance(v, int) and v < 1:
             raise ValueError(f"{v} devices: need at least 1 (or auto)")
         return v
+
     strategy: Literal["auto", "ddp", "fsdp"] = Field(
         "auto",
         description="Distribution strategy (Lightning). auto: single device, or ddp for several. ddp: a full "
