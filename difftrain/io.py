@@ -180,7 +180,41 @@ def uncreatable_reason(folder: Path) -> str | None:
         return f"{base} is not a folder"
     if not os.access(base, os.W_OK | os.X_OK):
         return f"{base} is not writable"
+    kind = pseudo_filesystem(base)
+    if kind is not None:  # os.access says yes to root there, and mkdir then fails
+        return f"{base} is on a kernel filesystem ({kind}) where no folder can be made"
     return None
+
+
+PSEUDO_FILESYSTEMS = frozenset(
+    "proc sysfs cgroup cgroup2 devpts debugfs tracefs securityfs pstore bpf configfs fusectl "
+    "mqueue binfmt_misc efivarfs autofs".split()
+)
+"""Linux filesystems of the kernel's own objects: nothing can be created there but what they
+define, whatever `os.access` says to root."""
+
+
+def pseudo_filesystem(path: Path) -> str | None:
+    """The type of the kernel filesystem `path` lies on (proc, sysfs, ...), or None: another
+    filesystem, or not Linux. Read from /proc/self/mountinfo (the mount with the longest mount
+    point that is a prefix of the resolved path)."""
+    try:
+        lines = Path("/proc/self/mountinfo").read_text(encoding="utf-8").splitlines()
+        target = str(Path(path).resolve())
+    except (OSError, UnicodeDecodeError):
+        return None
+    best, kind = "", None
+    for line in lines:
+        fields = line.split(" ")
+        try:
+            point = fields[4].replace("\\040", " ")
+            fstype = fields[fields.index("-", 6) + 1]
+        except (IndexError, ValueError):
+            continue
+        inside = target == point or target.startswith(point.rstrip("/") + "/")
+        if inside and len(point) >= len(best):
+            best, kind = point, fstype
+    return kind if kind in PSEUDO_FILESYSTEMS else None
 
 
 def make_run_dir(run_dir: str | os.PathLike[str]) -> None:

@@ -645,6 +645,25 @@ def test_dry_run_checks_the_files_the_run_reads_and_the_folder_it_writes(workspa
     assert not (tmp_path / "runs").exists() and not (tmp_path / "cache").exists()
 
 
+@pytest.mark.skipif(not Path("/proc/self/mountinfo").is_file(), reason="Linux /proc only")
+def test_a_run_or_cache_folder_on_a_kernel_filesystem_is_refused_by_the_dry_run(
+    workspace, capsys, monkeypatch
+):
+    # os.access says /proc is writable to root: the dry run passed and the run failed 11 s later
+    from difftrain.io import pseudo_filesystem
+
+    assert pseudo_filesystem(Path("/proc/self")) == "proc" and pseudo_filesystem(Path("/tmp")) is None
+    p = workspace(steps=2, save_every=2)
+    assert main(["pretrain", str(p), "--dry-run", "out_dir=/proc/difftrain-runs"]) == 2
+    err = capsys.readouterr().err
+    assert (
+        "cannot create the run directory /proc/difftrain-runs/r: /proc is on a kernel filesystem (proc)"
+        in err
+    )
+    assert main(["pretrain", str(p), "--dry-run", "data.cache_dir=/proc/difftrain-cache"]) == 2
+    assert "/proc is on a kernel filesystem (proc) where no folder can be made" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("dry_run", [False, True], ids=["run", "dry-run"])
 def test_a_missing_data_file_is_refused_before_torch_loads(tmp_path, dry_run, cli_probe):
     recipe = tmp_path / "r.yaml"
