@@ -308,10 +308,12 @@ def environment(device: torch.device) -> dict[str, Any]:
         "cpu_gemm": gemm.backend(),  # fp32 CPU products: oneDNN or torch's default (model/gemm.py)
         "cpu_vendor": gemm.cpu_vendor(),
     }
-    for pkg in ("transformers", "bitsandbytes", "lightning"):
+    from importlib import metadata
+
+    for pkg in ("transformers", "bitsandbytes", "lightning"):  # installed versions, nothing imported
         try:
-            env[pkg] = __import__(pkg).__version__
-        except Exception:  # not installed, or a broken native library
+            env[pkg] = metadata.version(pkg)
+        except metadata.PackageNotFoundError:
             env[pkg] = None
     return env
 

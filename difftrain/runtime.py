@@ -72,3 +72,23 @@ def glibc_mallopt() -> Any:
     mallopt.argtypes = (ctypes.c_int, ctypes.c_int)
     mallopt.restype = ctypes.c_int
     return mallopt
+
+
+class _NoKernelsHint:
+    """A logging filter that drops bitsandbytes' hint about the optional `kernels` package."""
+
+    def filter(self, record: Any) -> bool:
+        return "kernels-community" not in record.getMessage()
+
+
+def quiet_bitsandbytes_hint() -> None:
+    """Drop the warning bitsandbytes logs when it is imported on a CPU with AVX-512 BF16 and the
+    optional `kernels` package is missing ("Failed to load CPU gemm_4bit_forward from
+    kernels-community ... pip install kernels"): a faster 4-bit CPU product it does without,
+    printed into every command that imports it (8-bit optimizers, QLoRA). Idempotent; call it
+    before importing bitsandbytes."""
+    import logging
+
+    log = logging.getLogger("bitsandbytes.backends.cpu.ops")
+    if not any(isinstance(f, _NoKernelsHint) for f in log.filters):
+        log.addFilter(_NoKernelsHint())

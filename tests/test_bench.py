@@ -231,3 +231,22 @@ def test_quick_bench_cli_runs_the_other_sections_and_writes_json(tmp_path, capsy
     row = mem["rows"][0]
     assert row["measured_peak"] > 0 and row["estimated_peak"] > 0
     assert "Lightning Trainer vs a hand-written loop" in out
+
+
+def test_the_environment_record_reads_package_versions_without_importing_them():
+    # importing bitsandbytes logs a hint on some CPUs and takes seconds: the versions come from
+    # the installed packages' metadata
+    import subprocess
+    import sys
+
+    script = (
+        "import json, sys, torch\nfrom difftrain.bench import environment\n"
+        "env = environment(torch.device('cpu'))\n"
+        "print(json.dumps([env['bitsandbytes'], env['lightning'], 'bitsandbytes' in sys.modules]))"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    bnb, lightning, imported = json.loads(done.stdout.strip().splitlines()[-1])
+    from importlib import metadata
+
+    assert (bnb, lightning) == (metadata.version("bitsandbytes"), metadata.version("lightning"))
+    assert not imported and "kernels-community" not in done.stderr

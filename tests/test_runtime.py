@@ -52,3 +52,20 @@ def test_tuned_allocator_reuses_large_blocks():
 
 def test_user_settings_win():
     assert _child({"MALLOC_MMAP_THRESHOLD_": "131072"})["state"] in ("user",)
+
+
+def test_the_bitsandbytes_kernels_hint_is_dropped_and_its_other_warnings_are_kept(caplog):
+    import logging
+
+    from difftrain.runtime import quiet_bitsandbytes_hint
+
+    quiet_bitsandbytes_hint()
+    quiet_bitsandbytes_hint()  # idempotent: one filter
+    log = logging.getLogger("bitsandbytes.backends.cpu.ops")
+    assert len(log.filters) == 1
+    with caplog.at_level(logging.WARNING, logger=log.name):
+        log.warning(
+            "Failed to load CPU gemm_4bit_forward from kernels-community: %s. pip install kernels", "x"
+        )
+        log.warning("something else went wrong")
+    assert [r.getMessage() for r in caplog.records] == ["something else went wrong"]

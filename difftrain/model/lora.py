@@ -26,7 +26,6 @@ frozen layer as `.base` and adds `.lora_A`, `.lora_B` (`...q_proj.lora_A`).
 from __future__ import annotations
 
 import fnmatch
-import logging
 import math
 from collections.abc import Iterable, Sequence
 
@@ -206,9 +205,11 @@ def lora_state_dict(model: nn.Module) -> dict[str, Tensor]:
 
 def import_bitsandbytes():
     """bitsandbytes, or a DeviceError that says what to do instead."""
+    from difftrain.runtime import quiet_bitsandbytes_hint
+
     # bitsandbytes warns at import on CPUs with AVX512-BF16 when its optional hub kernel package
     # is absent; the pure-torch fallback it then uses is the one we want (see `quantize_4bit`).
-    logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
+    quiet_bitsandbytes_hint()
     try:
         import bitsandbytes as bnb
     except Exception as e:  # ImportError, or a broken native library

@@ -58,6 +58,9 @@ def _is_tied(model: nn.Module) -> bool:
 
 def bitsandbytes_optim():
     """Import bitsandbytes.optim or raise a DeviceError that says how to get it working."""
+    from difftrain.runtime import quiet_bitsandbytes_hint
+
+    quiet_bitsandbytes_hint()
     try:
         import bitsandbytes as bnb  # noqa: F401
         from bitsandbytes import optim as bnb_optim

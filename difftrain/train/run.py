@@ -341,6 +341,9 @@ def _quiet_lightning() -> None:
     warnings.filterwarnings("ignore", message=".*`isinstance.*treespec.*")
     warnings.filterwarnings("ignore", message=".*Checkpoint directory.*exists and is not empty.*")
     warnings.filterwarnings("ignore", message=".*`IterableDataset` has `__len__` defined.*")
+    # a run without a validation split (data.val_fraction: 0) and `bench`'s Lightning section
+    # have no val loader on purpose
+    warnings.filterwarnings("ignore", message=".*defined a `validation_step` but have no `val_dataloader`.*")
 
 
 def require_pretraining(recipe: Recipe) -> None:
