@@ -587,7 +587,7 @@ def shipped_recipes_dir() -> Path:
 
 def shipped_recipes() -> dict[str, Path]:
     d = shipped_recipes_dir()
-    return {p.stem: p for p in sorted(d.glob("*.yaml"))} if d.is_dir() else {}
+    return {p.stem: p for p in sorted(d.glob("*.yaml"), key=lambda p: p.stem)} if d.is_dir() else {}
 
 
 def recipe_summary(path: Path) -> str:

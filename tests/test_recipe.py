@@ -308,6 +308,9 @@ def test_every_shipped_recipe_validates():
         "diff2-124m",
         "diff-350m-8gb",
     } <= set(shipped)
+    # listed by name: quickstart before its variant quickstart-baseline (the file names sort the
+    # other way, '-' < '.')
+    assert list(shipped) == sorted(shipped)
     for name, path in shipped.items():
         r = load_recipe(name)
         assert isinstance(r, Recipe) and r.name == name
