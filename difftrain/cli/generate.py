@@ -221,6 +221,7 @@ class Session:
         self.run, self.gen, self.style = run, gen, style
         self.num_samples, self.seed, self.batch_size = num_samples, seed, batch_size
         self.rows_done = 0  # seeds keep advancing across interactive turns
+        self.compile_noted = False  # the first figures of a --compile session include compiling
 
     def encode(self, prompt: Prompt) -> tuple[str, list[int]]:
         """(rendered text, ids), or a DataError if it does not fit the context."""
@@ -303,9 +304,12 @@ class Session:
 
     def _footer(self, results: list[dict[str, Any]], seconds: float) -> None:
         tokens = sum(r["completion_tokens"] for r in results)
+        compiling = ""
+        if self.gen.compile and not self.compile_noted:  # the first decode step compiled it
+            compiling, self.compile_noted = " (incl. compiling the decode step)", True
         parts = [
             f"{tokens} tokens",
-            f"{seconds:.2f} s",
+            f"{seconds:.2f} s{compiling}",
             f"{tokens / seconds if seconds > 0 else 0:.1f} tokens/s",
         ]
         if len(results) == 1:
