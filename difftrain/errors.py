@@ -48,3 +48,13 @@ class InteropError(DifftrainError):
 
 class TrainingError(DifftrainError):
     """Training stopped on a fault the user can act on (non-finite loss, out of memory, disk full)."""
+
+
+class StopRequested(Exception):
+    """Raised after a graceful stop (signal) once the checkpoint is written (not a mistake: the
+    CLI prints the resume command and exits 130 / 143)."""
+
+    def __init__(self, signum: int, step: int) -> None:
+        super().__init__(f"stopped by signal {signum} at step {step}")
+        self.signum = signum
+        self.step = step

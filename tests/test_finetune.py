@@ -15,11 +15,11 @@ from safetensors.torch import load_file
 
 from difftrain.adapters import load_adapter_run, merge_run, read_adapter_spec, resolve_base
 from difftrain.cli.app import main
-from difftrain.errors import CheckpointError, ConfigError, DataError, RecipeError, RunDirError
+from difftrain.errors import CheckpointError, ConfigError, DataError, RecipeError, RunDirError, StopRequested
 from difftrain.model.lora import LoRALinear
 from difftrain.recipe import load_recipe, shipped_recipes
 from difftrain.rundir import load_run
-from difftrain.train.callbacks import RunCallback, StopRequested
+from difftrain.train.callbacks import RunCallback
 from difftrain.train.finetune import finetune
 from difftrain.train.run import pretrain
 
@@ -570,7 +570,7 @@ def test_a_missing_base_or_data_file_is_refused_before_torch_loads(
     check_files(load_recipe(ws(name="sft"), [bad_cache]))  # instruction records use no cache: not refused
 
 
-def test_dry_run_of_a_run_that_grew_its_vocabulary_resumes_it(ws, tmp_path, capsys):
+def test_dry_run_of_a_run_that_grew_its_vocabulary_resumes_it(ws, tmp_path, capsys, cli_probe):
     # the run's recipe.yaml records the grown vocabulary: the dry run must compare against that,
     # or every resume of a chat fine-tune whose template adds tokens would be "a different run"
     p = tool_template_recipe(ws, tmp_path, "chat", records=6)
@@ -585,6 +585,19 @@ def test_dry_run_of_a_run_that_grew_its_vocabulary_resumes_it(ws, tmp_path, caps
     assert "holds a different run (finetune.lora.rank" in capsys.readouterr().err
     assert main(["finetune", str(p), "--dry-run", "--overwrite"]) == 0
     assert "replaces the run there" in capsys.readouterr().out
+    assert _snapshot(run) == before
+    # the run itself refuses the same before it reads its data or loads Lightning (the records
+    # took 20 s to tokenize before the run folder was looked at), the grown vocabulary not
+    # mistaken for another run
+    done = cli_probe(
+        [["finetune", str(p)], ["finetune", str(p), "--resume", "finetune.lora.rank=8"]],
+        tmp_path,
+        modules=("lightning",),
+    )
+    assert done.codes == [2, 2] and done.loaded == [], done.stderr
+    errors = done.stderr.strip().splitlines()
+    assert "already holds a run; continue it with --resume" in errors[0]
+    assert "holds a different run (finetune.lora.rank differs)" in errors[1]
     assert _snapshot(run) == before
 
 

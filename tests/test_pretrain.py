@@ -17,9 +17,9 @@ import yaml
 from safetensors.torch import load_file
 
 from difftrain.cli.app import main
-from difftrain.errors import RecipeError, RunDirError
+from difftrain.errors import RecipeError, RunDirError, StopRequested
 from difftrain.recipe import load_recipe
-from difftrain.train.callbacks import RunCallback, StopRequested
+from difftrain.train.callbacks import RunCallback
 from difftrain.train.checkpoint import find_resume_checkpoint, load_checkpoint_file
 from difftrain.train.metrics import read_metrics
 from difftrain.train.run import pretrain

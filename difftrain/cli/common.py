@@ -286,8 +286,7 @@ def run_training(command: str, train: Any, recipe: Any, *, on_start: Any, **kwar
     import typer
     from rich.markup import escape
 
-    from difftrain.errors import DeviceError
-    from difftrain.train.callbacks import StopRequested
+    from difftrain.errors import DeviceError, StopRequested
 
     try:
         with data_progress() as dp:

@@ -29,6 +29,7 @@ from typing import Any
 import lightning as L
 import torch
 
+from difftrain.errors import StopRequested
 from difftrain.io import fsync_dir
 from difftrain.rundir import save_weights
 from difftrain.train.checkpoint import record_checkpoint, remove_checkpoint_path, step_file
@@ -70,15 +71,6 @@ def flops_per_token(n_params_no_embedding: int, n_layers: int, d_attn: int, seq_
     heads of width 2d for AV.
     """
     return 6 * n_params_no_embedding + 12 * n_layers * d_attn * seq_len
-
-
-class StopRequested(Exception):
-    """Raised after a graceful stop (signal) once the checkpoint is written."""
-
-    def __init__(self, signum: int, step: int) -> None:
-        super().__init__(f"stopped by signal {signum} at step {step}")
-        self.signum = signum
-        self.step = step
 
 
 @dataclass

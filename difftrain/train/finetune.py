@@ -45,6 +45,7 @@ from difftrain.train.run import (
     start_processes,
     training_into,
 )
+from difftrain.train.runcheck import check_run_dir
 
 # Model settings a fine-tune may change; everything else must equal the base run's.
 CHANGEABLE_MODEL_KEYS = {"attn_impl", "max_seq_len", "init_std", "lambda_std"}
@@ -318,6 +319,21 @@ def _grown_model(plan: Plan, tokenizer: Any) -> Any:
     return model_cfg
 
 
+def _refuse_run_dir_early(plan: Plan, *, resume: bool | str, overwrite: bool) -> None:
+    """The run folder's refusals (the run's own command again, another run there, --resume with
+    nothing to resume, a run in use) before the data is read: tokenizing instruction records
+    takes tens of seconds. The vocabulary may still grow by the chat template's tokens, so
+    model.vocab_size is compared by `prepare_run_dir` after the data, which decides the rest."""
+    t = plan.recipe.train
+    check_run_dir(
+        plan.recipe,
+        resume=resume,
+        overwrite=overwrite,
+        batch=(plan.global_batch_size, t.micro_batch_size, plan.world_size, plan.accumulate),
+        ignore=frozenset({"model.vocab_size"}),
+    )
+
+
 def _check_resumed_adapter(plan: Plan) -> None:
     """A LoRA run being resumed must find the base it was trained on (same weights' SHA-256)."""
     from difftrain.adapters import ADAPTER_CONFIG, read_adapter_spec, resolve_base
@@ -346,6 +362,7 @@ def dry_run_finetune(
     r = plan.recipe
     ft = r.finetune
     assert ft is not None
+    _refuse_run_dir_early(plan, resume=r.train.resume if resume is None else resume, overwrite=overwrite)
     data_format = resolve_data_format(r)
     tokenizer = load_tokenizer(base / TOKENIZER)
     records: dict[str, Any] = {}
@@ -406,7 +423,11 @@ def finetune(
     pretrain passes, `base`, `method`, `data_format`, `trainable_params`, `total_params`,
     `lora_targets`, `new_tokens` and the record counts.
     """
-    import lightning as L
+    plan, base = plan_finetune(recipe)
+    r, ft = plan.recipe, plan.recipe.finetune
+    assert ft is not None
+    _refuse_run_dir_early(plan, resume=r.train.resume if resume is None else resume, overwrite=overwrite)
+    import lightning as L  # (seconds: after the refusals above)
 
     from difftrain.adapters import (
         adapt_model,
@@ -419,9 +440,6 @@ def finetune(
     from difftrain.rundir import load_run
 
     _quiet_lightning()
-    plan, base = plan_finetune(recipe)
-    r, ft = plan.recipe, plan.recipe.finetune
-    assert ft is not None
     dist = start_processes(plan)  # several devices: every rank runs what follows; writes on rank 0
     t = r.train
     data_format = resolve_data_format(r)

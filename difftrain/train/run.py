@@ -527,8 +527,9 @@ def fit(
     """
     import lightning as L
 
+    from difftrain.errors import StopRequested
     from difftrain.model.lora import count_params
-    from difftrain.train.callbacks import RunCallback, StopRequested, flops_per_token
+    from difftrain.train.callbacks import RunCallback, flops_per_token
     from difftrain.train.checkpoint import AtomicCheckpointIO
     from difftrain.train.distributed import build_strategy, is_global_zero
     from difftrain.train.lit import LitLM

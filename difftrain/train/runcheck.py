@@ -63,14 +63,20 @@ def _flatten(d: Any, prefix: str = "") -> dict[str, Any]:
     return {prefix[:-1]: d}
 
 
-def recipe_differences(old: dict[str, Any], new: dict[str, Any], *, unresolved: bool = False) -> list[str]:
-    """Dotted keys whose values differ, ignoring those a resume may change. `unresolved`: `new`
-    is a recipe whose machine-dependent `auto` values are not resolved yet (`early_check`), and
-    a key set to auto there is not counted as a difference."""
+def recipe_differences(
+    old: dict[str, Any],
+    new: dict[str, Any],
+    *,
+    unresolved: bool = False,
+    ignore: frozenset[str] = frozenset(),
+) -> list[str]:
+    """Dotted keys whose values differ, ignoring those a resume may change and `ignore`.
+    `unresolved`: `new` is a recipe whose machine-dependent `auto` values are not resolved yet
+    (`early_check`), and a key set to auto there is not counted as a difference."""
     a, b = _flatten(old), _flatten(new)
     diffs = []
     for k in sorted(set(a) | set(b)):
-        if any(k == r or k.startswith(r + ".") for r in RESUMABLE_CHANGES):
+        if k in ignore or any(k == r or k.startswith(r + ".") for r in RESUMABLE_CHANGES):
             continue
         va, vb = a.get(k), b.get(k)
         if isinstance(va, list):
@@ -124,7 +130,13 @@ Batch = tuple[int, int, int, int]
 
 
 def check_run_dir(
-    recipe: Recipe, *, resume: bool | str, overwrite: bool, batch: Batch | None, early: bool = False
+    recipe: Recipe,
+    *,
+    resume: bool | str,
+    overwrite: bool,
+    batch: Batch | None,
+    early: bool = False,
+    ignore: frozenset[str] = frozenset(),
 ) -> dict[str, Any] | None:
     """Refuse what may not train into `recipe.run_dir`; else the recipe.yaml of the run there when
     it may be resumed (`resume` True or "auto" and the same run), None for a fresh start.
@@ -132,7 +144,8 @@ def check_run_dir(
     `batch` is None where the global batch is not known yet (train.devices: auto before torch).
     `early` (`early_check`): `recipe`'s auto values are not resolved, so keys set to auto are not
     compared, and where that or an unknown batch leaves the answer open it returns None and
-    decides nothing (the full check runs later)."""
+    decides nothing (the full check runs later). `ignore`: keys not compared yet (a fine-tune's
+    model.vocab_size, which its data may still grow; the full check after the data compares it)."""
     import yaml
 
     run_dir = recipe.run_dir
@@ -187,8 +200,10 @@ def check_run_dir(
     # run either way
     diffs = min(
         (
-            recipe_differences(old, recipe.with_absolute_paths().model_dump(mode="json"), unresolved=early),
-            recipe_differences(old, recipe.model_dump(mode="json"), unresolved=early),
+            recipe_differences(
+                old, recipe.with_absolute_paths().model_dump(mode="json"), unresolved=early, ignore=ignore
+            ),
+            recipe_differences(old, recipe.model_dump(mode="json"), unresolved=early, ignore=ignore),
         ),
         key=len,
     )
