@@ -472,7 +472,8 @@ def check(name, ok, detail, judged=True):
 
 
 try:
-    from difftrain.bench import BenchOptions, bench_markdown, run_bench
+    from difftrain.bench import run_bench
+    from difftrain.bench_report import BenchOptions, bench_markdown
     from difftrain.io import atomic_write_json, atomic_write_text
 
     opts = BenchOptions(

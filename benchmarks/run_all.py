@@ -36,7 +36,8 @@ def main(argv: list[str] | None = None) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from difftrain.bench import SECTIONS, BenchOptions, bench_markdown, describe, run_bench, tables
+    from difftrain.bench import run_bench
+    from difftrain.bench_report import SECTIONS, BenchOptions, bench_markdown, describe, tables
     from difftrain.errors import DifftrainError
     from difftrain.io import atomic_write_json, atomic_write_text
 

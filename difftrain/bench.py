@@ -26,7 +26,7 @@ Modes: `quick` (tiny shapes, seconds: a smoke test), `default` (the quickstart s
 d_model 512 / seq 512; a few minutes on a 2-core CPU), `full` (adds torch.compile, flex
 attention, a longer grid; on CUDA the 124M shapes). The result is a JSON document (schema in
 `validate_result`); `bench_markdown` renders the README's tables from it. Both, the targets and
-the options live in `difftrain.bench_report`, which loads no torch (names re-exported here).
+the options live in `difftrain.bench_report`, which loads no torch.
 """
 
 from __future__ import annotations
@@ -49,20 +49,7 @@ from typing import Any
 
 import torch
 
-from difftrain.bench_report import (  # noqa: F401  (the report's names are this module's too)
-    HF_TARGETS,
-    HF_VARIANT_LABELS,
-    MODES,
-    PRECISIONS,
-    SCHEMA,
-    SECTIONS,
-    BenchOptions,
-    bench_markdown,
-    describe,
-    evaluate_targets,
-    tables,
-    validate_result,
-)
+from difftrain.bench_report import SCHEMA, SECTIONS, BenchOptions, evaluate_targets
 from difftrain.errors import DeviceError
 
 ARCHS = ("baseline", "diff", "diff2")
