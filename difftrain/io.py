@@ -97,6 +97,10 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
+TEMP_GLOB = ".*.tmp"
+"""The names of `atomic_path`'s temporary files (`.NAME.PID.<random>.tmp`)."""
+
+
 def remove_stale_temps(folder: str | os.PathLike[str]) -> list[str]:
     """Delete the temporary files of atomic writes in `folder` whose writer process is gone.
 
@@ -106,7 +110,7 @@ def remove_stale_temps(folder: str | os.PathLike[str]) -> list[str]:
     d = Path(folder)
     if not d.is_dir():
         return removed
-    for p in d.glob(".*.tmp"):
+    for p in d.glob(TEMP_GLOB):
         try:
             pid = int(p.name.rsplit(".", 3)[1])
         except (IndexError, ValueError):

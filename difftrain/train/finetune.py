@@ -324,12 +324,11 @@ def _refuse_run_dir_early(plan: Plan, *, resume: bool | str, overwrite: bool) ->
     nothing to resume, a run in use) before the data is read: tokenizing instruction records
     takes tens of seconds. The vocabulary may still grow by the chat template's tokens, so
     model.vocab_size is compared by `prepare_run_dir` after the data, which decides the rest."""
-    t = plan.recipe.train
     check_run_dir(
         plan.recipe,
         resume=resume,
         overwrite=overwrite,
-        batch=(plan.global_batch_size, t.micro_batch_size, plan.world_size, plan.accumulate),
+        batch=plan.batch,
         ignore=frozenset({"model.vocab_size"}),
     )
 

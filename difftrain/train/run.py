@@ -25,18 +25,12 @@ from typing import Any
 
 import torch
 
-from difftrain.errors import CheckpointError, DeviceError, RecipeError, RunDirError
+from difftrain.errors import CheckpointError, DeviceError, RecipeError, RunDirError, StopRequested
 from difftrain.io import LOCK_FILE, RunLock, atomic_write_json, atomic_write_text, remove_stale_temps
 from difftrain.recipe import Recipe, global_batch, resolve_auto, train_seq_len
 from difftrain.rundir import CHECKPOINTS, CONFIG, METRICS, RECIPE, SUMMARY, TOKENIZER
 from difftrain.train.distributed import DistContext, check_strategy
-from difftrain.train.runcheck import (
-    RESUMABLE_CHANGES,  # noqa: F401  (the keys a resume may change, documented here too)
-    _global_batch,
-    _in_use,
-    check_run_dir,
-    require_not_in_use,
-)
+from difftrain.train.runcheck import Batch, _global_batch, check_run_dir, in_use_message, require_not_in_use
 
 
 @dataclass
@@ -54,6 +48,11 @@ class Plan:
     max_steps: int | None  # None until max_tokens is converted (needs nothing else: known here)
     run_dir: Path
     notes: list[str] = field(default_factory=list)
+
+    @property
+    def batch(self) -> Batch:
+        """(global batch, micro-batch, devices×nodes, accumulation): what `check_run_dir` compares."""
+        return (self.global_batch_size, self.recipe.train.micro_batch_size, self.world_size, self.accumulate)
 
 
 @dataclass
@@ -164,13 +163,7 @@ def prepare_run_dir(
     for folder in (run_dir, run_dir / CHECKPOINTS):
         if not dry_run:
             remove_stale_temps(folder)
-    t = plan.recipe.train
-    old = check_run_dir(
-        plan.recipe,
-        resume=resume,
-        overwrite=overwrite,
-        batch=(plan.global_batch_size, t.micro_batch_size, plan.world_size, plan.accumulate),
-    )
+    old = check_run_dir(plan.recipe, resume=resume, overwrite=overwrite, batch=plan.batch)
     if old is None:
         return False, None
     point = find_resume_checkpoint(run_dir / CHECKPOINTS)
@@ -291,7 +284,7 @@ def training_into(
     if dist.is_global_zero:
         holder = lock.acquire()
         if holder is not None:
-            raise RunDirError(_in_use(run_dir, holder))
+            raise RunDirError(in_use_message(run_dir, holder))
     try:
         if dist.is_global_zero:
             if fresh and replace:
@@ -299,7 +292,7 @@ def training_into(
             (run_dir / CHECKPOINTS).mkdir(exist_ok=True)
             text = r.with_absolute_paths().to_yaml()
             if fresh or _read_text(run_dir / RECIPE) != text:
-                # a resume may change what RESUMABLE_CHANGES lists (train.max_steps, ...): the
+                # a resume may change what runcheck.RESUMABLE_CHANGES lists (train.max_steps, ...): the
                 # folder's recipe is the run as it goes on, so resuming from it continues that run
                 atomic_write_text(run_dir / RECIPE, text)
             assert r.model is not None
@@ -527,7 +520,6 @@ def fit(
     """
     import lightning as L
 
-    from difftrain.errors import StopRequested
     from difftrain.model.lora import count_params
     from difftrain.train.callbacks import RunCallback, flops_per_token
     from difftrain.train.checkpoint import AtomicCheckpointIO

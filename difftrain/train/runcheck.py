@@ -9,6 +9,7 @@ the command of a run that is there is the usual slip, and is answered at once.
 
 from __future__ import annotations
 
+import fnmatch
 import os
 import shlex
 import sys
@@ -16,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from difftrain.errors import RecipeError, RunDirError
-from difftrain.io import LOCK_FILE, RunLock
+from difftrain.io import LOCK_FILE, TEMP_GLOB, RunLock
 from difftrain.recipe import Recipe, global_batch, resolve_auto
 from difftrain.rundir import CONFIG, RECIPE, TOKENIZER, holds_run
 
@@ -110,7 +111,8 @@ def _listed(diffs: list[str]) -> str:
     return f"{', '.join(diffs[:4])}{more} {'differs' if len(diffs) == 1 else 'differ'}"
 
 
-def _in_use(run_dir: Path, holder: int) -> str:
+def in_use_message(run_dir: Path, holder: int) -> str:
+    """Why a run directory another process trains into (holds its lock) is refused."""
     who = f"process {holder}" if holder else "another process"
     return (
         f"{run_dir} is in use: {who} is training into it; wait for it to end, or stop it (Ctrl-C "
@@ -122,7 +124,7 @@ def require_not_in_use(run_dir: Path) -> None:
     """RunDirError when another process trains into `run_dir` (holds its lock)."""
     holder = RunLock(run_dir).holder()
     if holder is not None:
-        raise RunDirError(_in_use(run_dir, holder))
+        raise RunDirError(in_use_message(run_dir, holder))
 
 
 Batch = tuple[int, int, int, int]
@@ -159,7 +161,7 @@ def check_run_dir(
         else []
     )
     if early:  # temporary files of unfinished writes, which the full check removes first
-        files = [p for p in files if not (p.name.startswith(".") and p.name.endswith(".tmp"))]
+        files = [p for p in files if not fnmatch.fnmatch(p.name, TEMP_GLOB)]
     # only what a start writes before its first step (recipe, config, tokenizer): a start that
     # failed (out of memory in the first step, a bad option found late) trained nothing; the
     # next start writes them again
