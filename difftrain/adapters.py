@@ -39,6 +39,7 @@ from difftrain.rundir import (
     WEIGHTS,
     Run,
     holds_run,
+    is_adapter_run,
     load_config,
     read_safetensors,
     require_run_dir,
@@ -101,12 +102,6 @@ def read_adapter_spec(run_dir: Path) -> AdapterSpec:
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise RunDirError(f"{f} is not valid JSON ({e}); restore it or fine-tune again") from e
     return AdapterSpec.from_json(data, f)
-
-
-def is_adapter_run(run_dir: Path) -> bool:
-    """A directory holding an adapter and no full weights of its own."""
-    d = Path(run_dir)
-    return (d / ADAPTER_CONFIG).is_file() and not (d / WEIGHTS).is_file()
 
 
 def weights_file(run_dir: Path) -> Path:

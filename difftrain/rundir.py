@@ -176,9 +176,15 @@ def require_model_files(path: Path) -> Path:
     LoRA run that was not merged its adapter (whose own files `load_adapter_run` checks). Reads
     nothing and loads no torch: a folder that holds no model is refused at once."""
     path = require_run_dir(path)
-    if not ((path / ADAPTER_CONFIG).is_file() and not (path / WEIGHTS).is_file()):
+    if not is_adapter_run(path):
         require_weights(path)
     return path
+
+
+def is_adapter_run(run_dir: Path) -> bool:
+    """A directory holding an adapter and no full weights of its own (a LoRA fine-tune not merged)."""
+    d = Path(run_dir)
+    return (d / ADAPTER_CONFIG).is_file() and not (d / WEIGHTS).is_file()
 
 
 def require_weights(path: Path) -> Path:
@@ -233,7 +239,7 @@ def load_run(path: Path | str, device: str | torch.device = "cpu", dtype: torch.
     from difftrain.model import Transformer
 
     path = require_model_files(Path(path))
-    if (path / ADAPTER_CONFIG).is_file() and not (path / WEIGHTS).is_file():
+    if is_adapter_run(path):
         from difftrain.adapters import load_adapter_run
 
         return load_adapter_run(path, device=device, dtype=dtype)

@@ -204,8 +204,8 @@ def check_files(r: Any) -> None:
     if r.finetune is not None:
         base_run_dir(r.finetune)
     check_local_sources(r.data, r.recipe_dir)
-    tok = r.tokenizer.file(r.recipe_dir)
-    if r.finetune is None and tok is not None:  # (a fine-tune uses its base run's)
+    tok = r.tokenizer.file(r.recipe_dir) if r.finetune is None else None  # (a fine-tune: its base's)
+    if tok is not None:
         tokenizer_file(tok)
     if r.finetune is None or resolve_data_format(r) == "text":
         r.data.check_cache_dir()

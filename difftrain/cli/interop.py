@@ -28,12 +28,11 @@ def export_command(
     """Export a run for transformers: baseline → LlamaForCausalLM, diff → DiffLlamaForCausalLM."""
     from difftrain.errors import InteropError
     from difftrain.interop.paths import check_export_paths
-    from difftrain.rundir import require_model_files, require_run_dir
+    from difftrain.rundir import require_model_files
 
     if format not in FORMATS:
         raise InteropError(f"--format {format!r} is not supported; choose one of: {', '.join(FORMATS)}")
-    require_run_dir(run_dir)  # a mistyped path or folder fails before torch loads
-    check_export_paths(run_dir, out_dir, dtype)
+    check_export_paths(run_dir, out_dir, dtype)  # mistakes in the options and paths fail before torch loads
     require_model_files(run_dir)
     from difftrain.interop.hf import export_hf
 
