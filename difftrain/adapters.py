@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from difftrain.errors import CheckpointError, ConfigError, RunDirError
-from difftrain.io import atomic_save_safetensors, atomic_write_json, atomic_write_text
+from difftrain.io import atomic_save_safetensors, atomic_write_json, atomic_write_text, uncreatable_reason
 from difftrain.rundir import (
     ADAPTER_CONFIG,
     ADAPTER_WEIGHTS,
@@ -404,6 +404,9 @@ def merge_run(run_dir: Path | str, out_dir: Path | str | None = None, *, overwri
             "load it as a plain run"
         )
     out = Path(out_dir) if out_dir is not None else default_merge_dir(run_dir)
+    why = uncreatable_reason(out)
+    if why is not None:
+        raise RunDirError(f"cannot write OUT_DIR {out}: {why}; choose another OUT_DIR")
     if out.resolve() == run_dir.resolve():
         raise RunDirError(
             f"the merged run must go to a new directory, not {run_dir} itself (the adapter run stays resumable)"

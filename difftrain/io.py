@@ -156,8 +156,10 @@ LOCK_FILE = ".lock"
 
 
 def _nearest_existing(path: Path) -> Path:
+    """`path` or its nearest ancestor that exists, or a symbolic link on the way that leads
+    nowhere (a loop, a missing target: it exists as a link only)."""
     p = path.absolute()
-    while not p.exists() and p != p.parent:
+    while not p.exists() and not p.is_symlink() and p != p.parent:
         p = p.parent
     return p
 
@@ -180,6 +182,8 @@ def uncreatable_reason(folder: Path) -> str | None:
     """Why `folder` (and its missing parents) cannot be created and written, judged by its
     nearest existing ancestor without writing anything; None when it can."""
     base = _nearest_existing(folder)
+    if base.is_symlink() and not base.exists():
+        return f"{base} is a symbolic link that leads nowhere (a loop, or its target is missing)"
     if not base.is_dir():
         return f"{base} is not a folder"
     if not os.access(base, os.W_OK | os.X_OK):

@@ -468,6 +468,10 @@ def test_cli_prints_the_trainable_count_and_merges(ws, capsys):
     summary = json.loads((Path("runs") / "cli" / "summary.json").read_text())
     assert f"{summary['trainable_params']:,} of" in out and "lora · rank 4" in out
     assert "difftrain merge" in out
+    Path("loop").symlink_to("loop")  # an OUT_DIR that cannot be made: one line, not a traceback
+    capsys.readouterr()
+    assert main(["merge", "runs/cli", "loop"]) == 2
+    assert "cannot write OUT_DIR loop: " in capsys.readouterr().err
     assert main(["merge", "runs/cli", "runs/cli-m"]) == 0
     assert (Path("runs") / "cli-m" / "model.safetensors").is_file()
 

@@ -532,12 +532,16 @@ def test_folder_mistakes_of_import_and_export_are_answered_before_torch_loads(tm
     run.mkdir(parents=True)
     (run / "recipe.yaml").write_text("name: mine\n")
     (run / "config.json").write_text("{}")
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "loop").symlink_to("loop")  # a symbolic link loop: resolving it raised RuntimeError
     commands = [
         ["import", "nowhere", "runs/back"],
         ["import", "runs/mine", "runs/back"],
         ["import", "runs/mine", "runs/mine"],
         ["export", "runs/mine", "runs/mine"],
         ["export", "runs/mine", "out", "--dtype", "int8"],
+        ["export", "runs/mine", "loop"],
+        ["import", "hf", "loop/back"],
     ]
     done = cli_probe(commands, tmp_path)
     assert done.codes == [2] * len(commands) and done.loaded == [], done.stderr
@@ -548,4 +552,8 @@ def test_folder_mistakes_of_import_and_export_are_answered_before_torch_loads(tm
     assert "the run directory runs/mine is the checkpoint folder itself" in errors[2]
     assert "the export folder runs/mine is the run directory itself" in errors[3]
     assert "dtype 'int8' is not supported for export; choose one of float32, bfloat16, float16" in errors[4]
+    assert (
+        errors[5].startswith("error: cannot write the export folder loop: ") and "leads nowhere" in errors[5]
+    )
+    assert errors[6].startswith("error: cannot write the run directory loop/back: ")
     assert not (tmp_path / "runs" / "back").exists() and not (tmp_path / "out").exists()

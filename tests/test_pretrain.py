@@ -637,7 +637,9 @@ def test_dry_run_checks_the_files_the_run_reads_and_the_folder_it_writes(workspa
         "data.sources=[hf:./no-such-folder]": "local dataset folder",
         "model.attn_impl=flex": "model.attn_impl=flex has no backward pass on CPU",
         f"out_dir={tmp_path / 'blocker' / 'runs'}": "blocker is not a folder; set out_dir",
+        f"out_dir={tmp_path / 'loop' / 'runs'}": "loop is a symbolic link that leads nowhere",
     }
+    (tmp_path / "loop").symlink_to("loop")
     for override, message in cases.items():
         assert main(["pretrain", str(p), "--dry-run", override]) == 2, override
         err = capsys.readouterr().err

@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from difftrain.errors import InteropError
+from difftrain.io import uncreatable_reason
 from difftrain.rundir import RECIPE
 
 EXPORT_DTYPES = ("float32", "bfloat16", "float16")
@@ -16,8 +17,15 @@ def same_dir(a: Path, b: Path) -> bool:
     """Whether a and b name the same folder (False when either cannot be resolved)."""
     try:
         return a.resolve() == b.resolve()
-    except OSError:
+    except (OSError, RuntimeError):  # RuntimeError: a symbolic link loop (Python < 3.13)
         return False
+
+
+def check_destination(path: Path, what: str) -> None:
+    """InteropError when the folder to write (and its missing parents) cannot be created."""
+    why = uncreatable_reason(path)
+    if why is not None:
+        raise InteropError(f"cannot write the {what} {path}: {why}; choose a folder you can write")
 
 
 def check_export_paths(run_dir: Path, out_dir: Path, dtype: str) -> None:
@@ -28,6 +36,7 @@ def check_export_paths(run_dir: Path, out_dir: Path, dtype: str) -> None:
         )
     if same_dir(run_dir, out_dir):
         raise InteropError(f"the export folder {out_dir} is the run directory itself; choose another folder")
+    check_destination(out_dir, "export folder")
 
 
 def check_import_paths(src: Path, dst: Path) -> None:
@@ -38,6 +47,7 @@ def check_import_paths(src: Path, dst: Path) -> None:
         )
     if same_dir(src, dst):
         raise InteropError(f"the run directory {dst} is the checkpoint folder itself; choose another folder")
+    check_destination(dst, "run directory")
     if (src / RECIPE).is_file():
         raise InteropError(
             f"{src} is a difftrain run directory, not a transformers checkpoint: generate, eval and finetune "
