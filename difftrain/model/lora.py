@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from difftrain.errors import ConfigError, DeviceError
+from difftrain.errors import ConfigError
 from difftrain.model.gemm import linear
 
 NF4_BLOCKSIZE = 64
@@ -204,20 +204,12 @@ def lora_state_dict(model: nn.Module) -> dict[str, Tensor]:
 
 
 def import_bitsandbytes():
-    """bitsandbytes, or a DeviceError that says what to do instead."""
-    from difftrain.runtime import quiet_bitsandbytes_hint
-
+    """bitsandbytes for 4-bit base weights, or a DeviceError that says to use plain LoRA."""
     # bitsandbytes warns at import on CPUs with AVX512-BF16 when its optional hub kernel package
     # is absent; the pure-torch fallback it then uses is the one we want (see `quantize_4bit`).
-    quiet_bitsandbytes_hint()
-    try:
-        import bitsandbytes as bnb
-    except Exception as e:  # ImportError, or a broken native library
-        raise DeviceError(
-            f"4-bit base weights (finetune.method=qlora) need bitsandbytes, which cannot be used here "
-            f"({type(e).__name__}: {e}); use finetune.method=lora, or `pip install -U bitsandbytes`"
-        ) from e
-    return bnb
+    from difftrain.runtime import import_bitsandbytes as load
+
+    return load("4-bit base weights (finetune.method=qlora)", "use finetune.method=lora")
 
 
 def dense_weight(module: nn.Module) -> Tensor:

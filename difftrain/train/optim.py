@@ -56,22 +56,6 @@ def _is_tied(model: nn.Module) -> bool:
     return head is not None and emb is not None and head.weight is emb.weight
 
 
-def bitsandbytes_optim():
-    """Import bitsandbytes.optim or raise a DeviceError that says how to get it working."""
-    from difftrain.runtime import quiet_bitsandbytes_hint
-
-    quiet_bitsandbytes_hint()
-    try:
-        import bitsandbytes as bnb  # noqa: F401
-        from bitsandbytes import optim as bnb_optim
-    except Exception as e:  # ImportError, or a broken native library
-        raise DeviceError(
-            f"bitsandbytes cannot be used here ({type(e).__name__}: {e}); use optim.name=adamw, "
-            "or install a bitsandbytes build for this machine (`pip install -U bitsandbytes`)"
-        ) from e
-    return bnb_optim
-
-
 def build_optimizer(
     model: nn.Module, cfg: OptimConfig, device_type: str, ndims: Mapping[str, int] | None = None
 ) -> torch.optim.Optimizer:
@@ -91,7 +75,9 @@ def build_optimizer(
                 "optim.name=paged_adamw8bit pages optimizer state between GPU and CPU memory and needs CUDA; "
                 "on this machine use optim.name=adamw8bit or adamw"
             )
-        bnb_optim = bitsandbytes_optim()
+        from difftrain.runtime import import_bitsandbytes
+
+        bnb_optim = import_bitsandbytes(f"optim.name={cfg.name}", "use optim.name=adamw").optim
         cls = getattr(bnb_optim, BNB_OPTIMIZERS[cfg.name])
         if cfg.stable_embedding:
             # bitsandbytes' StableEmbedding keeps the embedding's optimizer state in 32 bits (and adds
