@@ -941,3 +941,24 @@ def test_running_a_runs_command_again_is_refused_before_torch_loads(workspace, c
     assert "already holds a run; continue it with --resume" in errors[0] and errors[0] == errors[1]
     assert "holds a different run (optim.lr differs)" in errors[2]
     assert "--overwrite and --resume contradict each other" in errors[3]
+
+
+def test_validations_are_scheduled_through_lightnings_hook_and_a_release_without_it_is_refused():
+    from types import SimpleNamespace
+
+    from lightning.pytorch.loops.training_epoch_loop import _TrainingEpochLoop
+
+    from difftrain.errors import TrainingError
+    from difftrain.train.callbacks import schedule_validation
+
+    # the installed Lightning still asks this method whether to validate after a batch
+    assert callable(_TrainingEpochLoop._should_check_val_fx)
+    asked = []
+    loop = SimpleNamespace(_should_check_val_fx=lambda data_fetcher: True)
+    schedule_validation(
+        SimpleNamespace(fit_loop=SimpleNamespace(epoch_loop=loop)), lambda: asked.append(1) or False
+    )
+    assert loop._should_check_val_fx(None) is False and asked == [1]
+    bare = SimpleNamespace(fit_loop=SimpleNamespace(epoch_loop=SimpleNamespace()))
+    with pytest.raises(TrainingError, match=r"lacks the hook .* pip install 'lightning>=2.4,<=2.6.6'"):
+        schedule_validation(bare, lambda: True)

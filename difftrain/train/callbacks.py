@@ -29,7 +29,7 @@ from typing import Any
 import lightning as L
 import torch
 
-from difftrain.errors import StopRequested
+from difftrain.errors import StopRequested, TrainingError
 from difftrain.io import fsync_dir
 from difftrain.rundir import save_weights
 from difftrain.train.checkpoint import record_checkpoint, remove_checkpoint_path, step_file
@@ -71,6 +71,20 @@ def flops_per_token(n_params_no_embedding: int, n_layers: int, d_attn: int, seq_
     heads of width 2d for AV.
     """
     return 6 * n_params_no_embedding + 12 * n_layers * d_attn * seq_len
+
+
+def schedule_validation(trainer: L.Trainer, validates: Callable[[], bool]) -> None:
+    """Make Lightning ask `validates()` whether to validate after each training batch. Lightning
+    has no public hook for this; if a release drops the one used, refuse to train (validations
+    would silently fall back to Lightning's schedule) rather than guess."""
+    loop = trainer.fit_loop.epoch_loop
+    if not callable(getattr(loop, "_should_check_val_fx", None)):
+        raise TrainingError(
+            f"lightning {L.__version__} lacks the hook difftrain schedules validations with "
+            "(_TrainingEpochLoop._should_check_val_fx); install a release it supports: "
+            "pip install 'lightning>=2.4,<=2.6.6'"
+        )
+    loop._should_check_val_fx = lambda data_fetcher: validates()
 
 
 @dataclass
@@ -214,9 +228,7 @@ class RunCallback(L.Callback):
         # Validation every val_every optimizer steps, decided here rather than by Lightning, which
         # counts micro-batches since the run began: a resume that splits the global batch into
         # another number of micro-batches would move its validations off the val_every steps.
-        trainer.fit_loop.epoch_loop._should_check_val_fx = lambda data_fetcher: self.validates(
-            trainer, pl_module
-        )
+        schedule_validation(trainer, lambda: self.validates(trainer, pl_module))
         self.peak_flops = peak_flops(pl_module.device)
         self._sec_per_step = None
         # A live bar on a terminal; in a log file (or with the bar off) a plain line per log step:
