@@ -38,7 +38,8 @@ from difftrain.errors import CheckpointError, DeviceError, RecipeError
 from difftrain.recipe import load_recipe
 from difftrain.rundir import load_run
 from difftrain.train.checkpoint import load_checkpoint_file
-from difftrain.train.distributed import check_strategy, start
+from difftrain.train.devicecheck import check_strategy
+from difftrain.train.distributed import start
 from difftrain.train.metrics import read_metrics
 from difftrain.train.run import plan_run, pretrain
 
@@ -126,6 +127,7 @@ if os.environ.get("FSDP_ON_CPU") == "1":
     from torch.distributed.fsdp.api import FullOptimStateDictConfig
     from torch.distributed.fsdp.wrap import enable_wrap
 
+    import difftrain.train.devicecheck as devicecheck
     import difftrain.train.run as run
 
     class CPUFSDPStrategy(lfsdp.FSDPStrategy):
@@ -153,6 +155,7 @@ if os.environ.get("FSDP_ON_CPU") == "1":
     lfsdp._get_full_state_dict_context = full_state_dict_context
     check = run.check_strategy
     run.check_strategy = lambda recipe, accelerator, world: check(recipe, "cuda", world)
+    devicecheck.check_strategy = run.check_strategy  # and before torch loads (early_device_check)
 
 from difftrain.cli.app import main
 

@@ -962,3 +962,58 @@ def test_validations_are_scheduled_through_lightnings_hook_and_a_release_without
     bare = SimpleNamespace(fit_loop=SimpleNamespace(epoch_loop=SimpleNamespace()))
     with pytest.raises(TrainingError, match=r"lacks the hook .* pip install 'lightning>=2.4,<=2.6.6'"):
         schedule_validation(bare, lambda: True)
+
+
+GPU_ONLY = [  # overrides a machine without CUDA cannot train, each refused as a DeviceError
+    ["train.accelerator=cuda"],
+    ["train.precision=16-mixed"],
+    ["optim.name=paged_adamw8bit"],
+    ["train.strategy=fsdp"],
+    ["model.attn_impl=flex"],
+    ["train.strategy=fsdp", "optim.name=paged_adamw8bit"],  # the first refusal of several
+]
+
+
+def test_gpu_only_options_on_a_machine_without_cuda_are_refused_early_as_the_run_refuses_them(
+    workspace, monkeypatch
+):
+    from difftrain.errors import DeviceError
+    from difftrain.train import runcheck
+    from difftrain.train.run import plan_run
+
+    monkeypatch.setattr(runcheck, "no_cuda_here", lambda: True)
+    monkeypatch.setattr("difftrain.train.run._cuda_facts", lambda: (False, False))
+    p = workspace(steps=2)
+
+    def said(check, r):
+        try:
+            check(r)
+        except DeviceError as e:
+            return str(e)
+        return None
+
+    for overrides in GPU_ONLY:
+        r = load_recipe(p, overrides)
+        early = said(lambda r: runcheck.early_check(r, resume=None, overwrite=False), r)
+        assert early is not None and early == said(plan_run, r), (overrides, early)
+    for overrides in ([], ["train.precision=bf16-mixed"], ["optim.name=adamw8bit"], ["train.devices=2"]):
+        r = load_recipe(p, overrides)  # what the CPU can train passes both
+        assert said(lambda r: runcheck.early_check(r, resume=None, overwrite=False), r) is None, overrides
+        assert said(plan_run, r) is None, overrides
+
+
+def test_gpu_only_options_are_refused_before_torch_loads_where_no_gpu_driver_is(workspace, cli_probe):
+    from difftrain.train.runcheck import no_cuda_here
+
+    if not no_cuda_here():
+        pytest.skip("a GPU driver is present here: torch decides whether CUDA can be used")
+    p = workspace(steps=2)
+    done = cli_probe(
+        [["pretrain", str(p), *o] for o in GPU_ONLY] + [["pretrain", str(p), "--dry-run", *GPU_ONLY[3]]],
+        p.parent,
+    )
+    assert done.codes == [2] * (len(GPU_ONLY) + 1) and done.loaded == [], done.stderr
+    errors = done.stderr.strip().splitlines()
+    assert len(errors) == len(GPU_ONLY) + 1 and all(e.startswith("error: ") for e in errors), errors
+    assert "fsdp needs CUDA GPUs" in errors[3] and "fsdp needs CUDA GPUs" in errors[-1]
+    assert not (p.parent / "runs").exists()  # nothing written

@@ -30,7 +30,7 @@ FSDP: the Transformer (not the LightningModule) is the FSDP root, wrapped in `Li
 — Lightning wraps the whole LightningModule otherwise, and a manual backward inside
 `training_step` then runs inside the root's forward, which FSDP cannot handle (Lightning issue
 #19685). Each `Block` is its own unit when `train.fsdp.auto_wrap`. Lightning and torch refuse
-FSDP on CPU, so `strategy: fsdp` needs CUDA (`check_strategy`).
+FSDP on CPU, so `strategy: fsdp` needs CUDA (`difftrain.train.devicecheck.check_strategy`).
 """
 
 from __future__ import annotations
@@ -46,58 +46,12 @@ from typing import Any, TypeVar
 
 import torch
 
-from difftrain.errors import DeviceError, DifftrainError, RecipeError, TrainingError
+from difftrain.errors import DeviceError, DifftrainError, TrainingError
 
 T = TypeVar("T")
 
 PREPARE_TIMEOUT = timedelta(hours=6)
 """How long ranks wait for rank 0's one-time work (data preparation can take a while)."""
-
-BNB_NAMES = ("adamw8bit", "paged_adamw8bit", "lion8bit")
-
-
-# --------------------------------------------------------------------------------------------
-# checks before anything starts
-
-
-def check_strategy(recipe: Any, accelerator: str, world_size: int) -> None:
-    """Refuse strategy/device/optimizer combinations that cannot work, with the fix.
-
-    `recipe` has its `auto` values resolved (precision, optimizer).
-    """
-    t, strategy = recipe.train, recipe.train.strategy
-    if strategy == "fsdp":
-        if accelerator != "cuda":
-            raise DeviceError(
-                f"train.strategy=fsdp needs CUDA GPUs (Lightning's FSDPStrategy and torch's FSDP refuse "
-                f"{accelerator} devices); on this machine use train.strategy=ddp — train.devices=N then "
-                "runs N processes"
-            )
-        if recipe.optim.name in BNB_NAMES:
-            raise DeviceError(
-                f"optim.name={recipe.optim.name} with train.strategy=fsdp: FSDP cannot shard or gather "
-                "bitsandbytes' quantized optimizer states into checkpoints; use optim.name=adamw (FSDP "
-                "already shards its state over the devices) or train.strategy=ddp"
-            )
-        if t.precision == "16-mixed":
-            raise DeviceError(
-                "train.precision=16-mixed with train.strategy=fsdp is not supported (fp16 loss scaling "
-                "over shards); use train.precision=bf16-mixed, or train.strategy=ddp on GPUs without bf16"
-            )
-        ft = getattr(recipe, "finetune", None)
-        if ft is not None and ft.method != "full":
-            raise DeviceError(
-                f"finetune.method={ft.method} with train.strategy=fsdp: adapters train a few tensors "
-                "(nothing worth sharding, and the frozen base is saved separately); use "
-                "train.strategy=ddp, or finetune.method=full"
-            )
-    val_windows = recipe.data.val_windows
-    if world_size > 1 and 0 < val_windows < world_size and getattr(recipe, "finetune", None) is None:
-        raise RecipeError(
-            f"data.val_windows={val_windows} is fewer than the {world_size} processes, and every "
-            f"process validates at least one window; set data.val_windows to {world_size} or more (or 0)"
-        )
-
 
 # --------------------------------------------------------------------------------------------
 # strategy

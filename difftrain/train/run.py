@@ -29,7 +29,8 @@ from difftrain.errors import CheckpointError, DeviceError, RecipeError, RunDirEr
 from difftrain.io import LOCK_FILE, RunLock, atomic_write_json, atomic_write_text, remove_stale_temps
 from difftrain.recipe import Recipe, global_batch, resolve_auto, train_seq_len
 from difftrain.rundir import CHECKPOINTS, CONFIG, METRICS, RECIPE, SUMMARY, TOKENIZER
-from difftrain.train.distributed import DistContext, check_strategy
+from difftrain.train.devicecheck import NO_CUDA, check_flex, check_off_cuda, check_strategy
+from difftrain.train.distributed import DistContext
 from difftrain.train.runcheck import Batch, _global_batch, check_run_dir, in_use_message, require_not_in_use
 
 
@@ -80,23 +81,15 @@ def plan_run(recipe: Recipe) -> Plan:
     if accelerator == "auto":
         accelerator = "cuda" if cuda else "cpu"
     if accelerator == "cuda" and not cuda:
-        raise DeviceError(
-            "train.accelerator=cuda but no CUDA GPU is visible here; use train.accelerator=auto or cpu"
-        )
+        raise DeviceError(NO_CUDA)
     if accelerator == "mps" and not (hasattr(torch.backends, "mps") and torch.backends.mps.is_available()):
         raise DeviceError(
             "train.accelerator=mps but Apple MPS is not available here; use train.accelerator=auto"
         )
     resolved = resolve_auto(recipe, cuda=accelerator == "cuda", bf16=bf16 and accelerator == "cuda")
     t = resolved.train
-    if accelerator != "cuda":
-        if t.precision == "16-mixed":
-            raise DeviceError("train.precision=16-mixed needs a CUDA GPU; on CPU use 32-true (or bf16-mixed)")
-        if resolved.optim.name == "paged_adamw8bit":
-            raise DeviceError(
-                "optim.name=paged_adamw8bit needs CUDA; on this machine use optim.name=adamw or adamw8bit"
-            )
-    elif t.precision in ("bf16-mixed", "bf16-true") and not bf16:
+    check_off_cuda(resolved, accelerator)
+    if accelerator == "cuda" and t.precision in ("bf16-mixed", "bf16-true") and not bf16:
         raise DeviceError(f"train.precision={t.precision} but this GPU has no bf16 support; use 16-mixed")
     if t.devices == "auto":
         devices = torch.cuda.device_count() if accelerator == "cuda" else 1
@@ -120,11 +113,7 @@ def plan_run(recipe: Recipe) -> Plan:
             f"{recipe.source or recipe.name}: no model: section; a pretraining recipe needs one "
             "(a fine-tune fills it from finetune.base)"
         )
-    if m.attn_impl == "flex" and accelerator != "cuda":  # found before anything is written
-        raise DeviceError(
-            "model.attn_impl=flex has no backward pass on CPU in this torch; train on CPU with "
-            "model.attn_impl=sdpa (or auto), or use flex on a CUDA GPU"
-        )
+    check_flex(m, accelerator)  # found before anything is written
     seq_len = train_seq_len(t, m.max_seq_len)
     global_bs, accumulate = global_batch(t, devices)
     # written out in the run's recipe.yaml: the global batch is the run's, not the micro-batch's,

@@ -260,6 +260,9 @@ def early_check(recipe: Recipe, *, resume: bool | None, overwrite: bool) -> None
     the checkpoints. Decides nothing else and writes nothing."""
     if recipe.finetune is not None:  # its model and tokenizer come from the base run, read later
         return
+    from difftrain.train.devicecheck import early_device_check
+
+    early_device_check(recipe)  # a GPU-only option where there is no GPU: refused first, as later
     t = recipe.train
     cpu_only = no_cuda_here() and t.accelerator != "cuda"  # (a cuda accelerator is refused later)
     if cpu_only:

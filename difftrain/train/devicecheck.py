@@ -1,0 +1,102 @@
+"""Recipes this machine's devices cannot run, refused with the fix — torch-free, so that where
+torch can see no GPU (`runcheck.no_cuda_here`) a GPU-only option fails in a second, before torch
+and Lightning load, in the words `train.run.plan_run` uses after they have.
+
+`plan_run` (every start and dry run) calls `check_off_cuda` and `check_strategy` on the recipe
+resolved for the machine; `early_device_check` resolves it as `plan_run` would on a machine
+without CUDA and calls the same two.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from difftrain.errors import DeviceError, RecipeError
+from difftrain.recipe import Recipe, resolve_auto
+
+BNB_NAMES = ("adamw8bit", "paged_adamw8bit", "lion8bit")
+
+
+def check_strategy(recipe: Any, accelerator: str, world_size: int) -> None:
+    """Refuse strategy/device/optimizer combinations that cannot work, with the fix.
+
+    `recipe` has its `auto` values resolved (precision, optimizer).
+    """
+    t, strategy = recipe.train, recipe.train.strategy
+    if strategy == "fsdp":
+        if accelerator != "cuda":
+            raise DeviceError(
+                f"train.strategy=fsdp needs CUDA GPUs (Lightning's FSDPStrategy and torch's FSDP refuse "
+                f"{accelerator} devices); on this machine use train.strategy=ddp — train.devices=N then "
+                "runs N processes"
+            )
+        if recipe.optim.name in BNB_NAMES:
+            raise DeviceError(
+                f"optim.name={recipe.optim.name} with train.strategy=fsdp: FSDP cannot shard or gather "
+                "bitsandbytes' quantized optimizer states into checkpoints; use optim.name=adamw (FSDP "
+                "already shards its state over the devices) or train.strategy=ddp"
+            )
+        if t.precision == "16-mixed":
+            raise DeviceError(
+                "train.precision=16-mixed with train.strategy=fsdp is not supported (fp16 loss scaling "
+                "over shards); use train.precision=bf16-mixed, or train.strategy=ddp on GPUs without bf16"
+            )
+        ft = getattr(recipe, "finetune", None)
+        if ft is not None and ft.method != "full":
+            raise DeviceError(
+                f"finetune.method={ft.method} with train.strategy=fsdp: adapters train a few tensors "
+                "(nothing worth sharding, and the frozen base is saved separately); use "
+                "train.strategy=ddp, or finetune.method=full"
+            )
+    val_windows = recipe.data.val_windows
+    if world_size > 1 and 0 < val_windows < world_size and getattr(recipe, "finetune", None) is None:
+        raise RecipeError(
+            f"data.val_windows={val_windows} is fewer than the {world_size} processes, and every "
+            f"process validates at least one window; set data.val_windows to {world_size} or more (or 0)"
+        )
+
+
+NO_CUDA = "train.accelerator=cuda but no CUDA GPU is visible here; use train.accelerator=auto or cpu"
+
+
+def check_off_cuda(resolved: Any, accelerator: str) -> None:
+    """The options that need a CUDA GPU, refused when training runs on `accelerator` (cpu, mps);
+    `resolved` has its auto values fixed for that device."""
+    if accelerator == "cuda":
+        return
+    t = resolved.train
+    if t.precision == "16-mixed":
+        raise DeviceError("train.precision=16-mixed needs a CUDA GPU; on CPU use 32-true (or bf16-mixed)")
+    if resolved.optim.name == "paged_adamw8bit":
+        raise DeviceError(
+            "optim.name=paged_adamw8bit needs CUDA; on this machine use optim.name=adamw or adamw8bit"
+        )
+
+
+def check_flex(model: Any, accelerator: str) -> None:
+    """flex attention trains on CUDA only (no CPU backward in this torch)."""
+    if model.attn_impl == "flex" and accelerator != "cuda":
+        raise DeviceError(
+            "model.attn_impl=flex has no backward pass on CPU in this torch; train on CPU with "
+            "model.attn_impl=sdpa (or auto), or use flex on a CUDA GPU"
+        )
+
+
+def early_device_check(recipe: Recipe) -> None:
+    """Before torch loads, on a Linux or macOS machine where it cannot see a CUDA GPU: the refusals
+    `plan_run` makes there for a pretraining recipe (a cuda accelerator, fp16, paged 8-bit AdamW,
+    FSDP, flex attention). Elsewhere (a GPU driver present, an MPS accelerator) only torch can
+    tell, and this decides nothing."""
+    from difftrain.train.runcheck import no_cuda_here
+
+    t = recipe.train
+    if recipe.finetune is not None or t.accelerator == "mps" or not no_cuda_here():
+        return
+    if t.accelerator == "cuda":
+        raise DeviceError(NO_CUDA)
+    resolved = resolve_auto(recipe, cuda=False, bf16=False)
+    check_off_cuda(resolved, "cpu")
+    devices = 1 if t.devices == "auto" else int(t.devices)
+    check_strategy(resolved, "cpu", devices * t.num_nodes)
+    if resolved.model is not None:
+        check_flex(resolved.model, "cpu")
