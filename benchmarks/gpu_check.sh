@@ -106,9 +106,9 @@ try:
 
     res["device"] = torch.cuda.get_device_name(0) if not cpu else f"cpu ({platform.machine()})"
     res["torch"] = torch.__version__
-    import bitsandbytes
+    from difftrain.runtime import import_bitsandbytes
 
-    res["bitsandbytes"] = bitsandbytes.__version__
+    res["bitsandbytes"] = import_bitsandbytes("the qlora section", "skip it").__version__
 
     # a small synthetic corpus and a tiny diff base pretrained on it
     corpus = work / "corpus"
@@ -281,8 +281,9 @@ try:
     from difftrain.train.metrics import read_metrics
 
     res["torch"] = torch.__version__
-    n = 2 if cpu else max(1, min(torch.cuda.device_count(), 8))
-    res["device"] = f"cpu ({platform.machine()}) x 2 processes" if cpu else f"{torch.cuda.get_device_name(0)} x {n}"
+    # the CPU dry run trains in one process: two-process DDP on CPU is tests/test_distributed.py's
+    n = 1 if cpu else max(1, min(torch.cuda.device_count(), 8))
+    res["device"] = f"cpu ({platform.machine()})" if cpu else f"{torch.cuda.get_device_name(0)} x {n}"
     res["figures"]["devices"] = n
     corpus = work / "corpus"
     corpus.mkdir()
@@ -562,7 +563,8 @@ try:
             a, b, c = (words[int(k)] for k in torch.randint(len(words), (3,), generator=g))
             lines.append(f"def {a}_{j}({b}, {c}):\n    return {b} + {c} * {j}\n\n")
         (corpus / f"m{i:03d}.py").write_text("".join(lines))
-    steps = 30 if cpu else 150
+    steps = 16 if cpu else 150
+    micro = 8 if cpu else 16  # the CPU dry run checks the script, at a quarter of the tokens
     runs = {
         "cpu_fp32": "accelerator: cpu, precision: 32-true, compile: false",
         "fast": ("accelerator: cpu, precision: bf16-mixed, compile: false" if cpu
@@ -579,7 +581,7 @@ seed: 7
 model: {{arch: diff, d_model: 128, n_layers: 2, n_heads: 4, max_seq_len: 128}}
 data: {{sources: [{corpus}], val_windows: 16}}
 tokenizer: {{train: {{vocab_size: 512}}}}
-train: {{max_steps: {steps}, micro_batch_size: 16, {train}, log_every: 10, val_every: 1000, save_every: 1000}}
+train: {{max_steps: {steps}, micro_batch_size: {micro}, {train}, log_every: 10, val_every: 1000, save_every: 1000}}
 optim: {{name: {optims[name]}, lr: 3.0e-3, warmup_steps: 10}}
 logging: {{progress: false, tensorboard: false}}
 """
