@@ -832,6 +832,17 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     return key.split("."), parsed
 
 
+def _text_key(keys: list[str]) -> str | None:
+    """ "text" where the recipe key `keys` holds a `str`, "optional" for `str | None`, else None."""
+    parent = _submodel(Recipe, tuple(keys[:-1])) if len(keys) > 1 else Recipe
+    if parent is None or keys[-1] not in parent.model_fields:
+        return None
+    annotation = parent.model_fields[keys[-1]].annotation
+    if annotation is str:
+        return "text"
+    return "optional" if set(typing.get_args(annotation)) == {str, type(None)} else None
+
+
 def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
     for i, text in enumerate(overrides):  # `train.max_steps = 3`: the shell made three words of it
         prev = overrides[i - 1] if i > 0 else None
@@ -848,6 +859,16 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
     out = copy.deepcopy(data)
     for text in overrides:
         keys, value = parse_override(text)
+        text_kind = None if isinstance(value, str) else _text_key(keys)
+        if text_kind is not None:
+            # a text key takes the text as typed: name=2024-01-01, description=Run: small,
+            # finetune.prompt_format={prompt} (YAML would make a date, a mapping, a mapping);
+            # null stays null where the key may be unset
+            raw = text.partition("=")[2]
+            if not (
+                text_kind == "optional" and value is None and raw.strip() in ("", "~", "null", "Null", "NULL")
+            ):
+                value = raw
         node = out
         for i, k in enumerate(keys[:-1]):
             nxt = node.get(k)

@@ -149,6 +149,29 @@ def test_overrides_are_typed_by_the_schema(tmp_path):
     assert r.train.grad_clip is None
 
 
+@pytest.mark.parametrize(
+    "override, key, value",
+    [
+        ("name=123", "name", "123"),
+        ("name=on", "name", "on"),
+        ("name=2024-01-01", "name", "2024-01-01"),
+        ("description=Run: small", "description", "Run: small"),
+        ("description=null", "description", "null"),  # a key that must hold text takes the word
+        ("finetune.prompt_format={prompt}", "finetune.prompt_format", "{prompt}"),
+        ("finetune.prompt_format=### {prompt}", "finetune.prompt_format", "### {prompt}"),
+        ("tokenizer.path=null", "tokenizer.path", None),  # a key that may be unset is unset
+        ("tokenizer.path=~", "tokenizer.path", None),
+    ],
+)
+def test_a_text_key_takes_the_override_as_typed_where_yaml_would_read_something_else(override, key, value):
+    # YAML makes 123 a number, on a boolean, a date a date, `a: b` and {prompt} mappings, `# x` nothing
+    r = load_recipe("finetune-quickstart", [override])
+    got = r
+    for part in key.split("."):
+        got = getattr(got, part)
+    assert got == value
+
+
 def test_bad_override_says_override(tmp_path):
     with pytest.raises(RecipeError, match=r"override `train.max_steps`"):
         load_recipe(write(tmp_path, MINIMAL), ["train.max_steps=-5"])
