@@ -268,13 +268,18 @@ def load_run(path: Path | str, device: str | torch.device = "cpu", dtype: torch.
 def imported_from(path: Path) -> str | None:
     """Where `difftrain import` took the run's weights from (their safetensors metadata), or None
     for a trained run (or weights that cannot be read)."""
-    from safetensors import safe_open
-
+    # read from the file's JSON header, without torch (safetensors' safe_open imports it): the
+    # early run-folder check before torch loads asks too
     try:
-        with safe_open(str(Path(path) / WEIGHTS), framework="pt") as f:
-            return (f.metadata() or {}).get("imported_from")
-    except Exception:  # missing or unreadable weights: not this function's error to report
-        return None
+        with open(Path(path) / WEIGHTS, "rb") as f:
+            size = int.from_bytes(f.read(8), "little")
+            if not 0 < size <= 100 << 20:
+                return None
+            meta = json.loads(f.read(size)).get("__metadata__") or {}
+    except (OSError, ValueError, AttributeError):  # missing or unreadable weights: not this
+        return None  # function's error to report
+    src = meta.get("imported_from") if isinstance(meta, dict) else None
+    return src if isinstance(src, str) else None
 
 
 def read_summary(path: Path) -> dict:

@@ -242,6 +242,30 @@ def test_recipe_of_an_imported_run_loads_and_points_at_its_tokenizer(tmp_path, t
     ).resolve()
 
 
+def test_pretraining_into_an_imported_run_is_refused_before_torch_with_what_to_do_instead(
+    tmp_path, tok, cli_probe
+):
+    from difftrain.rundir import imported_from
+
+    run = write_run(tmp_path / "run", build_model(tok, "diff"), tok)
+    export_hf(run, tmp_path / "hf")
+    dst = tmp_path / "runs" / "imported"
+    import_hf(tmp_path / "hf", dst)
+    assert imported_from(dst) == str(tmp_path / "hf") and imported_from(run) is None
+    before = {p.name: p.read_bytes() for p in dst.iterdir()}
+    # the run folder as a recipe, resumed or not: "a different run … resume it with this very command" before
+    done = cli_probe(
+        [["pretrain", str(dst), "--resume"], ["pretrain", str(dst)], ["pretrain", str(dst), "--dry-run"]],
+        tmp_path,
+    )
+    assert done.codes == [2, 2, 2] and done.loaded == [], done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 3 and len(set(lines)) == 1, lines
+    assert f"holds a model imported from {tmp_path / 'hf'} by `difftrain import`" in lines[0]
+    assert f"fine-tune it (finetune.base: {dst})" in lines[0] and "--resume" not in lines[0]
+    assert {p.name: p.read_bytes() for p in dst.iterdir()} == before
+
+
 def test_import_without_the_sidecar_computes_the_same_function_with_unit_subln(tmp_path, tok):
     model = build_model(tok, "diff", 8, 4)
     run = write_run(tmp_path / "run", model, tok)

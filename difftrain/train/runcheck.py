@@ -19,7 +19,7 @@ from typing import Any
 from difftrain.errors import RecipeError, RunDirError
 from difftrain.io import LOCK_FILE, TEMP_GLOB, RunLock
 from difftrain.recipe import Recipe, global_batch, resolve_auto
-from difftrain.rundir import CONFIG, RECIPE, TOKENIZER, holds_run
+from difftrain.rundir import CONFIG, RECIPE, TOKENIZER, holds_run, imported_from
 
 # What a run's start writes before its first step: a folder holding only these trained nothing.
 STARTUP_FILES = {RECIPE, CONFIG, TOKENIZER}
@@ -182,6 +182,14 @@ def check_run_dir(
         if resume is True:
             raise RunDirError(f"{asked}: {run_dir} holds no run yet; start it without resuming")
         return None
+    src = imported_from(run_dir)
+    if src is not None:  # its recipe.yaml describes the model, not a training to continue
+        command = "finetune" if recipe.finetune is not None else "pretrain"
+        raise RunDirError(
+            f"{run_dir} holds a model imported from {src} by `difftrain import`, which has no training "
+            f"to resume or {command} into; fine-tune it (finetune.base: {run_dir}), train into another "
+            "`name`, or replace it with --overwrite"
+        )
     if not existing.is_file():
         if holds_run(run_dir):  # a run that lost its recipe (its config.json is there)
             raise RunDirError(
