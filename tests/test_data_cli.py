@@ -134,3 +134,28 @@ def test_prepare_sends_a_fine_tuning_recipe_to_its_dry_run(capsys: pytest.Captur
     err = capsys.readouterr().err
     assert "finetune-quickstart is a fine-tuning recipe (finetune.base: runs/quickstart)" in err
     assert "`difftrain finetune finetune-quickstart --dry-run`" in err
+
+
+def test_the_dry_run_checks_the_splits_of_prepared_data_as_the_run_does(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    recipe = write_recipe(tmp_path)
+    monkeypatch.setenv("COLUMNS", "250")
+    monkeypatch.chdir(tmp_path)
+    assert main(["pretrain", str(recipe), "data.val_fraction=0", "--dry-run"]) == 0  # not prepared:
+    assert "not prepared yet" in capsys.readouterr().out  # the run finds out, and the row says so
+    for overrides in (["data.val_fraction=0"], []):
+        assert main(["prepare", str(recipe), "--no-progress", *overrides]) == 0
+    capsys.readouterr()
+    # prepared: an empty validation split is refused by the dry run in the run's words
+    assert main(["pretrain", str(recipe), "data.val_fraction=0", "--dry-run"]) == 2
+    assert "error: the validation split has 0 tokens, fewer than one window of max_seq_len + 1 = 33" in (
+        capsys.readouterr().err
+    )
+    assert main(["pretrain", str(recipe), "data.val_fraction=0", "data.val_windows=0", "--dry-run"]) == 0
+    assert main(["pretrain", str(recipe), "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"prepared: [\d,]+ training · [\d,]+ validation tokens", out), out
+    assert main(["pretrain", str(recipe), "model.max_seq_len=100000", "--dry-run"]) == 2
+    assert "the training split has" in capsys.readouterr().err
+    assert not (tmp_path / "runs").exists()

@@ -142,12 +142,14 @@ def pretrain_command(
             dry_run=True,
         )
         warnings = _check_inputs(plan.recipe) + dry_run_warnings(plan, point)
+        data = _check_cached_data(plan)
         shared = dry_run_rows(plan, resuming, point, overwrite)
         m = plan.recipe.model
         rows = [
             ("recipe", r.source),
             ("run", shared["run"]),
             ("model", f"{m.arch} d_model={m.d_model} n_layers={m.n_layers}"),
+            ("data", data),
             ("batch", f"{plan.global_batch_size} × {plan.seq_len} (accumulate {plan.accumulate})"),
             ("steps", str(plan.max_steps)),
             ("device", shared["device"]),
@@ -157,6 +159,20 @@ def pretrain_command(
             warn(w)
         return
     _train(r, resume=resume, overwrite=overwrite, progress=progress)
+
+
+def _check_cached_data(plan: Any) -> str:
+    """The dry run's data row. Where the data is prepared already (the cache holds its tokenizer
+    and shards), its splits are checked against the sequence length as the run checks them."""
+    from difftrain.data.shards import cached_index, check_split_sizes
+
+    r = plan.recipe
+    index = cached_index(r.data, r.tokenizer, seed=r.seed, base_dir=r.recipe_dir)
+    if index is None:
+        return "not prepared yet: the run tokenizes it first (`difftrain prepare RECIPE` does it now and checks the splits)"
+    train, val = index["train"]["tokens"], index["val"]["tokens"]
+    check_split_sizes(train, val, plan.seq_len, r.data.val_windows)
+    return f"prepared: {train:,} training · {val:,} validation tokens"
 
 
 def _check_vocab(r: Any, size: int) -> str | None:

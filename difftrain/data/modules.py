@@ -27,7 +27,14 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from difftrain.data.config import DataConfig
-from difftrain.data.shards import PreparedData, open_shards, training_repeats, unit_hash, val_window_offsets
+from difftrain.data.shards import (
+    PreparedData,
+    check_split_sizes,
+    open_shards,
+    training_repeats,
+    unit_hash,
+    val_window_offsets,
+)
 from difftrain.data.sources import SourceStats, require_documents, resolve_sources
 from difftrain.data.tokenizer import Tokenizer
 from difftrain.errors import DataError
@@ -260,16 +267,7 @@ class PretrainDataModule(_ResumableDataModule):
         self.train_data = _Memmap(train_path, dtype, index["train"]["tokens"])
         self.val_data = _Memmap(val_path, dtype, index["val"]["tokens"])
         window = seq_len + 1
-        if self.train_data.n_tokens < window:
-            raise DataError(
-                f"the training split has {self.train_data.n_tokens} tokens, fewer than one window of "
-                f"max_seq_len + 1 = {window}; add data or lower model.max_seq_len"
-            )
-        if val_windows > 0 and self.val_data.n_tokens < window:
-            raise DataError(
-                f"the validation split has {self.val_data.n_tokens} tokens, fewer than one window of "
-                f"max_seq_len + 1 = {window}; raise data.val_fraction, or set data.val_windows: 0"
-            )
+        check_split_sizes(self.train_data.n_tokens, self.val_data.n_tokens, seq_len, val_windows)
         distinct = self.val_data.n_tokens - window + 1  # windows with different starts
         self.val_note: str | None = None
         if val_windows > distinct:  # more would repeat windows, and cost time for nothing

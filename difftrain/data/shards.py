@@ -250,6 +250,22 @@ def _training_texts(
         progress(PrepareProgress("tokenizer", "", docs, used, 0, total))
 
 
+def _tokenizer_key(data_cfg: DataConfig, tok_cfg: TokenizerConfig, sources: list[Source]) -> str:
+    """The cache key of the tokenizer trained on `sources` as `tok_cfg.train` says."""
+    import tokenizers
+
+    return _key(
+        {
+            "format": FORMAT_VERSION,
+            "sources": [s.fingerprint() for s in sources],
+            "on_bad_record": data_cfg.on_bad_record,
+            "train": tok_cfg.train.model_dump(mode="json"),
+            "tokenizers": ".".join(tokenizers.__version__.split(".")[:2]),
+            "sample": 2,  # _training_texts samples pieces of documents (1: whole documents)
+        }
+    )
+
+
 def prepare_tokenizer(
     data_cfg: DataConfig,
     tok_cfg: TokenizerConfig,
@@ -272,19 +288,7 @@ def prepare_tokenizer(
         return final / "tokenizer.json", False, time.perf_counter() - t0
 
     sources = resolve_sources(data_cfg, base_dir) if sources is None else sources
-    import tokenizers
-
-    key = _key(
-        {
-            "format": FORMAT_VERSION,
-            "sources": [s.fingerprint() for s in sources],
-            "on_bad_record": data_cfg.on_bad_record,
-            "train": tok_cfg.train.model_dump(mode="json"),
-            "tokenizers": ".".join(tokenizers.__version__.split(".")[:2]),
-            "sample": 2,  # _training_texts samples pieces of documents (1: whole documents)
-        }
-    )
-    final = root / key
+    final = root / _tokenizer_key(data_cfg, tok_cfg, sources)
     path = final / "tokenizer.json"
     if path.is_file():
         try:
@@ -470,6 +474,60 @@ def _valid_entry(final: Path) -> dict[str, Any] | None:
         return None
 
 
+def _shards_key(
+    sources: list[Source], tok: Tokenizer, data_cfg: DataConfig, seed: int
+) -> tuple[str, dict[str, Any], str]:
+    """(sources' fingerprint, the split settings, the cache key) of the shards `prepare_data` builds."""
+    fingerprint = sources_fingerprint(sources)
+    settings = {
+        "val_fraction": data_cfg.val_fraction,
+        "on_bad_record": data_cfg.on_bad_record,
+        "seed": seed,
+        "weights": [s.spec.weight for s in sources],
+    }
+    key = _key({"format": FORMAT_VERSION, "fingerprint": fingerprint, "tokenizer": tok.sha256, **settings})
+    return fingerprint, settings, key
+
+
+def cached_index(
+    data_cfg: DataConfig, tok_cfg: TokenizerConfig, *, seed: int, base_dir: str | os.PathLike[str]
+) -> dict[str, Any] | None:
+    """The index.json of the shards `prepare_data` would serve from the cache for this data, or
+    None when it would build them (or its tokenizer) first. Reads no documents, writes nothing."""
+    base = Path(base_dir).expanduser().resolve()
+    sources = resolve_sources(data_cfg, base)
+    tok_file = tok_cfg.file(base)
+    path = (
+        tok_file
+        or data_cfg.resolved_cache_dir()
+        / "tokenizers"
+        / _tokenizer_key(data_cfg, tok_cfg, sources)
+        / "tokenizer.json"
+    )
+    try:
+        tok = load_tokenizer(path)
+    except DataError:  # not trained yet (or damaged: the run trains it again)
+        return None
+    return _valid_entry(
+        data_cfg.resolved_cache_dir() / "shards" / _shards_key(sources, tok, data_cfg, seed)[2]
+    )
+
+
+def check_split_sizes(train_tokens: int, val_tokens: int, seq_len: int, val_windows: int) -> None:
+    """Refuse splits too short for one window of seq_len + 1 tokens (validation only if it runs)."""
+    window = seq_len + 1
+    if train_tokens < window:
+        raise DataError(
+            f"the training split has {train_tokens} tokens, fewer than one window of "
+            f"max_seq_len + 1 = {window}; add data or lower model.max_seq_len"
+        )
+    if val_windows > 0 and val_tokens < window:
+        raise DataError(
+            f"the validation split has {val_tokens} tokens, fewer than one window of "
+            f"max_seq_len + 1 = {window}; raise data.val_fraction, or set data.val_windows: 0"
+        )
+
+
 def prepare_data(
     data_cfg: DataConfig,
     tok_cfg: TokenizerConfig,
@@ -492,14 +550,7 @@ def prepare_data(
         data_cfg, tok_cfg, base_dir=base, sources=sources, progress=progress
     )
     tok = load_tokenizer(tok_path)
-    fingerprint = sources_fingerprint(sources)
-    settings = {
-        "val_fraction": data_cfg.val_fraction,
-        "on_bad_record": data_cfg.on_bad_record,
-        "seed": seed,
-        "weights": [s.spec.weight for s in sources],
-    }
-    key = _key({"format": FORMAT_VERSION, "fingerprint": fingerprint, "tokenizer": tok.sha256, **settings})
+    fingerprint, settings, key = _shards_key(sources, tok, data_cfg, seed)
     final = data_cfg.resolved_cache_dir() / "shards" / key
     index = _valid_entry(final)
     from_cache = index is not None
