@@ -435,6 +435,10 @@ def test_bad_chat_records_are_skipped_under_skip_and_counted_at_start(ws, tmp_pa
     data = tmp_path / "chat.jsonl"
     data.write_text("\n".join(lines) + "\n")
     p = ws(name="skip", steps=1, save_every=1, data=data)
+    # the dry run names the skipped records as the run's start does
+    assert main(["finetune", str(p), "--dry-run", "data.on_bad_record=skip"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "skipped records" in out and "2 malformed (data.on_bad_record: skip); the first:" in out
     assert main(["finetune", str(p), "--no-progress", "data.on_bad_record=skip"]) == 0
     out = " ".join(capsys.readouterr().out.split())
     assert "skipped records" in out and "2 malformed (data.on_bad_record: skip); the first:" in out

@@ -193,6 +193,8 @@ def _dry_run(r: Any, *, resume: bool | None, overwrite: bool) -> None:
         ("method", method),
         ("data", data),
     ]
+    if d["data_format"] == "instruction":  # what data.on_bad_record: skip drops, as the run's start says
+        rows += skipped_records_row(d["records"]["bad_records"], d["records"]["bad_examples"])
     if d["new_tokens"]:
         rows.append(
             ("new tokens", f"{', '.join(d['new_tokens'])} (vocab {d['base_vocab_size']} → {m.vocab_size})")
