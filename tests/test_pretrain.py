@@ -1017,3 +1017,53 @@ def test_gpu_only_options_are_refused_before_torch_loads_where_no_gpu_driver_is(
     assert len(errors) == len(GPU_ONLY) + 1 and all(e.startswith("error: ") for e in errors), errors
     assert "fsdp needs CUDA GPUs" in errors[3] and "fsdp needs CUDA GPUs" in errors[-1]
     assert not (p.parent / "runs").exists()  # nothing written
+
+
+def train_rows(run_dir: Path) -> list[tuple[int, float]]:
+    return [(r["step"], r["train/loss"]) for r in read_metrics(run_dir / "metrics.csv") if "train/loss" in r]
+
+
+@pytest.mark.parametrize(
+    "length", [[], ["train.max_steps=null", "train.max_tokens=860"]], ids=["steps", "tokens"]
+)
+def test_the_last_step_is_logged_whatever_log_every_and_a_longer_resume_repeats_no_row(workspace, length):
+    """metrics.csv's curve ends at the loss summary.json reports, also when max_steps (given, or
+    ceil(max_tokens / 128 tokens per step) = 7) is not a multiple of log_every."""
+    first = pretrain(load_recipe(workspace(name="r", steps=7), ["train.log_every=10", *length]))
+    rows = train_rows(first.run_dir)
+    assert [s for s, _ in rows] == [1, 7]
+    assert rows[-1][1] == first.summary["final_train_loss"]
+    more = pretrain(load_recipe(first.run_dir, ["train.max_steps=12", "train.max_tokens=null"]), resume=True)
+    rows = train_rows(first.run_dir)
+    assert [s for s, _ in rows] == [1, 7, 10, 12]  # in order, step 7 once
+    assert rows[-1][1] == more.summary["final_train_loss"]
+
+
+class StopAtValidation(L.Callback):
+    """A SIGTERM that arrives during the validation of step `step`, after its train row was due."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_validation_start(self, trainer, pl_module):
+        if trainer.state.fn == "fit" and trainer.global_step == self.step:
+            run_cb = next(c for c in trainer.callbacks if isinstance(c, RunCallback))
+            run_cb._stop_signal = signal.SIGTERM
+
+
+@pytest.mark.parametrize(
+    ("stop", "step"), [(StopAt, 3), (StopAtValidation, 4)], ids=["after-a-step", "during-its-validation"]
+)
+def test_a_stopped_run_logs_the_step_it_stops_at_and_its_resume_goes_on_from_there(workspace, stop, step):
+    p = workspace(name="s", steps=12, save_every=4)
+    with pytest.raises(StopRequested) as stopped:
+        pretrain(load_recipe(p, ["train.log_every=10"]), extra_callbacks=[stop(step)])
+    assert stopped.value.step == step
+    run_dir = p.parent / "runs" / "s"
+    summary = json.loads((run_dir / "summary.json").read_text())
+    rows = train_rows(run_dir)
+    assert [s for s, _ in rows] == [1, step] and rows[-1][1] == summary["final_train_loss"]
+    resumed = pretrain(load_recipe(run_dir), resume=True)
+    assert resumed.resumed_from == step
+    assert [s for s, _ in train_rows(run_dir)] == [1, step, 10, 12]
+    assert sorted(val_losses(run_dir)) == [4, 8, 12]

@@ -7,7 +7,9 @@
 - SIGINT / SIGTERM: the current step finishes, a checkpoint is written, the resume command is
   printed, and the process exits 130 / 143 (the CLI maps `StopRequested`). A second Ctrl-C exits
   at once; since every write is atomic, nothing is corrupted;
-- metrics every `log_every` steps (loss, lr, tokens, tokens/s, grad norm, λ per `diff` layer);
+- metrics every `log_every` steps, and at step 1, the last step and the step a signal stops at
+  (loss, lr, tokens, tokens/s, grad norm, λ per `diff` layer): metrics.csv's last train/loss is
+  the summary's final_train_loss whatever log_every;
 - loss spikes (loss > spike_factor × its running mean): a warning and a `train/spike` row; with
   `spike_rollback`, the weights and optimizer state of the last checkpoint are restored and the
   learning rate scaled by `spike_lr_factor` (training goes on with the next batches, as PaLM did);
@@ -184,6 +186,7 @@ class RunCallback(L.Callback):
         self.peak_flops: float | None = None
         self._sec_per_step: float | None = None
         self._lines = False
+        self._logged_step = 0  # the newest step with a train row (a resume: the step it starts from)
 
     # ---- signals ---------------------------------------------------------------------------
     def _on_signal(self, signum: int, frame: Any) -> None:
@@ -224,6 +227,7 @@ class RunCallback(L.Callback):
         self._window_t = time.perf_counter()
         self._window_step = trainer.global_step
         self._window_tokens = pl_module.tokens_seen
+        self._logged_step = trainer.global_step
         self.state.saved_step = trainer.global_step if trainer.global_step > 0 else -1
         # Validation every val_every optimizer steps, decided here rather than by Lightning, which
         # counts micro-batches since the run began: a resume that splits the global batch into
@@ -263,9 +267,15 @@ class RunCallback(L.Callback):
                 self._stop(trainer, pl_module)
             return
         step = trainer.global_step
-        if step % self.log_every == 0 or step == 1:
-            self._log(trainer, pl_module, step)
-            self._line(trainer, pl_module, step)
+        # step 1, every log_every-th, the last (max_steps may come from max_tokens) and the one a
+        # signal stops at: the curve in metrics.csv always reaches the loss the summary reports
+        if (
+            step % self.log_every == 0
+            or step == 1
+            or 0 < trainer.max_steps <= step
+            or self._stop_signal is not None
+        ):
+            self._log_step(trainer, pl_module, step)
         self._check_spike(trainer, pl_module, step)
         self._show(trainer, pl_module)
         if not self.validates(trainer, pl_module):  # else after the validation (on_validation_end)
@@ -388,6 +398,12 @@ class RunCallback(L.Callback):
             "from here on"
         )
 
+    def _log_step(self, trainer: L.Trainer, pl_module: Any, step: int) -> None:
+        """The train row of optimizer step `step` in the metrics, and its plain log line."""
+        self._log(trainer, pl_module, step)
+        self._line(trainer, pl_module, step)
+        self._logged_step = step
+
     def _log(self, trainer: L.Trainer, pl_module: Any, step: int) -> None:
         now = time.perf_counter()
         steps = step - self._window_step
@@ -487,8 +503,17 @@ class RunCallback(L.Callback):
 
     def _stop(self, trainer: L.Trainer, pl_module: Any) -> None:
         signum = self._stop_signal or signal.SIGINT
-        if self.state.saved_step != trainer.global_step:
-            self.save(trainer, pl_module)
+        step = trainer.global_step
+        # a signal that came after the step's own row (during its validation, or before a skipped
+        # step) still ends the curve at the step the run stops at, which the summary reports
+        logged = step > self._logged_step
+        if logged:
+            self._log_step(trainer, pl_module, step)
+        if self.state.saved_step != step:
+            self.save(trainer, pl_module)  # writes the metrics first
+        elif logged and trainer.is_global_zero:
+            for logger in trainer.loggers:
+                logger.save()
         self._finish()
         raise StopRequested(signum, trainer.global_step)
 
