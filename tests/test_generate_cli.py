@@ -587,3 +587,36 @@ def test_option_mistakes_and_a_folder_without_a_model_are_refused_before_torch_l
     assert len(errors) == len(mistakes), errors
     for (command, says), line in zip(mistakes.items(), errors, strict=True):
         assert line.startswith("error: ") and says in line, (command, line)
+
+
+@pytest.mark.parametrize(
+    ("command", "commands"),
+    [
+        ("chat", ["/reset", "/set", "/show", "/help", "/quit"]),
+        ("generate", ["/set", "/show", "/help", "/quit"]),
+    ],
+)
+def test_help_in_each_repl_lists_its_commands_one_line_each(
+    tmp_path, run_dir, capsys, monkeypatch, command, commands
+):
+    # chat's /help printed `chat --help` (no /set, /show) though its banner and its "unknown
+    # command" error send the user to /help for the commands
+    printed: list[str] = []  # what the REPL wrote to stderr before each read of the keyboard
+    inputs = iter(["/help", "/quit"])
+
+    def fake_input(prompt=""):
+        printed.append(capsys.readouterr().err)
+        return next(inputs)
+
+    monkeypatch.setattr(builtins, "input", fake_input)
+    if command == "chat":
+        run = finetuned_run(tmp_path / "chat", {"data_format": "instruction"})
+        code = main(["chat", str(run), "--seed", "0"])
+    else:
+        code = main(["generate", str(run_dir), "--interactive", "--seed", "0"])
+    assert code == 0
+    help_text = printed[1]  # the answer to /help
+    listed = [line.split()[0] for line in help_text.splitlines() if line.lstrip().startswith("/")]
+    assert listed == commands, help_text
+    assert all(len(line.split()) > 2 for line in help_text.splitlines() if line.lstrip().startswith("/"))
+    assert "--" not in help_text.replace("--system", "")  # the REPL's commands, not the options

@@ -53,8 +53,8 @@ CHAT_HELP = (
     "runs not fine-tuned on messages), adds the assistant header, and streams the reply until the "
     "template's end marker (<|end|>) or <|eos|>. When the conversation outgrows max_seq_len, the oldest "
     "exchanges are dropped, with a note (the system message is kept); a reply stops when it fills the "
-    "context. Ctrl-C stops a reply; /reset starts over; "
-    "Ctrl-D or /quit exits."
+    "context. Ctrl-C stops a reply; /reset starts over; /help lists the commands (/set and /show change "
+    "and print the sampling settings); Ctrl-D or /quit exits."
 )
 
 _ESCAPES = {"n": "\n", "t": "\t", "\\": "\\"}
@@ -372,11 +372,27 @@ _SETTABLE = {
     "greedy": _switch,
 }
 
-REPL_HELP = """Type a prompt and press Enter; its continuation streams below it.
-  a line ending in \\ continues on the next line; \\n and \\t are a newline and a tab
-  Ctrl-C stops a generation (and clears the line at the prompt); Ctrl-D or /quit exits
-  /set KEY VALUE changes a setting: max_new_tokens, temperature, top_k, top_p, min_p,
-      repetition_penalty, greedy      /show prints the settings      /help prints this"""
+_INPUT_HELP = "  a line ending in \\ continues on the next line; \\n and \\t are a newline and a tab\n"
+# the commands of both REPLs (`_command` and the loops), one line each
+_COMMANDS_HELP = f"""  /set KEY VALUE   changes a setting: {", ".join(["max_new_tokens", *_SETTABLE])}
+  /show            prints the settings
+  /help            prints this
+  /quit            exits (so do /exit and Ctrl-D)"""
+
+REPL_HELP = (
+    "Type a prompt and press Enter; its continuation streams below it.\n"
+    + _INPUT_HELP
+    + "  Ctrl-C stops a generation (and clears the line at the prompt)\n"
+    + _COMMANDS_HELP
+)
+
+CHAT_REPL_HELP = (
+    "Type a message and press Enter; the assistant's reply streams below it.\n"
+    + _INPUT_HELP
+    + "  Ctrl-C stops a reply (and clears the line at the prompt)\n"
+    + "  /reset           forgets the conversation (a --system message stays)\n"
+    + _COMMANDS_HELP
+)
 
 
 def _error(message: str) -> None:
@@ -521,11 +537,7 @@ class Chat:
 def chat_repl(session: Session, chat: Chat) -> None:
     """Read user turns until EOF; stream each reply; drop old turns when the context is full."""
     _enable_history()
-    err_console.print(
-        "[dim]Type a message and press Enter (a line ending in \\ continues). Ctrl-C stops a reply, "
-        "/reset forgets the conversation, Ctrl-D or /quit exits; /set, /show and /help as in generate -i.",
-        soft_wrap=True,
-    )
+    err_console.print(f"[dim]{escape(CHAT_REPL_HELP)}", soft_wrap=True)
     tokenizer, limit = session.run.tokenizer, session.run.config.max_seq_len
     while True:
         try:
@@ -543,7 +555,7 @@ def chat_repl(session: Session, chat: Chat) -> None:
             chat.messages.clear()
             err_console.print("[dim](conversation cleared)", soft_wrap=True)
             continue
-        if cmd == "" or _command(session, cmd, CHAT_HELP):
+        if cmd == "" or _command(session, cmd, CHAT_REPL_HELP):
             continue
         chat.messages.append({"role": "user", "content": unescape(line)})
         try:
