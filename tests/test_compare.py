@@ -8,6 +8,8 @@ import os
 import shutil
 
 import pytest
+import torch
+import yaml
 from test_eval import make_run
 
 from difftrain.cli.app import main
@@ -53,6 +55,13 @@ def write_training_files(
         "best_val_loss": min(r["val/loss"] for r in rows if "val/loss" in r),
     }
     (run / "summary.json").write_text(json.dumps(summary))
+
+
+def read_corpus_of(run, other) -> None:
+    """Point run's recipe at the data sources of `other` (make_run gives each folder its own)."""
+    recipe = yaml.safe_load((run / "recipe.yaml").read_text())
+    recipe["data"]["sources"] = yaml.safe_load((other / "recipe.yaml").read_text())["data"]["sources"]
+    (run / "recipe.yaml").write_text(yaml.safe_dump(recipe))
 
 
 @pytest.fixture(scope="module")
@@ -254,6 +263,7 @@ def test_a_lock_file_that_cannot_be_read_is_a_note_not_a_failed_compare(pair, tm
 def test_a_context_length_difference_is_noted_without_advice_no_option_can_follow(pair, tmp_path):
     a, _ = pair
     short = make_run(tmp_path, "short", "diff", tokenizer=load_run(a).tokenizer, max_seq_len=64)
+    read_corpus_of(short, a)  # the same validation data: the context length is the only difference
     save_result(short, evaluate(load_run(short), "ppl", EvalOptions(windows=2)))
     notes = [n for n in compare_runs([a, short]).notes if n.startswith("ppl:")]
     assert notes == [
@@ -347,3 +357,59 @@ def test_data_labels_name_the_source():
         "**/*.md": "data",
     }
     assert {s: data_label(s) for s in cases} == cases
+
+
+def test_compare_notes_results_measured_on_different_data_or_at_different_precisions(pair, tmp_path, capsys):
+    import random
+
+    from test_eval import filler_sentence
+
+    a, _ = pair
+    other = make_run(tmp_path, "other", "diff", tokenizer=load_run(a).tokenizer)
+    corpus = tmp_path / "other-corpus"
+    corpus.mkdir()
+    (corpus / "x.txt").write_text(" ".join(filler_sentence(random.Random(9)) for _ in range(400)))
+    recipe = yaml.safe_load((other / "recipe.yaml").read_text())
+    recipe["data"]["sources"] = [str(corpus)]
+    (other / "recipe.yaml").write_text(yaml.safe_dump(recipe))
+    save_result(other, evaluate(load_run(other, dtype=torch.bfloat16), "ppl", EvalOptions(windows=2)))
+    doc = json.loads((other / "eval" / "ppl.json").read_text())
+    # both say `data: validation`; what the split was drawn from tells them apart
+    assert doc["settings"]["data"] == "validation" and doc["settings"]["sources"] == [str(corpus)]
+    a_corpus = yaml.safe_load((a / "recipe.yaml").read_text())["data"]["sources"][0]
+    notes = [n for n in compare_runs([a, other]).notes if n.startswith("ppl:")]
+    assert notes == [
+        f"ppl: a-diff and other were measured on different data (the validation split of {a_corpus} vs the "
+        f"validation split of {corpus}); to rank them on the same text, evaluate both on one source neither "
+        "trained on, `difftrain eval RUN --suite ppl --data PATH`, and compare the `ppl@<label>` results",
+        f"ppl: a-diff was evaluated in float32 and other in bfloat16; rerun `difftrain eval {other} --suite ppl "
+        "--dtype float32` to compare them at one precision",
+    ]
+    # --show says the precision; the suggested rerun replaces the result, says so, and the note goes
+    assert main(["eval", str(other), "--show", "--suite", "ppl"]) == 0
+    assert " on cpu in bfloat16" in capsys.readouterr().out
+    assert main(["eval", str(other), "--suite", "ppl", "--windows", "2", "--dtype", "float32"]) == 0
+    out = capsys.readouterr().out
+    assert "ppl.json (float32, " in out and "s; replaced the bfloat16 result)" in out
+    assert not any("precision" in n for n in compare_runs([a, other]).notes)
+
+    # results written before `sources` was recorded still compare, by the text they name
+    for run in (a, other):
+        shutil.copytree(run, tmp_path / "old" / run.name)
+    old_a, old_other = tmp_path / "old" / a.name, tmp_path / "old" / "other"
+    for run in (old_a, old_other):
+        stored = json.loads((run / "eval" / "ppl.json").read_text())
+        del stored["settings"]["sources"]
+        (run / "eval" / "ppl.json").write_text(json.dumps(stored))
+    notes = [n for n in compare_runs([old_a, old_other]).notes if n.startswith("ppl:")]
+    assert (
+        len(notes) == 1 and f"different data (validation split of {a_corpus} vs validation split" in notes[0]
+    )
+    del stored["results"]["source"]  # nothing says what other's split was drawn from: unknown, not different
+    (old_other / "eval" / "ppl.json").write_text(json.dumps(stored))
+    notes = [n for n in compare_runs([old_a, old_other]).notes if n.startswith("ppl:")]
+    assert notes == [
+        "ppl: the result of other does not record what its validation split was drawn from (an older difftrain "
+        "wrote it), so a-diff and other may have been measured on different data; rerun `difftrain eval RUN "
+        "--suite ppl` on it to record that"
+    ]

@@ -585,3 +585,61 @@ def test_eval_show_prints_stored_results_without_running_and_notes_stale_ones(ru
     assert main(["eval", str(run), "--suite", "ppl@wiki"]) == 2
     assert "print it with --show --suite ppl@wiki" in _error(capsys)
     assert not (run / "eval" / "needle.json").exists() and len(list((run / "eval").iterdir())) == 1
+
+
+def test_a_label_taken_from_the_source_name_never_replaces_another_sources_result(
+    runs, tmp_path, capsys, monkeypatch
+):
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(runs["diff"], run, ignore=shutil.ignore_patterns("eval"))
+    monkeypatch.chdir(tmp_path)
+    rng = random.Random(5)
+    for folder in ("data", "data2", "data/folder/sub"):
+        (tmp_path / folder).mkdir(parents=True)
+        name = "a.txt" if "folder" not in folder else "f.md"
+        (tmp_path / folder / name).write_text(" ".join(filler_sentence(rng) for _ in range(60)))
+    stored = run / "eval" / "ppl@a.json"
+
+    def ppl(*args: str) -> int:
+        return main(["eval", str(run), "--suite", "ppl", "--windows", "2", *args])
+
+    assert ppl("--data", "data/a.txt") == 0
+    first = json.loads(stored.read_text())
+    assert first["settings"]["sources"] == [str(tmp_path / "data" / "a.txt")]  # resolved, as typed elsewhere
+    capsys.readouterr()
+    # another a.txt: refused before the model loads, in one line naming the stored result's source
+    assert ppl("--data", "data2/a.txt") == 2
+    err = _error(capsys)
+    assert f"{stored} holds the result on {tmp_path / 'data' / 'a.txt'}, not data2/a.txt" in err
+    assert (
+        "keep both with --data-label NAME (e.g. --data-label a-2), or replace that result with --data-label a"
+        in err
+    )
+    assert json.loads(stored.read_text()) == first
+    # the same source replaces its own result, as before
+    assert ppl("--data", str(tmp_path / "data" / "a.txt")) == 0
+    assert json.loads(stored.read_text())["created"] >= first["created"]
+    # the suggested label keeps both; the stored label given on purpose replaces it, with a note
+    assert ppl("--data", "data2/a.txt", "--data-label", "a-2") == 0
+    assert json.loads((run / "eval" / "ppl@a-2.json").read_text())["settings"]["data"] == "data2/a.txt"
+    capsys.readouterr()
+    assert ppl("--data", "data2/a.txt", "--data-label", "a") == 0
+    assert (
+        f"--data-label a replaces {stored}, the result on {tmp_path / 'data' / 'a.txt'}"
+        in capsys.readouterr().err
+    )
+    assert json.loads(stored.read_text())["settings"]["sources"] == [str(tmp_path / "data2" / "a.txt")]
+    # a glob and its folder share the label `folder`, not the result
+    assert ppl("--data", "data/folder/**/*.md") == 0
+    capsys.readouterr()
+    assert ppl("--data", "data/folder") == 2
+    assert "ppl@folder.json holds the result on " + str(tmp_path / "data/folder/**/*.md") in _error(capsys)
+    # a result written before the resolved source was recorded: the source as typed decides
+    old = json.loads(stored.read_text())
+    del old["settings"]["sources"]
+    stored.write_text(json.dumps(old))
+    assert ppl("--data", "data/a.txt") == 2
+    assert "holds the result on data2/a.txt, not data/a.txt" in _error(capsys)
+    assert ppl("--data", "data2/a.txt") == 0

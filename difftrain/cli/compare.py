@@ -19,7 +19,9 @@ One table: parameters, tokens, wall time, tokens/s, final and best validation lo
 run's summary.json), then the headline figures of every eval suite present in all the runs
 (RUN_DIR/eval/<suite>.json, made by `difftrain eval`; a suite evaluated on another source with
 `eval --data` shows as `suite@label`); the best value of each row is bold. --suite insists on
-given suites (an error names the runs that lack them). --plot draws the
+given suites (an error names the runs that lack them). Notes flag results measured differently:
+other options, other data (a validation split drawn from other sources, another --data source)
+or another precision (eval --dtype), each with the command that evens them out. --plot draws the
 loss curves (train and validation, against tokens and against training time) as a PNG, SVG
 or PDF, by the suffix of the file name.
 """

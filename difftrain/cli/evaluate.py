@@ -42,10 +42,12 @@ Suites (--suite, repeatable or comma-separated; `all` runs every one):
              demonstrations
 
 Results go to RUN_DIR/eval/<suite>.json (on --data: eval/<suite>@<label>.json, the label
-named after the source or given by --data-label, so the validation-split result stays);
-`--show` prints a run's stored results again; `difftrain compare` puts them side by side. Defaults
-take about a minute per suite on a 2-core CPU for the quickstart model; --full runs the
-paper-sized grids, and the grid options set any part explicitly.
+named after the source or given by --data-label, so the validation-split result stays; a
+label named after the source never replaces another source's result: give --data-label);
+a rerun replaces the result, whatever its --dtype (recorded in it). `--show` prints a run's
+stored results again; `difftrain compare` puts them side by side. Defaults take about a
+minute per suite on a 2-core CPU for the quickstart model; --full runs the paper-sized grids,
+and the grid options set any part explicitly.
 """
 
 
@@ -302,7 +304,10 @@ def show_results(run_dir: str, values: list[str] | None, as_json: bool) -> None:
     for key, doc in docs.items():
         render(doc)
         when = doc.get("created", "?")
-        console.print(f"[dim]{result_path(run, key)} · computed {when}[/]", soft_wrap=True)
+        on = (f" on {doc['device']}" if doc.get("device") else "") + (
+            f" in {doc['dtype']}" if doc.get("dtype") else ""
+        )
+        console.print(f"[dim]{result_path(run, key)} · computed {when}{on}[/]", soft_wrap=True)
         if stale(run, doc):
             err_console.print(
                 f"[yellow]note:[/] {key} predates the run's current weights; rerun `{escape(rerun_command(run, key, doc))}`",
@@ -338,7 +343,8 @@ def eval_command(
     data_label: str = typer.Option(
         None,
         "--data-label",
-        help="With --data: the label of its results (default: the source's name, e.g. wiki for data/wiki.txt).",
+        help="With --data: the label of its results (default: the source's name, e.g. wiki for data/wiki.txt); "
+        "a label given here replaces a result of that label on another source.",
     ),
     full: bool = typer.Option(
         False, "--full", help="Paper-sized grids (much slower); explicit options still win."
@@ -412,6 +418,7 @@ def eval_command(
     from difftrain.evals.common import (
         DATA_SUITES,
         check_bits,
+        check_data_label,
         check_depths,
         check_label,
         check_positive,
@@ -446,8 +453,11 @@ def eval_command(
             f"--data applies to the suites that read text ({', '.join(DATA_SUITES)}), not {', '.join(suites)}: "
             "drop --data, or add e.g. --suite ppl"
         )
+    replacing: list[tuple[Path, str]] = []
     if data is not None:
         data_source(data)  # a missing file fails before the model loads
+        # a result on another source under the same label: refused, or replaced with a note
+        replacing = check_data_label(run_dir, [s for s in suites if s in DATA_SUITES], data, opts.data_label)
     check_positive("--batch-size", batch_size)
     for name, v in (("--windows", windows), ("--samples", samples), ("--tokens", tokens)):
         check_positive(name, v)
@@ -462,6 +472,7 @@ def eval_command(
         plots.require()
 
     from difftrain.evals import preflight, save_result
+    from difftrain.evals.common import result_key, split_key
     from difftrain.infer.device import cpu_inference_layout, resolve_device, resolve_dtype
     from difftrain.rundir import load_run
 
@@ -488,17 +499,39 @@ def eval_command(
         )
     for s, why in skipped.items():
         err_console.print(f"[yellow]skipped {s}: {escape(why)}[/]", soft_wrap=True)
+    for path, old in replacing:
+        if split_key(path.stem)[0] in suites:
+            err_console.print(
+                f"[yellow]note:[/] --data-label {escape(str(opts.data_label))} replaces {escape(str(path))}, "
+                f"the result on {escape(old)}",
+                soft_wrap=True,
+            )
     docs = {}
     for s in suites:
         doc = _run_with_progress(run, s, opts, show=not as_json and err_console.is_terminal)
+        before = _stored_dtype(run.path, result_key(s, doc.get("label")))
         path = save_result(run.path, doc)
         docs[s] = doc
         if not as_json:
             render(doc)
-            console.print(f"[dim]saved {path} ({doc['seconds']:.1f} s)[/]")
+            # the precision is no part of a result's name: say when it replaced another one's
+            was = f"; replaced the {before} result" if before not in (None, doc["dtype"]) else ""
+            console.print(f"[dim]saved {path} ({doc['dtype']}, {doc['seconds']:.1f} s{was})[/]")
     if as_json:
         sys.stdout.write(json.dumps(docs, indent=2) + "\n")
         sys.stdout.flush()
+
+
+def _stored_dtype(run_dir: Path, key: str) -> str | None:
+    """The precision of the stored result `key`, which a new one is about to replace (None: none)."""
+    from difftrain.errors import RunDirError
+    from difftrain.evals import load_result
+
+    try:
+        doc = load_result(run_dir, key)
+    except RunDirError:
+        return None
+    return doc.get("dtype") if doc else None
 
 
 def _run_with_progress(run: Any, suite: str, opts: Any, show: bool) -> dict[str, Any]:

@@ -8,7 +8,9 @@ result is one JSON document, written atomically to `RUN_DIR/eval/<suite>.json`:
       "label": null,         set (e.g. "wiki") when the suite ran on `--data`: see below
       "weights": {"size": ..., "mtime_ns": ..., "sample": ...},   which model.safetensors was evaluated
       "created": "2025-01-01T12:00:00+0000", "seconds": 12.3, "device": "cpu", "dtype": "float32",
-      "settings": {...},     everything that decides the numbers (grid, seed, data, windows)
+      "settings": {...},     everything that decides the numbers (grid, seed, data, windows);
+                             a suite that reads text records `data` ("validation" or --data as
+                             written) and `sources`, what it was drawn from, paths made absolute
       "results": {...},      the suite's figures
       "headline": [{"name": "loss", "value": 3.2, "better": "lower", "format": ".4f"}, ...],
       "plots": ["runs/quickstart/eval/needle.png"]
@@ -17,7 +19,12 @@ result is one JSON document, written atomically to `RUN_DIR/eval/<suite>.json`:
 A suite that reads text (ppl, outliers, quant) run on another source with `--data SOURCE` keeps
 its result apart, in `RUN_DIR/eval/<suite>@<label>.json` (the label names the source: `wiki` for
 data/wiki.txt, or `--data-label`), so that it never replaces the validation-split result;
-`result_key` is the file's stem ("ppl" or "ppl@wiki"), the name compare shows it under.
+`result_key` is the file's stem ("ppl" or "ppl@wiki"), the name compare shows it under. A label
+taken from the source's name never replaces the result of another source with the same name
+(data/a.txt, data2/a.txt): `check_data_label` refuses and asks for `--data-label`.
+
+The precision is not part of the name: `eval --dtype float16` replaces the float32 result, which
+records its `dtype`; `--show` prints it and compare notes results measured at different ones.
 
 `headline` is self-describing so that `difftrain compare` can put any suite side by side
 without knowing it; `settings` lets it warn when two runs were evaluated differently.
@@ -257,6 +264,84 @@ def rerun_command(run_dir: Path | str, key: str, doc: dict[str, Any] | None = No
     return cmd
 
 
+def evaluated_source(data: str) -> str:
+    """A `--data` source as a result records it: a local path (file, folder, glob) made absolute
+    against the current folder, so that data/a.txt and data2/a.txt, or the same text typed in
+    two folders, stay apart; builtin: and hub sources as written."""
+    from difftrain.data.config import absolute_source
+
+    return absolute_source(data.strip(), Path.cwd())
+
+
+def same_data(a: dict[str, Any], b: dict[str, Any]) -> bool | None:
+    """Whether two results of a suite that reads text were measured on the same data: the same
+    split ("validation" or --data) of the same `sources`. A result written before `sources`
+    was recorded is judged by the text it names (`results.source`, paths as typed); None where
+    that is missing too and both read a validation split, whose data is then unknown."""
+    sa, sb = a.get("settings") or {}, b.get("settings") or {}
+    split_a, split_b = (s.get("data") or "validation" for s in (sa, sb))
+    if isinstance(sa.get("sources"), list) and isinstance(sb.get("sources"), list):
+        return (split_a == "validation") == (split_b == "validation") and sa["sources"] == sb["sources"]
+    ta, tb = ((d.get("results") or {}).get("source") for d in (a, b))
+    if ta and tb:
+        return bool(ta == tb)
+    if split_a != split_b:
+        return False
+    return None if split_a == "validation" else True
+
+
+def describe_data(doc: dict[str, Any]) -> str:
+    """What a result of a suite that reads text was measured on, for a message."""
+    st = doc.get("settings") or {}
+    sources = st.get("sources")
+    if isinstance(sources, list) and sources:
+        text = ", ".join(map(str, sources))
+        return f"the validation split of {text}" if st.get("data") in (None, "validation") else text
+    source = (doc.get("results") or {}).get("source") or st.get("data")
+    return str(source) if source else "unknown data"
+
+
+def check_data_label(
+    run_dir: Path | str, suites: Sequence[str], data: str, label: str | None
+) -> list[tuple[Path, str]]:
+    """Before `eval --data DATA [--data-label LABEL]` writes eval/<suite>@<label>.json for
+    `suites`: where such a result holds another source (data/a.txt when DATA is data2/a.txt,
+    both labelled `a`), a label taken from the source's name raises a ConfigError that asks for
+    --data-label, so that no result is replaced unseen; a label the user gave names the result
+    on purpose and replaces it: the (path, old source) pairs returned say which. Re-running the
+    same source replaces its own result, as any rerun does."""
+    chosen = label or data_label(data)
+    new = evaluated_source(data)
+    clashes: list[tuple[Path, str]] = []
+    for s in suites:
+        try:
+            doc = load_result(run_dir, result_key(s, chosen))
+        except RunDirError:
+            continue  # a damaged file: the new result replaces it
+        if doc is None:
+            continue
+        st = doc.get("settings") or {}
+        sources = st.get("sources")
+        if isinstance(sources, list):
+            if sources == [new]:
+                continue
+            old = ", ".join(map(str, sources))
+        else:  # written before the resolved source was recorded: compare the source as typed
+            if str(st.get("data")) == data.strip():
+                continue
+            old = str(st.get("data") or "unknown data")
+        clashes.append((result_path(run_dir, result_key(s, chosen)), old))
+    if clashes and label is None:
+        path, old = clashes[0]
+        taken = {p.stem.partition("@")[2] for p in (Path(run_dir) / EVAL_DIR).glob("*@*.json")}
+        free = next(f"{chosen[:60]}-{i}" for i in range(2, 10_000) if f"{chosen[:60]}-{i}" not in taken)
+        raise ConfigError(
+            f"{path} holds the result on {old}, not {data}; keep both with --data-label NAME "
+            f"(e.g. --data-label {free}), or replace that result with --data-label {chosen}"
+        )
+    return clashes
+
+
 SAMPLE_BYTES = 1 << 16
 
 
@@ -331,8 +416,9 @@ def check_depths(depths: Sequence[float] | None) -> None:
 class TokenWindows:
     """Fixed windows of seq_len + 1 tokens: input = w[:-1], targets = w[1:].
 
-    `source` says where they come from; `split_tokens` is the size of the split they were cut
-    from; `target_bytes` holds the UTF-8 bytes each window's targets stand for (bits per byte);
+    `source` says where they come from (for people); `sources` what they were drawn from (for
+    comparing results: the run's data sources, or the --data source, paths made absolute);
+    `split_tokens` is the size of the split they were cut from; `target_bytes` holds the UTF-8 bytes each window's targets stand for (bits per byte);
     `records_as_text`: an instruction fine-tune's records, read as text through its template.
     """
 
@@ -342,6 +428,7 @@ class TokenWindows:
     split_tokens: int
     target_bytes: np.ndarray
     records_as_text: bool = False
+    sources: list[str] = field(default_factory=list)
 
 
 def _run_recipe(run_dir: Path):
@@ -446,7 +533,7 @@ def eval_windows(
     loss in training). With `data`: all of that source (no split). Windows are evenly spaced
     over the split (`val_window_offsets`); `full` takes every non-overlapping window.
     """
-    from difftrain.data.config import DataConfig, TokenizerConfig
+    from difftrain.data.config import DataConfig, TokenizerConfig, absolute_source
     from difftrain.data.shards import (
         prepare_data,
         val_window_offsets,  # (data.modules would load Lightning)
@@ -485,6 +572,11 @@ def eval_windows(
     path = prepared.val_path if split == "val" else prepared.train_path
     n_tokens = int(prepared.index[split]["tokens"])
     label = ", ".join(s.source for s in data_cfg.sources)
+    drawn_from = (
+        [absolute_source(s.source, base) for s in data_cfg.sources]
+        if recipe is not None
+        else [evaluated_source(str(data))]
+    )
     where = f"validation split of {label}" if recipe is not None else label
     if n_tokens < window:
         hint = (
@@ -515,6 +607,7 @@ def eval_windows(
         split_tokens=n_tokens,
         target_bytes=target_bytes,
         records_as_text=as_text is not None,
+        sources=drawn_from,
     )
 
 

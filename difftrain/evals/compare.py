@@ -17,12 +17,15 @@ from typing import Any
 from difftrain.errors import ConfigError, DifftrainError, RunDirError
 from difftrain.evals import SUITES, check_suite
 from difftrain.evals.common import (
+    DATA_SUITES,
     check_label,
+    describe_data,
     load_result,
     missing_result,
     rerun_command,
     result_key,
     result_keys,
+    same_data,
     split_key,
     stale,
 )
@@ -127,6 +130,9 @@ def _params(rec: RunRecord) -> int | None:
 # Settings of an eval result that the model fixes, not an option: the windows' length is the
 # model's max_seq_len.
 MODEL_SETTINGS = {"seq_len"}
+# Settings that say what text a suite read: compared by `_data_note`, which knows a validation
+# split from a --data source and names both, not as options to repeat.
+DATA_SETTINGS = {"data", "sources"}
 
 
 def _diff_keys(a: Any, b: Any, prefix: str = "") -> list[str]:
@@ -145,6 +151,61 @@ def _setting(doc: dict[str, Any], key: str) -> str:
         value = value.get(part) if isinstance(value, dict) else None
     text = "—" if value is None else str(value)
     return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _data_note(
+    key: str, first: RunRecord, a: dict[str, Any], other: RunRecord, b: dict[str, Any]
+) -> str | None:
+    """The note for two results of a suite that reads text measured on different (or, for
+    results an older difftrain wrote, unknown) data, with a way to measure both on the same."""
+    suite, label = split_key(key)
+    same = same_data(a, b)
+    if same:
+        return None
+    if same is None:
+        unknown = [
+            rec.label
+            for rec, doc in ((first, a), (other, b))
+            if "sources" not in (doc.get("settings") or {}) and not (doc.get("results") or {}).get("source")
+        ]
+        who = " and ".join(unknown) or other.label
+        return (
+            f"{key}: the result of {who} does not record what its validation split was drawn from (an "
+            f"older difftrain wrote it), so {first.label} and {other.label} may have been measured on "
+            f"different data; rerun `difftrain eval RUN --suite {suite}` on it to record that"
+        )
+    differs = f"{describe_data(a)} vs {describe_data(b)}"
+    if label is None:
+        fix = (
+            f"to rank them on the same text, evaluate both on one source neither trained on, "
+            f"`difftrain eval RUN --suite {suite} --data PATH`, and compare the `{suite}@<label>` results"
+        )
+    else:
+        st = a.get("settings") or {}
+        sources = st.get("sources")
+        source = sources[0] if isinstance(sources, list) and len(sources) == 1 else st.get("data")
+        fix = (
+            f"evaluate {other.label} on the source of {first.label}: "
+            f"`difftrain eval {shlex.quote(str(other.path))} --suite {suite} --data {shlex.quote(str(source))} "
+            f"--data-label {label}`"
+        )
+    return f"{key}: {first.label} and {other.label} were measured on different data ({differs}); {fix}"
+
+
+def _dtype_note(
+    key: str, first: RunRecord, a: dict[str, Any], other: RunRecord, b: dict[str, Any]
+) -> str | None:
+    """The note for two results computed at different precisions (`eval --dtype`), with the
+    command that evaluates one of them at the other's (float32 where one of them is)."""
+    da, db = a.get("dtype"), b.get("dtype")
+    if not da or not db or da == db:
+        return None
+    target = "float32" if "float32" in (da, db) else da
+    rec, doc = (other, b) if db != target else (first, a)
+    return (
+        f"{key}: {first.label} was evaluated in {da} and {other.label} in {db}; rerun "
+        f"`{rerun_command(rec.path, key, doc)} --dtype {target}` to compare them at one precision"
+    )
 
 
 def check_result(name: str) -> str:
@@ -275,6 +336,14 @@ def compare_runs(paths: Sequence[str | Path], suites: Sequence[str] | None = Non
             keys = _diff_keys(docs[0].get("settings"), d.get("settings"))
             model_keys = [k for k in keys if k in MODEL_SETTINGS]
             keys = [k for k in keys if k not in MODEL_SETTINGS]
+            if split_key(s)[0] in DATA_SUITES:
+                keys = [k for k in keys if k not in DATA_SETTINGS]
+                note = _data_note(s, runs[0], docs[0], r, d)
+                if note:
+                    notes.append(note)
+            note = _dtype_note(s, runs[0], docs[0], r, d)
+            if note:
+                notes.append(note)
             if model_keys:
                 shown_keys = ", ".join(f"{k} {_setting(docs[0], k)} vs {_setting(d, k)}" for k in model_keys)
                 notes.append(

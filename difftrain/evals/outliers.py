@@ -159,7 +159,12 @@ def run(run: Run, opts: EvalOptions, progress: Progress = _no_progress) -> Suite
         }
     al, hs = res["attention_logits"], res["hidden_states"]
     return SuiteOutput(
-        settings={"data": opts.data or "validation", "tokens": res["tokens"], "seq_len": seq_len},
+        settings={
+            "data": opts.data or "validation",
+            "sources": tw.sources,
+            "tokens": res["tokens"],
+            "seq_len": seq_len,
+        },
         results=res,
         headline=[
             headline("attn logit top-1", al["top1"], "lower", ".2f"),

@@ -86,6 +86,7 @@ def run(run: Run, opts: EvalOptions, progress: Progress = _no_progress) -> Suite
         )
     settings = {
         "data": opts.data or "validation",
+        "sources": tw.sources,
         "windows": len(tw.windows),
         "seq_len": tw.windows.shape[1] - 1,
         "full": opts.full,

@@ -106,6 +106,7 @@ def run(run: Run, opts: EvalOptions, progress: Progress = _no_progress) -> Suite
     settings: dict[str, Any] = {
         "bits": widths,
         "data": opts.data or "validation",
+        "sources": tw.sources,
         "windows": len(tw.windows),
         "seq_len": tw.windows.shape[1] - 1,
         "granularity": "per (sequence, head)",
