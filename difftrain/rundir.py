@@ -265,21 +265,29 @@ def load_run(path: Path | str, device: str | torch.device = "cpu", dtype: torch.
     return Run(path=path, model=model, config=config, tokenizer=tokenizer)
 
 
-def imported_from(path: Path) -> str | None:
-    """Where `difftrain import` took the run's weights from (their safetensors metadata), or None
-    for a trained run (or weights that cannot be read)."""
-    # read from the file's JSON header, without torch (safetensors' safe_open imports it): the
-    # early run-folder check before torch loads asks too
+def weights_metadata(path: Path) -> dict[str, str]:
+    """The metadata of a run's model.safetensors ({} where it has none or cannot be read), read
+    from the file's JSON header without torch (safetensors' safe_open imports it): the early
+    run-folder check before torch loads asks too."""
     try:
         with open(Path(path) / WEIGHTS, "rb") as f:
             size = int.from_bytes(f.read(8), "little")
             if not 0 < size <= 100 << 20:
-                return None
+                return {}
             meta = json.loads(f.read(size)).get("__metadata__") or {}
     except (OSError, ValueError, AttributeError):  # missing or unreadable weights: not this
-        return None  # function's error to report
-    src = meta.get("imported_from") if isinstance(meta, dict) else None
-    return src if isinstance(src, str) else None
+        return {}  # function's error to report
+    return {k: v for k, v in meta.items() if isinstance(v, str)} if isinstance(meta, dict) else {}
+
+
+def imported_from(path: Path) -> str | None:
+    """Where `difftrain import` took the run's weights from, or None for a trained run."""
+    return weights_metadata(path).get("imported_from")
+
+
+def merged_from(path: Path) -> str | None:
+    """The adapter run `difftrain merge` folded into these weights, or None."""
+    return weights_metadata(path).get("merged_from")
 
 
 def read_summary(path: Path) -> dict:

@@ -478,6 +478,16 @@ def test_cli_prints_the_trainable_count_and_merges(ws, capsys):
     assert "cannot write OUT_DIR loop: " in capsys.readouterr().err
     assert main(["merge", "runs/cli", "runs/cli-m"]) == 0
     assert (Path("runs") / "cli-m" / "model.safetensors").is_file()
+    # the merge's folder holds the LoRA run's recipe.yaml: resuming it pointed at --overwrite,
+    # which would throw the merged model away
+    before = {f.name: f.read_bytes() for f in (Path("runs") / "cli-m").iterdir()}
+    capsys.readouterr()
+    for extra in (["--resume"], []):
+        assert main(["finetune", "runs/cli-m", "--no-progress", *extra]) == 2
+        err = " ".join(capsys.readouterr().err.split())
+        assert "runs/cli-m holds the merge of the LoRA run runs/cli by `difftrain merge`" in err
+        assert "`difftrain finetune runs/cli --resume`, then merge again" in err and "--overwrite" not in err
+    assert {f.name: f.read_bytes() for f in (Path("runs") / "cli-m").iterdir()} == before
 
 
 def test_finetune_warns_at_start_when_the_plan_does_not_fit_the_device(ws, capsys, monkeypatch):

@@ -19,7 +19,7 @@ from typing import Any
 from difftrain.errors import RecipeError, RunDirError
 from difftrain.io import LOCK_FILE, TEMP_GLOB, RunLock
 from difftrain.recipe import Recipe, global_batch, resolve_auto
-from difftrain.rundir import CONFIG, RECIPE, TOKENIZER, holds_run, imported_from
+from difftrain.rundir import CONFIG, RECIPE, TOKENIZER, holds_run, imported_from, merged_from
 
 # What a run's start writes before its first step: a folder holding only these trained nothing.
 STARTUP_FILES = {RECIPE, CONFIG, TOKENIZER}
@@ -182,13 +182,22 @@ def check_run_dir(
         if resume is True:
             raise RunDirError(f"{asked}: {run_dir} holds no run yet; start it without resuming")
         return None
+    # a model written by import or merge: its recipe.yaml describes it, not a training to continue
+    command = "finetune" if recipe.finetune is not None else "pretrain"
     src = imported_from(run_dir)
-    if src is not None:  # its recipe.yaml describes the model, not a training to continue
-        command = "finetune" if recipe.finetune is not None else "pretrain"
+    if src is not None:
         raise RunDirError(
             f"{run_dir} holds a model imported from {src} by `difftrain import`, which has no training "
             f"to resume or {command} into; fine-tune it (finetune.base: {run_dir}), train into another "
             "`name`, or replace it with --overwrite"
+        )
+    adapter = merged_from(run_dir)
+    if adapter is not None:
+        raise RunDirError(
+            f"{run_dir} holds the merge of the LoRA run {adapter} by `difftrain merge`, which has no training "
+            f"to resume or {command} into; continue the LoRA run (`difftrain finetune {shlex.quote(adapter)} "
+            f"--resume`, then merge again), fine-tune the merge (finetune.base: {run_dir}), or train into "
+            "another `name`"
         )
     if not existing.is_file():
         if holds_run(run_dir):  # a run that lost its recipe (its config.json is there)
