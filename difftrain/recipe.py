@@ -843,7 +843,10 @@ def _text_key(keys: list[str]) -> str | None:
     return "optional" if set(typing.get_args(annotation)) == {str, type(None)} else None
 
 
-def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+def apply_overrides(data: dict[str, Any], overrides: list[str], folder: Path | None = None) -> dict[str, Any]:
+    """`data` with the command line's `key.sub=value` overrides set. `folder`: where relative data
+    and tokenizer paths in them start (the current folder, where the user typed them), made
+    absolute so that the recipe's own folder does not apply to them."""
     for i, text in enumerate(overrides):  # `train.max_steps = 3`: the shell made three words of it
         prev = overrides[i - 1] if i > 0 else None
         nxt = overrides[i + 1] if i + 1 < len(overrides) else None
@@ -869,6 +872,16 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
                 text_kind == "optional" and value is None and raw.strip() in ("", "~", "null", "Null", "NULL")
             ):
                 value = raw
+        if folder is not None and keys[0] in ("data", "tokenizer"):
+            tree: dict[str, Any] = {}
+            leaf = tree
+            for k in keys[:-1]:
+                leaf = leaf.setdefault(k, {})
+            leaf[keys[-1]] = value
+            _rebase_paths(tree, folder)
+            for k in keys[:-1]:
+                tree = tree[k]
+            value = tree[keys[-1]]
         node = out
         for i, k in enumerate(keys[:-1]):
             nxt = node.get(k)
@@ -1038,7 +1051,7 @@ def load_recipe(ref: str | os.PathLike[str], overrides: list[str] | tuple[str, .
     """Load, merge, override and validate a recipe (a path or a shipped recipe's name)."""
     path = find_recipe(ref)
     data, where = _load_tree(path)
-    data = apply_overrides(data, list(overrides))
+    data = apply_overrides(data, list(overrides), Path.cwd().resolve())
     overridden = {".".join(parse_override(o)[0]) for o in overrides}
     source = str(path)
     _check_finite(data, where, source)

@@ -501,3 +501,30 @@ def test_an_override_given_before_the_recipe_says_so():
         RecipeError, match=r"`train.max_steps=3` is an override, not a recipe: the recipe comes first"
     ):
         load_recipe("train.max_steps=3")
+
+
+def test_paths_in_overrides_start_at_the_current_folder_and_paths_in_the_file_at_its_folder(
+    tmp_path, monkeypatch
+):
+    # a path typed on the command line is the shell's, relative to where it was typed: a recipe in
+    # recipes/ with `data.sources=data/a.txt` read recipes/data/a.txt before
+    (tmp_path / "recipes").mkdir()
+    p = write(tmp_path / "recipes", MINIMAL.replace("sources: [builtin:python-stdlib]", "sources: [corpus]"))
+    monkeypatch.chdir(tmp_path)
+    r = load_recipe(p)
+    assert r.data.sources[0].source == "corpus" and r.recipe_dir == tmp_path / "recipes"  # the file's folder
+    r = load_recipe(
+        p,
+        [
+            "data.sources=[data/a.txt, {source: data/b.jsonl}, {source: 'hf:json', data_files: [x.json]}, builtin:needles]",
+            "tokenizer.path=tok/tokenizer.json",
+        ],
+    )
+    s = r.data.sources
+    assert s[0].source == str(tmp_path / "data" / "a.txt") and s[1].source == str(
+        tmp_path / "data" / "b.jsonl"
+    )
+    assert s[2].data_files == [str(tmp_path / "x.json")] and s[3].source == "builtin:needles"
+    assert r.tokenizer.path == str(tmp_path / "tok" / "tokenizer.json")
+    whole = load_recipe(p, ["data={sources: [data/c.txt]}"])  # a whole section set at once
+    assert whole.data.sources[0].source == str(tmp_path / "data" / "c.txt")

@@ -161,8 +161,7 @@ class Source:
             matches = sorted(Path(m) for m in glob.glob(str(path), recursive=True))
             if not matches:
                 raise DataError(
-                    f"{self.label}: the pattern matches no files (looked for {path}); fix the pattern "
-                    f"(relative paths start at {self.base_dir})"
+                    f"{self.label}: the pattern matches no files (looked for {path}); fix the pattern{self._start_note(raw)}"
                 )
             files: list[Path] = []
             for m in matches:
@@ -183,10 +182,13 @@ class Source:
         elif path.is_file():
             files = [path]
         else:
-            raise DataError(
-                f"{self.label}: {path} does not exist; fix the path (relative paths start at {self.base_dir})"
-            )
+            raise DataError(f"{self.label}: {path} does not exist; fix the path{self._start_note(raw)}")
         return files
+
+    def _start_note(self, raw: str) -> str:
+        """Where a relative path in the recipe started, for a message (nothing for an absolute
+        one: overrides arrive absolute, made so against the folder they were typed in)."""
+        return "" if Path(raw).expanduser().is_absolute() else f" (relative paths start at {self.base_dir})"
 
     def check_local_files(self) -> None:
         """Raise DataError if a local file or folder this source names is missing (path sources
