@@ -643,3 +643,165 @@ def test_a_label_taken_from_the_source_name_never_replaces_another_sources_resul
     assert ppl("--data", "data/a.txt") == 2
     assert "holds the result on data2/a.txt, not data/a.txt" in _error(capsys)
     assert ppl("--data", "data2/a.txt") == 0
+
+
+# ----- windows the text holds, instruction records on --data, imported runs --------------------
+def test_windows_beyond_the_split_are_capped_at_its_non_overlapping_windows_with_a_note(runs, capsys):
+    run = load_run(runs["baseline"])
+    every = eval_windows(run, data=None, count=None, full=True)  # all non-overlapping windows
+    fit = every.split_tokens // (SEQ + 1)
+    doc = evaluate(run, "ppl", EvalOptions(windows=fit * 40))
+    res = doc["results"]
+    assert res["windows"] == doc["settings"]["windows"] == fit  # the number actually used
+    assert res["tokens"] <= res["split_tokens"]  # no token scored twice
+    small = evaluate(run, "ppl", EvalOptions(windows=2))  # a split big enough: as before, no note
+    assert small["results"]["windows"] == 2 and small["notes"] == []
+    assert len(every.windows) == fit and not every.notes
+    tw = eval_windows(run, data=None, count=fit * 40, full=False, asked=f"--windows {fit * 40}")
+    assert torch.equal(tw.windows, every.windows) and tw.notes  # the --full windows, which never overlap
+    [note] = doc["notes"]
+    assert f"--windows {fit * 40:,} asks for" in note and f"the {fit:,} non-overlapping ones" in note
+
+    assert main(["eval", str(runs["baseline"]), "--suite", "ppl", "--windows", str(fit * 40)]) == 0
+    out = capsys.readouterr()
+    assert f"{fit} × {SEQ} tokens" in out.out and "note: --windows" in out.err
+
+
+def test_a_source_shorter_than_one_window_is_scored_as_one_window_of_all_its_tokens(runs, tmp_path):
+    run = load_run(runs["baseline"])
+    src = tmp_path / "short.txt"
+    src.write_text("the quick brown fox jumps over the lazy dog")
+    n = len(run.tokenizer.encode(src.read_text())) + 1  # + the document's eos
+    assert n < SEQ + 1
+    doc = evaluate(run, "ppl", EvalOptions(data=str(src)))
+    assert doc["results"]["windows"] == 1 and doc["settings"]["seq_len"] == n - 1
+    assert doc["results"]["loss_stderr"] is None
+    assert "scored as one window of all" in doc["notes"][0]
+    (tmp_path / "empty.txt").write_text("")
+    with pytest.raises(Exception, match="give another --data source"):
+        evaluate(run, "ppl", EvalOptions(data=str(tmp_path / "empty.txt")))
+
+
+def _run_error(capsys) -> str:
+    """The one error line of an eval that failed after the model loaded (after its header line)."""
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert lines and lines[-1].startswith("error:") and sum(x.startswith("error") for x in lines) == 1, lines
+    return lines[-1]
+
+
+def _instruction_run(runs, tmp_path: Path, val_fraction: float = 0.4) -> tuple[Path, Path]:
+    """A copy of the baseline run whose recipe fine-tuned it on instruction records (pairs and
+    chats): (run, records file)."""
+    import shutil
+
+    sft = tmp_path / "sft"
+    shutil.copytree(runs["baseline"], sft, ignore=shutil.ignore_patterns("eval"))
+    records = tmp_path / "sft.jsonl"
+    rng = random.Random(3)
+    chats = [{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}]
+    pairs = [{"prompt": filler_sentence(rng), "response": filler_sentence(rng)} for _ in range(40)]
+    records.write_text("".join(json.dumps(r) + "\n" for r in pairs + chats * 4))
+    recipe = yaml.safe_load((sft / "recipe.yaml").read_text())
+    recipe["finetune"] = {"base": str(runs["baseline"]), "prompt_format": "Q> {prompt} A> "}
+    recipe["data"].update(sources=[str(records)], val_fraction=val_fraction)
+    (sft / "recipe.yaml").write_text(yaml.safe_dump(recipe))
+    return sft, records
+
+
+def test_an_instruction_fine_tune_reads_instruction_records_on_data_through_its_template(
+    runs, tmp_path, capsys
+):
+    sft, _ = _instruction_run(runs, tmp_path)
+    chats = tmp_path / "chats.jsonl"  # other records, the chat kind only
+    turns = [{"role": "user", "content": filler_sentence(random.Random(i))} for i in range(30)]
+    chats.write_text(
+        "".join(json.dumps({"messages": [t, {"role": "assistant", "content": "yes"}]}) + "\n" for t in turns)
+    )
+    run = load_run(sft)
+    tw = eval_windows(run, data=str(chats), count=None, full=True)
+    text = run.tokenizer.decode(tw.windows.flatten().tolist())
+    assert tw.records_as_text and text.count("<|user|>") >= 10  # rendered as the template renders chats
+    assert main(["eval", str(sft), "--suite", "ppl", "--data", str(chats), "--windows", "2", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)["ppl"]
+    assert doc["label"] == "chats" and "the --data records is scored" in doc["results"]["note"]
+    # the same records on a run that is no instruction fine-tune: one line whose advice eval takes
+    assert main(["eval", str(runs["baseline"]), "--suite", "ppl", "--data", str(chats)]) == 2
+    err = _run_error(capsys)
+    assert "record has no field 'text' (fields: messages)" in err and "--text-field FIELD" in err
+    assert "set text_field" not in err and "on_bad_record" not in err
+
+
+def test_text_field_names_the_field_of_data_records_read_as_text(runs, tmp_path, capsys):
+    notes = tmp_path / "notes.jsonl"
+    rng = random.Random(8)
+    bodies = [filler_sentence(rng) for _ in range(60)]
+    notes.write_text("".join(json.dumps({"body": b, "n": i}) + "\n" for i, b in enumerate(bodies)))
+    base = str(runs["baseline"])
+    assert main(["eval", base, "--suite", "ppl", "--data", str(notes)]) == 2
+    assert "name the field to read with --text-field FIELD" in _run_error(capsys)
+    assert main(["eval", base, "--suite", "ppl", "--data", str(notes), "--text-field", "body", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)["ppl"]
+    assert doc["settings"]["text_field"] == "body"
+    tok = load_run(runs["baseline"]).tokenizer  # every body is a document: its tokens and an eos
+    assert doc["results"]["split_tokens"] == sum(len(tok.encode(b)) + 1 for b in bodies)
+    assert main(["eval", base, "--suite", "ppl", "--text-field", "body"]) == 2
+    assert "give --data SOURCE with it" in _error(capsys)
+
+
+def test_an_instruction_split_shorter_than_one_window_is_scored_with_advice_eval_can_follow(runs, tmp_path):
+    sft, _ = _instruction_run(runs, tmp_path, val_fraction=0.03)
+    doc = evaluate(load_run(sft), "ppl", EvalOptions())
+    n = doc["results"]["split_tokens"]
+    assert 2 <= n < SEQ + 1 and doc["results"]["windows"] == 1 and doc["settings"]["seq_len"] == n - 1
+    [note] = doc["notes"]
+    assert "fewer than one window" in note and "--data FILE.jsonl" in note
+
+
+def test_an_imported_run_has_no_validation_split_so_text_suites_ask_for_data(runs, tmp_path, capsys):
+    import shutil
+
+    imp = tmp_path / "imp"
+    shutil.copytree(runs["baseline"], imp, ignore=shutil.ignore_patterns("eval"))
+    model = load_run(imp).model
+    save_weights(imp / "model.safetensors", model, metadata={"imported_from": "hf/tiny"})
+    for suite in ("ppl", "outliers", "quant"):
+        assert main(["eval", str(imp), "--suite", suite]) == 2
+        err = _error(capsys)
+        assert "was imported (from hf/tiny)" in err and "--data SOURCE" in err
+    assert not (imp / "eval").exists()
+    assert main(["compare", str(imp), str(runs["baseline"]), "--suite", "ppl"]) == 2
+    assert "it was imported, so it has no validation split" in _error(capsys)  # and how to compare
+    with pytest.raises(ConfigError, match="was imported"):
+        eval_windows(load_run(imp), data=None, count=2, full=False)
+    src = tmp_path / "other.txt"
+    src.write_text(" ".join(filler_sentence(random.Random(2)) for _ in range(60)))
+    assert main(["eval", str(imp), "--suite", "ppl", "--data", str(src), "--windows", "2"]) == 0
+    capsys.readouterr()
+    # the suites that read no split still run; `all` skips the text suites with the reason
+    code = main(
+        [
+            "eval",
+            str(imp),
+            "--suite",
+            "all",
+            "--lengths",
+            "70",
+            "--depths",
+            "0,1",
+            "--needles",
+            "1x1",
+            "--samples",
+            "1",
+            "--demos",
+            "2",
+            "--permutations",
+            "2",
+            "--items",
+            "4",
+            "--no-plot",
+        ]
+    )
+    assert code == 0
+    err = capsys.readouterr().err
+    assert all(f"skipped {s}: " in err for s in ("ppl", "outliers", "quant"))
+    assert {p.stem for p in (imp / "eval").glob("*.json")} >= {"needle", "attention", "icl-order"}

@@ -346,6 +346,13 @@ def eval_command(
         help="With --data: the label of its results (default: the source's name, e.g. wiki for data/wiki.txt); "
         "a label given here replaces a result of that label on another source.",
     ),
+    text_field: str = typer.Option(
+        None,
+        "--text-field",
+        help="With --data: the field of its records (.jsonl, .json, .parquet, hf:) to read as plain text "
+        "(default text; an instruction fine-tune renders records with messages, or prompt and response, "
+        "through its template).",
+    ),
     full: bool = typer.Option(
         False, "--full", help="Paper-sized grids (much slower); explicit options still win."
     ),
@@ -360,7 +367,8 @@ def eval_command(
     windows: int = typer.Option(
         None,
         "--windows",
-        help="ppl/quant: number of windows (default: the run's data.val_windows, or 32 where that is 0).",
+        help="ppl/quant: number of windows (default: the run's data.val_windows, or 32 where that is 0); "
+        "at most the non-overlapping windows the text holds, with a note.",
     ),
     lengths: str = typer.Option(
         None, "--lengths", help="needle/attention: context lengths in tokens, e.g. 64,128,192."
@@ -445,9 +453,18 @@ def eval_command(
         items=items,
         plot=plot,
         data_label=check_label(data_label) if data_label is not None else None,
+        text_field=text_field,
     )
     if data_label is not None and data is None:
         raise ConfigError("--data-label names the results of --data; give --data SOURCE with it (or drop it)")
+    if text_field is not None and not text_field.strip():
+        raise ConfigError(
+            "--text-field is empty; name the field of --data's records to read, e.g. --text-field content"
+        )
+    if text_field is not None and data is None:
+        raise ConfigError(
+            "--text-field names the field of --data's records to read; give --data SOURCE with it (or drop it)"
+        )
     if data is not None and not any(s in DATA_SUITES for s in suites):
         raise ConfigError(
             f"--data applies to the suites that read text ({', '.join(DATA_SUITES)}), not {', '.join(suites)}: "
@@ -455,7 +472,7 @@ def eval_command(
         )
     replacing: list[tuple[Path, str]] = []
     if data is not None:
-        data_source(data)  # a missing file fails before the model loads
+        data_source(data, text_field)  # a missing file fails before the model loads
         # a result on another source under the same label: refused, or replaced with a note
         replacing = check_data_label(run_dir, [s for s in suites if s in DATA_SUITES], data, opts.data_label)
     check_positive("--batch-size", batch_size)

@@ -91,6 +91,9 @@ class EvalOptions:
     """None: the suite's default (needle and quant draw their figure, attention does not)."""
     data_label: str | None = None
     """The label of a `data` result (default: `data_label(data)`)."""
+    text_field: str | None = None
+    """With `data`: the field of its records read as plain text (default: an instruction
+    fine-tune renders records through its template; other runs read `text`)."""
 
 
 @dataclass
@@ -245,6 +248,16 @@ def load_result(run_dir: Path | str, key: str) -> dict[str, Any] | None:
 def missing_result(run_dir: Path | str, key: str, example: dict[str, Any] | None = None) -> RunDirError:
     """The error for result `key` a run lacks, with the command that makes it (`example`: another
     run's result, whose --data source the command takes)."""
+    from difftrain.rundir import imported_from
+
+    suite, label = split_key(key)
+    if label is None and suite in DATA_SUITES and imported_from(Path(run_dir)) is not None:
+        # an imported run has no validation split: its results of these suites are on --data
+        return RunDirError(
+            f"{run_dir} has no `{key}` result: it was imported, so it has no validation split to measure; "
+            f"measure the runs on one source with `difftrain eval RUN --suite {suite} --data SOURCE` and "
+            f"compare that result, `--suite {suite}@LABEL`"
+        )
     return RunDirError(
         f"{run_dir} has no `{key}` result ({result_path(run_dir, key)}); "
         f"run `{rerun_command(run_dir, key, example)}` first"
@@ -419,7 +432,8 @@ class TokenWindows:
     `source` says where they come from (for people); `sources` what they were drawn from (for
     comparing results: the run's data sources, or the --data source, paths made absolute);
     `split_tokens` is the size of the split they were cut from; `target_bytes` holds the UTF-8 bytes each window's targets stand for (bits per byte);
-    `records_as_text`: an instruction fine-tune's records, read as text through its template.
+    `records_as_text`: an instruction fine-tune's records, read as text through its template;
+    `notes`: what a suite should tell the user (fewer windows than asked for, shorter ones).
     """
 
     windows: torch.Tensor
@@ -429,6 +443,7 @@ class TokenWindows:
     target_bytes: np.ndarray
     records_as_text: bool = False
     sources: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
 
 
 def _run_recipe(run_dir: Path):
@@ -481,14 +496,18 @@ def token_byte_lengths(tokenizer: Any) -> np.ndarray:
     return out
 
 
-def data_source(data: str) -> Any:
+def data_source(data: str, text_field: str | None = None, **fields: Any) -> Any:
     """The `--data` source resolved against the current folder, named as the option in messages
-    (a missing file fails here, before a model loads); a `difftrain.data.sources.Source`."""
+    (a missing file fails here, before a model loads); a `difftrain.data.sources.Source`.
+    `text_field`: `--text-field`; `fields`: more SourceSpec fields (an instruction run's
+    prompt_field and response_field)."""
     from difftrain.data.config import SourceSpec
     from difftrain.data.sources import Source
 
     try:
-        spec = SourceSpec(source=data)
+        spec = SourceSpec(
+            source=data, **fields, **({"text_field": text_field} if text_field is not None else {})
+        )
     except ValueError as e:
         errors = e.errors() if hasattr(e, "errors") else []  # pydantic's ValidationError
         msg = errors[0]["msg"].removeprefix("Value error, ") if errors else str(e) or "invalid source"
@@ -496,6 +515,78 @@ def data_source(data: str) -> Any:
     source = Source(spec, 0, Path.cwd().resolve(), name=f"--data {data!r}")
     source.check_local_files()
     return source
+
+
+def holds_records(source: Any) -> bool:
+    """Whether a `--data` source holds instruction records (`messages`, or a prompt field) for
+    an instruction fine-tune's template to render, judged by its first record (a file's first
+    object, a Parquet file's or dataset's columns); plain text, and records with only a text
+    field, are read as text."""
+    from difftrain.data.sources import RECORD_SUFFIXES, SourceStats, _suffix
+
+    spec = source.spec
+    if spec.kind == "builtin":
+        return spec.source == "builtin:python-docstrings"
+    if spec.kind == "hf":
+        names = getattr(source._hf_dataset(), "column_names", None)
+        return names is None or spec.prompt_field in names
+    if not source.files or any(_suffix(f) not in RECORD_SUFFIXES for f in source.files):
+        return False
+    first = source.files[0]
+    if _suffix(first) == ".parquet":
+        try:
+            import pyarrow.parquet as pq
+
+            names = set(pq.ParquetFile(first).schema_arrow.names)
+        except Exception:
+            return True  # unreadable here: the record reader names the problem
+    else:
+        record = next(source._json_objects(first, SourceStats(spec.source), "skip"), None)
+        names = set(record[1]) if record else set()
+    return spec.prompt_field in names or ("messages" in names and spec.text_field not in names)
+
+
+def _data_advice(e: DataError, label: str) -> DataError:
+    """A DataError from reading the `--data` source called `label`, its advice (recipe settings
+    of data.sources) put in eval's terms."""
+    field_hint = "; name the field to read with --text-field FIELD"
+    record_hint = (
+        "; an instruction fine-tune reads records with `messages`, or a prompt and a response, through "
+        "its template: fix the record, or read one field as plain text with --text-field FIELD"
+    )
+    text = str(e)
+    for old, new in (
+        (f"; set text_field: <field> on {label}", field_hint),
+        (f"; set prompt_field: <field> on {label}", record_hint),
+        (f"; set response_field: <field> on {label}", record_hint),
+        (f"; set text_field (or prompt_field/response_field) on {label}", field_hint),
+        ("; set text_field (or prompt_field/response_field) on this source", field_hint),
+        (", or set data.on_bad_record: skip to drop such records", ""),
+        (
+            "not a string; fix the record",
+            "not a string; fix the record, or name a text field with --text-field FIELD",
+        ),
+        ("or remove the source from data.sources", "or give another --data source"),
+        ("or remove it from data.sources", "or give another --data source"),
+    ):
+        text = text.replace(old, new)
+    return e if text == str(e) else DataError(text)
+
+
+def require_own_split(run_dir: Path, suite: str | None = None) -> None:
+    """ConfigError for an imported run (`difftrain import`): it was trained elsewhere, on data
+    difftrain never saw, and its recipe.yaml holds only default data, so it has no validation
+    split to measure; --data names what to measure instead."""
+    from difftrain.rundir import imported_from
+
+    origin = imported_from(run_dir)
+    if origin is not None:
+        reader = f"`{suite}`" if suite else "eval"
+        raise ConfigError(
+            f"{run_dir} was imported (from {origin}), so it has no validation split of its own for {reader} to "
+            "read (its recipe.yaml holds default data it never trained on); give the text to measure with "
+            "--data SOURCE, e.g. --data builtin:python-stdlib or --data 'docs/*.md'"
+        )
 
 
 def records_as_text(recipe: Any) -> Any:
@@ -517,6 +608,19 @@ def records_as_text(recipe: Any) -> Any:
     return RecordText(key, lambda record: "".join(text for text, _ in template(record)))
 
 
+def option_windows(run: Any, opts: Any) -> TokenWindows:
+    """The windows ppl and quant score, as eval's options say (--data, --windows, --full,
+    --text-field)."""
+    return eval_windows(
+        run,
+        data=opts.data,
+        count=opts.windows,
+        full=opts.full,
+        text_field=opts.text_field,
+        asked=f"--windows {opts.windows:,}" if opts.windows is not None else None,
+    )
+
+
 def eval_windows(
     run: Run,
     *,
@@ -525,13 +629,24 @@ def eval_windows(
     full: bool,
     default_count: int = 32,
     max_tokens: int | None = None,
+    text_field: str | None = None,
+    asked: str | None = None,
+    error_bar: bool = True,
 ) -> TokenWindows:
     """The windows a perplexity-like suite evaluates, tokenized with the run's own tokenizer.
 
     Without `data`: the run's validation split, rebuilt from its recipe through the shard cache
     (the same split and — with count = data.val_windows — the same windows as the validation
-    loss in training). With `data`: all of that source (no split). Windows are evenly spaced
-    over the split (`val_window_offsets`); `full` takes every non-overlapping window.
+    loss in training). With `data`: all of that source (no split); an instruction fine-tune reads
+    a source of instruction records through its template, as its validation split
+    (`holds_records`), unless `text_field` names a field to read as plain text. Windows are
+    evenly spaced over the split (`val_window_offsets`); `full` takes every non-overlapping window.
+
+    At most the split's non-overlapping windows are taken (⌊tokens / (max_seq_len + 1)⌋), with a
+    note that names `asked` (the option the count came from, e.g. "--windows 2500"): more would
+    score tokens twice, add nothing but time, and make the loss's standard error, which treats
+    the windows as independent, look smaller than it is (`error_bar`: the note says so). A split
+    shorter than one window is scored as one window of all its tokens, with a note.
     """
     from difftrain.data.config import DataConfig, TokenizerConfig, absolute_source
     from difftrain.data.shards import (
@@ -539,11 +654,14 @@ def eval_windows(
         val_window_offsets,  # (data.modules would load Lightning)
     )
 
+    if data is None:
+        require_own_split(run.path)
     recipe = _run_recipe(run.path) if data is None else None
     sources = as_text = None
     seq_len = int(run.config.max_seq_len)  # type: ignore[attr-defined]
     window = seq_len + 1
     tok_cfg = TokenizerConfig(path=str((run.path / TOKENIZER).resolve()))
+    source_label = None
     if recipe is not None:
         data_cfg = recipe.data
         seed = recipe.seed
@@ -555,19 +673,45 @@ def eval_windows(
             sources = resolve_sources(data_cfg, base, as_text)
         if count is None and not full:
             count = data_cfg.val_windows or default_count
+            asked = asked or (
+                f"data.val_windows={data_cfg.val_windows:,} (the windows of training's validation loss)"
+                if data_cfg.val_windows
+                else f"the default {default_count} windows"
+            )
     else:
-        source = data_source(data)
-        sources = [source]
-        spec = source.spec
-        cache = None
+        own = None
         try:
-            cache = _run_recipe(run.path).data.cache_dir
+            own = _run_recipe(run.path)
         except RunDirError:
             pass
-        data_cfg = DataConfig(sources=[spec], val_fraction=0.0, val_windows=0, cache_dir=cache)
+        template = records_as_text(own) if own is not None and text_field is None else None
+        fields: dict[str, Any] = {}
+        if template is not None and own is not None and own.data.sources:
+            first = own.data.sources[0]  # the record fields the run was fine-tuned with
+            fields = {"prompt_field": first.prompt_field, "response_field": first.response_field}
+        source = data_source(str(data), text_field, **fields)
+        source_label = source.label
+        if template is not None:
+            try:
+                if holds_records(source):
+                    as_text = source.records_as_text = template
+            except DataError as e:
+                raise _data_advice(e, source.label) from e
+        sources = [source]
+        data_cfg = DataConfig(
+            sources=[source.spec],
+            val_fraction=0.0,
+            val_windows=0,
+            cache_dir=own.data.cache_dir if own else None,
+        )
         seed = 0
         base = Path.cwd()
-    prepared = prepare_data(data_cfg, tok_cfg, seed=seed, base_dir=base, sources=sources)
+    try:
+        prepared = prepare_data(data_cfg, tok_cfg, seed=seed, base_dir=base, sources=sources)
+    except DataError as e:
+        if source_label is None:
+            raise
+        raise _data_advice(e, source_label) from e
     split = "val" if recipe is not None else "train"
     path = prepared.val_path if split == "val" else prepared.train_path
     n_tokens = int(prepared.index[split]["tokens"])
@@ -578,20 +722,40 @@ def eval_windows(
         else [evaluated_source(str(data))]
     )
     where = f"validation split of {label}" if recipe is not None else label
-    if n_tokens < window:
+    if recipe is None:
+        hint = "give a larger --data source"
+    elif as_text is not None:
         hint = (
-            "raise data.val_fraction when training, or evaluate on another source with --data"
-            if recipe is not None
-            else "give a larger source"
+            "raise data.val_fraction when fine-tuning, or evaluate on more records with "
+            "--data FILE.jsonl (rendered through the run's template)"
         )
+    else:
+        hint = "raise data.val_fraction when training, or evaluate on another source with --data SOURCE"
+    notes: list[str] = []
+    if n_tokens < 2:
         raise DataError(
-            f"the {where} has {n_tokens} tokens, fewer than one window of max_seq_len + 1 = {window}; {hint}"
+            f"the {where} holds {n_tokens} token{'s' * (n_tokens != 1)}: nothing to score; {hint}"
         )
+    if n_tokens < window:
+        notes.append(
+            f"the {where} holds {n_tokens:,} tokens, fewer than one window of max_seq_len + 1 = {window}: "
+            f"scored as one window of all {n_tokens:,} (no error bar); for full windows, {hint}"
+        )
+        window = n_tokens
+    fit = n_tokens // window  # non-overlapping windows
     if count is None:  # --full without an explicit --windows: every non-overlapping window
-        count = n_tokens // window if full else default_count
+        count = fit if full else default_count
     if max_tokens is not None:
         count = min(count, max(1, max_tokens // seq_len))
-    count = max(1, min(count, n_tokens - window + 1))
+    count = max(1, count)
+    if count > fit and not notes:  # (a split shorter than one window is noted already)
+        notes.append(
+            f"{f'{asked} asks for' if asked else 'asked for'} {count:,} windows of {window} tokens, more than the "
+            f"{fit:,} non-overlapping ones the {where} holds ({n_tokens:,} tokens): evaluated on those {fit:,}, "
+            "so that no token counts twice"
+            + (" and the ± (which treats windows as independent) stays honest" if error_bar else "")
+        )
+    count = min(count, fit)
     offsets = val_window_offsets(n_tokens, window, count)
     mm = np.memmap(path, dtype=prepared.dtype, mode="r", shape=(n_tokens,))
     arr = np.stack([np.asarray(mm[o : o + window], dtype=np.int64) for o in offsets])
@@ -608,6 +772,7 @@ def eval_windows(
         target_bytes=target_bytes,
         records_as_text=as_text is not None,
         sources=drawn_from,
+        notes=notes,
     )
 
 

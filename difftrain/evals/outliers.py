@@ -148,7 +148,16 @@ def run(run: Run, opts: EvalOptions, progress: Progress = _no_progress) -> Suite
     tokens = opts.tokens or (TOKENS_FULL if opts.full else TOKENS_QUICK)
     seq_len = run.config.max_seq_len  # type: ignore[attr-defined]
     count = max(1, tokens // seq_len)
-    tw = eval_windows(run, data=opts.data, count=count, full=False)
+    tw = eval_windows(
+        run,
+        data=opts.data,
+        count=count,
+        full=False,
+        text_field=opts.text_field,
+        asked=f"--tokens {tokens:,}" if opts.tokens is not None else f"the default --tokens {tokens:,}",
+        error_bar=False,
+    )
+    seq_len = tw.windows.shape[1] - 1  # shorter than the context for a split shorter than one window
     got = collect(run.model, tw.windows, batch_size=opts.batch_size, progress=progress)
     res: dict[str, Any] = {"source": tw.source, "tokens": int(len(tw.windows) * seq_len)}
     for kind in ("logits", "hidden"):
@@ -158,13 +167,17 @@ def run(run: Run, opts: EvalOptions, progress: Progress = _no_progress) -> Suite
             "per_layer": [{"layer": i, **s.result()} for i, s in enumerate(got[kind])],
         }
     al, hs = res["attention_logits"], res["hidden_states"]
+    settings: dict[str, Any] = {
+        "data": opts.data or "validation",
+        "sources": tw.sources,
+        "tokens": res["tokens"],
+        "seq_len": seq_len,
+    }
+    if opts.text_field is not None:
+        settings["text_field"] = opts.text_field
     return SuiteOutput(
-        settings={
-            "data": opts.data or "validation",
-            "sources": tw.sources,
-            "tokens": res["tokens"],
-            "seq_len": seq_len,
-        },
+        settings=settings,
+        notes=list(tw.notes),
         results=res,
         headline=[
             headline("attn logit top-1", al["top1"], "lower", ".2f"),

@@ -9,7 +9,9 @@ For windows w of max_seq_len + 1 tokens (inputs w[:-1], targets w[1:]):
 
 Bits per byte does not depend on the tokenizer, so runs with different vocabularies compare.
 By default the windows are the run's own validation windows, so `loss` reproduces the final
-validation loss of training (up to the attention kernel's rounding).
+validation loss of training (up to the attention kernel's rounding) where the split holds that
+many non-overlapping windows; more are never taken (`eval_windows`): overlapping ones would score
+tokens twice and shrink the standard error, which treats the windows as independent.
 """
 
 from __future__ import annotations
@@ -29,8 +31,8 @@ from difftrain.evals.common import (
     _no_progress,
     batches,
     check_positive,
-    eval_windows,
     headline,
+    option_windows,
 )
 from difftrain.rundir import Run
 
@@ -74,14 +76,15 @@ def summarize(nll: np.ndarray, tw: TokenWindows) -> dict[str, Any]:
 
 def run(run: Run, opts: EvalOptions, progress: Progress = _no_progress) -> SuiteOutput:
     check_positive("--windows", opts.windows)
-    tw = eval_windows(run, data=opts.data, count=opts.windows, full=opts.full)
+    tw = option_windows(run, opts)
     nll = window_nll(run.model, tw.windows, batch_size=opts.batch_size, progress=progress)
     res = summarize(nll, tw)
     res["source"] = tw.source
     res["split_tokens"] = tw.split_tokens
     if tw.records_as_text:
+        records = "its validation records" if tw.split == "val" else "the --data records"
         res["note"] = (
-            "an instruction fine-tune: every token of its validation records is scored, as plain text "
+            f"an instruction fine-tune: every token of {records} is scored, as plain text "
             "through its template (prompts too); its training val loss scored the responses only"
         )
     settings = {
@@ -91,7 +94,10 @@ def run(run: Run, opts: EvalOptions, progress: Progress = _no_progress) -> Suite
         "seq_len": tw.windows.shape[1] - 1,
         "full": opts.full,
     }
+    if opts.text_field is not None:
+        settings["text_field"] = opts.text_field
     return SuiteOutput(
+        notes=list(tw.notes),
         settings=settings,
         results=res,
         headline=[

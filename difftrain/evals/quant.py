@@ -31,8 +31,8 @@ from difftrain.evals.common import (
     _no_progress,
     check_bits,
     check_positive,
-    eval_windows,
     headline,
+    option_windows,
 )
 from difftrain.evals.ppl import summarize, window_nll
 from difftrain.rundir import Run
@@ -62,7 +62,7 @@ def run(run: Run, opts: EvalOptions, progress: Progress = _no_progress) -> Suite
     check_positive("--windows", opts.windows)
     widths = check_bits(opts.bits)
     model = run.model
-    tw = eval_windows(run, data=opts.data, count=opts.windows, full=opts.full)
+    tw = option_windows(run, opts)
     grid = None
     if opts.with_needle:
         grid = needle_suite.default_grid(run.tokenizer, run.config.max_seq_len, opts, quick_lengths=1)  # type: ignore[attr-defined]
@@ -111,6 +111,8 @@ def run(run: Run, opts: EvalOptions, progress: Progress = _no_progress) -> Suite
         "seq_len": tw.windows.shape[1] - 1,
         "granularity": "per (sequence, head)",
     }
+    if opts.text_field is not None:
+        settings["text_field"] = opts.text_field
     if grid is not None:
         settings["needle"] = needle_suite.grid_settings(grid, opts.seed)
     heads = [headline("loss@16", ref["loss"], "lower", ".4f")]
@@ -118,7 +120,9 @@ def run(run: Run, opts: EvalOptions, progress: Progress = _no_progress) -> Suite
         heads.append(headline(f"Δloss@{r['bits']}", r["delta_loss"], "lower", "+.4f"))
         if grid is not None:
             heads.append(headline(f"Δacc@{r['bits']}", r["delta_accuracy"], "higher", "+.3f"))
-    out = SuiteOutput(settings=settings, results={"source": tw.source, "rows": rows}, headline=heads)
+    out = SuiteOutput(
+        settings=settings, results={"source": tw.source, "rows": rows}, headline=heads, notes=list(tw.notes)
+    )
     if opts.plot is not False:
         from difftrain.evals import plots
 
