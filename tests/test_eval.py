@@ -160,20 +160,8 @@ def test_ppl_on_another_source_reads_all_of_it(runs, tmp_path):
 
 
 def test_ppl_on_an_instruction_fine_tune_scores_its_records_through_its_template(runs, tmp_path, capsys):
-    import shutil
-
     assert "note" not in evaluate(load_run(runs["baseline"]), "ppl", EvalOptions(windows=2))["results"]
-    sft = tmp_path / "sft"
-    shutil.copytree(runs["baseline"], sft, ignore=shutil.ignore_patterns("eval"))
-    records = tmp_path / "sft.jsonl"  # records, not text: the run's validation split is records
-    rng = random.Random(3)
-    chats = [{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}]
-    pairs = [{"prompt": filler_sentence(rng), "response": filler_sentence(rng)} for _ in range(40)]
-    records.write_text("".join(json.dumps(r) + "\n" for r in pairs + chats * 4))
-    recipe = yaml.safe_load((sft / "recipe.yaml").read_text())
-    recipe["finetune"] = {"base": str(runs["baseline"]), "prompt_format": "Q> {prompt} A> "}
-    recipe["data"].update(sources=[str(records)], val_fraction=0.4)
-    (sft / "recipe.yaml").write_text(yaml.safe_dump(recipe))
+    sft, _ = _instruction_run(runs, tmp_path)  # records, not text: the run's validation split is records
     run = load_run(sft)
     res = evaluate(run, "ppl", EvalOptions(windows=2))["results"]
     assert "scored the responses only" in res["note"]
@@ -182,6 +170,7 @@ def test_ppl_on_an_instruction_fine_tune_scores_its_records_through_its_template
         eval_windows(run, data=None, count=None, full=True).windows.flatten().tolist()
     )
     assert text.count("Q>") >= 10 and text.count(" A> ") >= 10 and "<|user|>" in text
+    recipe = yaml.safe_load((sft / "recipe.yaml").read_text())
     recipe["finetune"]["prompt_format"] = "R> {prompt} A> "  # another template: other shards, not the cached
     (sft / "recipe.yaml").write_text(yaml.safe_dump(recipe))
     windows = eval_windows(run, data=None, count=None, full=True).windows
