@@ -451,5 +451,7 @@ def merge_run(run_dir: Path | str, out_dir: Path | str | None = None, *, overwri
         "step": spec.step,
     }
     atomic_write_json(out / SUMMARY, summary)
-    save_weights(out / WEIGHTS, run.model, {"step": str(spec.step), "merged_from": str(run_dir)})
+    save_weights(
+        out / WEIGHTS, run.model, {"step": str(spec.step), "merged_from": str(Path(run_dir).resolve())}
+    )
     return out

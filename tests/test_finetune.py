@@ -485,8 +485,11 @@ def test_cli_prints_the_trainable_count_and_merges(ws, capsys):
     for extra in (["--resume"], []):
         assert main(["finetune", "runs/cli-m", "--no-progress", *extra]) == 2
         err = " ".join(capsys.readouterr().err.split())
-        assert "runs/cli-m holds the merge of the LoRA run runs/cli by `difftrain merge`" in err
-        assert "`difftrain finetune runs/cli --resume`, then merge again" in err and "--overwrite" not in err
+        lora_run = Path("runs/cli").resolve()  # recorded absolute: the merge may be used from anywhere
+        assert f"runs/cli-m holds the merge of the LoRA run {lora_run} by `difftrain merge`" in err
+        assert (
+            f"`difftrain finetune {lora_run} --resume`, then merge again" in err and "--overwrite" not in err
+        )
     assert {f.name: f.read_bytes() for f in (Path("runs") / "cli-m").iterdir()} == before
 
 
