@@ -285,11 +285,6 @@ def imported_from(path: Path) -> str | None:
     return weights_metadata(path).get("imported_from")
 
 
-def merged_from(path: Path) -> str | None:
-    """The adapter run `difftrain merge` folded into these weights, or None."""
-    return weights_metadata(path).get("merged_from")
-
-
 def read_summary(path: Path) -> dict:
     f = Path(path) / SUMMARY
     if not f.is_file():

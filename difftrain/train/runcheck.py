@@ -19,7 +19,7 @@ from typing import Any
 from difftrain.errors import RecipeError, RunDirError
 from difftrain.io import LOCK_FILE, TEMP_GLOB, RunLock
 from difftrain.recipe import Recipe, global_batch, resolve_auto
-from difftrain.rundir import CONFIG, RECIPE, TOKENIZER, holds_run, imported_from, merged_from
+from difftrain.rundir import CONFIG, RECIPE, TOKENIZER, holds_run, weights_metadata
 
 # What a run's start writes before its first step: a folder holding only these trained nothing.
 STARTUP_FILES = {RECIPE, CONFIG, TOKENIZER}
@@ -184,14 +184,14 @@ def check_run_dir(
         return None
     # a model written by import or merge: its recipe.yaml describes it, not a training to continue
     command = "finetune" if recipe.finetune is not None else "pretrain"
-    src = imported_from(run_dir)
+    made_by = weights_metadata(run_dir)  # one read of model.safetensors' header
+    src, adapter = made_by.get("imported_from"), made_by.get("merged_from")
     if src is not None:
         raise RunDirError(
             f"{run_dir} holds a model imported from {src} by `difftrain import`, which has no training "
             f"to resume or {command} into; fine-tune it (finetune.base: {run_dir}), train into another "
             "`name`, or replace it with --overwrite"
         )
-    adapter = merged_from(run_dir)
     if adapter is not None:
         raise RunDirError(
             f"{run_dir} holds the merge of the LoRA run {adapter} by `difftrain merge`, which has no training "
