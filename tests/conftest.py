@@ -14,12 +14,15 @@ import pytest
 @pytest.fixture()
 def cli_probe():
     """Runs difftrain commands one after another in a fresh Python process, as a user's shell
-    would (nothing imported yet): `probe(commands, cwd, modules)` → .codes (each command's exit
-    code), .loaded (which of `modules` the commands imported), .stdout, .stderr."""
+    would (nothing imported yet): `probe(commands, cwd, modules, prelude)` → .codes (each command's
+    exit code), .loaded (which of `modules` the commands imported), .stdout, .stderr. `prelude`:
+    Python run first (e.g. to stand in for the machine)."""
 
-    def probe(commands: list[list[str]], cwd: Path, modules: tuple[str, ...] = ("torch",)) -> SimpleNamespace:
+    def probe(
+        commands: list[list[str]], cwd: Path, modules: tuple[str, ...] = ("torch",), prelude: str = ""
+    ) -> SimpleNamespace:
         script = (
-            "import json, sys\nfrom difftrain.cli.app import main\n"
+            f"import json, sys\n{prelude}\nfrom difftrain.cli.app import main\n"
             f"codes = [main(c) for c in {commands!r}]\n"
             f"print(json.dumps([codes, [m for m in {list(modules)!r} if m in sys.modules]]))\n"
         )
