@@ -249,13 +249,16 @@ def query_blocks(q_len: int) -> list[tuple[int, int]]:
     return [(q_len * i // n, q_len * (i + 1) // n) for i in range(n)]
 
 
-BLOCK_MAP_BYTES = 2 << 20
+BLOCK_MAP_BYTES = 4 << 20
 """Bytes of the two fp32 maps of one query block that `_DiffBlockedMath` aims to stay under,
 taking the batch a few rows at a time: the maps of a block are then written, read by the softmax
-and its backward, and read again while they are still in cache (about a core's L2). At the
-bench's quickstart shape (one thread, 16×256×8×32, blocks of 64 queries) forward+backward took
-43-44 ms in batches of 4 (2 MiB of maps) against 48-50 in one batch of 16, 46-48 in batches of 8
-and 44-47 in batches of 2."""
+and its backward, and read again while they are still in cache (about the L2 of the cores that
+share the products). At the bench's quickstart shape (16×256×8×32, blocks of 64 queries),
+forward+backward took, one thread (session 8): 43-44 ms in batches of 4 (2 MiB of maps) against
+48-50 in one batch of 16, 46-48 in batches of 8 and 44-47 in batches of 2; two threads on an
+Intel Xeon with 2 MiB of L2 per core (session 24, interleaved, medians): 22.4-22.7 ms in batches
+of 8 (4 MiB) against 23.6-23.8 in batches of 4, 22.8-23.2 with 8 MiB and 29.0-29.7 with 1 MiB;
+one thread there 42.5 against 43.1 with 2 MiB."""
 
 
 def batch_chunks(batch: int, heads: int, q_len: int, kv_len: int) -> list[tuple[int, int]]:
