@@ -196,6 +196,40 @@ def test_missing_stdlib_sources_are_a_clear_error(tmp_path: Path, monkeypatch: p
         docs(["builtin:python-stdlib"], tmp_path)
 
 
+def test_record_fields_show_the_first_record_and_an_hf_dataset_loads_once(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """eval asks a --data source for its record fields before reading it: a dataset is loaded
+    once for both (it was loaded twice), and each kind of file shows its first record's fields."""
+    import datasets
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    (tmp_path / "d.jsonl").write_text('\n{"prompt": "p", "response": "r"}\n{"text": "t"}\n')
+    (tmp_path / "e.jsonl").write_text("")
+    (tmp_path / "a.txt").write_text("plain")
+    pq.write_table(pa.table({"messages": [[{"role": "user", "content": "hi"}]]}), tmp_path / "m.parquet")
+    (tmp_path / "bad.parquet").write_bytes(b"not parquet")
+    fields = {}
+    for name in ("d.jsonl", "e.jsonl", "a.txt", "m.parquet", "bad.parquet"):
+        (src,) = resolve_sources(DataConfig(sources=[name]), tmp_path)
+        fields[name] = src.record_fields()
+    assert fields == {
+        "d.jsonl": {"prompt", "response"},
+        "e.jsonl": set(),
+        "a.txt": set(),
+        "m.parquet": {"messages"},
+        "bad.parquet": None,  # unreadable here: reading it names the problem
+    }
+    loads = []
+    real = datasets.load_dataset
+    monkeypatch.setattr(datasets, "load_dataset", lambda *a, **k: loads.append(a) or real(*a, **k))
+    (src,) = resolve_sources(DataConfig(sources=[{"source": "hf:json", "data_files": ["d.jsonl"]}]), tmp_path)
+    assert src.record_fields() == {"prompt", "response", "text"}
+    assert list(src.documents(SourceStats(src.spec.source), "skip")) == ["t"]
+    assert len(loads) == 1
+
+
 def test_hf_source_loads_local_json_through_datasets(tmp_path: Path) -> None:
     (tmp_path / "d.jsonl").write_text('{"text": "h1"}\n{"text": "h2"}\n')
     assert docs([{"source": "hf:json", "data_files": ["d.jsonl"]}], tmp_path) == ["h1", "h2"]

@@ -127,6 +127,7 @@ class Source:
         """Set: the source holds instruction records, read as text documents through it (the
         evaluations of an instruction fine-tune); plain-text sources ignore it."""
         self.base_dir = base_dir
+        self._hf: Any = None  # the loaded dataset of an hf: source (`_hf_dataset`)
         self.files: list[Path] = []
         self.walked: set[Path] = set()
         """The files found by walking a folder (not named by the source itself)."""
@@ -397,7 +398,35 @@ class Source:
             raise DataError(f"{self.label}: local dataset folder {p} does not exist; fix the path")
         return p
 
+    def record_fields(self) -> set[str] | None:
+        """The field names of the source's records as its first record shows them: a dataset's
+        columns, a Parquet file's schema, the first JSON object of a .jsonl/.json file (empty when
+        it holds none); None where they cannot be told without reading the records (a streaming
+        dataset without column names, a Parquet file pyarrow cannot open: reading names the
+        problem). Sources of other files have no record fields: an empty set."""
+        if self.spec.kind == "hf":
+            names = getattr(self._hf_dataset(), "column_names", None)
+            return None if names is None else set(names)
+        if not self.files or _suffix(self.files[0]) not in RECORD_SUFFIXES:
+            return set()
+        first = self.files[0]
+        if _suffix(first) == ".parquet":
+            try:
+                import pyarrow.parquet as pq
+
+                return set(pq.ParquetFile(first).schema_arrow.names)
+            except Exception:
+                return None
+        record = next(self._json_objects(first, SourceStats(self.spec.source), "skip"), None)
+        return set(record[1]) if record else set()
+
     def _hf_dataset(self) -> Any:
+        """The dataset of an hf: source, loaded once per Source (a reader asks for it again)."""
+        if self._hf is None:
+            self._hf = self._load_hf_dataset()
+        return self._hf
+
+    def _load_hf_dataset(self) -> Any:
         try:
             import datasets
         except ImportError as e:

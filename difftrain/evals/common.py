@@ -522,27 +522,20 @@ def holds_records(source: Any) -> bool:
     an instruction fine-tune's template to render, judged by its first record (a file's first
     object, a Parquet file's or dataset's columns); plain text, and records with only a text
     field, are read as text."""
-    from difftrain.data.sources import RECORD_SUFFIXES, SourceStats, _suffix
+    from difftrain.data.sources import RECORD_SUFFIXES, _suffix
 
     spec = source.spec
     if spec.kind == "builtin":
         return spec.source == "builtin:python-docstrings"
-    if spec.kind == "hf":
-        names = getattr(source._hf_dataset(), "column_names", None)
-        return names is None or spec.prompt_field in names
-    if not source.files or any(_suffix(f) not in RECORD_SUFFIXES for f in source.files):
+    if spec.kind != "hf" and (
+        not source.files or any(_suffix(f) not in RECORD_SUFFIXES for f in source.files)
+    ):
         return False
-    first = source.files[0]
-    if _suffix(first) == ".parquet":
-        try:
-            import pyarrow.parquet as pq
-
-            names = set(pq.ParquetFile(first).schema_arrow.names)
-        except Exception:
-            return True  # unreadable here: the record reader names the problem
-    else:
-        record = next(source._json_objects(first, SourceStats(spec.source), "skip"), None)
-        names = set(record[1]) if record else set()
+    names = source.record_fields()
+    if names is None:  # not known before reading: read as records, whose reader names any problem
+        return True
+    if spec.kind == "hf":
+        return spec.prompt_field in names
     return spec.prompt_field in names or ("messages" in names and spec.text_field not in names)
 
 
