@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import gzip
 import json
+import re
 import socket
 from pathlib import Path
 
 import pytest
 
 from difftrain.data import builtin
-from difftrain.data.config import DataConfig
+from difftrain.data.config import DataConfig, TokenizerConfig
 from difftrain.data.sources import SourceStats, iter_documents, resolve_sources
 from difftrain.errors import DataError
 
@@ -228,6 +229,49 @@ def test_record_fields_show_the_first_record_and_an_hf_dataset_loads_once(
     assert src.record_fields() == {"prompt", "response", "text"}
     assert list(src.documents(SourceStats(src.spec.source), "skip")) == ["t"]
     assert len(loads) == 1
+
+
+def test_a_glob_over_a_folder_reads_each_file_once(tmp_path: Path) -> None:
+    # 'c/**' matches the folder, its subfolder and their files: each file was read 2-3 times
+    (tmp_path / "c" / "sub").mkdir(parents=True)
+    (tmp_path / "c" / "a.txt").write_text("ay")
+    (tmp_path / "c" / "sub" / "b.txt").write_text("bee")
+    assert docs(["c/**"], tmp_path) == ["ay", "bee"]
+    assert docs(["c/**/*"], tmp_path) == ["ay", "bee"]
+
+
+def test_two_sources_reading_the_same_documents_are_refused(tmp_path: Path) -> None:
+    """Each source is split into train and validation on its own: a file read by two sources
+    (a folder and a file in it, a file and a glob) would put its validation documents in
+    training through the other copy."""
+    from difftrain.data.modules import load_sft_records
+    from difftrain.data.shards import prepare_data
+    from difftrain.data.sources import check_local_sources
+
+    (tmp_path / "corp").mkdir()
+    (tmp_path / "corp" / "a.jsonl").write_text('{"text": "a", "prompt": "p", "response": "r"}\n')
+    (tmp_path / "corp" / "b.txt").write_text("bee")
+    (tmp_path / "copy.jsonl").write_text((tmp_path / "corp" / "a.jsonl").read_text())
+    same = re.escape(str((tmp_path / "corp" / "a.jsonl").resolve()))
+    for sources in (["corp", "corp/a.jsonl"], ["corp/*.jsonl", {"source": "corp", "weight": 2}]):
+        cfg = DataConfig(sources=sources)
+        for check in (
+            lambda cfg=cfg: check_local_sources(cfg, tmp_path),
+            lambda cfg=cfg: prepare_data(cfg, TokenizerConfig(), seed=0, base_dir=tmp_path),
+            lambda cfg=cfg: load_sft_records(cfg, seed=0, base_dir=tmp_path),
+        ):
+            with pytest.raises(
+                DataError,
+                match=rf"data.sources\[0\] .* and data.sources\[1\] .* both read {same}: .*weight: 2",
+            ):
+                check()
+    with pytest.raises(DataError, match=r"\('builtin:needles'\) are the same source"):
+        check_local_sources(DataConfig(sources=["builtin:needles", "builtin:needles"]), tmp_path)
+    # other files, or the same file read through another field, are other documents
+    check_local_sources(DataConfig(sources=["corp/a.jsonl", "copy.jsonl", "corp/b.txt"]), tmp_path)
+    check_local_sources(
+        DataConfig(sources=["corp/a.jsonl", {"source": "corp/a.jsonl", "text_field": "prompt"}]), tmp_path
+    )
 
 
 def test_hf_source_loads_local_json_through_datasets(tmp_path: Path) -> None:

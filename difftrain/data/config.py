@@ -256,7 +256,9 @@ class DataConfig(BaseModel):
         default_factory=lambda: [SourceSpec(source="builtin:python-stdlib")],
         min_length=1,
         description="Where the text comes from: a list of sources, each a string (path, glob, "
-        "builtin:NAME, hf:NAME) or a mapping {source, weight, text_field, ...}.",
+        "builtin:NAME, hf:NAME) or a mapping {source, weight, text_field, ...}. Each file is read "
+        "by one source (two that share a file are refused: each would be split into train and "
+        "validation on its own); weight counts a source more than once.",
     )
     val_fraction: float = Field(
         0.01,

@@ -35,7 +35,7 @@ from difftrain.data.shards import (
     unit_hash,
     val_window_offsets,
 )
-from difftrain.data.sources import SourceStats, require_documents, resolve_sources
+from difftrain.data.sources import SourceStats, check_distinct, require_documents, resolve_sources
 from difftrain.data.tokenizer import Tokenizer
 from difftrain.errors import DataError
 
@@ -634,7 +634,9 @@ def load_sft_records(
     train: list[dict[str, Any]] = []
     val: list[dict[str, Any]] = []
     all_stats = []
-    for src in resolve_sources(data_cfg, base_dir):
+    sources = resolve_sources(data_cfg, base_dir)
+    check_distinct(sources)
+    for src in sources:
         stats = SourceStats(src.spec.source)
         all_stats.append(stats)
         for d, rec in enumerate(src.records(stats, data_cfg.on_bad_record, check_messages)):

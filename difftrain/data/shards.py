@@ -38,6 +38,7 @@ from difftrain.data.config import DataConfig, TokenizerConfig
 from difftrain.data.sources import (
     Source,
     SourceStats,
+    check_distinct,
     require_documents,
     resolve_sources,
     sources_fingerprint,
@@ -545,7 +546,9 @@ def prepare_data(
     """
     t0 = time.perf_counter()
     base = Path(base_dir).expanduser().resolve()
-    sources = resolve_sources(data_cfg, base) if sources is None else sources
+    if sources is None:  # the recipe's: refused where two of them read the same documents
+        sources = resolve_sources(data_cfg, base)
+        check_distinct(sources)
     tok_path, tok_cached, tok_seconds = prepare_tokenizer(
         data_cfg, tok_cfg, base_dir=base, sources=sources, progress=progress
     )

@@ -172,6 +172,8 @@ class Source:
                 else:
                     found = [m]
                 files.extend(found)
+            # 'corpus/**' matches the folders and the files in them: each file is read once
+            files = list(dict.fromkeys(files))
         elif path.is_dir():
             files = self._walk(path)
             self.walked.update(files)
@@ -722,10 +724,44 @@ def resolve_sources(
 
 
 def check_local_sources(data_cfg: DataConfig, base_dir: str | os.PathLike[str]) -> None:
-    """Raise DataError for a local file or folder of `data.sources` that is missing, reading none
-    of the data (the dry runs of pretrain and finetune)."""
-    for source in resolve_sources(data_cfg, base_dir):  # path sources are checked as they resolve
+    """Raise DataError for a local file or folder of `data.sources` that is missing, or read by
+    two sources (`check_distinct`), reading none of the data (the dry runs of pretrain and
+    finetune)."""
+    sources = resolve_sources(data_cfg, base_dir)  # path sources are checked as they resolve
+    for source in sources:
         source.check_local_files()
+    check_distinct(sources)
+
+
+def check_distinct(sources: list[Source]) -> None:
+    """Raise DataError where two sources read the same documents: the same file (a folder and a
+    file in it, a file and a glob that matches it) or the same dataset, read the same way. Each
+    source is split into training and validation documents on its own (by its place in the
+    list), so a document held out of one copy would be trained on through the other, and the
+    validation loss would read low; a source's weight is how to count it more than once."""
+    seen: dict[tuple[Any, ...], Source] = {}
+    for src in sources:
+        how = tuple(
+            sorted(
+                src.spec.model_dump(
+                    exclude={"source", "weight", "data_files", "max_documents", "streaming"}
+                ).items(),
+                key=str,
+            )
+        )
+        if src.spec.kind == "path":
+            keys = [("file", f.resolve(), how) for f in src.files]
+        else:
+            keys = [("spec", src.spec.source, tuple(src.spec.data_files or ()), how)]
+        for key in keys:
+            other = seen.setdefault(key, src)
+            if other is not src:
+                what = f"both read {key[1]}" if key[0] == "file" else "are the same source"
+                raise DataError(
+                    f"{other.label} and {src.label} {what}: each would be split into training and "
+                    "validation on its own, so validation documents would be trained on; read it "
+                    "through one source (to count a source more, give it a weight, e.g. weight: 2)"
+                )
 
 
 def sources_fingerprint(sources: list[Source]) -> str:
