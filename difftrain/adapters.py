@@ -419,12 +419,15 @@ def merge_run(run_dir: Path | str, out_dir: Path | str | None = None, *, overwri
                 "choose another OUT_DIR"
             )
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        if not overwrite:
-            raise RunDirError(f"{out} already exists; choose another OUT_DIR or pass --overwrite")
-        if not (out.is_dir() and holds_run(out)):
+        if not (out.is_dir() and holds_run(out)):  # --overwrite would not help: say so at once
             raise RunDirError(
-                f"{out} exists and is not a difftrain run directory: --overwrite replaces only runs; "
-                "choose another OUT_DIR, or move it away yourself"
+                f"{out} exists and is not a difftrain run directory"
+                + (" (--overwrite replaces only runs)" if overwrite else "")
+                + "; choose another OUT_DIR, or move it away yourself"
+            )
+        if not overwrite:
+            raise RunDirError(
+                f"{out} holds a run already; choose another OUT_DIR or pass --overwrite to replace it"
             )
     run = load_adapter_run(run_dir, merge=True)
     spec = read_adapter_spec(run_dir)

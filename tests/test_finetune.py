@@ -199,7 +199,7 @@ def test_merged_run_gives_the_logits_of_base_plus_adapter(ws, tmp_path):
     for f in ("config.json", "tokenizer.json", "recipe.yaml", "summary.json"):
         assert (merged_dir / f).is_file()
     assert json.loads((merged_dir / "summary.json").read_text())["merged_from"]["method"] == "lora"
-    with pytest.raises(RunDirError, match="already exists"):
+    with pytest.raises(RunDirError, match="holds a run already; choose another OUT_DIR or pass --overwrite"):
         merge_run(run)
     # --overwrite never removes what the merge reads: the base, or a folder that holds it or the adapter
     base = resolve_base(run, read_adapter_spec(run))
@@ -212,8 +212,13 @@ def test_merged_run_gives_the_logits_of_base_plus_adapter(ws, tmp_path):
     mine = tmp_path / "my-folder"  # ... but not a folder of the user's that is no run
     mine.mkdir()
     (mine / "notes.txt").write_text("important")
-    with pytest.raises(RunDirError, match="is not a difftrain run directory: --overwrite replaces only runs"):
+    with pytest.raises(
+        RunDirError, match=r"is not a difftrain run directory \(--overwrite replaces only runs\)"
+    ):
         merge_run(run, mine, overwrite=True)
+    with pytest.raises(RunDirError, match="is not a difftrain run directory; choose another") as e:
+        merge_run(run, mine)  # no advice to pass --overwrite, which would be refused
+    assert "--overwrite" not in str(e.value)
     assert (mine / "notes.txt").read_text() == "important"
     with pytest.raises(RunDirError, match="nothing to merge"):
         merge_run(merged_dir, tmp_path / "again")

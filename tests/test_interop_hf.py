@@ -487,8 +487,9 @@ def test_overwrite_never_writes_over_a_difftrain_run(tmp_path, tok):
     before = {p.name: p.read_bytes() for p in other.iterdir() if p.is_file()}
     with pytest.raises(InteropError, match="holds a difftrain run .* never over a run"):
         export_hf(tmp_path / "run", other, overwrite=True)  # would replace its config and weights
-    with pytest.raises(InteropError, match="holds a difftrain run \\(checkpoints\\)"):
-        import_hf(hf, other, overwrite=True)
+    for flag in (True, False):  # without the flag too: no advice to pass it, only to be refused
+        with pytest.raises(InteropError, match="holds a difftrain run \\(checkpoints\\)"):
+            import_hf(hf, other, overwrite=flag)
     assert {p.name: p.read_bytes() for p in other.iterdir() if p.is_file()} == before
     with pytest.raises(InteropError, match="is a difftrain run directory, not a transformers checkpoint"):
         import_hf(other, tmp_path / "elsewhere")

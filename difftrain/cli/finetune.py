@@ -212,7 +212,9 @@ def _dry_run(r: Any, *, resume: bool | None, overwrite: bool) -> None:
 def merge_command(
     run_dir: Path = typer.Argument(..., help="A LoRA/QLoRA fine-tune's run directory."),
     out_dir: Path = typer.Argument(None, help="Where to write the merged run (default: RUN_DIR-merged)."),
-    overwrite: bool = typer.Option(False, "--overwrite", help="Replace OUT_DIR if it exists."),
+    overwrite: bool = typer.Option(
+        False, "--overwrite", help="Replace the run at OUT_DIR if one is there (never other files)."
+    ),
 ) -> None:
     """Fold a LoRA adapter into its base run's weights and write a plain run directory."""
     from difftrain.rundir import require_run_dir

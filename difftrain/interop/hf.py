@@ -579,15 +579,17 @@ def _prepare_out_dir(path: Path, overwrite: bool, flag: str, what: str, *, keep_
     if path.exists() and not path.is_dir():
         raise InteropError(f"{path} is a file; choose a folder for the {what}")
     if path.is_dir() and any(path.iterdir()):
-        if not overwrite:
-            raise InteropError(
-                f"{path} exists and is not empty; choose a new folder or pass {flag} to write into it"
-            )
+        # a run is refused first, with or without the flag: suggesting it there would only lead
+        # to this refusal
         trained = [n for n in (CHECKPOINTS, METRICS, ADAPTER_CONFIG) if (path / n).exists()]
         if trained or (keep_runs == "any" and (path / RECIPE).is_file()):
             raise InteropError(
                 f"{path} holds a difftrain run ({(trained or [RECIPE])[0]}); {flag} writes into a folder but never "
                 "over a run: choose a new folder, or remove that run first"
+            )
+        if not overwrite:
+            raise InteropError(
+                f"{path} exists and is not empty; choose a new folder or pass {flag} to write into it"
             )
     path.mkdir(parents=True, exist_ok=True)
 
