@@ -147,7 +147,17 @@ def parse_memory(text: str) -> int:
     size = int(float(m.group(1)) * _UNITS[unit])
     if size < MiB:
         raise ConfigError(f"--gpu-mem {text!r} is less than 1 MiB; give the GPU's memory, e.g. 8GB")
+    if size > MAX_GPU_MEMORY:  # 8000GB typed for 80GB would otherwise fit anything
+        raise ConfigError(
+            f"--gpu-mem {text!r} is more than one GPU holds (the limit taken is 4 TiB); give one GPU's "
+            "memory, e.g. 80GB"
+        )
     return size
+
+
+MAX_GPU_MEMORY = 4 * 2**40
+"""The largest --gpu-mem taken: above any one GPU's memory (2026: 288 GB), so a slip of the
+finger (8000GB for 80GB) is refused instead of planning for a GPU that does not exist."""
 
 
 def fmt_bytes(n: float) -> str:

@@ -61,6 +61,10 @@ def test_memory_sizes_parse_with_binary_units_and_reject_bare_numbers():
     for tiny in ("0GB", "0.5KiB"):
         with pytest.raises(ConfigError, match="less than 1 MiB"):
             parse_memory(tiny)
+    assert parse_memory("4TiB") == 4 * 2**40
+    for huge in ("8000GB", "8TB", "99999999999999999999GB"):  # a slip of the finger, not a GPU
+        with pytest.raises(ConfigError, match="more than one GPU holds"):
+            parse_memory(huge)
 
 
 def test_optimizer_state_bytes_follow_adamw_and_bitsandbytes_rules_by_hand():
