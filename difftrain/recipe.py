@@ -22,6 +22,7 @@ import copy
 import difflib
 import math
 import os
+import re
 import typing
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -993,7 +994,12 @@ def format_validation_error(
                 + (f", e.g. `{dotted}=[{given}]`" if listed else _list_example(model, loc, dotted))
             )
         elif err["type"] == "missing":
-            msgs.append(f"{place + ': ' if place else ''}missing key `{dotted}`")
+            if dotted == "train":
+                fix = ": a recipe needs a train: section with max_steps or max_tokens, e.g. `train: {max_steps: 1000}`"
+            else:  # the key as `recipes explain` names it: list items as [] (data.sources[].source)
+                key = re.sub(r"\.\d+(?=\.|$)", "[]", dotted)
+                fix = f"; add it (`difftrain recipes explain {key}` says what it takes)"
+            msgs.append(f"{place + ': ' if place else ''}missing key `{dotted}`{fix}")
         elif err["type"] in ("model_type", "model_attributes_type", "dict_type"):  # `train: 5`
             given = err.get("input")
             shown = repr(given) if len(repr(given)) < 60 else type(given).__name__

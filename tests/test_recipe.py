@@ -83,6 +83,14 @@ def test_yaml_syntax_error_has_line_and_column(tmp_path):
         ("", "is empty"),
         ("- a\n- b\n", "must be a mapping"),
         ("name: x\n", "missing key `model`"),
+        (
+            "name: x\nmodel: {d_model: 64, n_layers: 1, n_heads: 2}\n",
+            r"missing key `train`: a recipe needs a train: section with max_steps or max_tokens, e\.g\. `train: \{max_steps: 1000\}`$",
+        ),
+        (
+            "name: x\nmodel: {d_model: 64, n_layers: 1, n_heads: 2}\ntrain: {max_steps: 1}\ndata: {sources: [{weight: 2}]}\n",
+            r"missing key `data\.sources\.0\.source`; add it \(`difftrain recipes explain data\.sources\[\]\.source` says",
+        ),
         ("!!python/object/apply:os.system ['echo hi']\n", "invalid YAML"),
     ],
 )
@@ -202,6 +210,11 @@ def test_bad_override_says_override(tmp_path):
         (
             "data.sources=[]",
             "override `data.sources` is empty; it needs at least 1 item such as `data.sources=[path/to/texts]`",
+        ),
+        (  # YAML reads a bare `hf:` as the mapping {hf: null}: the source's own message, not two about keys
+            "data.sources=[hf:]",
+            "override `data.sources`: `data.sources.0`: hf: source needs a dataset name, e.g. 'hf:json' or "
+            "'hf:wikitext:wikitext-2-raw-v1@train'",
         ),
         (
             "data.sources.0.weight=2",

@@ -247,6 +247,16 @@ def absolute_source(raw: str, base_dir: Path) -> str:
     return raw
 
 
+def _colon_string(item: Any) -> Any:
+    """A source YAML read as a mapping because it ends in a colon (`hf:` unquoted is {hf: None})
+    back as the string it was written as, so that its own message names the problem."""
+    if isinstance(item, dict) and len(item) == 1:
+        ((key, value),) = item.items()
+        if value is None and isinstance(key, str) and key not in SourceSpec.model_fields:
+            return f"{key}:"
+    return item
+
+
 class DataConfig(BaseModel):
     """The `data:` section: sources, validation split, bad-record policy, cache and loaders."""
 
@@ -305,6 +315,7 @@ class DataConfig(BaseModel):
         if isinstance(v, (str, dict)):
             v = [v]
         if isinstance(v, list):
+            v = [_colon_string(s) for s in v]
             return [{"source": s} if isinstance(s, str) else s for s in v]
         return v
 
