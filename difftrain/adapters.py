@@ -143,7 +143,7 @@ def resolve_base(run_dir: Path, spec: AdapterSpec) -> Path:
         candidates.append(Path(ref["abs_path"]))
     base = next((c for c in candidates if c.is_dir()), None)
     if base is None:
-        shown = ", ".join(str(c) for c in candidates) or "(none recorded)"
+        shown = ", ".join(dict.fromkeys(str(c) for c in candidates)) or "(none recorded)"
         raise RunDirError(
             f"{run_dir} is a LoRA adapter whose base run is gone (looked in {shown}); put the base run back "
             f"there, or fine-tune again"

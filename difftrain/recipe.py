@@ -609,6 +609,10 @@ def recipe_summary(path: Path) -> str:
 def find_recipe(ref: str | os.PathLike[str], relative_to: Path | None = None) -> Path:
     """A recipe path from a file path or a shipped recipe name."""
     ref_s = str(ref)
+    if not ref_s.strip():
+        raise RecipeError(
+            "the recipe name is empty; give a recipe file or a shipped recipe name (see `difftrain recipes list`)"
+        )
     candidates = []
     p = Path(ref_s).expanduser()
     if relative_to is not None and not p.is_absolute():

@@ -17,6 +17,11 @@ from difftrain.cli.app import main
         (["bench", "--reps", "many"], "Invalid value for '--reps'"),
         (["pretrian"], "No such command 'pretrian'. Did you mean 'pretrain'? (see `difftrain --help`)"),
         (["recipes", "shw"], "(see `difftrain recipes --help`)"),
+        (
+            ["plan", "quickstart", "--gpu-mem"],
+            "Option '--gpu-mem' requires an argument",
+        ),  # click gives no context
+        (["recipes", "cp", "quickstart"], "Missing argument 'dest'"),
     ],
 )
 def test_usage_errors_exit_2_with_a_message_and_no_traceback(argv, message, capsys):
@@ -27,7 +32,22 @@ def test_usage_errors_exit_2_with_a_message_and_no_traceback(argv, message, caps
     # one line, as every user-facing error: the error first, then where the help is
     assert len(err.strip().splitlines()) == 1 and err.startswith("error: ")
     command = "difftrain" if argv[0] == "pretrian" or argv[0].startswith("no-") else f"difftrain {argv[0]}"
+    if argv[:2] == ["recipes", "cp"]:
+        command = "difftrain recipes cp"
     assert err.rstrip().endswith(f"(see `{command} --help`)")
+
+
+def test_debug_goes_before_the_command_and_keeps_the_exit_code(capsys):
+    assert main(["prepare", "nosuch", "--debug"]) == 2
+    err = capsys.readouterr().err
+    assert err.strip() == (
+        "error: No such option: --debug: --debug goes before the command, e.g. `difftrain --debug prepare ...`"
+    )
+    assert main(["--debug", "prepare", "nosuch"]) == 2  # a user mistake: the traceback, then the line, exit 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert lines[0].startswith("Traceback") and lines[-1].startswith("error: no recipe file `nosuch`")
+    assert main(["recipes", "show", ""]) == 2
+    assert "error: the recipe name is empty; give a recipe file" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("argv", [[], ["recipes"]])
@@ -101,3 +121,22 @@ def test_recipes_cp_copies_to_a_file_or_into_a_folder(tmp_path, capsys):
     assert main(["recipes", "cp", "quickstart", str(tmp_path / "my.yaml" / "x.yaml")]) == 2  # under a file
     err = capsys.readouterr().err
     assert "cannot write" in err and "Traceback" not in err
+
+
+def test_recipes_cp_of_a_recipe_file_says_which_relative_paths_now_name_something_else(tmp_path, capsys):
+    """A recipe's relative paths are read against its own folder: a copy elsewhere reads other data."""
+    (tmp_path / "proj" / "data").mkdir(parents=True)
+    (tmp_path / "proj" / "data" / "a.txt").write_text("text")
+    (tmp_path / "proj" / "r.yaml").write_text(
+        "name: r\nmodel: {d_model: 64, n_layers: 1, n_heads: 2}\ntrain: {max_steps: 1}\n"
+        "data: {sources: [data/a.txt, builtin:needles, " + str(tmp_path / "proj" / "data") + "]}\n"
+        "tokenizer: {path: tok.json}\n"
+    )
+    assert main(["recipes", "cp", str(tmp_path / "proj" / "r.yaml"), str(tmp_path / "elsewhere") + "/"]) == 0
+    err = " ".join(capsys.readouterr().err.split())
+    assert f"reads data/a.txt (and 1 more) relative to its own folder {tmp_path / 'elsewhere'}" in err
+    assert f"no longer from {tmp_path / 'proj'}" in err
+    for dest in (tmp_path / "proj" / "r2.yaml", tmp_path / "q.yaml"):  # the same folder; a shipped recipe
+        src = str(tmp_path / "proj" / "r.yaml") if dest.name == "r2.yaml" else "quickstart"
+        assert main(["recipes", "cp", src, str(dest)]) == 0
+        assert "warning" not in capsys.readouterr().err

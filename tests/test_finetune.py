@@ -466,8 +466,10 @@ def test_a_changed_base_is_detected_when_loading_the_adapter(ws, tmp_path, base_
     with pytest.raises(CheckpointError, match="has changed since"):
         load_run(run)
     shutil.rmtree(base_copy)
-    with pytest.raises(RunDirError, match="base run is gone"):
+    with pytest.raises(RunDirError, match="base run is gone") as e:
         load_run(run)
+    looked = str(e.value).split("(looked in ")[1].split(")")[0]
+    assert looked.split(", ") == list(dict.fromkeys(looked.split(", ")))  # each place named once
 
 
 def test_cli_prints_the_trainable_count_and_merges(ws, capsys):

@@ -113,14 +113,32 @@ def error_line(message: str) -> None:
     Console(stderr=True, highlight=False, soft_wrap=True).print(f"[bold red]error:[/] {escape(message)}")
 
 
-def usage_message(e: Exception) -> str:
+def usage_message(e: Exception, args: list[str] | None = None) -> str:
     """Click's usage error (its four lines: usage, "Try --help", blank, error) as one: the error
-    and where the help is."""
+    and where the help is (the command's, from `args` where click's error has no context: an
+    option given without its value)."""
     message = e.format_message().replace("Input should be", "must be").rstrip(".")  # type: ignore[attr-defined]
     ctx = getattr(e, "ctx", None)
-    if ctx is None:
-        return message
-    return f"{message} (see `{ctx.command_path} --help`)"
+    path = ctx.command_path if ctx is not None else _command_path(args or [])
+    if getattr(e, "option_name", None) == "--debug" and path != "difftrain":  # given after the command
+        rest = path.removeprefix("difftrain ")
+        return f"{message}: --debug goes before the command, e.g. `difftrain --debug {rest} ...`"
+    return message if path is None else f"{message} (see `{path} --help`)"
+
+
+def _command_path(args: list[str]) -> str | None:
+    """ "difftrain CMD [SUB]" for the command named at the start of `args` (options before it
+    skipped), or None where none is named."""
+    command: Any = typer.main.get_command(app)
+    path = ["difftrain"]
+    for arg in args:
+        if arg.startswith("-"):
+            continue
+        sub = getattr(command, "commands", {}).get(arg)  # a group's subcommands
+        if sub is None:
+            break
+        command, path = sub, [*path, arg]
+    return " ".join(path) if len(path) > 1 else None
 
 
 _CTRL_C = {"seen": False}
@@ -184,8 +202,10 @@ def main(argv: list[str] | None = None) -> int:
         if result == 130 and _CTRL_C["seen"]:  # Typer turns Ctrl-C into a silent return of 130
             _interrupted()
     except DifftrainError as e:
-        if debug:
-            raise
+        if debug:  # the traceback, then the same line and exit code as without --debug
+            import traceback
+
+            traceback.print_exc()
         error_line(str(e))
         return e.exit_code
     except typer.Exit as e:
@@ -196,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
     except _USAGE_ERROR as e:  # unknown option, missing argument, bad value: one line, as every error
         if not e.format_message():  # a command group run bare: click has printed its help, nothing failed
             return 0
-        error_line(usage_message(e))
+        error_line(usage_message(e, args))
         return e.exit_code  # type: ignore[attr-defined]
     except KeyboardInterrupt:
         _interrupted()

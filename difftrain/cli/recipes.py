@@ -47,13 +47,14 @@ def show(name: str = typer.Argument(..., help="Shipped recipe name or recipe pat
 
 @recipes_app.command("cp")
 def cp(
-    name: str = typer.Argument(..., help="Shipped recipe name."),
+    name: str = typer.Argument(..., help="Shipped recipe name or recipe path."),
     dest: str = typer.Argument(
         ..., help="Destination file, or folder (an existing one, or a name ending in /)."
     ),
     force: bool = typer.Option(False, "--force", help="Overwrite an existing file."),
 ) -> None:
-    """Copy a shipped recipe to DEST so you can edit it (like `tune cp`)."""
+    """Copy a shipped recipe (or any recipe file) to DEST so you can edit it (like `tune cp`)."""
+    from difftrain.cli.common import warn
     from difftrain.recipe import find_recipe
 
     src = find_recipe(name)
@@ -69,6 +70,38 @@ def cp(
             f"cannot write {target}: {e.strerror or e}; choose a DEST in a folder you can write"
         ) from e
     typer.echo(f"copied {src.name} to {target}")
+    moved = _paths_read_elsewhere(src, target)
+    if moved:
+        more = f" (and {len(moved) - 1} more)" if len(moved) > 1 else ""
+        warn(
+            f"{target} reads {moved[0]}{more} relative to its own folder {target.parent.resolve()}, "
+            f"no longer from {src.parent.resolve()}; make such paths absolute, or copy what they name too"
+        )
+
+
+def _paths_read_elsewhere(src: Path, target: Path) -> list[str]:
+    """The relative paths of a recipe file (data sources, data_files, tokenizer.path) that name
+    something else once it is copied from `src` to `target`: a recipe's relative paths are read
+    against its own folder. None for a shipped recipe (read from the current folder) or one that
+    does not load (the copy is the user's to fix)."""
+    from difftrain.data.config import absolute_path, absolute_source
+    from difftrain.errors import DifftrainError
+    from difftrain.recipe import load_recipe, shipped_recipes_dir
+
+    old, new = src.resolve().parent, target.resolve().parent
+    if old == new or old == shipped_recipes_dir().resolve():
+        return []
+    try:
+        r = load_recipe(src)
+    except DifftrainError:
+        return []
+    raw = [spec.source for spec in r.data.sources]
+    moved = [s for s in raw if absolute_source(s, old) != absolute_source(s, new)]
+    for spec in r.data.sources:
+        moved += [f for f in spec.data_files or () if absolute_path(f, old) != absolute_path(f, new)]
+    if r.tokenizer.path and absolute_path(r.tokenizer.path, old) != absolute_path(r.tokenizer.path, new):
+        moved.append(r.tokenizer.path)
+    return moved
 
 
 @recipes_app.command("explain")
