@@ -212,7 +212,9 @@ def require_weights(path: Path) -> Path:
             f"last checkpoint by resuming: {resume}"
         )
     if (path / RECIPE).is_file():  # no checkpoint either: nothing to resume, start it again
-        start = f"`difftrain {training_command(path)} {shlex.quote(str(path / RECIPE))}`"
+        # --overwrite: the folder holds the logs of the steps it took, and a plain start refuses
+        # to train over them (there is nothing for --resume to continue)
+        start = f"`difftrain {training_command(path)} {shlex.quote(str(path / RECIPE))} --overwrite`"
         raise RunDirError(
             f"{path} has no {WEIGHTS} and no checkpoint (it stopped before its first save, every "
             f"train.save_every steps); start it again with {start}"

@@ -272,7 +272,7 @@ def test_a_run_without_weights_or_checkpoints_says_to_start_it_again(tmp_path, c
     code, _, err = gen(capsys, run, "--prompt", "x")
     assert code == 2 and len(err.strip().splitlines()) == 1
     assert "has no model.safetensors and no checkpoint" in err
-    assert f"start it again with `difftrain pretrain {run / 'recipe.yaml'}`" in err and "--resume" not in err
+    assert f"start it again with `difftrain pretrain {run / 'recipe.yaml'} --overwrite`" in err and "--resume" not in err
 
 
 def test_a_run_still_training_is_not_told_to_resume(tmp_path, capsys):

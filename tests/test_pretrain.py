@@ -7,6 +7,7 @@ import json
 import os
 import re
 import shutil
+import shlex
 import signal
 from pathlib import Path
 
@@ -475,6 +476,22 @@ def test_resuming_a_finished_run_rewrites_damaged_weights_from_its_last_checkpoi
     again = pretrain(load_recipe(p), resume=True)
     assert again.notes and "holds the weights of step 2, not of step 4" in again.notes[0]
     assert load_file(run / "model.safetensors").keys() == good.keys()
+
+
+def test_a_run_stopped_before_its_first_save_names_a_command_that_starts_it_again(workspace, capsys):
+    # the command it named (the recipe without --overwrite) was refused: the folder holds the
+    # logs of the steps taken, and --resume had nothing to continue
+    p = workspace(steps=4, save_every=2)
+    run = pretrain(load_recipe(p)).run_dir
+    shutil.rmtree(run / "checkpoints")
+    for name in ("model.safetensors", "summary.json"):
+        (run / name).unlink()
+    assert main(["eval", str(run), "--suite", "ppl"]) == 2
+    err = capsys.readouterr().err
+    command = err.split("start it again with `")[1].split("`")[0]
+    assert command.startswith("difftrain pretrain ")
+    assert main(shlex.split(command)[1:]) == 0
+    assert (run / "model.safetensors").is_file()
 
 
 def test_resume_past_train_max_steps_is_refused_and_a_lost_summary_is_rebuilt(workspace):
