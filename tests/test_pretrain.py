@@ -6,8 +6,8 @@ import csv
 import json
 import os
 import re
-import shutil
 import shlex
+import shutil
 import signal
 from pathlib import Path
 
@@ -486,10 +486,16 @@ def test_a_run_stopped_before_its_first_save_names_a_command_that_starts_it_agai
     shutil.rmtree(run / "checkpoints")
     for name in ("model.safetensors", "summary.json"):
         (run / name).unlink()
+    other = pretrain(load_recipe(workspace(name="other", steps=2, save_every=2))).run_dir
     assert main(["eval", str(run), "--suite", "ppl"]) == 2
     err = capsys.readouterr().err
     command = err.split("start it again with `")[1].split("`")[0]
     assert command.startswith("difftrain pretrain ")
+    # the commands that read results name it too, not an eval that cannot run
+    assert main(["eval", str(run), "--show"]) == 2
+    assert f"start it again with `{command}`" in capsys.readouterr().err
+    assert main(["compare", str(run), str(other)]) == 0
+    assert f"start it again with `{command}`" in " ".join(capsys.readouterr().err.split())
     assert main(shlex.split(command)[1:]) == 0
     assert (run / "model.safetensors").is_file()
 

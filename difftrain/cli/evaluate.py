@@ -280,13 +280,15 @@ def show_results(run_dir: str, values: list[str] | None, as_json: bool) -> None:
     from difftrain.evals import SUITES, load_result
     from difftrain.evals.common import missing_result, rerun_command, result_keys, result_path, stale
     from difftrain.evals.compare import check_result
-    from difftrain.rundir import require_run_dir
+    from difftrain.rundir import is_adapter_run, require_run_dir, require_weights
 
     run = require_run_dir(Path(run_dir))
     parts = _suite_parts(values or ["all"])
     if any(p.lower() == "all" for p in parts):
         keys = [k for s in SUITES for k in result_keys(run, s)]
         if not keys:
+            if not is_adapter_run(run):  # no weights: nothing to evaluate yet, and it says what to do
+                require_weights(run)
             raise ConfigError(
                 f"{run} holds no eval results yet; make one with `difftrain eval {run} --suite ppl`"
             )

@@ -34,8 +34,10 @@ from difftrain.rundir import (
     CONFIG,
     METRICS,
     imported_from,
+    is_adapter_run,
     read_summary,
     require_run_dir,
+    require_weights,
     training_command,
 )
 
@@ -246,11 +248,18 @@ def compare_runs(paths: Sequence[str | Path], suites: Sequence[str] | None = Non
     for r in runs:
         if not r.summary:
             source = imported_from(r.path)
-            notes.append(
-                f"{r.path} was imported from {source} (`difftrain import`): it has no training figures"
-                if source
-                else f"{r.path} has no summary.json (training unfinished?): its training figures are missing"
-            )
+            if source:
+                notes.append(
+                    f"{r.path} was imported from {source} (`difftrain import`): it has no training figures"
+                )
+            else:
+                try:  # without weights it has nothing to evaluate either: say what to do about that
+                    if not is_adapter_run(r.path):
+                        require_weights(r.path)
+                    why = "training unfinished?"
+                except RunDirError as e:
+                    why = str(e)
+                notes.append(f"{r.path} has no summary.json ({why}): its training figures are missing")
         elif r.summary.get("finished") is False:
             step = r.summary.get("steps")
             unreadable = None
