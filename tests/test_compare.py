@@ -143,6 +143,29 @@ def test_compare_notes_results_computed_with_different_settings(pair, tmp_path):
     assert any("c has no summary.json" in n for n in cmp.notes)
 
 
+def test_runs_with_different_tokenizers_are_not_ranked_by_per_token_figures(pair, tmp_path):
+    """A token is another unit in each: loss and ppl are shown unranked, with a note; bits/byte
+    and the figures that are no per-token ones are still ranked."""
+    a, _ = pair
+    from difftrain.data.config import TokenizerTrainConfig
+    from difftrain.data.tokenizer import train_tokenizer
+
+    texts = [" ".join(f"word{i % 97} w{i % 13}" for i in range(j, j + 400)) for j in range(30)]
+    own = train_tokenizer(texts, TokenizerTrainConfig(vocab_size=300))
+    c = make_run(tmp_path, "c-own", "diff", tokenizer=own)
+    assert (c / "tokenizer.json").read_bytes() != (a / "tokenizer.json").read_bytes()
+    write_training_files(c, tokens_per_step=1000, seconds_per_step=1.0, loss0=7.0, params=61_000)
+    save_result(c, evaluate(load_run(c), "ppl", EvalOptions(windows=2)))
+    cmp = compare_runs([a, c])
+    (note,) = [n for n in cmp.notes if "different tokenizers" in n]
+    assert "a-diff" in note and "c-own" in note and "bits/byte compares the runs" in note
+    rows = {r.name: r for r in cmp.training}
+    assert rows["final val loss"].best() is None and rows["best val loss"].best() is None
+    assert rows["tokens/s"].best() is not None
+    ppl = {r.name: r for r in cmp.suites["ppl"]}
+    assert ppl["loss"].best() is None and ppl["ppl"].best() is None and ppl["bits/byte"].best() is not None
+
+
 def test_suites_chosen_with_suite_get_no_not_in_every_run_note(pair):
     a, b = pair
     assert compare_runs([a, b]).partial == {"icl-order": ["b-base"]}

@@ -33,6 +33,7 @@ from difftrain.io import RunLock
 from difftrain.rundir import (
     CONFIG,
     METRICS,
+    TOKENIZER,
     imported_from,
     is_adapter_run,
     read_summary,
@@ -371,8 +372,43 @@ def compare_runs(paths: Sequence[str | Path], suites: Sequence[str] | None = Non
                 notes.append(
                     f"{s}: the result of {r.label} predates its current weights; rerun `{rerun_command(r.path, s, d)}`"
                 )
+    note = _tokenizer_note(runs)
+    if note:  # a token is another unit in each run: per-token figures are shown, not ranked
+        notes.append(note)
+        for row in training:
+            if row.name.endswith(("train loss", "val loss")):
+                row.better = None
+        for s, rows in table.items():
+            if split_key(s)[0] == "ppl":
+                for row in rows:
+                    if row.name in ("loss", "ppl"):
+                        row.better = None
     return Comparison(
         runs=runs, training=training, suites=table, partial=partial, notes=notes, commands=commands
+    )
+
+
+def _tokenizer_note(runs: Sequence[RunRecord]) -> str | None:
+    """A note where the runs tokenize differently (their tokenizer.json files differ): their
+    losses and perplexities are per token, and a token is another unit in each, so only figures
+    per byte rank them. None where they share one (or the files are missing)."""
+    import hashlib
+
+    held: dict[str, tuple[str, Any]] = {}
+    for r in runs:
+        f = r.path / TOKENIZER
+        try:
+            held[r.label] = (hashlib.sha256(f.read_bytes()).hexdigest(), r.config.get("vocab_size"))
+        except OSError:
+            continue
+    if len({digest for digest, _ in held.values()}) < 2:
+        return None
+    sizes = ", ".join(
+        f"{label} {size:,}" if isinstance(size, int) else label for label, (_, size) in held.items()
+    )
+    return (
+        f"the runs use different tokenizers (vocabularies: {sizes}): loss and ppl are per token, and a "
+        "token is another unit in each, so they are shown but not ranked; bits/byte compares the runs"
     )
 
 
