@@ -272,7 +272,10 @@ def test_a_run_without_weights_or_checkpoints_says_to_start_it_again(tmp_path, c
     code, _, err = gen(capsys, run, "--prompt", "x")
     assert code == 2 and len(err.strip().splitlines()) == 1
     assert "has no model.safetensors and no checkpoint" in err
-    assert f"start it again with `difftrain pretrain {run / 'recipe.yaml'} --overwrite`" in err and "--resume" not in err
+    assert (
+        f"start it again with `difftrain pretrain {run / 'recipe.yaml'} --overwrite`" in err
+        and "--resume" not in err
+    )
 
 
 def test_a_run_still_training_is_not_told_to_resume(tmp_path, capsys):
@@ -620,3 +623,27 @@ def test_help_in_each_repl_lists_its_commands_one_line_each(
     assert listed == commands, help_text
     assert all(len(line.split()) > 2 for line in help_text.splitlines() if line.lstrip().startswith("/"))
     assert "--" not in help_text.replace("--system", "")  # the REPL's commands, not the options
+
+
+def _piped(data: bytes):
+    """A real pipe holding `data` (closed for writing), as `echo ... |` gives a process."""
+    r, w = os.pipe()
+    os.write(w, data)
+    os.close(w)
+    return os.fdopen(r, "r")
+
+
+def test_piped_input_without_prompt_file_is_noted_and_greedy_shows_no_seed(run_dir, capsys, monkeypatch):
+    # `echo abc | difftrain generate RUN` generated from nothing and said nothing of the input
+    with monkeypatch.context() as m:
+        m.setattr("sys.stdin", _piped(b"abc\n"))
+        code, _, err = gen(capsys, run_dir, "-n", 3, "-t", 0)
+    assert code == 0
+    assert "warning: standard input is not read without --prompt-file -" in " ".join(err.split())
+    assert "· greedy" in err and "seed" not in err  # greedy decoding draws no random numbers
+    with monkeypatch.context() as m:  # nothing piped (end of input at once): nothing to say
+        m.setattr("sys.stdin", _piped(b""))
+        code, _, err = gen(capsys, run_dir, "-n", 3, "--seed", 4)
+    assert code == 0 and "warning" not in err and "seed 4" in err
+    code, _, err = gen(capsys, run_dir, "-n", 0)
+    assert code == 2 and "e.g. --max-new-tokens 256" in err

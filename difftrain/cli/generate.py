@@ -14,6 +14,7 @@ is `finetune.prompt_format` filled in, with no token before it (as in fine-tunin
 from __future__ import annotations
 
 import json
+import os
 import re
 import secrets
 import shlex
@@ -26,7 +27,7 @@ from typing import Any
 import typer
 from rich.markup import escape
 
-from difftrain.cli.common import console, err_console, fmt_count
+from difftrain.cli.common import console, err_console, fmt_count, warn
 from difftrain.errors import ConfigError, DataError
 
 HELP = (
@@ -624,14 +625,31 @@ def _load(run_dir: Path, device: str, dtype: str) -> tuple[Any, float]:
     return run, time.perf_counter() - t0
 
 
-def _banner(run: Any, load_s: float, seed: int, style: PromptStyle) -> None:
+def _stdin_has_data() -> bool:
+    """Whether text was piped into standard input (`echo hi | difftrain generate RUN`), which
+    generate without --prompt-file - does not read: one read that does not wait (the bytes it takes
+    are not used anyway). False on a terminal, at end of input, or where stdin is no file."""
+    import select
+
+    try:
+        if sys.stdin is None or sys.stdin.isatty():
+            return False
+        fd = sys.stdin.fileno()
+        ready, _, _ = select.select([fd], [], [], 0)
+        return bool(ready) and os.read(fd, 1) != b""
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def _banner(run: Any, load_s: float, seed: int, style: PromptStyle, greedy: bool = False) -> None:
+    """The run's one-line description; `greedy`: decoding draws nothing, so no seed is shown."""
     w = run.model.lm_head.weight
     n_params = sum(p.numel() for p in run.model.parameters())
     kind = "instruction-tuned" if style.instruction else "pretrained"
     err_console.print(
         f"[dim]{escape(str(run.path))} · {run.config.arch} · {kind} · {fmt_count(n_params)} parameters · "
         f"max_seq_len {run.config.max_seq_len} · {w.device} {str(w.dtype).removeprefix('torch.')} · "
-        f"loaded in {load_s:.1f} s · seed {seed}",
+        f"loaded in {load_s:.1f} s · " + ("greedy" if greedy else f"seed {seed}"),
         soft_wrap=True,
     )
 
@@ -736,6 +754,11 @@ def generate_command(
         ]
     else:
         prompts = [Prompt("", "start of a document")]
+        if not interactive and _stdin_has_data():
+            warn(
+                "standard input is not read without --prompt-file - (or --interactive); generating "
+                "from the start of a document"
+            )
     _check_compile(compile, device)
     if seed is None:
         seed = secrets.randbelow(2**31)
@@ -746,7 +769,7 @@ def generate_command(
     rows = [] if interactive else session.rows(prompts)  # every prompt fits, before anything is printed
 
     if not as_json:
-        _banner(run, load_s, seed, style)
+        _banner(run, load_s, seed, style, greedy=sampling.is_greedy and not interactive)
         if sampling.is_greedy and num_samples > 1:
             err_console.print(
                 f"[yellow]warning:[/] greedy decoding gives the same completion {num_samples} times",

@@ -62,7 +62,9 @@ class GenerationConfig:
 
     def __post_init__(self) -> None:
         if not (isinstance(self.max_new_tokens, int) and self.max_new_tokens >= 1):
-            raise ConfigError(f"max_new_tokens={self.max_new_tokens} must be a whole number ≥ 1")
+            raise ConfigError(
+                f"max_new_tokens={self.max_new_tokens} must be a whole number ≥ 1: e.g. --max-new-tokens 256"
+            )
         if any(s == "" for s in self.stop):
             raise ConfigError("a stop string is empty: every --stop needs at least one character")
         if self.compile and not self.use_cache:
