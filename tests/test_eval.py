@@ -665,6 +665,7 @@ def test_a_source_shorter_than_one_window_is_scored_as_one_window_of_all_its_tok
     doc = evaluate(run, "ppl", EvalOptions(data=str(src)))
     assert doc["results"]["windows"] == 1 and doc["settings"]["seq_len"] == n - 1
     assert doc["results"]["loss_stderr"] is None
+    assert doc["notes"][0].startswith(f"the --data source {src} holds {n} tokens")
     assert "scored as one window of all" in doc["notes"][0]
     (tmp_path / "empty.txt").write_text("")
     with pytest.raises(Exception, match="give another --data source"):

@@ -714,7 +714,7 @@ def eval_windows(
         if recipe is not None
         else [evaluated_source(str(data))]
     )
-    where = f"validation split of {label}" if recipe is not None else label
+    where = f"validation split of {label}" if recipe is not None else f"--data source {label}"
     if recipe is None:
         hint = "give a larger --data source"
     elif as_text is not None:
