@@ -451,6 +451,26 @@ def test_bad_chat_records_are_skipped_under_skip_and_counted_at_start(ws, tmp_pa
     assert f"{data}, line 4: message 0 of a `messages` record has role 'bot'" in capsys.readouterr().err
 
 
+def test_records_with_an_empty_response_are_counted_in_the_data_row(ws, tmp_path, capsys):
+    # they were accepted silently: such a record trains only its end-of-sequence token
+    good = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}
+    empty_chat = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": ""}]}
+    lines = [good] * 10 + [{"prompt": "say", "response": ""}] * 2 + [empty_chat]
+    data = tmp_path / "empty.jsonl"
+    data.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    p = ws(name="empty", steps=1, save_every=1, data=data)
+    for argv in (["--dry-run"], ["--no-progress"]):
+        assert main(["finetune", str(p), *argv, "data.val_fraction=0"]) == 0
+        out = " ".join(capsys.readouterr().out.split())
+        assert "· 3 with an empty response (only where a reply ends is trained)" in out
+    assert (
+        main(
+            ["finetune", str(p), "--dry-run", "--overwrite", "data.val_fraction=0", f"data.sources=[{data}]"]
+        )
+        == 0
+    )
+
+
 def test_a_changed_base_is_detected_when_loading_the_adapter(ws, tmp_path, base_run):
     import shutil
 

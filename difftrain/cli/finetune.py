@@ -25,6 +25,14 @@ from difftrain.cli.common import (
 )
 
 
+def _empty_note(n: int) -> str:
+    """The data row's note on records with an empty response (empty string, or an assistant turn
+    with no content): they teach only where a reply ends."""
+    if not n:
+        return ""
+    return f" · {n:,} with an empty response (only where a reply ends is trained)"
+
+
 def _start_table(info: dict[str, Any]) -> None:
     plan, r = info["plan"], info["recipe"]
     m, t, ft = r.model, r.train, r.finetune
@@ -64,6 +72,7 @@ def _start_table(info: dict[str, Any]) -> None:
         data = f"instruction records: {info['train_records']:,} train · {info['val_records']:,} val"
         if info.get("truncated"):
             data += f" · {info['truncated']} truncated to {plan.seq_len} tokens"
+        data += _empty_note(info.get("empty_responses", 0))
         if not ft.train_on_prompt:
             data += " · loss on responses only"
     else:
@@ -181,6 +190,7 @@ def _dry_run(r: Any, *, resume: bool | None, overwrite: bool) -> None:
         data = f"instruction records: {rec['train_records']:,} train · {rec['val_records']:,} val"
         if rec["truncated"]:
             data += f" · {rec['truncated']} truncated to {plan.seq_len} tokens"
+        data += _empty_note(rec.get("empty_responses", 0))
     else:
         data = "plain text (continued pretraining; tokenized when the run starts)"
     rows = [

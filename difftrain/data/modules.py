@@ -365,6 +365,20 @@ class PromptResponseTemplate:
             ) from e
 
 
+def _empty_response(record: Mapping[str, Any]) -> bool:
+    """Whether an instruction record has nothing to answer with: an empty (or blank) response, or
+    a chat whose assistant turns are all empty. Training such a record teaches only where a reply
+    ends (the end-of-sequence token, or the chat template's end of turn)."""
+    if "messages" in record and "response" not in record:
+        replies = [
+            m.get("content")
+            for m in record["messages"]
+            if isinstance(m, Mapping) and m.get("role") == "assistant"
+        ]
+        return bool(replies) and all(not str(c or "").strip() for c in replies)
+    return "response" in record and not str(record["response"] or "").strip()
+
+
 def _segments_to_example(
     pieces: Sequence[tuple[list[int], bool]],
     *,
@@ -558,6 +572,8 @@ class SFTDataModule(_ResumableDataModule):
         self.train_examples: list[tuple[list[int], list[int]]] = []
         self.val_examples: list[tuple[list[int], list[int]]] = []
         self.truncated = 0
+        self.empty_responses = 0
+        """Records whose response is empty: only the end-of-sequence token is trained on them."""
         self._encoded = False
 
     def _encode(self, records: list[Mapping[str, Any]]) -> list[tuple[list[int], list[int]]]:
@@ -579,6 +595,7 @@ class SFTDataModule(_ResumableDataModule):
             )
             self.truncated += cut
             out.append((inp, tgt))
+        self.empty_responses += sum(_empty_response(r) for r in records)
         return out
 
     def setup(self, stage: str | None = None) -> None:

@@ -301,6 +301,7 @@ def instruction_data(plan: Plan, tokenizer: Any) -> tuple[Any, list[int], Any, d
         "train_records": len(dm.train_examples),
         "val_records": len(dm.val_examples),
         "truncated": dm.truncated,
+        "empty_responses": dm.empty_responses,
         "sources": stats,
         "bad_records": sum(st.bad_records for st in stats),
         "bad_examples": [x for st in stats for x in st.bad_examples],
