@@ -184,14 +184,29 @@ class Param:
 
 def model_params(config: ModelConfig) -> list[Param]:
     """The model's parameter tensors (a tied head counted once), from a model built on the meta
-    device: exact shapes, no memory."""
+    device: exact shapes, no memory. Every decoder layer has the same tensors, so the model is
+    built with one and its tensors are repeated for the others (in the model's order): a build
+    runs each layer's initialisers through the meta device's function mode, and a 1,000-layer
+    plan took 6 s per build, 4 builds per `plan`."""
     import torch
 
     from difftrain.model.transformer import Transformer
 
     with torch.device("meta"):
-        model = Transformer(config)
-    return _params_of(model)
+        model = Transformer(config.replace(n_layers=min(1, config.n_layers)))
+    one = _params_of(model)
+    first = "model.layers.0."
+    layer = [p for p in one if p.name.startswith(first)]
+    if not layer or config.n_layers == 1:
+        return one
+    at = one.index(layer[0])
+    rest = [p for p in one if not p.name.startswith(first)]
+    layers = [
+        replace(p, name=f"model.layers.{i}.{p.name.removeprefix(first)}")
+        for i in range(config.n_layers)
+        for p in layer
+    ]
+    return rest[:at] + layers + rest[at:]
 
 
 def _params_of(model: Any, trained: set[str] | None = None, quantized: set[str] | None = None) -> list[Param]:
