@@ -18,7 +18,7 @@ import yaml
 from safetensors.torch import load_file
 
 from difftrain.cli.app import main
-from difftrain.errors import RecipeError, RunDirError, StopRequested
+from difftrain.errors import DeviceError, RecipeError, RunDirError, StopRequested
 from difftrain.recipe import load_recipe
 from difftrain.train.callbacks import RunCallback
 from difftrain.train.checkpoint import find_resume_checkpoint, load_checkpoint_file
@@ -387,6 +387,39 @@ def test_cli_pretrain_and_errors_exit_2(workspace, capsys):
     assert "already holds a run" in capsys.readouterr().err
     assert main(["pretrain", str(p), "train.micro_batch_size=3"]) == 2
     assert main(["pretrain", str(p), "--dry-run", "train.max_steps=9", "--overwrite"]) == 0
+
+
+def test_a_logger_whose_package_is_missing_is_refused_before_anything_is_written(
+    workspace, capsys, monkeypatch
+):
+    # TensorBoard failed with a traceback after the first step; wandb after the run folder was made
+    import importlib.util
+
+    from difftrain.train.run import plan_run
+
+    real = importlib.util.find_spec
+    gone = {"tensorboard", "tensorboardX", "wandb"}
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name in gone else real(name, *a)
+    )
+    p = workspace(steps=2, save_every=2)
+    for override, message in (
+        (
+            "logging.tensorboard=true",
+            "logging.tensorboard=true but tensorboard is not installed; `pip install tensorboard`",
+        ),
+        (
+            "logging.wandb_project=proj",
+            "logging.wandb_project is set but wandb is not installed; `pip install wandb`",
+        ),
+    ):
+        for dry in ([], ["--dry-run"]):
+            assert main(["pretrain", str(p), override, *dry]) == 2
+            assert f"error: {message}" in capsys.readouterr().err
+        with pytest.raises(DeviceError, match=re.escape(message)):  # the check every start makes
+            plan_run(load_recipe(p, [override]))
+    assert not (p.parent / "runs" / "r").exists()
+    assert main(["pretrain", str(p), "--dry-run"]) == 0  # tensorboard: auto logs only where it is installed
 
 
 def test_overwrite_keeps_the_old_run_until_every_check_has_passed(workspace, capsys):

@@ -29,7 +29,7 @@ from difftrain.errors import CheckpointError, DeviceError, RecipeError, RunDirEr
 from difftrain.io import LOCK_FILE, RunLock, atomic_write_json, atomic_write_text, remove_stale_temps
 from difftrain.recipe import Recipe, global_batch, resolve_auto, train_seq_len
 from difftrain.rundir import CHECKPOINTS, CONFIG, METRICS, RECIPE, SUMMARY, TOKENIZER
-from difftrain.train.devicecheck import NO_CUDA, check_flex, check_off_cuda, check_strategy
+from difftrain.train.devicecheck import NO_CUDA, check_flex, check_loggers, check_off_cuda, check_strategy
 from difftrain.train.distributed import DistContext
 from difftrain.train.runcheck import Batch, _global_batch, check_run_dir, in_use_message, require_not_in_use
 
@@ -88,6 +88,7 @@ def plan_run(recipe: Recipe) -> Plan:
         )
     resolved = resolve_auto(recipe, cuda=accelerator == "cuda", bf16=bf16 and accelerator == "cuda")
     t = resolved.train
+    check_loggers(resolved)
     check_off_cuda(resolved, accelerator)
     if accelerator == "cuda" and t.precision in ("bf16-mixed", "bf16-true") and not bf16:
         raise DeviceError(f"train.precision={t.precision} but this GPU has no bf16 support; use 16-mixed")

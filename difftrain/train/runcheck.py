@@ -277,7 +277,9 @@ def early_check(recipe: Recipe, *, resume: bool | None, overwrite: bool) -> None
     the checkpoints. Decides nothing else and writes nothing."""
     if recipe.finetune is not None:  # its model and tokenizer come from the base run, read later
         return
-    from difftrain.train.devicecheck import early_device_check
+    from difftrain.train.devicecheck import check_loggers, early_device_check
+
+    check_loggers(recipe)  # a missing logger package: as `plan_run` refuses it, before torch
 
     early_device_check(recipe)  # a GPU-only option where there is no GPU: refused first, as later
     t = recipe.train
