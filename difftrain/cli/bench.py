@@ -13,7 +13,7 @@ from difftrain.cli.common import console, err_console
 
 
 def bench_command(
-    quick: bool = typer.Option(False, "--quick", help="Tiny shapes: a smoke test in about a minute."),
+    quick: bool = typer.Option(False, "--quick", help="Tiny shapes: a smoke test in seconds."),
     full: bool = typer.Option(False, "--full", help="Also torch.compile, flex attention and a longer grid."),
     only: list[str] = typer.Option(
         None,
