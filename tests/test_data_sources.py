@@ -267,6 +267,13 @@ def test_two_sources_reading_the_same_documents_are_refused(tmp_path: Path) -> N
                 check()
     with pytest.raises(DataError, match=r"\('builtin:needles'\) are the same source"):
         check_local_sources(DataConfig(sources=["builtin:needles", "builtin:needles"]), tmp_path)
+    # builtin sources with settings of their own (sections in the spec): the same settings twice
+    # are the same source, other settings another
+    needles = {"source": "builtin:needles", "needles": {"num_documents": 8}}
+    with pytest.raises(DataError, match="are the same source"):
+        check_local_sources(DataConfig(sources=[needles, needles]), tmp_path)
+    other = {"source": "builtin:needles", "needles": {"num_documents": 9}}
+    check_local_sources(DataConfig(sources=[needles, other]), tmp_path)
     # other files, or the same file read through another field, are other documents
     check_local_sources(DataConfig(sources=["corp/a.jsonl", "copy.jsonl", "corp/b.txt"]), tmp_path)
     check_local_sources(

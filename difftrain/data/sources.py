@@ -741,13 +741,12 @@ def check_distinct(sources: list[Source]) -> None:
     validation loss would read low; a source's weight is how to count it more than once."""
     seen: dict[tuple[Any, ...], Source] = {}
     for src in sources:
-        how = tuple(
-            sorted(
-                src.spec.model_dump(
-                    exclude={"source", "weight", "data_files", "max_documents", "streaming"}
-                ).items(),
-                key=str,
-            )
+        # how the source reads its documents (fields, a builtin's settings: nested sections too)
+        how = json.dumps(
+            src.spec.model_dump(
+                mode="json", exclude={"source", "weight", "data_files", "max_documents", "streaming"}
+            ),
+            sort_keys=True,
         )
         if src.spec.kind == "path":
             keys = [("file", f.resolve(), how) for f in src.files]

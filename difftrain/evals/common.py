@@ -714,7 +714,8 @@ def eval_windows(
         if recipe is not None
         else [evaluated_source(str(data))]
     )
-    where = f"validation split of {label}" if recipe is not None else f"--data source {label}"
+    where = f"validation split of {label}" if recipe is not None else label
+    named = where if recipe is not None else f"--data source {label}"  # as the notes name it
     if recipe is None:
         hint = "give a larger --data source"
     elif as_text is not None:
@@ -727,11 +728,11 @@ def eval_windows(
     notes: list[str] = []
     if n_tokens < 2:
         raise DataError(
-            f"the {where} holds {n_tokens} token{'s' * (n_tokens != 1)}: nothing to score; {hint}"
+            f"the {named} holds {n_tokens} token{'s' * (n_tokens != 1)}: nothing to score; {hint}"
         )
     if n_tokens < window:
         notes.append(
-            f"the {where} holds {n_tokens:,} tokens, fewer than one window of max_seq_len + 1 = {window}: "
+            f"the {named} holds {n_tokens:,} tokens, fewer than one window of max_seq_len + 1 = {window}: "
             f"scored as one window of all {n_tokens:,} (no error bar); for full windows, {hint}"
         )
         window = n_tokens
@@ -744,7 +745,7 @@ def eval_windows(
     if count > fit and not notes:  # (a split shorter than one window is noted already)
         notes.append(
             f"{f'{asked} asks for' if asked else 'asked for'} {count:,} windows of {window} tokens, more than the "
-            f"{fit:,} non-overlapping ones the {where} holds ({n_tokens:,} tokens): evaluated on those {fit:,}, "
+            f"{fit:,} non-overlapping ones the {named} holds ({n_tokens:,} tokens): evaluated on those {fit:,}, "
             "so that no token counts twice"
             + (" and the ± (which treats windows as independent) stays honest" if error_bar else "")
         )
