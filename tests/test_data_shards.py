@@ -142,6 +142,34 @@ def test_a_damaged_or_killed_entry_is_rebuilt(tmp_path: Path) -> None:
     assert not stale.exists()
 
 
+def test_a_shard_or_tokenizer_changed_in_place_is_rebuilt_not_used(tmp_path: Path) -> None:
+    """Damage that keeps a shard's size (its tokens overwritten) was served from the cache and
+    trained on; an edited or deleted cached tokenizer was used, or refused with advice about a
+    tokenizer.path the recipe never set."""
+    make_corpus(tmp_path)
+    p = prepare_data(cfg(tmp_path), TOK, seed=0, base_dir=tmp_path)
+    good = p.train_path.read_bytes()
+    with open(p.train_path, "r+b") as f:
+        f.write(b"\x05\x00" * 100)  # the same size, other tokens
+    q = prepare_data(cfg(tmp_path), TOK, seed=0, base_dir=tmp_path)
+    assert not q.from_cache and q.train_path.read_bytes() == good
+    tok_file = q.tokenizer_path
+    doc = json.loads(tok_file.read_text())
+    vocab = doc["model"]["vocab"]
+    a, b = list(vocab)[100:102]
+    vocab[a], vocab[b] = vocab[b], vocab[a]  # two ids swapped: still a valid tokenizer
+    tok_file.write_text(json.dumps(doc))
+    r = prepare_data(cfg(tmp_path), TOK, seed=0, base_dir=tmp_path)
+    assert (
+        not r.tokenizer_from_cache
+        and json.loads(r.tokenizer_path.read_text())["model"]["vocab"][a] != vocab[a]
+    )
+    assert r.from_cache  # the tokenizer trained again is the one the shards were made with
+    r.tokenizer_path.unlink()  # its meta.json left behind
+    s = prepare_data(cfg(tmp_path), TOK, seed=0, base_dir=tmp_path)
+    assert not s.tokenizer_from_cache and s.tokenizer_path.is_file() and s.from_cache
+
+
 def test_weights_repeat_training_documents_but_not_validation(tmp_path: Path) -> None:
     make_corpus(tmp_path)
     one = prepare_data(cfg(tmp_path, val_fraction=0.1), TOK, seed=0, base_dir=tmp_path)

@@ -267,6 +267,15 @@ def _tokenizer_key(data_cfg: DataConfig, tok_cfg: TokenizerConfig, sources: list
     )
 
 
+def _json_field(path: Path, key: str) -> Any:
+    """`key` of the JSON object in `path`, or None where the file is missing or not such JSON."""
+    try:
+        doc = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return doc.get(key) if isinstance(doc, dict) else None
+
+
 def prepare_tokenizer(
     data_cfg: DataConfig,
     tok_cfg: TokenizerConfig,
@@ -293,10 +302,12 @@ def prepare_tokenizer(
     path = final / "tokenizer.json"
     if path.is_file():
         try:
-            load_tokenizer(path)
-            return path, True, time.perf_counter() - t0
+            if load_tokenizer(path).sha256 == _json_field(final / "meta.json", "sha256"):
+                return path, True, time.perf_counter() - t0
         except DataError:
-            shutil.rmtree(final, ignore_errors=True)  # damaged entry: rebuild it
+            pass
+    if final.exists():  # damaged, edited or incomplete (tokenizer.json or meta.json gone): rebuild it
+        shutil.rmtree(final, ignore_errors=True)
     texts = _training_texts(sources, data_cfg, tok_cfg.train.max_bytes, progress)
     tok = train_tokenizer(texts, tok_cfg.train)
     with _building(final) as tmp:
@@ -466,7 +477,13 @@ def _valid_entry(final: Path) -> dict[str, Any] | None:
         index = json.loads((final / "index.json").read_text())
         itemsize = np.dtype(index["dtype"]).itemsize
         for split in ("train", "val"):
-            if (final / index[split]["file"]).stat().st_size != index[split]["tokens"] * itemsize:
+            st = (final / index[split]["file"]).stat()
+            if st.st_size != index[split]["tokens"] * itemsize:
+                return None
+            # a shard changed in place (its size kept) after it was built: its tokens are not
+            # the ones counted, and may not even be token ids; entries from before this check
+            # have no mtime_ns
+            if index[split].get("mtime_ns", st.st_mtime_ns) != st.st_mtime_ns:
                 return None
         if index.get("format") != FORMAT_VERSION:
             return None
@@ -563,6 +580,8 @@ def prepare_data(
             shutil.rmtree(final, ignore_errors=True)  # damaged entry: rebuild it
         with _building(final) as tmp:
             built = _build_shards(tmp, sources, tok, data_cfg, seed, progress)
+            for split in ("train", "val"):  # written once: a later change to a shard is damage
+                built[split]["mtime_ns"] = (tmp / built[split]["file"]).stat().st_mtime_ns
             index = {
                 "format": FORMAT_VERSION,
                 "fingerprint": fingerprint,
