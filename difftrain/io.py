@@ -157,9 +157,15 @@ LOCK_FILE = ".lock"
 
 def _nearest_existing(path: Path) -> Path:
     """`path` or its nearest ancestor that exists, or a symbolic link on the way that leads
-    nowhere (a loop, a missing target: it exists as a link only)."""
+    nowhere (a loop, a missing target: it exists as a link only). A name the filesystem refuses
+    (longer than it allows) counts as missing."""
     p = path.absolute()
-    while not p.exists() and not p.is_symlink() and p != p.parent:
+    while p != p.parent:
+        try:
+            if p.exists() or p.is_symlink():
+                break
+        except OSError:  # ENAMETOOLONG: no such file can exist either
+            pass
         p = p.parent
     return p
 
@@ -181,6 +187,9 @@ def check_run_dir_creatable(run_dir: str | os.PathLike[str]) -> None:
 def uncreatable_reason(folder: Path) -> str | None:
     """Why `folder` (and its missing parents) cannot be created and written, judged by its
     nearest existing ancestor without writing anything; None when it can."""
+    long = next((part for part in Path(folder).absolute().parts if len(part.encode("utf-8")) > 255), None)
+    if long is not None:
+        return f"the folder name {long[:20]}… is {len(long.encode('utf-8'))} bytes long, more than a folder name may be (255)"
     base = _nearest_existing(folder)
     if base.is_symlink() and not base.exists():
         return f"{base} is a symbolic link that leads nowhere (a loop, or its target is missing)"

@@ -795,3 +795,29 @@ def test_an_imported_run_has_no_validation_split_so_text_suites_ask_for_data(run
     err = capsys.readouterr().err
     assert all(f"skipped {s}: " in err for s in ("ppl", "outliers", "quant"))
     assert {p.stem for p in (imp / "eval").glob("*.json")} >= {"needle", "attention", "icl-order"}
+
+
+def test_results_that_cannot_be_saved_are_refused_first_or_shown_then_refused(
+    runs, tmp_path, capsys, monkeypatch
+):
+    # a read-only run folder: eval computed the suite, then failed with a traceback and lost it
+    import errno
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(runs["baseline"], run, ignore=shutil.ignore_patterns("eval"))
+    (run / "eval").write_text("not a folder")  # nothing can be saved there
+    assert main(["eval", str(run), "--suite", "ppl", "--windows", "2"]) == 2
+    err = capsys.readouterr().err
+    assert f"cannot save results in {run / 'eval'}: {run / 'eval'} is not a folder" in " ".join(err.split())
+    assert "parameters" not in err  # refused before the model was loaded
+    (run / "eval").unlink()
+
+    def full_disk(*a, **k):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr("difftrain.evals.save_result", full_disk)
+    assert main(["eval", str(run), "--suite", "ppl", "--windows", "2"]) == 2
+    out, err = capsys.readouterr()
+    assert "bits/byte" in out  # what was measured is shown
+    assert "cannot save the ppl result" in err and "No space left on device" in err and "Traceback" not in err

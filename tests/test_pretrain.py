@@ -694,6 +694,8 @@ def test_dry_run_checks_the_files_the_run_reads_and_the_folder_it_writes(workspa
         "model.attn_impl=flex": "model.attn_impl=flex has no backward pass on CPU",
         f"out_dir={tmp_path / 'blocker' / 'runs'}": "blocker is not a folder; set out_dir",
         f"out_dir={tmp_path / 'loop' / 'runs'}": "loop is a symbolic link that leads nowhere",
+        # a folder name longer than the filesystem allows (a traceback: File name too long)
+        f"out_dir={tmp_path / ('d' * 260)}": "is 260 bytes long, more than a folder name may be (255); set out_dir",
     }
     (tmp_path / "loop").symlink_to("loop")
     for override, message in cases.items():

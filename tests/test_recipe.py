@@ -84,6 +84,10 @@ def test_yaml_syntax_error_has_line_and_column(tmp_path):
         ("- a\n- b\n", "must be a mapping"),
         ("name: x\n", "missing key `model`"),
         (
+            "name: " + "é" * 130 + "\nmodel: {d_model: 64, n_layers: 1, n_heads: 2}\ntrain: {max_steps: 1}\n",
+            r"name is 260 bytes long, more than a folder name may be \(255 bytes\); shorten it",
+        ),
+        (
             "name: x\nmodel: {d_model: 64, n_layers: 1, n_heads: 2}\n",
             r"missing key `train`: a recipe needs a train: section with max_steps or max_tokens, e\.g\. `train: \{max_steps: 1000\}`$",
         ),

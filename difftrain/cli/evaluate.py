@@ -18,7 +18,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from difftrain.cli.common import console, err_console, fmt_count, kv_table
-from difftrain.errors import ConfigError
+from difftrain.errors import ConfigError, RunDirError
 
 HELP = """Evaluate a run: perplexity, needle retrieval, attention and outlier probes,
 quantization.
@@ -493,8 +493,15 @@ def eval_command(
     from difftrain.evals import preflight, save_result
     from difftrain.evals.common import result_key, split_key
     from difftrain.infer.device import cpu_inference_layout, resolve_device, resolve_dtype
+    from difftrain.io import uncreatable_reason
     from difftrain.rundir import load_run
 
+    why = uncreatable_reason(Path(run_dir) / "eval")  # before any work: results are saved there
+    if why is not None:
+        raise RunDirError(
+            f"cannot save results in {Path(run_dir) / 'eval'}: {why}; make the run folder writable, or "
+            "copy the run to a folder you can write and evaluate the copy"
+        )
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
     run = load_run(run_dir, device=dev, dtype=dt)
@@ -529,7 +536,15 @@ def eval_command(
     for s in suites:
         doc = _run_with_progress(run, s, opts, show=not as_json and err_console.is_terminal)
         before = _stored_dtype(run.path, result_key(s, doc.get("label")))
-        path = save_result(run.path, doc)
+        try:
+            path = save_result(run.path, doc)
+        except OSError as e:  # (disk full, a folder made read-only meanwhile): show what was measured
+            if not as_json:
+                render(doc)
+            raise RunDirError(
+                f"cannot save the {s} result in {run.path / 'eval'}: {e.strerror or e}; the result is shown "
+                "above, not saved: free space or make the folder writable, and run it again"
+            ) from e
         docs[s] = doc
         if not as_json:
             render(doc)
