@@ -422,6 +422,21 @@ def test_a_logger_whose_package_is_missing_is_refused_before_anything_is_written
     assert main(["pretrain", str(p), "--dry-run"]) == 0  # tensorboard: auto logs only where it is installed
 
 
+def test_a_damaged_metrics_csv_does_not_stop_a_resume(workspace, tmp_path):
+    # binary bytes in metrics.csv: --resume (and compare --plot) ended in a UnicodeDecodeError
+    p = workspace(steps=4, save_every=2)
+    run = pretrain(load_recipe(p)).run_dir
+    good = read_metrics(run / "metrics.csv")
+    assert [r["step"] for r in good if "train/loss" in r][-1] == 4
+    text = (run / "metrics.csv").read_text()
+    (run / "metrics.csv").write_bytes(text.encode() + bytes(range(256)) * 4 + b"\nx,y\n")
+    assert read_metrics(run / "metrics.csv") == good  # the rows that can be read
+    (run / "metrics.csv").write_bytes(os.urandom(3000))
+    assert all(isinstance(r["step"], int) for r in read_metrics(run / "metrics.csv"))
+    assert main(["pretrain", str(p), "--resume", "train.max_steps=6", "--no-progress"]) == 0
+    assert [r["step"] for r in read_metrics(run / "metrics.csv") if "train/loss" in r][-1] == 6
+
+
 def test_overwrite_keeps_the_old_run_until_every_check_has_passed(workspace, capsys):
     p = workspace(steps=2, save_every=2)
     assert main(["pretrain", str(p), "--no-progress"]) == 0

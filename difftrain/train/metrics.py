@@ -21,20 +21,26 @@ from difftrain.io import atomic_write_text
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:
-    """Rows of a metrics.csv as dicts of floats (empty cells omitted)."""
+    """Rows of a metrics.csv as dicts of floats (empty cells omitted). A damaged file (binary
+    bytes, a row without a whole step) yields the rows that can be read: the curves of `compare
+    --plot` and the rows a resume keeps, not a traceback."""
     if not Path(path).is_file():
         return []
-    with open(path, newline="") as f:
-        rows = []
-        for r in csv.DictReader(f):
-            row: dict[str, Any] = {}
-            for k, v in r.items():
-                if k and v not in (None, ""):
-                    try:
-                        row[k] = int(float(v)) if k == "step" else float(v)
-                    except ValueError:
-                        row[k] = v
-            rows.append(row)
+    rows = []
+    try:
+        with open(path, newline="", encoding="utf-8", errors="replace") as f:
+            for r in csv.DictReader(f):
+                row: dict[str, Any] = {}
+                for k, v in r.items():
+                    if isinstance(k, str) and k and isinstance(v, str) and v:
+                        try:
+                            row[k] = int(float(v)) if k == "step" else float(v)
+                        except (ValueError, OverflowError):
+                            row[k] = v
+                if isinstance(row.get("step"), int):
+                    rows.append(row)
+    except (OSError, csv.Error):
+        pass  # unreadable from here on: the rows read so far
     return rows
 
 
