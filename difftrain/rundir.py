@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from difftrain.errors import CheckpointError, RunDirError
+from difftrain.errors import CheckpointError, DataError, RunDirError
 from difftrain.io import RunLock, atomic_save_safetensors
 
 if TYPE_CHECKING:  # torch loads where weights are touched: recipe checks must not wait for it
@@ -248,9 +248,21 @@ def load_run(path: Path | str, device: str | torch.device = "cpu", dtype: torch.
     weights = path / WEIGHTS
     config = load_config(path)
     tok_path = path / TOKENIZER
+    # a run's tokenizer is the one it was trained with: restore it (resuming rewrites it from the
+    # data cache), not the advice of a recipe's tokenizer.path
+    restore = "copy the tokenizer the run was trained with into it"
+    if (path / RECIPE).is_file() and (path / CHECKPOINTS).is_dir():
+        restore += (
+            f", or rewrite it from the data cache by resuming: `difftrain {training_command(path)} "
+            f"{shlex.quote(str(path / RECIPE))} --resume`"
+        )
     if not tok_path.is_file():
-        raise RunDirError(f"{path} has no {TOKENIZER}; copy the tokenizer the run was trained with into it")
-    tokenizer = load_tokenizer(tok_path)
+        raise RunDirError(f"{path} has no {TOKENIZER}; {restore}")
+    try:
+        tokenizer = load_tokenizer(tok_path)
+    except DataError as e:
+        why = str(e).split("; ")[0]
+        raise RunDirError(f"{why}; {restore}") from e
     if tokenizer.vocab_size > config.vocab_size:
         raise RunDirError(
             f"{tok_path} has {tokenizer.vocab_size} tokens but config.json says vocab_size={config.vocab_size}; "

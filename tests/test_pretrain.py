@@ -437,6 +437,21 @@ def test_a_damaged_metrics_csv_does_not_stop_a_resume(workspace, tmp_path):
     assert [r["step"] for r in read_metrics(run / "metrics.csv") if "train/loss" in r][-1] == 6
 
 
+def test_a_damaged_run_tokenizer_names_a_fix_that_works(workspace, capsys):
+    # it said "... or unset tokenizer.path to train one", a recipe key: no fix for a run folder
+    p = workspace(steps=2, save_every=2)
+    run = pretrain(load_recipe(p)).run_dir
+    good = (run / "tokenizer.json").read_bytes()
+    (run / "tokenizer.json").write_text("garbage")
+    assert main(["generate", str(run), "-p", "x", "-n", "2"]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert "not a valid tokenizer.json" in err and "tokenizer.path" not in err
+    command = err.split("by resuming: `")[1].split("`")[0]
+    assert main(shlex.split(command)[1:]) == 0
+    assert (run / "tokenizer.json").read_bytes() == good
+    assert main(["generate", str(run), "-p", "x", "-n", "2"]) == 0
+
+
 def test_overwrite_keeps_the_old_run_until_every_check_has_passed(workspace, capsys):
     p = workspace(steps=2, save_every=2)
     assert main(["pretrain", str(p), "--no-progress"]) == 0
