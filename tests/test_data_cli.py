@@ -159,3 +159,37 @@ def test_the_dry_run_checks_the_splits_of_prepared_data_as_the_run_does(
     assert main(["pretrain", str(recipe), "model.max_seq_len=100000", "--dry-run"]) == 2
     assert "the training split has" in capsys.readouterr().err
     assert not (tmp_path / "runs").exists()
+
+
+def test_a_read_only_cache_that_holds_the_prepared_data_is_read(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A shared, read-only cache was refused ("not writable") even where it held every entry the
+    run reads; it is refused only where something must be built."""
+    import difftrain.io
+
+    recipe = write_recipe(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    assert main(["prepare", str(recipe), "--no-progress"]) == 0
+    capsys.readouterr()
+    real = difftrain.io.uncreatable_reason
+    cache = tmp_path / "cache"
+
+    def read_only(folder: Path) -> str | None:  # (root may write anywhere: os.access cannot show it)
+        inside = Path(folder).absolute() == cache or cache in Path(folder).absolute().parents
+        return f"{cache} is not writable" if inside else real(folder)
+
+    monkeypatch.setattr(difftrain.io, "uncreatable_reason", read_only)
+    assert main(["prepare", str(recipe), "--no-progress"]) == 0
+    assert "reused from cache" in capsys.readouterr().out
+    assert main(["pretrain", str(recipe), "--dry-run"]) == 0
+    capsys.readouterr()
+    for argv in (
+        ["prepare", str(recipe), "seed=7", "--no-progress"],
+        ["pretrain", str(recipe), "seed=7", "--dry-run"],
+    ):
+        assert main(argv) == 2  # another split: it must be built, and cannot be
+        assert (
+            f"cannot use the cache folder {cache} (data.cache_dir): {cache} is not writable"
+            in capsys.readouterr().err
+        )

@@ -208,8 +208,26 @@ def check_files(r: Any) -> None:
     if tok is not None:
         tokenizer_file(tok)
     if r.finetune is None or resolve_data_format(r) == "text":
-        r.data.check_cache_dir()
+        _check_cache(r)
     check_run_dir_creatable(r.run_dir)
+
+
+def _check_cache(r: Any) -> None:
+    """The data cache must be writable where the run still has to build its data; prepared data
+    in a read-only (e.g. shared) cache is read as it is."""
+    from difftrain.data.shards import cached_index
+    from difftrain.errors import DataError
+
+    why = None
+    try:
+        r.data.check_cache_dir()
+    except DataError as e:
+        why = e
+    if why is not None and (
+        r.finetune is not None
+        or cached_index(r.data, r.tokenizer, seed=r.seed, base_dir=r.recipe_dir) is None
+    ):
+        raise why
 
 
 def json_as_text_row(stats: Any) -> list[tuple[str, str]]:

@@ -286,13 +286,15 @@ def prepare_tokenizer(
 ) -> tuple[Path, bool, float]:
     """Load or train the tokenizer into the cache; returns (tokenizer.json path, from cache, seconds)."""
     t0 = time.perf_counter()
-    root = data_cfg.check_cache_dir() / "tokenizers"
+    # the cache must be writable only to build: a complete (e.g. shared, read-only) one is read
+    root = data_cfg.resolved_cache_dir() / "tokenizers"
     tok_file = tok_cfg.file(base_dir)
     if tok_file is not None:
         tok = load_tokenizer(tok_file)
         final = root / f"file-{tok.sha256[:20]}"
         if (final / "tokenizer.json").is_file():
             return final / "tokenizer.json", True, time.perf_counter() - t0
+        data_cfg.check_cache_dir()
         with _building(final) as tmp:
             tok.save(tmp / "tokenizer.json")
         return final / "tokenizer.json", False, time.perf_counter() - t0
@@ -306,6 +308,7 @@ def prepare_tokenizer(
                 return path, True, time.perf_counter() - t0
         except DataError:
             pass
+    data_cfg.check_cache_dir()
     if final.exists():  # damaged, edited or incomplete (tokenizer.json or meta.json gone): rebuild it
         shutil.rmtree(final, ignore_errors=True)
     texts = _training_texts(sources, data_cfg, tok_cfg.train.max_bytes, progress)
@@ -526,6 +529,13 @@ def cached_index(
         tok = load_tokenizer(path)
     except DataError:  # not trained yet (or damaged: the run trains it again)
         return None
+    if tok_file is not None:  # the run serves a copy of it from the cache
+        if not (
+            data_cfg.resolved_cache_dir() / "tokenizers" / f"file-{tok.sha256[:20]}" / "tokenizer.json"
+        ).is_file():
+            return None
+    elif tok.sha256 != _json_field(path.parent / "meta.json", "sha256"):  # edited: trained again
+        return None
     return _valid_entry(
         data_cfg.resolved_cache_dir() / "shards" / _shards_key(sources, tok, data_cfg, seed)[2]
     )
@@ -576,6 +586,7 @@ def prepare_data(
     from_cache = index is not None
     t1 = time.perf_counter()
     if index is None:
+        data_cfg.check_cache_dir()
         if final.exists():
             shutil.rmtree(final, ignore_errors=True)  # damaged entry: rebuild it
         with _building(final) as tmp:
