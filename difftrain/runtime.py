@@ -27,6 +27,26 @@ _INT_MAX = 2**31 - 1
 _state: dict[str, str] = {}
 
 
+CPU_GEMM_ENV = "DIFFTRAIN_CPU_GEMM"
+CPU_GEMM_CHOICES = ("auto", "onednn", "torch")
+
+
+def cpu_gemm_setting() -> str:
+    """DIFFTRAIN_CPU_GEMM as asked (auto, onednn or torch; unset is auto), or a ConfigError for any
+    other value: checked here, without torch, by every command before it does any work
+    (`model.gemm` resolves the choice against the machine)."""
+    from difftrain.errors import ConfigError
+
+    raw = os.environ.get(CPU_GEMM_ENV, "")
+    want = raw.strip().lower() or "auto"
+    if want not in CPU_GEMM_CHOICES:
+        raise ConfigError(
+            f"{CPU_GEMM_ENV}={raw!r} is not a CPU matrix-product backend; "
+            f"set it to one of {', '.join(CPU_GEMM_CHOICES)} (or unset it for auto)"
+        )
+    return want
+
+
 def tune_allocator() -> str:
     """Keep large freed blocks in glibc's heap (see the module docstring); idempotent.
 

@@ -287,6 +287,17 @@ def test_bad_setting_is_a_one_line_error_before_any_work(monkeypatch, capsys, tm
     assert list(tmp_path.iterdir()) == []  # nothing was written
 
 
+def test_a_bad_setting_is_refused_before_torch_loads(tmp_path, cli_probe):
+    # it was checked after importing torch (about 3 s on a small CPU)
+    done = cli_probe(
+        [["plan", "quickstart"], ["recipes", "list"]],
+        tmp_path,
+        prelude="import os; os.environ['DIFFTRAIN_CPU_GEMM'] = 'fastest'",
+    )
+    assert done.codes == [2, 2] and done.loaded == []
+    assert done.stderr.count("DIFFTRAIN_CPU_GEMM='fastest' is not a CPU matrix-product backend") == 2
+
+
 def test_cpu_vendor_reads_proc_cpuinfo(monkeypatch, tmp_path):
     import builtins
 

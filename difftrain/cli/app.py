@@ -66,9 +66,12 @@ def _root(
 
     tune_allocator()  # large CPU buffers are reused instead of page-faulted in every step
     if "DIFFTRAIN_CPU_GEMM" in os.environ:  # a bad setting fails here, before any work
-        from difftrain.model.gemm import configured_backend
+        from difftrain.runtime import cpu_gemm_setting
 
-        configured_backend()
+        if cpu_gemm_setting() == "onednn":  # (a typo: without torch; onednn: only torch can tell)
+            from difftrain.model.gemm import configured_backend
+
+            configured_backend()
 
 
 def unwrap_help(doc: str) -> str:

@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import os
 import platform
 from collections.abc import Iterator
 from typing import Any
@@ -45,6 +44,7 @@ import torch
 from torch import Tensor, nn
 
 from difftrain.errors import ConfigError
+from difftrain.runtime import CPU_GEMM_ENV, cpu_gemm_setting
 
 
 def cpu_vendor() -> str:
@@ -91,8 +91,6 @@ def large_enough(rows: int, k: int, n: int) -> bool:
     return rows >= MIN_ROWS and rows * k * n >= MIN_MACS
 
 
-CPU_GEMM_ENV = "DIFFTRAIN_CPU_GEMM"
-CPU_GEMM_CHOICES = ("auto", "onednn", "torch")
 _override: list[str] = []
 
 
@@ -137,13 +135,7 @@ def forget_configured_backend() -> None:
 
 
 def _resolve() -> str:
-    raw = os.environ.get(CPU_GEMM_ENV, "")
-    want = raw.strip().lower() or "auto"
-    if want not in CPU_GEMM_CHOICES:
-        raise ConfigError(
-            f"{CPU_GEMM_ENV}={raw!r} is not a CPU matrix-product backend; "
-            f"set it to one of {', '.join(CPU_GEMM_CHOICES)} (or unset it for auto)"
-        )
+    want = cpu_gemm_setting()
     if want == "torch":
         return "torch"
     available = _onednn_op() is not None
