@@ -39,8 +39,8 @@ def read_metrics(path: Path) -> list[dict[str, Any]]:
                             row[k] = v
                 if isinstance(row.get("step"), int):
                     rows.append(row)
-    except (OSError, csv.Error):
-        pass  # unreadable from here on: the rows read so far
+    except (OSError, csv.Error):  # unreadable from here on: the rows read so far
+        return rows
     return rows
 
 
