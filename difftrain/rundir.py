@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from difftrain.errors import CheckpointError, DataError, RunDirError
+from difftrain.errors import CheckpointError, RunDirError
 from difftrain.io import RunLock, atomic_save_safetensors
 
 if TYPE_CHECKING:  # torch loads where weights are touched: recipe checks must not wait for it
@@ -258,11 +258,7 @@ def load_run(path: Path | str, device: str | torch.device = "cpu", dtype: torch.
         )
     if not tok_path.is_file():
         raise RunDirError(f"{path} has no {TOKENIZER}; {restore}")
-    try:
-        tokenizer = load_tokenizer(tok_path)
-    except DataError as e:
-        why = str(e).split("; ")[0]
-        raise RunDirError(f"{why}; {restore}") from e
+    tokenizer = load_tokenizer(tok_path, fix=restore)
     if tokenizer.vocab_size > config.vocab_size:
         raise RunDirError(
             f"{tok_path} has {tokenizer.vocab_size} tokens but config.json says vocab_size={config.vocab_size}; "

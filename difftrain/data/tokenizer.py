@@ -309,16 +309,20 @@ def tokenizer_file(path: str | os.PathLike[str]) -> Path:
     return p
 
 
-def load_tokenizer(path: str | os.PathLike[str]) -> Tokenizer:
-    """Load a HF tokenizer.json (or a folder holding one) into a `Tokenizer`."""
+def load_tokenizer(path: str | os.PathLike[str], fix: str | None = None) -> Tokenizer:
+    """Load a HF tokenizer.json (or a folder holding one) into a `Tokenizer`. `fix`: what the
+    error for an invalid file advises (default: a recipe's tokenizer.path; a run folder's
+    tokenizer is restored instead)."""
     p = tokenizer_file(path)
     try:
         tk = tokenizers.Tokenizer.from_file(str(p))
     except Exception as e:  # the Rust side raises plain Exception with a serde message
-        raise TokenizerError(
-            f"{p}: not a valid tokenizer.json ({str(e).splitlines()[0] if str(e) else type(e).__name__}); "
+        fix = fix or (
             "use a file written by the `tokenizers` library (tokenizer.save / save_pretrained), or "
             "unset tokenizer.path to train one"
+        )
+        raise TokenizerError(
+            f"{p}: not a valid tokenizer.json ({str(e).splitlines()[0] if str(e) else type(e).__name__}); {fix}"
         ) from e
     return Tokenizer(tk, path=p)
 
