@@ -17,22 +17,26 @@ from difftrain.recipe import Recipe, resolve_auto
 BNB_NAMES = ("adamw8bit", "paged_adamw8bit", "lion8bit")
 
 
+def has_tensorboard() -> bool:
+    """Whether a TensorBoard writer (tensorboard or tensorboardX) is installed; imports neither."""
+    import importlib.util
+
+    return any(importlib.util.find_spec(n) is not None for n in ("tensorboard", "tensorboardX"))
+
+
 def check_loggers(recipe: Any) -> None:
     """Refuse a logger the recipe asks for whose package is not installed (logging.tensorboard:
     true, logging.wandb_project), before anything is written: the TensorBoard logger failed with
     a traceback after the first step, and wandb's refusal came after the run folder was made."""
     import importlib.util
 
-    def missing(*names: str) -> bool:
-        return all(importlib.util.find_spec(n) is None for n in names)
-
     log = recipe.logging
-    if log.tensorboard is True and missing("tensorboard", "tensorboardX"):
+    if log.tensorboard is True and not has_tensorboard():
         raise DeviceError(
             "logging.tensorboard=true but tensorboard is not installed; `pip install tensorboard`, or set "
             "logging.tensorboard: auto (logs when it is installed)"
         )
-    if log.wandb_project and missing("wandb"):
+    if log.wandb_project and importlib.util.find_spec("wandb") is None:
         raise DeviceError(
             "logging.wandb_project is set but wandb is not installed; `pip install wandb`, or remove "
             "logging.wandb_project"

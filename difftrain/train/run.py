@@ -29,7 +29,14 @@ from difftrain.errors import CheckpointError, DeviceError, RecipeError, RunDirEr
 from difftrain.io import LOCK_FILE, RunLock, atomic_write_json, atomic_write_text, remove_stale_temps
 from difftrain.recipe import Recipe, global_batch, resolve_auto, train_seq_len
 from difftrain.rundir import CHECKPOINTS, CONFIG, METRICS, RECIPE, SUMMARY, TOKENIZER
-from difftrain.train.devicecheck import NO_CUDA, check_flex, check_loggers, check_off_cuda, check_strategy
+from difftrain.train.devicecheck import (
+    NO_CUDA,
+    check_flex,
+    check_loggers,
+    check_off_cuda,
+    check_strategy,
+    has_tensorboard,
+)
 from difftrain.train.distributed import DistContext
 from difftrain.train.runcheck import Batch, _global_batch, check_run_dir, in_use_message, require_not_in_use
 
@@ -578,7 +585,7 @@ def fit(
     )
     loggers: list[Any] = [MetricsCSV(run_dir / METRICS, resume_step=point.step if point else None)]
     tb = r.logging.tensorboard
-    if tb is True or (tb == "auto" and _has_tensorboard()):
+    if tb is True or (tb == "auto" and has_tensorboard()):
         from lightning.pytorch.loggers import TensorBoardLogger
 
         loggers.append(TensorBoardLogger(save_dir=str(run_dir), name="tensorboard", version=""))
@@ -748,15 +755,6 @@ def _final_weights_problem(run_dir: Path, step: int, *, adapter: bool) -> str | 
         if spec_step != step:
             return f"{run_dir / ADAPTER_CONFIG} is not of step {step}"
     return None
-
-
-def _has_tensorboard() -> bool:
-    import importlib.util
-
-    return (
-        importlib.util.find_spec("tensorboard") is not None
-        or importlib.util.find_spec("tensorboardX") is not None
-    )
 
 
 def _device_name(accelerator: str) -> str:
