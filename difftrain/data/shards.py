@@ -267,13 +267,16 @@ def _tokenizer_key(data_cfg: DataConfig, tok_cfg: TokenizerConfig, sources: list
     )
 
 
-def _json_field(path: Path, key: str) -> Any:
-    """`key` of the JSON object in `path`, or None where the file is missing or not such JSON."""
+def _trained_tokenizer(final: Path) -> Tokenizer | None:
+    """The tokenizer of a cache entry `prepare_tokenizer` trained, or None where it is missing,
+    damaged, or no longer the one its meta.json records (edited): the entry is then trained
+    again, never used."""
     try:
-        doc = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+        tok = load_tokenizer(final / "tokenizer.json")
+        meta = json.loads((final / "meta.json").read_text(encoding="utf-8"))
+    except (DataError, OSError, ValueError):
         return None
-    return doc.get(key) if isinstance(doc, dict) else None
+    return tok if isinstance(meta, dict) and meta.get("sha256") == tok.sha256 else None
 
 
 def prepare_tokenizer(
@@ -302,12 +305,8 @@ def prepare_tokenizer(
     sources = resolve_sources(data_cfg, base_dir) if sources is None else sources
     final = root / _tokenizer_key(data_cfg, tok_cfg, sources)
     path = final / "tokenizer.json"
-    if path.is_file():
-        try:
-            if load_tokenizer(path).sha256 == _json_field(final / "meta.json", "sha256"):
-                return path, True, time.perf_counter() - t0
-        except DataError:
-            pass
+    if _trained_tokenizer(final) is not None:
+        return path, True, time.perf_counter() - t0
     data_cfg.check_cache_dir()
     if final.exists():  # damaged, edited or incomplete (tokenizer.json or meta.json gone): rebuild it
         shutil.rmtree(final, ignore_errors=True)
@@ -517,25 +516,20 @@ def cached_index(
     None when it would build them (or its tokenizer) first. Reads no documents, writes nothing."""
     base = Path(base_dir).expanduser().resolve()
     sources = resolve_sources(data_cfg, base)
+    root = data_cfg.resolved_cache_dir() / "tokenizers"
     tok_file = tok_cfg.file(base)
-    path = (
-        tok_file
-        or data_cfg.resolved_cache_dir()
-        / "tokenizers"
-        / _tokenizer_key(data_cfg, tok_cfg, sources)
-        / "tokenizer.json"
-    )
-    try:
-        tok = load_tokenizer(path)
-    except DataError:  # not trained yet (or damaged: the run trains it again)
-        return None
+    tok: Tokenizer | None
     if tok_file is not None:  # the run serves a copy of it from the cache
-        if not (
-            data_cfg.resolved_cache_dir() / "tokenizers" / f"file-{tok.sha256[:20]}" / "tokenizer.json"
-        ).is_file():
+        try:
+            tok = load_tokenizer(tok_file)
+        except DataError:
             return None
-    elif tok.sha256 != _json_field(path.parent / "meta.json", "sha256"):  # edited: trained again
-        return None
+        if not (root / f"file-{tok.sha256[:20]}" / "tokenizer.json").is_file():
+            return None
+    else:  # not trained yet, damaged or edited: the run trains it (again)
+        tok = _trained_tokenizer(root / _tokenizer_key(data_cfg, tok_cfg, sources))
+        if tok is None:
+            return None
     return _valid_entry(
         data_cfg.resolved_cache_dir() / "shards" / _shards_key(sources, tok, data_cfg, seed)[2]
     )
