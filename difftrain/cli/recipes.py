@@ -80,11 +80,11 @@ def cp(
 
 
 def _paths_read_elsewhere(src: Path, target: Path) -> list[str]:
-    """The relative paths of a recipe file (data sources, data_files, tokenizer.path) that name
-    something else once it is copied from `src` to `target`: a recipe's relative paths are read
-    against its own folder. None for a shipped recipe (read from the current folder) or one that
-    does not load (the copy is the user's to fix)."""
-    from difftrain.data.config import absolute_path, absolute_source
+    """The relative paths of a recipe file that name something else once it is copied from `src`
+    to `target`: a recipe's relative paths are read against its own folder, and
+    `Recipe.with_absolute_paths` knows which they are (data sources, data_files, tokenizer.path).
+    Empty for a shipped recipe (read from the current folder) or one that does not load (the
+    copy is the user's to fix)."""
     from difftrain.errors import DifftrainError
     from difftrain.recipe import load_recipe, shipped_recipes_dir
 
@@ -92,15 +92,18 @@ def _paths_read_elsewhere(src: Path, target: Path) -> list[str]:
     if old == new or old == shipped_recipes_dir().resolve():
         return []
     try:
-        r = load_recipe(src)
+        here = load_recipe(src)
     except DifftrainError:
         return []
-    raw = [spec.source for spec in r.data.sources]
-    moved = [s for s in raw if absolute_source(s, old) != absolute_source(s, new)]
-    for spec in r.data.sources:
-        moved += [f for f in spec.data_files or () if absolute_path(f, old) != absolute_path(f, new)]
-    if r.tokenizer.path and absolute_path(r.tokenizer.path, old) != absolute_path(r.tokenizer.path, new):
-        moved.append(r.tokenizer.path)
+    there = here.model_copy()
+    there._recipe_dir = new
+    a, b = here.with_absolute_paths(), there.with_absolute_paths()
+    moved: list[str] = []
+    for spec, x, y in zip(here.data.sources, a.data.sources, b.data.sources, strict=True):
+        files = zip(spec.data_files or (), x.data_files or (), y.data_files or (), strict=True)
+        moved += [raw for raw, p, q in [(spec.source, x.source, y.source), *files] if p != q]
+    if a.tokenizer.path != b.tokenizer.path:
+        moved.append(str(here.tokenizer.path))
     return moved
 
 
