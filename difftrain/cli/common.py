@@ -218,16 +218,14 @@ def _check_cache(r: Any) -> None:
     from difftrain.data.shards import cached_index
     from difftrain.errors import DataError
 
-    why = None
     try:
         r.data.check_cache_dir()
-    except DataError as e:
-        why = e
-    if why is not None and (
-        r.finetune is not None
-        or cached_index(r.data, r.tokenizer, seed=r.seed, base_dir=r.recipe_dir) is None
-    ):
-        raise why
+    except DataError:
+        if (
+            r.finetune is not None
+            or cached_index(r.data, r.tokenizer, seed=r.seed, base_dir=r.recipe_dir) is None
+        ):
+            raise
 
 
 def json_as_text_row(stats: Any) -> list[tuple[str, str]]:
