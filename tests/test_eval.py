@@ -182,6 +182,33 @@ def test_ppl_on_an_instruction_fine_tune_scores_its_records_through_its_template
     assert "note" not in evaluate(load_run(sft), "ppl", EvalOptions(data=str(src), windows=2))["results"]
 
 
+def test_an_instruction_fine_tunes_template_markers_are_scored_as_the_special_tokens_it_trained_on(
+    runs, tmp_path
+):
+    """A chat fine-tune adds <|user|>, <|assistant|>, <|end|> as special tokens and trains on them
+    as single tokens: eval's windows of its records hold those tokens, not their spelling."""
+    from difftrain.train.finetune import add_special_tokens
+
+    sft, _ = _instruction_run(runs, tmp_path)
+    run = load_run(sft)
+    markers = ["<|user|>", "<|assistant|>", "<|end|>"]
+    tokenizer, _ = add_special_tokens(run.tokenizer, markers)  # (where the base lacks them)
+    tokenizer.save(sft / "tokenizer.json")
+    ids = [tokenizer.token_to_id(m) for m in markers]
+    chats = tmp_path / "chats.jsonl"
+    turns = [{"role": "user", "content": filler_sentence(random.Random(i))} for i in range(30)]
+    chats.write_text(
+        "".join(json.dumps({"messages": [t, {"role": "assistant", "content": "yes"}]}) + "\n" for t in turns)
+    )
+    run = load_run(sft)
+    flat = eval_windows(run, data=str(chats), count=None, full=True).windows.flatten().tolist()
+    user, assistant, end = ids
+    assert flat.count(user) >= 10 and flat.count(assistant) >= 10 and flat.count(end) >= 20
+    # the record's own text has no marker spelled out in ordinary tokens
+    rest = run.tokenizer.decode([i for i in flat if i not in ids])
+    assert not any(m in rest for m in markers)
+
+
 # ----- needle ----------------------------------------------------------------------------------
 def test_needle_generator_places_the_queried_needles_at_the_requested_depths(runs):
     tok = load_run(runs["baseline"]).tokenizer

@@ -395,7 +395,9 @@ def _build_shards(
             def flush(batch: list[str], first: int, src: Source = s) -> int:
                 nonlocal seen_tokens
                 n = 0
-                for i, ids in enumerate(tok.encode_arrays(batch, dtype, allow_special=False)):
+                for i, ids in enumerate(
+                    tok.encode_arrays(batch, dtype, allow_special=src.spells_special_tokens)
+                ):
                     arr = np.empty(len(ids) + 1, dtype=dtype)
                     arr[:-1] = ids
                     arr[-1] = eos[0]

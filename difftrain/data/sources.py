@@ -221,6 +221,7 @@ class Source:
             ident["folder_json"] = 2  # how a folder's .json files are read (2: configs as text)
         if self._reads_records_as_text:
             ident["records_as_text"] = self.records_as_text.key  # type: ignore[union-attr]
+            ident["template_tokens"] = 1  # its template's markers encode as special tokens, as in training
         if self.spec.kind == "builtin":
             ident["python"] = sys.version
             ident["generator"] = 1  # bump when a builtin corpus generator changes its output
@@ -582,6 +583,13 @@ class Source:
             yield text
             if limit is not None and stats.documents >= limit:
                 return
+
+    @property
+    def spells_special_tokens(self) -> bool:
+        """Whether the documents are records rendered through a fine-tune's template, whose
+        markers (<|user|>, <|end|>, ...) are special tokens: they encode as those tokens, as the
+        fine-tune's training encoded them; other text that spells one encodes it as plain text."""
+        return self._reads_records_as_text
 
     @property
     def _reads_records_as_text(self) -> bool:
