@@ -53,8 +53,12 @@ def test_prepare_prints_the_figures_and_reuses_the_cache(
     assert "13 (" in out.out  # 12 files + 1 good jsonl record
     assert "skipped records" in out.out and "extra.jsonl, line 2: not valid JSON" in out.err
     assert "built now" in out.out and str(tmp_path / "cache") in out.out
+    # extra.jsonl has weight 2: its record counts twice in train, and the table says why
+    assert "train counts each weighted copy" in out.out and "(weighted copies included)" in out.out
     assert main(["prepare", str(recipe), "data.val_fraction=0.1"]) == 0
     assert "reused from cache" in capsys.readouterr().out
+    assert main(["prepare", str(recipe), f"data.sources=[{tmp_path / 'corpus'}]"]) == 0
+    assert "weighted" not in capsys.readouterr().out
 
 
 def test_prepare_says_when_the_trained_tokenizer_is_smaller_than_asked(

@@ -202,6 +202,28 @@ def test_a_single_document_corpus_holds_out_its_tail_for_validation(tmp_path: Pa
     )
 
 
+@pytest.mark.parametrize("weight", [3, 0.5])
+def test_a_weighted_single_document_corpus_holds_out_text_training_never_sees(tmp_path: Path, weight) -> None:
+    """The tail is cut from the document as it is, not from its weighted copies: with weight 3 a
+    tail of the third copy would leave the same text in the first two (training)."""
+    (tmp_path / "one.txt").write_text(" ".join(f"sentence {i} about word{i % 7}." for i in range(300)))
+    p = prepare_data(
+        cfg(tmp_path, sources=[{"source": "one.txt", "weight": weight}], val_fraction=0.1),
+        TOK,
+        seed=0,
+        base_dir=tmp_path,
+    )
+    tok = load_tokenizer(p.tokenizer_path)
+    whole = tok.encode((tmp_path / "one.txt").read_text()) + [tok.eos_id]
+    n_val = -(-len(whole) // 10)
+    train = np.fromfile(p.train_path, np.uint16).tolist()
+    val = np.fromfile(p.val_path, np.uint16).tolist()
+    assert p.stats.split == "tail" and val == whole[-n_val:] and p.stats.val_tokens == n_val
+    head = whole[:-n_val]  # training: the head, as often as the weight says (0 or 1 copies for 0.5)
+    assert train in ([head * 3] if weight == 3 else [[], head])
+    assert p.stats.train_tokens == len(train)
+
+
 def test_bad_records_are_counted_in_the_stats_when_skipped(tmp_path: Path) -> None:
     lines = [json.dumps({"text": f"record {i} " * 20}) for i in range(20)]
     lines[3] = "{oops"

@@ -34,12 +34,15 @@ def prepare_table(prepared: Any, tokenizer_cfg: Any = None) -> Any:
         tok_note = f"loaded from {tokenizer_cfg.path}"
     else:
         tok_note = "cached" if prepared.tokenizer_from_cache else f"trained in {s.tokenizer_seconds:.1f} s"
+    # sources weighted other than 1 write training documents as often as their weight says
+    weighted = s.train_tokens + s.val_tokens != s.tokens
+    copies = " · train counts each weighted copy (data.sources[].weight)" if weighted else ""
     rows = [
-        ("documents", f"{s.documents:,} ({s.train_documents:,} train · {s.val_documents:,} val)"),
+        ("documents", f"{s.documents:,} ({s.train_documents:,} train · {s.val_documents:,} val){copies}"),
         ("bytes", _bytes(s.bytes)),
         ("tokens", f"{s.tokens:,}" + (f" ({fmt_count(s.tokens)})" if s.tokens >= 1000 else "")),
         ("tokens/byte", f"{s.tokens_per_byte:.3f}"),
-        ("train tokens", f"{s.train_tokens:,}"),
+        ("train tokens", f"{s.train_tokens:,}" + ("  (weighted copies included)" if weighted else "")),
         (
             "val tokens",
             f"{s.val_tokens:,}"

@@ -375,7 +375,17 @@ def _build_shards(
     data_cfg: DataConfig,
     seed: int,
     progress: ProgressFn | None,
+    tail_at: int | None = None,
 ) -> dict[str, Any]:
+    """Tokenize `sources` into out/train.bin and out/val.bin; the index's counts.
+
+    Validation documents are drawn by hash (`val_fraction`), each written once; training
+    documents are written as often as their source's weight says. Where that leaves one side
+    empty (too few documents, e.g. one big file), validation is the tail of the data instead:
+    `tail_at` is where it starts in the unweighted stream of every document once. With every
+    weight 1 that is the training stream's tail, cut off in place; otherwise the data is read a
+    second time with `tail_at` set, so that validation is text training never sees and holds
+    every token once, as a document split's does."""
     dtype = token_dtype(tok.vocab_size)
     eos = np.array([tok.eos_id], dtype=dtype)
     train = _ShardWriter(out / "train.bin", dtype)
@@ -402,7 +412,14 @@ def _build_shards(
                     arr[:-1] = ids
                     arr[-1] = eos[0]
                     d = first + i
-                    if (
+                    if tail_at is not None:  # the unweighted stream's tail is validation
+                        cut = min(max(tail_at - (seen_tokens + n), 0), len(arr))
+                        copies = training_repeats(src.spec.weight, seed, src.index, d)
+                        if cut and copies:
+                            train.write(arr[:cut], copies)
+                        if cut < len(arr):
+                            val.write(arr[cut:])
+                    elif (
                         data_cfg.val_fraction > 0
                         and unit_hash("val", seed, src.index, d) < data_cfg.val_fraction
                     ):
@@ -443,13 +460,23 @@ def _build_shards(
         train.close()
         val.close()
 
-    split = "document"
-    if data_cfg.val_fraction > 0 and train.tokens == 0:
+    if (
+        tail_at is None
+        and data_cfg.val_fraction > 0
+        and (train.tokens == 0 or val.tokens == 0)
+        and any(s.spec.weight != 1 for s in sources)
+    ):
+        # a weighted stream's tail would hold copies of training text (or none of a document a
+        # weight below 1 left out): cut the tail from the documents as they are, read again
+        n_val = max(1, math.ceil(seen_tokens * data_cfg.val_fraction))
+        return _build_shards(out, sources, tok, data_cfg, seed, progress, tail_at=max(0, seen_tokens - n_val))
+    split = "document" if tail_at is None else "tail"
+    if tail_at is None and data_cfg.val_fraction > 0 and train.tokens == 0:
         # Every document (e.g. the only one) landed in validation: make it the stream to split.
         os.replace(val.path, train.path)
         train.tokens, train.documents, val.tokens, val.documents = val.tokens, val.documents, 0, 0
         val.path.touch()
-    if data_cfg.val_fraction > 0 and val.tokens == 0:
+    if tail_at is None and data_cfg.val_fraction > 0 and val.tokens == 0:
         # Too few documents for a document split (e.g. one big text file): hold out the tail.
         n_val = max(1, math.ceil(train.tokens * data_cfg.val_fraction))
         mm = np.memmap(train.path, dtype=dtype, mode="r")
