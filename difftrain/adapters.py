@@ -31,6 +31,7 @@ from difftrain.io import atomic_save_safetensors, atomic_write_json, atomic_writ
 from difftrain.rundir import (
     ADAPTER_CONFIG,
     ADAPTER_WEIGHTS,
+    CHECKPOINTS,
     CONFIG,
     METRICS,
     RECIPE,
@@ -424,6 +425,16 @@ def merge_run(run_dir: Path | str, out_dir: Path | str | None = None, *, overwri
                 f"{out} exists and is not a difftrain run directory"
                 + (" (--overwrite replaces only runs)" if overwrite else "")
                 + "; choose another OUT_DIR, or move it away yourself"
+            )
+        # what training wrote (checkpoints, an adapter) is never replaced: only an earlier merge
+        # or import, which the command that made it can make again
+        trained = [n for n in (CHECKPOINTS, ADAPTER_CONFIG, ADAPTER_WEIGHTS) if (out / n).exists()]
+        if trained:
+            raise RunDirError(
+                f"{out} holds a trained run ({trained[0]}); merge writes a new run and never replaces "
+                "one that training wrote"
+                + (" (--overwrite replaces an earlier merge or import only)" if overwrite else "")
+                + ": choose another OUT_DIR, or remove that run first"
             )
         if not overwrite:
             raise RunDirError(

@@ -209,6 +209,18 @@ def test_merged_run_gives_the_logits_of_base_plus_adapter(ws, tmp_path):
             merge_run(run, out, overwrite=True)
         assert sorted(p.relative_to(out) for p in out.rglob("*")) == before
     assert merge_run(run, overwrite=True) == merged_dir  # a merged run is replaced
+    # ... but never a run that training wrote (its checkpoints), with or without --overwrite
+    for flag in (True, False):
+        before = sorted(p.relative_to(base) for p in base.rglob("*"))
+        trained = base.parent / "trained-copy"
+        shutil.copytree(base, trained)
+        with pytest.raises(
+            RunDirError, match=r"holds a trained run \(checkpoints\); merge writes a new run"
+        ) as e:
+            merge_run(run, trained, overwrite=flag)
+        assert ("--overwrite replaces an earlier merge" in str(e.value)) == flag
+        assert sorted(p.relative_to(trained) for p in trained.rglob("*")) == before
+        shutil.rmtree(trained)
     mine = tmp_path / "my-folder"  # ... but not a folder of the user's that is no run
     mine.mkdir()
     (mine / "notes.txt").write_text("important")

@@ -223,7 +223,9 @@ def merge_command(
     run_dir: Path = typer.Argument(..., help="A LoRA/QLoRA fine-tune's run directory."),
     out_dir: Path = typer.Argument(None, help="Where to write the merged run (default: RUN_DIR-merged)."),
     overwrite: bool = typer.Option(
-        False, "--overwrite", help="Replace the run at OUT_DIR if one is there (never other files)."
+        False,
+        "--overwrite",
+        help="Replace an earlier merge or import at OUT_DIR (never a trained run, never other files).",
     ),
 ) -> None:
     """Fold a LoRA adapter into its base run's weights and write a plain run directory."""
@@ -238,7 +240,7 @@ def merge_command(
     rows = [
         (
             "adapter",
-            f"{run_dir} ({spec.method}, rank {spec.rank}, {len(spec.targets)} layers, step {spec.step})",
+            f"{run_dir} ({spec.method}, rank {spec.rank}, {len(spec.targets)} adapted linear layers, step {spec.step})",
         ),
         ("base", str(spec.base.get("abs_path"))),
         ("merged", f"{out} (model.safetensors, {size / 2**20:.1f} MB)"),
