@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -331,6 +332,31 @@ def test_imports_a_sharded_transformers_checkpoint_and_computes_the_same_logits(
     with torch.no_grad():
         ours, theirs = load_run(tmp_path / "run").model(ids).logits, hf(ids).logits
     assert (ours - theirs).abs().max().item() <= 1e-4
+
+
+def test_an_export_over_a_sharded_checkpoint_replaces_its_shards_and_imports_as_itself(tmp_path, tok):
+    """A folder holding another model's shards, exported into with --overwrite: the shards and
+    their index go (they would shadow the new weights), and importing it back gives this run."""
+    other = hf_checkpoint(tok, "diffllama")
+    other.save_pretrained(tmp_path / "hf", max_shard_size="40KB")
+    shards = sorted((tmp_path / "hf").glob("model-*.safetensors"))
+    assert len(shards) > 1
+    run = write_run(tmp_path / "run", build_model(tok, "diff", 8, 4), tok)
+    res = export_hf(run, tmp_path / "hf", overwrite=True)
+    assert not (tmp_path / "hf" / "model.safetensors.index.json").exists()
+    assert not any(p.exists() for p in shards)
+    assert any("earlier sharded weights" in n for n in res.notes)
+    import_hf(tmp_path / "hf", tmp_path / "back")
+    ids = tokens(tok.vocab_size)
+    with torch.no_grad():
+        assert torch.equal(load_run(tmp_path / "back").model(ids).logits, load_run(run).model(ids).logits)
+    # a folder that holds both (e.g. written by hand): read as transformers reads it, the single file
+    other.save_pretrained(tmp_path / "both", max_shard_size="40KB")
+    for f in ("model.safetensors", "difftrain.safetensors", "tokenizer.json", "config.json"):
+        shutil.copy(tmp_path / "hf" / f, tmp_path / "both" / f)
+    import_hf(tmp_path / "both", tmp_path / "back2")
+    with torch.no_grad():
+        assert torch.equal(load_run(tmp_path / "back2").model(ids).logits, load_run(run).model(ids).logits)
 
 
 def test_bfloat16_checkpoint_imports_as_exact_float32(tmp_path, tok):

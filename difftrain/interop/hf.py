@@ -512,8 +512,11 @@ def _load_safetensors(path: Path) -> tuple[dict[str, Tensor], dict[str, str]]:
 
 def read_hf_weights(hf_dir: Path) -> tuple[dict[str, Tensor], list[Path]]:
     """All tensors of a transformers checkpoint folder: model.safetensors, or the shards listed in
-    model.safetensors.index.json. Pickle files (pytorch_model.bin) are refused."""
+    model.safetensors.index.json — in that order, as transformers' from_pretrained looks for them.
+    Pickle files (pytorch_model.bin) are refused."""
     index, single = hf_dir / HF_INDEX, hf_dir / WEIGHTS
+    if single.is_file():
+        return _load_safetensors(single)[0], [single]
     if index.is_file():
         try:
             weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
@@ -540,8 +543,6 @@ def read_hf_weights(hf_dir: Path) -> tuple[dict[str, Tensor], list[Path]]:
                 f"{index} maps {absent[0]} to {weight_map[absent[0]]} but that shard does not hold it"
             )
         return tensors, files
-    if single.is_file():
-        return _load_safetensors(single)[0], [single]
     pickles = [
         p.name for p in (hf_dir / "pytorch_model.bin", hf_dir / "pytorch_model.bin.index.json") if p.exists()
     ]
@@ -642,8 +643,16 @@ def export_hf(
     if exact:
         notes.append(f"{len(exact)} exact difftrain tensors kept in {SIDECAR} for bit-identical re-import")
 
+    stale = _stale_shards(out)
+    if stale:
+        notes.append(
+            f"removed {len(stale)} files of the folder's earlier sharded weights ({HF_INDEX} and its shards), "
+            "which would shadow this export's for a reader that looks for shards first"
+        )
     bos, eos, pad = tok.bos_id, tok.eos_id, tok.pad_id
     atomic_save_safetensors(out / WEIGHTS, hf_sd, metadata={"format": "pt"})
+    for path in stale:
+        path.unlink(missing_ok=True)
     atomic_save_safetensors(
         out / SIDECAR,
         exact,
@@ -671,6 +680,24 @@ def export_hf(
     )
     n = sum(t.numel() for t in hf_sd.values())
     return ExportResult(out, cls, config.arch, dtype, files, n, notes)
+
+
+def _stale_shards(out: Path) -> list[Path]:
+    """In a folder an --overwrite export writes into: an earlier sharded checkpoint's index and the
+    shards it lists (inside the folder), which this export's model.safetensors replaces."""
+    index = out / HF_INDEX
+    if not index.is_file():
+        return []
+    names: set[str] = set()
+    try:
+        weight_map = json.loads(index.read_text(encoding="utf-8")).get("weight_map", {})
+        names = {str(n) for n in weight_map.values()} if isinstance(weight_map, dict) else set()
+    except (OSError, ValueError, AttributeError):
+        pass  # a damaged index goes all the same; its shards are then left
+    shards = [
+        out / n for n in sorted(names) if Path(n).name == n and n != WEIGHTS and (out / n).is_file()
+    ]
+    return [index, *shards]
 
 
 def _model_card(config: ModelConfig, cls: str, run_path: Path, out: Path) -> str:
