@@ -481,6 +481,17 @@ def test_chat_drops_the_oldest_exchanges_whole_to_fit_the_context_and_keeps_the_
     with pytest.raises(DataError, match="the context is 20: shorten it"):
         chat.fit(chars, 20)
     assert chat.messages == []  # the message that cannot fit is taken back
+    # ... and the conversation before it is kept whole, not emptied while trying to make room
+    say(("user", "aaaa"), ("assistant", "bbbb"), ("user", "x" * 50))
+    with pytest.raises(DataError, match="the conversation before it is kept"):
+        chat.fit(chars, 30)
+    assert [m["content"] for m in chat.messages] == ["aaaa", "bbbb"]
+    # `unseen` counts every message dropped so far, across turns
+    chat.unseen = 0
+    say(("user", "aaaa"), ("assistant", "bbbb"), ("user", "cc"), ("assistant", "dd"), ("user", "e"))
+    assert chat.fit(chars, len(whole))[2] == 2 and chat.unseen == 2
+    chat.messages += [{"role": "assistant", "content": "ff"}, {"role": "user", "content": "g"}]
+    assert chat.fit(chars, len(chat.render()) - 1)[2] == 2 and chat.unseen == 4
 
 
 def test_ctrl_c_during_a_generation_exits_130_with_one_line(run_dir, capsys, monkeypatch):

@@ -499,13 +499,16 @@ class Chat:
             raise ConfigError("--system given but the run's finetune.chat_template has no `system` role")
         self.system = system
         self.messages: list[dict[str, str]] = []
+        self.unseen = 0  # messages dropped from the conversation so far (the model no longer sees them)
         head, tail = self.roles["assistant"].split("{content}")
         self.reply_head = head
         self.end = tail.strip()  # "<|end|>": the stop string of a reply
 
-    def render(self) -> str:
-        """The conversation so far plus the assistant header the reply continues."""
-        msgs = ([{"role": "system", "content": self.system}] if self.system else []) + self.messages
+    def render(self, messages: list[dict[str, str]] | None = None) -> str:
+        """The conversation so far (or `messages`) plus the assistant header the reply continues."""
+        msgs = ([{"role": "system", "content": self.system}] if self.system else []) + (
+            self.messages if messages is None else messages
+        )
         return (
             "".join(self.roles[m["role"]].replace("{content}", m["content"]) for m in msgs) + self.reply_head
         )
@@ -514,24 +517,28 @@ class Chat:
         """(rendered text, ids, messages dropped): the oldest exchanges are dropped, a user turn
         with the replies after it at a time (the system message stays), until the rendering
         leaves `room` new tokens for the reply in `limit`, or only the newest message is left
-        (which needs room for one). A DataError when the newest message alone does not fit (it
-        is taken back)."""
+        (which needs room for one); `unseen` counts the dropped messages. A DataError when the
+        newest message alone does not fit: it is taken back and the conversation is as it was."""
         dropped = 0
-        text = self.render()
+        messages = list(self.messages)
+        text = self.render(messages)
         ids = tokenizer.encode(text)
-        while len(ids) > limit - max(1, room) and len(self.messages) > 1:
-            self.messages.pop(0)
+        while len(ids) > limit - max(1, room) and len(messages) > 1:
+            messages.pop(0)
             dropped += 1
-            while len(self.messages) > 1 and self.messages[0]["role"] != "user":
-                self.messages.pop(0)
+            while len(messages) > 1 and messages[0]["role"] != "user":
+                messages.pop(0)
                 dropped += 1
-            text = self.render()
+            text = self.render(messages)
             ids = tokenizer.encode(text)
         if len(ids) > limit - 1:
             self.messages.pop()
             raise DataError(
-                f"the message is {len(ids)} tokens with the template; the context is {limit}: shorten it"
+                f"the message is {len(ids)} tokens with the template; the context is {limit}: shorten it "
+                "(the conversation before it is kept)"
             )
+        self.messages = messages
+        self.unseen += dropped
         return text, ids, dropped
 
 
@@ -554,6 +561,7 @@ def chat_repl(session: Session, chat: Chat) -> None:
             return
         if cmd == "/reset":
             chat.messages.clear()
+            chat.unseen = 0
             err_console.print("[dim](conversation cleared)", soft_wrap=True)
             continue
         if cmd == "" or _command(session, cmd, CHAT_REPL_HELP):
@@ -566,9 +574,10 @@ def chat_repl(session: Session, chat: Chat) -> None:
             _error(str(e))
             continue
         if dropped:
+            n = chat.unseen  # all dropped so far, not only this turn's
             err_console.print(
-                f"[dim](the conversation outgrew the context of {limit} tokens: the oldest {dropped} "
-                f"message{'s' if dropped > 1 else ''} {'are' if dropped > 1 else 'is'} no longer seen; "
+                f"[dim](the conversation outgrew the context of {limit} tokens: the oldest {n} "
+                f"message{'s' if n > 1 else ''} {'are' if n > 1 else 'is'} no longer seen; "
                 "/reset starts over)",
                 soft_wrap=True,
             )

@@ -694,9 +694,7 @@ def _stale_shards(out: Path) -> list[Path]:
         names = {str(n) for n in weight_map.values()} if isinstance(weight_map, dict) else set()
     except (OSError, ValueError, AttributeError):
         pass  # a damaged index goes all the same; its shards are then left
-    shards = [
-        out / n for n in sorted(names) if Path(n).name == n and n != WEIGHTS and (out / n).is_file()
-    ]
+    shards = [out / n for n in sorted(names) if Path(n).name == n and n != WEIGHTS and (out / n).is_file()]
     return [index, *shards]
 
 
