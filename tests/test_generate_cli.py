@@ -424,7 +424,7 @@ def test_chat_renders_the_conversation_streams_replies_until_end_and_resets(tmp_
     turn3 = "<|system|>\nbe brief<|end|>\n<|user|>\nagain<|end|>\n<|assistant|>\n"
     assert prompts == [turn1, turn2, turn3]
     assert out.count("hi there\n") == 3 and "<|end|>" not in out
-    assert err.count("stopped: stop string") == 3
+    assert err.count("stopped: end of reply (<|end|>)") == 3
 
 
 def test_chat_notes_a_run_fine_tuned_on_prompt_response_records(tmp_path, capsys, monkeypatch):

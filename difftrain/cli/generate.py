@@ -223,6 +223,7 @@ class Session:
         self.num_samples, self.seed, self.batch_size = num_samples, seed, batch_size
         self.rows_done = 0  # seeds keep advancing across interactive turns
         self.compile_noted = False  # the first figures of a --compile session include compiling
+        self.stop_reason = _REASONS["stop"]  # what the footer calls a stop (chat: the reply's end marker)
 
     def encode(self, prompt: Prompt) -> tuple[str, list[int]]:
         """(rendered text, ids), or a DataError if it does not fit the context."""
@@ -315,7 +316,8 @@ class Session:
         ]
         if len(results) == 1:
             parts.append(f"first token {results[0]['first_token_s'] * 1000:.0f} ms")
-            parts.append(f"stopped: {_REASONS[results[0]['finish_reason']]}")
+            reason = results[0]["finish_reason"]
+            parts.append(f"stopped: {self.stop_reason if reason == 'stop' else _REASONS[reason]}")
         else:
             parts.insert(0, f"{len(results)} completions")
         err_console.print("[dim]" + " · ".join(parts), soft_wrap=True)
@@ -886,6 +888,7 @@ def chat_command(
             soft_wrap=True,
         )
     session = Session(run, gen, num_samples=1, seed=seed, batch_size=1, style=style)
+    session.stop_reason = f"end of reply ({chat.end})"
     chat_repl(session, chat)
 
 
