@@ -441,6 +441,24 @@ def test_icl_order_reports_accuracy_per_order_deterministically(runs):
         np.mean(accs)
     )
     assert all(a * 6 == round(a * 6) for a in accs)
+    assert a["settings"]["permutations"] == 3 and a["notes"] == []
+
+
+def test_icl_order_reports_the_orders_it_scored_and_a_default_cut_to_fit(runs):
+    """2 demonstrations have 2 orders: asked for 8, it scores (and reports) 2, and says why; the
+    default 8 demonstrations cut to fit the context are noted."""
+    from difftrain.evals.icl import prompts
+
+    run = load_run(runs["baseline"])
+    doc = evaluate(run, "icl-order", EvalOptions(demos=2, permutations=8, items=4))
+    assert doc["settings"]["permutations"] == 2 and len(doc["results"]["per_order"]) == 2
+    assert doc["notes"] == ["2 orders, not 8: 2 demonstrations have only 2, and every one is scored"]
+    short = prompts(run.tokenizer, 10_000, EvalOptions(demos=8)).longest - 1  # no room for all 8
+    run.config = run.config.replace(max_seq_len=short)
+    doc = evaluate(run, "icl-order", EvalOptions(permutations=2, items=4))
+    d = doc["settings"]["demos"]
+    assert 2 <= d < 8
+    assert doc["notes"] == [f"{d} demonstrations, not the default 8: more do not fit max_seq_len={short}"]
 
 
 # ----- CLI -------------------------------------------------------------------------------------

@@ -22,6 +22,7 @@ best − worst margin (the order sensitivity); chance is 0.5.
 
 from __future__ import annotations
 
+import math
 import random
 from dataclasses import dataclass
 from typing import Any
@@ -158,7 +159,8 @@ def _prompts(tok: Any, D: int, P: int, M: int, seed: int) -> Prompts:
         for o in orders
     ]
     longest = max(len(p) for p in prefixes) + max(len(x) for x in suffixes) + max(len(c) for c in cands)
-    return Prompts(D, P, M, orders, prefixes, suffixes, cands, [lab for _, lab in tests], longest)
+    # D demonstrations have D! orders: with fewer than P, every one of them is scored
+    return Prompts(D, len(orders), M, orders, prefixes, suffixes, cands, [lab for _, lab in tests], longest)
 
 
 def prompts(tok: Any, max_len: int, opts: EvalOptions) -> Prompts:
@@ -213,7 +215,21 @@ def run(run: Run, opts: EvalOptions, progress: Progress = _no_progress) -> Suite
         "prompt_tokens": pr.longest,
     }
     settings = {"demos": pr.demos, "permutations": pr.permutations, "items": pr.items, "seed": opts.seed}
+    notes = []
+    base = FULL if opts.full else QUICK
+    if opts.demos is None and pr.demos < base["demos"]:
+        notes.append(
+            f"{pr.demos} demonstrations, not the default {base['demos']}: more do not fit "
+            f"max_seq_len={run.config.max_seq_len}"  # type: ignore[attr-defined]
+        )
+    asked = base["permutations"] if opts.permutations is None else opts.permutations
+    if pr.permutations < asked:
+        notes.append(
+            f"{pr.permutations} orders, not {asked}: {pr.demos} demonstrations have only "
+            f"{math.factorial(pr.demos)}, and every one is scored"
+        )
     return SuiteOutput(
+        notes=notes,
         settings={**settings, "labels": list(LABELS)},
         results=res,
         headline=[
