@@ -498,7 +498,7 @@ def test_eval_unknown_suite_suggests_the_closest_name(runs, capsys):
         ),
         (
             ["--suite", "needle", "--lengths", "10", "--needles", "1x1"],
-            "--lengths 10 is too short for 1 needles",
+            "--lengths 10 is too short for 1 needle:",
         ),
         (["--suite", "attention", "--lengths", "1000"], "with 4 needles: a haystack"),
         (["--suite", "attention", "--needles", "1x1", "--lengths", "1000"], "--lengths 1000 does not fit"),
@@ -552,6 +552,12 @@ def test_a_context_too_short_for_a_suite_names_the_context_it_needs_or_an_option
     one = EvalOptions(needles=[(1, 1)])
     need = min(n for n in range(8, 400) if min_context(tok, 1) <= max_context(tok, n, 1, 1))
     default_grid(tok, need, one)
+    # --lengths with the default needles: those too large for the context are left out, as without it
+    fit = default_grid(tok, need, EvalOptions())
+    grid = default_grid(tok, need, EvalOptions(lengths=[fit.lengths[-1]]))
+    assert grid.needles == [(1, 1)] and grid.lengths == [fit.lengths[-1]]
+    with pytest.raises(ConfigError, match=r"--lengths 5 is too short for 1 needle: .* use lengths ≥ \d+$"):
+        default_grid(tok, need, EvalOptions(lengths=[5]))
     for opts in (one, EvalOptions(), EvalOptions(lengths=[8])):
         with pytest.raises(ConfigError, match=f"even with one needle: .* max_seq_len is at least {need}$"):
             default_grid(tok, need - 1, opts)

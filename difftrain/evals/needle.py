@@ -214,7 +214,7 @@ def default_grid(
     """The grid the options ask for; unset parts take the quick (or, with --full, paper) defaults."""
     needles = opts.needles or (NEEDLES_FULL if opts.full else NEEDLES_QUICK)
     check_needles(needles)
-    if opts.needles is None and not opts.lengths:
+    if opts.needles is None:
         # default configurations that cannot fit this model's context are left out (see `dropped`)
         fits = [
             (n, r)
@@ -240,7 +240,7 @@ def default_grid(
             )
         if lengths[0] < low:
             raise ConfigError(
-                f"--lengths {lengths[0]} is too short for {most[0]} needles: they alone take about {low // 2} tokens "
+                f"--lengths {lengths[0]} is too short for {most[0]} needle{'s' if most[0] > 1 else ''}: the needles alone take about {low // 2} tokens "
                 f"and at least half of a haystack should be filler; use lengths ≥ {low}"
             )
     else:
