@@ -6,6 +6,7 @@ import csv
 import json
 import os
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -122,6 +123,17 @@ def test_compare_plot_format_follows_the_suffix_and_an_unknown_one_is_refused_fi
         assert why in err and ".png, .svg, .pdf" in err and "Traceback" not in err
         assert out == ""  # refused before the table is printed
     assert not (tmp_path / "new").exists()  # and nothing was written
+    (tmp_path / "afile").write_text("mine")
+    (tmp_path / "adir.png").mkdir()
+    for bad, why in (
+        (tmp_path / "afile" / "c.png", "afile is not a folder; choose another path"),
+        (tmp_path / "adir.png", "is a folder; name a file in it"),
+        (Path("/proc/c.png"), "cannot write the figure"),
+    ):
+        assert main(["compare", str(a), str(b), "--plot", str(bad)]) == 2
+        out, err = capsys.readouterr()
+        assert why in err and len(err.strip().splitlines()) == 1 and out == ""
+    assert (tmp_path / "afile").read_text() == "mine"
 
 
 def test_compare_json_holds_rows_with_a_value_per_run(pair, capsys):

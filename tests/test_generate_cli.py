@@ -235,6 +235,8 @@ def test_interactive_ctrl_c_interrupts_a_generation_without_quitting(run_dir, ca
         (["--prompt", "a", "--interactive"], "--interactive reads prompts from the keyboard"),
         (["--dtype", "float8"], "--dtype 'float8' is unknown"),
         (["--compile", "--no-cache"], "--compile runs the cached decode step; leave out --no-cache"),
+        (["--seed", str(10**20)], f"--seed {10**20} is out of range; use a whole number from 0 to 2^62"),
+        (["--seed", "-1"], "--seed -1 is out of range"),
     ],
 )
 def test_bad_arguments_exit_2_with_one_line(run_dir, capsys, args, message):

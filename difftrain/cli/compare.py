@@ -93,7 +93,7 @@ def compare_command(
     if plot is not None:
         from difftrain.evals import plots
 
-        plots.figure_format(plot)
+        plots.check_target(plot)
         plots.require()
     cmp = compare_runs(run_dirs, suites or None)
     written = plot_curves(cmp, plot) if plot is not None else None

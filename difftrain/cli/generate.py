@@ -596,6 +596,18 @@ def chat_repl(session: Session, chat: Chat) -> None:
 
 
 # ----- the commands ----------------------------------------------------------------------------
+MAX_SEED = 2**62  # torch's generators take 64-bit seeds; each sample draws with seed + its number
+
+
+def _seed(seed: int | None) -> int:
+    """--seed, checked (torch's generators take 64-bit seeds), or a random one."""
+    if seed is None:
+        return secrets.randbelow(2**31)
+    if not 0 <= seed <= MAX_SEED:
+        raise ConfigError(f"--seed {seed} is out of range; use a whole number from 0 to 2^62 ({MAX_SEED})")
+    return seed
+
+
 def _sampling_config(temperature, top_k, top_p, min_p, repetition_penalty, greedy) -> Any:
     from difftrain.infer.settings import SamplingConfig
 
@@ -771,8 +783,7 @@ def generate_command(
                 "from the start of a document"
             )
     _check_compile(compile, device)
-    if seed is None:
-        seed = secrets.randbelow(2**31)
+    seed = _seed(seed)
 
     run, load_s = _load(run_dir, device, dtype)
     style = prompt_style(run.path)
@@ -859,8 +870,7 @@ def chat_command(
     sampling = _sampling_config(temperature, top_k, top_p, min_p, repetition_penalty, greedy)
     gen = GenerationConfig(max_new_tokens=max_new_tokens, sampling=sampling, compile=compile)
     _check_compile(compile, device)
-    if seed is None:
-        seed = secrets.randbelow(2**31)
+    seed = _seed(seed)
     run, load_s = _load(run_dir, device, dtype)
     style = prompt_style(run.path)
     chat = Chat(style.chat or ChatTemplateConfig(), system)
