@@ -88,6 +88,14 @@ def test_json_output_parses_and_holds_every_prompt_times_samples(run_dir, capsys
         assert r["finish_reason"] in ("eos", "length")
         assert r["tokens_per_s"] > 0
     assert doc["total"]["completion_tokens"] == sum(r["completion_tokens"] for r in res)
+    assert doc["settings"]["temperature"] == 0.8 and doc["settings"]["stop"] == []
+    # greedy: the settings it does not use are null, not a random seed and a temperature; a --stop
+    # spelled with \n (as --prompt is) is a newline
+    code, out, _ = gen(capsys, run_dir, "-p", "def", "-n", 4, "--greedy", "--stop", r"\n", "--json")
+    doc = json.loads(out)
+    assert code == 0 and doc["settings"]["stop"] == ["\n"] and doc["settings"]["greedy"] is True
+    assert [doc["settings"][k] for k in ("temperature", "top_k", "top_p", "min_p", "seed")] == [None] * 5
+    assert doc["results"][0]["seed"] is None
 
 
 def test_a_seed_reproduces_the_samples_streamed_or_batched(run_dir, capsys):

@@ -707,7 +707,7 @@ def generate_command(
         1.0, "--repetition-penalty", help="Penalise tokens already present (1 = off, e.g. 1.2)."
     ),
     stop: list[str] = typer.Option(
-        None, "--stop", help="Stop when the completion contains this string (repeatable)."
+        None, "--stop", help="Stop when the completion contains this string (repeatable). \\n is a newline."
     ),
     num_samples: int = typer.Option(1, "--num-samples", help="Completions per prompt."),
     seed: int = typer.Option(None, "--seed", help="Seed for sampling (default: a random seed, printed)."),
@@ -748,7 +748,7 @@ def generate_command(
     gen = GenerationConfig(
         max_new_tokens=max_new_tokens,
         sampling=sampling,
-        stop=tuple(stop or ()),
+        stop=tuple(unescape(x) for x in stop or ()),
         use_cache=cache,
         compile=compile,
     )
@@ -811,20 +811,21 @@ def generate_command(
             "prompt_style": "instruction" if style.instruction else "document",
             "device": str(w.device),
             "dtype": str(w.dtype).removeprefix("torch."),
+            # greedy decoding draws nothing: the sampling settings and seeds it does not use are null
             "settings": {
                 "max_new_tokens": max_new_tokens,
-                "temperature": temperature,
-                "top_k": top_k,
-                "top_p": top_p,
-                "min_p": min_p,
+                "temperature": None if sampling.is_greedy else temperature,
+                "top_k": None if sampling.is_greedy else top_k,
+                "top_p": None if sampling.is_greedy else top_p,
+                "min_p": None if sampling.is_greedy else min_p,
                 "repetition_penalty": repetition_penalty,
                 "greedy": sampling.is_greedy,
                 "stop": list(gen.stop),
                 "num_samples": num_samples,
-                "seed": seed,
+                "seed": None if sampling.is_greedy else seed,
                 "cache": cache,
             },
-            "results": results,
+            "results": [{**r, "seed": None} for r in results] if sampling.is_greedy else results,
             "total": {
                 "completions": len(results),
                 "completion_tokens": tokens,
