@@ -532,6 +532,20 @@ def test_cli_prints_the_trainable_count_and_merges(ws, capsys):
     assert {f.name: f.read_bytes() for f in (Path("runs") / "cli-m").iterdir()} == before
 
 
+def test_the_next_command_after_a_fine_tune_on_messages_only_is_chat():
+    from difftrain.cli.finetune import next_command
+
+    assert (
+        next_command({"record_kinds": ["messages"]}, Path("runs/my chat")) == "difftrain chat 'runs/my chat'"
+    )
+    for summary in (
+        {},
+        {"record_kinds": ["prompt/response"]},
+        {"record_kinds": ["messages", "prompt/response"]},
+    ):
+        assert next_command(summary, Path("runs/ft")) == "difftrain generate runs/ft"
+
+
 def test_finetune_warns_at_start_when_the_plan_does_not_fit_the_device(ws, capsys, monkeypatch):
     import difftrain.plan as planner
 

@@ -457,6 +457,19 @@ def test_chat_notes_a_run_fine_tuned_on_prompt_response_records(tmp_path, capsys
     assert code == 0 and note not in err
 
 
+def test_generate_points_a_run_tuned_on_messages_only_to_chat(tmp_path, capsys):
+    note = "fine-tuned on `messages` records only: `difftrain chat"
+    for kinds, noted in (
+        (["messages"], True),
+        (["messages", "prompt/response"], False),
+        (["prompt/response"], False),
+    ):
+        run = finetuned_run(tmp_path / "-".join(k[0] for k in kinds), {"data_format": "instruction"})
+        (run / "summary.json").write_text(json.dumps({"record_kinds": kinds}))
+        code, _, err = gen(capsys, run, "-p", "hello", "-n", 2, "--seed", 0)
+        assert code == 0 and (note in err) == noted, (kinds, err)
+
+
 def gen_chat(capsys, *args) -> tuple[int, str, str]:
     capsys.readouterr()
     code = main(["chat", *map(str, args)])

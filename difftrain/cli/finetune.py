@@ -104,6 +104,14 @@ def _start_table(info: dict[str, Any]) -> None:
         warn(w)
 
 
+def next_command(summary: dict[str, Any], run_dir: Path) -> str:
+    """What to run next on a fine-tuned run: `chat` for one tuned on `messages` records only (its
+    chat template is how it reads a conversation), else `generate`."""
+    if summary.get("record_kinds") == ["messages"]:
+        return f"difftrain chat {shlex.quote(str(run_dir))}"
+    return f"difftrain generate {shlex.quote(str(run_dir))}"
+
+
 def _end_table(summary: dict[str, Any], run_dir: Path) -> None:
     def f(v: Any) -> str:
         return "—" if v is None else f"{v:.4f}"
@@ -125,7 +133,7 @@ def _end_table(summary: dict[str, Any], run_dir: Path) -> None:
     if summary.get("method") in ("lora", "qlora"):
         rows.append(("saved", f"{run_dir / 'adapter.safetensors'} (adapter; base: {summary['base']})"))
         rows.append(("merge", f"difftrain merge {shlex.quote(str(run_dir))}"))
-    rows.append(("next", f"difftrain generate {shlex.quote(str(run_dir))}"))
+    rows.append(("next", next_command(summary, run_dir)))
     console.print(kv_table("done", rows))
 
 
@@ -249,7 +257,9 @@ def merge_command(
         rows.append(
             ("note", "4-bit base layers were dequantized: the merged weights are the model QLoRA trained")
         )
-    rows.append(("next", f"difftrain generate {shlex.quote(str(out))}"))
+    from difftrain.rundir import read_summary
+
+    rows.append(("next", next_command(read_summary(out), out)))
     console.print(kv_table("merged", rows))
 
 

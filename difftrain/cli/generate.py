@@ -792,6 +792,13 @@ def generate_command(
 
     if not as_json:
         _banner(run, load_s, seed, style, greedy=sampling.is_greedy and not interactive)
+        if _record_kinds(run.path) == ["messages"] and (prompt or prompt_file is not None or interactive):
+            err_console.print(
+                f"[yellow]note:[/] {escape(str(run.path))} was fine-tuned on `messages` records only: `difftrain chat "
+                f"{escape(shlex.quote(str(run.path)))}` talks to it in its chat template; here a prompt is "
+                "rendered as prompt/response records are (finetune.prompt_format), which it never saw",
+                soft_wrap=True,
+            )
         if sampling.is_greedy and num_samples > 1:
             err_console.print(
                 f"[yellow]warning:[/] greedy decoding gives the same completion {num_samples} times",
