@@ -304,6 +304,54 @@ def test_hf_source_loads_a_dataset_saved_to_disk_with_its_split(tmp_path: Path) 
         docs(["hf:./saved@dev"], tmp_path)
 
 
+def test_chat_records_are_read_from_parquet_and_hf_datasets_as_from_jsonl(tmp_path: Path) -> None:
+    """Hub chat datasets are Parquet with a `messages` column: fine-tuning reads them as it reads
+    a .jsonl of chat records."""
+    import datasets
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    chats = [
+        {"messages": [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": f"a{i}"}]}
+        for i in range(3)
+    ]
+    pq.write_table(pa.Table.from_pylist(chats), tmp_path / "c.parquet")
+    datasets.Dataset.from_list(chats).save_to_disk(str(tmp_path / "saved"))
+    (tmp_path / "c.jsonl").write_text("".join(json.dumps(c) + "\n" for c in chats))
+    for source in ("c.jsonl", "c.parquet", "hf:./saved", {"source": "hf:json", "data_files": ["c.jsonl"]}):
+        (src,) = resolve_sources(DataConfig(sources=[source]), tmp_path)
+        records = list(src.records(SourceStats(src.spec.source)))
+        assert [r["messages"] for r in records] == [c["messages"] for c in chats], source
+    # neither prompt/response nor messages: the message names both ways to fix it
+    pq.write_table(pa.table({"q": ["x"]}), tmp_path / "n.parquet")
+    (src,) = resolve_sources(DataConfig(sources=["n.parquet"]), tmp_path)
+    with pytest.raises(
+        DataError,
+        match=r"no column 'prompt', 'response' \(columns: q\); set prompt_field/response_field on .*"
+        r"or give chat records a 'messages' column$",
+    ):
+        list(src.records(SourceStats(src.spec.source)))
+
+
+def test_a_split_asked_of_a_saved_dataset_without_splits_is_refused(tmp_path: Path, monkeypatch) -> None:
+    import datasets
+
+    from difftrain.data import sources as sources_mod
+
+    datasets.Dataset.from_dict({"text": ["a", "b"]}).save_to_disk(str(tmp_path / "one"))
+    assert docs(["hf:./one"], tmp_path) == ["a", "b"]
+    with pytest.raises(
+        DataError, match=r"holds one dataset, not a DatasetDict of splits; leave out @validation"
+    ):
+        docs(["hf:./one@validation"], tmp_path)
+    # a local folder named without ./ is a Hub name: offline, the error says how to name the folder
+    monkeypatch.setattr(sources_mod, "_unreachable_hub", lambda: "huggingface.co")
+    with pytest.raises(
+        DataError, match=r"'one' is read as a Hugging Face Hub dataset name.*write source 'hf:\./one'$"
+    ):
+        docs(["hf:one"], tmp_path)
+
+
 def test_hf_source_offline_is_a_clear_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import datasets
 

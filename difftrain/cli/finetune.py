@@ -53,7 +53,7 @@ def _start_table(info: dict[str, Any]) -> None:
         targets = info.get("lora_targets", [])
         kinds = sorted({n.rsplit(".", 1)[-1] for n in targets})
         method += f" · rank {ft.lora.rank} · alpha {ft.lora.alpha:g} · dropout {ft.lora.dropout:g}"
-        method += f" · {len(targets)} layers ({', '.join(kinds)})"
+        method += f" · {len(targets)} linear layers ({', '.join(kinds)})"
         if method.startswith("qlora"):
             method += " · base in 4-bit NF4"
     rows.append(("method", method))

@@ -351,7 +351,11 @@ class Source:
         except _READ_ERRORS as e:
             raise _unreadable(self.label, path, e) from e
 
-    def _parquet_rows(self, path: Path, columns: list[str]) -> Iterator[tuple[str, dict[str, Any]]]:
+    def _parquet_rows(
+        self, path: Path, columns: list[str], chat: bool = False
+    ) -> Iterator[tuple[str, dict[str, Any]]]:
+        """(where, row) of the Parquet file's `columns`; `chat`: instruction records, whose rows
+        may instead hold a `messages` column (chat records)."""
         try:
             import pyarrow.parquet as pq
         except ImportError as e:
@@ -363,12 +367,7 @@ class Source:
         except Exception as e:
             raise DataError(f"{path}: not a readable Parquet file ({e}); check the file") from e
         names = pf.schema_arrow.names
-        missing = [c for c in columns if c not in names]
-        if missing:
-            raise DataError(
-                f"{path}: Parquet file has no column {', '.join(repr(c) for c in missing)} (columns: "
-                f"{', '.join(names)}); set text_field (or prompt_field/response_field) on {self.label}"
-            )
+        columns = _columns_read(columns, names, chat, f"{path}: Parquet file", self.label)
         row = 0
         for batch in pf.iter_batches(columns=columns, batch_size=1024):
             cols = [batch.column(i).to_pylist() for i in range(len(columns))]
@@ -463,6 +462,14 @@ class Source:
                             "choose one with hf:<path>@<split>"
                         )
                     ds = ds[split]
+                elif "@" in self.spec.source[3:] and str(getattr(ds, "split", None) or "") != split:
+                    # one saved Dataset holds no splits: reading all of it as "@split" would hide
+                    # that the split asked for is not there
+                    saved = f" (saved from split '{ds.split}')" if getattr(ds, "split", None) else ""
+                    raise DataError(
+                        f"{self.label}: {local} holds one dataset{saved}, not a DatasetDict of splits; leave "
+                        f"out @{split} to read all of it"
+                    )
                 return ds
             files = self._hf_data_files()
             with _hub_offline(unreachable is not None), _quiet_datasets(local is not None or builder):
@@ -488,6 +495,11 @@ class Source:
                     "file, or name it as a source itself (data.sources: [FILE]) to get the line of each "
                     "bad record"
                 ) from e
+            elif unreachable is not None and (self.base_dir / name).is_dir():  # a local folder, unmarked
+                raise DataError(
+                    f"{self.label}: '{name}' is read as a Hugging Face Hub dataset name, which cannot be reached "
+                    f"from this machine; for the folder {self.base_dir / name} write source 'hf:./{name}'"
+                ) from e
             elif unreachable is not None:  # the cache was read already: HF_DATASETS_OFFLINE adds nothing
                 text = f"{unreachable} cannot be reached from this machine and the dataset is not in the local cache"
                 hint = (
@@ -505,16 +517,12 @@ class Source:
                 f"{self.label}: could not load Hugging Face dataset '{name}' ({text}); {hint}"
             ) from e
 
-    def _hf_rows(self, columns: list[str]) -> Iterator[tuple[str, dict[str, Any]]]:
+    def _hf_rows(self, columns: list[str], chat: bool = False) -> Iterator[tuple[str, dict[str, Any]]]:
+        """(where, row) of the dataset's `columns`; `chat` as for `_parquet_rows`."""
         ds = self._hf_dataset()
         names = getattr(ds, "column_names", None)
         if names is not None:
-            missing = [c for c in columns if c not in names]
-            if missing:
-                raise DataError(
-                    f"{self.label}: dataset has no column {', '.join(repr(c) for c in missing)} (columns: "
-                    f"{', '.join(names)}); set text_field (or prompt_field/response_field) on this source"
-                )
+            columns = _columns_read(columns, names, chat, f"{self.label}: dataset", "this source")
             ds = ds.select_columns(columns)
         row = 0
         for batch in ds.iter(batch_size=1000):
@@ -527,15 +535,16 @@ class Source:
     def _records(
         self, columns: list[str], stats: SourceStats, policy: BadRecordPolicy
     ) -> Iterator[tuple[str, dict[str, Any]]]:
-        """(where, record) from record-shaped inputs (jsonl/json/parquet/hf)."""
+        """(where, record) from record-shaped inputs (jsonl/json/parquet/hf): instruction records,
+        prompt/response `columns` or chat records' `messages`."""
         if self.spec.kind == "hf":
-            yield from self._hf_rows(columns)
+            yield from self._hf_rows(columns, chat=True)
             return
         for path in self.files:
             stats.files += 1
             suffix = _suffix(path)
             if suffix == ".parquet":
-                yield from self._parquet_rows(path, columns)
+                yield from self._parquet_rows(path, columns, chat=True)
             elif suffix in (".jsonl", ".json"):
                 yield from self._json_objects(path, stats, policy)
             else:
@@ -721,6 +730,24 @@ class Source:
             out = {k: v for k, v in rec.items() if k not in (pf, rf)}
             out["prompt"], out["response"] = prompt, response
             yield out
+
+
+def _columns_read(columns: list[str], names: list[str], chat: bool, what: str, where: str) -> list[str]:
+    """The columns to read of a table whose columns are `names`: `columns`, or, for instruction
+    records (`chat`), ["messages"] where the table holds chat records instead; else a DataError
+    saying which option names the right ones."""
+    missing = [c for c in columns if c not in names]
+    if not missing:
+        return columns
+    if chat and "messages" in names:
+        return ["messages"]
+    wanted = ", ".join(repr(c) for c in missing)
+    fix = (
+        f"set prompt_field/response_field on {where}, or give chat records a 'messages' column"
+        if chat
+        else f"set text_field on {where}"
+    )
+    raise DataError(f"{what} has no column {wanted} (columns: {', '.join(names)}); {fix}")
 
 
 def resolve_sources(
