@@ -590,7 +590,8 @@ def test_dry_run_checks_base_data_and_run_folder_and_writes_nothing(ws, tmp_path
     assert main(["finetune", str(ws(name="dry")), "--dry-run"]) == 0
     out = capsys.readouterr().out
     assert "dry run: the fine-tune is ready" in out and "a new run" in out
-    assert "train ·" in out and "lora · rank 4" in out and "linear layers (self_attn.q_proj" in out
+    flat = " ".join(out.split())  # (the table wraps long rows)
+    assert "train ·" in out and "lora · rank 4" in out and "linear layers (self_attn.q_proj" in flat
     assert not (tmp_path / "runs").exists()
     assert _snapshot(base_run.parent.parent) == cache_before
     big = ["train.micro_batch_size=4000000", "train.global_batch_size=null"]  # warned as the run warns

@@ -192,7 +192,7 @@ def _dry_run(r: Any, *, resume: bool | None, overwrite: bool) -> None:
         from difftrain.model.lora import short_names
 
         targets = d["lora_targets"]
-        method += f" · {plural(len(targets), 'layer')} ({', '.join(short_names(targets))})"
+        method += f" · {plural(len(targets), 'linear layer')} ({', '.join(short_names(targets))})"
     if d["data_format"] == "instruction":
         rec = d["records"]
         data = f"instruction records: {rec['train_records']:,} train · {rec['val_records']:,} val"
