@@ -96,6 +96,29 @@ def test_second_run_reuses_the_cache_without_reading_text(
     assert again.stats.cache_bytes > 0
 
 
+def test_the_same_files_however_their_path_is_spelled_reuse_the_cache(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A run's recipe.yaml records its sources absolute: resuming it must not tokenize again what
+    `prepare` of the recipe (relative paths) built; nor must '../x', './x' or a symbolic link."""
+    make_corpus(tmp_path)
+    (tmp_path / "one.txt").write_text("some text " * 40)
+    (tmp_path / "link").symlink_to(tmp_path / "corpus")
+    first = prepare_data(cfg(tmp_path, sources=["corpus", "one.txt"]), TOK, seed=0, base_dir=tmp_path)
+
+    def no_reading(*a, **k):
+        raise AssertionError("the text was read again")
+
+    monkeypatch.setattr(sources_mod.Source, "documents", no_reading)
+    for spelled in (
+        [str(tmp_path / "corpus"), str(tmp_path / "one.txt")],
+        [f"../{tmp_path.name}/corpus", "./one.txt"],
+        ["link", "one.txt"],
+    ):
+        again = prepare_data(cfg(tmp_path, sources=spelled), TOK, seed=0, base_dir=tmp_path)
+        assert again.from_cache and again.tokenizer_from_cache and again.cache_dir == first.cache_dir, spelled
+
+
 def test_a_changed_file_invalidates_the_cache(tmp_path: Path) -> None:
     make_corpus(tmp_path)
     first = prepare_data(cfg(tmp_path), TOK, seed=0, base_dir=tmp_path)

@@ -208,13 +208,31 @@ class Source:
                 st = f.stat()
             except OSError as e:
                 raise DataError(f"{self.label}: cannot read {f} ({e.strerror})") from e
-            out.append((str(f), st.st_size, st.st_mtime_ns))
+            out.append((os.path.realpath(f), st.st_size, st.st_mtime_ns))
         return out
+
+    def _identity_spec(self) -> dict[str, Any]:
+        """The spec as the cache key sees it: local paths however spelled ('c.txt', '../x/c.txt',
+        an absolute path, a symbolic link: a run's recipe.yaml records them absolute) as the one
+        real path, so the same files find the same shards."""
+        spec = self.spec.model_dump(mode="json")
+        if self.spec.kind == "path":
+            spec["source"] = os.path.realpath(self._resolve(self.spec.source))
+        elif self.spec.kind == "hf":
+            local = self.spec.hf_local_dir(self.base_dir)
+            if local is not None:
+                _, config, split = self.spec.hf_parts()
+                spec["source"] = (
+                    f"hf:{os.path.realpath(local)}" + (f":{config}" if config else "") + f"@{split}"
+                )
+            if spec.get("data_files"):
+                spec["data_files"] = [os.path.realpath(self._resolve(f)) for f in self.spec.data_files or []]
+        return spec
 
     def fingerprint(self) -> str:
         """Hash of everything the documents depend on, computed without reading them."""
         ident: dict[str, Any] = {
-            "spec": self.spec.model_dump(mode="json"),
+            "spec": self._identity_spec(),
             "files": self._file_stats(self.files),
         }
         if any(_suffix(f) == ".json" for f in self.walked):
