@@ -979,7 +979,7 @@ def fit_warning(recipe: Any, accelerator: str) -> str | None:
     )
     return (
         f"this run needs ≈{fmt_bytes(p.device_need)} but {target.name} has {fmt_bytes(target.memory)} "
-        f"(`difftrain plan {recipe.command_arg}` shows the breakdown){fix}"
+        f"(`difftrain plan {recipe.command_args}` shows the breakdown){fix}"
     )
 
 

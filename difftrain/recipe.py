@@ -410,6 +410,7 @@ class Recipe(_Section):
     _source: str = PrivateAttr(default="")
     _model_keys: frozenset[str] = PrivateAttr(default=frozenset())
     _own_run_dir: Path | None = PrivateAttr(default=None)
+    _overrides: tuple[str, ...] = PrivateAttr(default=())
 
     @model_validator(mode="wrap")
     @classmethod
@@ -465,6 +466,14 @@ class Recipe(_Section):
         if self._source.startswith("shipped:"):
             return self._source.removeprefix("shipped:")
         return shlex.quote(self._source)
+
+    @property
+    def command_args(self) -> str:
+        """`command_arg` and the command line's overrides (quoted for the shell): what another
+        command needs to see the same recipe, e.g. `difftrain plan {command_args}`."""
+        import shlex
+
+        return " ".join([self.command_arg, *(shlex.quote(o) for o in self._overrides)])
 
     @property
     def run_dir(self) -> Path:
@@ -1085,6 +1094,7 @@ def load_recipe(ref: str | os.PathLike[str], overrides: list[str] | tuple[str, .
     # the recipe's own folder.
     recipe._recipe_dir = Path.cwd() if is_shipped else path.resolve().parent
     recipe._source = f"shipped:{path.stem}" if is_shipped else str(path)
+    recipe._overrides = tuple(overrides)
     if is_run_recipe(path) and not overridden & {"name", "out_dir"}:
         recipe._own_run_dir = path.parent
     return recipe

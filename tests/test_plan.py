@@ -224,6 +224,12 @@ def test_pretrain_warning_names_the_shortfall_and_the_cheapest_fix():
     msg = fit_warning(too_big, "cpu")
     assert msg is not None and "needs" in msg and "cheapest fix: " in msg
     assert "train.micro_batch_size=" in msg
+    # the plan command it names sees the same recipe: the overrides too (quoted for the shell)
+    assert (
+        "(`difftrain plan quickstart train.micro_batch_size=65536 train.global_batch_size=65536` shows the breakdown)"
+        in msg
+    )
+    assert load_recipe("quickstart", ["description=a b"]).command_args == "quickstart 'description=a b'"
     assert fit_warning(load_recipe("quickstart"), "cpu") is None
 
 
@@ -237,6 +243,9 @@ def plan_cli(capsys, *args) -> tuple[int, str, str]:
 def test_plan_cli_exit_codes_fit_does_not_fit_and_bad_input(capsys):
     code, out, _ = plan_cli(capsys, "quickstart", "--device", "cpu")
     assert code == 0 and "fits" in out and "activations of one micro-batch" in out
+    flat = " ".join(out.split())
+    assert "The rows are not a sum: the peak is the larger of the backward pass" in flat
+    assert "+ the Python process and allocator slack" in flat
     code, out, _ = plan_cli(capsys, "diff-124m", "--gpu-mem", "8GB")
     assert code == 1 and "does not fit" in out and "train.micro_batch_size=" in out
     code, _, err = plan_cli(capsys, "diff-124m", "--gpu-mem", "8")

@@ -146,7 +146,7 @@ def oom_advice(recipe: Any, *, finetune: bool = False) -> str:
         tries.append("optim.name=adamw8bit (8-bit optimizer states)")
     if seq_len and seq_len >= 128:
         tries.append(f"train.seq_len={seq_len // 2}")
-    where = recipe.command_arg
+    where = recipe.command_args
     estimate = (
         f"; `difftrain plan {where}` estimates the memory of each"
         if importlib.util.find_spec("difftrain.cli.plan") is not None

@@ -77,14 +77,26 @@ def _render(r: Any, rp: Any) -> None:
     ]
     console.print(kv_table("difftrain plan", head))
 
-    table = Table(title="memory at the peak of a training step", title_justify="left")
+    phase = "backward pass" if p.peak_backward >= p.peak_step else "optimizer step"
+    table = Table(
+        title="memory at the peak of a training step",
+        title_justify="left",
+        caption=(
+            f"The rows are not a sum: the peak is the larger of the backward pass ({fmt_bytes(p.peak_backward)}: "
+            f"activations and gradients) and the optimizer step ({fmt_bytes(p.peak_step)}: gradients and "
+            f"optimizer temporaries), which never hold their parts at once; here the {phase}."
+        ),
+        caption_justify="left",
+    )
     table.add_column("what")
     table.add_column("bytes", justify="right")
     for k, v in p.breakdown().items():
         if v:
             table.add_row(k, fmt_bytes(v))
     table.add_row("[bold]peak of the step[/]", f"[bold]{fmt_bytes(p.peak)}[/]")
-    extra = "CUDA context and allocator slack" if t.kind == "cuda" else "the Python process itself"
+    extra = (
+        "CUDA context and allocator slack" if t.kind == "cuda" else "the Python process and allocator slack"
+    )
     table.add_row(f"+ {extra}", fmt_bytes(p.device_need - p.peak))
     verdict = "[bold green]fits[/]" if p.fits else "[bold red]does not fit[/]"
     table.add_row(
