@@ -65,8 +65,30 @@ def allocator_state() -> str:
     return _state.get("allocator", "not tried")
 
 
+MALLOC_OFF = ("default", "off", "0", "no", "false")
+MALLOC_ON = ("", "on", "1", "yes", "true", "tuned")
+
+
+def malloc_setting() -> str:
+    """DIFFTRAIN_MALLOC as asked: "off" (glibc's default allocator: default, off, 0, no, false) or
+    "on" (unset, on, 1, yes, true, tuned); a ConfigError for any other value, which every command
+    checks before it does any work."""
+    from difftrain.errors import ConfigError
+
+    raw = os.environ.get("DIFFTRAIN_MALLOC", "")
+    want = raw.strip().lower()
+    if want in MALLOC_OFF:
+        return "off"
+    if want in MALLOC_ON:
+        return "on"
+    raise ConfigError(
+        f"DIFFTRAIN_MALLOC={raw!r} is not a setting; set it to default to turn off the allocator tuning "
+        "(or unset it to keep it on)"
+    )
+
+
 def _tune() -> str:
-    if os.environ.get("DIFFTRAIN_MALLOC", "").lower() in ("default", "0", "off", "no"):
+    if malloc_setting() == "off":
         return "off"
     if any(k in os.environ for k in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "GLIBC_TUNABLES")):
         return "user"

@@ -50,6 +50,27 @@ def test_tuned_allocator_reuses_large_blocks():
     assert min(default["faults"][-8:]) > 16_000, default  # each round maps (and faults) them again
 
 
+def test_an_unknown_malloc_setting_is_refused_and_the_known_ones_read(monkeypatch):
+    from difftrain.cli.app import main
+    from difftrain.errors import ConfigError
+
+    for value, want in (
+        ("default", "off"),
+        ("OFF", "off"),
+        ("0", "off"),
+        ("", "on"),
+        ("on", "on"),
+        ("1", "on"),
+    ):
+        monkeypatch.setenv("DIFFTRAIN_MALLOC", value)
+        assert runtime.malloc_setting() == want, value
+    monkeypatch.setenv("DIFFTRAIN_MALLOC", "glibc")
+    with pytest.raises(ConfigError, match=r"DIFFTRAIN_MALLOC='glibc' is not a setting; set it to default"):
+        runtime.malloc_setting()
+    monkeypatch.delitem(runtime._state, "allocator", raising=False)
+    assert main(["recipes", "list"]) == 2  # every command: one line, before any work
+
+
 def test_user_settings_win():
     assert _child({"MALLOC_MMAP_THRESHOLD_": "131072"})["state"] in ("user",)
 
