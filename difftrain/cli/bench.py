@@ -89,7 +89,8 @@ def bench_command(
     if dev.type == "cpu" and load > (os.cpu_count() or 1):
         err_console.print(
             f"[yellow]warning:[/] load average {load:.1f} on {os.cpu_count()} cores: other jobs share the CPU, "
-            "absolute figures will be noisy (ratios are paired); --threads 1 avoids threads waiting on each other"
+            "absolute figures will be noisy (ratios are paired)"
+            + ("" if torch.get_num_threads() == 1 else "; --threads 1 avoids threads waiting on each other")
         )
     with console.status("benchmarking…") as status:
         result = run_bench(opts, progress=lambda msg: status.update(f"benchmarking: {msg}"))
