@@ -386,7 +386,13 @@ def test_cli_pretrain_and_errors_exit_2(workspace, capsys):
     assert main(["pretrain", str(p)]) == 2
     assert "already holds a run" in capsys.readouterr().err
     assert main(["pretrain", str(p), "train.micro_batch_size=3"]) == 2
+    capsys.readouterr()
     assert main(["pretrain", str(p), "--dry-run", "train.max_steps=9", "--overwrite"]) == 0
+    # the dry run shows what the start table would: tokens per step, optimizer, lr, schedule, warm-up
+    out = " ".join(capsys.readouterr().out.split())
+    o = load_recipe(p).optim
+    assert "tok/step (micro " in out and "steps 9 (" in out
+    assert f"optimizer {o.name} · lr {o.lr:g} · {o.schedule} · warmup {o.warmup_steps}" in out
 
 
 def test_a_logger_whose_package_is_missing_is_refused_before_anything_is_written(

@@ -144,14 +144,29 @@ def pretrain_command(
         warnings = _check_inputs(plan.recipe) + dry_run_warnings(plan, point)
         data = _check_cached_data(plan)
         shared = dry_run_rows(plan, resuming, point, overwrite)
-        m = plan.recipe.model
-        rows = [
+        m, t, o = plan.recipe.model, plan.recipe.train, plan.recipe.optim
+        rows = [  # as the run's start table shows them (the parameters need the tokenizer's size)
             ("recipe", r.source),
             ("run", shared["run"]),
-            ("model", f"{m.arch} d_model={m.d_model} n_layers={m.n_layers}"),
+            (
+                "model",
+                f"{m.arch} · d_model {m.d_model} · {plural(m.n_layers, 'layer')} · {plural(m.n_heads, 'head')}"
+                + (f" ({m.n_kv_heads} kv)" if m.n_kv_heads != m.n_heads else "")
+                + f" · head_dim {m.head_dim}",
+            ),
             ("data", data),
-            ("batch", f"{plan.global_batch_size} × {plan.seq_len} (accumulate {plan.accumulate})"),
-            ("steps", str(plan.max_steps)),
+            (
+                "batch",
+                f"{plan.global_batch_size} seq × {plan.seq_len} tok = {fmt_count(plan.tokens_per_step)} tok/step "
+                f"(micro {t.micro_batch_size} × accum {plan.accumulate} × devices {plan.world_size})",
+            ),
+            ("steps", f"{plan.max_steps} ({fmt_count(plan.max_steps * plan.tokens_per_step)} tokens)"),
+            ("optimizer", f"{o.name} · lr {o.lr:g} · {o.schedule} · warmup {o.warmup_steps}"),
+            (
+                "precision",
+                f"{t.precision} · compile {'on' if t.compile else 'off'} · attention {m.attn_impl}"
+                + (" · activation checkpointing" if t.activation_checkpointing else ""),
+            ),
             ("device", shared["device"]),
         ]
         console.print(kv_table("dry run: the recipe is valid", rows))
