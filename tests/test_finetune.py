@@ -610,6 +610,11 @@ def test_dry_run_checks_base_data_and_run_folder_and_writes_nothing(ws, tmp_path
         assert message in capsys.readouterr().err
     assert main(["finetune", str(ws(name="dry")), "--dry-run", "model.d_model=64"]) == 2
     assert "a fine-tune keeps the base's architecture" in capsys.readouterr().err
+    # prompt/response records fine-tuned as plain text: the dry run reads them as the run would
+    assert main(["finetune", str(ws(name="astext")), "--dry-run", "finetune.data_format=text"]) == 2
+    assert (
+        "sft.jsonl, line 1: record has no field 'text' (fields: prompt, response)" in capsys.readouterr().err
+    )
     assert main(["finetune", str(ws(name="dry")), "--dry-run", "finetune.lora.target_modules=[qproj]"]) == 2
     assert "pattern `qproj` matches no linear layer" in capsys.readouterr().err  # as the run refuses it
     assert main(["finetune", str(ws(name="dry")), "--dry-run", "--resume"]) == 2

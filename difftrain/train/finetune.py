@@ -343,6 +343,16 @@ def _check_resumed_adapter(plan: Plan) -> None:
         resolve_base(plan.run_dir, read_adapter_spec(plan.run_dir))
 
 
+def _read_first_documents(recipe: Recipe) -> None:
+    """The first document of each plain-text source, read as the run reads it: a record without
+    the text field (prompt/response records fine-tuned as text) fails here as it would there."""
+    from difftrain.data.sources import SourceStats, resolve_sources
+
+    for source in resolve_sources(recipe.data, recipe.recipe_dir):
+        stats = SourceStats(source.spec.source)
+        next(iter(source.documents(stats, recipe.data.on_bad_record)), None)
+
+
 def dry_run_finetune(
     recipe: Recipe, *, resume: bool | None = None, overwrite: bool = False
 ) -> dict[str, Any]:
@@ -371,6 +381,7 @@ def dry_run_finetune(
         tokenizer, new_ids, _, records = instruction_data(plan, tokenizer)
     else:
         check_local_sources(r.data, r.recipe_dir)
+        _read_first_documents(r)
     base_vocab_size = r.model.vocab_size
     model_cfg = _grown_model(plan, tokenizer)
     spec = None
