@@ -278,6 +278,8 @@ def test_sft_records_load_from_jsonl_fields_and_from_stdlib_docstrings(tmp_path:
     train, val, stats = load_sft_records(cfg, seed=0, base_dir=tmp_path)
     assert len(train) + len(val) == 40 and 0 < len(val) < 15 and stats[0].documents == 40
     assert {"prompt", "response", "id"} <= set(train[0]) and train[0]["prompt"].startswith("do ")
+    # the record's own names stay: a prompt_format may say {instruction} as the file does
+    assert train[0]["instruction"] == train[0]["prompt"] and train[0]["output"] == train[0]["response"]
     bad = DataConfig(sources=[{"source": "sft.jsonl", "prompt_field": "instruction"}])
     with pytest.raises(
         DataError, match=r"sft\.jsonl, line 1: record has no field 'response'.*response_field"

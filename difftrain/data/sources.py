@@ -745,7 +745,7 @@ class Source:
             response = self._field(where, rec, rf, "response_field", stats, policy)
             if response is None:
                 continue
-            out = {k: v for k, v in rec.items() if k not in (pf, rf)}
+            out = dict(rec)  # the record's own names stay usable in prompt_format (e.g. {instruction})
             out["prompt"], out["response"] = prompt, response
             yield out
 
