@@ -610,6 +610,14 @@ def test_dry_run_checks_base_data_and_run_folder_and_writes_nothing(ws, tmp_path
         assert message in capsys.readouterr().err
     assert main(["finetune", str(ws(name="dry")), "--dry-run", "model.d_model=64"]) == 2
     assert "a fine-tune keeps the base's architecture" in capsys.readouterr().err
+    # a val_fraction that draws no record: the data row says there will be no validation loss
+    few = tmp_path / "few.jsonl"
+    few.write_text("".join(json.dumps({"prompt": f"p{i}", "response": f"r{i}"}) + "\n" for i in range(4)))
+    assert main(["finetune", str(ws(name="few", data=few)), "--dry-run", "data.val_fraction=0.01"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "4 train · 0 val · no validation loss: data.val_fraction=0.01 drew no record" in out
+    assert main(["finetune", str(ws(name="few", data=few)), "--dry-run", "data.val_fraction=0"]) == 0
+    assert "no validation loss" not in capsys.readouterr().out  # none asked for: no note
     # prompt/response records fine-tuned as plain text: the dry run reads them as the run would
     assert main(["finetune", str(ws(name="astext")), "--dry-run", "finetune.data_format=text"]) == 2
     assert (

@@ -33,6 +33,17 @@ def _empty_note(n: int) -> str:
     return f" · {n:,} with an empty response (only where a reply ends is trained)"
 
 
+def _no_val_note(val_records: int, val_fraction: float) -> str:
+    """The data row's note when data.val_fraction drew no validation record: the run reports no
+    validation loss (with val_fraction 0 the user asked for none: no note)."""
+    if val_records or not val_fraction:
+        return ""
+    return (
+        f" · no validation loss: data.val_fraction={val_fraction:g} drew no record (raise it, e.g. "
+        "data.val_fraction=0.2, or add records)"
+    )
+
+
 def _start_table(info: dict[str, Any]) -> None:
     plan, r = info["plan"], info["recipe"]
     m, t, ft = r.model, r.train, r.finetune
@@ -71,8 +82,9 @@ def _start_table(info: dict[str, Any]) -> None:
     if info["data_format"] == "instruction":
         data = f"instruction records: {info['train_records']:,} train · {info['val_records']:,} val"
         if info.get("truncated"):
-            data += f" · {info['truncated']} truncated to {plan.seq_len} tokens"
+            data += f" · {info['truncated']:,} truncated to {plan.seq_len} tokens"
         data += _empty_note(info.get("empty_responses", 0))
+        data += _no_val_note(info["val_records"], r.data.val_fraction)
         if not ft.train_on_prompt:
             data += " · loss on responses only"
     else:
@@ -197,8 +209,9 @@ def _dry_run(r: Any, *, resume: bool | None, overwrite: bool) -> None:
         rec = d["records"]
         data = f"instruction records: {rec['train_records']:,} train · {rec['val_records']:,} val"
         if rec["truncated"]:
-            data += f" · {rec['truncated']} truncated to {plan.seq_len} tokens"
+            data += f" · {rec['truncated']:,} truncated to {plan.seq_len} tokens"
         data += _empty_note(rec.get("empty_responses", 0))
+        data += _no_val_note(rec["val_records"], r.data.val_fraction)
     else:
         data = "plain text (continued pretraining; tokenized when the run starts)"
     rows = [
