@@ -559,11 +559,35 @@ def test_export_errors_are_difftrain_errors_for_a_missing_run(tmp_path):
         export_hf(tmp_path / "missing", tmp_path / "hf")
 
 
+def with_bos_first(tok: Tokenizer) -> Tokenizer:
+    """`tok` with a post-processor that puts its bos before every text, as Llama's tokenizers do."""
+    from tokenizers import Tokenizer as RawTokenizer
+    from tokenizers import processors
+
+    raw = RawTokenizer.from_str(tok.tk.to_str())
+    bos = raw.id_to_token(tok.bos_id)
+    raw.post_processor = processors.TemplateProcessing(single=f"{bos} $A", special_tokens=[(bos, tok.bos_id)])
+    return Tokenizer(raw)
+
+
+def test_a_document_starts_after_eos_or_after_the_bos_an_imported_tokenizer_puts_first(tok):
+    from difftrain.infer.generate import prompt_ids
+
+    assert tok.document_start_id == tok.eos_id != tok.bos_id
+    llama_like = with_bos_first(tok)
+    assert llama_like.document_start_id == tok.bos_id
+    assert prompt_ids(llama_like, "def f") == [tok.bos_id, *tok.encode("def f")]
+    assert prompt_ids(tok, "def f") == [tok.eos_id, *tok.encode("def f")]
+
+
+@pytest.mark.parametrize("bos_first", [False, True])
 def test_the_exported_readme_snippet_samples_what_difftrain_generate_samples(
-    tmp_path, tok, monkeypatch, capsys
+    tmp_path, tok, monkeypatch, capsys, bos_first
 ):
     from difftrain.infer.generate import prompt_ids
 
+    if bos_first:  # an imported Llama's tokenizer: the card must not put eos before its <s>
+        tok = with_bos_first(tok)
     model = build_model(tok, "diff")
     run = write_run(tmp_path / "run", model, tok)
     export_hf(run, tmp_path / "hf")

@@ -38,7 +38,7 @@ def spans(
     ex = p.example
     text = ex.text
     enc = tokenizer.tk.encode(text, add_special_tokens=False)
-    ids = [tokenizer.eos_id, *enc.ids][:max_len]
+    ids = [tokenizer.document_start_id, *enc.ids][:max_len]
     offs = enc.offsets
     out = []
     start = len(ex.prompt)

@@ -155,7 +155,7 @@ def _prompts(tok: Any, D: int, P: int, M: int, seed: int) -> Prompts:
     cands = [tok.encode(f" {lab}") for lab in LABELS]
     suffixes = [tok.encode(demo_block(sentence, None)) for sentence, _ in tests]
     prefixes = [
-        [tok.eos_id, *tok.encode("".join(demo_block(demos[i][0], LABELS[demos[i][1]]) for i in o))]
+        [tok.document_start_id, *tok.encode("".join(demo_block(demos[i][0], LABELS[demos[i][1]]) for i in o))]
         for o in orders
     ]
     longest = max(len(p) for p in prefixes) + max(len(x) for x in suffixes) + max(len(c) for c in cands)

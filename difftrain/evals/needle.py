@@ -133,7 +133,7 @@ def build_prompt(
     budget = context_tokens
     for _ in range(8):
         ex = _example(tokenizer, budget, n, r, depth, seed)
-        ids = [tokenizer.eos_id, *tokenizer.encode(ex.prompt)]
+        ids = [tokenizer.document_start_id, *tokenizer.encode(ex.prompt)]
         answer_tokens = len(tokenizer.encode(ex.answer))
         overflow = len(ids) + answer_tokens + 1 - max_seq_len
         if overflow <= 0:

@@ -109,12 +109,15 @@ Event = Union[Token, Finished]
 
 # ----- prompts ---------------------------------------------------------------------------------
 def prompt_ids(tokenizer: TextTokenizer, text: str, *, document_start: bool = True) -> list[int]:
-    """Token ids of a text prompt. With `document_start`, the prompt is preceded by <|eos|>: the
-    pretraining stream is `doc eos doc eos …`, so eos is what a model has seen before the start of
-    every document (its bos token never occurs in pretraining). An empty text gives [eos]: sample
-    a document from scratch."""
+    """Token ids of a text prompt. With `document_start`, the prompt is preceded by the token a
+    document starts after (`Tokenizer.document_start_id`): <|eos|> for difftrain's tokenizers —
+    the pretraining stream is `doc eos doc eos …`, so eos is what a model has seen before the
+    start of every document (its bos token never occurs in pretraining) — or the bos an imported
+    tokenizer puts first (Llama's <s>). An empty text gives that token alone: sample a document
+    from scratch."""
     ids = tokenizer.encode(text)
-    return [tokenizer.eos_id, *ids] if document_start else ids
+    start = getattr(tokenizer, "document_start_id", tokenizer.eos_id)
+    return [start, *ids] if document_start else ids
 
 
 def check_prompts(prompts: Sequence[Sequence[int]], vocab_size: int, max_seq_len: int) -> None:

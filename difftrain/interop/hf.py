@@ -672,7 +672,8 @@ def export_hf(
     atomic_write_json(
         out / "generation_config.json", {"bos_token_id": bos, "eos_token_id": eos, "pad_token_id": pad}
     )
-    atomic_write_text(out / "README.md", _model_card(config, cls, run_path, out))
+    own_start = tok.document_start_id != tok.eos_id  # an imported tokenizer that puts its bos first
+    atomic_write_text(out / "README.md", _model_card(config, cls, run_path, out, own_start=own_start))
     atomic_write_json(out / CONFIG, hf_config_dict(config, bos_id=bos, eos_id=eos, pad_id=pad, dtype=dtype))
     # what this export wrote (an --overwrite keeps other files of the folder; they are not listed)
     files = sorted(
@@ -698,7 +699,21 @@ def _stale_shards(out: Path) -> list[Path]:
     return [index, *shards]
 
 
-def _model_card(config: ModelConfig, cls: str, run_path: Path, out: Path) -> str:
+def _model_card(config: ModelConfig, cls: str, run_path: Path, out: Path, *, own_start: bool = False) -> str:
+    """The exported README.md. `own_start`: the tokenizer's post-processor puts the start token
+    before a text itself (an imported Llama's <s>), so the snippet prepends nothing."""
+    start = (
+        ""
+        if own_start
+        else "ids = torch.cat([torch.tensor([[tok.eos_token_id]]), ids], dim=1)  # a document starts after eos\n"
+    )
+    about = (
+        "The tokenizer puts its start token before a text, as the model was trained; `difftrain generate` "
+        "samples with the same prompt tokens (the same greedy tokens). "
+        if own_start
+        else "The tokenizer adds no special tokens; documents were separated by the eos token in training, "
+        "so a prompt starts after one, as `difftrain generate` samples it (the same greedy tokens). "
+    )
     kind = {
         "baseline": "A Llama-style Transformer",
         "diff": "A Differential Transformer (Ye et al., ICLR 2025)",
@@ -713,11 +728,10 @@ def _model_card(config: ModelConfig, cls: str, run_path: Path, out: Path) -> str
         f'tok = AutoTokenizer.from_pretrained("{out}")\n'
         f'model = AutoModelForCausalLM.from_pretrained("{out}")\n'
         'ids = tok("def fibonacci(n):", return_tensors="pt").input_ids\n'
-        "ids = torch.cat([torch.tensor([[tok.eos_token_id]]), ids], dim=1)  # a document starts after eos\n"
-        "print(tok.decode(model.generate(ids, max_new_tokens=64, do_sample=False)[0, 1:]))\n```\n\n"
-        "The tokenizer adds no special tokens; documents were separated by the eos token in training, "
-        "so a prompt starts after one, as `difftrain generate` samples it (the same greedy tokens). "
-        f"`{SIDECAR}` holds difftrain's exact tensors for `difftrain import` and is ignored by transformers.\n"
+        + start
+        + "print(tok.decode(model.generate(ids, max_new_tokens=64, do_sample=False)[0, 1:]))\n```\n\n"
+        + about
+        + f"`{SIDECAR}` holds difftrain's exact tensors for `difftrain import` and is ignored by transformers.\n"
     )
 
 
