@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -437,7 +438,11 @@ def test_unsupported_architecture_is_named_with_the_supported_ones(tmp_path, tok
         ),
         ({"num_key_value_heads": 2}, r"k_proj.weight has shape \(32, 64\) but .* implies \(16, 64\)"),
         ({"num_hidden_layers": 3}, r"model.layers.2.* is missing"),
-        ({"num_hidden_layers": 1}, r"unexpected tensor model.layers.1"),
+        (
+            {"num_hidden_layers": 1},
+            r"weights hold layers up to model.layers.1 but .*config.json says num_hidden_layers=1; set "
+            r"num_hidden_layers=2 there",
+        ),
         (
             {"vocab_size": 400},
             r"has shape \(\d+, 64\) but .* implies \(400, 64\) \(vocab_size × hidden_size\)",
@@ -462,6 +467,21 @@ def test_hand_edited_config_is_a_clear_error(tmp_path, tok, changes, message):
     edit_config(hf, **changes)
     with pytest.raises(InteropError, match=message):
         import_hf(hf, tmp_path / "back")
+    assert not (tmp_path / "back").exists()
+
+
+def test_import_errors_name_the_file_at_fault_and_a_fix_for_import(tmp_path, tok):
+    hf = exported(tmp_path, tok, "baseline")  # untied: lm_head differs from the embedding
+    edit_config(hf, tie_word_embeddings=True)
+    with pytest.raises(
+        InteropError, match=rf"^{re.escape(str(hf / 'config.json'))} has tie_word_embeddings=true"
+    ):
+        import_hf(hf, tmp_path / "back")
+    edit_config(hf, tie_word_embeddings=False)
+    (hf / "tokenizer.json").write_text("{not json")
+    with pytest.raises(InteropError, match="not a valid tokenizer.json .*save_pretrained") as e:
+        import_hf(hf, tmp_path / "back")
+    assert "tokenizer.path" not in str(e.value)  # a recipe key, which import has none of
     assert not (tmp_path / "back").exists()
 
 

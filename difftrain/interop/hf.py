@@ -63,6 +63,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -196,19 +197,20 @@ def to_hf_state_dict(
     return {k: t.detach().to(dtype).contiguous() for k, t in out.items()}
 
 
-def from_hf_state_dict(hf: dict[str, Tensor], config: ModelConfig) -> dict[str, Tensor]:
+def from_hf_state_dict(hf: dict[str, Tensor], config: ModelConfig, where: str = CONFIG) -> dict[str, Tensor]:
     """Tensors of a (checked) Llama / DiffLlama checkpoint → difftrain's state dict, in fp32.
 
     Keys must already match `expected_hf_shapes` (see `check_hf_tensors`). DiffLlama: q/k/v rows
     re-interleaved, V divided by `value_scale`, subln = ones unless the checkpoint carries one.
+    `where`: the config.json its messages name.
     """
     sd = {k: t.float() for k, t in hf.items() if not k.endswith(_IGNORED_SUFFIXES)}
     if config.tie_embeddings:
         head = sd.pop("lm_head.weight", None)
         if head is not None and not torch.equal(head, sd["model.embed_tokens.weight"]):
             raise InteropError(
-                "config.json has tie_word_embeddings=true but lm_head.weight differs from "
-                "model.embed_tokens.weight; set tie_word_embeddings to false to import both"
+                f"{where} has tie_word_embeddings=true but lm_head.weight differs from "
+                "model.embed_tokens.weight; set tie_word_embeddings to false there to import both"
             )
     if config.arch == "diff":
         H, Hk, d = config.n_heads, config.n_kv_heads, config.head_dim
@@ -274,6 +276,15 @@ def check_hf_tensors(hf: dict[str, Tensor], config: ModelConfig, hf_dir: Path) -
         raise InteropError(
             f"{hf_dir}: tensor {missing[0]}{more} is missing from the weights but {cfg} implies it; "
             "the config and the weights come from different models, or the download is incomplete"
+        )
+    extra_layers = sorted(
+        {int(m.group(1)) for k in unexpected if (m := re.match(r"model\.layers\.(\d+)\.", k))}
+    )
+    if extra_layers and extra_layers[0] >= config.n_layers:
+        raise InteropError(
+            f"{hf_dir}: the weights hold layers up to model.layers.{extra_layers[-1]} but {cfg} says "
+            f"num_hidden_layers={config.n_layers}; set num_hidden_layers={extra_layers[-1] + 1} there (the config "
+            "and the weights disagree)"
         )
     if unexpected:
         more = f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else ""
@@ -790,7 +801,11 @@ def import_hf(
             f"AutoTokenizer.from_pretrained('{src}').save_pretrained('{src}')\"` and import again"
         )
     try:
-        tok = load_tokenizer(tok_path)
+        tok = load_tokenizer(
+            tok_path,
+            fix='write it again with `python -c "from transformers import AutoTokenizer; '
+            f"AutoTokenizer.from_pretrained('{src}').save_pretrained('{src}')\"`, or download it again",
+        )
     except DifftrainError as e:
         raise InteropError(f"cannot import the tokenizer of {src}: {e}") from e
     assert isinstance(config.vocab_size, int)
@@ -804,7 +819,7 @@ def import_hf(
         raise InteropError(f"{src}: the weights file holds no tensors")
     check_hf_tensors(hf, config, src)
     hf = {k: t for k, t in hf.items() if not k.endswith(_IGNORED_SUFFIXES)}
-    sd = from_hf_state_dict(hf, config)
+    sd = from_hf_state_dict(hf, config, str(src / CONFIG))
     notes: list[str] = []
     src_dtypes = sorted({str(t.dtype).removeprefix("torch.") for t in hf.values()})
     if src_dtypes != ["float32"]:
