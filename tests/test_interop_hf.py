@@ -160,6 +160,15 @@ def test_exported_model_gives_our_logits_and_greedy_tokens(tmp_path, tok, arch, 
     assert torch.equal(out, greedy(model, prompt, 32))
 
 
+def test_export_counts_the_models_parameters_as_pretrain_does(tmp_path, tok):
+    """A diff export folds subln into o_proj (fewer tensors in the file): it still reports the
+    model's own parameter count, the one pretrain and import print."""
+    model = build_model(tok, "diff", tied=True)
+    run = write_run(tmp_path / "run", model, tok)
+    res = export_hf(run, tmp_path / "hf")
+    assert res.num_params == sum(p.numel() for p in model.parameters())  # (a tied head counted once)
+
+
 def test_diff_export_is_exact_when_norm_eps_is_not_subln_eps(tmp_path, tok):
     """DiffLlama's groupnorm uses rms_norm_eps; the export rescales V so that it acts like ε=1e-5."""
     model = build_model(tok, "diff", 8, 4, norm_eps=1e-6)

@@ -690,7 +690,7 @@ def export_hf(
     files = sorted(
         {WEIGHTS, SIDECAR, TOKENIZER, *tokenizer_files, "generation_config.json", "README.md", CONFIG}
     )
-    n = sum(t.numel() for t in hf_sd.values())
+    n = sum(t.numel() for t in ours.values())  # the model's count, as pretrain and import print it
     return ExportResult(out, cls, config.arch, dtype, files, n, notes)
 
 
