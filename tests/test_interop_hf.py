@@ -253,6 +253,19 @@ def test_recipe_of_an_imported_run_loads_and_points_at_its_tokenizer(tmp_path, t
     ).resolve()
 
 
+def test_an_import_from_a_relative_path_records_where_it_came_from_absolute(tmp_path, tok, monkeypatch):
+    from difftrain.rundir import imported_from
+
+    run = write_run(tmp_path / "run", build_model(tok, "baseline"), tok)
+    export_hf(run, tmp_path / "hf")
+    monkeypatch.chdir(tmp_path)
+    import_hf("hf", "imported")
+    assert imported_from(tmp_path / "imported") == str((tmp_path / "hf").resolve())
+    text = (tmp_path / "imported" / "recipe.yaml").read_text()
+    assert f"imported from {(tmp_path / 'hf').resolve()} (" in text
+    assert f"finetune.base: {(tmp_path / 'imported').resolve()}`" in text
+
+
 def test_pretraining_into_an_imported_run_is_refused_before_torch_with_what_to_do_instead(
     tmp_path, tok, cli_probe
 ):

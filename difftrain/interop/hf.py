@@ -834,14 +834,15 @@ def import_hf(
         notes.append("the checkpoint has no subln weights (DiffLlama's groupnorm has none): set to ones")
 
     _prepare_out_dir(dst, overwrite, "--overwrite", "run directory", keep_runs="trained")
-    meta = {"format": "pt", "producer": "difftrain", "imported_from": str(src), "hf_class": cls}
+    origin = src.resolve()  # recorded absolute: it names the checkpoint from any folder
+    meta = {"format": "pt", "producer": "difftrain", "imported_from": str(origin), "hf_class": cls}
     atomic_save_safetensors(dst / WEIGHTS, sd, metadata=meta)
     atomic_write_bytes(dst / TOKENIZER, tok_path.read_bytes())
     config.to_json(dst / CONFIG)
     recipe = recipe_from_dict(
         {
             "name": dst.resolve().name,
-            "description": f"{cls} imported from {src} with `difftrain import`",
+            "description": f"{cls} imported from {origin} with `difftrain import`",
             "out_dir": str(dst.resolve().parent),
             "model": config.model_dump(mode="json"),
             "tokenizer": {"path": TOKENIZER},
@@ -850,8 +851,8 @@ def import_hf(
         }
     )
     header = (
-        f"# Recipe of a model imported from {src} ({cls}) by `difftrain import`.\n"
-        f"# The weights are in this folder; fine-tune from it with `finetune.base: {dst}`.\n"
+        f"# Recipe of a model imported from {origin} ({cls}) by `difftrain import`.\n"
+        f"# The weights are in this folder; fine-tune from it with `finetune.base: {dst.resolve()}`.\n"
     )
     atomic_write_text(dst / RECIPE, header + recipe.to_yaml())
     files = sorted((WEIGHTS, TOKENIZER, CONFIG, RECIPE))  # what this import wrote
