@@ -643,6 +643,45 @@ def test_the_exported_readme_snippet_samples_what_difftrain_generate_samples(
     assert printed.rstrip("\n") == tok.decode(ours.tolist())
 
 
+@pytest.mark.parametrize(
+    "roles",
+    [
+        None,  # the default template: <|user|>\n{content}<|end|>\n ...
+        {"user": "\nQ {{x}}: {content}\n", "assistant": "A ÿ😀: {content}\n\n", "system": "{content}\n"},
+    ],
+)
+def test_a_chat_fine_tune_exports_its_template_as_transformers_chat_template(tmp_path, tok, roles):
+    """apply_chat_template gives the text `difftrain chat` gives the model, whatever the formats
+    hold (newlines that Jinja's trim_blocks would eat, its own delimiters, non-ASCII)."""
+    import yaml
+
+    from difftrain.cli.generate import Chat
+    from difftrain.recipe import ChatTemplateConfig
+
+    run = write_run(tmp_path / "run", build_model(tok, "baseline"), tok)
+    template = {} if roles is None else {"roles": roles}
+    (run / "recipe.yaml").write_text(yaml.safe_dump({"name": "run", "finetune": {"chat_template": template}}))
+    (run / "summary.json").write_text(json.dumps({"record_kinds": ["messages"]}))
+    res = export_hf(run, tmp_path / "hf")
+    assert any("chat template is written" in n for n in res.notes)
+    hf_tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
+    messages = [
+        {"role": "user", "content": "hi there"},
+        {"role": "assistant", "content": "hello"},
+        {"role": "user", "content": "and {{ you }}?"},
+    ]
+    chat = Chat(ChatTemplateConfig.model_validate(template), "be brief")
+    chat.messages = messages
+    theirs = hf_tok.apply_chat_template(
+        [{"role": "system", "content": "be brief"}, *messages], tokenize=False, add_generation_prompt=True
+    )
+    assert theirs == chat.render()
+    # a run tuned on prompt/response records (or pretrained) has no chat template to write
+    (run / "summary.json").write_text(json.dumps({"record_kinds": ["prompt/response"]}))
+    export_hf(run, tmp_path / "hf2")
+    assert "chat_template" not in json.loads((tmp_path / "hf2" / "tokenizer_config.json").read_text())
+
+
 def test_folder_mistakes_of_import_and_export_are_answered_before_torch_loads(tmp_path, cli_probe):
     # a missing or wrong folder is the usual slip: one line at once, not after 3-4 s of torch
     run = tmp_path / "runs" / "mine"

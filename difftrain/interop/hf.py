@@ -477,10 +477,60 @@ def config_from_hf(hf: dict[str, Any], where: Path) -> tuple[ModelConfig, str]:
 # tokenizer files
 
 
-def hf_tokenizer_files(tokenizer: Any, model_max_length: int) -> dict[str, str]:
+def jinja_chat_template(chat: Any) -> str:
+    """A chat template (finetune.chat_template) as the Jinja template transformers'
+    `apply_chat_template` renders: each message as roles[role] with its content, in order, then the
+    assistant's header with add_generation_prompt — the text `difftrain chat` gives the model. The
+    formats' text goes in as string literals, which neither Jinja's delimiters nor the
+    trim_blocks transformers sets can change."""
+
+    def literal(text: str) -> str:
+        return "{{ " + json.dumps(text, ensure_ascii=False) + " }}" if text else ""
+
+    branches = []
+    for i, (role, fmt) in enumerate(chat.roles.items()):
+        head, tail = fmt.split("{content}")
+        branches.append(
+            f"{{% {'if' if i == 0 else 'elif'} message['role'] == {json.dumps(role)} %}}"
+            f"{literal(head)}{{{{ message['content'] }}}}{literal(tail)}"
+        )
+    unknown = "{% else %}{{ raise_exception('the chat template has no role ' + message['role']) }}{% endif %}"
+    reply_head = chat.roles["assistant"].split("{content}")[0]
+    return (
+        "{% for message in messages %}"
+        + "".join(branches)
+        + unknown
+        + "{% endfor %}{% if add_generation_prompt %}"
+        + literal(reply_head)
+        + "{% endif %}"
+    )
+
+
+def run_chat_template(run_path: Path) -> Any:
+    """The chat template (a ChatTemplateConfig) of a run fine-tuned on `messages` records, as its
+    recipe.yaml and summary.json record them; None for any other run."""
+    import yaml
+
+    from difftrain.recipe import ChatTemplateConfig
+    from difftrain.rundir import SUMMARY
+
+    try:
+        summary = json.loads((run_path / SUMMARY).read_text(encoding="utf-8"))
+        recipe = yaml.safe_load((run_path / RECIPE).read_text(encoding="utf-8"))
+        kinds = summary.get("record_kinds") or []
+        ft = recipe.get("finetune") if isinstance(recipe, dict) else None
+        if "messages" not in kinds or not isinstance(ft, dict):
+            return None
+        return ChatTemplateConfig.model_validate(ft.get("chat_template") or {})
+    except (OSError, ValueError, AttributeError, yaml.YAMLError):
+        return None
+
+
+def hf_tokenizer_files(tokenizer: Any, model_max_length: int, chat: Any = None) -> dict[str, str]:
     """tokenizer_config.json and special_tokens_map.json for `PreTrainedTokenizerFast` (the
     tokenizer.json itself is copied verbatim). No post-processor: like difftrain's own `encode`,
-    `tokenizer(text)` adds no special tokens (pretraining separates documents with eos only)."""
+    `tokenizer(text)` adds no special tokens (pretraining separates documents with eos only).
+    `chat`: a chat fine-tune's template, written as `chat_template` (`jinja_chat_template`)."""
     special = {
         "bos_token": tokenizer.id_to_token(tokenizer.bos_id),
         "eos_token": tokenizer.id_to_token(tokenizer.eos_id),
@@ -498,6 +548,8 @@ def hf_tokenizer_files(tokenizer: Any, model_max_length: int) -> dict[str, str]:
         "add_bos_token": False,
         "add_eos_token": False,
     }
+    if chat is not None:
+        cfg["chat_template"] = jinja_chat_template(chat)
     return {
         "tokenizer_config.json": json.dumps(cfg, indent=2, ensure_ascii=False) + "\n",
         "special_tokens_map.json": json.dumps(
@@ -677,14 +729,21 @@ def export_hf(
     atomic_write_bytes(
         out / TOKENIZER, tok.to_str().encode("utf-8") if tok.path is None else Path(tok.path).read_bytes()
     )
-    tokenizer_files = hf_tokenizer_files(tok, config.max_seq_len)
+    chat = run_chat_template(run_path)
+    tokenizer_files = hf_tokenizer_files(tok, config.max_seq_len, chat)
+    if chat is not None:
+        notes.append(
+            "a chat fine-tune: its chat template is written as tokenizer_config.json's chat_template"
+        )
     for name, text in tokenizer_files.items():
         atomic_write_text(out / name, text)
     atomic_write_json(
         out / "generation_config.json", {"bos_token_id": bos, "eos_token_id": eos, "pad_token_id": pad}
     )
     own_start = tok.document_start_id != tok.eos_id  # an imported tokenizer that puts its bos first
-    atomic_write_text(out / "README.md", _model_card(config, cls, run_path, out, own_start=own_start))
+    atomic_write_text(
+        out / "README.md", _model_card(config, cls, run_path, out, own_start=own_start, chat=chat is not None)
+    )
     atomic_write_json(out / CONFIG, hf_config_dict(config, bos_id=bos, eos_id=eos, pad_id=pad, dtype=dtype))
     # what this export wrote (an --overwrite keeps other files of the folder; they are not listed)
     files = sorted(
@@ -710,9 +769,12 @@ def _stale_shards(out: Path) -> list[Path]:
     return [index, *shards]
 
 
-def _model_card(config: ModelConfig, cls: str, run_path: Path, out: Path, *, own_start: bool = False) -> str:
+def _model_card(
+    config: ModelConfig, cls: str, run_path: Path, out: Path, *, own_start: bool = False, chat: bool = False
+) -> str:
     """The exported README.md. `own_start`: the tokenizer's post-processor puts the start token
-    before a text itself (an imported Llama's <s>), so the snippet prepends nothing."""
+    before a text itself (an imported Llama's <s>), so the snippet prepends nothing. `chat`: a
+    chat fine-tune, whose template the tokenizer carries."""
     start = (
         ""
         if own_start
@@ -743,6 +805,13 @@ def _model_card(config: ModelConfig, cls: str, run_path: Path, out: Path, *, own
         + "print(tok.decode(model.generate(ids, max_new_tokens=64, do_sample=False)[0, 1:]))\n```\n\n"
         + about
         + f"`{SIDECAR}` holds difftrain's exact tensors for `difftrain import` and is ignored by transformers.\n"
+        + (
+            "\nFine-tuned on chat records: `tok.apply_chat_template(messages, add_generation_prompt=True, "
+            'return_tensors="pt")` renders a conversation as `difftrain chat` does (the template is in '
+            "tokenizer_config.json).\n"
+            if chat
+            else ""
+        )
     )
 
 
