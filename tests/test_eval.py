@@ -597,6 +597,27 @@ def test_suite_lists_accept_commas_repeats_and_all():
     assert parse_suites(["all"]) == ["ppl", "needle", "attention", "outliers", "quant", "icl-order"]
 
 
+def test_an_eval_of_a_run_still_training_names_the_step_of_the_weights_it_scored(runs, tmp_path):
+    import shutil
+
+    from difftrain.io import RunLock
+
+    run = tmp_path / "run"
+    shutil.copytree(runs["baseline"], run, ignore=shutil.ignore_patterns("eval"))
+    save_weights(run / "model.safetensors", load_run(run).model, {"step": "500"})
+    doc = evaluate(load_run(run), "ppl", EvalOptions(windows=2))
+    assert doc["weights"]["step"] == 500 and doc["notes"] == []
+    lock = RunLock(run)  # as a training process holds it
+    assert lock.acquire() is None
+    try:
+        doc = evaluate(load_run(run), "ppl", EvalOptions(windows=2))
+    finally:
+        lock.release()
+    assert any(
+        "is still training" in n and "weights at step 500, the last it saved" in n for n in doc["notes"]
+    )
+
+
 def test_eval_show_prints_stored_results_without_running_and_notes_stale_ones(runs, tmp_path, capsys):
     import shutil
 

@@ -192,8 +192,18 @@ def finish(
     run: Run, suite: str, out: SuiteOutput, *, seconds: float, device: torch.device, dtype: torch.dtype
 ) -> dict[str, Any]:
     """The result document of a suite run (see the module docstring)."""
+    from difftrain.io import RunLock
+
     w = run.path / WEIGHTS
     st = w.stat() if w.is_file() else None
+    step = weights_step(w) if st else None
+    pid = RunLock(run.path).holder()
+    if pid is not None:  # a run still training: the results are of the weights saved last
+        at = f" at step {step}" if step is not None else ""
+        out.notes.append(
+            f"{run.path} is still training (process {pid or '?'}): these are the results of its weights{at}, "
+            "the last it saved; evaluate again when it ends"
+        )
     return {
         "suite": suite,
         "label": out.label,
@@ -201,7 +211,7 @@ def finish(
         "run": str(run.path),
         "arch": run.config.arch,  # type: ignore[attr-defined]
         "params": model_params(run.model),
-        "weights": {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "sample": weights_sample(w)}
+        "weights": {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "sample": weights_sample(w), "step": step}
         if st
         else None,
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
@@ -356,6 +366,18 @@ def check_data_label(
 
 
 SAMPLE_BYTES = 1 << 16
+
+
+def weights_step(path: Path) -> int | None:
+    """The training step a weights file was saved at (its metadata, written by training), or None
+    (an imported or merged run, or an unreadable header)."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            return int((f.metadata() or {}).get("step", ""))
+    except Exception:  # a damaged file is named by the loader, not here
+        return None
 
 
 def weights_sample(path: Path) -> str:
