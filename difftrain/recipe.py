@@ -988,6 +988,11 @@ def format_validation_error(
                 hint = [ALIASES[str(loc[-1])]]
             prefix = ".".join(str(p) for p in loc[:-1])
             suggestion = f" — did you mean `{prefix + '.' if prefix else ''}{hint[0]}`?" if hint else ""
+            key, colon, value = str(loc[-1]).partition(":")
+            if colon and key and value and not value.startswith(" "):
+                # `{source:x}` is one key in YAML, which needs a space after the colon
+                hint = [key]
+                suggestion = f" — YAML needs a space after ':': write `{key}: {value}`"
             valid = f" (valid keys: {', '.join(options)})" if options and not hint else ""
             msgs.append(f"{place + ': ' if place else ''}unknown key `{dotted}`{suggestion}{valid}")
         elif err["type"] == "missing" and loc and isinstance(loc[-1], int):  # a tuple too short
@@ -1031,6 +1036,7 @@ def format_validation_error(
             # pydantic's wording ("Input should be a valid integer") in the recipe's own terms
             msg = err["msg"].removeprefix("Value error, ").replace("Input should be", "must be")
             msgs.append(f"{place + ': ' if place else ''}{what}{'=' + shown if shown else ''}: {msg}")
+    msgs.sort(key=lambda m: "YAML needs a space" not in m)  # the cause of the others comes first
     extra = f" (and {len(msgs) - 3} more)" if len(msgs) > 3 else ""
     return "; ".join(msgs[:3]) + extra
 

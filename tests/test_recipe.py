@@ -236,6 +236,17 @@ def test_list_override_mistakes_say_how_to_write_the_list(tmp_path, override, me
         load_recipe(p, [message.split("e.g. `")[1].rstrip("`")])
 
 
+def test_a_yaml_mapping_without_a_space_after_the_colon_is_named_first(tmp_path):
+    """`{source:x}` is one key ("source:x") to YAML: the message says what YAML needs first."""
+    p = write(tmp_path, MINIMAL)
+    with pytest.raises(RecipeError) as e:
+        load_recipe(p, ["data.sources=[{source:corpus,max_documents:3}]"])
+    assert str(e.value).startswith(
+        "override `data.sources`: unknown key `data.sources.0.source:corpus` — YAML needs a space after ':': "
+        "write `source: corpus`"
+    )
+
+
 def test_override_messages_speak_the_recipes_terms(tmp_path):
     p = write(tmp_path, MINIMAL)
     cases = {
