@@ -121,6 +121,11 @@ def test_parquet_reads_a_column_and_names_the_columns_when_it_is_missing(tmp_pat
         read_one({"source": "t.parquet", "text_field": "content"}, tmp_path)
     out, stats = read_one({"source": "t.parquet", "text_field": "content"}, tmp_path, policy="skip")
     assert out == ["p1", "p2"] and stats.bad_records == 1
+    (tmp_path / "t.parquet.gz").write_bytes(gzip.compress((tmp_path / "t.parquet").read_bytes()))
+    with pytest.raises(
+        DataError, match=r"t\.parquet\.gz: a gzip-compressed Parquet file .* decompress it with gunzip"
+    ):
+        read_one({"source": "t.parquet.gz", "text_field": "content"}, tmp_path)
 
 
 def test_parquet_without_pyarrow_says_how_to_install_it(

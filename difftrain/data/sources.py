@@ -380,6 +380,11 @@ class Source:
             raise DataError(
                 f"{path}: reading Parquet needs pyarrow; install it with pip install 'difftrain[parquet]'"
             ) from e
+        if path.name.lower().endswith(".gz"):
+            raise DataError(
+                f"{path}: a gzip-compressed Parquet file cannot be read in place (Parquet compresses its own "
+                "columns); decompress it with gunzip and name the .parquet file"
+            )
         try:
             pf = pq.ParquetFile(path)
         except Exception as e:
