@@ -223,6 +223,9 @@ def test_interactive_ctrl_c_interrupts_a_generation_without_quitting(run_dir, ca
     # /show: the settings as /set names them, the one just set included
     assert "max_new_tokens=4 greedy=false temperature=0.5 top_k=50 top_p=0.95" in err and "seed=0" in err
     assert "greedy: 'maybe' is not on or off; use /set greedy on (or off)" in err  # left unchanged
+    assert (
+        "(temperature = 0.5)" in err and "(greedy = on)" in err and "(greedy = off)" in err
+    )  # each /set says so
     assert "max_new_tokens=4 greedy=true temperature=0.5" in err
     assert err.count("tokens/s") == 1  # the second prompt ran to its end
     assert "def" in out

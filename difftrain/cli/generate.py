@@ -480,6 +480,9 @@ def _set(session: Session, args: list[str]) -> None:
             )
         else:
             raise ConfigError(f"unknown setting {key!r}; one of max_new_tokens, {', '.join(_SETTABLE)}")
+        now = session.gen.max_new_tokens if key == "max_new_tokens" else getattr(session.gen.sampling, key)
+        shown = ("on" if now else "off") if isinstance(now, bool) else now
+        err_console.print(f"[dim]({key} = {escape(str(shown))})", soft_wrap=True)
     except ValueError:
         _error(f"{key}: {value!r} is not a number")
     except ConfigError as e:
