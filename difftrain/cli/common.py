@@ -43,8 +43,12 @@ def warn(text: str) -> None:
 
 
 def fmt_count(n: float) -> str:
-    """12_345_678 → '12.3M'."""
-    n = float(n)
+    """12_345_678 → '12.3M'; an int too large for a float (a recipe may ask for 10^400 steps) →
+    its order of magnitude."""
+    try:
+        n = float(n)
+    except OverflowError:
+        return f"≈1e{len(str(abs(int(n)))) - 1}"
     for unit, div in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
         if abs(n) >= div:
             return f"{n / div:.1f}{unit}"
