@@ -597,7 +597,7 @@ def test_suite_lists_accept_commas_repeats_and_all():
     assert parse_suites(["all"]) == ["ppl", "needle", "attention", "outliers", "quant", "icl-order"]
 
 
-def test_an_eval_of_a_run_still_training_names_the_step_of_the_weights_it_scored(runs, tmp_path):
+def test_an_eval_of_a_run_still_training_names_the_step_of_the_weights_it_scored(runs, tmp_path, capsys):
     import shutil
 
     from difftrain.io import RunLock
@@ -616,6 +616,10 @@ def test_an_eval_of_a_run_still_training_names_the_step_of_the_weights_it_scored
     assert any(
         "is still training" in n and "weights at step 500, the last it saved" in n for n in doc["notes"]
     )
+    save_result(run, doc)  # --show says which weights a stored result scored
+    capsys.readouterr()
+    assert main(["eval", str(run), "--show"]) == 0
+    assert "weights of step 500" in " ".join(capsys.readouterr().out.split())
 
 
 def test_eval_show_prints_stored_results_without_running_and_notes_stale_ones(runs, tmp_path, capsys):

@@ -309,6 +309,8 @@ def show_results(run_dir: str, values: list[str] | None, as_json: bool) -> None:
         on = (f" on {doc['device']}" if doc.get("device") else "") + (
             f" in {doc['dtype']}" if doc.get("dtype") else ""
         )
+        step = (doc.get("weights") or {}).get("step")
+        on += f" · weights of step {step}" if step is not None else ""
         console.print(f"[dim]{result_path(run, key)} · computed {when}{on}[/]", soft_wrap=True)
         if stale(run, doc):
             err_console.print(
