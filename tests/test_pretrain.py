@@ -590,6 +590,23 @@ def test_resume_past_train_max_steps_is_refused_and_a_lost_summary_is_rebuilt(wo
     assert rebuilt.summary["steps"] == 4
 
 
+def test_resume_auto_never_starts_over_a_trained_run_whose_checkpoints_are_gone(workspace, capsys):
+    """train.resume: auto resumes a run or starts a folder that trained nothing; a run that saved
+    weights but lost its checkpoints (deleted to free disk) is refused, not replaced."""
+    p = workspace(steps=2, save_every=2)
+    assert main(["pretrain", str(p), "--no-progress"]) == 0
+    run = p.parent / "runs" / "r"
+    shutil.rmtree(run / "checkpoints")
+    before = {f.name: f.read_bytes() for f in run.iterdir() if f.is_file()}
+    capsys.readouterr()
+    for args in (["train.resume=auto"], ["train.resume=auto", "train.max_steps=1"]):
+        assert main(["pretrain", str(p), "--no-progress", *args]) == 2
+        err = capsys.readouterr().err
+        assert "holds a trained run (model.safetensors) but no checkpoint to resume it from" in err
+        assert "--overwrite" in err
+    assert {f.name: f.read_bytes() for f in run.iterdir() if f.is_file()} == before
+
+
 def test_a_start_that_failed_before_its_first_step_does_not_block_the_next(workspace, capsys):
     p = workspace(steps=2, save_every=2)
     # a window longer than the training split: refused before anything is written

@@ -170,6 +170,16 @@ def prepare_run_dir(
                 f"--resume: {run_dir} has no checkpoint to resume from (its {CHECKPOINTS}/ holds none); "
                 "start it again with --overwrite"
             )
+        from difftrain.adapters import ADAPTER_WEIGHTS
+        from difftrain.rundir import WEIGHTS
+
+        saved = next((n for n in (WEIGHTS, ADAPTER_WEIGHTS) if (run_dir / n).is_file()), None)
+        if saved is not None:  # it trained and saved: starting over (train.resume: auto) would replace it
+            raise RunDirError(
+                f"{run_dir} holds a trained run ({saved}) but no checkpoint to resume it from (its "
+                f"{CHECKPOINTS}/ holds none), and train.resume: auto would start it over; replace it with "
+                "--overwrite, or train into another `name`"
+            )
         if not dry_run:
             shutil.rmtree(run_dir / CHECKPOINTS, ignore_errors=True)
         return False, None
