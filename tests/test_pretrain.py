@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import json
+import math
 import os
 import re
 import shlex
@@ -214,8 +215,27 @@ def test_a_checkpoint_keeps_the_validation_of_its_step_through_a_kill_or_a_stop(
     with pytest.raises(StopRequested):
         pretrain(load_recipe(p), extra_callbacks=[StopAt(4)])  # a SIGTERM at a val_every step
     assert val_losses(full.run_dir.parent / "stopped") == {4: want[4]}
-    assert pretrain(load_recipe(p), resume=True).resumed_from == 4
+    again = pretrain(load_recipe(p), resume=True)
+    assert again.resumed_from == 4
     assert val_losses(full.run_dir.parent / "stopped") == want
+    # the summary counts the validations before the resume: the best is the uninterrupted run's
+    assert (
+        again.summary["best_val_loss"] == pytest.approx(min(want.values())) == full.summary["best_val_loss"]
+    )
+    assert resumed.summary["best_val_loss"] == pytest.approx(full.summary["best_val_loss"])
+
+
+def test_the_run_callback_carries_the_validations_through_a_checkpoint(tmp_path):
+    """best/last validation loss are saved with a checkpoint: a resumed run's summary would
+    otherwise forget a best validation measured before the resume."""
+    kw = dict(save_every=1, keep=1, log_every=1, tokens_per_step=1, flops_per_token=1.0, progress=False)
+    cb = RunCallback(tmp_path, **kw)
+    cb.state.best_val, cb.state.last_val, cb.state.last_val_step = 3.25, 3.5, 8
+    other = RunCallback(tmp_path, **kw)
+    other.load_state_dict(cb.state_dict())
+    assert (other.state.best_val, other.state.last_val, other.state.last_val_step) == (3.25, 3.5, 8)
+    other.load_state_dict({})  # a checkpoint of an older version: no validations known
+    assert other.state.best_val == math.inf and other.state.last_val_step == -1
 
 
 def test_a_resume_may_split_the_global_batch_differently_but_not_change_it(workspace, capsys):

@@ -341,6 +341,10 @@ class RunCallback(L.Callback):
             "ema_updates": self.ema_updates,
             "spikes": self.spikes,
             "rollbacks": self.rollbacks,
+            # the validations so far: a resumed run's summary (best_val_loss) counts those before it
+            "best_val": self.state.best_val,
+            "last_val": self.state.last_val,
+            "last_val_step": self.state.last_val_step,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -348,6 +352,9 @@ class RunCallback(L.Callback):
         self.ema_updates = int(state.get("ema_updates", 0))
         self.spikes = int(state.get("spikes", 0))
         self.rollbacks = int(state.get("rollbacks", 0))
+        self.state.best_val = float(state.get("best_val", math.inf))
+        self.state.last_val = float(state.get("last_val", math.nan))
+        self.state.last_val_step = int(state.get("last_val_step", -1))
 
     def _check_spike(self, trainer: L.Trainer, pl_module: Any, step: int) -> None:
         """A spike: loss > spike_factor · m, with m ← 0.9·m + 0.1·loss over the non-spike steps,
