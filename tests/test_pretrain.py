@@ -627,6 +627,30 @@ def test_resume_auto_never_starts_over_a_trained_run_whose_checkpoints_are_gone(
     assert {f.name: f.read_bytes() for f in run.iterdir() if f.is_file()} == before
 
 
+def test_a_run_whose_stdout_reader_goes_away_trains_on_and_saves(workspace):
+    """`difftrain pretrain ... | head`, or a log collector that dies: training goes on without
+    printing (rich would exit 1 at once, with no word and no checkpoint)."""
+    import subprocess
+    import sys
+
+    p = workspace(steps=24, save_every=24)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "difftrain", "pretrain", str(p), "--no-progress"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    while "step 2/24" not in proc.stdout.readline():  # the run is printing its steps: hang up
+        pass
+    proc.stdout.close()
+    err = proc.stderr.read()
+    assert proc.wait(timeout=600) == 0, err
+    assert "standard output was closed (its reader ended); going on without printing to it" in err
+    run = p.parent / "runs" / "r"
+    assert json.loads((run / "summary.json").read_text())["steps"] == 24
+    assert (run / "checkpoints" / "step-00000024.ckpt").is_file()
+
+
 def test_a_start_that_failed_before_its_first_step_does_not_block_the_next(workspace, capsys):
     p = workspace(steps=2, save_every=2)
     # a window longer than the training split: refused before anything is written

@@ -30,6 +30,19 @@ class WideWhenPiped(Console):
     def size(self, new_size: tuple[int, int]) -> None:
         Console.size.fset(self, new_size)  # type: ignore[attr-defined]
 
+    def on_broken_pipe(self) -> None:
+        """The reader of standard output went away (`| head`, a dead `tee` or log collector): rich
+        would exit at once, and a training run would stop without a word or a checkpoint. Output
+        goes on into /dev/null instead, after one warning on stderr: the work continues, and its
+        figures are in the run's files."""
+        import sys
+
+        self.quiet = True
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # later writes (and the flush at exit) succeed
+        os.close(devnull)
+        warn("standard output was closed (its reader ended); going on without printing to it")
+
 
 console = WideWhenPiped(highlight=False)
 err_console = WideWhenPiped(stderr=True, highlight=False)
