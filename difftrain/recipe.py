@@ -118,12 +118,16 @@ class FSDPConfig(_Section):
 
 class TrainConfig(_Section):
     max_steps: int | None = Field(
-        None, ge=1, description="Optimizer steps to train for. One of max_steps / max_tokens must be set."
+        None,
+        ge=1,
+        description="Optimizer steps to train for. Exactly one of max_steps / max_tokens is set: a recipe "
+        "(or override) that sets one drops the other it inherits.",
     )
     max_tokens: int | None = Field(
         None,
         ge=1,
-        description="Tokens to train on; converted to steps as ceil(max_tokens / tokens per step). Used when max_steps is unset.",
+        description="Tokens to train on (1e9 and 1_000_000_000 both read as numbers); converted to steps as "
+        "ceil(max_tokens / tokens per step). Set instead of max_steps.",
     )
     seq_len: int | None = Field(
         None, ge=2, description="Tokens per training sequence. Default: model.max_seq_len; may not exceed it."
@@ -216,6 +220,11 @@ class TrainConfig(_Section):
     def _batch_sizes(self) -> TrainConfig:
         if self.max_steps is None and self.max_tokens is None:
             raise ValueError("set train.max_steps or train.max_tokens")
+        if self.max_steps is not None and self.max_tokens is not None:
+            raise ValueError(
+                f"max_steps={self.max_steps} and max_tokens={self.max_tokens} are both set; give the run's "
+                "length one way (set the other to null)"
+            )
         return self
 
 
@@ -728,7 +737,7 @@ def read_yaml(path: Path) -> tuple[dict[str, Any], dict[str, int]]:
     except UnicodeDecodeError as e:
         raise RecipeError(f"{path}: not UTF-8 text (byte {e.start}); save the recipe as UTF-8") from e
     try:
-        node = yaml.compose(text, Loader=yaml.SafeLoader)
+        node = yaml.compose(text, Loader=RecipeLoader)
     except yaml.YAMLError as e:
         raise RecipeError(_yaml_error(path, e)) from e
     except RecursionError as e:
@@ -742,7 +751,7 @@ def read_yaml(path: Path) -> tuple[dict[str, Any], dict[str, int]]:
     lines: dict[str, int] = {}
     _key_lines(node, path, "", lines)  # and refuses a key given twice
     try:
-        data = yaml.load(text, Loader=yaml.SafeLoader)  # noqa: S506 - SafeLoader: no tags, no code
+        data = yaml.load(text, Loader=RecipeLoader)  # noqa: S506 - a SafeLoader: no tags, no code
     except yaml.YAMLError as e:
         raise RecipeError(_yaml_error(path, e)) from e
     except RecursionError as e:
@@ -756,10 +765,30 @@ def read_yaml(path: Path) -> tuple[dict[str, Any], dict[str, int]]:
     return data, lines
 
 
+LENGTH_KEYS = ("max_steps", "max_tokens")
+
+
+def one_length(merged: dict[str, Any], setter: Any) -> None:
+    """Where a recipe or the command line (`setter`: its train: keys) sets one of
+    train.max_steps / max_tokens and not the other, the other one, inherited from a parent
+    recipe or the file, is dropped: the run's length is the one asked last."""
+    train = merged.get("train")
+    if not isinstance(setter, dict) or not isinstance(train, dict):
+        return
+    given = [k for k in LENGTH_KEYS if setter.get(k) is not None]
+    if len(given) == 1:
+        other = LENGTH_KEYS[1 - LENGTH_KEYS.index(given[0])]
+        if other not in setter:
+            train[other] = None
+
+
 def deep_merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
-    """Mappings merge key by key; lists and scalars in `over` replace those in `base`."""
+    """Mappings merge key by key; lists and scalars in `over` replace those in `base`. A section
+    left empty in `over` (`model:` with every key commented out: null) changes nothing."""
     out = copy.deepcopy(base)
     for k, v in over.items():
+        if v is None and isinstance(out.get(k), dict):
+            continue
         if isinstance(v, dict) and isinstance(out.get(k), dict):
             out[k] = deep_merge(out[k], v)
         else:
@@ -794,7 +823,9 @@ def _load_tree(
     if parent_path.parent.resolve() != path.parent.resolve():
         _rebase_paths(base, parent_path.parent.resolve())
     base_where.update(where)
-    return deep_merge(base, data), base_where
+    merged = deep_merge(base, data)
+    one_length(merged, data.get("train"))
+    return merged, base_where
 
 
 def _rebase_paths(data: dict[str, Any], folder: Path) -> None:
@@ -830,6 +861,19 @@ def _rebase_paths(data: dict[str, Any], folder: Path) -> None:
 # overrides
 
 
+class RecipeLoader(yaml.SafeLoader):
+    """PyYAML's safe YAML 1.1, which reads numbers in exponent notation only with a dot and a
+    signed exponent (1.0e+6), plus the plain 1e6, 3e-4, 1_000e3 that nanoGPT and litgpt users
+    write: floats, which an integer key takes when they are whole."""
+
+
+RecipeLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?[0-9][0-9_]*(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
+    list("-+0123456789"),
+)
+
+
 def parse_override(text: str) -> tuple[list[str], Any]:
     """`train.max_steps=100` → (['train', 'max_steps'], 100). Values are parsed as YAML."""
     if "=" not in text:
@@ -839,10 +883,10 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     if not key or any(not part for part in key.split(".")):
         raise RecipeError(f"override `{text}` has an empty key; write it as section.key=value")
     try:
-        node = yaml.compose(value, Loader=yaml.SafeLoader) if value.strip() else None
+        node = yaml.compose(value, Loader=RecipeLoader) if value.strip() else None
         if node is not None:  # the file's guards: no alias bombs, no self-referencing values
             _count_nodes(node, [MAX_YAML_NODES])
-        parsed = yaml.safe_load(value) if value.strip() else None
+        parsed = yaml.load(value, Loader=RecipeLoader) if value.strip() else None  # noqa: S506 - safe
     except RecipeError as e:
         raise RecipeError(f"override `{key}`: {e}") from e
     except (yaml.YAMLError, ValueError, RecursionError):  # not YAML: the schema judges the string
@@ -878,8 +922,11 @@ def apply_overrides(data: dict[str, Any], overrides: list[str], folder: Path | N
                 f"override `{joined}` has spaces around `=`; write it as one word: `{joined.replace(' ', '')}`"
             )
     out = copy.deepcopy(data)
+    lengths: dict[str, Any] = {}  # train.max_steps / max_tokens as the command line sets them
     for text in overrides:
         keys, value = parse_override(text)
+        if len(keys) == 2 and keys[0] == "train" and keys[1] in LENGTH_KEYS:
+            lengths[keys[1]] = value
         text_kind = None if isinstance(value, str) else _text_key(keys)
         if text_kind is not None:
             # a text key takes the text as typed: name=2024-01-01, description=Run: small,
@@ -913,7 +960,11 @@ def apply_overrides(data: dict[str, Any], overrides: list[str], folder: Path | N
             if not isinstance(nxt, dict):
                 raise RecipeError(f"override `{text}`: `{'.'.join(keys[: i + 1])}` is not a section")
             node = nxt
-        node[keys[-1]] = value
+        if isinstance(value, dict) and isinstance(node.get(keys[-1]), dict):
+            node[keys[-1]] = deep_merge(node[keys[-1]], value)  # `model={d_model: 32}` as extends merges
+        else:
+            node[keys[-1]] = value
+    one_length(out, lengths)
     return out
 
 
@@ -1068,10 +1119,18 @@ def _non_finite(data: Any, prefix: str = "") -> str | None:
     return None
 
 
-def _check_finite(data: dict[str, Any], where: dict[str, tuple[Path, int]], source: str) -> None:
-    """.nan / .inf are valid YAML but no setting means them (lr=inf trains into NaN): refuse them."""
+def _check_finite(
+    data: dict[str, Any],
+    where: dict[str, tuple[Path, int]],
+    source: str,
+    overrides: dict[str, str] | None = None,
+) -> None:
+    """.nan / .inf (and 1e400) are valid YAML but no setting means them (lr=inf trains into NaN):
+    refuse them, naming the override (`overrides`: dotted key → its text) or the file's line."""
     key = _non_finite(data)
     if key:
+        if overrides and key in overrides:
+            raise RecipeError(f"override `{key}`='{overrides[key]}': must be a finite number")
         f, line = where.get(key, (source, None))
         raise RecipeError(f"{f}{f', line {line}' if line else ''}: `{key}` must be a finite number")
 
@@ -1081,9 +1140,10 @@ def load_recipe(ref: str | os.PathLike[str], overrides: list[str] | tuple[str, .
     path = find_recipe(ref)
     data, where = _load_tree(path)
     data = apply_overrides(data, list(overrides), Path.cwd().resolve())
-    overridden = {".".join(parse_override(o)[0]) for o in overrides}
+    given = {".".join(parse_override(o)[0]): o.partition("=")[2] for o in overrides}
+    overridden = set(given)
     source = str(path)
-    _check_finite(data, where, source)
+    _check_finite(data, where, source, given)
     try:
         recipe = Recipe.model_validate(data)
     except ValidationError as e:

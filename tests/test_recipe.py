@@ -446,7 +446,7 @@ def test_numbers_that_become_infinite_are_refused(tmp_path, override):
     section, field = key.split(".")
     value = override.split("=")[1]
     child = write(tmp_path, f"extends: r.yaml\n{section}:\n  {field}: {value}\n", "r2.yaml")
-    with pytest.raises(RecipeError, match=rf"r2.yaml, line 3: `{key}`='{value}': must be a finite number"):
+    with pytest.raises(RecipeError, match=rf"r2.yaml, line 3: `{key}`(='{value}':)? must be a finite number"):
         load_recipe(child)
 
 
@@ -556,3 +556,39 @@ def test_paths_in_overrides_start_at_the_current_folder_and_paths_in_the_file_at
     assert r.tokenizer.path == str(tmp_path / "tok" / "tokenizer.json")
     whole = load_recipe(p, ["data={sources: [data/c.txt]}"])  # a whole section set at once
     assert whole.data.sources[0].source == str(tmp_path / "data" / "c.txt")
+
+
+def test_the_runs_length_is_the_one_asked_last_and_never_both(tmp_path):
+    """A child recipe or an override that gives max_tokens drops the max_steps it inherits (it
+    was silently ignored); both given at one level is refused."""
+    parent = write(tmp_path, MINIMAL)  # max_steps: 3
+    child = write(tmp_path, "extends: r.yaml\nname: child\ntrain:\n  max_tokens: 1000\n", "child.yaml")
+    r = load_recipe(child)
+    assert r.train.max_tokens == 1000 and r.train.max_steps is None
+    r = load_recipe(parent, ["train.max_tokens=1000"])
+    assert r.train.max_tokens == 1000 and r.train.max_steps is None
+    assert load_recipe(child, ["train.max_steps=7"]).train.max_tokens is None  # and back
+    with pytest.raises(RecipeError, match="max_steps=5 and max_tokens=1000 are both set"):
+        load_recipe(parent, ["train.max_steps=5", "train.max_tokens=1000"])
+    both = write(tmp_path, MINIMAL.replace("max_steps: 3", "max_steps: 3\n  max_tokens: 1000"), "both.yaml")
+    with pytest.raises(RecipeError, match="both set; give the run's length one way"):
+        load_recipe(both)
+
+
+def test_numbers_in_exponent_notation_read_as_numbers(tmp_path):
+    """YAML 1.1 reads 1e6 as text; a token budget is written that way (nanoGPT, litgpt)."""
+    p = write(tmp_path, MINIMAL.replace("max_steps: 3", "max_tokens: 1e6"))
+    assert load_recipe(p).train.max_tokens == 1_000_000
+    r = load_recipe(p, ["train.max_tokens=2.5e6", "optim.lr=3e-4", "seed=1e3", "description=1e3"])
+    assert (r.train.max_tokens, r.optim.lr, r.seed, r.description) == (2_500_000, 3e-4, 1000, "1e3")
+    with pytest.raises(RecipeError, match="got a number with a fractional part"):
+        load_recipe(p, ["train.max_tokens=1.5e0"])
+
+
+def test_a_section_override_or_an_empty_child_section_merges_as_extends_does(tmp_path):
+    p = write(tmp_path, MINIMAL)
+    r = load_recipe(p, ["model={d_model: 32}"])  # the other model keys stay the recipe's
+    assert (r.model.d_model, r.model.n_layers, r.model.n_heads, r.model.max_seq_len) == (32, 2, 4, 32)
+    # a child whose model: keys are all commented out (null) keeps the parent's model
+    child = write(tmp_path, "extends: r.yaml\nname: c\nmodel:\n#  d_model: 128\n", "c.yaml")
+    assert load_recipe(child).model == load_recipe(p).model
