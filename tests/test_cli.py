@@ -140,3 +140,16 @@ def test_recipes_cp_of_a_recipe_file_says_which_relative_paths_now_name_somethin
         src = str(tmp_path / "proj" / "r.yaml") if dest.name == "r2.yaml" else "quickstart"
         assert main(["recipes", "cp", src, str(dest)]) == 0
         assert "warning" not in capsys.readouterr().err
+
+
+def test_table_values_are_plain_text_not_markup():
+    """A run named `exp[lr=1e-3]` or `[bold]x` is printed as named (rich ate the brackets: the
+    start table and the `next` command named a folder that does not exist)."""
+    from rich.console import Console
+
+    from difftrain.cli.common import kv_table
+
+    con = Console(record=True, width=200)
+    con.print(kv_table("t", [("run", "runs/exp[lr=1e-3]"), ("next", "difftrain generate 'runs/[bold]x'")]))
+    text = con.export_text()
+    assert "runs/exp[lr=1e-3]" in text and "difftrain generate 'runs/[bold]x'" in text

@@ -69,11 +69,15 @@ def fmt_count(n: float) -> str:
 
 
 def kv_table(title: str, rows: list[tuple[str, str]]) -> Table:
+    """A two-column table of labels and values; the values are plain text, never rich markup (a
+    run named `exp[lr=1e-3]` is printed as it is named)."""
+    from rich.text import Text
+
     table = Table(title=title, title_justify="left", show_header=False, box=None, pad_edge=False)
     table.add_column(style="bold cyan", no_wrap=True)
     table.add_column()
     for k, v in rows:
-        table.add_row(k, v)
+        table.add_row(k, Text(v) if isinstance(v, str) else v)
     return table
 
 

@@ -521,7 +521,7 @@ def eval_command(
     if not as_json:
         n = sum(p.numel() for p in run.model.parameters())
         err_console.print(
-            f"[dim]{run.path} · {run.config.arch} · {fmt_count(n)} parameters · max_seq_len {run.config.max_seq_len}"
+            f"[dim]{escape(str(run.path))} · {run.config.arch} · {fmt_count(n)} parameters · max_seq_len {run.config.max_seq_len}"
             f" · {dev} {str(dt).removeprefix('torch.')}",
             soft_wrap=True,
         )

@@ -184,7 +184,10 @@ def _check_cached_data(plan: Any) -> str:
     r = plan.recipe
     index = cached_index(r.data, r.tokenizer, seed=r.seed, base_dir=r.recipe_dir)
     if index is None:
-        return "not prepared yet: the run tokenizes it first (`difftrain prepare RECIPE` does it now and checks the splits)"
+        return (
+            f"not prepared yet: the run tokenizes it first (`difftrain prepare {r.command_args}` does it now "
+            "and checks the splits)"
+        )
     train, val = index["train"]["tokens"], index["val"]["tokens"]
     check_split_sizes(train, val, plan.seq_len, r.data.val_windows)
     return f"prepared: {train:,} training · {val:,} validation tokens"
