@@ -140,6 +140,23 @@ def test_recipes_cp_of_a_recipe_file_says_which_relative_paths_now_name_somethin
         src = str(tmp_path / "proj" / "r.yaml") if dest.name == "r2.yaml" else "quickstart"
         assert main(["recipes", "cp", src, str(dest)]) == 0
         assert "warning" not in capsys.readouterr().err
+    # a relative `extends:` is read against the recipe's folder too; a shipped name anywhere
+    (tmp_path / "proj" / "sub").mkdir()
+    (tmp_path / "proj" / "sub" / "child.yaml").write_text("extends: ../r.yaml\nname: c\n")
+    assert (
+        main(["recipes", "cp", str(tmp_path / "proj" / "sub" / "child.yaml"), str(tmp_path / "x" / "c.yaml")])
+        == 0
+    )
+    err = " ".join(capsys.readouterr().err.split())
+    assert "reads extends: ../r.yaml relative to its own folder" in err
+    (tmp_path / "proj" / "sub" / "shipped.yaml").write_text("extends: quickstart\nname: s\n")
+    assert (
+        main(
+            ["recipes", "cp", str(tmp_path / "proj" / "sub" / "shipped.yaml"), str(tmp_path / "x" / "s.yaml")]
+        )
+        == 0
+    )
+    assert "warning" not in capsys.readouterr().err
 
 
 def test_table_values_are_plain_text_not_markup():

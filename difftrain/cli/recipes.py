@@ -91,20 +91,46 @@ def _paths_read_elsewhere(src: Path, target: Path) -> list[str]:
     old, new = src.resolve().parent, target.resolve().parent
     if old == new or old == shipped_recipes_dir().resolve():
         return []
+    moved: list[str] = []
+    parent = _extends(src)  # `extends: ../base.yaml` is read against the recipe's folder too
+    if parent is not None and _find(parent, old) != _find(parent, new):
+        moved.append(f"extends: {parent}")
     try:
         here = load_recipe(src)
     except DifftrainError:
-        return []
+        return moved
     there = here.model_copy()
     there._recipe_dir = new
     a, b = here.with_absolute_paths(), there.with_absolute_paths()
-    moved: list[str] = []
     for spec, x, y in zip(here.data.sources, a.data.sources, b.data.sources, strict=True):
         files = zip(spec.data_files or (), x.data_files or (), y.data_files or (), strict=True)
         moved += [raw for raw, p, q in [(spec.source, x.source, y.source), *files] if p != q]
     if a.tokenizer.path != b.tokenizer.path:
         moved.append(str(here.tokenizer.path))
     return moved
+
+
+def _extends(path: Path) -> str | None:
+    """The `extends:` of a recipe file as written (None where it has none or is no YAML mapping)."""
+    import yaml
+
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, yaml.YAMLError):
+        return None
+    value = data.get("extends") if isinstance(data, dict) else None
+    return value if isinstance(value, str) else None
+
+
+def _find(ref: str, folder: Path) -> Path | None:
+    """The recipe `extends: ref` names from a recipe in `folder` (None where it names none)."""
+    from difftrain.errors import DifftrainError
+    from difftrain.recipe import find_recipe
+
+    try:
+        return find_recipe(ref, relative_to=folder).resolve()
+    except DifftrainError:
+        return None
 
 
 @recipes_app.command("explain")
