@@ -663,8 +663,9 @@ def find_recipe(ref: str | os.PathLike[str], relative_to: Path | None = None) ->
     suggestion = f" — did you mean `{hint[0]}`?" if hint else ""
     if "=" in ref_s and not suggestion:  # `prepare train.max_steps=3 mine.yaml`
         raise RecipeError(f"`{ref_s}` is an override, not a recipe: the recipe comes first (RECIPE {ref_s})")
+    looked = f" (looked for {relative_to / p})" if relative_to is not None and not p.is_absolute() else ""
     raise RecipeError(
-        f"no recipe file `{ref_s}` and no shipped recipe of that name{suggestion} (see `difftrain recipes list`)"
+        f"no recipe file `{ref_s}`{looked} and no shipped recipe of that name{suggestion} (see `difftrain recipes list`)"
     )
 
 

@@ -302,6 +302,11 @@ def test_a_key_set_twice_is_refused_with_both_lines(tmp_path):
 def test_extends_a_missing_recipe_names_the_line(tmp_path):
     with pytest.raises(RecipeError, match=r"r.yaml, line 2: `extends: nosuch`: no recipe file `nosuch`"):
         load_recipe(write(tmp_path, "name: x\nextends: nosuch\n"))
+    # a relative path: where it was looked for (the recipe's own folder)
+    with pytest.raises(
+        RecipeError, match=rf"no recipe file `../base.yaml` \(looked for {tmp_path}/../base.yaml\)"
+    ):
+        load_recipe(write(tmp_path, "name: x\nextends: ../base.yaml\n"))
 
 
 def test_missing_recipe_suggests_a_shipped_one():
