@@ -343,6 +343,37 @@ def test_attention_masses_of_softmax_maps_sum_to_one_and_differential_rows_to_on
         assert layer["total"] == pytest.approx(1.0 - lam, abs=1e-5)
         assert layer["answer"] + layer["noise"] == pytest.approx(layer["total"], abs=1e-6)
         assert layer["noise_abs"] >= abs(layer["noise"]) - 1e-7
+        # the shares are scale-free: a diff map whose rows sum to 1 − λ is compared as a softmax
+        # map is (the headline), not by its smaller masses
+        assert layer["answer_share"] + layer["noise_share"] == pytest.approx(1.0, abs=1e-6)
+    for layer in base["per_layer"]:
+        assert layer["answer_share"] == pytest.approx(layer["answer"], abs=1e-5)  # total 1: share = mass
+    # scaling every differential row by c (as a different λ would) leaves the shares alone
+    from difftrain.evals.attention import NAMES, probe
+
+    class Scaled:
+        def __init__(self, model, c):
+            self.model, self.c, self.config = model, c, model.config
+
+        def parameters(self):
+            return self.model.parameters()
+
+        def __call__(self, ids, output_attentions):
+            out = self.model(ids, output_attentions=output_attentions)
+            return type(out)(**{**vars(out), "attentions": [a * self.c for a in out.attentions]})
+
+    from difftrain.evals.needle import default_grid, grid_prompts
+
+    p = grid_prompts(
+        run.tokenizer, run.config.max_seq_len, default_grid(run.tokenizer, run.config.max_seq_len, opts), 0
+    )[0]
+    with torch.no_grad():
+        one, _ = probe(run.model, run.tokenizer, p)
+        half, _ = probe(Scaled(run.model, 0.5), run.tokenizer, p)
+    share = NAMES.index("answer_share")
+    assert np.allclose(one[:, share], half[:, share]) and np.allclose(half[:, 0], one[:, 0] * 0.5, atol=1e-6)
+    headlines = {h["name"] for h in evaluate(run, "attention", opts)["headline"]}
+    assert headlines == {"answer share", "noise share"}
 
 
 def test_attention_plot_draws_the_maps_of_every_layer_and_head(runs):

@@ -180,17 +180,17 @@ def render(doc: dict[str, Any]) -> None:
         signed = doc["arch"] != "baseline"
         if signed:
             t.add_column("|noise|", justify="right")
-        t.add_column("answer/noise", justify="right")
-        for row in res["by_depth"] + [
-            {"depth": None, **{k: res[k] for k in ("answer", "noise", "noise_abs")}}
-        ]:
-            ratio = row["answer"] / row["noise"] if row["noise"] > 0 else None
+        t.add_column("answer share", justify="right")  # scale-free: comparable across archs
+        t.add_column("noise share", justify="right")
+        keys = ("answer", "noise", "noise_abs", "answer_share", "noise_share")
+        for row in res["by_depth"] + [{"depth": None, **{k: res.get(k) for k in keys}}]:
             cells = [
                 "mean" if row["depth"] is None else f"{row['depth']:.0%}",
                 f"{row['answer']:.3f}",
                 f"{row['noise']:.3f}",
                 *([f"{row['noise_abs']:.3f}"] if signed else []),
-                _f(ratio, ".2f"),
+                _f(row.get("answer_share"), ".3f"),
+                _f(row.get("noise_share"), ".3f"),
             ]
             t.add_row(*cells, style="bold" if row["depth"] is None else None)
         console.print(t)
@@ -199,9 +199,21 @@ def render(doc: dict[str, Any]) -> None:
         lt.add_column("layer", justify="right")
         lt.add_column("answer", justify="right")
         lt.add_column("noise", justify="right")
+        lt.add_column("answer share", justify="right")
         for row in res["per_layer"]:
-            lt.add_row(str(row["layer"]), f"{row['answer']:.3f}", f"{row['noise']:.3f}")
+            lt.add_row(
+                str(row["layer"]),
+                f"{row['answer']:.3f}",
+                f"{row['noise']:.3f}",
+                _f(row.get("answer_share"), ".3f"),
+            )
         console.print(lt)
+        if signed:
+            console.print(
+                "[dim]The differential map's rows sum to its 1 − λ (not 1) and its scale does not reach the "
+                "output (subln normalises each head): compare the shares across archs, not the masses.",
+                soft_wrap=True,
+            )
     elif suite == "outliers":
         _heading(f"{title} · {fmt_count(res['tokens'])} tokens of the {res['source']}")
         t = Table()

@@ -10,9 +10,16 @@ and the mass on every other position (the noise: filler, distractor needles, que
 
 The probed map is the softmax map for `baseline` (so answer + noise = 1), the differential
 map A1 − λ·A2 for `diff` (rows sum to 1 − λ, entries may be negative: `noise_abs` sums |A|
-over the noise positions), and the combined map A_2i − σ(λ)·A_2i+1 for `diff2`. The paper
-reports that differential attention puts more mass on the answer and far less on the noise.
-Results are given per layer and averaged over layers, for each depth of the queried needle.
+over the noise positions), and the combined map A_2i − σ(λ)·A_2i+1 for `diff2` (rows sum to
+1 − σ(λ)). The masses are therefore on different scales across archs — and the scale of a
+differential head's map does not reach its output, which `subln` (an RMSNorm per head)
+normalises. So the figures compared (the headlines) are the shares of each row's total:
+
+    answer_share_l = mean_{heads, query rows} answer_row / total_row,  noise_share = 1 − answer_share
+
+(rows whose total is not positive, which a λ ≥ 1 head would give, are left out). The paper
+reports that differential attention puts more of its attention on the answer and less on the
+noise. Results are given per layer and averaged over layers, for each depth of the needle.
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ from difftrain.evals.needle import NeedlePrompt, default_grid, grid_prompts, gri
 from difftrain.rundir import Run
 
 NEEDLES_DEFAULT = [(4, 1)]
+NAMES = ("answer", "noise", "noise_abs", "total", "answer_share", "noise_share")
 
 
 def spans(
@@ -58,11 +66,12 @@ def spans(
 
 @torch.inference_mode()
 def probe(model: Any, tokenizer: Any, p: NeedlePrompt) -> tuple[np.ndarray, list[np.ndarray]]:
-    """Per layer (answer, noise, noise_abs, total) masses, shape (layers, 4), and the maps."""
+    """Per layer (answer, noise, noise_abs, total, answer_share, noise_share), shape (layers, 6),
+    and the maps."""
     device = next(model.parameters()).device
     ids, per_query = spans(tokenizer, p, model.config.max_seq_len)
     out = model(torch.tensor([ids], device=device), output_attentions=True)
-    stats = np.zeros((len(out.attentions), 4))
+    stats = np.zeros((len(out.attentions), len(NAMES)))
     for li, A in enumerate(out.attentions):
         M = A[0].float()  # (heads, T, S)
         acc = []
@@ -73,8 +82,17 @@ def probe(model: Any, tokenizer: Any, p: NeedlePrompt) -> tuple[np.ndarray, list
             ans = R[..., in_span].sum(-1)
             total = R.sum(-1)
             noise_abs = R[..., ~in_span].abs().sum(-1)
+            ok = total > 1e-6  # a row's shares need a positive total (λ < 1)
+            share = (ans[ok] / total[ok]).mean().item() if bool(ok.any()) else float("nan")
             acc.append(
-                [ans.mean().item(), (total - ans).mean().item(), noise_abs.mean().item(), total.mean().item()]
+                [
+                    ans.mean().item(),
+                    (total - ans).mean().item(),
+                    noise_abs.mean().item(),
+                    total.mean().item(),
+                    share,
+                    1.0 - share,
+                ]
             )
         stats[li] = np.mean(acc, axis=0)
     return stats, [a[0].float().cpu().numpy() for a in out.attentions]
@@ -91,16 +109,19 @@ def run(run: Run, opts: EvalOptions, progress: Progress = _no_progress) -> Suite
         s, _ = probe(model, tok, p)
         all_stats.append(s)
         progress(i + 1, len(prompts))
-    stats = np.stack(all_stats)  # (prompts, layers, 4)
-    names = ("answer", "noise", "noise_abs", "total")
+    stats = np.stack(all_stats)  # (prompts, layers, 6)
+    names = NAMES
+
+    def value(x: float) -> float | None:  # a share no row could give (every total ≤ 0): null
+        return float(x) if np.isfinite(x) else None
 
     def summary(sel: list[int]) -> dict[str, Any]:
-        per_layer = stats[sel].mean(axis=0)  # (layers, 4)
+        per_layer = stats[sel].mean(axis=0)  # (layers, 6)
         avg = per_layer.mean(axis=0)
         return {
-            **{n: float(avg[k]) for k, n in enumerate(names)},
+            **{n: value(avg[k]) for k, n in enumerate(names)},
             "per_layer": [
-                {"layer": li, **{n: float(per_layer[li, k]) for k, n in enumerate(names)}}
+                {"layer": li, **{n: value(per_layer[li, k]) for k, n in enumerate(names)}}
                 for li in range(len(per_layer))
             ],
         }
@@ -122,9 +143,9 @@ def run(run: Run, opts: EvalOptions, progress: Progress = _no_progress) -> Suite
     out = SuiteOutput(
         settings=grid_settings(grid, opts.seed),
         results=res,
-        headline=[
-            headline("answer mass", res["answer"], "higher", ".3f"),
-            headline("noise mass", res["noise"], "lower", ".3f"),
+        headline=[  # shares: the masses of the archs' maps are on different scales (module doc)
+            headline("answer share", res["answer_share"], "higher", ".3f"),
+            headline("noise share", res["noise_share"], "lower", ".3f"),
         ],
     )
     if opts.plot:
