@@ -448,3 +448,20 @@ def test_compare_notes_results_measured_on_different_data_or_at_different_precis
         "wrote it), so a-diff and other may have been measured on different data; rerun `difftrain eval RUN "
         "--suite ppl` on it to record that"
     ]
+
+
+def test_the_best_run_is_judged_on_the_figures_shown_so_rounding_noise_picks_no_winner():
+    from difftrain.evals.compare import Row
+
+    assert Row("Δloss@4", [5.4e-7, 3.7e-7, -1.37e-6], "lower", "+.4f").best() is None  # all +0.0000
+    assert Row("loss", [4.1234, 4.1236], "lower", ".4f").best() == 0
+    assert Row("tokens/s", [1000.4, 1000.3], "higher", ",.0f").best() is None
+    assert Row("tokens/s", [1001.0, 1000.3], "higher", ",.0f").best() == 0
+    assert Row("count", [3, 5], "higher", "").best() == 1  # no fixed-point format: compared as they are
+
+
+def test_a_figure_that_rounds_to_zero_prints_without_a_minus_sign():
+    from difftrain.cli.compare import _cell
+
+    assert _cell(-1.37e-6, "+.4f") == "+0.0000" and _cell(-0.5, "+.4f") == "-0.5000"
+    assert _cell(-3.0, ".4f") == "-3.0000" and _cell(-1e-9, ".2%") == "0.00%"

@@ -33,7 +33,10 @@ def _cell(value: Any, fmt: str) -> str:
     if fmt == "count":
         return fmt_count(value)
     if isinstance(value, (int, float)) and fmt:
-        return format(value, fmt)
+        text = format(value, fmt)
+        if text.startswith("-") and not text.strip("-0.,%"):  # -1e-6 → -0.0000: it prints as zero
+            text = format(0.0, fmt)
+        return text
     return str(value)
 
 

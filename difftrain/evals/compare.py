@@ -8,6 +8,7 @@ recomputed, so comparing is instant; `difftrain eval` fills in missing suites.
 
 from __future__ import annotations
 
+import re
 import shlex
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -62,14 +63,24 @@ class Row:
     format: str = ""
 
     def best(self) -> int | None:
-        """Index of the best run (None without a direction, or with fewer than 2 values)."""
-        vals = [(v, i) for i, v in enumerate(self.values) if isinstance(v, (int, float))]
+        """Index of the best run (None without a direction, or with fewer than 2 values). Values
+        are compared as the table shows them (`format`): runs that print the same figure tie,
+        and a tie has no best — 4e-7 against -1e-6 (both +0.0000) is rounding, not a winner."""
+        vals = [(self._shown(v), i) for i, v in enumerate(self.values) if isinstance(v, (int, float))]
         if self.better is None or len(vals) < 2:
             return None
         pick = min(vals) if self.better == "lower" else max(vals)
         if sum(v == pick[0] for v, _ in vals) > 1:
             return None  # a tie: nobody is best
         return pick[1]
+
+    def _shown(self, v: float) -> float:
+        """`v` rounded as its format prints it (a fixed-point format: its decimals)."""
+        m = re.fullmatch(r"[+ ]?,?\.(\d+)[f%]", self.format or "")
+        if m is None:
+            return float(v)
+        digits = int(m.group(1)) + (2 if self.format.endswith("%") else 0)
+        return round(float(v), digits) + 0.0  # (+0.0: -0.0 and 0.0 are one figure)
 
     def as_dict(self) -> dict[str, Any]:
         return {"name": self.name, "values": self.values, "better": self.better, "format": self.format}
