@@ -308,7 +308,8 @@ def environment(device: torch.device) -> dict[str, Any]:
 # ----- sections ------------------------------------------------------------------------------------
 def bench_attention(plan: Plan, progress: Progress) -> dict[str, Any]:
     """Attention core forward+backward per (B, T, H, d) × impl × arch, plus the diff strategies."""
-    dtype = torch.float32 if plan.precision == "32-true" else torch.bfloat16  # what the core sees
+    # what the core sees: fp16 under 16-mixed (CUDA only), bf16 under the bf16 precisions
+    dtype = {"32-true": torch.float32, "16-mixed": torch.float16}.get(plan.precision, torch.bfloat16)
     rows: list[dict[str, Any]] = []
     for B, T, H, d in plan.attention_grid:
         progress(f"attention B={B} T={T} H={H} d={d}")

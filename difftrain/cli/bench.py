@@ -77,6 +77,10 @@ def bench_command(
     )
     opts.check()  # before torch loads: a mistyped option is answered at once
     dev = opts.resolved_device()
+    if dev.type != "cuda" and precision == "16-mixed":  # as pretrain refuses it
+        from difftrain.errors import DeviceError
+
+        raise DeviceError("--precision 16-mixed needs a CUDA GPU; on CPU use 32-true (or bf16-mixed)")
     import os
 
     import torch
