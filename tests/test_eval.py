@@ -928,3 +928,19 @@ def test_results_that_cannot_be_saved_are_refused_first_or_shown_then_refused(
     out, err = capsys.readouterr()
     assert "bits/byte" in out  # what was measured is shown
     assert "cannot save the ppl result" in err and "No space left on device" in err and "Traceback" not in err
+
+
+def test_attention_on_a_context_too_short_for_four_needles_probes_one_and_says_so(runs, tmp_path):
+    from difftrain.evals.needle import max_context, min_context
+
+    tok = load_run(runs["baseline"]).tokenizer
+    need = min(n for n in range(8, 400) if min_context(tok, 1) <= max_context(tok, n, 1, 1))
+    short = load_run(make_run(tmp_path, "short", "diff", tokenizer=tok, max_seq_len=need))
+    doc = evaluate(short, "attention", EvalOptions(samples=1, depths=[0.5], plot=False))
+    assert doc["settings"]["needles"] == [[1, 1]] or doc["settings"]["needles"] == [(1, 1)]
+    assert doc["notes"] == [f"probed with 1 needle, not the default 4: they do not fit max_seq_len={need}"]
+    # asked for 4: the refusal names the suite, not the needle test
+    with pytest.raises(
+        ConfigError, match=r"^attention: max_seq_len=\d+ is too short for a needle test with 4"
+    ):
+        evaluate(short, "attention", EvalOptions(needles=[(4, 1)], samples=1, plot=False))

@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from difftrain.errors import ConfigError
 from difftrain.evals.common import EvalOptions, Progress, SuiteOutput, _no_progress, headline, mean
 from difftrain.evals.needle import NeedlePrompt, default_grid, grid_prompts, grid_settings
 from difftrain.rundir import Run
@@ -100,9 +101,23 @@ def probe(model: Any, tokenizer: Any, p: NeedlePrompt) -> tuple[np.ndarray, list
 
 def run(run: Run, opts: EvalOptions, progress: Progress = _no_progress) -> SuiteOutput:
     model, tok = run.model, run.tokenizer
-    grid = default_grid(
-        tok, run.config.max_seq_len, replace(opts, needles=opts.needles or NEEDLES_DEFAULT), quick_lengths=1
-    )  # type: ignore[attr-defined]
+    max_len = run.config.max_seq_len  # type: ignore[attr-defined]
+    notes = []
+    try:
+        grid = default_grid(
+            tok, max_len, replace(opts, needles=opts.needles or NEEDLES_DEFAULT), quick_lengths=1
+        )
+    except ConfigError as e:
+        if opts.needles is not None:
+            raise ConfigError(f"attention: {e}") from e
+        # the default 4 needles do not fit this context: one needle, as the needle suite falls back
+        try:
+            grid = default_grid(tok, max_len, replace(opts, needles=[(1, 1)]), quick_lengths=1)
+        except ConfigError as e1:
+            raise ConfigError(f"attention: {e1}") from e1
+        notes.append(
+            f"probed with 1 needle, not the default {NEEDLES_DEFAULT[0][0]}: they do not fit max_seq_len={max_len}"
+        )
     prompts = grid_prompts(tok, run.config.max_seq_len, grid, opts.seed)  # type: ignore[attr-defined]
     all_stats = []
     for i, p in enumerate(prompts):
@@ -141,6 +156,7 @@ def run(run: Run, opts: EvalOptions, progress: Progress = _no_progress) -> Suite
         "measured_depths": [mean(p.measured_depths) for p in prompts],
     }
     out = SuiteOutput(
+        notes=notes,
         settings=grid_settings(grid, opts.seed),
         results=res,
         headline=[  # shares: the masses of the archs' maps are on different scales (module doc)
