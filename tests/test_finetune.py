@@ -700,3 +700,25 @@ def test_eval_and_generate_on_an_adapter_run_load_neither_lightning_nor_dynamo(w
     done = cli_probe(commands, tmp_path, modules=("lightning", "torch._dynamo"))
     assert done.codes == [0, 0] and done.loaded == [], done.stderr
     assert (run / "eval" / "ppl.json").is_file()
+
+
+def test_a_resume_on_changed_data_is_refused(ws, tmp_path, capsys):
+    """A fine-tune's checkpoints carry its data's fingerprint: records edited between a stop and
+    the resume would continue another run (pretraining refuses it through its tokenizer)."""
+    data = tmp_path / "mine.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"p{i} ", "response": f"r{i}"}) + "\n" for i in range(24)))
+    p = ws(name="changing", steps=2, save_every=2, data=data)
+    assert main(["finetune", str(p), "--no-progress"]) == 0
+    run = tmp_path / "runs" / "changing"
+    before = {f.name: f.read_bytes() for f in run.iterdir() if f.is_file()}
+    with open(data, "a") as f:
+        f.write(json.dumps({"prompt": "new ", "response": "record"}) + "\n")
+    capsys.readouterr()
+    assert main(["finetune", str(run), "--resume", "train.max_steps=4", "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "the data of" in err and "changed since its checkpoint" in err and "--overwrite" in err
+    assert {f.name: f.read_bytes() for f in run.iterdir() if f.is_file()} == before
+    # the records put back as they were (a new modification time): the same examples, resumed
+    data.write_text("".join(data.read_text().splitlines(keepends=True)[:-1]))
+    assert main(["finetune", str(run), "--resume", "train.max_steps=4", "--no-progress"]) == 0
+    assert json.loads((run / "summary.json").read_text())["steps"] == 4

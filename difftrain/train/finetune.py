@@ -334,6 +334,63 @@ def _refuse_run_dir_early(plan: Plan, *, resume: bool | str, overwrite: bool) ->
     )
 
 
+DATA_STATE_KEY = "DataFingerprint"
+
+
+def data_fingerprint_callback(key: str) -> Any:
+    """A callback whose state in every checkpoint is the fingerprint of the fine-tune's data (its
+    sources' real paths, sizes and modification times, as the shard cache keys them): a resume on
+    other records would continue another run, which `_check_resumed_data` refuses."""
+    import lightning as L
+
+    class DataFingerprint(L.Callback):
+        @property
+        def state_key(self) -> str:
+            return DATA_STATE_KEY
+
+        def state_dict(self) -> dict[str, Any]:
+            return {"data": key}
+
+        def load_state_dict(self, state: dict[str, Any]) -> None:  # checked before the resume starts
+            pass
+
+    return DataFingerprint()
+
+
+def _data_key(dm: Any, prepared: Any) -> str:
+    """What a fine-tune trains on, as one hash: the token ids and loss targets of every
+    instruction example (so records edited and put back as they were match again), or a plain
+    text fine-tune's shards, by their cache key (its sources' paths, sizes and mtimes)."""
+    import hashlib
+
+    import numpy as np
+
+    if prepared is not None:
+        return str(prepared.index.get("fingerprint") or prepared.cache_dir.name)
+    h = hashlib.sha256()
+    for examples in (dm.train_examples, dm.val_examples):
+        for ids, targets in examples:
+            h.update(np.asarray(ids, dtype=np.int64).tobytes())
+            h.update(np.asarray(targets, dtype=np.int64).tobytes())
+        h.update(b"|")
+    return h.hexdigest()
+
+
+def _check_resumed_data(checkpoint: Path, key: str, run_dir: Path) -> None:
+    """Refuse a resume whose data changed since the checkpoint was saved (a checkpoint of an
+    older version, without the fingerprint, is not judged)."""
+    try:
+        state = torch.load(checkpoint, map_location="cpu", weights_only=True, mmap=True)
+        saved = state.get("callbacks", {}).get(DATA_STATE_KEY, {}).get("data")
+    except Exception:  # an unreadable checkpoint is named by the resume itself
+        return
+    if saved is not None and saved != key:
+        raise RunDirError(
+            f"the data of {run_dir} changed since its checkpoint (other records, or other text): resuming "
+            "would train on other data; restore it as it was, or start again with --overwrite"
+        )
+
+
 def _check_resumed_adapter(plan: Plan) -> None:
     """A LoRA run being resumed must find the base it was trained on (same weights' SHA-256)."""
     from difftrain.adapters import ADAPTER_CONFIG, read_adapter_spec, resolve_base
@@ -494,7 +551,9 @@ def finetune(
     )
     run_dir = plan.run_dir
     restore: list[str] = []
+    data_key = _data_key(dm, info.get("data"))
     if resuming:
+        _check_resumed_data(point.path, data_key, run_dir)
         _check_resumed_adapter(plan)
         restore = dist.on_rank_zero(lambda: resumed_run_files(run_dir, tokenizer, point))
 
@@ -552,7 +611,7 @@ def finetune(
             progress=progress,
             console=console,
             on_start=on_start,
-            extra_callbacks=extra_callbacks,
+            extra_callbacks=[*(extra_callbacks or []), data_fingerprint_callback(data_key)],
             fault_hook=fault_hook,
             info=info,
             warnings=memory_warnings(r, plan.accelerator),  # `difftrain plan` covers fine-tunes too
