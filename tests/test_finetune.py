@@ -722,3 +722,18 @@ def test_a_resume_on_changed_data_is_refused(ws, tmp_path, capsys):
     data.write_text("".join(data.read_text().splitlines(keepends=True)[:-1]))
     assert main(["finetune", str(run), "--resume", "train.max_steps=4", "--no-progress"]) == 0
     assert json.loads((run / "summary.json").read_text())["steps"] == 4
+
+
+def test_an_eval_result_of_a_lora_run_is_noted_stale_once_the_adapter_trains_on(ws, tmp_path):
+    from difftrain.evals import EvalOptions, evaluate
+    from difftrain.evals.common import stale
+    from difftrain.rundir import load_run
+
+    p = ws(name="lora-eval", steps=2, save_every=2)
+    assert main(["finetune", str(p), "--no-progress"]) == 0
+    run = tmp_path / "runs" / "lora-eval"
+    doc = evaluate(load_run(run), "ppl", EvalOptions(windows=2))
+    assert doc["weights"] is not None and doc["weights"]["step"] == 2  # the adapter's file
+    assert not stale(run, doc)
+    assert main(["finetune", str(run), "--resume", "train.max_steps=4", "--no-progress"]) == 0
+    assert stale(run, doc)

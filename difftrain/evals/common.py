@@ -194,7 +194,7 @@ def finish(
     """The result document of a suite run (see the module docstring)."""
     from difftrain.io import RunLock
 
-    w = run.path / WEIGHTS
+    w = trained_file(run.path)
     st = w.stat() if w.is_file() else None
     step = weights_step(w) if st else None
     pid = RunLock(run.path).holder()
@@ -368,6 +368,17 @@ def check_data_label(
 SAMPLE_BYTES = 1 << 16
 
 
+def trained_file(run_dir: Path) -> Path:
+    """The file training rewrites as a run goes on: model.safetensors, or a LoRA run's
+    adapter.safetensors (its base's weights do not change): what a result's `weights` records
+    and `stale` compares."""
+    from difftrain.adapters import ADAPTER_WEIGHTS
+
+    w = run_dir / WEIGHTS
+    adapter = run_dir / ADAPTER_WEIGHTS
+    return adapter if not w.is_file() and adapter.is_file() else w
+
+
 def weights_step(path: Path) -> int | None:
     """The training step a weights file was saved at (its metadata, written by training), or None
     (an imported or merged run, or an unreadable header)."""
@@ -396,7 +407,7 @@ def stale(run_dir: Path | str, doc: dict[str, Any]) -> bool:
     """Whether the weights changed since the result was computed (training continued). The same
     size and modification time mean the same file; a new modification time (a copied run folder)
     is looked into by the content sample, where the result has one."""
-    w = Path(run_dir) / WEIGHTS
+    w = trained_file(Path(run_dir))
     seen = doc.get("weights")
     if not w.is_file() or not seen:
         return False
