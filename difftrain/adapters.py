@@ -147,7 +147,8 @@ def resolve_base(run_dir: Path, spec: AdapterSpec) -> Path:
         shown = ", ".join(dict.fromkeys(str(c) for c in candidates)) or "(none recorded)"
         raise RunDirError(
             f"{run_dir} is a LoRA adapter whose base run is gone (looked in {shown}); put the base run back "
-            f"there, or fine-tune again"
+            f'there, or, if you moved it, set "path" under "base" in {run_dir / ADAPTER_CONFIG} to its new '
+            "folder (its weights' SHA-256 is checked)"
         )
     expected = ref.get("weights_sha256")
     if expected:

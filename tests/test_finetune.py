@@ -502,6 +502,14 @@ def test_a_changed_base_is_detected_when_loading_the_adapter(ws, tmp_path, base_
         load_run(run)
     looked = str(e.value).split("(looked in ")[1].split(")")[0]
     assert looked.split(", ") == list(dict.fromkeys(looked.split(", ")))  # each place named once
+    # the advice for a base that was moved works: point adapter.json at its new folder
+    assert 'set "path" under "base" in' in str(e.value)
+    moved = tmp_path / "moved-base"
+    shutil.copytree(base_run, moved)
+    spec = json.loads((run / "adapter.json").read_text())
+    spec["base"]["path"] = str(moved)
+    (run / "adapter.json").write_text(json.dumps(spec))
+    assert load_run(run).model is not None
 
 
 def test_cli_prints_the_trainable_count_and_merges(ws, capsys):
