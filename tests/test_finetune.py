@@ -745,3 +745,19 @@ def test_an_eval_result_of_a_lora_run_is_noted_stale_once_the_adapter_trains_on(
     assert not stale(run, doc)
     assert main(["finetune", str(run), "--resume", "train.max_steps=4", "--no-progress"]) == 0
     assert stale(run, doc)
+
+
+def test_a_resume_that_names_another_base_says_so_not_that_model_arch_differs(ws, tmp_path, base_run, capsys):
+    p = ws(name="rebased", steps=1, save_every=1)
+    assert main(["finetune", str(p), "--no-progress"]) == 0
+    other = tmp_path / "other-base"
+    shutil.copytree(base_run, other)
+    cfg = json.loads((other / "config.json").read_text())
+    cfg["arch"] = "baseline"  # another base of another arch: the run's recipe.yaml names the old model
+    (other / "config.json").write_text(json.dumps(cfg))
+    capsys.readouterr()
+    run = tmp_path / "runs" / "rebased"
+    assert main(["finetune", str(run), "--resume", f"finetune.base={other}", "train.max_steps=2"]) == 2
+    err = capsys.readouterr().err
+    assert "was fine-tuned from" in err and "a different base makes a different run" in err
+    assert "remove model.arch" not in err

@@ -221,7 +221,6 @@ def plan_finetune(recipe: Recipe) -> tuple[Plan, Path]:
 
     ft = require_finetuning(recipe)
     base = base_run_dir(ft)
-    model_cfg = resolve_model(recipe, base)
     base_tok_path = (base / TOKENIZER).resolve()
     if (
         recipe.tokenizer.path is not None
@@ -238,6 +237,7 @@ def plan_finetune(recipe: Recipe) -> tuple[Plan, Path]:
             f"tokenizer.path={recipe.tokenizer.path}: a fine-tune uses its base run's tokenizer ({base_tok_path}); "
             "remove tokenizer.path from the recipe"
         )
+    model_cfg = resolve_model(recipe, base)  # (after the base check: a run's recipe names its model)
     # (model_copy keeps the recipe's folder, source and own model keys)
     plan = plan_run(
         recipe.model_copy(update={"model": model_cfg, "tokenizer": TokenizerConfig(path=str(base_tok_path))})
