@@ -238,6 +238,23 @@ def plan_finetune_adapter(model: nn.Module, ft: Any, *, train_embeddings: bool) 
     )
 
 
+def rank_warning(model: nn.Module, spec: AdapterSpec) -> str | None:
+    """A warning when the LoRA rank is above the smallest dimension of an adapted layer: a rank
+    of min(in, out) already spans every update of that layer, so the rest only costs parameters."""
+    modules = dict(model.named_modules())
+    dims = {t: min(modules[t].in_features, modules[t].out_features) for t in spec.targets if t in modules}
+    if not dims:
+        return None
+    small = min(dims, key=dims.__getitem__)
+    if spec.rank <= dims[small]:
+        return None
+    return (
+        f"finetune.lora.rank={spec.rank} is above the size of adapted layers such as {small} ({dims[small]}): a "
+        f"rank of {dims[small]} already spans every update of it, more only adds parameters; lower "
+        "finetune.lora.rank"
+    )
+
+
 def adapt_model(
     model: nn.Module,
     spec: AdapterSpec,

@@ -626,6 +626,12 @@ def test_dry_run_checks_base_data_and_run_folder_and_writes_nothing(ws, tmp_path
     assert "4 train · 0 val · no validation loss: data.val_fraction=0.01 drew no record" in out
     assert main(["finetune", str(ws(name="few", data=few)), "--dry-run", "data.val_fraction=0"]) == 0
     assert "no validation loss" not in capsys.readouterr().out  # none asked for: no note
+    # a LoRA rank above the adapted layers' size: warned of (it only adds parameters)
+    assert main(["finetune", str(ws(name="dry")), "--dry-run", "finetune.lora.rank=100"]) == 0
+    err = " ".join(capsys.readouterr().err.split())
+    assert "finetune.lora.rank=100 is above the size of adapted layers such as" in err
+    assert main(["finetune", str(ws(name="dry")), "--dry-run"]) == 0
+    assert "is above the size" not in capsys.readouterr().err
     # prompt/response records fine-tuned as plain text: the dry run reads them as the run would
     assert main(["finetune", str(ws(name="astext")), "--dry-run", "finetune.data_format=text"]) == 2
     assert (

@@ -442,13 +442,15 @@ def dry_run_finetune(
     base_vocab_size = r.model.vocab_size
     model_cfg = _grown_model(plan, tokenizer)
     spec = None
+    warnings: list[str] = []
     if ft.method != "full":  # the adapter's targets, on a model of shapes only (meta: no memory)
-        from difftrain.adapters import plan_finetune_adapter
+        from difftrain.adapters import plan_finetune_adapter, rank_warning
         from difftrain.model import Transformer
 
         with torch.device("meta"):
             skeleton = Transformer(model_cfg)
         spec = plan_finetune_adapter(skeleton, ft, train_embeddings=bool(new_ids))
+        warnings += [w for w in (rank_warning(skeleton, spec),) if w]
     resuming, point = prepare_run_dir(
         plan, resume=r.train.resume if resume is None else resume, overwrite=overwrite, dry_run=True
     )
@@ -465,7 +467,7 @@ def dry_run_finetune(
         "resuming": resuming,
         "point": point,
         "lora_targets": spec.targets if spec is not None else None,
-        "warnings": dry_run_warnings(plan, point),
+        "warnings": dry_run_warnings(plan, point) + warnings,
     }
 
 
@@ -501,6 +503,7 @@ def finetune(
         adapt_model,
         base_reference,
         plan_finetune_adapter,
+        rank_warning,
         save_adapter,
     )
     from difftrain.data.tokenizer import load_tokenizer
@@ -567,10 +570,12 @@ def finetune(
     counts = model.num_params()
     model.train()
     export = None
+    rank_note = None
     if ft.method == "full":
         model.requires_grad_(True)
     else:
         spec = plan_finetune_adapter(model, ft, train_embeddings=bool(new_ids))
+        rank_note = rank_warning(model, spec)
         device = torch.device("cuda", torch.cuda.current_device()) if plan.accelerator == "cuda" else "cpu"
         adapt_model(
             model,
@@ -614,7 +619,8 @@ def finetune(
             extra_callbacks=[*(extra_callbacks or []), data_fingerprint_callback(data_key)],
             fault_hook=fault_hook,
             info=info,
-            warnings=memory_warnings(r, plan.accelerator),  # `difftrain plan` covers fine-tunes too
+            # `difftrain plan` covers fine-tunes too
+            warnings=memory_warnings(r, plan.accelerator) + ([rank_note] if rank_note else []),
             export=export,
             save_frozen=ft.method == "full",
             step_seed=r.seed,
