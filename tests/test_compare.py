@@ -152,6 +152,11 @@ def test_compare_notes_results_computed_with_different_settings(pair, tmp_path):
     assert any(
         "ppl: a-diff and c were evaluated with different settings (windows 2 vs 3)" in n for n in cmp.notes
     )
+    # the note gives the command that evaluates c as a-diff was; run, it evens them out
+    note = next(n for n in cmp.notes if "different settings" in n)
+    assert f"`difftrain eval {c} --suite ppl --windows 2` evaluates c as a-diff was" in note
+    assert main(["eval", str(c), "--suite", "ppl", "--windows", "2"]) == 0
+    assert not any("different settings" in n for n in compare_runs([a, c]).notes)
     assert any("c has no summary.json" in n for n in cmp.notes)
 
 

@@ -110,6 +110,39 @@ class Comparison:
         }
 
 
+EVAL_OPTIONS = {
+    "windows": "--windows",
+    "lengths": "--lengths",
+    "depths": "--depths",
+    "needles": "--needles",
+    "samples": "--samples",
+    "tokens": "--tokens",
+    "bits": "--bits",
+    "demos": "--demos",
+    "permutations": "--permutations",
+    "items": "--items",
+    "seed": "--seed",
+}
+"""A result's settings that an `eval` option sets, and the option."""
+
+
+def _eval_options(settings: dict[str, Any], keys: list[str]) -> str:
+    """The eval options that give a result `settings` for the differing `keys` ('' where a key
+    is set by no option)."""
+    parts = []
+    for k in keys:
+        if k not in EVAL_OPTIONS or settings.get(k) is None:
+            return ""
+        v = settings[k]
+        if isinstance(v, list):
+            v = ",".join(
+                "x".join(map(str, x)) if isinstance(x, list) else f"{x:g}" if isinstance(x, float) else str(x)
+                for x in v
+            )
+        parts.append(f"{EVAL_OPTIONS[k]} {v}")
+    return " ".join(parts)
+
+
 def _labels(paths: Sequence[Path]) -> list[str]:
     names = [p.name for p in paths]
     return [p.name if names.count(p.name) == 1 else str(p) for p in paths]
@@ -374,9 +407,16 @@ def compare_runs(paths: Sequence[str | Path], suites: Sequence[str] | None = Non
                 )
             if keys:
                 shown_keys = ", ".join(f"{k} {_setting(docs[0], k)} vs {_setting(d, k)}" for k in keys[:3])
+                options = _eval_options(docs[0].get("settings") or {}, keys)
+                fix = (
+                    f"`difftrain eval {shlex.quote(str(r.path))} --suite {split_key(s)[0]} {options}` evaluates "
+                    f"{r.label} as {runs[0].label} was"
+                    if options
+                    else "rerun `difftrain eval` with the same options"
+                )
                 notes.append(
                     f"{s}: {runs[0].label} and {r.label} were evaluated with different settings "
-                    f"({shown_keys}); rerun `difftrain eval` with the same options to compare them fairly"
+                    f"({shown_keys}); {fix}, to compare them fairly"
                 )
         for r, d in zip(runs, docs, strict=True):
             if stale(r.path, d):
