@@ -214,9 +214,12 @@ def tables(result: dict[str, Any]) -> list[tuple[str, list[str], list[list[str]]
     out: list[tuple[str, list[str], list[list[str]]]] = []
     sec = result["sections"]
     if result.get("targets"):
+        quick = result.get("mode") == "quick"  # tiny shapes: a smoke test, not the targets' shapes
         out.append(
             (
-                "Targets",
+                "Targets (--quick runs tiny shapes: these are no verdicts; run without --quick)"
+                if quick
+                else "Targets",
                 ["target", "measured (wall)", "measured (CPU time)", "goal", "met"],
                 [
                     [
@@ -224,7 +227,10 @@ def tables(result: dict[str, Any]) -> list[tuple[str, list[str], list[list[str]]
                         _f(t["value"]),
                         _f(t.get("cpu_value")),
                         t["goal"],
-                        ("yes" if t["met"] else "no") + (" (on CPU time)" if t.get("basis") == "cpu" else ""),
+                        "— (quick)"
+                        if quick
+                        else ("yes" if t["met"] else "no")
+                        + (" (on CPU time)" if t.get("basis") == "cpu" else ""),
                     ]
                     for t in result["targets"]
                 ],

@@ -60,6 +60,10 @@ def test_markdown_is_regenerated_from_the_json_alone(quick_result):
         assert title in md
     assert "| diff | sdpa:flash_cpu |" in md.replace("2×64×4×16 | ", "")
     assert bench_markdown(quick_result) == md  # deterministic
+    # a --quick run's targets are shown without a verdict (its shapes are not the targets')
+    assert "Targets (--quick runs tiny shapes" in md and "| no |" not in md and "— (quick)" in md
+    full = {**json.loads(json.dumps(quick_result)), "mode": "default"}
+    assert "— (quick)" not in bench_markdown(full)
 
 
 def test_validation_rejects_a_result_that_lost_its_fields(quick_result):
