@@ -1029,6 +1029,11 @@ def format_validation_error(
                     break
             else:  # a section's own check (e.g. max_steps or max_tokens) after keys under it were set
                 inside = sorted(k for k in overridden if dotted and k.startswith(dotted + "."))
+                # the keys the check's message names (n_heads=5 must be even): those, not every key set
+                named = [
+                    k for k in inside if re.search(rf"\b{re.escape(k.rsplit('.', 1)[-1])}\b", err["msg"])
+                ]
+                inside = named or inside
                 if inside:
                     set_keys = ", ".join(f"`{k}`" for k in inside)
                     place = f"{place + ', ' if place else ''}with override {set_keys}"

@@ -597,3 +597,11 @@ def test_a_section_override_or_an_empty_child_section_merges_as_extends_does(tmp
     # a child whose model: keys are all commented out (null) keeps the parent's model
     child = write(tmp_path, "extends: r.yaml\nname: c\nmodel:\n#  d_model: 128\n", "c.yaml")
     assert load_recipe(child).model == load_recipe(p).model
+
+
+def test_a_section_check_names_only_the_overrides_its_message_is_about(tmp_path):
+    p = write(tmp_path, MINIMAL)
+    with pytest.raises(RecipeError) as e:
+        load_recipe(p, ["model.n_layers=3", "model.max_seq_len=64", "model.n_heads=5"])
+    msg = str(e.value)
+    assert "with override `model.n_heads`:" in msg and "n_layers" not in msg and "max_seq_len" not in msg
