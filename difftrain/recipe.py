@@ -1092,6 +1092,11 @@ def format_validation_error(
             shown = repr(given) if not isinstance(given, dict) and len(repr(given)) < 60 else ""
             # pydantic's wording ("Input should be a valid integer") in the recipe's own terms
             msg = err["msg"].removeprefix("Value error, ").replace("Input should be", "must be")
+            # YAML's spellings, not Python's: true/false, and which words read as them
+            msg = msg.replace("'auto', True or False", "auto, true or false").replace(
+                "must be a valid boolean, unable to interpret input",
+                "must be true or false (yes/no, on/off and 1/0 read as them too)",
+            )
             msgs.append(f"{place + ': ' if place else ''}{what}{'=' + shown if shown else ''}: {msg}")
     msgs.sort(key=lambda m: "YAML needs a space" not in m)  # the cause of the others comes first
     extra = f" (and {len(msgs) - 3} more)" if len(msgs) > 3 else ""

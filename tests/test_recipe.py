@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -605,3 +606,14 @@ def test_a_section_check_names_only_the_overrides_its_message_is_about(tmp_path)
         load_recipe(p, ["model.n_layers=3", "model.max_seq_len=64", "model.n_heads=5"])
     msg = str(e.value)
     assert "with override `model.n_heads`:" in msg and "n_layers" not in msg and "max_seq_len" not in msg
+
+
+def test_boolean_mistakes_are_answered_in_yamls_spellings(tmp_path):
+    p = write(tmp_path, MINIMAL)
+    for override, says in (
+        ("train.compile=maybe", "must be auto, true or false"),
+        ("logging.progress=maybe", "must be true or false (yes/no, on/off and 1/0 read as them too)"),
+    ):
+        with pytest.raises(RecipeError, match=re.escape(says)):
+            load_recipe(p, [override])
+    assert load_recipe(p, ["logging.progress=off"]).logging.progress is False
