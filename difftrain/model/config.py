@@ -112,7 +112,11 @@ class ModelConfig(BaseModel):
         1024, ge=1, description="Longest context the model is trained on (tokens per sequence)."
     )
     rope_theta: float = Field(10000.0, gt=0, description="RoPE base θ (inverse frequencies θ^(−2i/d)).")
-    norm_eps: float = Field(1e-5, gt=0, description="Epsilon of every RMSNorm.")
+    norm_eps: float = Field(
+        1e-5,
+        gt=0,
+        description="Epsilon of the model's RMSNorms (the per-head subln of `diff` keeps 1e-5, as DiffLlama's groupnorm does; export compensates).",
+    )
     tie_embeddings: bool = Field(
         False, description="Share the input embedding matrix with the output projection (lm_head)."
     )
