@@ -1265,6 +1265,16 @@ def _default_repr(field: Any) -> str:
     return str(value)
 
 
+EXTENDS_ROW = (
+    "extends",
+    "str | null",
+    "null",
+    "A recipe this one starts from: a path (relative to this recipe's folder) or a shipped recipe's name. "
+    "Mappings merge key by key, lists and values replace; a section left empty changes nothing; relative "
+    "data and tokenizer paths stay relative to the recipe that names them.",
+)
+
+
 def explain_rows(section: str | None = None) -> list[tuple[str, str, str, str]]:
     """(key, type, default, description) for every field of a section (or all), nested ones dotted."""
     rows: list[tuple[str, str, str, str]] = []
@@ -1296,6 +1306,7 @@ def explain_rows(section: str | None = None) -> list[tuple[str, str, str, str]]:
             )
 
     if section is None:
+        rows.append(EXTENDS_ROW)
         top = [(n, f) for n, f in Recipe.model_fields.items() if n not in SECTIONS]
         for name, field in top:
             rows.append((name, _type_name(field.annotation), _default_repr(field), field.description or ""))
@@ -1310,11 +1321,20 @@ def explain_rows(section: str | None = None) -> list[tuple[str, str, str, str]]:
             rows.append((name, "section", default, field.description or ""))
             walk(model, f"{name}.")
         return rows
+    if section == "extends":
+        return [EXTENDS_ROW]
     head = section.split(".", 1)[0]
     top = Recipe.model_fields.get(section)
     if top is not None and section not in SECTIONS:  # name, seed, out_dir, ...
         return [(section, _type_name(top.annotation), _default_repr(top), top.description or "")]
     if head not in SECTIONS:
+        # a key named without its section (max_steps, lora.rank): the one key it ends
+        owners = [k for k, *_ in explain_rows() if k.replace("[]", "").endswith("." + section)]
+        if len(owners) == 1:
+            raise RecipeError(
+                f"no recipe section `{head}`; `{section}` is the key `{owners[0]}`: "
+                f"`difftrain recipes explain {owners[0]}`"
+            )
         hint = difflib.get_close_matches(head, list(Recipe.model_fields), n=1)
         raise RecipeError(
             f"no recipe section `{head}`{' — did you mean `' + hint[0] + '`?' if hint else ''} (sections: "

@@ -617,3 +617,18 @@ def test_boolean_mistakes_are_answered_in_yamls_spellings(tmp_path):
         with pytest.raises(RecipeError, match=re.escape(says)):
             load_recipe(p, [override])
     assert load_recipe(p, ["logging.progress=off"]).logging.progress is False
+
+
+def test_explain_knows_extends_and_finds_a_key_named_without_its_section():
+    from difftrain.recipe import explain_rows
+
+    assert explain_rows("extends")[0][0] == "extends" and explain_rows()[0][0] == "extends"
+    with pytest.raises(
+        RecipeError,
+        match=r"`max_steps` is the key `train.max_steps`: `difftrain recipes explain train.max_steps`",
+    ):
+        explain_rows("max_steps")
+    with pytest.raises(RecipeError, match=r"`lora.rank` is the key `finetune.lora.rank`"):
+        explain_rows("lora.rank")
+    with pytest.raises(RecipeError, match=r"did you mean `train`"):
+        explain_rows("trian")
