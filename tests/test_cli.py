@@ -170,3 +170,18 @@ def test_table_values_are_plain_text_not_markup():
     con.print(kv_table("t", [("run", "runs/exp[lr=1e-3]"), ("next", "difftrain generate 'runs/[bold]x'")]))
     text = con.export_text()
     assert "runs/exp[lr=1e-3]" in text and "difftrain generate 'runs/[bold]x'" in text
+
+
+def test_recipes_show_resolved_prints_the_recipe_a_run_would_use(tmp_path, capsys):
+    import yaml
+
+    child = tmp_path / "child.yaml"
+    child.write_text("extends: quickstart\nname: child\ntrain:\n  max_tokens: 1e6\n")
+    capsys.readouterr()
+    assert main(["recipes", "show", str(child), "--resolved", "model.d_model=96"]) == 0
+    doc = yaml.safe_load(capsys.readouterr().out)
+    assert doc["name"] == "child" and doc["model"]["d_model"] == 96 and doc["model"]["n_layers"] == 4
+    assert doc["train"]["max_tokens"] == 1_000_000 and doc["train"]["max_steps"] is None
+    assert doc["optim"]["lr"] == 2.0e-3  # the parent's, and the defaults filled in
+    assert main(["recipes", "show", str(child), "model.d_model=96"]) == 2  # overrides need --resolved
+    assert "with --resolved only" in capsys.readouterr().err

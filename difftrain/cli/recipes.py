@@ -30,15 +30,33 @@ def list_recipes() -> None:
 
 
 @recipes_app.command("show")
-def show(name: str = typer.Argument(..., help="Shipped recipe name or recipe path.")) -> None:
+def show(
+    name: str = typer.Argument(..., help="Shipped recipe name or recipe path."),
+    overrides: list[str] = typer.Argument(
+        None, help="With --resolved: overrides as key.sub=value, as a run would take them."
+    ),
+    resolved: bool = typer.Option(
+        False,
+        "--resolved",
+        help="Print the recipe a run would use: extends merged, overrides applied, every default filled in.",
+    ),
+) -> None:
     """Print a recipe file as written (comments included; colored on a terminal, the exact text
-    when redirected, so `difftrain recipes show NAME > my.yaml` is a copy)."""
+    when redirected, so `difftrain recipes show NAME > my.yaml` is a copy); --resolved prints
+    the whole recipe a run would use."""
     from rich.syntax import Syntax
 
     from difftrain.cli.common import console
-    from difftrain.recipe import find_recipe
+    from difftrain.recipe import find_recipe, load_recipe
 
-    text = find_recipe(name).read_text(encoding="utf-8")
+    if overrides and not resolved:
+        raise RecipeError(
+            "overrides are applied with --resolved only: `difftrain recipes show NAME --resolved k=v`"
+        )
+    if resolved:
+        text = load_recipe(name, overrides or []).to_yaml()
+    else:
+        text = find_recipe(name).read_text(encoding="utf-8")
     if not console.is_terminal:
         typer.echo(text, nl=False)
         return
