@@ -1068,6 +1068,14 @@ def format_validation_error(
         elif err["type"] in ("tuple_type", "list_type") and not isinstance(err.get("input"), dict):
             given = err.get("input")
             listed = isinstance(given, str) and "," in given
+            if isinstance(given, str) and given.startswith("[") and "*" in given:
+                # `[*]`: YAML reads a bare * as an alias, so the list never parsed
+                quoted = ", ".join(f"'{p.strip()}'" for p in given.strip("[]").split(","))
+                msgs.append(
+                    f"{place + ': ' if place else ''}{what}={given!r}: YAML reads a bare * as an alias; "
+                    f'quote the patterns: `{dotted}=[{quoted}]` (in a shell: "{dotted}=[{quoted}]")'
+                )
+                continue
             msgs.append(
                 f"{place + ': ' if place else ''}{what}={given!r} must be a list in brackets"
                 + (f", e.g. `{dotted}=[{given}]`" if listed else _list_example(model, loc, dotted))

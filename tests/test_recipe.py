@@ -632,3 +632,13 @@ def test_explain_knows_extends_and_finds_a_key_named_without_its_section():
         explain_rows("lora.rank")
     with pytest.raises(RecipeError, match=r"did you mean `train`"):
         explain_rows("trian")
+
+
+def test_a_bare_star_in_a_list_override_says_to_quote_it(tmp_path):
+    """`[*]` is no list to YAML (a bare * starts an alias): the message gives the quoted form,
+    which loads."""
+    p = write(tmp_path, MINIMAL + "finetune:\n  base: runs/base\n")
+    with pytest.raises(RecipeError, match=r"YAML reads a bare \* as an alias; quote the patterns") as e:
+        load_recipe(p, ["finetune.lora.target_modules=[*]"])
+    fixed = str(e.value).split("quote the patterns: `")[1].split("`")[0]
+    assert load_recipe(p, [fixed]).finetune.lora.target_modules == ["*"]
