@@ -100,7 +100,8 @@ def _start_table(info: dict[str, Any]) -> None:
     rows += [
         (
             "batch",
-            f"{plan.global_batch_size} seq × ≤{plan.seq_len} tok "
+            # instruction records are padded to the longest of a batch; text windows are full
+            f"{plan.global_batch_size} seq × {'≤' if info['data_format'] == 'instruction' else ''}{plan.seq_len} tok "
             f"(micro {t.micro_batch_size} × accum {plan.accumulate} × devices {plan.world_size})",
         ),
         ("steps", str(plan.max_steps)),
@@ -231,7 +232,11 @@ def _dry_run(r: Any, *, resume: bool | None, overwrite: bool) -> None:
             ("new tokens", f"{', '.join(d['new_tokens'])} (vocab {d['base_vocab_size']} → {m.vocab_size})")
         )
     rows += [
-        ("batch", f"{plan.global_batch_size} × ≤{plan.seq_len} (accumulate {plan.accumulate})"),
+        (
+            "batch",
+            f"{plan.global_batch_size} × {'≤' if d['data_format'] == 'instruction' else ''}{plan.seq_len} "
+            f"(accumulate {plan.accumulate})",
+        ),
         ("steps", str(plan.max_steps)),
         ("device", shared["device"]),
     ]
