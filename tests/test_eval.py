@@ -935,7 +935,8 @@ def test_attention_on_a_context_too_short_for_four_needles_probes_one_and_says_s
 
     tok = load_run(runs["baseline"]).tokenizer
     need = min(n for n in range(8, 400) if min_context(tok, 1) <= max_context(tok, n, 1, 1))
-    short = load_run(make_run(tmp_path, "short", "diff", tokenizer=tok, max_seq_len=need))
+    path = make_run(tmp_path, "short", "diff", tokenizer=tok, max_seq_len=need)
+    short = load_run(path)
     doc = evaluate(short, "attention", EvalOptions(samples=1, depths=[0.5], plot=False))
     assert doc["settings"]["needles"] == [[1, 1]] or doc["settings"]["needles"] == [(1, 1)]
     assert doc["notes"] == [f"probed with 1 needle, not the default 4: they do not fit max_seq_len={need}"]
@@ -944,3 +945,9 @@ def test_attention_on_a_context_too_short_for_four_needles_probes_one_and_says_s
         ConfigError, match=r"^attention: max_seq_len=\d+ is too short for a needle test with 4"
     ):
         evaluate(short, "attention", EvalOptions(needles=[(4, 1)], samples=1, plot=False))
+    # and so does the command, whose check before the model runs used to refuse the default
+    assert (
+        main(["eval", str(path), "--suite", "attention", "--samples", "1", "--depths", "0.5", "--no-plot"])
+        == 0
+    )
+    assert main(["eval", str(path), "--suite", "attention", "--needles", "4x1", "--no-plot"]) == 2

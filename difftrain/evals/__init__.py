@@ -69,8 +69,6 @@ def check_suite(name: str) -> str:
 def preflight(run: Any, suite: str, opts: EvalOptions) -> None:
     """Check a suite's options against the loaded run (grid fits the context, ...) without
     running it, so that `eval --suite ppl,needle` fails at once rather than after ppl."""
-    from dataclasses import replace
-
     suite = check_suite(suite)
     tok, max_len = run.tokenizer, run.config.max_seq_len
     if suite in DATA_SUITES and opts.data is None:
@@ -82,10 +80,9 @@ def preflight(run: Any, suite: str, opts: EvalOptions) -> None:
 
         default_grid(tok, max_len, opts)
     elif suite == "attention":
-        from difftrain.evals.attention import NEEDLES_DEFAULT
-        from difftrain.evals.needle import default_grid
+        from difftrain.evals.attention import attention_grid
 
-        default_grid(tok, max_len, replace(opts, needles=opts.needles or NEEDLES_DEFAULT), quick_lengths=1)
+        attention_grid(tok, max_len, opts)
     elif suite == "icl-order":
         from difftrain.evals.icl import prompts
 

@@ -99,25 +99,29 @@ def probe(model: Any, tokenizer: Any, p: NeedlePrompt) -> tuple[np.ndarray, list
     return stats, [a[0].float().cpu().numpy() for a in out.attentions]
 
 
-def run(run: Run, opts: EvalOptions, progress: Progress = _no_progress) -> SuiteOutput:
-    model, tok = run.model, run.tokenizer
-    max_len = run.config.max_seq_len  # type: ignore[attr-defined]
-    notes = []
+def attention_grid(tok: Any, max_len: int, opts: EvalOptions) -> tuple[Any, list[str]]:
+    """The needle grid the suite probes, with its notes: the options' needles, or the default 4;
+    where 4 do not fit the context, 1 with a note (as the needle suite leaves out what does not
+    fit). A ConfigError names the suite. `evaluate`'s preflight runs it before the model loads."""
     try:
         grid = default_grid(
             tok, max_len, replace(opts, needles=opts.needles or NEEDLES_DEFAULT), quick_lengths=1
         )
+        return grid, []
     except ConfigError as e:
         if opts.needles is not None:
             raise ConfigError(f"attention: {e}") from e
-        # the default 4 needles do not fit this context: one needle, as the needle suite falls back
-        try:
-            grid = default_grid(tok, max_len, replace(opts, needles=[(1, 1)]), quick_lengths=1)
-        except ConfigError as e1:
-            raise ConfigError(f"attention: {e1}") from e1
-        notes.append(
-            f"probed with 1 needle, not the default {NEEDLES_DEFAULT[0][0]}: they do not fit max_seq_len={max_len}"
-        )
+    try:  # the default 4 needles do not fit this context: one needle
+        grid = default_grid(tok, max_len, replace(opts, needles=[(1, 1)]), quick_lengths=1)
+    except ConfigError as e1:
+        raise ConfigError(f"attention: {e1}") from e1
+    note = f"probed with 1 needle, not the default {NEEDLES_DEFAULT[0][0]}: they do not fit max_seq_len={max_len}"
+    return grid, [note]
+
+
+def run(run: Run, opts: EvalOptions, progress: Progress = _no_progress) -> SuiteOutput:
+    model, tok = run.model, run.tokenizer
+    grid, notes = attention_grid(tok, run.config.max_seq_len, opts)  # type: ignore[attr-defined]
     prompts = grid_prompts(tok, run.config.max_seq_len, grid, opts.seed)  # type: ignore[attr-defined]
     all_stats = []
     for i, p in enumerate(prompts):
