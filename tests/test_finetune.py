@@ -731,6 +731,9 @@ def test_a_resume_on_changed_data_is_refused(ws, tmp_path, capsys):
     assert main(["finetune", str(run), "--resume", "train.max_steps=4", "--no-progress"]) == 2
     err = capsys.readouterr().err
     assert "the data of" in err and "changed since its checkpoint" in err and "--overwrite" in err
+    # the dry run gives the refusal the run would give
+    assert main(["finetune", str(run), "--resume", "train.max_steps=4", "--dry-run"]) == 2
+    assert "changed since its checkpoint" in capsys.readouterr().err
     assert {f.name: f.read_bytes() for f in run.iterdir() if f.is_file()} == before
     # the records put back as they were (a new modification time): the same examples, resumed
     data.write_text("".join(data.read_text().splitlines(keepends=True)[:-1]))

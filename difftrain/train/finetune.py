@@ -435,7 +435,7 @@ def dry_run_finetune(
     records: dict[str, Any] = {}
     new_ids: list[int] = []
     if data_format == "instruction":
-        tokenizer, new_ids, _, records = instruction_data(plan, tokenizer)
+        tokenizer, new_ids, dm, records = instruction_data(plan, tokenizer)
     else:
         check_local_sources(r.data, r.recipe_dir)
         _read_first_documents(r)
@@ -455,6 +455,14 @@ def dry_run_finetune(
         plan, resume=r.train.resume if resume is None else resume, overwrite=overwrite, dry_run=True
     )
     if resuming:
+        if data_format == "instruction":
+            _check_resumed_data(point.path, _data_key(dm, None), plan.run_dir)
+        else:  # the shards the resume would read, where they are prepared already
+            from difftrain.data.shards import cached_index
+
+            index = cached_index(r.data, r.tokenizer, seed=r.seed, base_dir=r.recipe_dir)
+            if index is not None and index.get("fingerprint"):
+                _check_resumed_data(point.path, str(index["fingerprint"]), plan.run_dir)
         _check_resumed_adapter(plan)
     check_run_dir_creatable(plan.run_dir)
     return {
