@@ -928,6 +928,8 @@ def apply_overrides(data: dict[str, Any], overrides: list[str], folder: Path | N
         keys, value = parse_override(text)
         if len(keys) == 2 and keys[0] == "train" and keys[1] in LENGTH_KEYS:
             lengths[keys[1]] = value
+        elif keys == ["train"] and isinstance(value, dict):  # `train={max_tokens: 1e6}`
+            lengths.update({k: value[k] for k in LENGTH_KEYS if k in value})
         text_kind = None if isinstance(value, str) else _text_key(keys)
         if text_kind is not None:
             # a text key takes the text as typed: name=2024-01-01, description=Run: small,

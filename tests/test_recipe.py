@@ -574,6 +574,8 @@ def test_the_runs_length_is_the_one_asked_last_and_never_both(tmp_path):
     r = load_recipe(parent, ["train.max_tokens=1000"])
     assert r.train.max_tokens == 1000 and r.train.max_steps is None
     assert load_recipe(child, ["train.max_steps=7"]).train.max_tokens is None  # and back
+    r = load_recipe(parent, ["train={max_tokens: 1000}"])  # the section form merges alike
+    assert r.train.max_tokens == 1000 and r.train.max_steps is None and r.train.micro_batch_size == 2
     with pytest.raises(RecipeError, match="max_steps=5 and max_tokens=1000 are both set"):
         load_recipe(parent, ["train.max_steps=5", "train.max_tokens=1000"])
     both = write(tmp_path, MINIMAL.replace("max_steps: 3", "max_steps: 3\n  max_tokens: 1000"), "both.yaml")
