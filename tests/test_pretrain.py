@@ -885,6 +885,16 @@ def test_a_resuming_dry_run_gives_the_resumes_warnings(workspace, capsys):
         in err
     )
     assert newest.read_bytes() == bytes(data)  # the dry run writes nothing
+    # resumed from the run's own recipe (its vocab_size resolved to the trained tokenizer's):
+    # no warning about the size a tokenizer still to be trained might reach
+    recipe = yaml.safe_load((run / "recipe.yaml").read_text())
+    recipe["model"]["vocab_size"] = 300  # (as a run whose tokenizer came out smaller than asked)
+    recipe["tokenizer"]["train"]["vocab_size"] = 4096
+    (run / "recipe.yaml").write_text(yaml.safe_dump(recipe))
+    code = main(["pretrain", str(run), "--dry-run", "--resume", "train.max_steps=6"])
+    err = capsys.readouterr().err
+    assert code == 0, err
+    assert "may have up to" not in err
 
 
 def test_a_run_directory_another_process_trains_into_is_refused_and_left_alone(workspace, capsys):

@@ -141,7 +141,7 @@ def pretrain_command(
             overwrite=overwrite,
             dry_run=True,
         )
-        warnings = _check_inputs(plan.recipe) + dry_run_warnings(plan, point)
+        warnings = _check_inputs(plan.recipe, resuming) + dry_run_warnings(plan, point)
         data = _check_cached_data(plan)
         shared = dry_run_rows(plan, resuming, point, overwrite)
         m, t, o = plan.recipe.model, plan.recipe.train, plan.recipe.optim
@@ -224,11 +224,17 @@ def _check_vocab(r: Any, size: int) -> str | None:
     )
 
 
-def _check_inputs(r: Any) -> list[str]:
+def _check_inputs(r: Any, resuming: bool = False) -> list[str]:
     """The dry run's checks beyond `check_files` (which ran first): the tokenizer file loads and
-    fits model.vocab_size, and a run over several nodes has a launcher. Returns the warnings."""
+    fits model.vocab_size, and a run over several nodes has a launcher. Returns the warnings. A
+    resume's tokenizer is the run's own, trained already and fitting its model: no warning about
+    the size a tokenizer still to be trained might reach."""
     from difftrain.plan import tokenizer_size
     from difftrain.train.distributed import require_node_launcher
+
+    if resuming:
+        require_node_launcher(r.train.num_nodes)
+        return []
 
     warning = _check_vocab(r, tokenizer_size(r))  # loads tokenizer.path, if the recipe names one
 
