@@ -109,10 +109,12 @@ def _paths_read_elsewhere(src: Path, target: Path) -> list[str]:
     old, new = src.resolve().parent, target.resolve().parent
     if old == new or old == shipped_recipes_dir().resolve():
         return []
-    moved: list[str] = []
     parent = _extends(src)  # `extends: ../base.yaml` is read against the recipe's folder too
     if parent is not None and _find(parent, old) != _find(parent, new):
-        moved.append(f"extends: {parent}")
+        # the copy reads another parent, or none: that is the path to fix (the parent's own
+        # paths are read against the parent's folder, which the copy does not change)
+        return [f"extends: {parent}"]
+    moved: list[str] = []
     try:
         here = load_recipe(src)
     except DifftrainError:
