@@ -150,6 +150,12 @@ def test_recipes_cp_of_a_recipe_file_says_which_relative_paths_now_name_somethin
     err = " ".join(capsys.readouterr().err.split())
     assert "reads extends: ../r.yaml relative to its own folder" in err
     assert "(and " not in err  # the parent's own data paths are not the copy's to fix
+    (tmp_path / "proj" / "sibling.yaml").write_text("extends: r.yaml\nname: s\n")  # next to its parent
+    assert (
+        main(["recipes", "cp", str(tmp_path / "proj" / "sibling.yaml"), str(tmp_path / "y" / "s.yaml")]) == 0
+    )
+    err = " ".join(capsys.readouterr().err.split())
+    assert "reads extends: r.yaml relative to its own folder" in err and "(and " not in err
     (tmp_path / "proj" / "sub" / "shipped.yaml").write_text("extends: quickstart\nname: s\n")
     assert (
         main(
