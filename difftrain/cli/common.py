@@ -135,9 +135,17 @@ def data_progress() -> Iterator[DataBars]:
         bars.stop()
 
 
-def oom_advice(recipe: Any, *, finetune: bool = False) -> str:
-    """The message for CUDA running out of memory: the changes `plan` would weigh, with this
-    recipe's numbers (a micro-batch that divides the old one so global_batch_size can stay)."""
+def cpu_out_of_memory(e: BaseException) -> bool:
+    """Whether `e` is torch's CPU allocator failing to allocate (`DefaultCPUAllocator: can't
+    allocate memory`), which torch raises as a RuntimeError, not an OutOfMemoryError."""
+    text = str(e)
+    return "can't allocate memory" in text or "DefaultCPUAllocator: not enough memory" in text
+
+
+def oom_advice(recipe: Any, *, finetune: bool = False, device: str = "GPU") -> str:
+    """The message for CUDA (or the CPU's allocator, `device` "CPU") running out of memory: the
+    changes `plan` would weigh, with this recipe's numbers (a micro-batch that divides the old one
+    so global_batch_size can stay)."""
     import importlib.util
 
     from difftrain.errors import DifftrainError
@@ -174,7 +182,7 @@ def oom_advice(recipe: Any, *, finetune: bool = False) -> str:
         else ""
     )
     return (
-        f"out of GPU memory (micro_batch_size {micro}{f' × seq_len {seq_len}' if seq_len else ''}); "
+        f"out of {device} memory (micro_batch_size {micro}{f' × seq_len {seq_len}' if seq_len else ''}); "
         "try, one at a time: "
         + "; ".join(tries)
         + estimate
@@ -344,3 +352,7 @@ def run_training(command: str, train: Any, recipe: Any, *, on_start: Any, **kwar
         raise typer.Exit(130 if stop.signum == signal.SIGINT else 143) from None
     except torch.OutOfMemoryError as e:
         raise DeviceError(oom_advice(recipe, finetune=command == "finetune")) from e
+    except RuntimeError as e:  # the CPU allocator's failure is a plain RuntimeError
+        if not cpu_out_of_memory(e):
+            raise
+        raise DeviceError(oom_advice(recipe, finetune=command == "finetune", device="CPU")) from e

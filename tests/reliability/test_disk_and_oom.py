@@ -155,3 +155,35 @@ def test_out_of_memory_at_the_first_step_prints_plan_style_advice(workspace, mon
     assert resume_point(run) is None
     monkeypatch.setattr(run_mod, "pretrain", real)
     assert main([*argv[:3], "train.micro_batch_size=2", "train.global_batch_size=8", "--overwrite"]) == 0
+
+
+def cpu_oom_at_first_step(step, loss):  # what torch's CPU allocator raises (a plain RuntimeError)
+    raise RuntimeError(
+        "[enforce fail at alloc_cpu.cpp:127] data. DefaultCPUAllocator: can't allocate memory: you tried "
+        "to allocate 402653184 bytes. Error code 12 (Cannot allocate memory)"
+    )
+
+
+def test_the_cpu_running_out_of_memory_gets_the_same_advice_not_a_traceback(workspace, monkeypatch, capsys):
+    import difftrain.train.run as run_mod
+
+    real = run_mod.pretrain
+    monkeypatch.setattr(
+        run_mod, "pretrain", lambda *a, **kw: real(*a, **kw, fault_hook=cpu_oom_at_first_step)
+    )
+    recipe = workspace(steps=4, save_every=2)
+    assert (
+        main(
+            [
+                "pretrain",
+                str(recipe),
+                "--no-progress",
+                "train.micro_batch_size=4",
+                "train.global_batch_size=8",
+            ]
+        )
+        == 2
+    )
+    err = flat(capsys.readouterr().err)
+    assert err.startswith("error: out of CPU memory (micro_batch_size 4 × seq_len 32)")
+    assert "Traceback" not in err and "alloc_cpu" not in err
