@@ -69,7 +69,10 @@ def main(argv: list[str] | None = None) -> int:
         for row in rows:
             table.add_row(*[str(c) for c in row])
         console.print(table)
-    stem = args.out_dir / f"bench-{result['device']['type']}-{mode_name}"
+    # the name `difftrain bench` gives: a run of some sections (--only) never replaces a whole run's
+    import torch
+
+    stem = args.out_dir / Path(opts.default_out(torch.device(result["device"]["type"]))).stem
     atomic_write_json(stem.with_suffix(".json"), result)
     atomic_write_text(stem.with_suffix(".md"), bench_markdown(result))
     console.print(f"wrote {stem}.json and {stem}.md in {result['seconds']:.0f} s")
