@@ -5,6 +5,7 @@ these machines are shared, the figures are whatever they are."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -255,3 +256,19 @@ def test_the_environment_record_reads_package_versions_without_importing_them():
 
     assert (bnb, lightning) == (metadata.version("bitsandbytes"), metadata.version("lightning"))
     assert not imported and "kernels-community" not in done.stderr
+
+
+def test_run_all_names_a_partial_result_apart_from_a_whole_runs(tmp_path):
+    """`make bench`'s script with --only must not replace the committed whole-run result."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "run_all", Path(__file__).parents[1] / "benchmarks" / "run_all.py"
+    )
+    run_all = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(run_all)
+    assert run_all.main(["--quick", "--threads", "1", "--only", "optimizer", "--out-dir", str(tmp_path)]) == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "bench-cpu-quick-optimizer.json",
+        "bench-cpu-quick-optimizer.md",
+    ]
