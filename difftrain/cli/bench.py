@@ -76,6 +76,12 @@ def bench_command(
         command="difftrain bench " + " ".join(sys.argv[2:] if sys.argv[1:2] == ["bench"] else sys.argv[1:]),
     )
     opts.check()  # before torch loads: a mistyped option is answered at once
+    if out is not None:  # a result that cannot be written is refused before minutes of measuring
+        from difftrain.io import uncreatable_reason
+
+        why = "it is a folder" if out.is_dir() else uncreatable_reason(out.parent)
+        if why is not None:
+            raise ConfigError(f"--out {out}: cannot write the result there ({why}); choose a file path")
     dev = opts.resolved_device()
     if dev.type != "cuda" and precision == "16-mixed":  # as pretrain refuses it
         from difftrain.errors import DeviceError
