@@ -222,7 +222,8 @@ class Session:
         self.run, self.gen, self.style = run, gen, style
         self.num_samples, self.seed, self.batch_size = num_samples, seed, batch_size
         self.rows_done = 0  # seeds keep advancing across interactive turns
-        self.compile_noted = False  # the first figures of a --compile session include compiling
+        # torch.compile's graphs so far in this process: figures that include a (re)compile say so
+        self.graphs_seen = _compiled_graphs() if gen.compile else 0
         self.stop_reason = _REASONS["stop"]  # what the footer calls a stop (chat: the reply's end marker)
 
     def encode(self, prompt: Prompt) -> tuple[str, list[int]]:
@@ -307,8 +308,10 @@ class Session:
     def _footer(self, results: list[dict[str, Any]], seconds: float) -> None:
         tokens = sum(r["completion_tokens"] for r in results)
         compiling = ""
-        if self.gen.compile and not self.compile_noted:  # the first decode step compiled it
-            compiling, self.compile_noted = " (incl. compiling the decode step)", True
+        if self.gen.compile:  # a new prompt length or batch shape compiles the decode step again
+            graphs = _compiled_graphs()
+            if graphs > self.graphs_seen:
+                compiling, self.graphs_seen = " (incl. compiling the decode step)", graphs
         parts = [
             f"{tokens} tokens",
             f"{seconds:.2f} s{compiling}",
@@ -335,6 +338,15 @@ _REASONS = {
     "length": "--max-new-tokens",
     "context": "context full",
 }
+
+
+def _compiled_graphs() -> int:
+    """How many graphs torch.compile has made in this process (0 where it made none)."""
+    try:
+        from torch._dynamo.utils import counters
+    except ImportError:
+        return 0
+    return int(counters["stats"].get("unique_graphs", 0))
 
 
 def _result(c: Any, row: Row) -> dict[str, Any]:
@@ -625,9 +637,10 @@ def _sampling_config(temperature, top_k, top_p, min_p, repetition_penalty, greed
 
 
 COMPILE_HELP = (
-    "Run the decode step under torch.compile: the first reply waits for the compilation (seconds to "
-    "tens of seconds), later tokens come faster (about 1.1× on CPU in difftrain bench). Needs a C++ compiler "
-    "on CPU, Triton on CUDA."
+    "Run the decode step under torch.compile: each new prompt length (or batch shape) waits for a compilation "
+    "(seconds to tens of seconds; its footer says so), then tokens come faster (about 1.1× on CPU in "
+    "difftrain bench): worth it for long or many same-length generations. Needs a C++ compiler on CPU, "
+    "Triton on CUDA."
 )
 
 
