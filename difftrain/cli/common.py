@@ -300,7 +300,7 @@ def peak_memory(summary: dict[str, Any]) -> str:
     """The end table's peak-memory cell ("—" where a figure was not measured)."""
     rss = summary.get("peak_rss_mb")
     gpu = summary.get("peak_gpu_mem_mb")
-    return ("RSS —" if rss is None else f"RSS {rss:.0f} MB") + (f" · GPU {gpu:.0f} MB" if gpu else "")
+    return ("RSS —" if rss is None else f"RSS {rss:.0f} MiB") + (f" · GPU {gpu:.0f} MiB" if gpu else "")
 
 
 def report_finished(result: Any, command: str) -> None:
