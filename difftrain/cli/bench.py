@@ -24,7 +24,9 @@ def bench_command(
     threads: int = typer.Option(None, "--threads", help="torch.set_num_threads (default: torch's choice)."),
     reps: int = typer.Option(None, "--reps", help="Timed repetitions per figure (default: the mode's)."),
     compile: bool = typer.Option(
-        None, "--compile/--no-compile", help="Time torch.compile variants (default: on with --full or CUDA)."
+        None,
+        "--compile/--no-compile",
+        help="Time torch.compile variants (default: none with --quick; on CUDA all; on CPU the decode step, and the training step too with --full).",
     ),
     precision: str = typer.Option(
         None,
