@@ -531,7 +531,8 @@ def test_eval_unknown_suite_suggests_the_closest_name(runs, capsys):
             ["--suite", "needle", "--lengths", "10", "--needles", "1x1"],
             "--lengths 10 is too short for 1 needle:",
         ),
-        (["--suite", "attention", "--lengths", "1000"], "with 4 needles: a haystack"),
+        # the default 4 needles do not fit: with 1, the length is what does not fit, and is named
+        (["--suite", "attention", "--lengths", "1000"], "attention: --lengths 1000 does not fit"),
         (["--suite", "attention", "--needles", "1x1", "--lengths", "1000"], "--lengths 1000 does not fit"),
     ],
 )
