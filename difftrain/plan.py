@@ -837,6 +837,7 @@ class RecipePlan:
     activation_table: list[dict[str, Any]]
     kv_cache: int
     generation_bytes: int
+    generation_dtype: str = "float32"  # what `generate --dtype auto` uses on the target
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -844,6 +845,7 @@ class RecipePlan:
             "activation_table": self.activation_table,
             "kv_cache_bytes": self.kv_cache,
             "generation_bytes": self.generation_bytes,
+            "generation_dtype": self.generation_dtype,
             "suggestions": [
                 {
                     "overrides": s.overrides,
@@ -958,10 +960,12 @@ def plan_recipe(recipe: Any, target: Target) -> RecipePlan:
     plan = plan_memory(config, settings, target, params, method=method)
     plan.notes[:0] = notes
     suggestions = [] if plan.fits else suggest(config, settings, target, params, method=method)
-    kv = kv_cache_bytes(config)
-    gen_bytes = int(sum(p.numel for p in params) * 4 + kv + config.vocab_size * 4)  # type: ignore[operator]
+    # generation as `generate --dtype auto` runs it: bf16 on a GPU, fp32 on the CPU (logits fp32)
+    dtype, width = ("bfloat16", 2) if target.kind == "cuda" else ("float32", 4)
+    kv = kv_cache_bytes(config, dtype_bytes=width)
+    gen_bytes = int(sum(p.numel for p in params) * width + kv + config.vocab_size * 4)  # type: ignore[operator]
     table = activation_table(config, settings, target) if method == "full" else []
-    return RecipePlan(plan, suggestions, table, kv, gen_bytes)
+    return RecipePlan(plan, suggestions, table, kv, gen_bytes, dtype)
 
 
 def fit_warning(recipe: Any, accelerator: str) -> str | None:

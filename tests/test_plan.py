@@ -284,6 +284,16 @@ def test_plan_cli_json_reports_the_breakdown_and_suggestions(capsys):
     assert data["bytes"]["weights"] == 4 * data["params"]
     assert data["suggestions"] and all(s["device_need"] <= 8 * GiB for s in data["suggestions"])
     assert {r["arch"] for r in data["activation_table"]} == {"baseline", "diff", "diff2"}
+    # generation as `generate --dtype auto` runs it on a GPU: bf16 weights and KV cache (logits fp32)
+    assert data["generation_dtype"] == "bfloat16"
+    vocab = data["model"]["vocab_size"]
+    assert data["generation_bytes"] == 2 * data["params"] + data["kv_cache_bytes"] + 4 * vocab
+    code, out, _ = plan_cli(capsys, "quickstart", "--device", "cpu", "--json")
+    cpu = json.loads(out)
+    assert cpu["generation_dtype"] == "float32"
+    assert (
+        cpu["generation_bytes"] == 4 * cpu["params"] + cpu["kv_cache_bytes"] + 4 * cpu["model"]["vocab_size"]
+    )
 
 
 @pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "ckpt"])

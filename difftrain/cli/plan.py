@@ -122,7 +122,8 @@ def _render(r: Any, rp: Any) -> None:
             act.add_row(arch + (" ◂" if arch == c.arch else ""), *cells)
         console.print(act)
     console.print(
-        f"generation (batch 1, {c.max_seq_len} tokens, fp32): weights + KV cache {fmt_bytes(rp.kv_cache)} "
+        f"generation (batch 1, {c.max_seq_len} tokens, {rp.generation_dtype}, as `generate` runs it there): "
+        f"weights + KV cache {fmt_bytes(rp.kv_cache)} "
         f"= {fmt_bytes(rp.generation_bytes)}"
     )
     for note in p.notes:
