@@ -448,6 +448,10 @@ class Recipe(_Section):
     def _safe_name(cls, v: str) -> str:
         if not v or v in (".", "..") or "/" in v or "\\" in v or "\x00" in v:
             raise ValueError("name must be a plain folder name (no '/', '..' or empty)")
+        if v.startswith("~"):  # a folder `runs/~`, which every shell command would read as home
+            raise ValueError(
+                f"name '{v}' starts with '~', which a shell reads as your home folder; choose another"
+            )
         if len(v.encode("utf-8")) > 255:  # it names the run's folder
             raise ValueError(
                 f"name is {len(v.encode('utf-8'))} bytes long, more than a folder name may be (255 bytes); shorten it"

@@ -644,3 +644,11 @@ def test_a_bare_star_in_a_list_override_says_to_quote_it(tmp_path):
         load_recipe(p, ["finetune.lora.target_modules=[*]"])
     fixed = str(e.value).split("quote the patterns: `")[1].split("`")[0]
     assert load_recipe(p, [fixed]).finetune.lora.target_modules == ["*"]
+
+
+def test_a_run_name_a_shell_would_read_as_home_is_refused(tmp_path):
+    p = write(tmp_path, MINIMAL)
+    for name in ("~", "~me"):
+        with pytest.raises(RecipeError, match="reads as your home folder"):
+            load_recipe(p, [f"name={name}"])
+    assert load_recipe(p, ["name=a~b"]).name == "a~b"
