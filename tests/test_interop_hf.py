@@ -369,6 +369,15 @@ def test_an_export_over_a_sharded_checkpoint_replaces_its_shards_and_imports_as_
     assert not (tmp_path / "hf" / "model.safetensors.index.json").exists()
     assert not any(p.exists() for p in shards)
     assert any("earlier sharded weights" in n for n in res.notes)
+    # a damaged index: the shards are found by the names transformers gives them
+    other.save_pretrained(tmp_path / "hf2", max_shard_size="40KB")
+    (tmp_path / "hf2" / "model.safetensors.index.json").write_text("{damaged")
+    shards2 = sorted((tmp_path / "hf2").glob("model-*.safetensors"))
+    export_hf(run, tmp_path / "hf2", overwrite=True)
+    assert (
+        not any(p.exists() for p in shards2)
+        and not (tmp_path / "hf2" / "model.safetensors.index.json").exists()
+    )
     import_hf(tmp_path / "hf", tmp_path / "back")
     ids = tokens(tok.vocab_size)
     with torch.no_grad():

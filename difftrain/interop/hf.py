@@ -753,18 +753,22 @@ def export_hf(
     return ExportResult(out, cls, config.arch, dtype, files, n, notes)
 
 
+SHARD_NAME = re.compile(r"model-\d+-of-\d+\.safetensors")
+"""How transformers names the shards of a sharded checkpoint (model-00001-of-00003.safetensors)."""
+
+
 def _stale_shards(out: Path) -> list[Path]:
     """In a folder an --overwrite export writes into: an earlier sharded checkpoint's index and the
-    shards it lists (inside the folder), which this export's model.safetensors replaces."""
+    shards it lists (inside the folder), which this export's model.safetensors replaces. Where the
+    index cannot be read, its shards are the files named as transformers names shards."""
     index = out / HF_INDEX
     if not index.is_file():
         return []
-    names: set[str] = set()
     try:
-        weight_map = json.loads(index.read_text(encoding="utf-8")).get("weight_map", {})
-        names = {str(n) for n in weight_map.values()} if isinstance(weight_map, dict) else set()
-    except (OSError, ValueError, AttributeError):
-        pass  # a damaged index goes all the same; its shards are then left
+        weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+        names = {str(n) for n in weight_map.values()}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):  # a damaged index
+        names = {p.name for p in out.iterdir() if SHARD_NAME.fullmatch(p.name)}
     shards = [out / n for n in sorted(names) if Path(n).name == n and n != WEIGHTS and (out / n).is_file()]
     return [index, *shards]
 
