@@ -203,6 +203,19 @@ def uncreatable_reason(folder: Path) -> str | None:
     return None
 
 
+def unwritable_file_reason(path: Path) -> str | None:
+    """Why a file at `path` (a path the user named for a result) cannot be written, judged without
+    writing anything: a folder is there, its folder cannot be made or written, or the file is
+    read-only; None when it can."""
+    path = Path(path)
+    if path.is_dir():
+        return f"{path} is a folder"
+    why = uncreatable_reason(path.parent)
+    if why is None and path.exists() and not os.access(path, os.W_OK):
+        why = f"{path} is not writable"
+    return why
+
+
 PSEUDO_FILESYSTEMS = frozenset(
     "proc sysfs cgroup cgroup2 devpts debugfs tracefs securityfs pstore bpf configfs fusectl "
     "mqueue binfmt_misc efivarfs autofs".split()

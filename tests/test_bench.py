@@ -191,7 +191,7 @@ def test_bench_cli_renders_markdown_and_refuses_bad_arguments(quick_result, tmp_
         (("--reps", "0"), "--reps 0 must be ≥ 1"),
         (("--precision", "fp8"), "--precision fp8 is unknown"),
         (("--precision", "16-mixed", "--device", "cpu"), "--precision 16-mixed needs a CUDA GPU"),
-        (("--out", str(tmp_path)), "cannot write the result there (it is a folder)"),
+        (("--out", str(tmp_path)), f"cannot write the result there ({tmp_path} is a folder)"),
     ):
         code, _, err = bench_cli(capsys, "--quick", "--only", "memory", *args)
         assert code == 2 and says in err and "Traceback" not in err, (args, err)

@@ -79,9 +79,9 @@ def bench_command(
     )
     opts.check()  # before torch loads: a mistyped option is answered at once
     if out is not None:  # a result that cannot be written is refused before minutes of measuring
-        from difftrain.io import uncreatable_reason
+        from difftrain.io import unwritable_file_reason
 
-        why = "it is a folder" if out.is_dir() else uncreatable_reason(out.parent)
+        why = unwritable_file_reason(out)
         if why is not None:
             raise ConfigError(f"--out {out}: cannot write the result there ({why}); choose a file path")
     dev = opts.resolved_device()

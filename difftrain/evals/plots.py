@@ -10,7 +10,6 @@ atomically.
 from __future__ import annotations
 
 import importlib.util
-import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -64,7 +63,7 @@ def figure_format(path: Path | str) -> str:
 def check_target(path: Path | str) -> None:
     """A figure path the user gave (compare --plot): its format known, and a file that can be
     written there — checked before anything is computed, so the table is not lost to it."""
-    from difftrain.io import uncreatable_reason
+    from difftrain.io import unwritable_file_reason
 
     figure_format(path)
     path = Path(path)
@@ -72,11 +71,9 @@ def check_target(path: Path | str) -> None:
         raise DifftrainError(
             f"the figure path {str(path)!r} is a folder; name a file in it, e.g. {path / 'compare.png'}"
         )
-    why = uncreatable_reason(path.parent)
-    if why is not None or (path.exists() and not os.access(path, os.W_OK)):
-        raise DifftrainError(
-            f"cannot write the figure {str(path)!r}: {why or f'{path} is not writable'}; choose another path"
-        )
+    why = unwritable_file_reason(path)
+    if why is not None:
+        raise DifftrainError(f"cannot write the figure {str(path)!r}: {why}; choose another path")
 
 
 def _save(fig: Any, path: Path | str) -> Path:
