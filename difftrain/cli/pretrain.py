@@ -25,21 +25,35 @@ from difftrain.cli.common import (
 )
 
 
+def _plan_rows(plan: Any) -> dict[str, str]:
+    """The rows the start table and the dry run share, from the plan's resolved recipe: model,
+    batch, steps, optimizer, precision."""
+    r = plan.recipe
+    m, t, o = r.model, r.train, r.optim
+    return {
+        "model": f"{m.arch} · d_model {m.d_model} · {plural(m.n_layers, 'layer')} · {plural(m.n_heads, 'head')}"
+        + (f" ({m.n_kv_heads} kv)" if m.n_kv_heads != m.n_heads else "")
+        + f" · head_dim {m.head_dim}",
+        "batch": f"{plan.global_batch_size} seq × {plan.seq_len} tok = {fmt_count(plan.tokens_per_step)} tok/step "
+        f"(micro {t.micro_batch_size} × accum {plan.accumulate} × devices {plan.world_size})",
+        "steps": f"{plan.max_steps} ({fmt_count(plan.max_steps * plan.tokens_per_step)} tokens)",
+        "optimizer": f"{o.name} · lr {o.lr:g} · {o.schedule} · warmup {o.warmup_steps}",
+        "precision": f"{t.precision} · compile {'on' if t.compile else 'off'} · attention {m.attn_impl}"
+        + (" · activation checkpointing" if t.activation_checkpointing else ""),
+    }
+
+
 def _start_table(info: dict[str, Any]) -> None:
     plan, r, counts = info["plan"], info["recipe"], info["params"]
-    m, t = r.model, r.train
+    m = r.model
+    shared = _plan_rows(plan)
     rows = [
         (
             "run",
             str(info["run_dir"])
             + (f"  (resuming from step {info['resumed_from']})" if info["resumed_from"] else ""),
         ),
-        (
-            "model",
-            f"{m.arch} · d_model {m.d_model} · {plural(m.n_layers, 'layer')} · {plural(m.n_heads, 'head')}"
-            + (f" ({m.n_kv_heads} kv)" if m.n_kv_heads != m.n_heads else "")
-            + f" · head_dim {m.head_dim}",
-        ),
+        ("model", shared["model"]),
         ("parameters", " · ".join(f"{k} {fmt_count(v)}" for k, v in counts.items() if v)),
         *skipped_records_row(info["data"].stats.bad_records, prepared_bad_examples(info["data"])),
         *json_as_text_row(info["data"].stats),
@@ -48,21 +62,7 @@ def _start_table(info: dict[str, Any]) -> None:
             f"{m.vocab_size} (tokenizer {info['data'].tokenizer_path.name})"
             + vocab_shortfall(info["data"].stats.vocab_size, r.tokenizer, info["data"].stats.bytes),
         ),
-        (
-            "batch",
-            f"{plan.global_batch_size} seq × {plan.seq_len} tok = {fmt_count(plan.tokens_per_step)} tok/step "
-            f"(micro {t.micro_batch_size} × accum {plan.accumulate} × devices {plan.world_size})",
-        ),
-        ("steps", f"{plan.max_steps} ({fmt_count(plan.max_steps * plan.tokens_per_step)} tokens)"),
-        (
-            "optimizer",
-            f"{r.optim.name} · lr {r.optim.lr:g} · {r.optim.schedule} · warmup {r.optim.warmup_steps}",
-        ),
-        (
-            "precision",
-            f"{t.precision} · compile {'on' if t.compile else 'off'} · attention {m.attn_impl}"
-            + (" · activation checkpointing" if t.activation_checkpointing else ""),
-        ),
+        *((k, shared[k]) for k in ("batch", "steps", "optimizer", "precision")),
         ("device", info["device"]),
     ]
     console.print(kv_table("difftrain pretrain", rows))
@@ -144,29 +144,15 @@ def pretrain_command(
         warnings = _check_inputs(plan.recipe, resuming) + dry_run_warnings(plan, point)
         data = _check_cached_data(plan)
         shared = dry_run_rows(plan, resuming, point, overwrite)
-        m, t, o = plan.recipe.model, plan.recipe.train, plan.recipe.optim
-        rows = [  # as the run's start table shows them (the parameters need the tokenizer's size)
+        figures = _plan_rows(
+            plan
+        )  # as the run's start table shows them (its parameter counts need the tokenizer)
+        rows = [
             ("recipe", r.source),
             ("run", shared["run"]),
-            (
-                "model",
-                f"{m.arch} · d_model {m.d_model} · {plural(m.n_layers, 'layer')} · {plural(m.n_heads, 'head')}"
-                + (f" ({m.n_kv_heads} kv)" if m.n_kv_heads != m.n_heads else "")
-                + f" · head_dim {m.head_dim}",
-            ),
+            ("model", figures["model"]),
             ("data", data),
-            (
-                "batch",
-                f"{plan.global_batch_size} seq × {plan.seq_len} tok = {fmt_count(plan.tokens_per_step)} tok/step "
-                f"(micro {t.micro_batch_size} × accum {plan.accumulate} × devices {plan.world_size})",
-            ),
-            ("steps", f"{plan.max_steps} ({fmt_count(plan.max_steps * plan.tokens_per_step)} tokens)"),
-            ("optimizer", f"{o.name} · lr {o.lr:g} · {o.schedule} · warmup {o.warmup_steps}"),
-            (
-                "precision",
-                f"{t.precision} · compile {'on' if t.compile else 'off'} · attention {m.attn_impl}"
-                + (" · activation checkpointing" if t.activation_checkpointing else ""),
-            ),
+            *((k, figures[k]) for k in ("batch", "steps", "optimizer", "precision")),
             ("device", shared["device"]),
         ]
         console.print(kv_table("dry run: the recipe is valid", rows))
