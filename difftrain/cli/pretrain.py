@@ -218,13 +218,10 @@ def _check_inputs(r: Any, resuming: bool = False) -> list[str]:
     from difftrain.plan import tokenizer_size
     from difftrain.train.distributed import require_node_launcher
 
-    if resuming:
-        require_node_launcher(r.train.num_nodes)
-        return []
-
-    warning = _check_vocab(r, tokenizer_size(r))  # loads tokenizer.path, if the recipe names one
-
     require_node_launcher(r.train.num_nodes)
+    if resuming:
+        return []
+    warning = _check_vocab(r, tokenizer_size(r))  # loads tokenizer.path, if the recipe names one
     return [warning] if warning else []
 
 

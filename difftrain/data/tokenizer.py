@@ -17,6 +17,7 @@ names. `Tokenizer` is a small wrapper with the handful of operations training an
 from __future__ import annotations
 
 import codecs
+import functools
 import hashlib
 import json
 import os
@@ -106,21 +107,17 @@ class Tokenizer:
         self.bos_id: int = self.eos_id if bos is None else bos
         self.pad_id: int = self.eos_id if pad is None else pad
 
-    @property
+    @functools.cached_property
     def document_start_id(self) -> int:
         """The token a document starts after: the one token this tokenizer's post-processor puts
         before a text (an imported Llama's `<s>`: what that model saw first in training), else
         <|eos|> (difftrain's stream is `doc eos doc eos …`, so eos precedes every document)."""
-        cached = getattr(self, "_document_start", None)
-        if cached is None:
-            cached = self.eos_id
-            if self.tk.post_processor is not None:
-                plain = self.tk.encode("a", add_special_tokens=False).ids
-                full = self.tk.encode("a", add_special_tokens=True).ids
-                if len(full) > len(plain) and full[1 : 1 + len(plain)] == plain:
-                    cached = full[0]  # one token before the text (any after it is not a start)
-            self._document_start = cached
-        return cached
+        if self.tk.post_processor is not None:
+            plain = self.tk.encode("a", add_special_tokens=False).ids
+            full = self.tk.encode("a", add_special_tokens=True).ids
+            if len(full) > len(plain) and full[1 : 1 + len(plain)] == plain:
+                return full[0]  # one token before the text (any after it is not a start)
+        return self.eos_id
 
     def _find(self, names: Sequence[str]) -> int | None:
         for name in names:

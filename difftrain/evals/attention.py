@@ -129,7 +129,6 @@ def run(run: Run, opts: EvalOptions, progress: Progress = _no_progress) -> Suite
         all_stats.append(s)
         progress(i + 1, len(prompts))
     stats = np.stack(all_stats)  # (prompts, layers, 6)
-    names = NAMES
 
     def value(x: float) -> float | None:  # a share no row could give (every total ≤ 0): null
         return float(x) if np.isfinite(x) else None
@@ -138,9 +137,9 @@ def run(run: Run, opts: EvalOptions, progress: Progress = _no_progress) -> Suite
         per_layer = stats[sel].mean(axis=0)  # (layers, 6)
         avg = per_layer.mean(axis=0)
         return {
-            **{n: value(avg[k]) for k, n in enumerate(names)},
+            **{n: value(avg[k]) for k, n in enumerate(NAMES)},
             "per_layer": [
-                {"layer": li, **{n: value(per_layer[li, k]) for k, n in enumerate(names)}}
+                {"layer": li, **{n: value(per_layer[li, k]) for k, n in enumerate(NAMES)}}
                 for li in range(len(per_layer))
             ],
         }
@@ -153,7 +152,7 @@ def run(run: Run, opts: EvalOptions, progress: Progress = _no_progress) -> Suite
         "map": {"baseline": "softmax", "diff": "A1 - lambda*A2", "diff2": "A_2i - sigmoid(lambda)*A_2i+1"}[
             run.config.arch
         ],  # type: ignore[attr-defined]
-        **{n: overall[n] for n in names},
+        **{n: overall[n] for n in NAMES},
         "per_layer": overall["per_layer"],
         "by_depth": by_depth,
         "prompts": len(prompts),

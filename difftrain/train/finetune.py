@@ -338,9 +338,9 @@ DATA_STATE_KEY = "DataFingerprint"
 
 
 def data_fingerprint_callback(key: str) -> Any:
-    """A callback whose state in every checkpoint is the fingerprint of the fine-tune's data (its
-    sources' real paths, sizes and modification times, as the shard cache keys them): a resume on
-    other records would continue another run, which `_check_resumed_data` refuses."""
+    """A callback whose state in every checkpoint is `key`, the fingerprint of the fine-tune's data
+    (`_data_key`): a resume on other data would continue another run, which `_check_resumed_data`
+    refuses."""
     import lightning as L
 
     class DataFingerprint(L.Callback):
@@ -366,7 +366,7 @@ def _data_key(dm: Any, prepared: Any) -> str:
     import numpy as np
 
     if prepared is not None:
-        return str(prepared.index.get("fingerprint") or prepared.cache_dir.name)
+        return _text_data_key(prepared.index)
     h = hashlib.sha256()
     for examples in (dm.train_examples, dm.val_examples):
         for ids, targets in examples:
@@ -374,6 +374,12 @@ def _data_key(dm: Any, prepared: Any) -> str:
             h.update(np.asarray(targets, dtype=np.int64).tobytes())
         h.update(b"|")
     return h.hexdigest()
+
+
+def _text_data_key(index: dict[str, Any]) -> str:
+    """A plain-text fine-tune's data key: its shards' sources fingerprint, from their index.json
+    (the run and its dry run read it alike)."""
+    return str(index.get("fingerprint", ""))
 
 
 def _check_resumed_data(checkpoint: Path, key: str, run_dir: Path) -> None:
@@ -461,8 +467,8 @@ def dry_run_finetune(
             from difftrain.data.shards import cached_index
 
             index = cached_index(r.data, r.tokenizer, seed=r.seed, base_dir=r.recipe_dir)
-            if index is not None and index.get("fingerprint"):
-                _check_resumed_data(point.path, str(index["fingerprint"]), plan.run_dir)
+            if index is not None:
+                _check_resumed_data(point.path, _text_data_key(index), plan.run_dir)
         _check_resumed_adapter(plan)
     check_run_dir_creatable(plan.run_dir)
     return {
