@@ -161,11 +161,9 @@ def _nearest_existing(path: Path) -> Path:
     (longer than it allows) counts as missing."""
     p = path.absolute()
     while p != p.parent:
-        try:
+        with contextlib.suppress(OSError):  # ENAMETOOLONG: no such file can exist either
             if p.exists() or p.is_symlink():
                 break
-        except OSError:  # ENAMETOOLONG: no such file can exist either
-            pass
         p = p.parent
     return p
 

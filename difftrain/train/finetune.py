@@ -351,8 +351,9 @@ def data_fingerprint_callback(key: str) -> Any:
         def state_dict(self) -> dict[str, Any]:
             return {"data": key}
 
-        def load_state_dict(self, state: dict[str, Any]) -> None:  # checked before the resume starts
-            pass
+        def load_state_dict(self, state: dict[str, Any]) -> None:
+            """Nothing to restore: a resume compares the saved key before it starts
+            (`_check_resumed_data`)."""
 
     return DataFingerprint()
 
