@@ -18,7 +18,9 @@ Sections (each may be run alone with `--only`):
 
 How it measures. Every comparison runs its candidates round-robin (A B C A B C …) after a
 warm-up, so a change of load on a shared machine hits all of them alike; each figure is the
-median over repetitions, and each ratio is the median of the per-repetition ratios (paired).
+median over repetitions, and each ratio is the median of the per-repetition ratios (paired);
+the per-repetition times are kept in the JSON (`wall_ms_reps`, `cpu_ms_reps`; the hf section's
+`reps`), so every figure can be recomputed and its spread seen.
 CPU time (all threads of this process) is reported next to wall time: on a machine shared with
 other jobs it is the steadier of the two. Read ratios, not absolute times.
 
@@ -231,6 +233,12 @@ def _summary(t: dict[str, list[float]]) -> dict[str, float]:
     return {"ms": 1e3 * statistics.median(t["wall"]), "cpu_ms": 1e3 * statistics.median(t["cpu"])}
 
 
+def _reps(t: dict[str, list[float]]) -> dict[str, list[float]]:
+    """The wall and CPU milliseconds of every repetition, in order: each median and paired ratio
+    of the result can be recomputed (and its spread seen) from the JSON alone."""
+    return {"wall_ms_reps": [1e3 * x for x in t["wall"]], "cpu_ms_reps": [1e3 * x for x in t["cpu"]]}
+
+
 @contextlib.contextmanager
 def diff_strategy(name: str | None) -> Iterator[None]:
     """Run the diff core through `kernels.DIFF_SDPA_STRATEGIES[name]` on every device, decode
@@ -381,6 +389,7 @@ def _attention_point(plan: Plan, dtype: torch.dtype, B: int, T: int, H: int, d: 
                 "impl": impl,
                 "mode": modes[key],
                 **_summary(t),
+                **_reps(t),
                 "vs_baseline": paired_ratio(ref["wall"], t["wall"]),
                 "vs_baseline_cpu": paired_ratio(ref["cpu"], t["cpu"]),
             }
@@ -520,6 +529,7 @@ def bench_train_step(plan: Plan, progress: Progress) -> dict[str, Any]:
                     else None,
                     "vs_baseline": paired_ratio(ref["wall"], t["wall"]),
                     "vs_baseline_cpu": paired_ratio(ref["cpu"], t["cpu"]),
+                    **_reps(t),
                 }
             )
         fns.clear()
@@ -744,6 +754,7 @@ def _train_vs_hf(ours: Any, hf: Any, shape: Shape, plan: Plan, progress: Progres
         "hf_tokens_per_s": shape.tokens / statistics.median(t["hf"]["wall"]),
         "speedup": paired_ratio(t["hf"]["wall"], t["ours"]["wall"]),
         "speedup_cpu": paired_ratio(t["hf"]["cpu"], t["ours"]["cpu"]),
+        "reps": {name: _reps(v) for name, v in t.items()},
     }
 
 
@@ -856,6 +867,7 @@ def _decode_vs_hf(ours: Any, hf: Any, plan: Plan, progress: Progress) -> dict[st
         "speedup": paired_ratio(t["hf"]["wall"], t["ours"]["wall"]),
         "speedup_cpu": paired_ratio(t["hf"]["cpu"], t["ours"]["cpu"]),
         "agreeing_tokens": same,
+        "reps": {name: _reps(v) for name, v in t.items()},
     }
 
 
@@ -892,6 +904,7 @@ def bench_optimizer(plan: Plan, progress: Progress) -> dict[str, Any]:
                 "optimizer": name,
                 "available": True,
                 **_summary(times[name]),
+                **_reps(times[name]),
                 "state_bytes": state,
                 "bytes_per_param": state / n,
                 "planned_state_bytes": optimizer_bytes(predicted_params, name),
@@ -973,6 +986,7 @@ def bench_decode(plan: Plan, progress: Progress) -> dict[str, Any]:
                 "cpu_ms_per_token": 1e3 * statistics.median(t["cpu"]) / n,
                 "vs_baseline": paired_ratio(times["baseline"]["wall"], t["wall"]),
                 "vs_baseline_cpu": paired_ratio(times["baseline"]["cpu"], t["cpu"]),
+                **_reps(t),
             }
         )
     return {"shape": shape.name, "prompt_tokens": 16, "rows": rows}

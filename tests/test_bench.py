@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from difftrain.bench import QUICKSTART, diff_strategy, make_plan, matched_config, run_bench
+from difftrain.bench import QUICKSTART, diff_strategy, make_plan, matched_config, paired_ratio, run_bench
 from difftrain.bench_report import SECTIONS, BenchOptions, bench_markdown, evaluate_targets, validate_result
 from difftrain.cli.app import main
 from difftrain.errors import ConfigError
@@ -235,6 +235,9 @@ def test_quick_bench_cli_runs_the_other_sections_and_writes_json(tmp_path, capsy
     assert [x["hf_class"] for x in hf["train"]] == ["LlamaForCausalLM", "DiffLlamaForCausalLM"]
     assert all(x["max_logit_diff"] < 1e-4 for x in hf["train"])  # same weights, same function
     assert all(x["agreeing_tokens"] >= 1 for x in hf["decode"])
+    for x in hf["train"] + hf["decode"]:  # the kept repetitions give back the paired speed-up
+        ours, theirs = x["reps"]["ours"], x["reps"]["hf"]
+        assert paired_ratio(theirs["wall_ms_reps"], ours["wall_ms_reps"]) == pytest.approx(x["speedup"])
     row = mem["rows"][0]
     assert row["measured_peak"] > 0 and row["estimated_peak"] > 0
     assert "Lightning Trainer vs a hand-written loop" in out
@@ -273,3 +276,32 @@ def test_run_all_names_a_partial_result_apart_from_a_whole_runs(tmp_path):
         "bench-cpu-quick-optimizer.json",
         "bench-cpu-quick-optimizer.md",
     ]
+
+
+def test_every_median_and_paired_ratio_is_recomputable_from_the_kept_repetitions(quick_result):
+    from statistics import median
+
+    sec = quick_result["sections"]
+    for name in ("attention", "train_step", "optimizer"):
+        for row in sec[name]["rows"]:
+            if row.get("available") is False:
+                continue
+            assert len(row["wall_ms_reps"]) == len(row["cpu_ms_reps"]) >= 1, name
+            assert median(row["wall_ms_reps"]) == pytest.approx(row["ms"], rel=1e-12), name
+            assert median(row["cpu_ms_reps"]) == pytest.approx(row["cpu_ms"], rel=1e-12), name
+    att = {(r["B"], r["T"], r["H"], r["d"], r["impl"], r["arch"]): r for r in sec["attention"]["rows"]}
+    for (B, T, H, d, impl, _), r in att.items():
+        ref = att[(B, T, H, d, impl.split(":")[0], "baseline")]
+        assert paired_ratio(ref["wall_ms_reps"], r["wall_ms_reps"]) == pytest.approx(r["vs_baseline"])
+    step = {r["variant"]: r for r in sec["train_step"]["rows"]}
+    for r in step.values():
+        ref = step[r["reference"]]
+        assert paired_ratio(ref["wall_ms_reps"], r["wall_ms_reps"]) == pytest.approx(r["vs_baseline"])
+        assert paired_ratio(ref["cpu_ms_reps"], r["cpu_ms_reps"]) == pytest.approx(r["vs_baseline_cpu"])
+    dec = {r["variant"]: r for r in sec["decode"]["rows"]}
+    for r in dec.values():
+        n = r["new_tokens"]
+        assert n / (median(r["wall_ms_reps"]) / 1e3) == pytest.approx(r["tokens_per_s"])
+        assert paired_ratio(dec["baseline"]["wall_ms_reps"], r["wall_ms_reps"]) == pytest.approx(
+            r["vs_baseline"]
+        )
