@@ -93,6 +93,12 @@ def test_bad_jsonl_line_names_file_and_line_unless_skipped_then_counted(tmp_path
     assert stats.bad_records == 4 and stats.documents == 2
     assert "line 3: record has no field 'text' (fields: txt); set text_field" in stats.bad_examples[1]
     assert "line 4: field 'text' is null" in stats.bad_examples[2]
+    # chat records in pretraining data: the message says who reads `messages` (a fine-tune)
+    f.write_text('{"text": "ok"}\n{"messages": [{"role": "user", "content": "hi"}]}\n')
+    with pytest.raises(
+        DataError, match=r"line 2: a chat record \(`messages`\), in data read as plain text.*finetune"
+    ):
+        read_one("d.jsonl", tmp_path)
     f.write_text('{"text": "ok"}\n{"body": "x"}\n')
     with pytest.raises(DataError, match=r"line 2: record has no field 'text' \(fields: body\)"):
         read_one("d.jsonl", tmp_path)

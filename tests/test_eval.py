@@ -825,7 +825,8 @@ def test_an_instruction_fine_tune_reads_instruction_records_on_data_through_its_
     # the same records on a run that is no instruction fine-tune: one line whose advice eval takes
     assert main(["eval", str(runs["baseline"]), "--suite", "ppl", "--data", str(chats)]) == 2
     err = _run_error(capsys)
-    assert "record has no field 'text' (fields: messages)" in err and "--text-field FIELD" in err
+    assert "a chat record (`messages`), and this run has no chat template: evaluate its chat fine-tune" in err
+    assert "--text-field FIELD" in err
     assert "set text_field" not in err and "on_bad_record" not in err
 
 

@@ -49,6 +49,11 @@ TEXT_SUFFIXES = frozenset(
 
 BadRecordPolicy = Literal["error", "skip"]
 _MAX_BAD_EXAMPLES = 5
+# a chat record (`messages`) in a source read as plain text: only a fine-tune renders chat turns
+CHAT_RECORD_AS_TEXT = (
+    "a chat record (`messages`), in data read as plain text documents: chat turns are read through a "
+    "chat template by `difftrain finetune` (finetune.base: the pretrained run); pretrain on text documents"
+)
 
 
 @dataclass
@@ -587,6 +592,9 @@ class Source:
     ) -> str | None:
         if name not in rec:
             have = ", ".join(sorted(map(str, rec))) or "none"
+            if key == "text_field" and isinstance(rec.get("messages"), list):
+                self._bad(stats, policy, f"{where}: {CHAT_RECORD_AS_TEXT}")
+                return None
             self._bad(
                 stats,
                 policy,

@@ -575,6 +575,8 @@ def holds_records(source: Any) -> bool:
 def _data_advice(e: DataError, label: str) -> DataError:
     """A DataError from reading the `--data` source called `label`, its advice (recipe settings
     of data.sources) put in eval's terms."""
+    from difftrain.data.sources import CHAT_RECORD_AS_TEXT
+
     field_hint = "; name the field to read with --text-field FIELD"
     record_hint = (
         "; an instruction fine-tune reads records with `messages`, or a prompt and a response, through "
@@ -582,6 +584,11 @@ def _data_advice(e: DataError, label: str) -> DataError:
     )
     text = str(e)
     for old, new in (
+        (
+            CHAT_RECORD_AS_TEXT,
+            "a chat record (`messages`), and this run has no chat template: evaluate its chat fine-tune "
+            "(`difftrain finetune` on this file), or read one field as plain text with --text-field FIELD",
+        ),
         (f"; set text_field: <field> on {label}", field_hint),
         (f"; set prompt_field: <field> on {label}", record_hint),
         (f"; set response_field: <field> on {label}", record_hint),
