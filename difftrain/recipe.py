@@ -547,6 +547,28 @@ def resolve_data_format(recipe: Recipe) -> str:
     return "instruction" if name.endswith((".jsonl", ".json", ".parquet")) else "text"
 
 
+def check_record_fields(recipe: Recipe) -> None:
+    """RecipeError for a source's prompt_field/response_field where the data is read as text
+    (pretraining, a `text` fine-tune): they would be ignored, and the run would read text_field."""
+    as_text = recipe.finetune is None or resolve_data_format(recipe) == "text"
+    if not as_text:
+        return
+    reads = "pretraining" if recipe.finetune is None else "a text fine-tune (finetune.data_format: text)"
+    for i, src in enumerate(recipe.data.sources):
+        # (a run's recipe.yaml spells every default out: only a changed field is refused)
+        given = [
+            k
+            for k in ("prompt_field", "response_field")
+            if getattr(src, k) != type(src).model_fields[k].default
+        ]
+        if given:
+            raise RecipeError(
+                f"data.sources[{i}] ({src.source}) sets {' and '.join(given)}, which only instruction records "
+                f"of a fine-tune use; {reads} reads each record's text_field ('{src.text_field}'): remove "
+                f"{' and '.join(given)}, or set text_field: <field> to read another field"
+            )
+
+
 def require_finetuning(recipe: Recipe) -> FinetuneConfig:
     """The recipe's finetune: section; RecipeError saying what to add (or which command trains
     it) when it has none (checked by `difftrain finetune` before torch loads)."""

@@ -197,3 +197,31 @@ def test_a_read_only_cache_that_holds_the_prepared_data_is_read(
             f"cannot use the cache folder {cache} (data.cache_dir): {cache} is not writable"
             in capsys.readouterr().err
         )
+
+
+def test_record_fields_that_text_reading_would_ignore_are_refused_before_torch_loads(
+    tmp_path: Path, cli_probe
+) -> None:
+    recipe = write_recipe(tmp_path)
+    runs = f"out_dir={tmp_path / 'runs'}"
+    corpus, extra = tmp_path / "corpus", tmp_path / "extra.jsonl"  # (overrides: from the current folder)
+    asks = f"data.sources=[{corpus}, {{source: {extra}, prompt_field: question}}]"
+    commands = [
+        ["prepare", str(recipe), asks, "--no-progress"],
+        ["pretrain", str(recipe), asks, runs, "--dry-run"],
+        ["pretrain", str(recipe), asks, runs],
+    ]
+    done = cli_probe(commands, tmp_path)
+    assert done.codes == [2, 2, 2] and done.loaded == [], done.stderr
+    errors = done.stderr.strip().splitlines()
+    assert len(errors) == 3 and all(
+        "data.sources[1] (" in e
+        and "extra.jsonl) sets prompt_field, which only instruction records of a "
+        "fine-tune use; pretraining reads each record's text_field ('text')"
+        in e
+        for e in errors
+    ), errors
+    assert not (tmp_path / "runs").exists() and not (tmp_path / "cache").exists()
+    # the defaults spelled out (as a run's recipe.yaml has them) are no mistake
+    spelled = f"data.sources=[{corpus}, {{source: {extra}, prompt_field: prompt, response_field: response}}]"
+    assert main(["prepare", str(recipe), spelled, "--no-progress"]) == 0

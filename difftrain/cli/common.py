@@ -227,11 +227,12 @@ def check_files(r: Any) -> None:
     from difftrain.data.sources import check_local_sources
     from difftrain.data.tokenizer import tokenizer_file
     from difftrain.io import check_run_dir_creatable
-    from difftrain.recipe import resolve_data_format
+    from difftrain.recipe import check_record_fields, resolve_data_format
     from difftrain.rundir import base_run_dir
 
     if r.finetune is not None:
         base_run_dir(r.finetune)
+    check_record_fields(r)
     check_local_sources(r.data, r.recipe_dir)
     tok = r.tokenizer.file(r.recipe_dir) if r.finetune is None else None  # (a fine-tune: its base's)
     if tok is not None:

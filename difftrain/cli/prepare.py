@@ -80,7 +80,7 @@ def prepare_command(
     to check the data (counts, bad records, tokens per byte) before training.
     """
     from difftrain.data.shards import prepare_data
-    from difftrain.recipe import load_recipe
+    from difftrain.recipe import check_record_fields, load_recipe
 
     r = load_recipe(recipe, overrides or [])
     if r.finetune is not None:  # its data needs the base run's tokenizer and the finetune checks
@@ -93,6 +93,7 @@ def prepare_command(
             f"with the base run's tokenizer when the fine-tune starts; check it with `difftrain finetune "
             f"{shlex.quote(recipe)} --dry-run` (records, bad records, truncation)"
         )
+    check_record_fields(r)
     if progress:
         with data_progress() as update:
             prepared = prepare_data(r.data, r.tokenizer, seed=r.seed, base_dir=r.recipe_dir, progress=update)
