@@ -322,8 +322,12 @@ def test_chat_records_are_read_from_parquet_and_hf_datasets_as_from_jsonl(tmp_pa
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    chats = [
-        {"messages": [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": f"a{i}"}]}
+    chats = [  # as UltraChat has them: the first user turn repeated as `prompt`, and no `response`
+        {
+            "prompt": f"q{i}",
+            "prompt_id": f"{i}",
+            "messages": [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": f"a{i}"}],
+        }
         for i in range(3)
     ]
     pq.write_table(pa.Table.from_pylist(chats), tmp_path / "c.parquet")
@@ -333,6 +337,7 @@ def test_chat_records_are_read_from_parquet_and_hf_datasets_as_from_jsonl(tmp_pa
         (src,) = resolve_sources(DataConfig(sources=[source]), tmp_path)
         records = list(src.records(SourceStats(src.spec.source)))
         assert [r["messages"] for r in records] == [c["messages"] for c in chats], source
+        assert not any("prompt" in r for r in records), source  # a chat record: not a half prompt/response
     # neither prompt/response nor messages: the message names both ways to fix it
     pq.write_table(pa.table({"q": ["x"]}), tmp_path / "n.parquet")
     (src,) = resolve_sources(DataConfig(sources=["n.parquet"]), tmp_path)

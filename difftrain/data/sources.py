@@ -736,7 +736,11 @@ class Source:
     ) -> Iterator[dict[str, Any]]:
         pf, rf = self.spec.prompt_field, self.spec.response_field
         for where, rec in self._records([pf, rf], stats, policy):
-            if pf not in rec and "messages" in rec:  # a chat record, rendered by the chat template
+            # a chat record, rendered by the chat template: `messages` without a whole prompt/response
+            # pair (chat datasets often keep the first user turn as `prompt` too, e.g. UltraChat), as
+            # a table source's columns are chosen (`_columns_read`)
+            if "messages" in rec and not (pf in rec and rf in rec):
+                rec = {k: v for k, v in rec.items() if k not in ("prompt", "response")}
                 if not (
                     isinstance(rec["messages"], list) and all(isinstance(m, dict) for m in rec["messages"])
                 ):
