@@ -688,18 +688,27 @@ def test_dry_run_of_a_run_that_grew_its_vocabulary_resumes_it(ws, tmp_path, caps
     assert main(["finetune", str(p), "--dry-run", "--overwrite"]) == 0
     assert "replaces the run there" in capsys.readouterr().out
     assert _snapshot(run) == before
-    # the run itself refuses the same before it reads its data or loads Lightning (the records
-    # took 20 s to tokenize before the run folder was looked at), the grown vocabulary not
-    # mistaken for another run
+    # the run itself refuses the same before it reads its data or loads torch (the records took
+    # 20 s to tokenize before the run folder was looked at, torch 3-8 s more), the grown
+    # vocabulary not mistaken for another run
+    other = tmp_path / "runs" / "other"
+    other.mkdir()
     done = cli_probe(
-        [["finetune", str(p)], ["finetune", str(p), "--resume", "finetune.lora.rank=8"]],
+        [
+            ["finetune", str(p)],
+            ["finetune", str(p), "--resume", "finetune.lora.rank=8"],
+            ["finetune", str(p), "--resume", "--overwrite"],
+            ["finetune", str(p), "--resume", "name=other"],
+        ],
         tmp_path,
-        modules=("lightning",),
+        modules=("torch", "lightning"),
     )
-    assert done.codes == [2, 2] and done.loaded == [], done.stderr
+    assert done.codes == [2, 2, 2, 2] and done.loaded == [], done.stderr
     errors = done.stderr.strip().splitlines()
     assert "already holds a run; continue it with --resume" in errors[0]
     assert "holds a different run (finetune.lora.rank differs)" in errors[1]
+    assert "--overwrite and --resume contradict each other" in errors[2]
+    assert "other holds no run yet; start it without resuming" in errors[3]
     assert _snapshot(run) == before
 
 

@@ -179,6 +179,9 @@ def finetune_command(
     r = load_recipe(recipe, overrides or [])  # before torch loads: a typo fails at once
     require_finetuning(r)
     check_files(r)  # and so does a missing base run, data file or unwritable folder
+    from difftrain.train.runcheck import early_check
+
+    early_check(r, resume=resume, overwrite=overwrite)  # and the run folder's refusals
     from difftrain.train.finetune import finetune
 
     if dry_run:

@@ -71,13 +71,14 @@ def recipe_differences(
     unresolved: bool = False,
     ignore: frozenset[str] = frozenset(),
 ) -> list[str]:
-    """Dotted keys whose values differ, ignoring those a resume may change and `ignore`.
+    """Dotted keys whose values differ, ignoring those a resume may change and `ignore` (keys, or
+    sections: "model" ignores every model.* key).
     `unresolved`: `new` is a recipe whose machine-dependent `auto` values are not resolved yet
     (`early_check`), and a key set to auto there is not counted as a difference."""
     a, b = _flatten(old), _flatten(new)
     diffs = []
     for k in sorted(set(a) | set(b)):
-        if k in ignore or any(k == r or k.startswith(r + ".") for r in RESUMABLE_CHANGES):
+        if any(k == r or k.startswith(r + ".") for r in (*RESUMABLE_CHANGES, *ignore)):
             continue
         va, vb = a.get(k), b.get(k)
         if isinstance(va, list):
@@ -226,6 +227,13 @@ def check_run_dir(
         ),
         key=len,
     )
+    old_ft = old.get("finetune") if isinstance(old, dict) else None
+    if "finetune.base" in diffs and recipe.finetune is not None and isinstance(old_ft, dict):
+        raise RunDirError(
+            f"{run_dir} was fine-tuned from {old_ft.get('base')}, not finetune.base={recipe.finetune.base}: a "
+            "different base makes a different run; resume it from its base, fine-tune the new base into "
+            "another `name`, or replace the run with --overwrite"
+        )
     if diffs:  # resuming with these settings is refused: name the command that resumes the run
         command = "finetune" if recipe.finetune is not None else "pretrain"
         raise RunDirError(
@@ -234,7 +242,14 @@ def check_run_dir(
             "or choose another `name`"
         )
     if early and (batch is None or _has_auto(recipe)):
-        return None  # the same run as far as can be told before the machine is known
+        if recipe.finetune is None or resume is not False:
+            return None  # the same run as far as can be told before the machine is known
+        # a fine-tune's run again without --resume: said before torch loads (its global batch,
+        # if that changed too, is compared when it resumes)
+        raise RunDirError(
+            f"{run_dir} already holds a run; continue it with --resume, start again with --overwrite, "
+            "or choose another `name`"
+        )
     old_global = _global_batch(old)
     if batch is not None and old_global is not None and old_global != batch[0]:
         global_bs, micro, world, accumulate = batch
@@ -275,7 +290,17 @@ def early_check(recipe: Recipe, *, resume: bool | None, overwrite: bool) -> None
     --resume with nothing to resume). On a machine without a GPU (`no_cuda_here`) the recipe's
     auto values resolve as `plan_run` resolves them there, and the check is the full one up to
     the checkpoints. Decides nothing else and writes nothing."""
-    if recipe.finetune is not None:  # its model and tokenizer come from the base run, read later
+    if recipe.finetune is not None:  # its model and tokenizer come from the base run, read later:
+        # the folder's refusals that do not depend on them (in use, --resume with nothing to
+        # resume, a model made by import or merge, another run there, the run's own command again)
+        check_run_dir(
+            recipe,
+            resume=recipe.train.resume if resume is None else resume,
+            overwrite=overwrite,
+            batch=None,
+            early=True,
+            ignore=frozenset({"model", "tokenizer"}),
+        )
         return
     from difftrain.train.devicecheck import check_loggers, early_device_check
 
