@@ -19,9 +19,9 @@ import time
 from collections.abc import Callable
 
 import torch
-from rich.console import Console
 from rich.table import Table
 
+from difftrain.cli.common import WideWhenPiped
 from difftrain.model import gemm
 
 
@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"{flops / t_dnn / 1e9:.0f}",
                 f"{t_ref / t_dnn:.2f}×",
             )
-    console = Console(width=130)
+    console = WideWhenPiped()  # piped or to a file: no cell cropped
     console.print(table)
     console.print(
         f"all products: torch {totals['torch'] * 1e3:.1f} ms, oneDNN {totals['onednn'] * 1e3:.1f} ms, "

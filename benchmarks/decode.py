@@ -191,8 +191,9 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(row)
         print(json.dumps(row), file=sys.stderr, flush=True)
 
-    from rich.console import Console
     from rich.table import Table
+
+    from difftrain.cli.common import WideWhenPiped  # piped or to a file: no cell cropped
 
     table = Table(
         title=f"greedy decode, {args.new_tokens} new tokens after {args.prompt_tokens} prompt tokens"
@@ -218,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{r['hf_agreeing_tokens']}/{args.new_tokens}" if "vs_hf" in r else "—",
         ]
         table.add_row(*cells)
-    Console().print(table)
+    WideWhenPiped().print(table)
     if args.hf and any("hf_s" not in r for r in rows):
         print(
             "transformers comparison skipped where transformers has no class for the arch (diff2)",

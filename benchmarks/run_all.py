@@ -33,11 +33,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out-dir", type=Path, default=ROOT / "benchmarks" / "results")
     args = ap.parse_args(argv)
 
-    from rich.console import Console
     from rich.table import Table
 
     from difftrain.bench import run_bench
     from difftrain.bench_report import SECTIONS, BenchOptions, bench_markdown, describe, tables
+    from difftrain.cli.common import WideWhenPiped
     from difftrain.errors import DifftrainError
     from difftrain.io import atomic_write_json, atomic_write_text
 
@@ -50,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
         threads=args.threads,
         command=f"python benchmarks/run_all.py {argv_s}".strip(),
     )
-    console = Console()
+    console = WideWhenPiped()  # piped or to a file: no cell cropped
     t0 = time.perf_counter()
 
     def progress(msg: str) -> None:
