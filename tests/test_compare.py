@@ -425,6 +425,22 @@ def test_compare_notes_results_measured_on_different_data_or_at_different_precis
         f"ppl: a-diff was evaluated in float32 and other in bfloat16; rerun `difftrain eval {other} --suite ppl "
         "--dtype float32` to compare them at one precision",
     ]
+    # the same sources split with another seed: other documents, and the note names the seeds
+    reseeded = tmp_path / "reseeded"
+    shutil.copytree(a, reseeded)
+    recipe = yaml.safe_load((reseeded / "recipe.yaml").read_text())
+    recipe["seed"] += 1
+    (reseeded / "recipe.yaml").write_text(yaml.safe_dump(recipe))
+    save_result(reseeded, evaluate(load_run(reseeded), "ppl", EvalOptions(windows=2)))
+    fraction = recipe["data"]["val_fraction"]
+    notes = [n for n in compare_runs([a, reseeded]).notes if n.startswith("ppl:")]
+    assert notes == [
+        f"ppl: a-diff and reseeded were measured on different data (the validation split of {a_corpus} "
+        f"(seed {recipe['seed'] - 1}, val_fraction {fraction:g}) vs the validation split of {a_corpus} "
+        f"(seed {recipe['seed']}, val_fraction {fraction:g})); to rank them on the same text, evaluate both on "
+        "one source neither trained on, `difftrain eval RUN --suite ppl --data PATH`, and compare the "
+        "`ppl@<label>` results",
+    ]
     # --show says the precision; the suggested rerun replaces the result, says so, and the note goes
     assert main(["eval", str(other), "--show", "--suite", "ppl"]) == 0
     assert " on cpu in bfloat16" in capsys.readouterr().out

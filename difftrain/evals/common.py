@@ -304,6 +304,8 @@ def same_data(a: dict[str, Any], b: dict[str, Any]) -> bool | None:
     sa, sb = a.get("settings") or {}, b.get("settings") or {}
     split_a, split_b = (s.get("data") or "validation" for s in (sa, sb))
     if isinstance(sa.get("sources"), list) and isinstance(sb.get("sources"), list):
+        if "split" in sa and "split" in sb and sa["split"] != sb["split"]:
+            return False  # the same sources, split with another seed or fraction: other documents
         return (split_a == "validation") == (split_b == "validation") and sa["sources"] == sb["sources"]
     ta, tb = ((d.get("results") or {}).get("source") for d in (a, b))
     if ta and tb:
@@ -313,12 +315,16 @@ def same_data(a: dict[str, Any], b: dict[str, Any]) -> bool | None:
     return None if split_a == "validation" else True
 
 
-def describe_data(doc: dict[str, Any]) -> str:
-    """What a result of a suite that reads text was measured on, for a message."""
+def describe_data(doc: dict[str, Any], with_split: bool = False) -> str:
+    """What a result of a suite that reads text was measured on, for a message; `with_split`:
+    with the seed and fraction that drew a validation split (where the sources are the same)."""
     st = doc.get("settings") or {}
     sources = st.get("sources")
     if isinstance(sources, list) and sources:
         text = ", ".join(map(str, sources))
+        drawn = st.get("split")
+        if with_split and isinstance(drawn, dict) and {"seed", "val_fraction"} <= set(drawn):
+            text += f" (seed {drawn['seed']}, val_fraction {drawn['val_fraction']:g})"
         return f"the validation split of {text}" if st.get("data") in (None, "validation") else text
     source = (doc.get("results") or {}).get("source") or st.get("data")
     return str(source) if source else "unknown data"
@@ -466,7 +472,9 @@ class TokenWindows:
     comparing results: the run's data sources, or the --data source, paths made absolute);
     `split_tokens` is the size of the split they were cut from; `target_bytes` holds the UTF-8 bytes each window's targets stand for (bits per byte);
     `records_as_text`: an instruction fine-tune's records, read as text through its template;
-    `notes`: what a suite should tell the user (fewer windows than asked for, shorter ones).
+    `notes`: what a suite should tell the user (fewer windows than asked for, shorter ones);
+    `split_drawn`: for a validation split, what chose its documents ({seed, val_fraction}): two
+    runs of the same sources with another seed hold other text.
     """
 
     windows: torch.Tensor
@@ -477,6 +485,15 @@ class TokenWindows:
     records_as_text: bool = False
     sources: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    split_drawn: dict[str, Any] | None = None
+
+
+def data_settings(opts: Any, tw: TokenWindows) -> dict[str, Any]:
+    """The settings of a result that say what text it measured (`same_data` compares them)."""
+    out: dict[str, Any] = {"data": opts.data or "validation", "sources": tw.sources}
+    if tw.split_drawn is not None:
+        out["split"] = tw.split_drawn
+    return out
 
 
 def _run_recipe(run_dir: Path):
@@ -807,6 +824,7 @@ def eval_windows(
         records_as_text=as_text is not None,
         sources=drawn_from,
         notes=notes,
+        split_drawn={"seed": seed, "val_fraction": data_cfg.val_fraction} if recipe is not None else None,
     )
 
 

@@ -179,7 +179,7 @@ def _params(rec: RunRecord) -> int | None:
 MODEL_SETTINGS = {"seq_len"}
 # Settings that say what text a suite read: compared by `_data_note`, which knows a validation
 # split from a --data source and names both, not as options to repeat.
-DATA_SETTINGS = {"data", "sources"}
+DATA_SETTINGS = {"data", "sources", "split"}
 
 
 def _diff_keys(a: Any, b: Any, prefix: str = "") -> list[str]:
@@ -221,7 +221,8 @@ def _data_note(
             f"older difftrain wrote it), so {first.label} and {other.label} may have been measured on "
             f"different data; rerun `difftrain eval RUN --suite {suite}` on it to record that"
         )
-    differs = f"{describe_data(a)} vs {describe_data(b)}"
+    split = (a.get("settings") or {}).get("sources") == (b.get("settings") or {}).get("sources")
+    differs = f"{describe_data(a, split)} vs {describe_data(b, split)}"
     if label is None:
         fix = (
             f"to rank them on the same text, evaluate both on one source neither trained on, "
@@ -391,7 +392,7 @@ def compare_runs(paths: Sequence[str | Path], suites: Sequence[str] | None = Non
             model_keys = [k for k in keys if k in MODEL_SETTINGS]
             keys = [k for k in keys if k not in MODEL_SETTINGS]
             if split_key(s)[0] in DATA_SUITES:
-                keys = [k for k in keys if k not in DATA_SETTINGS]
+                keys = [k for k in keys if k.split(".")[0] not in DATA_SETTINGS]
                 note = _data_note(s, runs[0], docs[0], r, d)
                 if note:
                     notes.append(note)

@@ -30,6 +30,7 @@ from difftrain.evals.common import (
     _no_progress,
     batches,
     check_positive,
+    data_settings,
     eval_windows,
     headline,
 )
@@ -168,8 +169,7 @@ def run(run: Run, opts: EvalOptions, progress: Progress = _no_progress) -> Suite
         }
     al, hs = res["attention_logits"], res["hidden_states"]
     settings: dict[str, Any] = {
-        "data": opts.data or "validation",
-        "sources": tw.sources,
+        **data_settings(opts, tw),
         "tokens": res["tokens"],
         "seq_len": seq_len,
     }

@@ -31,6 +31,7 @@ from difftrain.evals.common import (
     _no_progress,
     batches,
     check_positive,
+    data_settings,
     headline,
     option_windows,
 )
@@ -88,8 +89,7 @@ def run(run: Run, opts: EvalOptions, progress: Progress = _no_progress) -> Suite
             "through its template (prompts too); its training val loss scored the responses only"
         )
     settings = {
-        "data": opts.data or "validation",
-        "sources": tw.sources,
+        **data_settings(opts, tw),
         "windows": len(tw.windows),
         "seq_len": tw.windows.shape[1] - 1,
         "full": opts.full,

@@ -31,6 +31,7 @@ from difftrain.evals.common import (
     _no_progress,
     check_bits,
     check_positive,
+    data_settings,
     headline,
     option_windows,
 )
@@ -105,8 +106,7 @@ def run(run: Run, opts: EvalOptions, progress: Progress = _no_progress) -> Suite
             r["delta_accuracy"] = r["needle_accuracy"] - ref["needle_accuracy"]
     settings: dict[str, Any] = {
         "bits": widths,
-        "data": opts.data or "validation",
-        "sources": tw.sources,
+        **data_settings(opts, tw),
         "windows": len(tw.windows),
         "seq_len": tw.windows.shape[1] - 1,
         "granularity": "per (sequence, head)",
