@@ -667,12 +667,15 @@ def test_eval_show_prints_stored_results_without_running_and_notes_stale_ones(ru
     out, err = capsys.readouterr()
     assert f"{doc['results']['loss']:.4f}" in out and "computed " in out and err == ""
     assert main(["eval", str(run), "--show", "--suite", "ppl", "--json"]) == 0
-    assert json.loads(capsys.readouterr().out) == {"ppl": doc}
+    assert json.loads(capsys.readouterr().out) == {"ppl": {**doc, "stale": False}}
     # a result older than the weights is shown with a note; one never made is an error with its command
     stored = run / "eval" / "ppl.json"
     stored.write_text(json.dumps({**doc, "weights": {**doc["weights"], "size": 1}}))
     assert main(["eval", str(run), "--show"]) == 0
     assert "ppl predates the run's current weights; rerun `difftrain eval" in capsys.readouterr().err
+    assert main(["eval", str(run), "--show", "--json"]) == 0  # a script is told too: a flag and the note
+    out, err = capsys.readouterr()
+    assert json.loads(out)["ppl"]["stale"] is True and "ppl predates the run's current weights" in err
     assert main(["eval", str(run), "--show", "--suite", "ppl@wiki"]) == 2
     assert "has no `ppl@wiki` result" in _error(capsys)
     assert main(["eval", str(run), "--show", "--windows", "3"]) == 2

@@ -312,8 +312,19 @@ def show_results(run_dir: str, values: list[str] | None, as_json: bool) -> None:
         if doc is None:
             raise missing_result(run, key)
         docs[key] = doc
-    if as_json:
-        sys.stdout.write(json.dumps(docs, indent=2) + "\n")
+
+    def stale_note(key: str, doc: dict[str, Any]) -> None:
+        err_console.print(
+            f"[yellow]note:[/] {key} predates the run's current weights; rerun `{escape(rerun_command(run, key, doc))}`",
+            soft_wrap=True,
+        )
+
+    if as_json:  # each result as stored, and whether it is stale (on stderr too: stdout stays JSON)
+        shown = {key: {**doc, "stale": stale(run, doc)} for key, doc in docs.items()}
+        sys.stdout.write(json.dumps(shown, indent=2) + "\n")
+        for key, doc in shown.items():
+            if doc["stale"]:
+                stale_note(key, doc)
         return
     for key, doc in docs.items():
         render(doc)
@@ -325,10 +336,7 @@ def show_results(run_dir: str, values: list[str] | None, as_json: bool) -> None:
         on += f" · weights of step {step}" if step is not None else ""
         console.print(f"[dim]{result_path(run, key)} · computed {when}{on}[/]", soft_wrap=True)
         if stale(run, doc):
-            err_console.print(
-                f"[yellow]note:[/] {key} predates the run's current weights; rerun `{escape(rerun_command(run, key, doc))}`",
-                soft_wrap=True,
-            )
+            stale_note(key, doc)
 
 
 _SHOW_PARAMS = {"run_dir", "suite", "as_json", "show"}
