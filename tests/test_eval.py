@@ -956,3 +956,24 @@ def test_attention_on_a_context_too_short_for_four_needles_probes_one_and_says_s
         == 0
     )
     assert main(["eval", str(path), "--suite", "attention", "--needles", "4x1", "--no-plot"]) == 2
+
+
+def test_figure_titles_with_a_long_run_name_stay_inside_the_figure(tmp_path, monkeypatch):
+    from difftrain.evals import plots
+
+    drawn = []
+    monkeypatch.setattr(plots, "_save", lambda fig, path: drawn.append(fig) or Path(path))
+    name = "quickstart-baseline-with-a-long-name (baseline)"
+    rows = [{"bits": 16, "loss": 4.0}, {"bits": 8, "loss": 4.01}, {"bits": 4, "loss": 4.3}]
+    plots.quant_curve(rows, tmp_path / "q.png", title=name)
+    settings = {"lengths": [64], "depths": [0.5], "needles": [[1, 1]], "samples": 4}
+    results = {
+        "cells": [{"context_tokens": 64, "depth": 0.5, "n_needles": 1, "n_queries": 1, "accuracy": 0.5}],
+        "by_needles": [{"n_needles": 1, "n_queries": 1, "accuracy": 0.5}],
+    }
+    plots.needle_heatmap(results, settings, tmp_path / "n.png", title=name)
+    for fig in drawn:
+        fig.canvas.draw()  # (a Figure made without pyplot draws on its own Agg canvas)
+        box, page = fig._suptitle.get_window_extent(), fig.bbox
+        assert page.x0 <= box.x0 and box.x1 <= page.x1, (fig._suptitle.get_text(), box, page)
+        assert name.split()[0] in fig._suptitle.get_text().replace("\n", " ")  # wrapped, not cut

@@ -43,6 +43,19 @@ def _figure(w: float, h: float) -> Any:
     return Figure(figsize=(w, h), dpi=110, layout="constrained")
 
 
+def _suptitle(fig: Any, text: str, fontsize: float = 12.0) -> None:
+    """`fig.suptitle(text)`, each line wrapped to the figure's width: a long run name must not run
+    off both edges of a narrow figure."""
+    import textwrap
+
+    per_line = max(20, int(fig.get_figwidth() * 72 / (0.6 * fontsize)))  # ~0.6 em per character
+    wrapped = "\n".join(
+        textwrap.fill(line, per_line, break_on_hyphens=False, break_long_words=True)
+        for line in text.split("\n")
+    )
+    fig.suptitle(wrapped, fontsize=fontsize)
+
+
 FORMATS = {".png": "png", ".svg": "svg", ".pdf": "pdf"}
 """Figure file formats, by the name's suffix (case ignored)."""
 
@@ -137,8 +150,9 @@ def needle_heatmap(
         ax.set_visible(False)
     if image is not None:
         fig.colorbar(image, ax=list(axes[: len(needles)]), label="retrieval accuracy", shrink=0.9)
-    fig.suptitle(
-        f"Multi-needle retrieval{' — ' + title if title else ''} ({settings['samples']} samples per cell)"
+    _suptitle(
+        fig,
+        f"Multi-needle retrieval{' — ' + title if title else ''} ({settings['samples']} samples per cell)",
     )
     return _save(fig, path)
 
@@ -219,7 +233,8 @@ def attention_maps(
         "diff": "differential maps A1 − λA2",
         "diff2": "combined maps A2i − σ(λ)A2i+1",
     }
-    fig.suptitle(
+    _suptitle(
+        fig,
         f"Attention {kind.get(arch, 'maps')}{' — ' + title if title else ''}\n"
         "blue box: answer span (keys) · black ticks: query rows predicting the value",
         fontsize=10,
@@ -259,7 +274,7 @@ def quant_curve(rows: Sequence[dict[str, Any]], path: Path | str, title: str = "
         ax.set_ylabel("needle retrieval accuracy")
         ax.set_title("retrieval", fontsize=10)
         ax.grid(alpha=0.3)
-    fig.suptitle(f"Attention-logit quantization (dynamic absmax){' — ' + title if title else ''}")
+    _suptitle(fig, f"Attention-logit quantization (dynamic absmax){' — ' + title if title else ''}")
     return _save(fig, path)
 
 
@@ -304,5 +319,5 @@ def loss_curves(runs: Sequence[tuple[str, list[dict[str, Any]]]], path: Path | s
         ax.set_title(f"loss vs {what}", fontsize=10)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
-    fig.suptitle("Training curves (thin: train loss, dots: validation loss)")
+    _suptitle(fig, "Training curves (thin: train loss, dots: validation loss)")
     return _save(fig, path)
