@@ -311,9 +311,26 @@ def test_needle_suite_is_deterministic_for_a_seed_and_draws_new_prompts_for_anot
 def test_needle_heat_map_is_a_png_in_the_eval_folder(runs):
     run = load_run(runs["baseline"])
     doc = evaluate(run, "needle", EvalOptions(**{**SMALL_NEEDLE.__dict__, "plot": None}))
-    png = Path(doc["plots"][0])
-    assert png == runs["baseline"] / "eval" / "needle.png"
+    assert doc["plots"] == ["eval/needle.png"]  # relative to the run: it may be moved or copied
+    png = runs["baseline"] / doc["plots"][0]
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_shown_results_name_the_run_and_figures_as_named_now(runs, tmp_path, capsys, monkeypatch):
+    import shutil
+
+    opts = EvalOptions(**{**SMALL_NEEDLE.__dict__, "plot": None})
+    copy = tmp_path / "copied"
+    shutil.copytree(runs["baseline"], copy, ignore=shutil.ignore_patterns("eval"))
+    save_result(copy, evaluate(load_run(copy), "needle", opts))
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)  # another folder, and a copy of the run: both name it as now
+    moved = tmp_path / "moved"
+    shutil.copytree(copy, moved)
+    assert main(["eval", "../moved", "--show", "--suite", "needle"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "needle · ../moved (baseline)" in out and "figure: ../moved/eval/needle.png" in out
 
 
 # ----- attention -------------------------------------------------------------------------------
@@ -380,8 +397,8 @@ def test_attention_plot_draws_the_maps_of_every_layer_and_head(runs):
     run = load_run(runs["diff2"])
     opts = EvalOptions(lengths=[70], depths=[0.5], needles=[(1, 1)], samples=1, plot=True)
     doc = evaluate(run, "attention", opts)
-    assert doc["plots"] == [str(runs["diff2"] / "eval" / "attention.png")]
-    assert Path(doc["plots"][0]).stat().st_size > 10_000
+    assert doc["plots"] == ["eval/attention.png"]
+    assert (runs["diff2"] / doc["plots"][0]).stat().st_size > 10_000
 
 
 # ----- outliers --------------------------------------------------------------------------------

@@ -123,10 +123,13 @@ def _heading(text: str) -> None:
     console.print(f"[bold]{text}[/]", soft_wrap=True)
 
 
-def render(doc: dict[str, Any]) -> None:
-    """Print one suite's result as rich tables."""
+def render(doc: dict[str, Any], run_dir: Path) -> None:
+    """Print one suite's result as rich tables; `run_dir`: the run as the user named it now (the
+    result's `run` is where it was evaluated from, and its plots lie in the run directory)."""
+    from difftrain.evals.common import plot_path
+
     suite, res, st = doc["suite"], doc["results"], doc["settings"]
-    title = f"{suite}{'@' + doc['label'] if doc.get('label') else ''} · {doc['run']} ({doc['arch']})"
+    title = f"{suite}{'@' + doc['label'] if doc.get('label') else ''} · {run_dir} ({doc['arch']})"
     if suite == "ppl":
         err = f" ± {res['loss_stderr']:.4f}" if res.get("loss_stderr") else ""
         console.print(
@@ -284,7 +287,7 @@ def render(doc: dict[str, Any]) -> None:
     for note in doc.get("notes", []):
         err_console.print(f"[yellow]note:[/] {escape(note)}", soft_wrap=True)
     for p in doc.get("plots", []):
-        console.print(f"[dim]figure:[/] {p}")
+        console.print(f"[dim]figure:[/] {plot_path(run_dir, p)}")
 
 
 def show_results(run_dir: str, values: list[str] | None, as_json: bool) -> None:
@@ -327,7 +330,7 @@ def show_results(run_dir: str, values: list[str] | None, as_json: bool) -> None:
                 stale_note(key, doc)
         return
     for key, doc in docs.items():
-        render(doc)
+        render(doc, run)
         when = doc.get("created", "?")
         on = (f" on {doc['device']}" if doc.get("device") else "") + (
             f" in {doc['dtype']}" if doc.get("dtype") else ""
@@ -562,14 +565,14 @@ def eval_command(
             path = save_result(run.path, doc)
         except OSError as e:  # (disk full, a folder made read-only meanwhile): show what was measured
             if not as_json:
-                render(doc)
+                render(doc, run.path)
             raise RunDirError(
                 f"cannot save the {s} result in {run.path / 'eval'}: {e.strerror or e}; the result is shown "
                 "above, not saved: free space or make the folder writable, and run it again"
             ) from e
         docs[s] = doc
         if not as_json:
-            render(doc)
+            render(doc, run.path)
             # the precision is no part of a result's name: say when it replaced another one's
             was = f"; replaced the {before} result" if before not in (None, doc["dtype"]) else ""
             console.print(f"[dim]saved {path} ({doc['dtype']}, {doc['seconds']:.1f} s{was})[/]")

@@ -13,7 +13,7 @@ result is one JSON document, written atomically to `RUN_DIR/eval/<suite>.json`:
                              written) and `sources`, what it was drawn from, paths made absolute
       "results": {...},      the suite's figures
       "headline": [{"name": "loss", "value": 3.2, "better": "lower", "format": ".4f"}, ...],
-      "plots": ["runs/quickstart/eval/needle.png"]
+      "plots": ["eval/needle.png"]   relative to the run directory
     }
 
 A suite that reads text (ppl, outliers, quant) run on another source with `--data SOURCE` keeps
@@ -221,9 +221,28 @@ def finish(
         "settings": out.settings,
         "results": out.results,
         "headline": out.headline,
-        "plots": out.plots,
+        "plots": [stored_plot_path(run.path, p) for p in out.plots],
         "notes": out.notes,
     }
+
+
+def stored_plot_path(run_dir: Path, plot: str) -> str:
+    """How a result names a figure: relative to the run directory where it lies in it (the run
+    may be moved, copied or named from another folder), else absolute."""
+    p = Path(plot).resolve()
+    try:
+        return p.relative_to(Path(run_dir).resolve()).as_posix()
+    except ValueError:
+        return str(p)
+
+
+def plot_path(run_dir: Path | str, plot: str) -> Path:
+    """A result's figure as a path from here (`stored_plot_path` in reverse; results written
+    before it stored paths relative to the folder eval ran in, which are kept as they are)."""
+    p = Path(plot)
+    if p.is_absolute() or not (Path(run_dir) / p).exists() and p.exists():
+        return p
+    return Path(run_dir) / p
 
 
 def save_result(run_dir: Path | str, doc: dict[str, Any]) -> Path:
