@@ -144,6 +144,16 @@ def test_compare_json_holds_rows_with_a_value_per_run(pair, capsys):
     assert all(len(r["values"]) == 2 for r in doc["training"] + doc["suites"]["ppl"])
 
 
+def test_a_run_named_dot_is_labelled_by_its_folder_name(pair, capsys, monkeypatch):
+    a, b = pair
+    monkeypatch.chdir(a)
+    assert main(["compare", ".", str(b), "--json"]) == 0
+    assert [r["label"] for r in json.loads(capsys.readouterr().out)["runs"]] == ["a-diff", "b-base"]
+    monkeypatch.chdir(a / "eval")
+    assert main(["compare", "..", str(b), "--json"]) == 0
+    assert [r["label"] for r in json.loads(capsys.readouterr().out)["runs"]] == ["a-diff", "b-base"]
+
+
 def test_compare_notes_results_computed_with_different_settings(pair, tmp_path):
     a, _ = pair
     c = make_run(tmp_path, "c", "diff2", tokenizer=load_run(a).tokenizer)

@@ -144,8 +144,9 @@ def _eval_options(settings: dict[str, Any], keys: list[str]) -> str:
 
 
 def _labels(paths: Sequence[Path]) -> list[str]:
-    names = [p.name for p in paths]
-    return [p.name if names.count(p.name) == 1 else str(p) for p in paths]
+    """Each run's folder name (`.` and `..` resolved), or its path where two share a name."""
+    names = [p.name if p.name not in ("", ".", "..") else p.resolve().name for p in paths]
+    return [n if names.count(n) == 1 else str(p) for n, p in zip(names, paths, strict=True)]
 
 
 def _config(path: Path) -> dict[str, Any]:
