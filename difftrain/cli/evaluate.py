@@ -539,7 +539,7 @@ def eval_command(
         except ConfigError as e:
             if s in named:
                 raise
-            skipped[s] = str(e)
+            skipped[s] = str(e).removeprefix(f"{s}: ")  # (said once: "skipped attention: ...")
     suites = [s for s in suites if s not in skipped]
     if not as_json:
         n = sum(p.numel() for p in run.model.parameters())
