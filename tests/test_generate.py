@@ -247,14 +247,14 @@ def test_text_holds_back_only_a_possible_start_of_a_stop_string():
     class Chars:  # a "tokenizer" whose tokens are characters
         eos_id = pad_id = 0
 
-        def stream_decoder(self):
+        def stream_decoder(self, context=()):
             class D:
                 push = staticmethod(chr)
                 flush = staticmethod(lambda: "")
 
             return D()
 
-    t = _Text(Chars(), ("<END>", "xy"))
+    t = _Text(Chars(), ("<END>", "xy"), [])
     out = [t.push(ord(ch)) for ch in "ab<ENx<E"]
     assert "".join(s for s, _ in out) == "ab<ENx"  # "<E" is held back: it may become "<END>"
     assert t.push(ord("N"))[0] == "" and t.push(ord("D"))[0] == ""

@@ -252,8 +252,8 @@ class Tokenizer:
                 out.append(tok.encode("utf-8"))
         return out
 
-    def stream_decoder(self, skip_special_tokens: bool = False) -> StreamDecoder:
-        return StreamDecoder(self, skip_special_tokens=skip_special_tokens)
+    def stream_decoder(self, skip_special_tokens: bool = False, context: Sequence[int] = ()) -> StreamDecoder:
+        return StreamDecoder(self, skip_special_tokens=skip_special_tokens, context=context)
 
     def __repr__(self) -> str:
         return (
@@ -270,15 +270,25 @@ class StreamDecoder:
     bytes of each id are fed to an incremental UTF-8 decoder (O(1) per token); for others the
     tail of the id sequence is re-decoded from a moving offset (as vLLM does) and text is held
     back while it ends in U+FFFD. `flush()` returns what is left at the end of generation.
+
+    `context`: the ids before the first pushed one (the prompt). The generic path decodes new ids
+    after the last few of them: a SentencePiece (Metaspace) decoder drops the space of a text's
+    first piece and WordPiece shows a continuation's `##`, so "▁world" after "Hello" must be
+    decoded as the continuation it is (" world"), not as the start of a text ("world").
     """
 
-    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = False) -> None:
+    CONTEXT = 6  # context ids kept for the generic path (as vLLM's detokenizer keeps 5 and more)
+
+    def __init__(
+        self, tokenizer: Tokenizer, skip_special_tokens: bool = False, context: Sequence[int] = ()
+    ) -> None:
         self.tok = tokenizer
         self.skip = set(tokenizer.special_tokens.values()) if skip_special_tokens else set()
         self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        self._ids: list[int] = []
+        n = tokenizer.vocab_size
+        self._ids: list[int] = [int(i) for i in context if 0 <= int(i) < n][-self.CONTEXT :]
         self._prefix = 0  # start of the window re-decoded (generic path)
-        self._read = 0  # ids whose text has been emitted (generic path)
+        self._read = len(self._ids)  # ids whose text has been emitted (generic path)
 
     def push(self, token_id: int) -> str:
         if token_id in self.skip:

@@ -67,7 +67,7 @@ class TextTokenizer(Protocol):
 
     def encode(self, text: str) -> list[int]: ...
 
-    def stream_decoder(self) -> object: ...
+    def stream_decoder(self, *, context: Sequence[int] = ()) -> object: ...
 
 
 @dataclass
@@ -144,8 +144,10 @@ def check_prompts(prompts: Sequence[Sequence[int]], vocab_size: int, max_seq_len
 class _Text:
     """Decoded text of one sequence: emits what is final, holds back a possible stop string."""
 
-    def __init__(self, tokenizer: TextTokenizer, stops: tuple[str, ...]) -> None:
-        self.decoder = tokenizer.stream_decoder()
+    def __init__(self, tokenizer: TextTokenizer, stops: tuple[str, ...], prompt: Sequence[int]) -> None:
+        # the prompt is the context the completion's first pieces are decoded in (a SentencePiece
+        # "▁world" after "Hello" is " world")
+        self.decoder = tokenizer.stream_decoder(context=prompt)
         self.stops = stops
         self.text = ""
         self.emitted = 0
@@ -319,7 +321,7 @@ def generate(
         seen = torch.zeros(B, mc.vocab_size, dtype=torch.bool, device=device)
         seen[mask.nonzero(as_tuple=True)[0].to(device), ids[mask.to(device)]] = True
 
-    texts = [_Text(tokenizer, config.stop) if tokenizer is not None else None for _ in range(B)]
+    texts = [_Text(tokenizer, config.stop, p) if tokenizer is not None else None for p in prompts]
     produced: list[list[int]] = [[] for _ in range(B)]
     done = [False] * B
 
