@@ -994,3 +994,24 @@ def test_figure_titles_with_a_long_run_name_stay_inside_the_figure(tmp_path, mon
         box, page = fig._suptitle.get_window_extent(), fig.bbox
         assert page.x0 <= box.x0 and box.x1 <= page.x1, (fig._suptitle.get_text(), box, page)
         assert name.split()[0] in fig._suptitle.get_text().replace("\n", " ")  # wrapped, not cut
+
+
+def test_bits_per_byte_counts_the_spaces_a_sentencepiece_piece_stands_for():
+    import numpy as np
+    import tokenizers
+
+    from difftrain.data.tokenizer import Tokenizer
+    from difftrain.evals.common import token_byte_lengths, window_target_bytes
+
+    vocab = {"<unk>": 0, "</s>": 1, "<s>": 2, "▁Hello": 3, "▁world": 4, "!": 5, "▁again": 6}
+    tk = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="<unk>"))
+    tk.pre_tokenizer = tokenizers.pre_tokenizers.Metaspace()
+    tk.decoder = tokenizers.decoders.Metaspace()
+    tk.add_special_tokens(["<unk>", "</s>", "<s>"])
+    tok = Tokenizer(tk)
+    windows = np.array([[2, 3, 4, 5], [3, 4, 5, 6], [5, 1, 3, 4]])
+    # targets: "Hello world!", " world! again", and after </s> " Hello world": a new document's
+    # first piece is decoded as a continuation here, one byte more per document boundary
+    assert window_target_bytes(tok, windows).tolist() == [12, 13, 12]
+    # (per token, each decoded alone, they lost their spaces: 11, 11, 10)
+    assert token_byte_lengths(tok)[windows[:, 1:]].sum(axis=1).tolist() == [11, 11, 10]

@@ -550,6 +550,26 @@ def _sources_base(data_cfg: Any, run_dir: Path) -> Path:
     return Path.cwd()
 
 
+def window_target_bytes(tokenizer: Any, windows: np.ndarray) -> np.ndarray:
+    """UTF-8 bytes of the text each window's targets (w[1:]) stand for: (n,) int64.
+
+    A byte-level tokenizer's tokens stand for their bytes whatever their neighbours, so a table
+    of per-token lengths is exact. Others are not: a SentencePiece (Metaspace) piece decoded alone
+    loses its word-starting space and WordPiece's `##` pieces join their words, so the targets'
+    text is the window's decoded text less that of its first token (special tokens, as the
+    documents' separators, standing for no text; a document's first piece then counts its
+    word-starting space: one byte per document boundary)."""
+    if getattr(tokenizer, "is_byte_level", False):
+        table = token_byte_lengths(tokenizer)
+        return table[np.clip(windows[:, 1:], 0, len(table) - 1)].sum(axis=1)
+    out = np.zeros(len(windows), dtype=np.int64)
+    for i, w in enumerate(windows.tolist()):
+        whole = tokenizer.decode(w, skip_special_tokens=True).encode("utf-8")
+        first = tokenizer.decode(w[:1], skip_special_tokens=True).encode("utf-8")
+        out[i] = max(0, len(whole) - len(first))
+    return out
+
+
 def token_byte_lengths(tokenizer: Any) -> np.ndarray:
     """UTF-8 bytes of the text each token id stands for (special tokens: 0)."""
     n = tokenizer.vocab_size
@@ -830,8 +850,7 @@ def eval_windows(
     mm = np.memmap(path, dtype=prepared.dtype, mode="r", shape=(n_tokens,))
     arr = np.stack([np.asarray(mm[o : o + window], dtype=np.int64) for o in offsets])
     del mm
-    bytes_per_token = token_byte_lengths(run.tokenizer)
-    target_bytes = bytes_per_token[np.clip(arr[:, 1:], 0, len(bytes_per_token) - 1)].sum(axis=1)
+    target_bytes = window_target_bytes(run.tokenizer, arr)
     import torch
 
     return TokenWindows(
