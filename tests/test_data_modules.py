@@ -203,6 +203,24 @@ def test_sft_targets_mask_the_prompt_and_train_the_response_and_eos(tok: Tokeniz
     assert ids_bos[0] == tok.bos_id and t_bos[: len(p)] == [IGNORE_INDEX] * len(p)
 
 
+def test_sft_examples_of_a_tokenizer_with_a_text_start_token_begin_with_it(tok: Tokenizer) -> None:
+    # an imported Llama's tokenizer puts <s> before a text: its model saw <s> first, and
+    # generation starts a prompt with it, so a fine-tuning example starts with it too
+    import tokenizers
+
+    llama = tokenizers.Tokenizer.from_str(tok.to_str())
+    bos = llama.token_to_id("<|bos|>")
+    llama.post_processor = tokenizers.processors.TemplateProcessing(
+        single="<|bos|> $A", special_tokens=[("<|bos|>", bos)]
+    )
+    started = Tokenizer(llama)
+    assert started.document_start_id == bos != started.eos_id
+    rec = {"prompt": "Question: what is two plus two?\n", "response": "Answer: four."}
+    ids, targets = encode_sft_record(rec, started, max_seq_len=64)
+    plain, plain_targets = encode_sft_record(rec, tok, max_seq_len=64)
+    assert ids == [bos, *plain] and targets == [IGNORE_INDEX, *plain_targets]
+
+
 def test_sft_template_hook_builds_multi_segment_examples(tok: Tokenizer) -> None:
     def chat(record):
         return [

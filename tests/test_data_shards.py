@@ -304,6 +304,40 @@ def test_a_document_spelling_a_special_token_cannot_forge_a_document_boundary(tm
     assert tok.bos_id not in np.fromfile(p.train_path, p.dtype).tolist()
 
 
+def test_a_tokenizer_that_starts_texts_with_a_bos_starts_every_document_with_it(tmp_path: Path) -> None:
+    # A Llama-style tokenizer.json (its post-processor puts <s> before a text): generation and the
+    # evals start a prompt with <s>, so pretraining must have seen <s> before every document
+    import tokenizers
+
+    make_corpus(tmp_path, n=8)
+    tk = tokenizers.Tokenizer(tokenizers.models.BPE(unk_token="<unk>"))
+    tk.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tk.decoder = tokenizers.decoders.ByteLevel()
+    trainer = tokenizers.trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "<s>", "</s>"])
+    tk.train_from_iterator([f.read_text() for f in (tmp_path / "corpus").iterdir()], trainer)
+    tk.post_processor = tokenizers.processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    tk.save(str(tmp_path / "llama-ish.json"))
+    tok = load_tokenizer(tmp_path / "llama-ish.json")
+    assert (tok.document_start_id, tok.eos_id) == (1, 2)
+    p = prepare_data(
+        cfg(tmp_path, val_fraction=0.0),
+        TokenizerConfig(path=str(tmp_path / "llama-ish.json")),
+        seed=0,
+        base_dir=tmp_path,
+    )
+    docs = read_docs(p.train_path, p.dtype, tok.eos_id)
+    assert len(docs) == 8 and all(d[0] == 1 and 1 not in d[1:] for d in docs)
+    texts = sorted(f.read_text() for f in (tmp_path / "corpus").iterdir())
+    assert sorted(tok.decode(d[1:]) for d in docs) == texts
+    # difftrain's own tokenizer (no post-processor): documents follow the previous eos, as before
+    own = prepare_data(cfg(tmp_path, val_fraction=0.0), TOK, seed=0, base_dir=tmp_path)
+    own_tok = load_tokenizer(own.tokenizer_path)
+    assert own_tok.document_start_id == own_tok.eos_id
+    assert [own_tok.decode(d) for d in read_docs(own.train_path, own.dtype, own_tok.eos_id)].count(
+        texts[0]
+    ) == 1
+
+
 def test_the_tokenizer_sample_of_a_few_huge_documents_is_never_empty_nor_past_max_bytes(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -412,6 +412,15 @@ def _segments_to_example(
     return ids[:-1], targets, truncated
 
 
+def record_start_id(tokenizer: Tokenizer) -> int | None:
+    """The token a fine-tuning example starts with: a tokenizer's own text-start token (an
+    imported Llama's <s>, `document_start_id`), which its model saw before every text and which
+    generation puts before a prompt; None for difftrain's tokenizers, whose documents follow the
+    previous one's eos."""
+    start = getattr(tokenizer, "document_start_id", None)
+    return start if start is not None and start != tokenizer.eos_id else None
+
+
 def encode_sft_record(
     record: Mapping[str, Any],
     tokenizer: Tokenizer,
@@ -435,7 +444,7 @@ def encode_sft_record(
     ids, targets, _ = _segments_to_example(
         pieces,
         max_seq_len=max_seq_len,
-        bos_id=tokenizer.bos_id if add_bos else None,
+        bos_id=tokenizer.bos_id if add_bos else record_start_id(tokenizer),
         eos_id=tokenizer.eos_id if add_eos else None,
         train_on_prompt=train_on_prompt,
     )
@@ -589,7 +598,7 @@ class SFTDataModule(_ResumableDataModule):
             inp, tgt, cut = _segments_to_example(
                 pieces,
                 max_seq_len=self.max_seq_len,
-                bos_id=self.tokenizer.bos_id if self.add_bos else None,
+                bos_id=self.tokenizer.bos_id if self.add_bos else record_start_id(self.tokenizer),
                 eos_id=self.tokenizer.eos_id,
                 train_on_prompt=self.train_on_prompt,
             )

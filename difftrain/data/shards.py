@@ -388,6 +388,11 @@ def _build_shards(
     every token once, as a document split's does."""
     dtype = token_dtype(tok.vocab_size)
     eos = np.array([tok.eos_id], dtype=dtype)
+    # A tokenizer whose post-processor puts a token before every text (Llama's <s>) starts each
+    # document with it, as generation and the evals start a prompt (`document_start_id`): the
+    # stream is `<s> doc </s> <s> doc </s> …`. difftrain's own: `doc eos doc eos …`, where eos
+    # is what precedes every document.
+    start = [tok.document_start_id] if tok.document_start_id != tok.eos_id else []
     train = _ShardWriter(out / "train.bin", dtype)
     val = _ShardWriter(out / "val.bin", dtype)
     estimates = [s.estimated_bytes() for s in sources]
@@ -408,8 +413,9 @@ def _build_shards(
                 for i, ids in enumerate(
                     tok.encode_arrays(batch, dtype, allow_special=src.spells_special_tokens)
                 ):
-                    arr = np.empty(len(ids) + 1, dtype=dtype)
-                    arr[:-1] = ids
+                    arr = np.empty(len(start) + len(ids) + 1, dtype=dtype)
+                    arr[: len(start)] = start
+                    arr[len(start) : -1] = ids
                     arr[-1] = eos[0]
                     d = first + i
                     if tail_at is not None:  # the unweighted stream's tail is validation
@@ -534,6 +540,8 @@ def _shards_key(
         "seed": seed,
         "weights": [s.spec.weight for s in sources],
     }
+    if tok.document_start_id != tok.eos_id:  # each document written after its start token
+        settings["document_start_id"] = tok.document_start_id
     key = _key({"format": FORMAT_VERSION, "fingerprint": fingerprint, "tokenizer": tok.sha256, **settings})
     return fingerprint, settings, key
 
