@@ -472,3 +472,18 @@ def test_a_json_error_keeps_its_position(tmp_path: Path) -> None:
         DataError, match=r"d.jsonl, line 2: not valid JSON \(Unterminated string starting at column 10\)"
     ):
         docs(["d.jsonl"], tmp_path)
+
+
+def test_a_lone_surrogate_escape_is_a_bad_record_named_by_file_and_line(tmp_path: Path) -> None:
+    # scraped text cut inside an emoji leaves "\ud83d" without its pair: json reads it, and no
+    # tokenizer can encode it; a pair is one character and is kept
+    f = tmp_path / "d.jsonl"
+    f.write_text('{"text": "ok \\ud83d\\ude00"}\n{"text": "cut \\ud83d here"}\n{"text": "fine"}\n')
+    with pytest.raises(DataError, match=r"d\.jsonl, line 2: holds a lone UTF-16 surrogate escape"):
+        read_one("d.jsonl", tmp_path)
+    out, stats = read_one("d.jsonl", tmp_path, policy="skip")
+    assert out == ["ok \U0001f600", "fine"] and stats.bad_records == 1
+    g = tmp_path / "d.json"
+    g.write_text('[{"text": "a"}, {"text": "b \\udc00"}]')
+    with pytest.raises(DataError, match=r"d\.json, record 1: holds a lone UTF-16 surrogate escape"):
+        read_one("d.json", tmp_path)

@@ -282,6 +282,31 @@ def test_bad_prompt_files_exit_2_with_the_line(run_dir, tmp_path, capsys, monkey
     assert code == 2 and "--prompt-file - (standard input) holds no prompts" in err
 
 
+def test_text_that_is_not_utf8_is_one_line_naming_where_it_came_from(run_dir, tmp_path, capsys, monkeypatch):
+    # bytes that are not UTF-8 reach Python as lone surrogates (argv, stdin), and so does half
+    # an emoji escaped in JSON: the tokenizer cannot encode them (it raised a TypeError)
+    code, _, err = gen(capsys, run_dir, "--prompt", "bad \udcff bytes")  # as Python decodes b"\xff"
+    assert code == 2 and "--prompt: byte 0xff at character 5 is not UTF-8 text; give UTF-8 text" in err
+    f = tmp_path / "p.jsonl"
+    f.write_text('{"prompt": "ok"}\n{"prompt": "half \\ud83d"}\n')
+    code, _, err = gen(capsys, run_dir, "--prompt-file", f)
+    assert code == 2 and f"{f}, line 2: a lone surrogate U+D83D at character 6 is not UTF-8 text" in err
+    with monkeypatch.context() as m:
+        m.setattr("sys.stdin", io.StringIO("x \udcff y\n"))
+        code, _, err = gen(capsys, run_dir, "--prompt-file", "-")
+    assert code == 2 and "stdin, line 1: byte 0xff at character 3" in err
+    # typed at the prompt: said, and read again (the session goes on)
+    from difftrain.cli import generate as g
+
+    bom = tmp_path / "bom.txt"  # a byte-order mark is not the first prompt's first character
+    bom.write_bytes("\ufeffEmoji one\r\nsecond\r\n".encode())
+    assert [p.text for p in g.read_prompt_file(bom)] == ["Emoji one", "second"]
+    typed = iter(["bad \udcff", "good"])
+    monkeypatch.setattr("builtins.input", lambda marker="": next(typed))
+    assert g._read_prompt() == "good"
+    assert "byte 0xff at character 5 is not UTF-8 text; type it again" in capsys.readouterr().err
+
+
 def test_a_run_without_weights_or_checkpoints_says_to_start_it_again(tmp_path, capsys):
     # it said "resume it with ... --resume", which resume refuses: there is nothing to resume
     run = make_run(tmp_path / "unfinished", weights=False)

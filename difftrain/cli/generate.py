@@ -77,6 +77,19 @@ class Prompt:
         return {**self.record, "prompt": self.text}
 
 
+def utf8_problem(text: str) -> str | None:
+    """Why `text` is no UTF-8 text (None when it is): bytes that are not UTF-8 reach Python as
+    lone surrogates (a command-line argument, standard input), and so does a JSON escape of half
+    an emoji ("\\ud83d"); no tokenizer can encode them."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        ch = ord(text[e.start])
+        what = f"byte 0x{ch - 0xDC00:02x}" if 0xDC80 <= ch <= 0xDCFF else f"a lone surrogate U+{ch:04X}"
+        return f"{what} at character {e.start + 1} is not UTF-8 text"
+    return None
+
+
 def read_prompt_file(path: Path) -> list[Prompt]:
     """One prompt per non-blank line, or for .jsonl one JSON object with a "prompt" field per line;
     `-` reads plain lines from standard input."""
@@ -84,7 +97,12 @@ def read_prompt_file(path: Path) -> list[Prompt]:
 
     stdin = str(path) == "-"
     try:
-        lines = (sys.stdin.read() if stdin else path.read_text(encoding="utf-8")).splitlines()
+        # (a byte-order mark, which editors on Windows write first, is no part of the first prompt)
+        lines = (
+            (sys.stdin.read() if stdin else path.read_text(encoding="utf-8"))
+            .removeprefix("\ufeff")
+            .splitlines()
+        )
     except FileNotFoundError:
         raise DataError(f"--prompt-file {path} does not exist") from None
     except UnicodeDecodeError as e:
@@ -415,11 +433,16 @@ def _error(message: str) -> None:
 
 
 def _read_prompt(marker: str = "» ") -> str:
-    lines = [input(marker)]
-    while lines[-1].endswith("\\") and not lines[-1].endswith("\\\\"):
-        lines[-1] = lines[-1][:-1]
-        lines.append(input("… "))
-    return "\n".join(lines)
+    while True:
+        lines = [input(marker)]
+        while lines[-1].endswith("\\") and not lines[-1].endswith("\\\\"):
+            lines[-1] = lines[-1][:-1]
+            lines.append(input("… "))
+        text = "\n".join(lines)
+        problem = utf8_problem(text)
+        if problem is None:
+            return text
+        _error(f"{problem}; type it again (is the terminal's encoding UTF-8?)")
 
 
 def _enable_history() -> None:
@@ -798,6 +821,10 @@ def generate_command(
                 "standard input is not read without --prompt-file - (or --interactive); generating "
                 "from the start of a document"
             )
+    for p in prompts:  # before the model loads
+        problem = utf8_problem(p.text)
+        if problem is not None:
+            raise DataError(f"{p.where}: {problem}; give UTF-8 text")
     _check_compile(compile, device)
     seed = _seed(seed)
 
@@ -893,6 +920,9 @@ def chat_command(
 
     sampling = _sampling_config(temperature, top_k, top_p, min_p, repetition_penalty, greedy)
     gen = GenerationConfig(max_new_tokens=max_new_tokens, sampling=sampling, compile=compile)
+    problem = utf8_problem(system or "")
+    if problem is not None:
+        raise DataError(f"--system: {problem}; give UTF-8 text")
     _check_compile(compile, device)
     seed = _seed(seed)
     run, load_s = _load(run_dir, device, dtype)

@@ -24,6 +24,7 @@ import gzip
 import hashlib
 import json
 import os
+import re
 import socket
 import sys
 import zlib
@@ -88,6 +89,24 @@ def _open(path: Path) -> IO[bytes]:
 # What reading a file can raise: OSError (gzip.BadGzipFile among them), and from a .gz cut short
 # EOFError, which the CLI would otherwise take for Ctrl-D, and zlib.error for corrupt data.
 _READ_ERRORS = (OSError, EOFError, zlib.error)
+# a JSON escape of a UTF-16 surrogate (\ud800-\udfff): as a pair it is one character (an emoji),
+# alone (text cut in the middle of a pair) it is no text UTF-8 can hold
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
+
+
+def _lone_surrogate(obj: Any) -> bool:
+    """Whether a parsed JSON value holds a lone surrogate (which no tokenizer can encode)."""
+    try:
+        json.dumps(obj, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False
+
+
+LONE_SURROGATE = (
+    "holds a lone UTF-16 surrogate escape (e.g. \\ud83d without its pair: text cut in the middle of "
+    "an emoji), which is no UTF-8 text; fix or delete the record"
+)
 
 
 def _unreadable(label: str, path: Path, e: BaseException) -> DataError:
@@ -322,7 +341,11 @@ class Source:
         if _suffix(path) == ".json":
             try:
                 with _open(path) as f:
-                    obj = json.loads(f.read())
+                    content = f.read()
+                obj = json.loads(content)
+                escapes = _SURROGATE_ESCAPE.search(
+                    content if isinstance(content, bytes) else content.encode()
+                )
             except json.JSONDecodeError as e:
                 if e.msg != "Extra data":
                     raise DataError(
@@ -338,6 +361,9 @@ class Source:
                 items = obj if isinstance(obj, list) else [obj]
                 for i, item in enumerate(items):
                     where = f"{path}, record {i}"
+                    if escapes and _lone_surrogate(item):
+                        self._bad(stats, policy, f"{where}: {LONE_SURROGATE}")
+                        continue
                     if isinstance(item, dict):
                         yield where, item
                     elif isinstance(item, str):
@@ -369,6 +395,9 @@ class Source:
                             policy,
                             f"{where}: a JSON {type(obj).__name__}, not an object; fix the line",
                         )
+                        continue
+                    if _SURROGATE_ESCAPE.search(raw) and _lone_surrogate(obj):
+                        self._bad(stats, policy, f"{where}: {LONE_SURROGATE}")
                         continue
                     yield where, obj
         except _READ_ERRORS as e:
