@@ -229,3 +229,22 @@ def test_only_tokenizers_that_split_at_word_starts_are_encoded_in_pieces(tok: To
     assert not Tokenizer(tk).splits_exactly
     tk.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=True)
     assert not Tokenizer(tk).splits_exactly
+
+
+def test_the_vocabulary_size_is_the_largest_id_plus_one_when_ids_have_gaps() -> None:
+    # a tokenizer.json whose end-of-text token sits at id 1000 above 3 others: a model needs 1001
+    # rows (its count, 4, passed every check and the embedding lookup crashed in training)
+    vocab = {"<unk>": 0, "a": 1, "b": 2}
+    tk = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="<unk>"))
+    tk.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    gapped = json.loads(tk.to_str())
+    gapped["model"]["vocab"]["<|endoftext|>"] = 1000
+    gapped["added_tokens"] = [
+        {"id": 1000, "content": "<|endoftext|>", "single_word": False, "lstrip": False, "rstrip": False,
+         "normalized": False, "special": True}
+    ]  # fmt: skip
+    t = Tokenizer(tokenizers.Tokenizer.from_str(json.dumps(gapped)))
+    assert t.eos_id == 1000 and t.vocab_size == 1001
+    assert check_vocab_fits(t, "auto") == 1001
+    with pytest.raises(TokenizerError, match="model.vocab_size is 448"):
+        check_vocab_fits(t, 448)

@@ -129,8 +129,14 @@ class Tokenizer:
     # -- basic operations --------------------------------------------------------------------
     @property
     def vocab_size(self) -> int:
-        """Number of ids, added tokens included (max id + 1)."""
-        return self.tk.get_vocab_size(with_added_tokens=True)
+        """Max id + 1, added tokens included: the rows a model needs. The count of tokens where
+        the ids are contiguous (every tokenizer difftrain trains); a tokenizer.json whose ids
+        have gaps needs more rows than it has tokens. (Recomputed when tokens are added.)"""
+        count = self.tk.get_vocab_size(with_added_tokens=True)
+        if getattr(self, "_size_for", None) != count:
+            top = max(self.tk.get_vocab(with_added_tokens=True).values(), default=-1)
+            self._size_for, self._size = count, max(count, top + 1)
+        return self._size
 
     def encode(self, text: str, add_bos: bool = False, add_eos: bool = False) -> list[int]:
         ids = self.tk.encode(text, add_special_tokens=False).ids
