@@ -359,3 +359,27 @@ def test_cpu_inference_layout_keeps_tied_weights_tied_and_skips_other_dtypes():
     bf16 = Transformer(cfg).eval().to(torch.bfloat16)
     assert cpu_inference_layout(bf16) == 0
     assert all(p.is_contiguous() for p in bf16.parameters())
+
+
+def test_rows_past_the_tokenizer_are_never_drawn():
+    # vocab_size: auto pads the embedding to a multiple of 64; those rows stand for no token, and
+    # a young model gives them no -inf logit: they were drawn (30 of 573 samples after 5 steps)
+    class Small:  # a 40-token "tokenizer" for a 64-row model
+        eos_id = pad_id = 0
+        vocab_size = 40
+
+        def stream_decoder(self, context=()):
+            class D:
+                push = staticmethod(lambda i: "x")
+                flush = staticmethod(lambda: "")
+
+            return D()
+
+    model = tiny_model("diff")
+    with torch.no_grad():
+        model.lm_head.weight[40:] = model.lm_head.weight[40:] * 0 + 5.0 * model.lm_head.weight[:1].sign()
+    cfg = GenerationConfig(max_new_tokens=20, sampling=SamplingConfig(temperature=1.5), stop_at_eos=False)
+    free = generate_all(model, PROMPTS, cfg)  # (without a tokenizer every row is a token id)
+    assert any(t >= 40 for c in free for t in c.token_ids)
+    masked = generate_all(model, PROMPTS, cfg, tokenizer=Small())
+    assert all(t < 40 for c in masked for t in c.token_ids)

@@ -287,6 +287,8 @@ def generate(
     model: a `Transformer` (eval mode; its device and dtype are used). tokenizer: needed for
     text (`Token.text`, `Completion.text`) and stop strings; eos_id defaults to the tokenizer's.
     seeds: one per prompt (default config.seed + i). Events of one step come in sequence order.
+    With a tokenizer smaller than the model's vocabulary (vocab_size: auto rounds the embedding up
+    to a multiple of 64), the rows past it are never drawn: they stand for no token.
     """
     config = config or GenerationConfig()
     mc = model.config  # type: ignore[attr-defined]
@@ -331,12 +333,17 @@ def generate(
             run: _CachedForward | _UncachedForward = cached(model, ids, mask_arg, P + max(limits) - 1)
         else:
             run = _UncachedForward(model, ids, mask_arg)
+    n_tokens = getattr(tokenizer, "vocab_size", None)
+    padded = n_tokens if n_tokens is not None and n_tokens < mc.vocab_size else None
     t0 = time.perf_counter()
     first_token_s = 0.0
     with torch.inference_mode():
         logits = run.prefill()
     for step in range(max(limits)):
         with torch.inference_mode():
+            if padded is not None:  # (untrained rows: a young model's logits there are not -inf)
+                logits = logits.clone()
+                logits[:, padded:] = float("-inf")
             next_ids = sampler(logits, seen)
             if seen is not None:
                 seen.scatter_(1, next_ids[:, None], True)
