@@ -1015,3 +1015,23 @@ def test_bits_per_byte_counts_the_spaces_a_sentencepiece_piece_stands_for():
     assert window_target_bytes(tok, windows).tolist() == [12, 13, 12]
     # (per token, each decoded alone, they lost their spaces: 11, 11, 10)
     assert token_byte_lengths(tok)[windows[:, 1:]].sum(axis=1).tolist() == [11, 11, 10]
+
+
+def test_the_attention_note_describes_each_signed_arch_truly(runs, tmp_path, capsys):
+    # diff2 has no subln and its rows sum to 1 − σ(λ): the diff note (subln, 1 − λ) was wrong for it
+    import shutil
+
+    opts = EvalOptions(lengths=[70], depths=[0.5], needles=[(1, 1)], samples=1, plot=False)
+    shown = {}
+    for arch in ("diff", "diff2"):
+        run = tmp_path / arch
+        shutil.copytree(runs[arch], run, ignore=shutil.ignore_patterns("eval"))
+        save_result(run, evaluate(load_run(run), "attention", opts))
+        assert main(["eval", str(run), "--show", "--suite", "attention"]) == 0
+        shown[arch] = " ".join(capsys.readouterr().out.split())
+    assert "rows sum to its 1 − λ" in shown["diff"] and "subln normalises each head" in shown["diff"]
+    assert (
+        "rows sum to 1 − σ(λ)" in shown["diff2"]
+        and "with no subln that scale reaches the output" in shown["diff2"]
+    )
+    assert "subln normalises" not in shown["diff2"]

@@ -213,8 +213,14 @@ def render(doc: dict[str, Any], run_dir: Path) -> None:
         console.print(lt)
         if signed:
             console.print(
-                "[dim]The differential map's rows sum to its 1 − λ (not 1) and its scale does not reach the "
-                "output (subln normalises each head): compare the shares across archs, not the masses.",
+                "[dim]"
+                + (
+                    "The combined map's rows sum to 1 − σ(λ) (not 1; λ per token and head), and with no subln "
+                    "that scale reaches the output: compare the shares across archs, not the masses."
+                    if doc["arch"] == "diff2"
+                    else "The differential map's rows sum to its 1 − λ (not 1) and its scale does not reach the "
+                    "output (subln normalises each head): compare the shares across archs, not the masses."
+                ),
                 soft_wrap=True,
             )
     elif suite == "outliers":
