@@ -54,7 +54,8 @@ class StopRequested(Exception):
     """Raised after a graceful stop (signal) once the checkpoint is written (not a mistake: the
     CLI prints the resume command and exits 130 / 143)."""
 
-    def __init__(self, signum: int, step: int) -> None:
+    def __init__(self, signum: int, step: int, is_global_zero: bool = True) -> None:
         super().__init__(f"stopped by signal {signum} at step {step}")
         self.signum = signum
         self.step = step
+        self.is_global_zero = is_global_zero  # (the other processes of a run say nothing)

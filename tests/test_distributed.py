@@ -157,6 +157,23 @@ if os.environ.get("FSDP_ON_CPU") == "1":
     run.check_strategy = lambda recipe, accelerator, world: check(recipe, "cuda", world)
     devicecheck.check_strategy = run.check_strategy  # and before torch loads (early_device_check)
 
+if os.environ.get("DT_SIGNAL_AT"):  # "RANK:STEP": that process alone gets SIGTERM at that step
+    import signal
+
+    import difftrain.train.callbacks as callbacks
+
+    _rank, _step = os.environ["DT_SIGNAL_AT"].split(":")
+    if os.environ.get("LOCAL_RANK", "0") == _rank:
+        _end = callbacks.RunCallback.on_train_batch_end
+
+        def _signalled(self, trainer, *args, **kwargs):
+            if trainer.global_step == int(_step) and not getattr(self, "_sent", False):
+                self._sent = True
+                os.kill(os.getpid(), signal.SIGTERM)
+            return _end(self, trainer, *args, **kwargs)
+
+        callbacks.RunCallback.on_train_batch_end = _signalled
+
 from difftrain.cli.app import main
 
 sys.exit(main(sys.argv[1:]))
@@ -181,9 +198,19 @@ class Workspace:
         p.write_text(RECIPE.format(name=name, corpus=self.corpus, cache=cache or self.cache, optim=optim))
         return p
 
-    def launch(self, folder: Path, args: list[str], *, fsdp: bool = False, watch: list[Path] = ()) -> dict:
+    def launch(
+        self,
+        folder: Path,
+        args: list[str],
+        *,
+        fsdp: bool = False,
+        watch: list[Path] = (),
+        env_extra: dict[str, str] | None = None,
+        code: int = 0,
+    ) -> dict:
         """`difftrain ARGS train.devices=2` in `folder`; returns {rank: [(event, path)]} of writes
-        under `folder`/runs and `watch`."""
+        under `folder`/runs and `watch` (and "stderr": its standard error). `code`: the exit code
+        expected."""
         audit = folder / f"audit-{len(list(folder.glob('audit-*')))}"
         audit.mkdir()
         env = {
@@ -196,6 +223,7 @@ class Workspace:
             DT_WATCH=os.pathsep.join(str(p) for p in [folder / "runs", *watch]),
             DT_AUDIT=str(audit),
             FSDP_ON_CPU="1" if fsdp else "0",
+            **(env_extra or {}),
         )
         proc = subprocess.run(
             [sys.executable, str(self.root / "drive.py"), *args, "train.devices=2"],
@@ -205,8 +233,8 @@ class Workspace:
             text=True,
             timeout=300,
         )
-        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-        writes = {}
+        assert proc.returncode == code, proc.stdout[-3000:] + proc.stderr[-3000:]
+        writes: dict = {"stderr": proc.stderr}
         for log in audit.glob("rank*.log"):
             rank = int(log.stem.removeprefix("rank"))
             writes[rank] = [tuple(line.split("\t")) for line in log.read_text().splitlines()]
@@ -326,6 +354,28 @@ def test_only_rank_zero_writes_the_run_directory_and_prepares_the_data_once(ddp)
     built = [p for e, p in writes[0] if e == "os.rename" and os.path.dirname(os.path.dirname(p)) == cache]
     assert len(built) == 2, built  # one tokenizer and one shard folder, renamed into the cache once
     assert load_run(run_dir).model.config.d_model == 32
+
+
+def test_a_signal_to_one_process_stops_both_at_the_same_step(ws, ref):
+    # `kill PID` (or a container's SIGTERM to its PID 1) reaches rank 0 or rank 1 alone: the one
+    # that stopped left the other waiting in its next collective for ever (a hang, not a stop)
+    for rank in ("1", "0"):
+        folder = ws.root / f"signal-rank{rank}"
+        recipe = ws.recipe(folder, "r")
+        got = ws.launch(
+            folder,
+            ["pretrain", str(recipe), "train.max_steps=6", "train.save_every=6"],
+            env_extra={"DT_SIGNAL_AT": f"{rank}:3"},
+            code=143,  # SIGTERM's graceful stop, whichever process got it
+        )
+        run_dir = folder / "runs" / "r"
+        index = json.loads((run_dir / "checkpoints" / "index.json").read_text())
+        assert [c["step"] for c in index["checkpoints"]] == [3], index
+        assert got["stderr"].count("stopped at step 3; checkpoint saved.") == 1, got["stderr"][-2000:]
+        assert json.loads((run_dir / "summary.json").read_text())["finished"] is False
+    result = single(folder, recipe, "train.max_steps=6", resume=True)  # and it continues the curve
+    assert result.resumed_from == 3
+    assert_same_curve(curve(result.run_dir), curve(ref), range(1, 7))
 
 
 def test_a_two_process_run_resumes_on_one_process_and_continues_the_curve(ws, ddp, ref):

@@ -346,10 +346,11 @@ def run_training(command: str, train: Any, recipe: Any, *, on_start: Any, **kwar
     except StopRequested as stop:
         # one unbroken line (soft wrap) with the path quoted: it is meant to be copied and pasted
         cmd = f"difftrain {command} {shlex.quote(str(recipe.run_dir / 'recipe.yaml'))} --resume"
-        err_console.print(
-            f"[yellow]stopped at step {stop.step}; checkpoint saved.[/] Resume with: [bold]{escape(cmd)}[/]",
-            soft_wrap=True,
-        )
+        if stop.is_global_zero:  # (once for a run of several processes)
+            err_console.print(
+                f"[yellow]stopped at step {stop.step}; checkpoint saved.[/] Resume with: [bold]{escape(cmd)}[/]",
+                soft_wrap=True,
+            )
         raise typer.Exit(130 if stop.signum == signal.SIGINT else 143) from None
     except torch.OutOfMemoryError as e:
         raise DeviceError(oom_advice(recipe, finetune=command == "finetune")) from e

@@ -176,6 +176,7 @@ class RunCallback(L.Callback):
         self.export = export
         self.state = RunState()
         self._stop_signal: int | None = None
+        self._speaks = True  # rank 0 (of several processes: the others print nothing)
         self._old_handlers: dict[int, Any] = {}
         self._progress = None
         self._task = None
@@ -200,7 +201,7 @@ class RunCallback(L.Callback):
                 os.write(2, f"\nquit at once ({signal.Signals(signum).name} again): {where}{how}\n".encode())
             os._exit(128 + signum)
         self._stop_signal = signum
-        if self.console is not None:
+        if self.console is not None and self._speaks:
             self.console.print(
                 f"[yellow]received {signal.Signals(signum).name}: finishing this step and saving… "
                 "(press Ctrl-C again to quit at once)[/]"
@@ -221,7 +222,26 @@ class RunCallback(L.Callback):
         self._old_handlers.clear()
 
     # ---- lifecycle -------------------------------------------------------------------------
+    def _agree_on_stop(self, trainer: L.Trainer) -> None:
+        """Of several processes, all stop at the same step when any of them got a signal: the
+        signal reaches one process alone (`kill PID`, a container runtime's SIGTERM to its PID 1)
+        or each at a different step, and a process that stopped alone left the others waiting in
+        their next collective for ever. One all-reduce of the signal number per check; every
+        process checks at the same points (the same steps, micro-batches and validations)."""
+        if trainer.world_size <= 1:
+            return
+        import torch
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()):
+            return
+        flag = torch.tensor([self._stop_signal or 0], device=trainer.strategy.root_device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        if self._stop_signal is None and int(flag.item()):
+            self._stop_signal = int(flag.item())
+
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._speaks = trainer.is_global_zero
         self._install_signals()
         self.state.start_time = time.perf_counter()
         self._window_t = time.perf_counter()
@@ -263,9 +283,12 @@ class RunCallback(L.Callback):
         self, trainer: L.Trainer, pl_module: Any, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         if not getattr(pl_module, "stepped", False):
-            if self._stop_signal is not None and pl_module._micro == 0:
-                self._stop(trainer, pl_module)
+            if pl_module._micro == 0:  # (a skipped step's end: every process is here)
+                self._agree_on_stop(trainer)
+                if self._stop_signal is not None:
+                    self._stop(trainer, pl_module)
             return
+        self._agree_on_stop(trainer)
         step = trainer.global_step
         # step 1, every log_every-th, the last (max_steps may come from max_tokens) and the one a
         # signal stops at: the curve in metrics.csv always reaches the loss the summary reports
@@ -296,6 +319,7 @@ class RunCallback(L.Callback):
         step = trainer.global_step
         if step % self.save_every == 0 and step < trainer.max_steps:
             self.save(trainer, pl_module)
+        self._agree_on_stop(trainer)  # (a signal during the step's validation)
         if self._stop_signal is not None:
             self._stop(trainer, pl_module)
 
@@ -522,7 +546,7 @@ class RunCallback(L.Callback):
             for logger in trainer.loggers:
                 logger.save()
         self._finish()
-        raise StopRequested(signum, trainer.global_step)
+        raise StopRequested(signum, trainer.global_step, trainer.is_global_zero)
 
 
 def _step_lr(trainer: L.Trainer, pl_module: Any) -> float:
