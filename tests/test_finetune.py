@@ -779,3 +779,25 @@ def test_a_resume_that_names_another_base_says_so_not_that_model_arch_differs(ws
     err = capsys.readouterr().err
     assert "was fine-tuned from" in err and "a different base makes a different run" in err
     assert "remove model.arch" not in err
+
+
+def test_an_instruction_step_is_the_mean_over_its_trained_tokens_whatever_the_micro_batch(ws, tmp_path):
+    # responses of different lengths: a mean per micro-batch, averaged, weighed a short response's
+    # tokens more, so the same run with micro_batch_size 2 × accumulation 2 and 4 × 1 (which a
+    # resume may switch between) trained on another objective and reported another val loss
+    records = tmp_path / "varied.jsonl"
+    with open(records, "w") as f:
+        for i in range(24):
+            body = " + ".join(["a"] * (1 + (i * 7) % 9))
+            f.write(json.dumps({"prompt": f"def f_{i}(a):\n", "response": f"    return {body}\n"}) + "\n")
+    runs = {}
+    for name, micro in (("m2", 2), ("m4", 4)):
+        p = ws(name=name, steps=3, data=records)
+        runs[name] = finetune(load_recipe(p, [f"train.micro_batch_size={micro}"])).run_dir
+    a, b = (losses(runs[n]) for n in ("m2", "m4"))
+    assert set(a) == set(b) == {1, 2, 3}
+    for step in a:
+        assert a[step] == pytest.approx(b[step], rel=1e-5), (step, a, b)
+    sa, sb = (json.loads((runs[n] / "summary.json").read_text()) for n in ("m2", "m4"))
+    assert sa["initial_val_loss"] == pytest.approx(sb["initial_val_loss"], rel=1e-5)
+    assert sa["final_val_loss"] == pytest.approx(sb["final_val_loss"], rel=1e-5)

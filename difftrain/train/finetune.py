@@ -641,6 +641,7 @@ def finetune(
             step_seed=r.seed,
             validate_first=True,
             tokens_per_micro_batch=tokens_per_micro_batch,
+            token_mean=data_format == "instruction",  # responses of different lengths
             summary_extra={
                 "method": ft.method,
                 "base": str(base),

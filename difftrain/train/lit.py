@@ -35,9 +35,16 @@ import lightning as L
 import torch
 
 from difftrain.errors import CheckpointError, TrainingError
+from difftrain.model.loss import IGNORE_INDEX
 from difftrain.recipe import OptimConfig
 from difftrain.train.distributed import clean_name, is_fsdp
 from difftrain.train.optim import build_optimizer, lr_multiplier
+
+
+TOKEN_UNIT = 1024.0
+"""The scale of a token-mean step's backward (Σ loss / TOKEN_UNIT, rescaled once the step's tokens
+are known): a constant keeps a resumed run's arithmetic that of an uninterrupted one, a power of
+two divides exactly, and about a micro-batch's tokens keeps the gradients' magnitude usual."""
 
 
 class LitLM(L.LightningModule):
@@ -55,6 +62,7 @@ class LitLM(L.LightningModule):
         check_grads: bool = True,
         save_frozen: bool = True,
         step_seed: int | None = None,
+        token_mean: bool = False,
     ) -> None:
         super().__init__()
         self.model = model
@@ -69,6 +77,12 @@ class LitLM(L.LightningModule):
         self.save_frozen = save_frozen
         self.strict_loading = save_frozen
         self.step_seed = step_seed
+        # The loss of an optimizer step as the mean over every trained token of all its
+        # micro-batches and processes (instruction fine-tuning: examples train different numbers
+        # of response tokens). A mean per micro-batch, averaged, weighs a short response's tokens
+        # more, and changes with micro_batch_size and devices, which a resume may change.
+        self.token_mean = token_mean
+        self._count_sum: float | torch.Tensor = 0.0  # trained tokens of the step's micro-batches here
         self._compile = compile
         # not a submodule (object.__setattr__): the checkpoint holds each tensor once, unprefixed
         object.__setattr__(self, "_forward", torch.compile(model) if compile else model)
@@ -148,12 +162,22 @@ class LitLM(L.LightningModule):
         loss = out.loss
         if self.fault_hook is not None:
             loss = self.fault_hook(self.global_step, loss)
+        if self.token_mean:
+            # backward of the micro-batch's summed loss / TOKEN_UNIT: the step's gradient is
+            # rescaled by world·TOKEN_UNIT / N once N, the trained tokens of the whole step, is
+            # known (`_to_token_mean`)
+            n = (batch["targets"] != IGNORE_INDEX).sum()
+            part = loss * n
+            backward_loss = part / TOKEN_UNIT
+            self._count_sum = self._count_sum + n.float()  # (a tensor: no device sync per micro-batch)
+        else:
+            part, backward_loss = loss, loss / self.accumulate
         # DDP: only the last micro-batch's backward averages the gradients over ranks
         last = self._micro + 1 == self.accumulate
         block_sync = getattr(self.trainer.strategy, "block_backward_sync", None)
         with nullcontext() if last or block_sync is None else block_sync():
-            self.manual_backward(loss / self.accumulate)
-        self._loss_sum += loss.detach().float()
+            self.manual_backward(backward_loss)
+        self._loss_sum += part.detach().float()
         self._micro += 1
         self.micro_batches_seen += 1
         self._tokens_pending += self.tokens_per_micro_batch or batch["input_ids"].numel()
@@ -163,14 +187,21 @@ class LitLM(L.LightningModule):
         # loss and tokens of this step over all ranks: every rank sees the same figures
         stats = torch.stack(
             [
-                torch.as_tensor(self._loss_sum, dtype=torch.float32, device=self.device) / self.accumulate,
+                torch.as_tensor(self._loss_sum, dtype=torch.float32, device=self.device)
+                / (1 if self.token_mean else self.accumulate),
                 torch.tensor(float(self._tokens_pending), device=self.device),
+                torch.as_tensor(self._count_sum, dtype=torch.float32, device=self.device),
             ]
         )
         stats = self._all_reduce(stats)
-        loss_mean = stats[0].item() / self._world()
+        if self.token_mean:
+            trained = stats[2].item()
+            loss_mean = stats[0].item() / trained if trained > 0 else 0.0
+            self._to_token_mean(trained)
+        else:
+            loss_mean = stats[0].item() / self._world()
         self.tokens_seen += int(stats[1].item())
-        self._loss_sum, self._tokens_pending = 0.0, 0
+        self._loss_sum, self._tokens_pending, self._count_sum = 0.0, 0, 0.0
         grad_norm = self._grad_norm() if self.check_grads else 0.0
         if not math.isfinite(loss_mean) or not math.isfinite(grad_norm):
             self._skip(opt, loss_mean, grad_norm)
@@ -192,6 +223,16 @@ class LitLM(L.LightningModule):
         self.stepped = True
         self.last_loss = loss_mean
         self.last_grad_norm = grad_norm
+
+    def _to_token_mean(self, trained: float) -> None:
+        """Scale the step's gradient from Σ_micro-batches ∇(summed loss)/unit, averaged over the
+        processes by DDP/FSDP, to ∇ of the mean over the step's `trained` tokens (all processes)."""
+        if trained <= 0:
+            return
+        scale = self._world() * TOKEN_UNIT / trained
+        for p in self.model.parameters():
+            if p.grad is not None:
+                p.grad.mul_(scale)
 
     def _grad_norm(self) -> float:
         """‖g‖₂ over all parameters; under FSDP, √(Σ over ranks of each shard's Σg²)."""
@@ -237,15 +278,15 @@ class LitLM(L.LightningModule):
 
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
         out = self.model(batch["input_ids"], batch["targets"], return_logits=False)
-        n = batch["input_ids"].shape[0]
+        # weighed by the batch's trained tokens (not its sequences): the mean over every token of
+        # the split, whatever the batch size and the number of processes
+        n = (batch["targets"] != IGNORE_INDEX).sum().float()
         if self._val_stats is None:
             self._val_stats = torch.zeros(2, device=self.device)
-        self._val_stats += torch.stack(
-            [out.loss.detach().float() * n, torch.tensor(float(n), device=self.device)]
-        )
+        self._val_stats += torch.stack([out.loss.detach().float() * n, n])
 
     def on_validation_epoch_end(self) -> None:
-        """val/loss = Σ loss·n / Σ n over the windows of every rank (n: sequences per batch)."""
+        """val/loss = Σ loss·n / Σ n over the batches of every rank (n: trained tokens per batch)."""
         stats = self._val_stats if self._val_stats is not None else torch.zeros(2, device=self.device)
         stats = self._all_reduce(stats)
         self._val_stats = None

@@ -514,6 +514,7 @@ def fit(
     validate_first: bool = False,
     tokens_per_micro_batch: int = 0,
     summary_extra: dict[str, Any] | None = None,
+    token_mean: bool = False,
 ) -> TrainResult:
     """The training loop shared by `pretrain` and `finetune`: Lightning module, callbacks, loggers,
     Trainer, fit (resuming from `point`), final validation, summary.json.
@@ -524,6 +525,7 @@ def fit(
     keeps frozen parameters out of checkpoints; `step_seed` makes dropout resumable (see LitLM);
     `validate_first` measures the validation loss before the first step of a fresh run
     (summary `initial_val_loss`). `tokens_per_micro_batch=0` counts the tokens of each batch.
+    `token_mean`: a step's loss is the mean over all its trained tokens (see LitLM).
     """
     import lightning as L
 
@@ -555,6 +557,7 @@ def fit(
         check_grads=t.precision != "16-mixed",
         save_frozen=save_frozen,
         step_seed=step_seed,
+        token_mean=token_mean,
     )
     lit.fault_hook = fault_hook
     lit.resume_path = point.path if point else None
