@@ -40,7 +40,6 @@ from difftrain.recipe import OptimConfig
 from difftrain.train.distributed import clean_name, is_fsdp
 from difftrain.train.optim import build_optimizer, lr_multiplier
 
-
 TOKEN_UNIT = 1024.0
 """The scale of a token-mean step's backward (Σ loss / TOKEN_UNIT, rescaled once the step's tokens
 are known): a constant keeps a resumed run's arithmetic that of an uninterrupted one, a power of
