@@ -195,6 +195,8 @@ def test_interactive_ctrl_c_interrupts_a_generation_without_quitting(run_dir, ca
             "/set greedy on",
             "/show",
             "/set greedy off",
+            "/set max_new_tokens 3.5",
+            "/set temperature hot",
             "def",
             "/quit",
         ]
@@ -226,6 +228,9 @@ def test_interactive_ctrl_c_interrupts_a_generation_without_quitting(run_dir, ca
     # /show: the settings as /set names them, the one just set included
     assert "max_new_tokens=4 greedy=false temperature=0.5 top_k=50 top_p=0.95" in err and "seed=0" in err
     assert "greedy: 'maybe' is not on or off; use /set greedy on (or off)" in err  # left unchanged
+    assert (
+        "max_new_tokens: '3.5' is not a whole number" in err and "temperature: 'hot' is not a number" in err
+    )
     assert (
         "(temperature = 0.5)" in err and "(greedy = on)" in err and "(greedy = off)" in err
     )  # each /set says so
@@ -424,6 +429,43 @@ def test_a_text_finetune_still_reads_documents(tmp_path, capsys):
     assert r["prompt"] == "hello"
     code, out, _ = gen(capsys, run, "-p", "hello", "-n", 1)
     assert out.startswith("hello")
+
+
+def test_the_repl_reader_sends_a_message_cut_by_the_end_of_input_and_marks_only_a_terminal(monkeypatch):
+    from difftrain.cli import generate as g
+
+    shown: list[str] = []
+
+    def typed(lines):
+        it = iter(lines)
+
+        def fake_input(marker=""):
+            shown.append(marker)
+            x = next(it)
+            if x is EOFError:
+                raise EOFError
+            return x
+
+        return fake_input
+
+    # Ctrl-D (or the end of piped input) at a continuation line: the message typed so far is sent
+    monkeypatch.setattr("builtins.input", typed(["line one \\", EOFError]))
+    monkeypatch.setattr("sys.stdin.isatty", lambda: True, raising=False)
+    assert g._read_prompt("you » ") == "line one "
+    assert shown == ["you » ", "… "]
+    # piped input: no markers written to the output (a transcript is replies, not "you » " per line)
+    shown.clear()
+    monkeypatch.setattr("sys.stdin.isatty", lambda: False, raising=False)
+    monkeypatch.setattr("builtins.input", typed(["a \\", "b"]))
+    assert g._read_prompt("you » ") == "a \nb" and shown == ["", ""]
+
+    # the reader of the output gone (`| head`): the session ends as at the end of input
+    def gone(marker=""):
+        raise BrokenPipeError
+
+    monkeypatch.setattr("builtins.input", gone)
+    with pytest.raises(EOFError):
+        g._read_prompt()
 
 
 def test_chat_renders_the_conversation_streams_replies_until_end_and_resets(tmp_path, capsys, monkeypatch):

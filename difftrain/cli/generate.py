@@ -433,11 +433,26 @@ def _error(message: str) -> None:
 
 
 def _read_prompt(marker: str = "» ") -> str:
+    """A message typed at the REPL (lines ending in \\ continue it). Piped input shows no prompt
+    markers (a transcript of the output holds the replies, not a "» " per line read), and a reader
+    of the output that went away (`| head`) ends the session as the end of input does."""
+    if not sys.stdin.isatty():
+        marker = ""
+    try:
+        return _read_lines(marker)
+    except BrokenPipeError:
+        raise EOFError from None
+
+
+def _read_lines(marker: str) -> str:
     while True:
         lines = [input(marker)]
         while lines[-1].endswith("\\") and not lines[-1].endswith("\\\\"):
             lines[-1] = lines[-1][:-1]
-            lines.append(input("… "))
+            try:
+                lines.append(input("… " if marker else ""))
+            except EOFError:  # the end of input ends the message (the next read ends the session)
+                break
         text = "\n".join(lines)
         problem = utf8_problem(text)
         if problem is None:
@@ -519,7 +534,8 @@ def _set(session: Session, args: list[str]) -> None:
         shown = ("on" if now else "off") if isinstance(now, bool) else now
         err_console.print(f"[dim]({key} = {escape(str(shown))})", soft_wrap=True)
     except ValueError:
-        _error(f"{key}: {value!r} is not a number")
+        whole = key == "max_new_tokens" or _SETTABLE.get(key) is int
+        _error(f"{key}: {value!r} is not a {'whole number' if whole else 'number'}")
     except ConfigError as e:
         _error(str(e))
 
