@@ -685,6 +685,23 @@ def test_a_chat_fine_tune_exports_its_template_as_transformers_chat_template(tmp
         [{"role": "system", "content": "be brief"}, *messages], tokenize=False, add_generation_prompt=True
     )
     assert theirs == chat.render()
+    # transformers' generate stops a reply where `difftrain chat` does: at the end-of-turn token
+    stops = transformers.GenerationConfig.from_pretrained(tmp_path / "hf").eos_token_id
+    if roles is None:
+        assert stops == [tok.eos_id, tok.token_to_id("<|end|>")]
+        card = (tmp_path / "hf" / "README.md").read_text()
+        blocks = [b.split("```", 1)[0] for b in card.split("```python\n")[1:]]
+        assert len(blocks) == 2 and "messages, add_generation_prompt=True" in blocks[1]
+        names: dict = {}
+        for block in blocks:  # the card's snippets run as written (the chat one after the first)
+            exec(
+                compile(
+                    block.replace(f'"{tmp_path / "hf"}"', repr(str(tmp_path / "hf"))), "README.md", "exec"
+                ),
+                names,
+            )  # noqa: S102
+    else:  # no end-of-turn text after {content}: the document's eos alone
+        assert stops == tok.eos_id
     # a run tuned on prompt/response records (or pretrained) has no chat template to write
     (run / "summary.json").write_text(json.dumps({"record_kinds": ["prompt/response"]}))
     export_hf(run, tmp_path / "hf2")

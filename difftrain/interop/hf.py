@@ -506,6 +506,13 @@ def jinja_chat_template(chat: Any) -> str:
     )
 
 
+def chat_end_token_id(chat: Any, tok: Any) -> int | None:
+    """The token that ends an assistant turn of a chat template (the stripped text after its
+    {content}, as `difftrain chat` stops at it), where that is one token; else None."""
+    tail = str(chat.roles.get("assistant", "")).split("{content}")[-1].strip()
+    return tok.token_to_id(tail) if tail else None
+
+
 def run_chat_template(run_path: Path) -> Any:
     """The chat template (a ChatTemplateConfig) of a run fine-tuned on `messages` records, as its
     recipe.yaml and summary.json record them; None for any other run."""
@@ -737,8 +744,12 @@ def export_hf(
         )
     for name, text in tokenizer_files.items():
         atomic_write_text(out / name, text)
+    # a chat fine-tune's reply ends at its template's end of turn (<|end|>), where `difftrain chat`
+    # stops: transformers' generate stops there too when it is one of the eos ids
+    end_id = chat_end_token_id(chat, tok) if chat is not None else None
+    stop_ids: int | list[int] = eos if end_id is None or end_id == eos else [eos, end_id]
     atomic_write_json(
-        out / "generation_config.json", {"bos_token_id": bos, "eos_token_id": eos, "pad_token_id": pad}
+        out / "generation_config.json", {"bos_token_id": bos, "eos_token_id": stop_ids, "pad_token_id": pad}
     )
     own_start = tok.document_start_id != tok.eos_id  # an imported tokenizer that puts its bos first
     atomic_write_text(
@@ -810,9 +821,16 @@ def _model_card(
         + about
         + f"`{SIDECAR}` holds difftrain's exact tensors for `difftrain import` and is ignored by transformers.\n"
         + (
-            "\nFine-tuned on chat records: `tok.apply_chat_template(messages, add_generation_prompt=True, "
-            'return_tensors="pt")` renders a conversation as `difftrain chat` does (the template is in '
-            "tokenizer_config.json).\n"
+            "\nFine-tuned on chat records: the template is in tokenizer_config.json, and "
+            "generation_config.json ends a reply at the template's end of turn, as `difftrain chat` does:\n\n"
+            "```python\n"
+            'messages = [{"role": "user", "content": "Hello!"}]\n'
+            "ids = tok.apply_chat_template(\n"
+            '    messages, add_generation_prompt=True, return_tensors="pt", return_dict=True\n'
+            ").input_ids\n"
+            + ("" if own_start else "ids = torch.cat([torch.tensor([[tok.eos_token_id]]), ids], dim=1)\n")
+            + "out = model.generate(ids, max_new_tokens=128, do_sample=False)\n"
+            "print(tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True))\n```\n"
             if chat
             else ""
         )
