@@ -1,4 +1,4 @@
-"""The run directory: the one artifact every command reads (DESIGN.md §1).
+"""The run directory: the one artifact every command reads (README, "The run directory").
 
     runs/<name>/
       recipe.yaml        the fully resolved recipe

@@ -204,7 +204,7 @@ class DecoderModel(nn.Module):
 
 
 class Transformer(nn.Module):
-    """Decoder-only LM for arch baseline | diff | diff2 (see DESIGN.md §3).
+    """Decoder-only LM for arch baseline | diff | diff2 (see README, "The models").
 
     `attn_impl` (initialised from the config) may be changed on the instance at any time.
     """
