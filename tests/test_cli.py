@@ -58,6 +58,15 @@ def test_a_command_group_run_bare_shows_its_help_and_no_empty_error(argv, capsys
     assert "error" not in err  # it printed "error:  (see ...)" with an empty message, exit 2
 
 
+def test_h_is_help_everywhere_and_completion_scripts_are_offered(capsys):
+    for argv in (["-h"], ["eval", "-h"], ["recipes", "show", "-h"]):
+        assert main(argv) == 0, argv
+        out = capsys.readouterr().out
+        assert "Usage: difftrain" in out and "--help" in out, argv
+    assert main(["--show-completion", "bash"]) == 0
+    assert "_DIFFTRAIN_COMPLETE=complete_bash" in capsys.readouterr().out
+
+
 def test_help_text_wraps_at_the_terminal_not_at_the_docstring_line_breaks(capsys, monkeypatch):
     from difftrain.cli.app import unwrap_help
 

@@ -42,7 +42,8 @@ app = typer.Typer(
     name="difftrain",
     help="Pretrain, fine-tune, evaluate and sample Differential Transformers from YAML recipes.",
     no_args_is_help=True,
-    add_completion=False,
+    add_completion=True,
+    context_settings={"help_option_names": ["-h", "--help"]},
     pretty_exceptions_enable=False,
     rich_markup_mode="rich",
 )
@@ -213,6 +214,8 @@ def main(argv: list[str] | None = None) -> int:
         return e.exit_code
     except typer.Exit as e:
         return e.exit_code
+    except SystemExit as e:  # Typer's --show-completion / --install-completion exit so
+        return e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
     except typer.Abort:
         error_line("aborted")
         return 130
