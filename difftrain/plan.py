@@ -138,6 +138,10 @@ def parse_memory(text: str) -> int:
     binary: an "8 GB" card has 8192 MiB)."""
     if str(text).strip().startswith("-"):
         raise ConfigError(f"--gpu-mem {text!r} is negative; give the GPU's memory, e.g. 8GB")
+    if re.fullmatch(r"\s*[0-9.]+[eE][-+]?[0-9]+\s*[a-zA-Z]*\s*", str(text)):
+        raise ConfigError(
+            f"--gpu-mem {text!r}: exponents are not taken; write the size out, e.g. 1000GB or 8GB"
+        )
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
     unit = m.group(2).lower() if m else ""
     if m is None or unit not in _UNITS or _UNITS[unit] is None:
@@ -838,6 +842,11 @@ class RecipePlan:
     kv_cache: int
     generation_bytes: int
     generation_dtype: str = "float32"  # what `generate --dtype auto` uses on the target
+
+    @property
+    def generation_logits(self) -> int:
+        """The fp32 logits of one generated token, part of `generation_bytes`."""
+        return int(self.plan.config.vocab_size) * 4  # type: ignore[arg-type]
 
     def to_dict(self) -> dict[str, Any]:
         return {

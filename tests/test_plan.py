@@ -20,6 +20,7 @@ from difftrain.plan import (
     Target,
     activations,
     fit_warning,
+    fmt_bytes,
     model_params,
     optimizer_bytes,
     parse_memory,
@@ -257,11 +258,17 @@ def test_plan_cli_exit_codes_fit_does_not_fit_and_bad_input(capsys):
     code, _, err = plan_cli(capsys, "quickstart", "--gpu-mem", "-8GB")
     assert code == 2 and "--gpu-mem '-8GB' is negative" in err
     # a size the CUDA context alone overflows: "a smaller model" would not help
-    code, out, _ = plan_cli(capsys, "quickstart", "--gpu-mem", "200MB")
-    assert code == 1 and "the CUDA context alone takes about 512.0 MiB, more than 200.0 MiB" in " ".join(
-        out.split()
-    )
-    assert "smaller model" not in out
+    for size, given in (("200MB", "200.0 MiB"), ("512MB", "512.0 MiB")):  # 512: "more than" was false
+        code, out, _ = plan_cli(capsys, "quickstart", "--gpu-mem", size)
+        flat = " ".join(out.split())
+        assert (
+            code == 1
+            and f"the CUDA context alone takes about 512.0 MiB, at least as much as the {given} given" in flat
+        )
+        assert "smaller model" not in out
+    # an exponent has a unit: the message says what is wrong with it
+    code, _, err = plan_cli(capsys, "quickstart", "--gpu-mem", "1e3GB")
+    assert code == 2 and "exponents are not taken" in err and "with a unit" not in err
 
 
 def test_plan_refuses_the_batch_and_length_pretrain_refuses_with_the_same_message(capsys):
@@ -288,6 +295,12 @@ def test_plan_cli_json_reports_the_breakdown_and_suggestions(capsys):
     assert data["generation_dtype"] == "bfloat16"
     vocab = data["model"]["vocab_size"]
     assert data["generation_bytes"] == 2 * data["params"] + data["kv_cache_bytes"] + 4 * vocab
+    # the generation line names each part, and they add up to its total
+    code, out, _ = plan_cli(capsys, "diff-124m", "--gpu-mem", "8GB", "train.micro_batch_size=16")
+    w, kv, logits = 2 * data["params"], data["kv_cache_bytes"], 4 * vocab
+    assert f"weights {fmt_bytes(w)} + KV cache {fmt_bytes(kv)} + logits {fmt_bytes(logits)} = " in " ".join(
+        out.split()
+    )
     code, out, _ = plan_cli(capsys, "quickstart", "--device", "cpu", "--json")
     cpu = json.loads(out)
     assert cpu["generation_dtype"] == "float32"

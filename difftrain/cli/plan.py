@@ -123,8 +123,8 @@ def _render(r: Any, rp: Any) -> None:
         console.print(act)
     console.print(
         f"generation (batch 1, {c.max_seq_len} tokens, {rp.generation_dtype}, as `generate` runs it there): "
-        f"weights + KV cache {fmt_bytes(rp.kv_cache)} "
-        f"= {fmt_bytes(rp.generation_bytes)}"
+        f"weights {fmt_bytes(rp.generation_bytes - rp.kv_cache - rp.generation_logits)} + KV cache "
+        f"{fmt_bytes(rp.kv_cache)} + logits {fmt_bytes(rp.generation_logits)} = {fmt_bytes(rp.generation_bytes)}"
     )
     for note in p.notes:
         console.print(f"[dim]note: {note}[/]")
@@ -138,7 +138,8 @@ def _render(r: Any, rp: Any) -> None:
         elif p.target.memory <= p.target.overhead:
             console.print(
                 f"[yellow]the {'CUDA context' if p.target.kind == 'cuda' else 'process'} alone takes about "
-                f"{fmt_bytes(p.target.overhead)}, more than {fmt_bytes(p.target.memory)}: no model trains there; "
+                f"{fmt_bytes(p.target.overhead)}, at least as much as the {fmt_bytes(p.target.memory)} given: no model trains "
+                "there; "
                 "give --gpu-mem the GPU's whole memory, e.g. 8GB[/]"
             )
         else:
