@@ -68,6 +68,17 @@ plus its ∂W (V·D, 4 bytes per element in 32-true, else 2), and without it the
 output, 4V bytes per token. With activation checkpointing a layer keeps only its input (4D bytes per token; 2D in
 bf16-true), and one layer's activations are rebuilt at a time in the backward pass.
 
+## Several devices
+
+Under ddp every device holds all of the above. Under `train.strategy=fsdp` (`Sharding`) each
+device holds 1/N of the weights, gradients, optimizer state and its temporaries (N: the devices,
+or one node's under hybrid_shard; 1 under no_shard), plus the full weights FSDP gathers for the
+passes in train.fsdp.param_dtype (the root and about two blocks with one unit per block under
+full_shard, else all of them); with bf16 gathered weights autocast makes no copies. This follows
+FSDP's design and has not been measured on GPUs. No 8-bit optimizer is suggested under FSDP
+(training refuses one), and `difftrain plan` refuses what training refuses on the device it plans
+for (`check_plannable`).
+
 ## Peak
 
 The peak is the larger of the backward pass (weights, optimizer state, saved activations, and
@@ -99,7 +110,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from difftrain.errors import ConfigError, RecipeError
+from difftrain.errors import ConfigError, DeviceError, RecipeError
 from difftrain.model.config import ModelConfig
 
 KiB, MiB, GiB = 2**10, 2**20, 2**30
@@ -449,6 +460,23 @@ class Target:
 
 
 @dataclass(frozen=True)
+class Sharding:
+    """How FSDP divides a run over its devices (`train.fsdp`, `distributed.build_strategy`):
+    `shards` devices each hold 1/shards of the fp32 weights, their gradients and the optimizer
+    state (full_shard, shard_grad_op; hybrid_shard: the devices of one node; no_shard: 1).
+    Forward and backward gather full weights in the gather dtype: the units in flight (the root
+    with the embeddings and the output layer, and about two blocks: the one running and the one
+    prefetched) with full_shard/hybrid_shard and one unit per block (auto_wrap), else the whole
+    model (shard_grad_op keeps them gathered from forward to backward; one unit is all of it)."""
+
+    strategy: str = "full_shard"
+    shards: int = 1
+    auto_wrap: bool = True
+    param_dtype: str = "compute"  # or float32
+    cpu_offload: bool = False
+
+
+@dataclass(frozen=True)
 class Settings:
     """The knobs a plan varies (a recipe resolved for its target)."""
 
@@ -460,6 +488,7 @@ class Settings:
     optimizer: str
     checkpointing: bool
     attn_impl: str = "auto"
+    fsdp: Sharding | None = None  # train.strategy=fsdp
 
     @property
     def accumulate(self) -> int:
@@ -485,6 +514,7 @@ class MemoryPlan:
     peak_step: float
     method: str = "full"
     notes: list[str] = field(default_factory=list)
+    gathered: float = 0.0  # FSDP: full weights gathered for the forward and backward passes
 
     @property
     def peak(self) -> float:
@@ -505,6 +535,7 @@ class MemoryPlan:
         a = self.activations
         return {
             "weights": self.weights,
+            "weights gathered by FSDP": self.gathered,
             "gradients": self.gradients,
             "optimizer state": self.optimizer,
             "activations (layers)": a.layers + a.recompute,
@@ -562,6 +593,11 @@ def plan_memory(
     grads = n_trained * pbytes
     opt = optimizer_bytes(params, s.optimizer, pbytes)
     temps = n_trained * 4.0 if s.optimizer == "adamw" else 0.0  # foreach/fused AdamW workspace
+    shards, gathered = 1, 0.0
+    if s.fsdp is not None:  # each device holds its shard of these (see `Sharding`)
+        shards = s.fsdp.shards
+        weights, grads, opt, temps = weights / shards, grads / shards, opt / shards, temps / shards
+        gathered = _fsdp_gathered(params, s.fsdp, s.precision, pbytes)
     kernel = diff_kernel(target.kind, s.attn_impl)
     act = activations(
         config,
@@ -592,12 +628,17 @@ def plan_memory(
     else:
         loss_buffers = 2.0 * N * V * 4
     head = next((p for p in params if p.name in ("lm_head.weight", "model.embed_tokens.weight")), None)
-    grads_at_backward = grads if s.accumulate > 1 else (head.numel * pbytes if head and head.trained else 0)
+    grads_at_backward = (
+        grads if s.accumulate > 1 else (head.numel * pbytes / shards if head and head.trained else 0)
+    )
     # At the start of the backward pass the loss's buffers sit on top of everything saved; a
     # checkpointed layer is rebuilt only later, once those are freed.
     # While a rebuilt layer runs backward, its gradient buffers (≈ one (B·T, F), two (B·T, D))
     # and most parameter gradients exist too.
-    saved = act.layers + act.weight_copies
+    if s.fsdp is not None and s.fsdp.param_dtype == "compute" and _dtype_family(s.precision) == "mixed":
+        # FSDP gathers bf16 weights: autocast has nothing to copy
+        act = replace(act, weight_copies=0.0)
+    saved = act.layers + act.weight_copies + gathered
     rebuild = 0.0
     if s.checkpointing:
         assert config.ffn_hidden is not None
@@ -611,7 +652,20 @@ def plan_memory(
         notes.append("attn_impl=eager keeps the attention maps: the activation figure is approximate")
     if method != "full":
         notes.append(f"{method}: LoRA's own small intermediates are not counted")
+    if s.fsdp is not None:
+        notes.append(
+            f"train.strategy=fsdp ({s.fsdp.strategy} over {shards} device{'s' if shards > 1 else ''}): weights, gradients and "
+            f"optimizer state are 1/{shards} per device, plus the full weights gathered for the passes; "
+            "an estimate from FSDP's design, not yet measured on GPUs"
+            + (
+                "; train.fsdp.cpu_offload moves the shards and the optimizer step to host RAM, counted "
+                "here on the GPU (an upper bound)"
+                if s.fsdp.cpu_offload
+                else ""
+            )
+        )
     return MemoryPlan(
+        gathered=gathered,
         config=config,
         settings=settings,
         target=target,
@@ -628,6 +682,20 @@ def plan_memory(
         method=method,
         notes=notes,
     )
+
+
+def _fsdp_gathered(params: list[Param], sh: Sharding, precision: str, pbytes: int) -> float:
+    """Bytes of the full weights FSDP gathers for forward and backward (see `Sharding`)."""
+    fam = _dtype_family(precision)
+    gbytes = 2 if fam != "fp32" and (fam == "true" or sh.param_dtype == "compute") else 4
+    if sh.shards == 1 and gbytes == pbytes:  # the weights themselves, nothing gathered
+        return 0.0
+    total = sum(p.numel for p in params)
+    if sh.strategy in ("full_shard", "hybrid_shard") and sh.auto_wrap and sh.shards > 1:
+        block = sum(p.numel for p in params if p.name.startswith("model.layers.0."))
+        outside = sum(p.numel for p in params if ".layers." not in p.name)
+        return float(gbytes * min(total, outside + 2 * block))
+    return float(gbytes * total)
 
 
 def kv_cache_bytes(
@@ -703,7 +771,8 @@ def suggest(
     is a superset of a cheaper one."""
     params = model_params(config) if params is None else params
     s0 = settings
-    opts = [s0.optimizer] + ([] if s0.optimizer != "adamw" else ["adamw8bit"])
+    # no 8-bit optimizer under FSDP: training refuses it (`devicecheck.check_strategy`)
+    opts = [s0.optimizer] + ([] if s0.optimizer != "adamw" or s0.fsdp is not None else ["adamw8bit"])
     ckpts = [s0.checkpointing] + ([] if s0.checkpointing else [True])
     micros = []
     m = s0.micro_batch_size
@@ -788,6 +857,47 @@ def _dominates(a: dict[str, Any], b: dict[str, Any]) -> bool:
 
 
 # ----- recipes -----------------------------------------------------------------------------------
+def plan_target(recipe: Any, gpu_mem: str | None = None, device: str = "auto") -> Target:
+    """The target `difftrain plan` plans for: `detect_target`'s, where train.accelerator allows it.
+    A recipe pinned to the CPU (or MPS) is planned against the RAM, and --gpu-mem for it is
+    refused; one pinned to CUDA needs --gpu-mem or a GPU here (training refuses it without)."""
+    from difftrain.train.devicecheck import NO_CUDA
+
+    acc = recipe.train.accelerator
+    if acc in ("cpu", "mps") and gpu_mem is not None:
+        raise ConfigError(
+            f"--gpu-mem plans for a CUDA GPU but train.accelerator={acc} trains on the {acc.upper()}; drop "
+            "--gpu-mem (the plan is then for this machine's RAM), or set train.accelerator=auto or cuda"
+        )
+    if acc == "cuda" and device == "cpu":
+        raise ConfigError(
+            "--device cpu plans for this machine's RAM but train.accelerator=cuda trains on a GPU; drop "
+            "--device cpu, or give the GPU's memory with --gpu-mem, e.g. 8GB"
+        )
+    target = detect_target(gpu_mem, "cpu" if acc in ("cpu", "mps") else device)
+    if acc == "cuda" and target.kind != "cuda":
+        raise DeviceError(f"{NO_CUDA} (or plan for a GPU elsewhere with --gpu-mem, e.g. 8GB)")
+    return target
+
+
+def check_plannable(recipe: Any, target: Target) -> None:
+    """Refuse what training refuses on `target`'s kind of device, in its words: options that need
+    CUDA, strategy/optimizer/precision combinations (FSDP with an 8-bit optimizer), flex attention
+    on CPU. The batch and sequence length are refused while the plan is made (`recipe_settings`)."""
+    from difftrain.recipe import resolve_auto
+    from difftrain.train.devicecheck import check_flex, check_off_cuda, check_strategy
+
+    cuda = target.kind == "cuda"
+    accelerator = "cuda" if cuda else ("mps" if recipe.train.accelerator == "mps" else "cpu")
+    resolved = resolve_auto(recipe, cuda=cuda, bf16=cuda)
+    t = resolved.train
+    check_off_cuda(resolved, accelerator)
+    devices = int(t.devices) if t.devices != "auto" else 1
+    check_strategy(resolved, accelerator, devices * t.num_nodes)
+    if resolved.model is not None:
+        check_flex(resolved.model, accelerator)
+
+
 def detect_target(gpu_mem: str | None = None, device: str = "auto") -> Target:
     """The target of a plan: `--gpu-mem` → a CUDA GPU of that size; otherwise this machine's
     first CUDA GPU, or its RAM when it has none (or device == 'cpu')."""
@@ -891,6 +1001,13 @@ def recipe_settings(recipe: Any, target: Target) -> tuple[ModelConfig, Settings,
     seq_len = train_seq_len(t, config.max_seq_len)  # refused where `pretrain` refuses it
     devices = int(t.devices) if t.devices != "auto" else 1
     world = devices * t.num_nodes
+    sharding = None
+    if t.strategy == "fsdp":
+        f = t.fsdp
+        shards = {"full_shard": world, "shard_grad_op": world, "hybrid_shard": devices, "no_shard": 1}
+        sharding = Sharding(
+            f.sharding_strategy, shards[f.sharding_strategy], f.auto_wrap, f.param_dtype, f.cpu_offload
+        )
     settings = Settings(
         micro_batch_size=t.micro_batch_size,
         seq_len=seq_len,
@@ -900,6 +1017,7 @@ def recipe_settings(recipe: Any, target: Target) -> tuple[ModelConfig, Settings,
         optimizer=r.optim.name,
         checkpointing=t.activation_checkpointing,
         attn_impl=config.attn_impl,
+        fsdp=sharding,
     )
     if trained is None:
         params = model_params(config)

@@ -284,6 +284,84 @@ def test_plan_refuses_the_batch_and_length_pretrain_refuses_with_the_same_messag
         assert code == 2 and says in err and err == capsys.readouterr().err, (override, err)
 
 
+def test_plan_refuses_what_training_refuses_on_the_device_it_plans_for(capsys, tmp_path, monkeypatch):
+    """A plan that says "fits" for a run training refuses answers a question nobody can act on."""
+    from difftrain.train.devicecheck import NO_CUDA
+
+    monkeypatch.chdir(tmp_path)  # no runs/ here: the dry run refuses nothing about the folder
+    # the vocabulary the tokenizer cannot fit, as `pretrain --dry-run` refuses it
+    code, _, err = plan_cli(capsys, "quickstart", "--device", "cpu", "model.vocab_size=100")
+    assert main(["pretrain", "quickstart", "model.vocab_size=100", "--dry-run"]) == 2
+    assert code == 2 and "model.vocab_size is 100 but the tokenizer" in err and err == capsys.readouterr().err
+    # FSDP with an 8-bit optimizer, in check_strategy's words
+    code, _, err = plan_cli(
+        capsys,
+        "diff-124m",
+        "--gpu-mem",
+        "8GB",
+        "train.strategy=fsdp",
+        "train.devices=4",
+        "optim.name=adamw8bit",
+    )
+    assert code == 2 and "optim.name=adamw8bit with train.strategy=fsdp: FSDP cannot shard" in err
+    # a GPU-only precision planned for the RAM
+    code, _, err = plan_cli(capsys, "quickstart", "--device", "cpu", "train.precision=16-mixed")
+    assert code == 2 and "train.precision=16-mixed needs a CUDA GPU" in err
+    # a recipe pinned to the CPU is planned for the RAM, with what the CPU resolves auto to
+    code, _, err = plan_cli(capsys, "quickstart", "train.accelerator=cpu", "--gpu-mem", "8GB")
+    assert code == 2 and "train.accelerator=cpu trains on the CPU; drop --gpu-mem" in err
+    code, out, _ = plan_cli(capsys, "quickstart", "train.accelerator=cpu", "--json")
+    data = json.loads(out)
+    assert code == 0 and data["target"]["kind"] == "cpu"
+    assert (data["settings"]["precision"], data["settings"]["optimizer"]) == ("32-true", "adamw")
+    # pinned to CUDA: a GPU here, or --gpu-mem for one elsewhere
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    code, _, err = plan_cli(capsys, "quickstart", "train.accelerator=cuda")
+    assert code == 2 and NO_CUDA in err and "--gpu-mem" in err
+    code, _, err = plan_cli(capsys, "quickstart", "train.accelerator=cuda", "--device", "cpu")
+    assert code == 2 and "train.accelerator=cuda trains on a GPU" in err
+    code, out, _ = plan_cli(capsys, "quickstart", "train.accelerator=cuda", "--gpu-mem", "8GB", "--json")
+    assert code == 0 and json.loads(out)["settings"]["precision"] == "bf16-mixed"
+
+
+def test_fsdp_divides_weights_gradients_and_optimizer_state_by_the_devices():
+    from difftrain.plan import Sharding, suggest
+
+    cfg = tiny("diff", d_model=64, n_layers=4)
+    gpu = Target("cuda", 64 * GiB, "GPU")
+    one = plan_memory(cfg, Settings(4, 16, 16, 4, "bf16-mixed", "adamw", False), gpu)
+    for strategy, shards in (("full_shard", 4), ("shard_grad_op", 4), ("hybrid_shard", 2), ("no_shard", 1)):
+        sh = Sharding(strategy, shards)
+        p = plan_memory(cfg, Settings(4, 16, 16, 4, "bf16-mixed", "adamw", False, fsdp=sh), gpu)
+        assert (p.weights, p.gradients, p.optimizer, p.optimizer_temporaries) == (
+            one.weights / shards,
+            one.gradients / shards,
+            one.optimizer / shards,
+            one.optimizer_temporaries / shards,
+        ), strategy
+        # bf16 weights gathered for the passes (no autocast copies then): the whole model, or
+        # with one unit per block under full_shard (hybrid: within a node) the root and two blocks
+        n = sum(x.numel for x in model_params(cfg))
+        block = sum(x.numel for x in model_params(cfg) if x.name.startswith("model.layers.0."))
+        assert p.gathered == 2 * (n - 2 * block if strategy in ("full_shard", "hybrid_shard") else n)
+        assert p.activations.weight_copies == 0
+    # never suggest what training refuses: no 8-bit optimizer under FSDP
+    for sh in (Sharding("full_shard", 4), None):
+        s = Settings(4, 16, 16, 4, "bf16-mixed", "adamw", False, fsdp=sh)
+        short = Target("cuda", int(plan_memory(cfg, s, gpu).device_need) - 1024, "GPU")
+        found = suggest(cfg, s, short, limit=10)
+        assert found and any("optim.name" in x.changes for x in found) == (sh is None)
+
+
+def test_plan_of_an_fsdp_recipe_shows_the_shards_and_suggests_only_what_fsdp_trains(capsys):
+    args = ("diff-124m", "train.strategy=fsdp", "train.devices=4", "--gpu-mem", "8GB", "--json")
+    code, out, _ = plan_cli(capsys, *args)
+    data = json.loads(out)
+    assert code == 1 and data["bytes"]["weights"] == round(4 * data["params"] / 4)
+    assert data["settings"]["fsdp"]["shards"] == 4 and data["suggestions"]
+    assert not any("adamw8bit" in s["overrides"] for s in data["suggestions"])
+
+
 def test_plan_cli_json_reports_the_breakdown_and_suggestions(capsys):
     code, out, _ = plan_cli(capsys, "diff-124m", "--gpu-mem", "8GB", "--json", "train.micro_batch_size=16")
     data = json.loads(out)

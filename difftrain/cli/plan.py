@@ -33,7 +33,7 @@ def plan_command(
     peak. Says whether it fits and lists the cheapest changes that make it fit. Exit code 0 when it
     fits, 1 when it does not."""
     from difftrain.errors import ConfigError
-    from difftrain.plan import detect_target, plan_recipe
+    from difftrain.plan import check_plannable, plan_recipe, plan_target, tokenizer_size
     from difftrain.recipe import load_recipe
 
     if device not in ("auto", "cpu"):
@@ -43,8 +43,16 @@ def plan_command(
             "--device cpu plans for this machine's RAM and --gpu-mem for a GPU; give one of them"
         )
     r = load_recipe(recipe, overrides or [])
-    target = detect_target(gpu_mem, device)
+    target = plan_target(r, gpu_mem, device)  # where train.accelerator lets it train
+    check_plannable(r, target)  # what training refuses there, refused in its words
+    vocab_note = None
+    if r.finetune is None and r.model is not None:  # as `pretrain --dry-run` checks the vocabulary
+        from difftrain.cli.pretrain import _check_vocab
+
+        vocab_note = _check_vocab(r, tokenizer_size(r))
     rp = plan_recipe(r, target)
+    if vocab_note:
+        rp.plan.notes.append(vocab_note)
     if as_json:
         print(json.dumps({"recipe": r.source or r.name, **rp.to_dict()}, indent=2))
     else:
@@ -71,7 +79,9 @@ def _render(r: Any, rp: Any) -> None:
         (
             "batch",
             f"micro {s.micro_batch_size} × {s.seq_len} tokens (accumulate {s.accumulate}) · {s.precision} · "
-            f"{s.optimizer}" + (" · activation checkpointing" if s.checkpointing else ""),
+            f"{s.optimizer}"
+            + (" · activation checkpointing" if s.checkpointing else "")
+            + (f" · fsdp {s.fsdp.strategy} over {s.fsdp.shards}" if s.fsdp else ""),
         ),
         ("target", f"{t.name}: {fmt_bytes(t.memory)}"),
     ]
