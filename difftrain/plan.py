@@ -768,7 +768,8 @@ def suggest(
     limit: int = 3,
 ) -> list[Suggestion]:
     """The cheapest combinations of changes that make the plan fit, cheapest first; none that
-    is a superset of a cheaper one."""
+    is a superset of a cheaper one, and none that needs as much memory as a cheaper one (halving
+    the sequences saves what halving the micro-batch saves, and changes what the model learns)."""
     params = model_params(config) if params is None else params
     s0 = settings
     # no 8-bit optimizer under FSDP: training refuses it (`devicecheck.check_strategy`)
@@ -838,7 +839,9 @@ def suggest(
     found.sort(key=lambda x: (x.cost, x.plan.peak))
     kept: list[Suggestion] = []
     for sug in found:
-        if any(_dominates(k.changes, sug.changes) for k in kept):
+        if any(
+            _dominates(k.changes, sug.changes) or k.plan.device_need <= sug.plan.device_need for k in kept
+        ):
             continue
         kept.append(sug)
         if len(kept) == limit:

@@ -203,6 +203,10 @@ def test_suggestions_make_a_too_big_run_fit_and_apply_as_overrides():
         fixed = plan_recipe(load_recipe("diff-124m", sug.overrides.split()), gpu)
         assert fixed.plan.fits
         assert fixed.plan.device_need == pytest.approx(sug.plan.device_need)
+    # each costlier change buys memory: none needs as much as a cheaper one listed before it
+    # (sequences of 512 needed the 7.49 GiB of micro-batch 8, and change what the model learns)
+    needs = [s.plan.device_need for s in rp.suggestions]
+    assert needs == sorted(needs, reverse=True) and len(set(needs)) == len(needs), needs
     # the global batch is kept while the micro-batch shrinks
     cheapest = rp.suggestions[0].changes
     if "train.micro_batch_size" in cheapest:
