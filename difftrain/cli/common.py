@@ -150,6 +150,7 @@ def oom_advice(recipe: Any, *, finetune: bool = False, device: str = "GPU") -> s
 
     from difftrain.errors import DifftrainError
     from difftrain.train.run import plan_run
+    from difftrain.train.runcheck import RESUMABLE_CHANGES
 
     t = recipe.train
     micro = t.micro_batch_size
@@ -160,33 +161,46 @@ def oom_advice(recipe: Any, *, finetune: bool = False, device: str = "GPU") -> s
     except DifftrainError:  # a fine-tune's model (and so its seq_len) comes from its base run
         global_bs = t.global_batch_size or micro
         accumulate, seq_len, optimizer = global_bs // micro, t.seq_len, recipe.optim.name
-    tries = []
+    # (the keys each try changes, the try): a resume takes only RESUMABLE_CHANGES
+    tries: list[tuple[tuple[str, ...], str]] = []
     if micro > 1:
         smaller = max(d for d in range(1, micro) if micro % d == 0)
         tries.append(
-            f"train.micro_batch_size={smaller} train.global_batch_size={global_bs} "
-            f"(accumulation {accumulate} → {accumulate * micro // smaller}, same global batch)"
+            (
+                ("train.micro_batch_size", "train.global_batch_size"),
+                f"train.micro_batch_size={smaller} train.global_batch_size={global_bs} "
+                f"(accumulation {accumulate} → {accumulate * micro // smaller}, same global batch)",
+            )
         )
     if not t.activation_checkpointing:
-        tries.append("train.activation_checkpointing=true (~30% more compute)")
+        tries.append(
+            (("train.activation_checkpointing",), "train.activation_checkpointing=true (~30% more compute)")
+        )
     if finetune and recipe.finetune is not None and recipe.finetune.method != "qlora":
-        tries.append("finetune.method=qlora (4-bit frozen weights)")
+        tries.append((("finetune.method",), "finetune.method=qlora (4-bit frozen weights)"))
     elif not finetune and optimizer in ("adamw", "auto") and t.strategy != "fsdp":  # fsdp refuses 8-bit
-        tries.append("optim.name=adamw8bit (8-bit optimizer states)")
+        tries.append((("optim.name",), "optim.name=adamw8bit (8-bit optimizer states)"))
     if seq_len and seq_len >= 128:
-        tries.append(f"train.seq_len={seq_len // 2}")
+        tries.append((("train.seq_len",), f"train.seq_len={seq_len // 2}"))
+    keep = [text for keys, text in tries if all(k in RESUMABLE_CHANGES for k in keys)]
+    new = [text for keys, text in tries if not all(k in RESUMABLE_CHANGES for k in keys)]
     where = recipe.command_args
     estimate = (
         f"; `difftrain plan {where}` estimates the memory of each"
         if importlib.util.find_spec("difftrain.cli.plan") is not None
         else ""
     )
+    parts = []
+    if keep:
+        parts.append("; ".join(keep) + " — then run again (add --resume if a checkpoint was saved)")
+    if new:
+        parts.append(
+            "; ".join(new) + " — these make a different run, which --resume refuses: start it with "
+            "another name=... or --overwrite"
+        )
     return (
         f"out of {device} memory (micro_batch_size {micro}{f' × seq_len {seq_len}' if seq_len else ''}); "
-        "try, one at a time: "
-        + "; ".join(tries)
-        + estimate
-        + " — then run again (add --resume if a checkpoint was saved)"
+        "try, one at a time: " + "; or ".join(parts) + estimate
     )
 
 

@@ -157,6 +157,29 @@ def test_out_of_memory_at_the_first_step_prints_plan_style_advice(workspace, mon
     assert main([*argv[:3], "train.micro_batch_size=2", "train.global_batch_size=8", "--overwrite"]) == 0
 
 
+def test_oom_advice_offers_resume_only_with_the_changes_a_resume_takes():
+    """The advice said "add --resume" after train.seq_len and optim.name, which --resume refuses
+    ("holds a different run"): each change is checked here against the resume's own comparison."""
+    import re
+
+    from difftrain.cli.common import oom_advice
+    from difftrain.train.runcheck import recipe_differences
+
+    base = ["train.micro_batch_size=4", "train.global_batch_size=8", "train.accelerator=cpu"]
+    msg = flat(oom_advice(load_recipe("quickstart", base), device="CPU"))
+    advice = msg.partition("; `difftrain plan")[0]  # (the plan command repeats the recipe's overrides)
+    keep, said, new = advice.partition(" — then run again (add --resume if a checkpoint was saved)")
+    assert said and "another name=... or --overwrite" in new
+    old = load_recipe("quickstart", base).model_dump(mode="json")
+    for part, resumable in ((keep, True), (new, False)):
+        overrides = re.findall(r"(\w+\.\w+=\S+)", part)
+        assert overrides, part
+        for override in overrides:
+            changed = load_recipe("quickstart", [*base, override]).model_dump(mode="json")
+            assert (recipe_differences(old, changed) == []) == resumable, override
+    assert "optim.name=adamw8bit" in new and "train.seq_len=" in new and "train.micro_batch_size=2" in keep
+
+
 def cpu_oom_at_first_step(step, loss):  # what torch's CPU allocator raises (a plain RuntimeError)
     raise RuntimeError(
         "[enforce fail at alloc_cpu.cpp:127] data. DefaultCPUAllocator: can't allocate memory: you tried "
