@@ -352,6 +352,71 @@ def _cpu_norm_saving(D: int, fam: str, device_type: str) -> int:
     return 4 * D if device_type == "cpu" and fam in ("fp32", "mixed") else 0
 
 
+# LoRA dropout: the projections that read one tensor (the attention's input, ...), by name
+_LORA_INPUTS = {
+    "q_proj": "attn",
+    "k_proj": "attn",
+    "v_proj": "attn",
+    "lambda_proj": "attn",
+    "o_proj": "o",
+    "gate_proj": "mlp",
+    "up_proj": "mlp",
+    "down_proj": "down",
+    "lm_head": "head",
+}
+
+
+@dataclass(frozen=True)
+class LoRADropout:
+    """The LoRA-adapted projections of a fine-tune with lora dropout > 0, as (layer or None for
+    the output layer, name, input features)."""
+
+    adapted: tuple[tuple[int | None, str, int], ...]
+
+
+def lora_dropout_of(model: Any) -> LoRADropout | None:
+    """The adapted projections of `model` whose LoRA dropout is on (None when none is)."""
+    import torch
+
+    from difftrain.model.lora import LoRALinear
+
+    out = []
+    for name, m in model.named_modules():
+        if isinstance(m, LoRALinear) and isinstance(m.dropout, torch.nn.Dropout):
+            layer = re.search(r"\.layers\.(\d+)\.", name)
+            out.append((int(layer.group(1)) if layer else None, name.rsplit(".", 1)[-1], m.in_features))
+    return LoRADropout(tuple(out)) if out else None
+
+
+def lora_dropout_bytes_per_token(
+    lora: LoRADropout, precision: str, device_type: str = "cpu"
+) -> dict[int | None, float]:
+    """Bytes per token that LoRA dropout adds, per layer (None: the output layer). Each adapted
+    projection's dropout keeps its mask where its input needs a gradient (all but layer 0's
+    attention inputs: the embeddings are frozen): on CPU a tensor in the input's dtype (fp32,
+    except the bf16 input of down_proj under bf16-mixed), on CUDA one bool per element (torch's
+    fused dropout kernel; not yet measured on a GPU). Its LoRA A then keeps the dropped copy
+    instead of the input itself: new bytes in fp32 and bf16-true (the input, saved once for all
+    the projections that read it without dropout, is no longer kept), the same bf16 cast under
+    bf16-mixed. Exact for diff (the tests measure it on CPU); baseline's attention keeps its
+    output and diff2's trained λ projection its input anyway, so there the figure is short by
+    that tensor per layer (≈ 8 % of the dropout's bytes with all seven projections adapted)."""
+    fam = _dtype_family(precision)
+    width = 2 if fam == "true" else 4
+    out: dict[int | None, float] = {}
+    inputs: dict[int | None, dict[str, int]] = {}
+    for layer, name, f in lora.adapted:
+        group = _LORA_INPUTS.get(name, name)
+        mask_width = 1 if device_type == "cuda" else (2 if fam == "mixed" and group == "down" else width)
+        mask = 0 if layer == 0 and group == "attn" else mask_width * f
+        copy = 0 if fam == "mixed" else width * f
+        out[layer] = out.get(layer, 0.0) + mask + copy
+        inputs.setdefault(layer, {})[group] = 0 if fam == "mixed" else width * f
+    for layer, freed in inputs.items():
+        out[layer] -= sum(freed.values())
+    return out
+
+
 def outside_bytes_per_token(
     config: ModelConfig, precision: str, fused_loss: bool = True, device_type: str = "cpu"
 ) -> float:
@@ -401,6 +466,7 @@ def activations(
     attn_impl: str = "auto",
     fused_loss: bool = True,
     device_type: str = "cpu",
+    lora_dropout: LoRADropout | None = None,
 ) -> Activations:
     """Activation memory of one micro-batch of `micro_batch_size` × `seq_len` tokens.
 
@@ -440,6 +506,13 @@ def activations(
         if checkpointing:
             recompute += in_layers / L
     outside = N * outside_bytes_per_token(config, precision, fused_loss, device_type)
+    if lora_dropout is not None:
+        extra = lora_dropout_bytes_per_token(lora_dropout, precision, device_type)
+        outside += N * extra.pop(None, 0.0)
+        if checkpointing:  # one layer is rebuilt at a time
+            recompute += N * max(extra.values(), default=0.0)
+        else:
+            layers += N * sum(extra.values())
     if fused_loss:
         outside += head_gradient_bytes(config, precision)
     return Activations(per_layer, layers, outside, copies, recompute)
@@ -489,6 +562,7 @@ class Settings:
     checkpointing: bool
     attn_impl: str = "auto"
     fsdp: Sharding | None = None  # train.strategy=fsdp
+    lora_dropout: LoRADropout | None = None  # a LoRA/QLoRA fine-tune with finetune.lora.dropout > 0
 
     @property
     def accumulate(self) -> int:
@@ -610,6 +684,7 @@ def plan_memory(
         attn_impl=s.attn_impl,
         fused_loss=fused_loss,
         device_type=target.kind,
+        lora_dropout=s.lora_dropout,
     )
     assert isinstance(config.vocab_size, int)
     N = s.micro_batch_size * s.seq_len
@@ -651,7 +726,10 @@ def plan_memory(
     if s.attn_impl == "eager":
         notes.append("attn_impl=eager keeps the attention maps: the activation figure is approximate")
     if method != "full":
-        notes.append(f"{method}: LoRA's own small intermediates are not counted")
+        notes.append(
+            f"{method}: LoRA's own small intermediates are not counted"
+            + ("; its dropout's masks and dropped inputs are" if s.lora_dropout is not None else "")
+        )
     if s.fsdp is not None:
         notes.append(
             f"train.strategy=fsdp ({s.fsdp.strategy} over {shards} device{'s' if shards > 1 else ''}): weights, gradients and "
@@ -1025,7 +1103,8 @@ def recipe_settings(recipe: Any, target: Target) -> tuple[ModelConfig, Settings,
     if trained is None:
         params = model_params(config)
     else:
-        params = _finetune_params(config, r, trained, quantized or set())
+        params, lora_dropout = _finetune_params(config, r, trained, quantized or set())
+        settings = replace(settings, lora_dropout=lora_dropout)
     return config, settings, params, method, notes
 
 
@@ -1061,7 +1140,9 @@ def _recipe_writing(run_dir: Path) -> Any:
     return recipe if recipe.run_dir.absolute() == run_dir.absolute() else None
 
 
-def _finetune_params(config: ModelConfig, r: Any, trained: set[str], quantized: set[str]) -> list[Param]:
+def _finetune_params(
+    config: ModelConfig, r: Any, trained: set[str], quantized: set[str]
+) -> tuple[list[Param], LoRADropout | None]:
     """Parameters of a fine-tune: LoRA adapters (trained), λ (trained unless frozen), the base
     (frozen; 4-bit for QLoRA's decoder linears)."""
     import torch
@@ -1074,14 +1155,14 @@ def _finetune_params(config: ModelConfig, r: Any, trained: set[str], quantized: 
     with torch.device("meta"):
         model = Transformer(config)
     if ft.method == "full":
-        return _params_of(model)
+        return _params_of(model), None
     spec = plan_finetune_adapter(model, ft, train_embeddings=False)
     with torch.device("meta"):
         apply_lora(model, spec.targets, rank=spec.rank, alpha=spec.alpha, dropout=spec.dropout)
     names = {n for n, _ in model.named_parameters()}
     trained_names = {n for n in names if ".lora_" in n} | set(spec.trained)
     quantized_layers = {f"{q}.base" if q in spec.targets else q for q in spec.quantized}
-    return _params_of(model, trained=trained_names, quantized=quantized_layers)
+    return _params_of(model, trained=trained_names, quantized=quantized_layers), lora_dropout_of(model)
 
 
 def plan_recipe(recipe: Any, target: Target) -> RecipePlan:
