@@ -563,6 +563,7 @@ class Settings:
     attn_impl: str = "auto"
     fsdp: Sharding | None = None  # train.strategy=fsdp
     lora_dropout: LoRADropout | None = None  # a LoRA/QLoRA fine-tune with finetune.lora.dropout > 0
+    devices: int = 1  # training processes per machine: on the CPU they share its RAM
 
     @property
     def accumulate(self) -> int:
@@ -596,10 +597,21 @@ class MemoryPlan:
         return max(self.peak_backward, self.peak_step)
 
     @property
-    def device_need(self) -> float:
-        """What the device must have: the peak with allocator slack, plus the context/process."""
+    def processes(self) -> int:
+        """Training processes whose memory the target holds: each GPU its own; the CPU's RAM all
+        of one machine's (train.devices processes, each with the whole step)."""
+        return self.settings.devices if self.target.kind == "cpu" else 1
+
+    @property
+    def process_need(self) -> float:
+        """What one process needs: the peak with allocator slack, plus the context/process."""
         factor = CUDA_ALLOCATOR_FACTOR if self.target.kind == "cuda" else CPU_ALLOCATOR_FACTOR
         return self.peak * factor + self.target.overhead
+
+    @property
+    def device_need(self) -> float:
+        """What the device must have: every process it holds (`process_need` × `processes`)."""
+        return self.process_need * self.processes
 
     @property
     def fits(self) -> bool:
@@ -632,6 +644,7 @@ class MemoryPlan:
             "peak_step": round(self.peak_step),
             "peak": round(self.peak),
             "device_need": round(self.device_need),
+            "processes": self.processes,
             "fits": self.fits,
             "notes": self.notes,
         }
@@ -1099,6 +1112,7 @@ def recipe_settings(recipe: Any, target: Target) -> tuple[ModelConfig, Settings,
         checkpointing=t.activation_checkpointing,
         attn_impl=config.attn_impl,
         fsdp=sharding,
+        devices=devices,
     )
     if trained is None:
         params = model_params(config)

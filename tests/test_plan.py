@@ -491,3 +491,25 @@ def test_every_shipped_recipe_fits_the_gpu_its_description_names(capsys):
         code, out, _ = plan_cli(capsys, name, "--gpu-mem", f"{gb}GB", "--json")
         data = json.loads(out)
         assert code == 0 and data["fits"], (name, data["device_need"] / GiB)
+
+
+def test_processes_on_the_cpu_share_its_ram_and_each_needs_the_whole_step():
+    # train.devices=5 on the CPU starts 5 processes, each holding a model, its optimizer and a
+    # micro-batch's activations: the plan said one process fits where five do not
+    one = plan_recipe(load_recipe("quickstart", ["train.devices=1"]), CPU).plan
+    five = plan_recipe(load_recipe("quickstart", ["train.devices=5", "train.global_batch_size=40"]), CPU).plan
+    assert (one.processes, five.processes) == (1, 5)
+    assert five.process_need == pytest.approx(one.process_need)
+    assert five.device_need == pytest.approx(5 * one.process_need)
+    small = Target("cpu", int(3 * one.device_need), "3 processes' worth of RAM")
+    assert plan_recipe(load_recipe("quickstart", ["train.devices=1"]), small).plan.fits
+    assert not plan_recipe(
+        load_recipe("quickstart", ["train.devices=5", "train.global_batch_size=40"]), small
+    ).plan.fits
+    gpu = Target("cuda", 64 * GiB, "GPU")  # on GPUs each process has its own device
+    assert (
+        plan_recipe(
+            load_recipe("quickstart", ["train.devices=5", "train.global_batch_size=40"]), gpu
+        ).plan.processes
+        == 1
+    )

@@ -107,7 +107,9 @@ def _render(r: Any, rp: Any) -> None:
     extra = (
         "CUDA context and allocator slack" if t.kind == "cuda" else "the Python process and allocator slack"
     )
-    table.add_row(f"+ {extra}", fmt_bytes(p.device_need - p.peak))
+    table.add_row(f"+ {extra}", fmt_bytes(p.process_need - p.peak))
+    if p.processes > 1:  # train.devices processes on this machine's CPU, each with the whole step
+        table.add_row(f"× {p.processes} processes (train.devices)", fmt_bytes(p.device_need))
     verdict = "[bold green]fits[/]" if p.fits else "[bold red]does not fit[/]"
     table.add_row(
         f"[bold]needs[/] ({verdict})", f"[bold]{fmt_bytes(p.device_need)}[/] of {fmt_bytes(t.memory)}"
