@@ -58,6 +58,17 @@ def test_a_command_group_run_bare_shows_its_help_and_no_empty_error(argv, capsys
     assert "error" not in err  # it printed "error:  (see ...)" with an empty message, exit 2
 
 
+def test_a_recipe_file_named_with_a_leading_dash_is_told_how_to_name_it(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "-dash.yaml").write_text("name: x\n")
+    assert main(["prepare", "-dash.yaml"]) == 2
+    err = capsys.readouterr().err
+    assert "No such option: -d" in err and "-dash.yaml is a file, read as options because it starts" in err
+    assert "write it as ./-dash.yaml" in err and len(err.strip().splitlines()) == 1
+    assert main(["prepare", "-x"]) == 2  # an option that names no file: no hint
+    assert "is a file" not in capsys.readouterr().err
+
+
 def test_h_is_help_everywhere_and_completion_scripts_are_offered(capsys):
     for argv in (["-h"], ["eval", "-h"], ["recipes", "show", "-h"]):
         assert main(argv) == 0, argv

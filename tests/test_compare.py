@@ -14,7 +14,7 @@ import yaml
 from test_eval import make_run
 
 from difftrain.cli.app import main
-from difftrain.errors import RunDirError
+from difftrain.errors import ConfigError, RunDirError
 from difftrain.evals import EvalOptions, evaluate, save_result
 from difftrain.evals.compare import compare_runs
 from difftrain.rundir import load_run
@@ -405,8 +405,24 @@ def test_data_labels_name_the_source():
         "hf:org/set": "set",
         "notes/my file.jsonl": "my-file",
         "**/*.md": "data",
+        "données/日本語 ファイル.txt": "日本語-ファイル",  # letters of any script name a result
+        "café.txt": "café",
     }
     assert {s: data_label(s) for s in cases} == cases
+
+
+def test_a_label_may_hold_letters_of_any_script_and_a_literal_bracket_file_names_itself(
+    tmp_path, monkeypatch
+):
+    from difftrain.evals.common import check_label, data_label
+
+    assert check_label("日本") == "日本" and check_label("wiki-2") == "wiki-2"
+    for bad in ("_x", "../up", "a/b", "x.json", ""):
+        with pytest.raises(ConfigError, match="must be 1-64 letters"):
+            check_label(bad)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "notes[1].txt").write_text("x")  # a file whose name holds glob characters
+    assert data_label("notes[1].txt") == "notes-1" and data_label("other[1].txt") == "data"
 
 
 def test_compare_notes_results_measured_on_different_data_or_at_different_precisions(pair, tmp_path, capsys):

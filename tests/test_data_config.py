@@ -78,7 +78,13 @@ def test_cache_dir_defaults_to_the_environment_then_home(monkeypatch: pytest.Mon
 def test_tokenizer_section_defaults_to_training_8192_tokens() -> None:
     cfg = TokenizerConfig()
     assert cfg.path is None and cfg.train.vocab_size == 8192
-    with pytest.raises(ValidationError):
+    with pytest.raises(ValidationError, match="must be at least 264: the 7 special tokens and the 256 byte"):
         TokenizerTrainConfig(vocab_size=100)  # cannot hold the bytes and special tokens
+    assert TokenizerTrainConfig(vocab_size=264).vocab_size == 264  # one merge
+    # extra special tokens come before the merges: 264 with two leaves none (it gave 266, no merge)
+    with pytest.raises(
+        ValidationError, match="no room for a merge after the 2 extra_special_tokens: make it at least 266"
+    ):
+        TokenizerTrainConfig(vocab_size=264, extra_special_tokens=["<a>", "<b>"])
     with pytest.raises(ValidationError, match="duplicate"):
         TokenizerTrainConfig(extra_special_tokens=["<|eos|>"])

@@ -487,3 +487,12 @@ def test_a_lone_surrogate_escape_is_a_bad_record_named_by_file_and_line(tmp_path
     g.write_text('[{"text": "a"}, {"text": "b \\udc00"}]')
     with pytest.raises(DataError, match=r"d\.json, record 1: holds a lone UTF-16 surrogate escape"):
         read_one("d.json", tmp_path)
+
+
+def test_a_file_whose_name_holds_glob_characters_is_read_as_named(tmp_path: Path) -> None:
+    (tmp_path / "notes[1].txt").write_text("bracketed")
+    (tmp_path / "notes1.txt").write_text("matched by the pattern")
+    got, _ = read_one("notes[1].txt", tmp_path)  # it exists as written: that file, not a pattern
+    assert got == ["bracketed"]
+    got, _ = read_one("note?[1].txt", tmp_path)  # no such file: a pattern, as before
+    assert got == ["matched by the pattern"]

@@ -1230,3 +1230,11 @@ def test_a_stopped_run_logs_the_step_it_stops_at_and_its_resume_goes_on_from_the
     assert resumed.resumed_from == step
     assert [s for s, _ in train_rows(run_dir)] == [1, step, 10, 12]
     assert sorted(val_losses(run_dir)) == [4, 8, 12]
+
+
+def test_the_device_named_for_several_processes_says_how_many():
+    from difftrain.train.run import _device_name
+
+    one, two = _device_name("cpu"), _device_name("cpu", 2)
+    assert one.startswith("cpu (") and "each" not in one
+    assert two.startswith("cpu × 2 (") and two.endswith(" each)")  # threads are per process

@@ -130,6 +130,18 @@ def usage_message(e: Exception, args: list[str] | None = None) -> str:
     return message if path is None else f"{message} (see `{path} --help`)"
 
 
+def _dash_file_hint(e: Exception, args: list[str]) -> str:
+    """For an unknown option that is an existing file's name (`prepare -dash.yaml`): how to name
+    that file so it is not read as options."""
+    import os
+
+    name = getattr(e, "option_name", None)
+    given = next((a for a in args if name and a.startswith(name) and os.path.exists(a)), None)
+    if given is None:
+        return ""
+    return f"; {given} is a file, read as options because it starts with '-': write it as ./{given}"
+
+
 def _command_path(args: list[str]) -> str | None:
     """ "difftrain CMD [SUB]" for the command named at the start of `args` (options before it
     skipped), or None where none is named."""
@@ -222,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
     except _USAGE_ERROR as e:  # unknown option, missing argument, bad value: one line, as every error
         if not e.format_message():  # a command group run bare: click has printed its help, nothing failed
             return 0
-        error_line(usage_message(e, args))
+        error_line(usage_message(e, args) + _dash_file_hint(e, args))
         return e.exit_code  # type: ignore[attr-defined]
     except KeyboardInterrupt:
         _interrupted()

@@ -367,9 +367,10 @@ class TokenizerTrainConfig(BaseModel):
 
     vocab_size: int = Field(
         8192,
-        ge=len(SPECIAL_TOKENS) + 256 + 1,
         le=1 << 20,
-        description="Size of the trained vocabulary, special tokens and the 256 byte tokens included.",
+        description="Size of the trained vocabulary, special tokens and the 256 byte tokens included "
+        f"(at least {len(SPECIAL_TOKENS) + 256 + 1}: those and one merge; tokenizer.train.extra_special_tokens "
+        "add to that).",
     )
     min_frequency: int = Field(
         2, ge=1, description="A pair of tokens is merged only if it occurs at least this often."
@@ -392,6 +393,27 @@ class TokenizerTrainConfig(BaseModel):
         description="Further special tokens to reserve, after <|bos|> <|eos|> <|pad|> <|system|> "
         "<|user|> <|assistant|> <|end|>.",
     )
+
+    @field_validator("vocab_size")
+    @classmethod
+    def _room_for_merges(cls, v: int) -> int:
+        least = len(SPECIAL_TOKENS) + 256 + 1
+        if v < least:
+            raise ValueError(
+                f"must be at least {least}: the {len(SPECIAL_TOKENS)} special tokens and the 256 byte tokens "
+                "come first, and a BPE vocabulary needs at least one merge on top (8192 is the default)"
+            )
+        return v
+
+    @model_validator(mode="after")
+    def _room_after_extra_tokens(self) -> TokenizerTrainConfig:
+        least = len(SPECIAL_TOKENS) + 256 + len(self.extra_special_tokens) + 1
+        if self.vocab_size < least:
+            raise ValueError(
+                f"vocab_size {self.vocab_size} leaves no room for a merge after the "
+                f"{len(self.extra_special_tokens)} extra_special_tokens: make it at least {least}"
+            )
+        return self
 
     @field_validator("extra_special_tokens")
     @classmethod

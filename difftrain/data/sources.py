@@ -182,7 +182,8 @@ class Source:
     def _expand_paths(self) -> list[Path]:
         raw = self.spec.source
         path = self._resolve(raw)
-        if glob.has_magic(raw):
+        # a file or folder that exists as written is that file (its name may hold [ ] * ?)
+        if glob.has_magic(raw) and not path.exists():
             matches = sorted(Path(m) for m in glob.glob(str(path), recursive=True))
             if not matches:
                 raise DataError(

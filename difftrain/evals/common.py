@@ -35,6 +35,7 @@ from __future__ import annotations
 import glob
 import hashlib
 import json
+import os
 import re
 import shlex
 import time
@@ -123,7 +124,7 @@ def stable_seed(*parts: object) -> int:
 DATA_SUITES = ("ppl", "outliers", "quant")
 """The suites that read text, and so take `--data`."""
 
-_LABEL_OK = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+_LABEL_OK = re.compile(r"[^\W_][\w.-]{0,63}")  # letters and digits of any script
 
 
 def check_label(label: str, given: str | None = None) -> str:
@@ -143,7 +144,8 @@ def data_label(source: str) -> str:
     `data/*.txt` → data, `hf:org/set:config@test` → set-config-test)."""
 
     def last(text: str) -> str:
-        parts = [p for p in re.split(r"[\\/]", text) if p and not any(c in p for c in "*?[")]
+        literal = os.path.exists(text)  # a file named with [ ] is that file, not a pattern
+        parts = [p for p in re.split(r"[\\/]", text) if p and (literal or not any(c in p for c in "*?["))]
         return parts[-1] if parts else ""
 
     text = source.strip()
@@ -157,7 +159,7 @@ def data_label(source: str) -> str:
         name = last(text)
         if "." in name.strip("."):
             name = name.strip(".").rsplit(".", 1)[0]
-    name = re.sub(r"[^A-Za-z0-9._-]+", "-", name).strip("-._")[:64].rstrip("-._")
+    name = re.sub(r"[^\w.-]+", "-", name).strip("-._")[:64].rstrip("-._")
     return name or "data"
 
 

@@ -644,7 +644,7 @@ def fit(
         "total_params": n_total,
         "resumed_from": point.step if point else None,
         "warnings": start_warnings(plan, point, warnings),
-        "device": _device_name(plan.accelerator),
+        "device": _device_name(plan.accelerator, plan.world_size),
         **(info or {}),
     }
     if on_start is not None and is_global_zero():
@@ -770,13 +770,19 @@ def _final_weights_problem(run_dir: Path, step: int, *, adapter: bool) -> str | 
     return None
 
 
-def _device_name(accelerator: str) -> str:
+def _device_name(accelerator: str, world: int = 1) -> str:
+    """What trains: the GPU's name, or the CPU with its threads (per process); × the processes of
+    a run on several (all of them, on every node)."""
+    times = f" × {world}" if world > 1 else ""
     if accelerator == "cuda":
-        return torch.cuda.get_device_name(0)
+        return torch.cuda.get_device_name(0) + times
     import platform
 
     n = torch.get_num_threads()
-    return f"cpu ({platform.processor() or platform.machine()}, {n} thread{'s' if n != 1 else ''})"
+    each = " each" if world > 1 else ""
+    return (
+        f"cpu{times} ({platform.processor() or platform.machine()}, {n} thread{'s' if n != 1 else ''}{each})"
+    )
 
 
 def _summary(
@@ -816,6 +822,7 @@ def _summary(
         "spike_rollbacks": cb.rollbacks,
         "precision": r.train.precision,
         "optimizer": r.optim.name,
-        "device": _device_name(plan.accelerator),
+        "device": _device_name(plan.accelerator, plan.world_size),
+        "devices": plan.world_size,
         "torch": torch.__version__,
     }
