@@ -154,6 +154,8 @@ def test_prompt_file_of_lines_and_jsonl(run_dir, tmp_path, capsys, monkeypatch):
     records.write_text(json.dumps({"prompt": "a\nb", "id": 1}) + "\n" + json.dumps({"prompt": "c"}) + "\n")
     res = json_results(capsys, run_dir, "--prompt-file", records, "-n", 2)
     assert [r["prompt"] for r in res] == ["a\nb", "c"]
+    assert res[0]["record"] == {"id": 1} and "record" not in res[1]  # the line's other fields come back
+    assert "record" not in json_results(capsys, run_dir, "-p", "x", "-n", 1)[0]
     monkeypatch.setattr("sys.stdin", io.StringIO("from stdin\n\nsecond\n"))
     res = json_results(capsys, run_dir, "--prompt-file", "-", "-n", 2, "--seed", 0)
     assert [(r["prompt"], r["source"]) for r in res] == [

@@ -381,6 +381,12 @@ def _result(c: Any, row: Row) -> dict[str, Any]:
         "time_s": round(c.time_s, 6),
         "tokens_per_s": round(c.tokens_per_s, 3),
         "token_ids": c.token_ids,
+        # a .jsonl prompt's other fields (an id, a reference answer): results keep their inputs
+        **(
+            {"record": {k: v for k, v in row.prompt.record.items() if k != "prompt"}}
+            if row.prompt.record
+            else {}
+        ),
     }
 
 
