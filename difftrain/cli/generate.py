@@ -383,8 +383,8 @@ def _result(c: Any, row: Row) -> dict[str, Any]:
         "token_ids": c.token_ids,
         # a .jsonl prompt's other fields (an id, a reference answer): results keep their inputs
         **(
-            {"record": {k: v for k, v in row.prompt.record.items() if k != "prompt"}}
-            if row.prompt.record
+            {"record": extra}
+            if (extra := {k: v for k, v in row.prompt.record.items() if k != "prompt"})
             else {}
         ),
     }
