@@ -35,3 +35,19 @@ def cli_probe():
         return SimpleNamespace(codes=codes, loaded=loaded, stdout=done.stdout, stderr=done.stderr)
 
     return probe
+
+
+@pytest.fixture()
+def metaspace_tokenizer():
+    """A tiny SentencePiece-style tokenizer (Metaspace pieces, as Llama-2's and Mistral's): "▁world"
+    starts a word, and decoded alone the decoder drops the space of a text's first piece."""
+    import tokenizers
+
+    from difftrain.data.tokenizer import Tokenizer
+
+    vocab = {"<unk>": 0, "</s>": 1, "<s>": 2, "▁Hello": 3, "▁world": 4, "!": 5, "▁again": 6}
+    tk = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="<unk>"))
+    tk.pre_tokenizer = tokenizers.pre_tokenizers.Metaspace()
+    tk.decoder = tokenizers.decoders.Metaspace()
+    tk.add_special_tokens(["<unk>", "</s>", "<s>"])
+    return Tokenizer(tk)

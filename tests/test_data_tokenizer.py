@@ -89,16 +89,10 @@ def test_stream_decoder_works_for_non_byte_level_tokenizers() -> None:
     assert out == t.decode([1, 2, 1])
 
 
-def test_a_completion_decodes_as_the_continuation_of_its_prompt() -> None:
-    # SentencePiece-style (Metaspace) pieces: "▁world" starts a word; decoded alone, the decoder
-    # drops the space of a text's first piece. Streamed after a prompt, it must keep it, as the
-    # prompt and completion decoded together do (Llama-2/Mistral tokenizers decode so).
-    vocab = {"<unk>": 0, "</s>": 1, "<s>": 2, "▁Hello": 3, "▁world": 4, "!": 5, "▁again": 6}
-    tk = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="<unk>"))
-    tk.pre_tokenizer = tokenizers.pre_tokenizers.Metaspace()
-    tk.decoder = tokenizers.decoders.Metaspace()
-    tk.add_special_tokens(["<unk>", "</s>", "<s>"])
-    t = Tokenizer(tk)
+def test_a_completion_decodes_as_the_continuation_of_its_prompt(metaspace_tokenizer) -> None:
+    # Streamed after a prompt, a SentencePiece piece must keep the space it starts a word with, as
+    # the prompt and completion decoded together do (Llama-2/Mistral tokenizers decode so).
+    t = metaspace_tokenizer
     assert not t.is_byte_level and t.decode([4]) == "world"
     prompt, completion = [2, 3], [4, 5, 6]
     dec = t.stream_decoder(context=prompt)

@@ -996,19 +996,12 @@ def test_figure_titles_with_a_long_run_name_stay_inside_the_figure(tmp_path, mon
         assert name.split()[0] in fig._suptitle.get_text().replace("\n", " ")  # wrapped, not cut
 
 
-def test_bits_per_byte_counts_the_spaces_a_sentencepiece_piece_stands_for():
+def test_bits_per_byte_counts_the_spaces_a_sentencepiece_piece_stands_for(metaspace_tokenizer):
     import numpy as np
-    import tokenizers
 
-    from difftrain.data.tokenizer import Tokenizer
     from difftrain.evals.common import token_byte_lengths, window_target_bytes
 
-    vocab = {"<unk>": 0, "</s>": 1, "<s>": 2, "▁Hello": 3, "▁world": 4, "!": 5, "▁again": 6}
-    tk = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="<unk>"))
-    tk.pre_tokenizer = tokenizers.pre_tokenizers.Metaspace()
-    tk.decoder = tokenizers.decoders.Metaspace()
-    tk.add_special_tokens(["<unk>", "</s>", "<s>"])
-    tok = Tokenizer(tk)
+    tok = metaspace_tokenizer
     windows = np.array([[2, 3, 4, 5], [3, 4, 5, 6], [5, 1, 3, 4]])
     # targets: "Hello world!", " world! again", and after </s> " Hello world": a new document's
     # first piece is decoded as a continuation here, one byte more per document boundary
