@@ -174,6 +174,20 @@ if os.environ.get("DT_SIGNAL_AT"):  # "RANK:STEP": that process alone gets SIGTE
 
         callbacks.RunCallback.on_train_batch_end = _signalled
 
+if os.environ.get("DT_DIE_AT"):  # "RANK:STEP": that process dies there (as the OOM killer kills)
+    import difftrain.train.callbacks as callbacks
+
+    _die_rank, _die_step = os.environ["DT_DIE_AT"].split(":")
+    if os.environ.get("LOCAL_RANK", "0") == _die_rank:
+        _end_die = callbacks.RunCallback.on_train_batch_end
+
+        def _dies(self, trainer, *args, **kwargs):
+            if trainer.global_step == int(_die_step):
+                os._exit(137)
+            return _end_die(self, trainer, *args, **kwargs)
+
+        callbacks.RunCallback.on_train_batch_end = _dies
+
 from difftrain.cli.app import main
 
 sys.exit(main(sys.argv[1:]))
@@ -376,6 +390,28 @@ def test_a_signal_to_one_process_stops_both_at_the_same_step(ws, ref):
     result = single(folder, recipe, "train.max_steps=6", resume=True)  # and it continues the curve
     assert result.resumed_from == 3
     assert_same_curve(curve(result.run_dir), curve(ref), range(1, 7))
+
+
+def test_a_process_that_dies_leaves_the_other_one_line_and_its_checkpoints(ws):
+    # the OOM killer (or kill -9) ends rank 1: rank 0's next collective fails on the lost
+    # connection; that was a 115-line traceback with exit 1 and no word on resuming
+    folder = ws.root / "dies"
+    recipe = ws.recipe(folder, "r")
+    got = ws.launch(
+        folder,
+        ["pretrain", str(recipe), "train.max_steps=8", "train.save_every=2"],
+        env_extra={"DT_DIE_AT": "1:3"},
+        code=2,
+    )
+    errors = [line for line in got["stderr"].splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "another process of this run ended while this one waited for it" in errors[0]
+    assert "Traceback" not in got["stderr"]
+    assert "resume with `difftrain pretrain runs/r/recipe.yaml --resume`" in errors[0]
+    from difftrain.cli.common import _PEER_LOST
+
+    assert any(cause in errors[0] for cause in _PEER_LOST) and "/gloo/" not in errors[0], errors[0]
+    index = json.loads((folder / "runs" / "r" / "checkpoints" / "index.json").read_text())
+    assert [c["step"] for c in index["checkpoints"]] == [2]
 
 
 def test_a_two_process_run_resumes_on_one_process_and_continues_the_curve(ws, ddp, ref):

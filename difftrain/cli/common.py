@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 from collections.abc import Iterator
 from typing import Any
 
@@ -318,6 +319,30 @@ def peak_memory(summary: dict[str, Any]) -> str:
     return ("RSS —" if rss is None else f"RSS {rss:.0f} MiB") + (f" · GPU {gpu:.0f} MiB" if gpu else "")
 
 
+_PEER_LOST = (
+    "Connection reset by peer",
+    "Connection closed by peer",
+    "Broken pipe",
+    "remote process exited",
+    "NCCL communicator was aborted",
+)
+
+
+def lost_peer(e: BaseException) -> bool:
+    """Whether a collective failed because another process of the run went away (killed, out of
+    memory): gloo and NCCL raise a RuntimeError (DistBackendError) naming the lost connection."""
+    text = str(e)
+    return type(e).__name__ == "DistBackendError" or any(s in text for s in _PEER_LOST)
+
+
+def first_line(e: BaseException, limit: int = 160) -> str:
+    """The first line of an exception's message, cut to `limit` characters (for one-line errors)."""
+    line = (str(e).strip().splitlines() or [type(e).__name__])[0]
+    line = re.sub(r"^\[[^\]]*\]\s*", "", line)  # gloo's "[/path/to/source.cc:123] " prefix
+    line = line.split(". ", 1)[0]  # the first sentence: the advice after it is gloo's, not ours
+    return line if len(line) <= limit else line[: limit - 1] + "…"
+
+
 def report_finished(result: Any, command: str) -> None:
     """What a resume of a run that had already finished says: that nothing was trained, what it
     repaired, and how to train on. The end table that follows is the run's stored summary."""
@@ -346,7 +371,7 @@ def run_training(command: str, train: Any, recipe: Any, *, on_start: Any, **kwar
     import typer
     from rich.markup import escape
 
-    from difftrain.errors import DeviceError, StopRequested
+    from difftrain.errors import DeviceError, StopRequested, TrainingError
 
     try:
         with data_progress() as dp:
@@ -369,6 +394,13 @@ def run_training(command: str, train: Any, recipe: Any, *, on_start: Any, **kwar
     except torch.OutOfMemoryError as e:
         raise DeviceError(oom_advice(recipe, finetune=command == "finetune")) from e
     except RuntimeError as e:  # the CPU allocator's failure is a plain RuntimeError
+        if lost_peer(e):
+            cmd = f"difftrain {command} {shlex.quote(str(recipe.run_dir / 'recipe.yaml'))} --resume"
+            raise TrainingError(
+                f"another process of this run ended while this one waited for it ({first_line(e)}): killed, "
+                f"or out of memory (see its output or the system log); the checkpoints saved so far are kept: "
+                f"resume with `{cmd}`"
+            ) from e
         if not cpu_out_of_memory(e):
             raise
         raise DeviceError(oom_advice(recipe, finetune=command == "finetune", device="CPU")) from e
