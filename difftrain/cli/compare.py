@@ -15,7 +15,7 @@ from difftrain.cli.common import console, err_console, fmt_count
 
 HELP = """Compare two or more runs side by side.
 
-One table: parameters, tokens, wall time, tokens/s, final and best validation loss (from each
+One table: parameters, tokens, training time, tokens/s, final and best validation loss (from each
 run's summary.json), then the headline figures of every eval suite present in all the runs
 (RUN_DIR/eval/<suite>.json, made by `difftrain eval`; a suite evaluated on another source with
 `eval --data` shows as `suite@label`); the best value of each row is bold. --suite insists on

@@ -314,7 +314,7 @@ def loss_curves(runs: Sequence[tuple[str, list[dict[str, Any]]]], path: Path | s
                 )
     axes[0].set_xlabel("tokens seen")
     axes[1].set_xlabel("training time (s)")
-    for ax, what in zip(axes, ("tokens", "wall-clock time"), strict=True):
+    for ax, what in zip(axes, ("tokens", "training time"), strict=True):
         ax.set_ylabel("loss (nats/token)")
         ax.set_title(f"loss vs {what}", fontsize=10)
         ax.grid(alpha=0.3)
