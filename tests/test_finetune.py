@@ -298,6 +298,11 @@ def test_resuming_a_finished_lora_run_keeps_it_and_rewrites_a_damaged_adapter(ws
         RunDirError, match=rf"was fine-tuned from {base_run}, not finetune.base={other}: a different"
     ):
         finetune(load_recipe(run, [f"finetune.base={other}"]), resume=True)
+    # the same base written another way (a trailing /, .., a symbolic link) is the same base
+    (tmp_path / "link-to-base").symlink_to(base_run)
+    for same in (f"{base_run}/", f"{base_run}/../{base_run.name}", str(tmp_path / "link-to-base")):
+        again = finetune(load_recipe(run, [f"finetune.base={same}"]), resume=True)
+        assert again.finished_before, same
 
 
 def test_full_finetune_trains_every_weight_and_writes_model_safetensors(ws, base_run):

@@ -216,6 +216,15 @@ def check_run_dir(
         raise RunDirError(
             f"{existing} is not valid YAML ({e}); use --overwrite to start the run again"
         ) from e
+    old_ft = old.get("finetune") if isinstance(old, dict) else None
+    if (
+        recipe.finetune is not None
+        and isinstance(old_ft, dict)
+        and isinstance(old_ft.get("base"), str)
+        and os.path.realpath(os.path.expanduser(old_ft["base"]))
+        == os.path.realpath(os.path.expanduser(str(recipe.finetune.base)))
+    ):  # the same folder however it is written (a trailing /, .., a symbolic link to it)
+        ignore = ignore | {"finetune.base"}
     # the run's recipe.yaml holds absolute paths (older versions wrote them as given): the same
     # run either way
     diffs = min(
@@ -227,12 +236,12 @@ def check_run_dir(
         ),
         key=len,
     )
-    old_ft = old.get("finetune") if isinstance(old, dict) else None
     if "finetune.base" in diffs and recipe.finetune is not None and isinstance(old_ft, dict):
         raise RunDirError(
             f"{run_dir} was fine-tuned from {old_ft.get('base')}, not finetune.base={recipe.finetune.base}: a "
-            "different base makes a different run; resume it from its base, fine-tune the new base into "
-            "another `name`, or replace the run with --overwrite"
+            "different base makes a different run; continue it from its own base with "
+            f"`difftrain finetune {shlex.quote(str(run_dir))} --resume`, fine-tune the new base into another "
+            "`name`, or replace the run with --overwrite"
         )
     if diffs:  # resuming with these settings is refused: name the command that resumes the run
         command = "finetune" if recipe.finetune is not None else "pretrain"
