@@ -248,7 +248,7 @@ class Workspace:
             timeout=300,
         )
         assert proc.returncode == code, proc.stdout[-3000:] + proc.stderr[-3000:]
-        writes: dict = {"stderr": proc.stderr}
+        writes: dict = {"stderr": proc.stderr, "stdout": proc.stdout}
         for log in audit.glob("rank*.log"):
             rank = int(log.stem.removeprefix("rank"))
             writes[rank] = [tuple(line.split("\t")) for line in log.read_text().splitlines()]
@@ -386,6 +386,9 @@ def test_a_signal_to_one_process_stops_both_at_the_same_step(ws, ref):
         index = json.loads((run_dir / "checkpoints" / "index.json").read_text())
         assert [c["step"] for c in index["checkpoints"]] == [3], index
         assert got["stderr"].count("stopped at step 3; checkpoint saved.") == 1, got["stderr"][-2000:]
+        said = got["stdout"] + got["stderr"]  # rank 0 says why the run stops, whichever got the signal
+        told = "received SIGTERM: finishing this step" if rank == "0" else "SIGTERM reached another process"
+        assert said.count(told) == 1, said[-2000:]
         assert json.loads((run_dir / "summary.json").read_text())["finished"] is False
     result = single(folder, recipe, "train.max_steps=6", resume=True)  # and it continues the curve
     assert result.resumed_from == 3

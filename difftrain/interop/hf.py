@@ -809,7 +809,7 @@ def _model_card(
     return (
         f"---\nlibrary_name: transformers\npipeline_tag: text-generation\ntags: [difftrain, {MODEL_TYPES[cls]}]\n---\n\n"
         f"# {run_path.name}\n\n{kind} trained with difftrain and exported as `{cls}`: "
-        f"d_model {config.d_model}, {config.n_layers} layers, {config.n_heads} heads "
+        f"d_model {config.d_model}, {config.n_layers} layer{'s' * (config.n_layers != 1)}, {config.n_heads} heads "
         f"({config.n_kv_heads} key/value heads), head_dim {config.head_dim}, vocabulary {config.vocab_size}, "
         f"context {config.max_seq_len}.\n\n"
         "```python\nimport torch\nfrom transformers import AutoModelForCausalLM, AutoTokenizer\n"
@@ -829,7 +829,7 @@ def _model_card(
             '    messages, add_generation_prompt=True, return_tensors="pt", return_dict=True\n'
             ").input_ids\n"
             + ("" if own_start else "ids = torch.cat([torch.tensor([[tok.eos_token_id]]), ids], dim=1)\n")
-            + "out = model.generate(ids, max_new_tokens=128, do_sample=False)\n"
+            + f"out = model.generate(ids, max_new_tokens={min(128, config.max_seq_len // 2)}, do_sample=False)\n"
             "print(tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True))\n```\n"
             if chat
             else ""

@@ -239,6 +239,11 @@ class RunCallback(L.Callback):
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         if self._stop_signal is None and int(flag.item()):
             self._stop_signal = int(flag.item())
+            if self.console is not None and self._speaks:  # (it reached another process only)
+                self.console.print(
+                    f"[yellow]{signal.Signals(self._stop_signal).name} reached another process of this run: "
+                    "finishing this step and saving…[/]"
+                )
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._speaks = trainer.is_global_zero
