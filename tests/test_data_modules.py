@@ -219,6 +219,20 @@ def test_sft_examples_of_a_tokenizer_with_a_text_start_token_begin_with_it(tok: 
     ids, targets = encode_sft_record(rec, started, max_seq_len=64)
     plain, plain_targets = encode_sft_record(rec, tok, max_seq_len=64)
     assert ids == [bos, *plain] and targets == [IGNORE_INDEX, *plain_targets]
+    # a prompt cut from the left keeps the start token first
+    long = {"prompt": "Question: what is two plus two? " * 20, "response": "Answer: four."}
+    cut, cut_targets = encode_sft_record(long, started, max_seq_len=32)
+    assert cut[0] == bos and bos not in cut[1:] and len(cut) == 32 and len(cut_targets) == 32
+    # and generation and chat prompt such a fine-tune as its examples began
+    from difftrain.cli.generate import Chat, PromptStyle
+    from difftrain.recipe import ChatTemplateConfig
+
+    assert PromptStyle(instruction=True).ids(started, "Question: hi\n")[0] == bos
+    assert PromptStyle(instruction=True).ids(tok, "Question: hi\n") == tok.encode("Question: hi\n")
+    chat = Chat(ChatTemplateConfig(), None)
+    chat.messages = [{"role": "user", "content": "hi"}]
+    text, chat_ids, _ = chat.fit(started, limit=64)
+    assert chat_ids == [bos, *started.encode(text)]
 
 
 def test_sft_template_hook_builds_multi_segment_examples(tok: Tokenizer) -> None:

@@ -35,8 +35,9 @@ HELP = (
     "Streams each completion as it is produced and ends with a footer (tokens, time, tokens/s). Several "
     "prompts (--prompt repeated, or --prompt-file) and --num-samples run as batches of left-padded "
     "sequences with --no-stream or --json; with --stream they are shown one after another.\n\n"
-    "A pretrained run reads each prompt as the start of a document: it is preceded by <|eos|>, the "
-    "separator the model saw before every document; without --prompt a document is sampled from scratch. "
+    "A pretrained run reads each prompt as the start of a document: it is preceded by the token the model "
+    "saw before every document (<|eos|>, the separator, or an imported tokenizer's own start token such as "
+    "Llama's <s>); without --prompt a document is sampled from scratch. "
     "An instruction-tuned run (difftrain finetune) reads the prompt in its finetune.prompt_format, filled "
     "from the record's fields (a .jsonl --prompt-file may carry more fields than `prompt`). In --prompt "
     "and in interactive input, \\n and \\t are a newline and a tab.\n\n"
@@ -165,12 +166,23 @@ class PromptStyle:
             ) from None
 
     def ids(self, tokenizer: Any, text: str) -> list[int]:
-        """Token ids of rendered text; an empty prompt starts from <|eos|>."""
+        """Token ids of rendered text: a document's after the token documents start after
+        (<|eos|>, or an imported tokenizer's <s>); an instruction's as fine-tuning examples
+        start (`record_ids`); an empty prompt starts from the document start."""
         from difftrain.infer.generate import prompt_ids
 
         if self.instruction and text:
-            return prompt_ids(tokenizer, text, document_start=False)
+            return record_ids(tokenizer, text)
         return prompt_ids(tokenizer, text)
+
+
+def record_ids(tokenizer: Any, text: str) -> list[int]:
+    """A rendered instruction or chat prompt's ids as its fine-tuning examples began: after the
+    tokenizer's own text-start token (an imported Llama's <s>; `record_start_id`), else as they are."""
+    from difftrain.data.tokenizer import record_start_id
+
+    start = record_start_id(tokenizer)
+    return ([start] if start is not None else []) + tokenizer.encode(text)
 
 
 def prompt_style(run_path: Path) -> PromptStyle:
@@ -584,7 +596,7 @@ class Chat:
         dropped = 0
         messages = list(self.messages)
         text = self.render(messages)
-        ids = tokenizer.encode(text)
+        ids = record_ids(tokenizer, text)
         while len(ids) > limit - max(1, room) and len(messages) > 1:
             messages.pop(0)
             dropped += 1
@@ -592,7 +604,7 @@ class Chat:
                 messages.pop(0)
                 dropped += 1
             text = self.render(messages)
-            ids = tokenizer.encode(text)
+            ids = record_ids(tokenizer, text)
         if len(ids) > limit - 1:
             self.messages.pop()
             raise DataError(

@@ -36,7 +36,7 @@ from difftrain.data.shards import (
     val_window_offsets,
 )
 from difftrain.data.sources import SourceStats, check_distinct, require_documents, resolve_sources
-from difftrain.data.tokenizer import Tokenizer
+from difftrain.data.tokenizer import Tokenizer, record_start_id
 from difftrain.errors import DataError
 
 IGNORE_INDEX = -100
@@ -401,24 +401,18 @@ def _segments_to_example(
     limit = max_seq_len + 1
     truncated = len(ids) > limit
     if truncated:
-        # Keep the end of the prompt (nearest the response) and at least half the window of response.
-        first = next((i for i, t in enumerate(trained) if t), len(ids))
-        n_resp = len(ids) - first
-        keep_resp = min(n_resp, max(limit - first, limit // 2))
-        keep_prompt = limit - keep_resp
+        # Keep the end of the prompt (nearest the response) and at least half the window of
+        # response; a start token stays first (the model always saw one before a text)
+        head = 1 if bos_id is not None else 0
+        body, flags, room = ids[head:], trained[head:], limit - head
+        first = next((i for i, t in enumerate(flags) if t), len(body))
+        n_resp = len(body) - first
+        keep_resp = min(n_resp, max(room - first, room // 2))
+        keep_prompt = room - keep_resp
         sl = slice(first - keep_prompt, first + keep_resp)
-        ids, trained = ids[sl], trained[sl]
+        ids, trained = ids[:head] + body[sl], trained[:head] + flags[sl]
     targets = [ids[i + 1] if trained[i + 1] else IGNORE_INDEX for i in range(len(ids) - 1)]
     return ids[:-1], targets, truncated
-
-
-def record_start_id(tokenizer: Tokenizer) -> int | None:
-    """The token a fine-tuning example starts with: a tokenizer's own text-start token (an
-    imported Llama's <s>, `document_start_id`), which its model saw before every text and which
-    generation puts before a prompt; None for difftrain's tokenizers, whose documents follow the
-    previous one's eos."""
-    start = getattr(tokenizer, "document_start_id", None)
-    return start if start is not None and start != tokenizer.eos_id else None
 
 
 def encode_sft_record(

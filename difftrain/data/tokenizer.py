@@ -267,6 +267,15 @@ class Tokenizer:
         )
 
 
+def record_start_id(tokenizer: Tokenizer) -> int | None:
+    """The token a fine-tuning example (and an instruction or chat prompt) starts with: a
+    tokenizer's own text-start token (an imported Llama's <s>, `document_start_id`), which its
+    model saw before every text; None for difftrain's tokenizers, whose documents follow the
+    previous one's eos."""
+    start = getattr(tokenizer, "document_start_id", None)
+    return start if start is not None and start != tokenizer.eos_id else None
+
+
 class StreamDecoder:
     """Incremental detokenizer: `push(id)` returns the text that became complete.
 
