@@ -13,6 +13,7 @@ import torch
 from difftrain.cli.app import main
 from difftrain.data.config import TokenizerTrainConfig
 from difftrain.data.tokenizer import train_tokenizer
+from difftrain.errors import DataError
 from difftrain.model import ModelConfig, Transformer
 from difftrain.model.decode import FlatDecoder
 from difftrain.rundir import save_weights
@@ -310,8 +311,14 @@ def test_text_that_is_not_utf8_is_one_line_naming_where_it_came_from(run_dir, tm
     assert [p.text for p in g.read_prompt_file(bom)] == ["Emoji one", "second"]
     typed = iter(["bad \udcff", "good"])
     monkeypatch.setattr("builtins.input", lambda marker="": next(typed))
+    monkeypatch.setattr("sys.stdin.isatty", lambda: True, raising=False)
     assert g._read_prompt() == "good"
     assert "byte 0xff at character 5 is not UTF-8 text; type it again" in capsys.readouterr().err
+    # piped into the REPL: nobody can type it again; refused as --prompt-file - refuses it
+    typed = iter(["bad \udcff", "good"])
+    monkeypatch.setattr("sys.stdin.isatty", lambda: False, raising=False)
+    with pytest.raises(DataError, match="standard input: byte 0xff at character 5 is not UTF-8 text"):
+        g._read_prompt()
 
 
 def test_a_run_without_weights_or_checkpoints_says_to_start_it_again(tmp_path, capsys):
@@ -468,6 +475,15 @@ def test_the_repl_reader_sends_a_message_cut_by_the_end_of_input_and_marks_only_
     monkeypatch.setattr("builtins.input", gone)
     with pytest.raises(EOFError):
         g._read_prompt()
+    # an output already closed (the console went quiet after its first failed write): the session
+    # ends before reading on, instead of answering every line into /dev/null
+    monkeypatch.setattr("builtins.input", typed(["hello"]))
+    monkeypatch.setattr(g.console, "quiet", True)
+    with pytest.raises(EOFError):
+        g._read_prompt()
+    monkeypatch.setattr(g.console, "quiet", False)
+    monkeypatch.setattr("builtins.input", typed(["\ufeffhello"]))  # a byte-order mark is no part of it
+    assert g._read_prompt() == "hello"
 
 
 def test_chat_renders_the_conversation_streams_replies_until_end_and_resets(tmp_path, capsys, monkeypatch):

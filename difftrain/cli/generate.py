@@ -454,15 +454,17 @@ def _read_prompt(marker: str = "» ") -> str:
     """A message typed at the REPL (lines ending in \\ continue it). Piped input shows no prompt
     markers (a transcript of the output holds the replies, not a "» " per line read), and a reader
     of the output that went away (`| head`) ends the session as the end of input does."""
-    if not sys.stdin.isatty():
-        marker = ""
+    if console.quiet:  # the output's reader went away (`on_broken_pipe`): nobody reads replies
+        raise EOFError
+    piped = not sys.stdin.isatty()
     try:
-        return _read_lines(marker)
+        text = _read_lines("" if piped else marker, piped)
     except BrokenPipeError:
         raise EOFError from None
+    return text.removeprefix("\ufeff")  # (a byte-order mark is no part of a message)
 
 
-def _read_lines(marker: str) -> str:
+def _read_lines(marker: str, piped: bool = False) -> str:
     while True:
         lines = [input(marker)]
         while lines[-1].endswith("\\") and not lines[-1].endswith("\\\\"):
@@ -475,6 +477,8 @@ def _read_lines(marker: str) -> str:
         problem = utf8_problem(text)
         if problem is None:
             return text
+        if piped:  # nobody to type it again: as --prompt-file - refuses it
+            raise DataError(f"standard input: {problem}; give UTF-8 text")
         _error(f"{problem}; type it again (is the terminal's encoding UTF-8?)")
 
 
