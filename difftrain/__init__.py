@@ -12,7 +12,8 @@ Python, through the names below (imported on first use: `import difftrain` loads
     print(done.text)
     logits = run.model(torch.tensor([ids])).logits         # (1, len(ids), vocab_size)
 
-    model = difftrain.Transformer(difftrain.ModelConfig(arch="diff", d_model=256, n_layers=4, n_heads=8))
+    config = difftrain.ModelConfig(arch="diff", d_model=256, n_layers=4, n_heads=8, vocab_size=4096)
+    model = difftrain.Transformer(config)
     recipe = difftrain.load_recipe("quickstart", ["train.max_steps=100"])   # a validated Recipe
 """
 
@@ -79,4 +80,4 @@ def __getattr__(name: str) -> Any:
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_EXPORTS))
+    return sorted(__all__)

@@ -44,5 +44,8 @@ def test_the_readme_python_example_runs_and_matches_generate(tmp_path, capsys, m
     exec(compile(code, "README.md", "exec"), names)  # noqa: S102 - the README's own example
     printed = capsys.readouterr().out
     assert names["logits"].shape == (1, len(names["ids"]), names["run"].config.vocab_size)
+    for inline in re.findall(r"`(difftrain\.(?:Transformer|load_recipe)\(.*?\))`", section):
+        assert eval(inline, {"difftrain": difftrain}) is not None, inline  # noqa: S307 - the README's own
+    assert dir(difftrain) == sorted(difftrain.__all__)
     rc, out, _ = gen(capsys, run, "--prompt", "def add(a, b):", "--greedy", "-n", 32)
     assert rc == 0 and out == "def add(a, b):" + printed  # the comment's claim: the CLI's completion

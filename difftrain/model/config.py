@@ -14,7 +14,7 @@ Construction paths and their errors:
   them to YAML lines; `config_error_from_validation(err, where)` formats one as a ConfigError.
 - `config.model_copy(update=...)` does *not* validate (pydantic's contract); use
   `config.replace(**updates)` to change fields with validation, e.g. to resolve
-  `vocab_size="auto"` from the tokenizer: `config.replace(vocab_size=tokenizer.get_vocab_size())`.
+  `vocab_size="auto"` from the tokenizer: `config.replace(vocab_size=tokenizer.vocab_size)` (difftrain's Tokenizer: its largest id + 1).
 """
 
 from __future__ import annotations

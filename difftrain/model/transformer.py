@@ -214,7 +214,7 @@ class Transformer(nn.Module):
         if config.vocab_size == "auto":
             raise ConfigError(
                 "model.vocab_size is 'auto': set it from the tokenizer first, "
-                "e.g. config.replace(vocab_size=tokenizer.get_vocab_size())"
+                "e.g. config.replace(vocab_size=tokenizer.vocab_size)"
             )
         self.config = config
         self.attn_impl: str = config.attn_impl
