@@ -239,6 +239,7 @@ def test_the_vocabulary_size_is_the_largest_id_plus_one_when_ids_have_gaps() -> 
     ]  # fmt: skip
     t = Tokenizer(tokenizers.Tokenizer.from_str(json.dumps(gapped)))
     assert t.eos_id == 1000 and t.vocab_size == 1001
+    assert t.unused_ids == list(range(3, 1000))  # (generation never draws them)
     assert check_vocab_fits(t, "auto") == 1001
     with pytest.raises(TokenizerError, match="model.vocab_size is 448"):
         check_vocab_fits(t, 448)

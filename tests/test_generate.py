@@ -383,3 +383,25 @@ def test_rows_past_the_tokenizer_are_never_drawn():
     assert any(t >= 40 for c in free for t in c.token_ids)
     masked = generate_all(model, PROMPTS, cfg, tokenizer=Small())
     assert all(t < 40 for c in masked for t in c.token_ids)
+
+
+def test_ids_that_are_gaps_in_the_tokenizer_are_never_drawn():
+    # a tokenizer.json whose ids have gaps: the rows between them stand for no token either
+    class Gappy:
+        eos_id = pad_id = 0
+        vocab_size = 64
+        unused_ids = list(range(1, 64, 2))  # every odd id is a gap
+
+        def stream_decoder(self, context=()):
+            class D:
+                push = staticmethod(lambda i: "x")
+                flush = staticmethod(lambda: "")
+
+            return D()
+
+    model = tiny_model("diff")
+    cfg = GenerationConfig(max_new_tokens=20, sampling=SamplingConfig(temperature=2.0), stop_at_eos=False)
+    free = generate_all(model, PROMPTS, cfg)
+    assert any(t % 2 for c in free for t in c.token_ids)
+    masked = generate_all(model, PROMPTS, cfg, tokenizer=Gappy())
+    assert not any(t % 2 for c in masked for t in c.token_ids)

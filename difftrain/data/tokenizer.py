@@ -138,6 +138,19 @@ class Tokenizer:
             self._size_for, self._size = count, max(count, top + 1)
         return self._size
 
+    @property
+    def unused_ids(self) -> list[int]:
+        """Ids below `vocab_size` that stand for no token (a tokenizer.json whose ids have gaps);
+        empty for every tokenizer difftrain trains. (Recomputed when tokens are added.)"""
+        n = self.vocab_size
+        count = self.tk.get_vocab_size(with_added_tokens=True)
+        if count == n:
+            return []
+        if getattr(self, "_unused_for", None) != (count, n):
+            used = set(self.tk.get_vocab(with_added_tokens=True).values())
+            self._unused_for, self._unused = (count, n), [i for i in range(n) if i not in used]
+        return self._unused
+
     def encode(self, text: str, add_bos: bool = False, add_eos: bool = False) -> list[int]:
         ids = self.tk.encode(text, add_special_tokens=False).ids
         if add_bos:

@@ -288,7 +288,8 @@ def generate(
     text (`Token.text`, `Completion.text`) and stop strings; eos_id defaults to the tokenizer's.
     seeds: one per prompt (default config.seed + i). Events of one step come in sequence order.
     With a tokenizer smaller than the model's vocabulary (vocab_size: auto rounds the embedding up
-    to a multiple of 64), the rows past it are never drawn: they stand for no token.
+    to a multiple of 64), the rows past it are never drawn: they stand for no token; nor are the
+    ids of a tokenizer whose ids have gaps (`Tokenizer.unused_ids`).
     """
     config = config or GenerationConfig()
     mc = model.config  # type: ignore[attr-defined]
@@ -335,15 +336,20 @@ def generate(
             run = _UncachedForward(model, ids, mask_arg)
     n_tokens = getattr(tokenizer, "vocab_size", None)
     padded = n_tokens if n_tokens is not None and n_tokens < mc.vocab_size else None
+    gaps = [i for i in getattr(tokenizer, "unused_ids", ()) if i < mc.vocab_size]  # ids of no token
+    gap_ids = torch.tensor(gaps, dtype=torch.long, device=device) if gaps else None
     t0 = time.perf_counter()
     first_token_s = 0.0
     with torch.inference_mode():
         logits = run.prefill()
     for step in range(max(limits)):
         with torch.inference_mode():
-            if padded is not None:  # (untrained rows: a young model's logits there are not -inf)
+            if padded is not None or gap_ids is not None:  # (untrained rows: not -inf in a young model)
                 logits = logits.clone()
-                logits[:, padded:] = float("-inf")
+                if padded is not None:
+                    logits[:, padded:] = float("-inf")
+                if gap_ids is not None:
+                    logits[:, gap_ids] = float("-inf")
             next_ids = sampler(logits, seen)
             if seen is not None:
                 seen.scatter_(1, next_ids[:, None], True)
