@@ -479,14 +479,21 @@ def test_a_lone_surrogate_escape_is_a_bad_record_named_by_file_and_line(tmp_path
     # tokenizer can encode it; a pair is one character and is kept
     f = tmp_path / "d.jsonl"
     f.write_text('{"text": "ok \\ud83d\\ude00"}\n{"text": "cut \\ud83d here"}\n{"text": "fine"}\n')
-    with pytest.raises(DataError, match=r"d\.jsonl, line 2: holds a lone UTF-16 surrogate escape"):
+    with pytest.raises(
+        DataError, match=r"d\.jsonl, line 2: field 'text' holds a lone UTF-16 surrogate escape"
+    ):
         read_one("d.jsonl", tmp_path)
     out, stats = read_one("d.jsonl", tmp_path, policy="skip")
     assert out == ["ok \U0001f600", "fine"] and stats.bad_records == 1
     g = tmp_path / "d.json"
     g.write_text('[{"text": "a"}, {"text": "b \\udc00"}]')
-    with pytest.raises(DataError, match=r"d\.json, record 1: holds a lone UTF-16 surrogate escape"):
+    with pytest.raises(
+        DataError, match=r"d\.json, record 1: field 'text' holds a lone UTF-16 surrogate escape"
+    ):
         read_one("d.json", tmp_path)
+    f.write_text('{"text": "fine", "meta": "\\udc00"}\n')  # a field no one reads: named, still refused
+    with pytest.raises(DataError, match=r"line 1: field 'meta' holds a lone UTF-16 surrogate"):
+        read_one("d.jsonl", tmp_path)
 
 
 def test_a_file_whose_name_holds_glob_characters_is_read_as_named(tmp_path: Path) -> None:

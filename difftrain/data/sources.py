@@ -94,13 +94,25 @@ _READ_ERRORS = (OSError, EOFError, zlib.error)
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
 
 
-def _lone_surrogate(obj: Any) -> bool:
-    """Whether a parsed JSON value holds a lone surrogate (which no tokenizer can encode)."""
+def _encodes(obj: Any) -> bool:
     try:
         json.dumps(obj, ensure_ascii=False).encode("utf-8")
     except UnicodeEncodeError:
-        return True
-    return False
+        return False
+    return True
+
+
+def _lone_surrogate(obj: Any) -> str | None:
+    """Where a parsed JSON value holds a lone surrogate (which no tokenizer can encode): "field
+    'meta' " for a record's top-level field, "" for the value itself; None where it holds none.
+    The whole record is refused: a template may read any of its fields."""
+    if _encodes(obj):
+        return None
+    if isinstance(obj, dict):
+        bad = next((k for k, v in obj.items() if not _encodes(v)), None)
+        if bad is not None:
+            return f"field '{bad}' "
+    return ""
 
 
 LONE_SURROGATE = (
@@ -362,8 +374,8 @@ class Source:
                 items = obj if isinstance(obj, list) else [obj]
                 for i, item in enumerate(items):
                     where = f"{path}, record {i}"
-                    if escapes and _lone_surrogate(item):
-                        self._bad(stats, policy, f"{where}: {LONE_SURROGATE}")
+                    if escapes and (bad := _lone_surrogate(item)) is not None:
+                        self._bad(stats, policy, f"{where}: {bad}{LONE_SURROGATE}")
                         continue
                     if isinstance(item, dict):
                         yield where, item
@@ -397,8 +409,8 @@ class Source:
                             f"{where}: a JSON {type(obj).__name__}, not an object; fix the line",
                         )
                         continue
-                    if _SURROGATE_ESCAPE.search(raw) and _lone_surrogate(obj):
-                        self._bad(stats, policy, f"{where}: {LONE_SURROGATE}")
+                    if _SURROGATE_ESCAPE.search(raw) and (bad := _lone_surrogate(obj)) is not None:
+                        self._bad(stats, policy, f"{where}: {bad}{LONE_SURROGATE}")
                         continue
                     yield where, obj
         except _READ_ERRORS as e:
