@@ -361,47 +361,40 @@ def test_cpu_inference_layout_keeps_tied_weights_tied_and_skips_other_dtypes():
     assert all(p.is_contiguous() for p in bf16.parameters())
 
 
+class _Ids:
+    """A "tokenizer" of `vocab_size` ids, `unused_ids` of them gaps, each token printing "x"."""
+
+    eos_id = pad_id = 0
+
+    def __init__(self, vocab_size: int, unused_ids: list[int] | None = None) -> None:
+        self.vocab_size, self.unused_ids = vocab_size, unused_ids or []
+
+    def stream_decoder(self, context=()):
+        class D:
+            push = staticmethod(lambda i: "x")
+            flush = staticmethod(lambda: "")
+
+        return D()
+
+
 def test_rows_past_the_tokenizer_are_never_drawn():
     # vocab_size: auto pads the embedding to a multiple of 64; those rows stand for no token, and
     # a young model gives them no -inf logit: they were drawn (30 of 573 samples after 5 steps)
-    class Small:  # a 40-token "tokenizer" for a 64-row model
-        eos_id = pad_id = 0
-        vocab_size = 40
-
-        def stream_decoder(self, context=()):
-            class D:
-                push = staticmethod(lambda i: "x")
-                flush = staticmethod(lambda: "")
-
-            return D()
-
-    model = tiny_model("diff")
+    model = tiny_model("diff")  # 64 rows for a 40-token tokenizer
     with torch.no_grad():
         model.lm_head.weight[40:] = model.lm_head.weight[40:] * 0 + 5.0 * model.lm_head.weight[:1].sign()
     cfg = GenerationConfig(max_new_tokens=20, sampling=SamplingConfig(temperature=1.5), stop_at_eos=False)
     free = generate_all(model, PROMPTS, cfg)  # (without a tokenizer every row is a token id)
     assert any(t >= 40 for c in free for t in c.token_ids)
-    masked = generate_all(model, PROMPTS, cfg, tokenizer=Small())
+    masked = generate_all(model, PROMPTS, cfg, tokenizer=_Ids(40))
     assert all(t < 40 for c in masked for t in c.token_ids)
 
 
 def test_ids_that_are_gaps_in_the_tokenizer_are_never_drawn():
     # a tokenizer.json whose ids have gaps: the rows between them stand for no token either
-    class Gappy:
-        eos_id = pad_id = 0
-        vocab_size = 64
-        unused_ids = list(range(1, 64, 2))  # every odd id is a gap
-
-        def stream_decoder(self, context=()):
-            class D:
-                push = staticmethod(lambda i: "x")
-                flush = staticmethod(lambda: "")
-
-            return D()
-
     model = tiny_model("diff")
     cfg = GenerationConfig(max_new_tokens=20, sampling=SamplingConfig(temperature=2.0), stop_at_eos=False)
     free = generate_all(model, PROMPTS, cfg)
     assert any(t % 2 for c in free for t in c.token_ids)
-    masked = generate_all(model, PROMPTS, cfg, tokenizer=Gappy())
+    masked = generate_all(model, PROMPTS, cfg, tokenizer=_Ids(64, list(range(1, 64, 2))))  # odd ids: gaps
     assert not any(t % 2 for c in masked for t in c.token_ids)
