@@ -289,6 +289,16 @@ def test_needle_accuracy_counts_exactly_the_retrieved_values_through_the_generat
     assert all(s["completion"].startswith(" The magic number of") for s in res["samples"])
 
 
+def test_needle_completions_do_not_depend_on_their_batchmates(runs):
+    # a batch generated up to its longest answer's budget: a shorter answer's prompt got extra
+    # tokens (65 of 80 completions differed between --batch-size 1 and 8), which could finish a number
+    run = load_run(runs["diff2"])
+    grid = {"lengths": [70], "depths": [0.0, 0.5, 1.0], "needles": [(1, 1)], "samples": 3, "plot": False}
+    alone = evaluate(run, "needle", EvalOptions(**grid, batch_size=1))["results"]["samples"]
+    batched = evaluate(run, "needle", EvalOptions(**grid, batch_size=8))["results"]["samples"]
+    assert [s["completion"] for s in alone] == [s["completion"] for s in batched]
+
+
 def test_needle_suite_is_deterministic_for_a_seed_and_draws_new_prompts_for_another(runs):
     run = load_run(runs["diff2"])
     a = evaluate(run, "needle", SMALL_NEEDLE)
@@ -1028,3 +1038,14 @@ def test_the_attention_note_describes_each_signed_arch_truly(runs, tmp_path, cap
         and "with no subln that scale reaches the output" in shown["diff2"]
     )
     assert "subln normalises" not in shown["diff2"]
+
+
+def test_the_quant_table_prints_a_delta_that_rounds_to_zero_without_a_minus(runs, capsys):
+    # eval printed -0.0000 where compare printed +0.0000 for the same stored -1e-6
+    from difftrain.cli.evaluate import render
+
+    doc = evaluate(load_run(runs["baseline"]), "quant", EvalOptions(windows=2, bits=[8], plot=False))
+    doc["results"]["rows"][1]["delta_loss"] = -1.2e-6
+    render(doc, runs["baseline"])
+    out = capsys.readouterr().out
+    assert "+0.0000" in out and "-0.0000" not in out

@@ -303,6 +303,17 @@ def score(completion: str, expected: Sequence[str]) -> list[bool]:
     return [j < len(numbers) and numbers[j] == v for j, v in enumerate(expected)]
 
 
+def _within_budget(tokenizer: Any, prompt: NeedlePrompt, completion: Any) -> str:
+    """A completion as the prompt's own budget (its answer's tokens + 2) leaves it: a batch
+    generates up to its longest prompt's budget, and a shorter prompt's extra tokens could finish a
+    number it would not have — the score would depend on its batchmates and --batch-size."""
+    own = prompt.answer_tokens + 2
+    if len(completion.token_ids) <= own:
+        return completion.text
+    decoder = tokenizer.stream_decoder(context=prompt.ids)
+    return (decoder.push_many(completion.token_ids[:own]) + decoder.flush()).split("\n", 1)[0]
+
+
 def retrieve(
     model: Any,
     tokenizer: Any,
@@ -321,7 +332,8 @@ def retrieve(
         new = max(prompts[i].answer_tokens for i in idx) + 2
         comps = greedy(model, [prompts[i].ids for i in idx], new, tokenizer=tokenizer, stop=("\n",))
         for i, c in zip(idx, comps, strict=True):
-            out[i] = (c.text, score(c.text, prompts[i].expected))
+            text = _within_budget(tokenizer, prompts[i], c)
+            out[i] = (text, score(text, prompts[i].expected))
         progress(min(j + batch_size, len(order)), len(order))
     return [o for o in out if o is not None]
 
