@@ -319,6 +319,15 @@ def peak_memory(summary: dict[str, Any]) -> str:
     return ("RSS —" if rss is None else f"RSS {rss:.0f} MiB") + (f" · GPU {gpu:.0f} MiB" if gpu else "")
 
 
+def fmt_figure(value: float, fmt: str) -> str:
+    """`format(value, fmt)`, with a value that rounds to zero printed without a minus sign
+    (-1e-6 as +0.0000, not -0.0000: eval and compare show the same text)."""
+    text = format(value, fmt)
+    if text.startswith("-") and not text.strip("-0.,%"):
+        text = format(0.0, fmt)
+    return text
+
+
 _PEER_LOST = (
     "Connection reset by peer",
     "Connection closed by peer",

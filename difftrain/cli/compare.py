@@ -11,7 +11,7 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
-from difftrain.cli.common import console, err_console, fmt_count
+from difftrain.cli.common import console, err_console, fmt_count, fmt_figure
 
 HELP = """Compare two or more runs side by side.
 
@@ -33,10 +33,7 @@ def _cell(value: Any, fmt: str) -> str:
     if fmt == "count":
         return fmt_count(value)
     if isinstance(value, (int, float)) and fmt:
-        text = format(value, fmt)
-        if text.startswith("-") and not text.strip("-0.,%"):  # -1e-6 → -0.0000: it prints as zero
-            text = format(0.0, fmt)
-        return text
+        return fmt_figure(value, fmt)  # (-1e-6 → +0.0000: it prints as zero)
     return str(value)
 
 

@@ -17,7 +17,7 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
-from difftrain.cli.common import console, err_console, fmt_count, kv_table
+from difftrain.cli.common import console, err_console, fmt_count, fmt_figure, kv_table
 from difftrain.errors import ConfigError, RunDirError
 
 HELP = """Evaluate a run: perplexity, needle retrieval, attention and outlier probes,
@@ -264,11 +264,11 @@ def render(doc: dict[str, Any], run_dir: Path) -> None:
                 "none (ref)" if r["bits"] >= 16 else f"{r['bits']}",  # 16 stands for unquantized
                 f"{r['loss']:.4f}",
                 f"{r['ppl']:.3f}",
-                f"{r['delta_loss']:+.4f}",
+                fmt_figure(r["delta_loss"], "+.4f"),
                 f"{r['ppl_ratio']:.3f}",
             ]
             if needle:
-                cells += [f"{r['needle_accuracy']:.3f}", f"{r['delta_accuracy']:+.3f}"]
+                cells += [f"{r['needle_accuracy']:.3f}", fmt_figure(r["delta_accuracy"], "+.3f")]
             t.add_row(*cells)
         console.print(t)
     elif suite == "icl-order":

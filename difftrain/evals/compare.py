@@ -408,7 +408,11 @@ def compare_runs(paths: Sequence[str | Path], suites: Sequence[str] | None = Non
                     "with that in mind"
                 )
             if keys:
-                shown_keys = ", ".join(f"{k} {_setting(docs[0], k)} vs {_setting(d, k)}" for k in keys[:3])
+                shown_keys = ", ".join(
+                    f"{k} {_setting(docs[0], k)} vs {_setting(d, k)}" for k in keys[:5]
+                ) + (
+                    f" and {len(keys) - 5} more" if len(keys) > 5 else ""
+                )  # (every key the command below sets is named, up to five)
                 options = _eval_options(docs[0].get("settings") or {}, keys)
                 fix = (
                     f"`difftrain eval {shlex.quote(str(r.path))} --suite {split_key(s)[0]} {options}` evaluates "
