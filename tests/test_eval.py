@@ -289,6 +289,19 @@ def test_needle_accuracy_counts_exactly_the_retrieved_values_through_the_generat
     assert all(s["completion"].startswith(" The magic number of") for s in res["samples"])
 
 
+def test_a_rerun_without_its_figure_removes_the_replaced_results_figure(runs, tmp_path):
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(runs["baseline"], run, ignore=shutil.ignore_patterns("eval"))
+    drawn = evaluate(load_run(run), "needle", EvalOptions(**{**SMALL_NEEDLE.__dict__, "plot": None}))
+    save_result(run, drawn)
+    assert (run / "eval" / "needle.png").is_file()
+    (run / "eval" / "mine.png").write_bytes(b"not ours")  # a file the user put there stays
+    save_result(run, evaluate(load_run(run), "needle", SMALL_NEEDLE))  # plot=False: no figure
+    assert not (run / "eval" / "needle.png").exists() and (run / "eval" / "mine.png").is_file()
+
+
 def test_needle_completions_do_not_depend_on_their_batchmates(runs):
     # a batch generated up to its longest answer's budget: a shorter answer's prompt got extra
     # tokens (65 of 80 completions differed between --batch-size 1 and 8), which could finish a number

@@ -32,6 +32,7 @@ without knowing it; `settings` lets it warn when two runs were evaluated differe
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import hashlib
 import json
@@ -251,7 +252,19 @@ def save_result(run_dir: Path | str, doc: dict[str, Any]) -> Path:
     """Write `RUN_DIR/eval/<suite>.json` (`<suite>@<label>.json` for a result on `--data`)
     atomically; returns its path."""
     path = result_path(run_dir, result_key(doc["suite"], doc.get("label")))
+    old = None
+    with contextlib.suppress(OSError, ValueError):
+        old = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else None
     atomic_write_json(path, doc)
+    # a figure of the result replaced, which this one did not draw again (a rerun with --no-plot),
+    # would show the old result next to the new one's JSON: removed (only files in eval/)
+    kept = {plot_path(run_dir, p).resolve() for p in doc.get("plots", [])}
+    folder = path.parent.resolve()
+    for p in (old or {}).get("plots", []) if isinstance(old, dict) else []:
+        fig = plot_path(run_dir, str(p)).resolve()
+        if fig not in kept and fig.parent == folder and fig.is_file():
+            with contextlib.suppress(OSError):
+                fig.unlink()
     return path
 
 
