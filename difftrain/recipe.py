@@ -160,7 +160,7 @@ class TrainConfig(_Section):
         "auto", description="torch.compile the model. auto: on for CUDA, off for CPU."
     )
     grad_clip: float | None = Field(
-        1.0, gt=0, description="Clip the global gradient norm to this value (null: no clipping)."
+        1.0, description="Clip the global gradient norm to this value, > 0 (null: no clipping)."
     )
     activation_checkpointing: bool = Field(
         False,
@@ -177,6 +177,16 @@ class TrainConfig(_Section):
     num_nodes: int = Field(
         1, ge=1, description="Machines taking part (multi-node runs are launched with torchrun or SLURM)."
     )
+
+    @field_validator("grad_clip")
+    @classmethod
+    def _clip_positive(cls, v: float | None) -> float | None:
+        if v is not None and not v > 0:
+            raise ValueError(
+                f"must be greater than 0 (a gradient norm to clip to); to train without clipping set "
+                f"train.grad_clip: null (got {v:g})"
+            )
+        return v
 
     @field_validator("devices")
     @classmethod
@@ -247,14 +257,27 @@ class OptimConfig(_Section):
     )
     betas: tuple[_Beta, _Beta] = Field((0.9, 0.95), description="Adam/Lion beta1, beta2 (each in [0, 1)).")
     eps: float = Field(1e-8, gt=0, description="Adam epsilon.")
-    warmup_steps: int = Field(100, ge=0, description="Linear warmup from 0 to lr over this many steps.")
+    warmup_steps: int = Field(
+        100,
+        ge=0,
+        description="Linear warmup over this many steps: step i (from 0) uses lr·(i+1)/(warmup_steps+1), "
+        "so the peak lr comes at step warmup_steps + 1.",
+    )
     schedule: Literal["cosine", "linear", "constant", "wsd"] = Field(
         "cosine",
-        description="After warmup: cosine or linear decay to min_lr_ratio x lr, constant, or warmup-stable-decay (wsd: constant, then linear decay over the last decay_fraction of steps).",
+        description="After warmup: cosine or linear decay towards min_lr_ratio x lr, constant, or "
+        "warmup-stable-decay (wsd: constant, then linear decay over the last decay_fraction of the steps "
+        "after warmup). The decay's progress at step i is (i - warmup_steps) / (max_steps - warmup_steps), "
+        "as transformers' schedules count it: the last step is one step short of the floor.",
     )
-    min_lr_ratio: float = Field(0.1, ge=0, le=1, description="Final learning rate as a fraction of lr.")
+    min_lr_ratio: float = Field(
+        0.1,
+        ge=0,
+        le=1,
+        description="The learning rate the decay ends at, as a fraction of lr (see schedule).",
+    )
     decay_fraction: float = Field(
-        0.2, gt=0, le=1, description="wsd only: fraction of the steps spent in the final decay."
+        0.2, gt=0, le=1, description="wsd only: fraction of the steps after warmup spent in the final decay."
     )
     stable_embedding: bool = Field(
         False,

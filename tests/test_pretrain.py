@@ -375,6 +375,14 @@ def test_the_command_named_to_continue_a_run_trained_with_overrides_works(worksp
         assert f"continue it as it was with `difftrain pretrain {run} --resume`" in err, err
     assert main(["pretrain", str(run), "--resume", "--dry-run", "train.max_steps=4"]) == 0
     assert "resum" in capsys.readouterr().out
+    # compiling is how a step runs, not which run it is: a resume may switch it on or off
+    assert (
+        main(["pretrain", str(run), "--resume", "--dry-run", "train.max_steps=4", "train.compile=true"]) == 0
+    )
+    assert "resum" in capsys.readouterr().out
+    # the optimizer row names weight decay and clipping (what most often differs between recipes)
+    assert main(["pretrain", str(run), "--resume", "--dry-run", "train.max_steps=4"]) == 0
+    assert re.search(r"optimizer +adamw · lr [\d.e-]+ · wd [\d.]+ · clip 1 · ", capsys.readouterr().out)
     # resuming asked for in the recipe, not on the command line: the message says where
     assert main(["pretrain", str(p), "--dry-run", "--overwrite", "train.resume=true"]) == 2
     assert "--overwrite and --resume (or train.resume: true) contradict each other" in capsys.readouterr().err

@@ -652,3 +652,11 @@ def test_a_run_name_a_shell_would_read_as_home_is_refused(tmp_path):
         with pytest.raises(RecipeError, match="reads as your home folder"):
             load_recipe(p, [f"name={name}"])
     assert load_recipe(p, ["name=a~b"]).name == "a~b"
+
+
+def test_grad_clip_zero_says_how_to_train_without_clipping():
+    from difftrain.errors import RecipeError
+
+    with pytest.raises(RecipeError, match=r"to train without clipping set train.grad_clip: null"):
+        load_recipe("quickstart", ["train.grad_clip=0"])
+    assert load_recipe("quickstart", ["train.grad_clip=null"]).train.grad_clip is None

@@ -319,6 +319,15 @@ def peak_memory(summary: dict[str, Any]) -> str:
     return ("RSS —" if rss is None else f"RSS {rss:.0f} MiB") + (f" · GPU {gpu:.0f} MiB" if gpu else "")
 
 
+def optimizer_row(optim: Any, train: Any) -> str:
+    """The start table's optimizer row: what most often differs between recipes, at a glance."""
+    clip = f"clip {train.grad_clip:g}" if train.grad_clip is not None else "no clip"
+    return (
+        f"{optim.name} · lr {optim.lr:g} · wd {optim.weight_decay:g} · {clip} · {optim.schedule} · "
+        f"warmup {optim.warmup_steps}"
+    )
+
+
 def fmt_figure(value: float, fmt: str) -> str:
     """`format(value, fmt)`, with a value that rounds to zero printed without a minus sign
     (-1e-6 as +0.0000, not -0.0000: eval and compare show the same text)."""

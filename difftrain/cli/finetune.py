@@ -15,6 +15,7 @@ from difftrain.cli.common import (
     fmt_count,
     json_as_text_row,
     kv_table,
+    optimizer_row,
     peak_memory,
     plural,
     prepared_bad_examples,
@@ -105,10 +106,7 @@ def _start_table(info: dict[str, Any]) -> None:
             f"(micro {t.micro_batch_size} × accum {plan.accumulate} × devices {plan.world_size})",
         ),
         ("steps", str(plan.max_steps)),
-        (
-            "optimizer",
-            f"{r.optim.name} · lr {r.optim.lr:g} · {r.optim.schedule} · warmup {r.optim.warmup_steps}",
-        ),
+        ("optimizer", optimizer_row(r.optim, t)),
         ("precision", f"{t.precision} · compile {'on' if t.compile else 'off'} · attention {m.attn_impl}"),
         ("device", info["device"]),
     ]

@@ -14,6 +14,7 @@ from difftrain.cli.common import (
     fmt_count,
     json_as_text_row,
     kv_table,
+    optimizer_row,
     peak_memory,
     plural,
     prepared_bad_examples,
@@ -37,7 +38,7 @@ def _plan_rows(plan: Any) -> dict[str, str]:
         "batch": f"{plan.global_batch_size} seq × {plan.seq_len} tok = {fmt_count(plan.tokens_per_step)} tok/step "
         f"(micro {t.micro_batch_size} × accum {plan.accumulate} × devices {plan.world_size})",
         "steps": f"{plan.max_steps} ({fmt_count(plan.max_steps * plan.tokens_per_step)} tokens)",
-        "optimizer": f"{o.name} · lr {o.lr:g} · {o.schedule} · warmup {o.warmup_steps}",
+        "optimizer": optimizer_row(o, t),
         "precision": f"{t.precision} · compile {'on' if t.compile else 'off'} · attention {m.attn_impl}"
         + (" · activation checkpointing" if t.activation_checkpointing else ""),
     }

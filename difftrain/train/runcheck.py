@@ -44,6 +44,7 @@ RESUMABLE_CHANGES = {
     "train.micro_batch_size",
     "train.global_batch_size",
     "train.activation_checkpointing",
+    "train.compile",  # the same step, compiled or not (its checkpoint holds no compiled state)
     "train.strategy",
     "train.fsdp",
     "data.val_windows",
