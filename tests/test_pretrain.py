@@ -420,7 +420,10 @@ def test_cli_pretrain_and_errors_exit_2(workspace, capsys):
     out = " ".join(capsys.readouterr().out.split())
     o = load_recipe(p).optim
     assert "tok/step (micro " in out and "steps 9 (" in out
-    assert f"optimizer adamw · lr {o.lr:g} · {o.schedule} · warmup {o.warmup_steps}" in out  # (auto resolved)
+    assert (
+        f"optimizer adamw · lr {o.lr:g} · wd {o.weight_decay:g} · clip 1 · {o.schedule} · warmup {o.warmup_steps}"
+        in out
+    )  # (auto resolved)
 
 
 def test_a_logger_whose_package_is_missing_is_refused_before_anything_is_written(
@@ -533,6 +536,37 @@ def test_train_compile_without_a_cpu_compiler_exits_2_before_anything_is_written
     assert "train.compile=true on CPU needs a C++ compiler (/nonexistent/bin/g++ on PATH)" in err
     assert len(err.strip().splitlines()) == 1, err
     assert not (p.parent / "runs").exists()
+
+
+def test_a_compiled_run_gives_no_eta_from_its_compiling_first_step_and_reports_its_steady_rate(
+    workspace, capsys, monkeypatch
+):
+    # the first step of a compiled run holds the compilation: its ETA said 2h for a 30 s run, and
+    # the run's throughput mixed the compilation in with nothing to say so
+    import time
+
+    import torch
+
+    def slow_compile(model, **kwargs):  # a compilation of 2 s, paid at the first call
+        state = {"first": True}
+
+        def forward(*args, **kw):
+            if state["first"]:
+                state["first"] = False
+                time.sleep(2.0)
+            return model(*args, **kw)
+
+        return forward
+
+    monkeypatch.setattr(torch, "compile", slow_compile)
+    p = workspace(steps=4, save_every=4)
+    assert main(["pretrain", str(p), "--no-progress", "train.compile=true", "train.log_every=1"]) == 0
+    out = capsys.readouterr().out
+    lines = {n: next(line for line in out.splitlines() if line.startswith(f"step {n}/4")) for n in (1, 2)}
+    assert "eta" not in lines[1] and "eta" in lines[2]
+    summary = json.loads((p.parent / "runs" / "r" / "summary.json").read_text())
+    assert summary["steady_tokens_per_s"] > 2 * summary["tokens_per_s"]
+    assert "once compiled; the run's includes the compilation" in " ".join(out.split())
 
 
 def test_resuming_a_finished_run_trains_nothing_and_keeps_its_summary(workspace, capsys):

@@ -319,6 +319,14 @@ def peak_memory(summary: dict[str, Any]) -> str:
     return ("RSS —" if rss is None else f"RSS {rss:.0f} MiB") + (f" · GPU {gpu:.0f} MiB" if gpu else "")
 
 
+def throughput(summary: dict[str, Any]) -> str:
+    """The end table's throughput: over the run, and for a compiled run also once compiled."""
+    text = f"{summary['tokens_per_s']:,.0f} tokens/s"
+    if summary.get("steady_tokens_per_s"):
+        text += f" ({summary['steady_tokens_per_s']:,.0f} once compiled; the run's includes the compilation)"
+    return text
+
+
 def optimizer_row(optim: Any, train: Any) -> str:
     """The start table's optimizer row: what most often differs between recipes, at a glance."""
     clip = f"clip {train.grad_clip:g}" if train.grad_clip is not None else "no clip"

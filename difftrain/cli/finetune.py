@@ -21,6 +21,7 @@ from difftrain.cli.common import (
     prepared_bad_examples,
     report_finished,
     skipped_records_row,
+    throughput,
     wall_time,
     warn,
 )
@@ -130,7 +131,7 @@ def _end_table(summary: dict[str, Any], run_dir: Path) -> None:
     rows = [
         ("steps", f"{summary['steps']} ({fmt_count(summary['tokens'])} tokens)"),
         ("wall time", wall_time(summary)),
-        ("throughput", f"{summary['tokens_per_s']:,.0f} tokens/s"),
+        ("throughput", throughput(summary)),
         (
             "val loss",
             f"before {f(summary.get('initial_val_loss'))} → after {f(summary['final_val_loss'])}"

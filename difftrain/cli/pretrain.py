@@ -20,6 +20,7 @@ from difftrain.cli.common import (
     prepared_bad_examples,
     report_finished,
     skipped_records_row,
+    throughput,
     vocab_shortfall,
     wall_time,
     warn,
@@ -80,8 +81,7 @@ def _end_table(summary: dict[str, Any], run_dir: Any) -> None:
         ("wall time", wall_time(summary)),
         (
             "throughput",
-            f"{summary['tokens_per_s']:,.0f} tokens/s"
-            + (f" · MFU {summary['mfu']:.1%}" if summary.get("mfu") else ""),
+            throughput(summary) + (f" · MFU {summary['mfu']:.1%}" if summary.get("mfu") else ""),
         ),
         (
             "loss",

@@ -184,6 +184,8 @@ class RunCallback(L.Callback):
         self._window_step = 0
         self._window_tokens = 0
         self.tokens_per_s = 0.0
+        self.steady_tokens_per_s: float | None = None  # the last window's rate, compilation excluded
+        self._start_step = 0
         self.peak_flops: float | None = None
         self._sec_per_step: float | None = None
         self._lines = False
@@ -251,6 +253,7 @@ class RunCallback(L.Callback):
         self.state.start_time = time.perf_counter()
         self._window_t = time.perf_counter()
         self._window_step = trainer.global_step
+        self._start_step = trainer.global_step
         self._window_tokens = pl_module.tokens_seen
         self._logged_step = trainer.global_step
         self.state.saved_step = trainer.global_step if trainer.global_step > 0 else -1
@@ -448,7 +451,12 @@ class RunCallback(L.Callback):
             # batches vary in length; for pretraining this is steps × tokens_per_step)
             seen = pl_module.tokens_seen - self._window_tokens
             self.tokens_per_s = seen / (now - self._window_t)
-            self._sec_per_step = (now - self._window_t) / steps
+            # the first window of a compiled run holds the compilation (tens of seconds): no ETA
+            # from it (it said 2h for a 30 s run), nor a steady rate
+            compiling = getattr(pl_module, "_compile", False) and self._window_step == self._start_step
+            self._sec_per_step = None if compiling else (now - self._window_t) / steps
+            if not compiling:
+                self.steady_tokens_per_s = self.tokens_per_s
         self._window_t, self._window_step, self._window_tokens = now, step, pl_module.tokens_seen
         metrics = {
             "train/loss": pl_module.last_loss,

@@ -811,6 +811,11 @@ def _summary(
         "wall_time_s": round(wall, 2),
         "train_time_s": round(train_time, 2),
         "tokens_per_s": round(tps, 1),
+        # compiled: the rate once compiled (the last logged window), which tokens_per_s, over the
+        # whole run, mixes with the compilation
+        "steady_tokens_per_s": round(cb.steady_tokens_per_s, 1)
+        if r.train.compile and cb.steady_tokens_per_s
+        else None,
         "mfu": mfu,
         "peak_rss_mb": round(cb.state.peak_rss_mb, 1) if cb.state.peak_rss_mb > 0 else None,
         "peak_gpu_mem_mb": peak_mem,
