@@ -151,7 +151,7 @@ def oom_advice(recipe: Any, *, finetune: bool = False, device: str = "GPU") -> s
 
     from difftrain.errors import DifftrainError
     from difftrain.train.run import plan_run
-    from difftrain.train.runcheck import RESUMABLE_CHANGES
+    from difftrain.train.runcheck import resumable_change
 
     t = recipe.train
     micro = t.micro_batch_size
@@ -162,7 +162,7 @@ def oom_advice(recipe: Any, *, finetune: bool = False, device: str = "GPU") -> s
     except DifftrainError:  # a fine-tune's model (and so its seq_len) comes from its base run
         global_bs = t.global_batch_size or micro
         accumulate, seq_len, optimizer = global_bs // micro, t.seq_len, recipe.optim.name
-    # (the keys each try changes, the try): a resume takes only RESUMABLE_CHANGES
+    # (the keys each try changes, the try): a resume takes only `resumable_change`s
     tries: list[tuple[tuple[str, ...], str]] = []
     if micro > 1:
         smaller = max(d for d in range(1, micro) if micro % d == 0)
@@ -183,8 +183,9 @@ def oom_advice(recipe: Any, *, finetune: bool = False, device: str = "GPU") -> s
         tries.append((("optim.name",), "optim.name=adamw8bit (8-bit optimizer states)"))
     if seq_len and seq_len >= 128:
         tries.append((("train.seq_len",), f"train.seq_len={seq_len // 2}"))
-    keep = [text for keys, text in tries if all(k in RESUMABLE_CHANGES for k in keys)]
-    new = [text for keys, text in tries if not all(k in RESUMABLE_CHANGES for k in keys)]
+    resumes = [all(map(resumable_change, keys)) for keys, _ in tries]
+    keep = [text for (_, text), ok in zip(tries, resumes, strict=True) if ok]
+    new = [text for (_, text), ok in zip(tries, resumes, strict=True) if not ok]
     where = recipe.command_args
     estimate = (
         f"; `difftrain plan {where}` estimates the memory of each"
@@ -399,6 +400,9 @@ def run_training(command: str, train: Any, recipe: Any, *, on_start: Any, **kwar
 
     from difftrain.errors import DeviceError, StopRequested, TrainingError
 
+    resume_cmd = f"difftrain {command} {shlex.quote(str(recipe.run_dir / 'recipe.yaml'))} --resume"
+    t = recipe.train
+    several = t.devices != 1 or t.num_nodes > 1  # (auto: every GPU there is)
     try:
         with data_progress() as dp:
 
@@ -410,22 +414,20 @@ def run_training(command: str, train: Any, recipe: Any, *, on_start: Any, **kwar
             return train(recipe, console=console, on_start=started, data_progress=dp, **kwargs)
     except StopRequested as stop:
         # one unbroken line (soft wrap) with the path quoted: it is meant to be copied and pasted
-        cmd = f"difftrain {command} {shlex.quote(str(recipe.run_dir / 'recipe.yaml'))} --resume"
         if stop.is_global_zero:  # (once for a run of several processes)
             err_console.print(
-                f"[yellow]stopped at step {stop.step}; checkpoint saved.[/] Resume with: [bold]{escape(cmd)}[/]",
+                f"[yellow]stopped at step {stop.step}; checkpoint saved.[/] Resume with: [bold]{escape(resume_cmd)}[/]",
                 soft_wrap=True,
             )
         raise typer.Exit(130 if stop.signum == signal.SIGINT else 143) from None
     except torch.OutOfMemoryError as e:
         raise DeviceError(oom_advice(recipe, finetune=command == "finetune")) from e
     except RuntimeError as e:  # the CPU allocator's failure is a plain RuntimeError
-        if lost_peer(e):
-            cmd = f"difftrain {command} {shlex.quote(str(recipe.run_dir / 'recipe.yaml'))} --resume"
+        if several and lost_peer(e):
             raise TrainingError(
                 f"another process of this run ended while this one waited for it ({first_line(e)}): killed, "
                 f"or out of memory (see its output or the system log); the checkpoints saved so far are kept: "
-                f"resume with `{cmd}`"
+                f"resume with `{resume_cmd}`"
             ) from e
         if not cpu_out_of_memory(e):
             raise

@@ -91,6 +91,13 @@ def utf8_problem(text: str) -> str | None:
     return None
 
 
+def require_utf8(text: str, where: str) -> None:
+    """A DataError naming `where` the text came from when it is no UTF-8 text (`utf8_problem`)."""
+    problem = utf8_problem(text)
+    if problem is not None:
+        raise DataError(f"{where}: {problem}; give UTF-8 text")
+
+
 def read_prompt_file(path: Path) -> list[Prompt]:
     """One prompt per non-blank line, or for .jsonl one JSON object with a "prompt" field per line;
     `-` reads plain lines from standard input."""
@@ -171,18 +178,7 @@ class PromptStyle:
         start (`record_ids`); an empty prompt starts from the document start."""
         from difftrain.infer.generate import prompt_ids
 
-        if self.instruction and text:
-            return record_ids(tokenizer, text)
-        return prompt_ids(tokenizer, text)
-
-
-def record_ids(tokenizer: Any, text: str) -> list[int]:
-    """A rendered instruction or chat prompt's ids as its fine-tuning examples began: after the
-    tokenizer's own text-start token (an imported Llama's <s>; `record_start_id`), else as they are."""
-    from difftrain.data.tokenizer import record_start_id
-
-    start = record_start_id(tokenizer)
-    return ([start] if start is not None else []) + tokenizer.encode(text)
+        return prompt_ids(tokenizer, text, document_start=not (self.instruction and text))
 
 
 def prompt_style(run_path: Path) -> PromptStyle:
@@ -478,7 +474,7 @@ def _read_lines(marker: str, piped: bool = False) -> str:
         if problem is None:
             return text
         if piped:  # nobody to type it again: as --prompt-file - refuses it
-            raise DataError(f"standard input: {problem}; give UTF-8 text")
+            require_utf8(text, "standard input")
         _error(f"{problem}; type it again (is the terminal's encoding UTF-8?)")
 
 
@@ -597,10 +593,12 @@ class Chat:
         leaves `room` new tokens for the reply in `limit`, or only the newest message is left
         (which needs room for one); `unseen` counts the dropped messages. A DataError when the
         newest message alone does not fit: it is taken back and the conversation is as it was."""
+        from difftrain.infer.generate import prompt_ids
+
         dropped = 0
         messages = list(self.messages)
         text = self.render(messages)
-        ids = record_ids(tokenizer, text)
+        ids = prompt_ids(tokenizer, text, document_start=False)
         while len(ids) > limit - max(1, room) and len(messages) > 1:
             messages.pop(0)
             dropped += 1
@@ -608,7 +606,7 @@ class Chat:
                 messages.pop(0)
                 dropped += 1
             text = self.render(messages)
-            ids = record_ids(tokenizer, text)
+            ids = prompt_ids(tokenizer, text, document_start=False)
         if len(ids) > limit - 1:
             self.messages.pop()
             raise DataError(
@@ -860,9 +858,7 @@ def generate_command(
                 "from the start of a document"
             )
     for p in prompts:  # before the model loads
-        problem = utf8_problem(p.text)
-        if problem is not None:
-            raise DataError(f"{p.where}: {problem}; give UTF-8 text")
+        require_utf8(p.text, p.where)
     _check_compile(compile, device)
     seed = _seed(seed)
 
@@ -958,9 +954,7 @@ def chat_command(
 
     sampling = _sampling_config(temperature, top_k, top_p, min_p, repetition_penalty, greedy)
     gen = GenerationConfig(max_new_tokens=max_new_tokens, sampling=sampling, compile=compile)
-    problem = utf8_problem(system or "")
-    if problem is not None:
-        raise DataError(f"--system: {problem}; give UTF-8 text")
+    require_utf8(system or "", "--system")
     _check_compile(compile, device)
     seed = _seed(seed)
     run, load_s = _load(run_dir, device, dtype)

@@ -114,10 +114,18 @@ def prompt_ids(tokenizer: TextTokenizer, text: str, *, document_start: bool = Tr
     the pretraining stream is `doc eos doc eos …`, so eos is what a model has seen before the
     start of every document (its bos token never occurs in pretraining) — or the bos an imported
     tokenizer puts first (Llama's <s>). An empty text gives that token alone: sample a document
-    from scratch."""
+    from scratch. Without `document_start` (an instruction or chat prompt), the ids start as the
+    fine-tuning examples did: after a tokenizer's own text-start token (`record_start_id`), else
+    with the text."""
+    from difftrain.data.tokenizer import record_start_id
+
     ids = tokenizer.encode(text)
-    start = getattr(tokenizer, "document_start_id", tokenizer.eos_id)
-    return [start, *ids] if document_start else ids
+    start = (
+        getattr(tokenizer, "document_start_id", tokenizer.eos_id)
+        if document_start
+        else record_start_id(tokenizer)
+    )
+    return ids if start is None else [start, *ids]
 
 
 def check_prompts(prompts: Sequence[Sequence[int]], vocab_size: int, max_seq_len: int) -> None:

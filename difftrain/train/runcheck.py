@@ -56,6 +56,16 @@ RESUMABLE_CHANGES = {
 }
 
 
+def _within(key: str, prefixes: Any) -> bool:
+    """Whether dotted `key` is one of `prefixes` or lies under one ("logging" holds logging.progress)."""
+    return any(key == p or key.startswith(p + ".") for p in prefixes)
+
+
+def resumable_change(key: str) -> bool:
+    """Whether a resume may change recipe key `key` (`RESUMABLE_CHANGES`, sections included)."""
+    return _within(key, RESUMABLE_CHANGES)
+
+
 def _flatten(d: Any, prefix: str = "") -> dict[str, Any]:
     if isinstance(d, dict):
         out: dict[str, Any] = {}
@@ -79,7 +89,7 @@ def recipe_differences(
     a, b = _flatten(old), _flatten(new)
     diffs = []
     for k in sorted(set(a) | set(b)):
-        if any(k == r or k.startswith(r + ".") for r in (*RESUMABLE_CHANGES, *ignore)):
+        if resumable_change(k) or _within(k, ignore):
             continue
         va, vb = a.get(k), b.get(k)
         if isinstance(va, list):
