@@ -175,7 +175,7 @@ class PromptStyle:
     def ids(self, tokenizer: Any, text: str) -> list[int]:
         """Token ids of rendered text: a document's after the token documents start after
         (<|eos|>, or an imported tokenizer's <s>); an instruction's as fine-tuning examples
-        start (`record_ids`); an empty prompt starts from the document start."""
+        start (`prompt_ids` without document_start); an empty prompt starts from the document start."""
         from difftrain.infer.generate import prompt_ids
 
         return prompt_ids(tokenizer, text, document_start=not (self.instruction and text))

@@ -356,9 +356,7 @@ class Source:
                 with _open(path) as f:
                     content = f.read()
                 obj = json.loads(content)
-                escapes = _SURROGATE_ESCAPE.search(
-                    content if isinstance(content, bytes) else content.encode()
-                )
+                escapes = _SURROGATE_ESCAPE.search(content)  # (bytes: `_open` reads binary)
             except json.JSONDecodeError as e:
                 if e.msg != "Extra data":
                     raise DataError(

@@ -243,7 +243,7 @@ def plot_path(run_dir: Path | str, plot: str) -> Path:
     """A result's figure as a path from here (`stored_plot_path` in reverse; results written
     before it stored paths relative to the folder eval ran in, which are kept as they are)."""
     p = Path(plot)
-    if p.is_absolute() or not (Path(run_dir) / p).exists() and p.exists():
+    if p.is_absolute() or (p.exists() and not (Path(run_dir) / p).exists()):
         return p
     return Path(run_dir) / p
 
@@ -252,15 +252,15 @@ def save_result(run_dir: Path | str, doc: dict[str, Any]) -> Path:
     """Write `RUN_DIR/eval/<suite>.json` (`<suite>@<label>.json` for a result on `--data`)
     atomically; returns its path."""
     path = result_path(run_dir, result_key(doc["suite"], doc.get("label")))
-    old = None
-    with contextlib.suppress(OSError, ValueError):
-        old = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else None
+    old: dict[str, Any] = {}
+    with contextlib.suppress(RunDirError):  # a damaged result is replaced, not read
+        old = load_result(run_dir, result_key(doc["suite"], doc.get("label"))) or {}
     atomic_write_json(path, doc)
     # a figure of the result replaced, which this one did not draw again (a rerun with --no-plot),
     # would show the old result next to the new one's JSON: removed (only files in eval/)
     kept = {plot_path(run_dir, p).resolve() for p in doc.get("plots", [])}
     folder = path.parent.resolve()
-    for p in (old or {}).get("plots", []) if isinstance(old, dict) else []:
+    for p in old.get("plots", []):
         fig = plot_path(run_dir, str(p)).resolve()
         if fig not in kept and fig.parent == folder and fig.is_file():
             with contextlib.suppress(OSError):

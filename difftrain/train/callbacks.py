@@ -327,7 +327,6 @@ class RunCallback(L.Callback):
         step = trainer.global_step
         if step % self.save_every == 0 and step < trainer.max_steps:
             self.save(trainer, pl_module)
-        self._agree_on_stop(trainer)  # (a signal during the step's validation)
         if self._stop_signal is not None:
             self._stop(trainer, pl_module)
 
@@ -495,6 +494,7 @@ class RunCallback(L.Callback):
             if trainer.global_step > 0:  # not Lightning's sanity check
                 self._line(trainer, pl_module, trainer.global_step, val=v)
         if trainer.state.fn == "fit" and self.validates(trainer, pl_module):
+            self._agree_on_stop(trainer)  # (a signal during the step's validation: once more)
             self._save_or_stop(trainer, pl_module)
 
     def on_train_end(self, trainer: L.Trainer, pl_module: Any) -> None:

@@ -228,10 +228,9 @@ class LitLM(L.LightningModule):
         processes by DDP/FSDP, to ∇ of the mean over the step's `trained` tokens (all processes)."""
         if trained <= 0:
             return
-        scale = self._world() * TOKEN_UNIT / trained
-        for p in self.model.parameters():
-            if p.grad is not None:
-                p.grad.mul_(scale)
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        if grads:
+            torch._foreach_mul_(grads, self._world() * TOKEN_UNIT / trained)  # one fused pass
 
     def _grad_norm(self) -> float:
         """‖g‖₂ over all parameters; under FSDP, √(Σ over ranks of each shard's Σg²)."""
