@@ -1000,7 +1000,8 @@ def test_without_a_live_bar_each_log_step_prints_a_plain_line(workspace, progres
 def test_the_dry_run_vocabulary_check_names_the_tokenizer_and_its_size():
     from types import SimpleNamespace
 
-    from difftrain.cli.pretrain import _check_vocab
+    from difftrain.cli.common import check_vocab_early as _check_vocab
+    from difftrain.data.config import TokenizerTrainConfig
     from difftrain.errors import TokenizerError
 
     model = SimpleNamespace(vocab_size=100)
@@ -1010,7 +1011,8 @@ def test_the_dry_run_vocabulary_check_names_the_tokenizer_and_its_size():
     ):
         _check_vocab(given, 512)
     trained = SimpleNamespace(
-        model=model, tokenizer=SimpleNamespace(path=None, train=SimpleNamespace(extra_special_tokens=["<x>"]))
+        model=model,
+        tokenizer=SimpleNamespace(path=None, train=TokenizerTrainConfig(extra_special_tokens=["<x>"])),
     )
     with pytest.raises(TokenizerError, match=r"trains has at least 264 tokens .*up to 512.*: ids past 99"):
         _check_vocab(trained, 512)

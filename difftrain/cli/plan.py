@@ -7,7 +7,7 @@ from typing import Any
 
 import typer
 
-from difftrain.cli.common import console, fmt_count, kv_table, plural
+from difftrain.cli.common import check_vocab_early, console, fmt_count, kv_table, plural
 
 
 def plan_command(
@@ -47,9 +47,7 @@ def plan_command(
     check_plannable(r, target)  # what training refuses there, refused in its words
     vocab_note = None
     if r.finetune is None and r.model is not None:  # as `pretrain --dry-run` checks the vocabulary
-        from difftrain.cli.pretrain import _check_vocab
-
-        vocab_note = _check_vocab(r, tokenizer_size(r))
+        vocab_note = check_vocab_early(r, tokenizer_size(r))
     rp = plan_recipe(r, target)
     if vocab_note:
         rp.plan.notes.append(vocab_note)

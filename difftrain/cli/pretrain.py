@@ -9,6 +9,7 @@ import typer
 
 from difftrain.cli.common import (
     check_files,
+    check_vocab_early,
     console,
     dry_run_rows,
     fmt_count,
@@ -180,37 +181,6 @@ def _check_cached_data(plan: Any) -> str:
     return f"prepared: {train:,} training · {val:,} validation tokens"
 
 
-def _check_vocab(r: Any, size: int) -> str | None:
-    """The run's tokenizer check, as far as it can be made before the tokenizer exists: against
-    tokenizer.path's size (refused, as the run refuses it), or against the size the recipe asks
-    of the tokenizer it trains (a warning: a small corpus gives fewer tokens, and the run only
-    stops if the trained one does not fit)."""
-    from difftrain.errors import TokenizerError
-
-    vocab = r.model.vocab_size
-    if vocab == "auto" or size <= vocab:
-        return None
-    if r.tokenizer.path is not None:
-        raise TokenizerError(
-            f"model.vocab_size is {vocab} but the tokenizer {r.tokenizer.path} has {size} tokens: ids past "
-            f"{vocab - 1} would have no embedding; set model.vocab_size: auto (or at least {size})"
-        )
-    from difftrain.data.config import SPECIAL_TOKENS
-
-    least = 256 + len(SPECIAL_TOKENS) + len(r.tokenizer.train.extra_special_tokens)  # bytes + specials
-    if vocab < least:
-        raise TokenizerError(
-            f"model.vocab_size is {vocab} but the tokenizer this recipe trains has at least {least} tokens "
-            f"(256 bytes and the special tokens; up to {size}, tokenizer.train.vocab_size): ids past "
-            f"{vocab - 1} would have no embedding; set model.vocab_size: auto (or at least {size})"
-        )
-    return (
-        f"model.vocab_size is {vocab} but the tokenizer this recipe trains may have up to {size} tokens "
-        f"(tokenizer.train.vocab_size): the run stops if it has more than {vocab}; set model.vocab_size: "
-        f"auto (or at least {size})"
-    )
-
-
 def _check_inputs(r: Any, resuming: bool = False) -> list[str]:
     """The dry run's checks beyond `check_files` (which ran first): the tokenizer file loads and
     fits model.vocab_size, and a run over several nodes has a launcher. Returns the warnings. A
@@ -222,7 +192,7 @@ def _check_inputs(r: Any, resuming: bool = False) -> list[str]:
     require_node_launcher(r.train.num_nodes)
     if resuming:
         return []
-    warning = _check_vocab(r, tokenizer_size(r))  # loads tokenizer.path, if the recipe names one
+    warning = check_vocab_early(r, tokenizer_size(r))  # loads tokenizer.path, if the recipe names one
     return [warning] if warning else []
 
 

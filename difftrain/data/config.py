@@ -405,9 +405,15 @@ class TokenizerTrainConfig(BaseModel):
             )
         return v
 
+    @property
+    def fixed_tokens(self) -> int:
+        """The tokens every trained vocabulary holds before its merges: the 256 bytes and the
+        special tokens (extra ones included)."""
+        return 256 + len(SPECIAL_TOKENS) + len(self.extra_special_tokens)
+
     @model_validator(mode="after")
     def _room_after_extra_tokens(self) -> TokenizerTrainConfig:
-        least = len(SPECIAL_TOKENS) + 256 + len(self.extra_special_tokens) + 1
+        least = self.fixed_tokens + 1
         if self.vocab_size < least:
             raise ValueError(
                 f"vocab_size {self.vocab_size} leaves no room for a merge after the "
