@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from difftrain.cli.app import main
@@ -212,3 +214,58 @@ def test_recipes_show_resolved_prints_the_recipe_a_run_would_use(tmp_path, capsy
     assert doc["optim"]["lr"] == 2.0e-3  # the parent's, and the defaults filled in
     assert main(["recipes", "show", str(child), "model.d_model=96"]) == 2  # overrides need --resolved
     assert "with --resolved only" in capsys.readouterr().err
+
+
+def test_completion_scripts_for_a_named_shell(capsys):
+    # Typer's options detect the shell and take no value: `--install-completion zsh` from bash
+    # installed bash's script; named, the shell is the one asked for, and a wrong name is one line
+    assert main(["--show-completion", "zsh"]) == 0
+    assert capsys.readouterr().out.startswith("#compdef difftrain")
+    assert main(["--show-completion=fish"]) == 0
+    assert "complete --command difftrain" in capsys.readouterr().out
+    assert main(["--install-completion", "tcsh"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "'tcsh' is not one of 'bash', 'zsh', 'fish'" in err and "\n" not in err
+    assert "Value error" not in err
+    assert "_TYPER_COMPLETE_TEST_DISABLE_SHELL_DETECTION" not in os.environ  # not left set
+
+
+def _complete(monkeypatch, capsys, shell: str, words: str) -> list[str]:
+    """What TAB offers at the end of `words` (as the shell's completion script asks for it)."""
+    monkeypatch.setenv("_DIFFTRAIN_COMPLETE", f"complete_{shell}")
+    if shell == "bash":  # bash has split the line at '=' already (COMP_WORDBREAKS)
+        parts = words.replace("=", " = ").split() + ([""] if words.endswith(" ") else [])
+        monkeypatch.setenv("COMP_WORDS", " ".join(parts))
+        monkeypatch.setenv("COMP_CWORD", str(len(parts) - 1))
+    else:
+        monkeypatch.setenv("_TYPER_COMPLETE_ARGS", words)
+    assert main([]) == 0
+    return capsys.readouterr().out.split()
+
+
+def test_tab_completes_recipes_overrides_and_suites(monkeypatch, capsys, tmp_path):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "mine.yaml").write_text("extends: quickstart\nname: mine\n")
+    (tmp_path / "notes.txt").write_text("x")
+    assert _complete(monkeypatch, capsys, "bash", "difftrain pretrain quick") == [
+        "quickstart",
+        "quickstart-baseline",
+    ]
+    assert _complete(monkeypatch, capsys, "bash", "difftrain plan mi") == ["mine.yaml"]
+    assert _complete(monkeypatch, capsys, "bash", "difftrain pretrain mine.yaml train.max_st") == [
+        "train.max_steps="
+    ]
+    # a value after '=': bash completes the word after the '=' it split off, zsh the whole word
+    assert _complete(monkeypatch, capsys, "bash", "difftrain pretrain mine.yaml model.arch=d") == [
+        "diff",
+        "diff2",
+    ]
+    assert _complete(monkeypatch, capsys, "bash", "difftrain pretrain mine.yaml model.arch=") == [
+        "=baseline",
+        "=diff",
+        "=diff2",
+    ]
+    zsh = " ".join(_complete(monkeypatch, capsys, "zsh", "difftrain finetune x.yaml train.compile=t"))
+    assert "train.compile=true" in zsh and "false" not in zsh
+    assert _complete(monkeypatch, capsys, "bash", "difftrain eval runs/q --suite ppl,ne") == ["ppl,needle"]
+    assert _complete(monkeypatch, capsys, "bash", "difftrain recipes show diff2") == ["diff2-124m"]

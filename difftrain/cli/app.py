@@ -121,7 +121,9 @@ def usage_message(e: Exception, args: list[str] | None = None) -> str:
     """Click's usage error (its four lines: usage, "Try --help", blank, error) as one: the error
     and where the help is (the command's, from `args` where click's error has no context: an
     option given without its value)."""
-    message = e.format_message().replace("Input should be", "must be").rstrip(".")  # type: ignore[attr-defined]
+    message = (
+        e.format_message().replace("Input should be", "must be").replace("Value error, ", "").rstrip(".")
+    )  # type: ignore[attr-defined]
     ctx = getattr(e, "ctx", None)
     path = ctx.command_path if ctx is not None else _command_path(args or [])
     if getattr(e, "option_name", None) == "--debug" and path != "difftrain":  # given after the command
@@ -208,9 +210,30 @@ def _interrupted(by: str = "Ctrl-C") -> None:
     error_line(f"interrupted ({by})")
 
 
+_COMPLETION_OPTIONS = ("--show-completion", "--install-completion")
+_SHELL_CHOICE_ENV = "_TYPER_COMPLETE_TEST_DISABLE_SHELL_DETECTION"  # Typer: the options take a shell
+
+
+def _shell_named(args: list[str]) -> bool:
+    """Whether the command line names the shell for --show-completion / --install-completion
+    (`--show-completion zsh` or `--show-completion=zsh`). Typer's options detect the shell and
+    take no value, so `difftrain --install-completion zsh` installed bash's script into
+    ~/.bashrc from bash; told, Typer builds them as options that take the shell's name (checked
+    against the shells it supports)."""
+    for i, arg in enumerate(args):
+        if arg in _COMPLETION_OPTIONS:
+            return i + 1 < len(args) and not args[i + 1].startswith("-")
+        if arg.startswith(tuple(f"{o}=" for o in _COMPLETION_OPTIONS)):
+            return True
+    return False
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the console script; returns the process exit code."""
     args = list(sys.argv[1:] if argv is None else argv)
+    shell_named = _shell_named(args) and _SHELL_CHOICE_ENV not in os.environ
+    if shell_named:
+        os.environ[_SHELL_CHOICE_ENV] = "1"
     debug = "--debug" in args
     watch = _watch_ctrl_c()
     try:
@@ -244,6 +267,8 @@ def main(argv: list[str] | None = None) -> int:
         return 143
     finally:
         watch()
+        if shell_named:
+            del os.environ[_SHELL_CHOICE_ENV]
     return result if isinstance(result, int) else 0
 
 

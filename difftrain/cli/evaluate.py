@@ -18,6 +18,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from difftrain.cli.common import console, err_console, fmt_count, fmt_figure, kv_table
+from difftrain.cli.complete import suite_names
 from difftrain.errors import ConfigError, RunDirError
 
 HELP = """Evaluate a run: perplexity, needle retrieval, attention and outlier probes,
@@ -358,6 +359,7 @@ def eval_command(
         None,
         "--suite",
         "-s",
+        autocompletion=suite_names,
         help="Suite(s) to run: ppl, needle, attention, outliers, quant, icl-order, all (default ppl).",
     ),
     as_json: bool = typer.Option(

@@ -25,6 +25,7 @@ from difftrain.cli.common import (
     wall_time,
     warn,
 )
+from difftrain.cli.complete import override_items, recipe_refs
 
 
 def _empty_note(n: int) -> str:
@@ -151,10 +152,14 @@ def _end_table(summary: dict[str, Any], run_dir: Path) -> None:
 
 def finetune_command(
     recipe: str = typer.Argument(
-        ..., help="Fine-tune recipe file or shipped recipe name (see `difftrain recipes list`)."
+        ...,
+        autocompletion=recipe_refs,
+        help="Fine-tune recipe file or shipped recipe name (see `difftrain recipes list`).",
     ),
     overrides: list[str] = typer.Argument(
-        None, help="Overrides as key.sub=value, e.g. finetune.method=full train.max_steps=50."
+        None,
+        autocompletion=override_items,
+        help="Overrides as key.sub=value, e.g. finetune.method=full train.max_steps=50.",
     ),
     resume: bool = typer.Option(
         None, "--resume/--no-resume", help="Continue from the last good checkpoint (default: train.resume)."

@@ -8,12 +8,13 @@ from typing import Any
 import typer
 
 from difftrain.cli.common import check_vocab_early, console, fmt_count, kv_table, plural
+from difftrain.cli.complete import override_items, recipe_refs
 
 
 def plan_command(
-    recipe: str = typer.Argument(..., help="Recipe file or shipped recipe name."),
+    recipe: str = typer.Argument(..., autocompletion=recipe_refs, help="Recipe file or shipped recipe name."),
     overrides: list[str] = typer.Argument(
-        None, help="Overrides as key.sub=value, e.g. train.micro_batch_size=4."
+        None, autocompletion=override_items, help="Overrides as key.sub=value, e.g. train.micro_batch_size=4."
     ),
     gpu_mem: str = typer.Option(
         None,

@@ -16,6 +16,7 @@ from difftrain.cli.common import (
     kv_table,
     vocab_shortfall,
 )
+from difftrain.cli.complete import override_items, recipe_refs
 
 
 def _bytes(n: float) -> str:
@@ -65,10 +66,12 @@ def prepare_table(prepared: Any, tokenizer_cfg: Any = None) -> Any:
 
 def prepare_command(
     recipe: str = typer.Argument(
-        ..., help="Recipe file or shipped recipe name (see `difftrain recipes list`)."
+        ...,
+        autocompletion=recipe_refs,
+        help="Recipe file or shipped recipe name (see `difftrain recipes list`).",
     ),
     overrides: list[str] = typer.Argument(
-        None, help="Overrides as key.sub=value, e.g. data.val_fraction=0.02."
+        None, autocompletion=override_items, help="Overrides as key.sub=value, e.g. data.val_fraction=0.02."
     ),
     progress: bool = typer.Option(
         True, "--progress/--no-progress", help="Show progress bars while preparing."

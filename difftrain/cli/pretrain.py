@@ -26,6 +26,7 @@ from difftrain.cli.common import (
     wall_time,
     warn,
 )
+from difftrain.cli.complete import override_items, recipe_refs
 
 
 def _plan_rows(plan: Any) -> dict[str, str]:
@@ -101,9 +102,13 @@ def _end_table(summary: dict[str, Any], run_dir: Any) -> None:
 
 def pretrain_command(
     recipe: str = typer.Argument(
-        ..., help="Recipe file or shipped recipe name (see `difftrain recipes list`)."
+        ...,
+        autocompletion=recipe_refs,
+        help="Recipe file or shipped recipe name (see `difftrain recipes list`).",
     ),
-    overrides: list[str] = typer.Argument(None, help="Overrides as key.sub=value, e.g. train.max_steps=100."),
+    overrides: list[str] = typer.Argument(
+        None, autocompletion=override_items, help="Overrides as key.sub=value, e.g. train.max_steps=100."
+    ),
     resume: bool = typer.Option(
         None, "--resume/--no-resume", help="Continue from the last good checkpoint (default: train.resume)."
     ),

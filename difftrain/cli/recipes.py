@@ -8,6 +8,7 @@ from pathlib import Path
 
 import typer
 
+from difftrain.cli.complete import override_items, recipe_refs
 from difftrain.errors import RecipeError
 
 recipes_app = typer.Typer(help="List, show, copy and explain recipes.", no_args_is_help=True)
@@ -31,9 +32,11 @@ def list_recipes() -> None:
 
 @recipes_app.command("show")
 def show(
-    name: str = typer.Argument(..., help="Shipped recipe name or recipe path."),
+    name: str = typer.Argument(..., autocompletion=recipe_refs, help="Shipped recipe name or recipe path."),
     overrides: list[str] = typer.Argument(
-        None, help="With --resolved: overrides as key.sub=value, as a run would take them."
+        None,
+        autocompletion=override_items,
+        help="With --resolved: overrides as key.sub=value, as a run would take them.",
     ),
     resolved: bool = typer.Option(
         False,
@@ -65,7 +68,7 @@ def show(
 
 @recipes_app.command("cp")
 def cp(
-    name: str = typer.Argument(..., help="Shipped recipe name or recipe path."),
+    name: str = typer.Argument(..., autocompletion=recipe_refs, help="Shipped recipe name or recipe path."),
     dest: str = typer.Argument(
         ..., help="Destination file, or folder (an existing one, or a name ending in /)."
     ),

@@ -1,0 +1,107 @@
+"""Tab completion of difftrain's own values (`difftrain --install-completion` sets it up).
+
+Typer completes commands and options by itself; these functions add what only difftrain knows:
+recipe names (the shipped ones, then .yaml files and folders under the typed path), the
+key=value overrides a recipe takes (its dotted keys, then the choices of an enumerated or boolean
+key), and eval suites (each part of a comma-separated list). Each takes the word being typed and
+returns (value, help) pairs; zsh and fish show the help, bash the values. They run at every TAB
+press, so they import nothing heavy (the recipe schema, no torch).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+_OPEN_TYPES = {"int", "float", "str", "null", "list", "tuple", "dict", "section"}
+
+
+def recipe_refs(incomplete: str) -> list[tuple[str, str]]:
+    """Shipped recipe names starting with `incomplete`, then recipe files and folders that do."""
+    from difftrain.recipe import recipe_summary, shipped_recipes
+
+    out: list[tuple[str, str]] = []
+    if os.sep not in incomplete and "/" not in incomplete:
+        for name, path in sorted(shipped_recipes().items()):
+            if name.startswith(incomplete):
+                out.append((name, _first_line(recipe_summary(path))))
+    return out + _recipe_files(incomplete)
+
+
+def _first_line(text: str) -> str:
+    return text.strip().splitlines()[0] if text.strip() else ""
+
+
+def _recipe_files(incomplete: str) -> list[tuple[str, str]]:
+    """.yaml/.yml files and folders whose path starts with `incomplete` (hidden ones only when
+    the typed name starts with a dot)."""
+    folder, _, stem = incomplete.rpartition("/")
+    base = Path(os.path.expanduser(folder)) if folder else Path(".")
+    try:
+        entries = sorted(base.iterdir(), key=lambda p: p.name)
+    except OSError:
+        return []
+    out: list[tuple[str, str]] = []
+    for entry in entries:
+        name = entry.name
+        if not name.startswith(stem) or (name.startswith(".") and not stem.startswith(".")):
+            continue
+        shown = f"{folder}/{name}" if folder else name
+        try:
+            if entry.is_dir():
+                out.append((shown + "/", "folder"))
+            elif entry.suffix.lower() in (".yaml", ".yml"):
+                out.append((shown, "recipe file"))
+        except OSError:
+            continue
+    return out
+
+
+def _choices(type_text: str) -> list[str]:
+    """The values an `explain_rows` type allows when it is a closed set ("baseline | diff | diff2",
+    "auto | true | false", "bool"), else [] ("int | null", "str")."""
+    parts = [p.strip() for p in type_text.split("|")]
+    if any(p.split("[")[0] in _OPEN_TYPES for p in parts):
+        return []
+    values: list[str] = []
+    for p in parts:
+        values += ["true", "false"] if p == "bool" else [p]
+    return values
+
+
+def override_items(ctx: Any, incomplete: str) -> list[tuple[str, str]]:
+    """Dotted recipe keys starting with `incomplete` (as `key=`), or after `key=` its choices.
+
+    zsh and fish pass `key=va` as one word. bash splits it at the `=` (COMP_WORDBREAKS): then
+    the overrides parsed so far (ctx.params) end [..., key, "="] and only the value is replaced; with the cursor right
+    after the `=`, the word being completed is the `=` itself, which click passes as "" after the
+    key, so a bare key before an empty word takes its values with the `=` in front."""
+    from difftrain.recipe import explain_rows
+
+    args = [str(a) for a in (getattr(ctx, "params", {}).get("overrides") or [])]
+    rows = {r[0]: r for r in explain_rows() if r[1] != "section" and "[]" not in r[0]}
+    if "=" in incomplete:
+        key, _, typed = incomplete.partition("=")
+        row = rows.get(key)
+        return [] if row is None else [(f"{key}={c}", "") for c in _choices(row[1]) if c.startswith(typed)]
+    if len(args) >= 2 and args[-1] == "=" and args[-2] in rows:
+        return [(c, "") for c in _choices(rows[args[-2]][1]) if c.startswith(incomplete)]
+    if not incomplete and args and args[-1] in rows:
+        return [(f"={c}", "") for c in _choices(rows[args[-1]][1])]
+    return [
+        (f"{key}=", f"{type_text} (default {default})" if default != "required" else type_text)
+        for key, (_, type_text, default, _doc) in rows.items()
+        if key.startswith(incomplete)
+    ]
+
+
+def suite_names(incomplete: str) -> list[tuple[str, str]]:
+    """Eval suites (and `all`) for the last part of a comma-separated --suite value."""
+    from difftrain.evals import SUITES
+
+    done, _, last = incomplete.rpartition(",")
+    prefix = f"{done}," if done else ""
+    taken = set(done.split(",")) if done else set()
+    names = [*SUITES, "all"] if not done else list(SUITES)
+    return [(prefix + n, "") for n in names if n.startswith(last) and n not in taken]
