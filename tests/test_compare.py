@@ -351,8 +351,11 @@ def test_eval_on_another_source_keeps_the_validation_result_and_compare_shows_bo
         "needle": ["b-base"],
         "icl-order": ["b-base"],
     }
-    assert cmp.commands["ppl@wiki"] == f"difftrain eval RUN --suite ppl --data {src}"
-    with pytest.raises(RunDirError, match=f"has no `ppl@wiki` result .*--suite ppl --data {src}`"):
+    # with the options a-diff's result was measured with: the same windows, not today's default
+    assert cmp.commands["ppl@wiki"] == f"difftrain eval RUN --suite ppl --data {src} --windows 2"
+    with pytest.raises(
+        RunDirError, match=f"has no `ppl@wiki` result .*--suite ppl --data {src} --windows 2`"
+    ):
         compare_runs([a, b], ["ppl@wiki"])
 
     assert main(["eval", str(b), "--data", str(src), "--windows", "2"]) == 0
@@ -449,7 +452,7 @@ def test_compare_notes_results_measured_on_different_data_or_at_different_precis
         f"validation split of {corpus}); to rank them on the same text, evaluate both on one source neither "
         "trained on, `difftrain eval RUN --suite ppl --data PATH`, and compare the `ppl@<label>` results",
         f"ppl: a-diff was evaluated in float32 and other in bfloat16; rerun `difftrain eval {other} --suite ppl "
-        "--dtype float32` to compare them at one precision",
+        "--windows 2 --dtype float32` to compare them at one precision",
     ]
     # the same sources split with another seed: other documents, and the note names the seeds
     reseeded = tmp_path / "reseeded"

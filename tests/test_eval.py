@@ -712,7 +712,11 @@ def test_eval_show_prints_stored_results_without_running_and_notes_stale_ones(ru
     stored = run / "eval" / "ppl.json"
     stored.write_text(json.dumps({**doc, "weights": {**doc["weights"], "size": 1}}))
     assert main(["eval", str(run), "--show"]) == 0
-    assert "ppl predates the run's current weights; rerun `difftrain eval" in capsys.readouterr().err
+    # the rerun measures what the stale result did: its windows, not the default 32
+    assert (
+        f"ppl predates the run's current weights; rerun `difftrain eval {run} --suite ppl --windows 2`"
+        in (capsys.readouterr().err.replace("\n", ""))
+    )
     assert main(["eval", str(run), "--show", "--json"]) == 0  # a script is told too: a flag and the note
     out, err = capsys.readouterr()
     assert json.loads(out)["ppl"]["stale"] is True and "ppl predates the run's current weights" in err

@@ -308,17 +308,53 @@ def missing_result(run_dir: Path | str, key: str, example: dict[str, Any] | None
     )
 
 
+EVAL_OPTIONS = {
+    "windows": "--windows",
+    "lengths": "--lengths",
+    "depths": "--depths",
+    "needles": "--needles",
+    "samples": "--samples",
+    "tokens": "--tokens",
+    "bits": "--bits",
+    "demos": "--demos",
+    "permutations": "--permutations",
+    "items": "--items",
+    "seed": "--seed",
+}
+"""A result's settings that an `eval` option sets, and the option."""
+
+
+def eval_options(settings: dict[str, Any], keys: list[str]) -> str:
+    """The eval options that give a result `settings` for the differing `keys` ('' where a key
+    is set by no option)."""
+    parts = []
+    for k in keys:
+        if k not in EVAL_OPTIONS or settings.get(k) is None:
+            return ""
+        v = settings[k]
+        if isinstance(v, list):
+            v = ",".join(
+                "x".join(map(str, x)) if isinstance(x, list) else f"{x:g}" if isinstance(x, float) else str(x)
+                for x in v
+            )
+        parts.append(f"{EVAL_OPTIONS[k]} {v}")
+    return " ".join(parts)
+
+
 def rerun_command(run_dir: Path | str, key: str, doc: dict[str, Any] | None = None) -> str:
-    """The `difftrain eval` command that (re)makes result `key` of a run; for a result on
-    `--data`, with the source another run's result `doc` was evaluated on."""
+    """The `difftrain eval` command that (re)makes result `key` of a run; given the stored result
+    `doc`, with the options that reproduce its settings (`EVAL_OPTIONS`), and for a result on
+    `--data`, with the source it was evaluated on."""
     suite, label = split_key(key)
     cmd = f"difftrain eval {shlex.quote(str(run_dir))} --suite {suite}"
+    settings = (doc or {}).get("settings") or {}
     if label:
-        source = (doc or {}).get("settings", {}).get("data")
+        source = settings.get("data")
         cmd += f" --data {shlex.quote(str(source)) if source else 'SOURCE'}"
         if source is None or data_label(str(source)) != label:
             cmd += f" --data-label {label}"
-    return cmd
+    options = eval_options(settings, [k for k in EVAL_OPTIONS if settings.get(k) is not None])
+    return f"{cmd} {options}" if options else cmd  # the grid, windows, seed... it was measured with
 
 
 def evaluated_source(data: str) -> str:

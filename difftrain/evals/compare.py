@@ -21,6 +21,7 @@ from difftrain.evals.common import (
     DATA_SUITES,
     check_label,
     describe_data,
+    eval_options,
     load_result,
     missing_result,
     rerun_command,
@@ -108,39 +109,6 @@ class Comparison:
             "commands": self.commands,
             "notes": self.notes,
         }
-
-
-EVAL_OPTIONS = {
-    "windows": "--windows",
-    "lengths": "--lengths",
-    "depths": "--depths",
-    "needles": "--needles",
-    "samples": "--samples",
-    "tokens": "--tokens",
-    "bits": "--bits",
-    "demos": "--demos",
-    "permutations": "--permutations",
-    "items": "--items",
-    "seed": "--seed",
-}
-"""A result's settings that an `eval` option sets, and the option."""
-
-
-def _eval_options(settings: dict[str, Any], keys: list[str]) -> str:
-    """The eval options that give a result `settings` for the differing `keys` ('' where a key
-    is set by no option)."""
-    parts = []
-    for k in keys:
-        if k not in EVAL_OPTIONS or settings.get(k) is None:
-            return ""
-        v = settings[k]
-        if isinstance(v, list):
-            v = ",".join(
-                "x".join(map(str, x)) if isinstance(x, list) else f"{x:g}" if isinstance(x, float) else str(x)
-                for x in v
-            )
-        parts.append(f"{EVAL_OPTIONS[k]} {v}")
-    return " ".join(parts)
 
 
 def _labels(paths: Sequence[Path]) -> list[str]:
@@ -413,7 +381,7 @@ def compare_runs(paths: Sequence[str | Path], suites: Sequence[str] | None = Non
                 ) + (
                     f" and {len(keys) - 5} more" if len(keys) > 5 else ""
                 )  # (every key the command below sets is named, up to five)
-                options = _eval_options(docs[0].get("settings") or {}, keys)
+                options = eval_options(docs[0].get("settings") or {}, keys)
                 fix = (
                     f"`difftrain eval {shlex.quote(str(r.path))} --suite {split_key(s)[0]} {options}` evaluates "
                     f"{r.label} as {runs[0].label} was"
