@@ -357,7 +357,7 @@ def test_messages_are_rendered_with_the_chat_template_and_only_replies_trained(w
     assert grab.batch["targets"][0].tolist() == [-100] * (len(prompt) - 1) + reply
 
 
-def tool_template_recipe(ws, tmp_path: Path, name: str, records: int) -> Path:
+def tool_template_recipe(ws, tmp_path: Path, name: str, records: int, base: Path | None = None) -> Path:
     """A 2-step LoRA recipe on `records` chat records with a `tool` role, whose template adds
     `<|tool|>`, a token the base's tokenizer lacks."""
     data = tmp_path / f"{name}.jsonl"
@@ -372,7 +372,7 @@ def tool_template_recipe(ws, tmp_path: Path, name: str, records: int) -> Path:
     roles: {user: "<|user|>{content}<|end|>", tool: "<|tool|>{content}<|end|>", assistant: "<|assistant|>{content}<|end|>"}
     special_tokens: ["<|user|>", "<|tool|>", "<|assistant|>", "<|end|>"]
 """
-    p = ws(name=name, steps=2, save_every=2, data=data)
+    p = ws(name=name, steps=2, save_every=2, data=data, base=base)
     p.write_text(p.read_text().replace("  lora: {rank: 4", template + "  lora: {rank: 4"))
     return p
 
@@ -806,3 +806,37 @@ def test_an_instruction_step_is_the_mean_over_its_trained_tokens_whatever_the_mi
     sa, sb = (json.loads((runs[n] / "summary.json").read_text()) for n in ("m2", "m4"))
     assert sa["initial_val_loss"] == pytest.approx(sb["initial_val_loss"], rel=1e-5)
     assert sa["final_val_loss"] == pytest.approx(sb["final_val_loss"], rel=1e-5)
+
+
+@pytest.fixture(scope="module")
+def odd_base(tmp_path_factory, base_run) -> Path:
+    """A base whose vocabulary is not a multiple of 64, as an imported checkpoint's may be (500)."""
+    root = tmp_path_factory.mktemp("odd")
+    p = root / "odd.yaml"
+    corpus = base_run.parent.parent / "corpus"
+    p.write_text(
+        BASE_RECIPE.format(out=root / "runs", corpus=corpus, cache=root / "cache")
+        .replace("320", "300")
+        .replace("model: {arch: diff,", "model: {vocab_size: 300, arch: diff,")
+    )
+    return pretrain(load_recipe(p)).run_dir
+
+
+def test_a_base_vocabulary_that_is_no_multiple_of_64_is_kept_or_grown_and_resumes(ws, tmp_path, odd_base):
+    base_vocab = json.loads((odd_base / "config.json").read_text())["vocab_size"]
+    assert base_vocab % 64 != 0
+    # no token added: the rows stay as they are (they were rounded up to a multiple of 64, and the
+    # run's config said 320 over weights of 300 rows, which nothing could load)
+    run = finetune(
+        load_recipe(ws(name="full-odd", method="full", steps=1, save_every=1, base=odd_base))
+    ).run_dir
+    assert json.loads((run / "config.json").read_text())["vocab_size"] == base_vocab
+    assert load_run(run).model.lm_head.weight.shape[0] == base_vocab
+    # a token added: grown to a multiple of 64; resumed from the run's own recipe.yaml (which
+    # records the grown vocabulary, and was refused as "model.vocab_size differs from the base")
+    p = tool_template_recipe(ws, tmp_path, "grow-odd", records=4, base=odd_base)
+    run = finetune(load_recipe(p)).run_dir
+    assert json.loads((run / "config.json").read_text())["vocab_size"] == 64 * -(-(base_vocab + 1) // 64)
+    resumed = finetune(load_recipe(run / "recipe.yaml", ["train.max_steps=3"]), resume=True)
+    assert resumed.run_dir == run and load_run(run).model.lm_head.weight.shape[0] % 64 == 0
+    assert main(["finetune", str(run / "recipe.yaml"), "--dry-run", "--resume", "train.max_steps=4"]) == 0

@@ -154,6 +154,8 @@ def apply_model_keys(recipe: Recipe, base_cfg: Any, base: str) -> Any:
     if updates.get("vocab_size") == "auto":
         updates.pop("vocab_size")
     for k, v in updates.items():
+        if k == "vocab_size" and v > base_cfg.vocab_size:
+            continue  # more rows: a run that grew its vocabulary records it so (its recipe.yaml)
         if k not in CHANGEABLE_MODEL_KEYS and v != getattr(base_cfg, k):
             raise RecipeError(
                 f"model.{k}={v} but {base} has {k}={getattr(base_cfg, k)}: a fine-tune keeps the "
@@ -310,12 +312,14 @@ def instruction_data(plan: Plan, tokenizer: Any) -> tuple[Any, list[int], Any, d
 
 
 def _grown_model(plan: Plan, tokenizer: Any) -> Any:
-    """The model config with room for every id of `tokenizer` (a multiple of 64); sets it as the
-    plan's recipe's model, which is what the run's recipe.yaml records."""
+    """The model config with a row for every id of `tokenizer`: its rows as they are while they
+    hold every id (an imported base may have 500), else grown to a multiple of 64; sets it as
+    the plan's recipe's model, which is what the run's recipe.yaml records. (Rounding a base of
+    500 rows up to 512 with no token added wrote a config of 512 over weights of 500 that
+    nothing could load.)"""
     model_cfg = plan.recipe.model
-    vocab_size = max(int(model_cfg.vocab_size), 64 * math.ceil(tokenizer.vocab_size / 64))
-    if vocab_size != model_cfg.vocab_size:
-        model_cfg = model_cfg.replace(vocab_size=vocab_size)
+    if tokenizer.vocab_size > int(model_cfg.vocab_size):
+        model_cfg = model_cfg.replace(vocab_size=64 * math.ceil(tokenizer.vocab_size / 64))
     plan.recipe = plan.recipe.model_copy(update={"model": model_cfg})
     return model_cfg
 
@@ -446,7 +450,7 @@ def dry_run_finetune(
     else:
         check_local_sources(r.data, r.recipe_dir)
         _read_first_documents(r)
-    base_vocab_size = r.model.vocab_size
+    base_vocab_size = load_config(base).vocab_size  # (r.model's may be a resumed run's grown one)
     model_cfg = _grown_model(plan, tokenizer)
     spec = None
     warnings: list[str] = []
@@ -578,7 +582,7 @@ def finetune(
     # the model: base weights, grown vocabulary, then LoRA (and 4-bit) or all weights trainable
     L.seed_everything(r.seed, workers=True, verbose=False)
     model = load_run(base).model
-    if new_ids:
+    if new_ids or vocab_size != model.config.vocab_size:
         grow_vocab(model, new_ids, vocab_size, used_rows=base_vocab_rows)
     model.config = model_cfg
     model.attn_impl = model_cfg.attn_impl
