@@ -739,3 +739,19 @@ def test_folder_mistakes_of_import_and_export_are_answered_before_torch_loads(tm
     )
     assert errors[6].startswith("error: cannot write the run directory loop/back: ")
     assert not (tmp_path / "runs" / "back").exists() and not (tmp_path / "out").exists()
+
+
+def test_an_export_over_a_chat_models_folder_removes_its_chat_template_file(tmp_path, tok):
+    # transformers reads chat_template.jinja before tokenizer_config.json's chat_template: left
+    # there, a plain run exported over a chat model's folder still rendered chats with the old one
+    from transformers import AutoTokenizer
+
+    folder = tmp_path / "hf"
+    hf_checkpoint(tok, "diffllama").save_pretrained(folder)
+    (folder / "chat_template.jinja").write_text("{% for m in messages %}OLD {{ m['content'] }}{% endfor %}")
+    (folder / "added_tokens.json").write_text('{"<|old|>": 9999}')
+    run = write_run(tmp_path / "run", build_model(tok, "diff", 8, 4), tok)
+    res = export_hf(run, folder, overwrite=True)
+    assert not (folder / "chat_template.jinja").exists() and not (folder / "added_tokens.json").exists()
+    assert any("chat_template.jinja, added_tokens.json" in n for n in res.notes)
+    assert AutoTokenizer.from_pretrained(folder).chat_template is None

@@ -719,6 +719,13 @@ def export_hf(
             f"removed {len(stale)} files of the folder's earlier sharded weights ({HF_INDEX} and its shards), "
             "which would shadow this export's for a reader that looks for shards first"
         )
+    stale_tokenizer = [out / n for n in STALE_TOKENIZER_FILES if (out / n).is_file()]
+    if stale_tokenizer:
+        notes.append(
+            f"removed the folder's earlier {', '.join(p.name for p in stale_tokenizer)}, which transformers "
+            "would read instead of (or on top of) this export's tokenizer"
+        )
+        stale += stale_tokenizer
     bos, eos, pad = tok.bos_id, tok.eos_id, tok.pad_id
     atomic_save_safetensors(out / WEIGHTS, hf_sd, metadata={"format": "pt"})
     for path in stale:
@@ -763,6 +770,20 @@ def export_hf(
     n = sum(t.numel() for t in ours.values())  # the model's count, as pretrain and import print it
     return ExportResult(out, cls, config.arch, dtype, files, n, notes)
 
+
+STALE_TOKENIZER_FILES = (
+    "chat_template.jinja",
+    "chat_template.json",
+    "added_tokens.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+)
+"""Tokenizer files an export does not write that transformers reads when a folder has them: a
+chat template file wins over tokenizer_config.json's chat_template (an export of a plain run over
+a chat model's folder would still chat), added_tokens.json adds tokens, and the slow tokenizers'
+files (tokenizer.model, vocab.json + merges.txt) are what a slow or sentencepiece tokenizer
+loads. An --overwrite export removes them, as it removes earlier shards."""
 
 SHARD_NAME = re.compile(r"model-\d+-of-\d+\.safetensors")
 """How transformers names the shards of a sharded checkpoint (model-00001-of-00003.safetensors)."""
