@@ -531,6 +531,11 @@ def test_pickle_only_and_incomplete_checkpoints_are_clear_errors(tmp_path, tok):
         import_hf(hf, tmp_path / "back")
     with pytest.raises(InteropError, match="no checkpoint folder"):
         import_hf(tmp_path / "nowhere", tmp_path / "back")
+    # a file of the checkpoint, not "download one first" into a path that is a file
+    with pytest.raises(
+        InteropError, match=r"config.json is a file; import takes the checkpoint's folder .*import \S*hf "
+    ):
+        import_hf(hf / "config.json", tmp_path / "back")
     (hf / "tokenizer.json").unlink()
     with pytest.raises(InteropError, match="has no tokenizer.json"):
         import_hf(hf, tmp_path / "back")

@@ -3,6 +3,7 @@ answered before torch loads (seconds on a small CPU)."""
 
 from __future__ import annotations
 
+import shlex
 from pathlib import Path
 
 from difftrain.errors import InteropError
@@ -41,6 +42,11 @@ def check_export_paths(run_dir: Path, out_dir: Path, dtype: str) -> None:
 
 def check_import_paths(src: Path, dst: Path) -> None:
     """InteropError when `src` is not a folder, is the run directory to write, or is a difftrain run."""
+    if src.is_file():
+        raise InteropError(
+            f"{src} is a file; import takes the checkpoint's folder (the one holding config.json, the "
+            f"weights and tokenizer.json), e.g. `difftrain import {shlex.quote(str(src.parent))} {shlex.quote(str(dst))}`"
+        )
     if not src.is_dir():
         raise InteropError(
             f"no checkpoint folder {src}; download one first, e.g. `huggingface-cli download ORG/MODEL --local-dir {src}`"
