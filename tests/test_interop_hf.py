@@ -760,3 +760,47 @@ def test_an_export_over_a_chat_models_folder_removes_its_chat_template_file(tmp_
     assert not (folder / "chat_template.jinja").exists() and not (folder / "added_tokens.json").exists()
     assert any("chat_template.jinja, added_tokens.json" in n for n in res.notes)
     assert AutoTokenizer.from_pretrained(folder).chat_template is None
+
+
+@pytest.mark.parametrize("bos_first", [False, True])
+def test_the_card_snippets_of_a_fine_tune_feed_the_tokens_difftrain_chat_and_generate_feed(
+    tmp_path, tok, bos_first
+):
+    # a fine-tuning example starts with its own text (difftrain's tokenizers) or after the <s> an
+    # imported tokenizer puts first: the card prepended eos to the first and nothing to the second,
+    # so transformers sampled other tokens than `difftrain chat` / `generate`
+    import yaml
+
+    from difftrain.cli.generate import Chat
+    from difftrain.infer.generate import prompt_ids
+    from difftrain.recipe import ChatTemplateConfig
+
+    if bos_first:
+        tok = with_bos_first(tok)
+    run = write_run(tmp_path / "run", build_model(tok, "diff"), tok)
+    folder = tmp_path / "hf"
+
+    def card_ids(out: Path) -> list[list[int]]:
+        card = (out / "README.md").read_text()
+        names: dict = {}
+        fed = []
+        for block in [b.split("```", 1)[0] for b in card.split("```python\n")[1:]]:
+            block = block.replace(f'"{out}"', repr(str(out))).replace(
+                "max_new_tokens=", "max_new_tokens=1 or "
+            )
+            exec(compile(block, "README.md", "exec"), names)  # noqa: S102 - our own generated snippet
+            fed.append(names["ids"][0].tolist())
+        return fed
+
+    (run / "recipe.yaml").write_text(yaml.safe_dump({"name": "run", "finetune": {"chat_template": {}}}))
+    (run / "summary.json").write_text(json.dumps({"record_kinds": ["messages"]}))
+    export_hf(run, folder)
+    chat = Chat(ChatTemplateConfig(), None)
+    chat.messages = [{"role": "user", "content": "Hello!"}]
+    assert card_ids(folder)[1] == prompt_ids(tok, chat.render(), document_start=False)
+    fmt = "Q: {prompt}\nA:"
+    (run / "recipe.yaml").write_text(yaml.safe_dump({"name": "run", "finetune": {"prompt_format": fmt}}))
+    (run / "summary.json").write_text(json.dumps({"record_kinds": ["prompt/response"]}))
+    export_hf(run, tmp_path / "hf2")
+    expected = prompt_ids(tok, fmt.format(prompt="def fibonacci(n):"), document_start=False)
+    assert card_ids(tmp_path / "hf2") == [expected]

@@ -759,9 +759,20 @@ def export_hf(
         out / "generation_config.json", {"bos_token_id": bos, "eos_token_id": stop_ids, "pad_token_id": pad}
     )
     own_start = tok.document_start_id != tok.eos_id  # an imported tokenizer that puts its bos first
-    atomic_write_text(
-        out / "README.md", _model_card(config, cls, run_path, out, own_start=own_start, chat=chat is not None)
+    from difftrain.cli.generate import prompt_style  # (reads the run's recipe.yaml; no torch)
+
+    style = prompt_style(run_path)
+    card = _model_card(
+        config,
+        cls,
+        run_path,
+        out,
+        own_start=own_start,
+        chat=chat is not None,
+        prompt_format=style.prompt_format if style.instruction else None,
+        start_token="tok.bos_token_id" if tok.document_start_id == bos else str(tok.document_start_id),
     )
+    atomic_write_text(out / "README.md", card)
     atomic_write_json(out / CONFIG, hf_config_dict(config, bos_id=bos, eos_id=eos, pad_id=pad, dtype=dtype))
     # what this export wrote (an --overwrite keeps other files of the folder; they are not listed)
     files = sorted(
@@ -806,23 +817,48 @@ def _stale_shards(out: Path) -> list[Path]:
 
 
 def _model_card(
-    config: ModelConfig, cls: str, run_path: Path, out: Path, *, own_start: bool = False, chat: bool = False
+    config: ModelConfig,
+    cls: str,
+    run_path: Path,
+    out: Path,
+    *,
+    own_start: bool = False,
+    chat: bool = False,
+    prompt_format: str | None = None,
+    start_token: str = "tok.bos_token_id",
 ) -> str:
-    """The exported README.md. `own_start`: the tokenizer's post-processor puts the start token
-    before a text itself (an imported Llama's <s>), so the snippet prepends nothing. `chat`: a
-    chat fine-tune, whose template the tokenizer carries."""
-    start = (
-        ""
-        if own_start
-        else "ids = torch.cat([torch.tensor([[tok.eos_token_id]]), ids], dim=1)  # a document starts after eos\n"
-    )
-    about = (
-        "The tokenizer puts its start token before a text, as the model was trained; `difftrain generate` "
-        "samples with the same prompt tokens (the same greedy tokens). "
-        if own_start
-        else "The tokenizer adds no special tokens; documents were separated by the eos token in training, "
-        "so a prompt starts after one, as `difftrain generate` samples it (the same greedy tokens). "
-    )
+    """The exported README.md, whose snippets give the model the tokens `difftrain generate` and
+    `difftrain chat` give it (the same greedy tokens). `own_start`: the tokenizer's post-processor
+    puts the start token (`start_token`, as the snippet writes it) before a text itself (an
+    imported Llama's <s>), which a document and a fine-tuning example both start with; else a
+    document starts after eos and a fine-tuning example with its own text. `prompt_format`: an
+    instruction fine-tune's finetune.prompt_format, which the plain snippet's prompt is written
+    in. `chat`: a chat fine-tune, whose template the tokenizer carries (and `apply_chat_template`
+    adds no start token to)."""
+    import collections
+
+    if prompt_format is None:
+        text = "def fibonacci(n):"
+        start = (
+            ""
+            if own_start
+            else "ids = torch.cat([torch.tensor([[tok.eos_token_id]]), ids], dim=1)  # a document starts after eos\n"
+        )
+        about = (
+            "The tokenizer puts its start token before a text, as the model was trained; `difftrain generate` "
+            "samples with the same prompt tokens (the same greedy tokens). "
+            if own_start
+            else "The tokenizer adds no special tokens; documents were separated by the eos token in training, "
+            "so a prompt starts after one, as `difftrain generate` samples it (the same greedy tokens). "
+        )
+    else:  # an instruction fine-tune: its examples start with the prompt in its format
+        text = prompt_format.format_map(collections.defaultdict(lambda: "...", prompt="def fibonacci(n):"))
+        start = ""
+        about = (
+            "Fine-tuned on instruction records: the prompt is written in the run's finetune.prompt_format "
+            f"({prompt_format!r}) and starts as its examples did, as `difftrain generate` samples it (the same "
+            "greedy tokens). "
+        )
     kind = {
         "baseline": "A Llama-style Transformer",
         "diff": "A Differential Transformer (Ye et al., ICLR 2025)",
@@ -836,7 +872,7 @@ def _model_card(
         "```python\nimport torch\nfrom transformers import AutoModelForCausalLM, AutoTokenizer\n"
         f'tok = AutoTokenizer.from_pretrained("{out}")\n'
         f'model = AutoModelForCausalLM.from_pretrained("{out}")\n'
-        'ids = tok("def fibonacci(n):", return_tensors="pt").input_ids\n'
+        f'ids = tok({text!r}, return_tensors="pt").input_ids\n'
         + start
         + "print(tok.decode(model.generate(ids, max_new_tokens=64, do_sample=False)[0, 1:]))\n```\n\n"
         + about
@@ -849,7 +885,11 @@ def _model_card(
             "ids = tok.apply_chat_template(\n"
             '    messages, add_generation_prompt=True, return_tensors="pt", return_dict=True\n'
             ").input_ids\n"
-            + ("" if own_start else "ids = torch.cat([torch.tensor([[tok.eos_token_id]]), ids], dim=1)\n")
+            + (
+                f"ids = torch.cat([torch.tensor([[{start_token}]]), ids], dim=1)  # as the examples started\n"
+                if own_start
+                else ""
+            )
             + f"out = model.generate(ids, max_new_tokens={min(128, config.max_seq_len // 2)}, do_sample=False)\n"
             "print(tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True))\n```\n"
             if chat
