@@ -290,6 +290,32 @@ def test_two_sources_reading_the_same_documents_are_refused(tmp_path: Path) -> N
     check_local_sources(
         DataConfig(sources=["corp/a.jsonl", {"source": "corp/a.jsonl", "text_field": "prompt"}]), tmp_path
     )
+    # through hf: too — its data_files against a plain source or within one list, and a saved
+    # dataset's folder under two spellings (a link) — where nothing was refused and every
+    # validation document was trained on
+    hf_json = {"source": "hf:json", "data_files": ["corp/a.jsonl"]}
+    with pytest.raises(DataError, match=rf"data.sources\[0\] .* and data.sources\[1\] .* both read {same}"):
+        check_local_sources(DataConfig(sources=["corp/a.jsonl", hf_json]), tmp_path)
+    with pytest.raises(DataError, match=rf"data_files name {same} more than once"):
+        check_local_sources(
+            DataConfig(sources=[{"source": "hf:json", "data_files": ["corp/a.jsonl", "corp/*.jsonl"]}]),
+            tmp_path,
+        )
+    (tmp_path / "saved").mkdir()
+    (tmp_path / "saved" / "dataset_info.json").write_text("{}")
+    (tmp_path / "saved_link").symlink_to(tmp_path / "saved")
+    with pytest.raises(DataError, match="both read .*saved"):
+        check_local_sources(DataConfig(sources=["hf:./saved", "hf:./saved_link"]), tmp_path)
+    check_local_sources(DataConfig(sources=["hf:./saved@train", "hf:./saved_link@validation"]), tmp_path)
+    # a data_files entry that is a folder is named so; a file whose name holds [ ] is that file
+    with pytest.raises(
+        DataError, match=r"data_files entry .*corp is a folder; name its files, e.g. corp/\*.jsonl"
+    ):
+        check_local_sources(DataConfig(sources=[{"source": "hf:json", "data_files": ["corp"]}]), tmp_path)
+    (tmp_path / "data[1].jsonl").write_text('{"text": "x"}\n')
+    check_local_sources(
+        DataConfig(sources=[{"source": "hf:json", "data_files": ["data[1].jsonl"]}]), tmp_path
+    )
 
 
 def test_hf_source_loads_local_json_through_datasets(tmp_path: Path) -> None:

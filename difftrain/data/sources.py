@@ -449,10 +449,18 @@ class Source:
         files: list[Path] = []
         for raw in self.spec.data_files:
             p = self._resolve(raw)
+            # a file that exists as written is that file (its name may hold [ ] * ?), as for a path source
             matches = (
-                sorted(Path(m) for m in glob.glob(str(p), recursive=True)) if glob.has_magic(raw) else [p]
+                sorted(Path(m) for m in glob.glob(str(p), recursive=True) if os.path.isfile(m))
+                if glob.has_magic(raw) and not p.exists()
+                else [p]
             )
             for m in matches:
+                if m.is_dir():
+                    raise DataError(
+                        f"{self.label}: data_files entry {m} is a folder; name its files, e.g. "
+                        f"{Path(raw.rstrip('/')) / '*.jsonl'}"
+                    )
                 if not m.is_file():
                     raise DataError(f"{self.label}: data_files entry {m} does not exist; fix data_files")
             if not matches:
@@ -858,14 +866,31 @@ def check_distinct(sources: list[Source]) -> None:
             ),
             sort_keys=True,
         )
+        keys: list[tuple[Any, ...]]
         if src.spec.kind == "path":
             keys = [("file", f.resolve(), how) for f in src.files]
+        elif src.spec.kind == "hf":  # its local files and folder, however spelled (a link, ./x)
+            files = [f.resolve() for f in src._hf_data_files() or []]
+            twice = next((f for i, f in enumerate(files) if f in files[:i]), None)
+            if twice is not None:
+                raise DataError(
+                    f"{src.label}: data_files name {twice} more than once (two entries or patterns match "
+                    "it), so its documents would be read twice and validation documents trained on; "
+                    "name each file once"
+                )
+            keys = [("file", f, how) for f in files]
+            local = src._hf_local_dir()
+            if local is not None:
+                _, config, split = src.spec.hf_parts()
+                keys.append(("folder", Path(os.path.realpath(local)), config, split, how))
+            if not keys:  # a hub dataset: its name as written
+                keys = [("spec", src.spec.source, how)]
         else:
             keys = [("spec", src.spec.source, tuple(src.spec.data_files or ()), how)]
         for key in keys:
             other = seen.setdefault(key, src)
             if other is not src:
-                what = f"both read {key[1]}" if key[0] == "file" else "are the same source"
+                what = f"both read {key[1]}" if key[0] in ("file", "folder") else "are the same source"
                 raise DataError(
                     f"{other.label} and {src.label} {what}: each would be split into training and "
                     "validation on its own, so validation documents would be trained on; read it "
