@@ -880,7 +880,7 @@ def _load_tree(
 
 def _rebase_paths(data: dict[str, Any], folder: Path) -> None:
     """Make the paths a recipe resolves against its own folder (data sources, data_files,
-    tokenizer.path) absolute, in the tree of an extended recipe in another folder: a child in
+    data.cache_dir, tokenizer.path) absolute, in the tree of an extended recipe in another folder: a child in
     another folder would otherwise resolve the parent's `corpus/` against its own folder."""
     d = data.get("data")
     if isinstance(d, dict):
@@ -902,6 +902,8 @@ def _rebase_paths(data: dict[str, Any], folder: Path) -> None:
                 else:
                     out.append(absolute_source(item, folder) if isinstance(item, str) else item)
             d["sources"] = out[0] if isinstance(sources, str) else out
+        if isinstance(d.get("cache_dir"), str) and d["cache_dir"]:
+            d["cache_dir"] = absolute_path(d["cache_dir"], folder)
     t = data.get("tokenizer")
     if isinstance(t, dict) and isinstance(t.get("path"), str) and t["path"]:
         t["path"] = absolute_path(t["path"], folder)
@@ -1229,6 +1231,10 @@ def load_recipe(ref: str | os.PathLike[str], overrides: list[str] | tuple[str, .
     # Relative data paths in a shipped recipe mean the user's current folder; in a user's recipe,
     # the recipe's own folder.
     recipe._recipe_dir = Path.cwd() if is_shipped else path.resolve().parent
+    cache = recipe.data.cache_dir
+    if cache and not Path(cache).expanduser().is_absolute():  # as the data paths: from the recipe's
+        # folder, and absolute in the run's recipe.yaml (a resume from another folder finds it)
+        recipe.data = recipe.data.model_copy(update={"cache_dir": absolute_path(cache, recipe._recipe_dir)})
     recipe._source = f"shipped:{path.stem}" if is_shipped else str(path)
     recipe._overrides = tuple(overrides)
     if is_run_recipe(path) and not overridden & {"name", "out_dir"}:

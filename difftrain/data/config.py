@@ -293,8 +293,8 @@ class DataConfig(BaseModel):
     )
     cache_dir: str | None = Field(
         None,
-        description="Folder of the tokenizer and token-shard cache. Unset: $DIFFTRAIN_CACHE, else "
-        "$XDG_CACHE_HOME/difftrain, else ~/.cache/difftrain.",
+        description="Folder of the tokenizer and token-shard cache (relative to the recipe's folder, like "
+        "the data paths). Unset: $DIFFTRAIN_CACHE, else $XDG_CACHE_HOME/difftrain, else ~/.cache/difftrain.",
     )
     num_workers: int = Field(
         0,

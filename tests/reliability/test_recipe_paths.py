@@ -66,6 +66,25 @@ def test_extends_is_resolved_against_the_recipe_file(project):
     assert load_recipe(base).recipe_dir == (root / "proj").resolve()
 
 
+def test_a_relative_cache_dir_is_next_to_the_recipe_and_absolute_in_the_run(project):
+    # it started at the current folder, and the run's recipe.yaml kept it relative: a resume
+    # from another folder made a new cache there and tokenized the data again
+    root, recipe = project
+    p = recipe()
+    p.write_text(p.read_text().replace(f"cache_dir: {root / 'cache'}", "cache_dir: mycache"))
+    assert load_recipe(p).data.cache_dir == str((root / "proj" / "mycache").resolve())
+    child = root / "proj" / "variants" / "child.yaml"  # a parent's, from the parent's folder
+    child.parent.mkdir()
+    child.write_text("extends: ../r.yaml\nname: child\n")
+    assert load_recipe(child).data.cache_dir == str((root / "proj" / "mycache").resolve())
+    # typed on the command line: from the folder it was typed in, as a data path there is
+    assert load_recipe(p, ["data.cache_dir=here"]).data.cache_dir == str(
+        (root / "elsewhere" / "here").resolve()
+    )
+    assert main(["prepare", str(p)]) == 0
+    assert (root / "proj" / "mycache" / "shards").is_dir() and not (root / "elsewhere" / "mycache").exists()
+
+
 def test_a_relative_out_dir_is_under_the_current_folder(project):
     root, recipe = project
     assert plan_run(load_recipe(recipe())).run_dir.resolve() == (root / "elsewhere" / "runs" / "r").resolve()
