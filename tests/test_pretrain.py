@@ -734,6 +734,10 @@ def test_a_run_resumes_from_its_own_recipe_from_any_folder_and_a_copy_resumes_it
     assert sorted(losses(run)) == [1, 2, 3, 4] and not (elsewhere / "runs").exists()
     monkeypatch.chdir(tmp_path)
     assert pretrain(load_recipe(rel), resume=True).finished_before  # the user's recipe: the same run
+    # out_dir written another way names the same folder: the same run, not "out_dir differs"
+    (tmp_path / "runs_link").symlink_to(tmp_path / "runs")
+    for out_dir in (str(tmp_path / "runs"), "./runs", "runs_link"):
+        assert pretrain(load_recipe(rel, [f"out_dir={out_dir}"]), resume=True).finished_before, out_dir
     # a copied run directory resumes (here: repairs) the copy, not the run it was copied from
     copy = tmp_path / "runs" / "copy"
     shutil.copytree(run, copy)

@@ -236,6 +236,9 @@ def check_run_dir(
         == os.path.realpath(os.path.expanduser(str(recipe.finetune.base)))
     ):  # the same folder however it is written (a trailing /, .., a symbolic link to it)
         ignore = ignore | {"finetune.base"}
+    # out_dir (with name) only says where the run folder is, and it is this one however it was
+    # written (runs, ./runs, /abs/runs, a link to it): a resume named it another way was refused
+    ignore = ignore | {"out_dir"}
     # the run's recipe.yaml holds absolute paths (older versions wrote them as given): the same
     # run either way
     diffs = min(
