@@ -866,12 +866,13 @@ def _load_tree(
             f"{path}, line {lines.get('extends', '?')}: `extends` must be a recipe path or name"
         )
     try:
-        parent_path = find_recipe(parent, relative_to=path.parent)
+        # from the folder of the file itself (a symbolic link's target), as its data paths are
+        parent_path = find_recipe(parent, relative_to=resolved.parent)
     except RecipeError as e:
         raise RecipeError(f"{path}, line {lines.get('extends', '?')}: `extends: {parent}`: {e}") from e
     base, base_where = _load_tree(parent_path, (*chain, resolved))
-    if parent_path.parent.resolve() != path.parent.resolve():
-        _rebase_paths(base, parent_path.parent.resolve())
+    if parent_path.resolve().parent != resolved.parent:
+        _rebase_paths(base, parent_path.resolve().parent)
     base_where.update(where)
     merged = deep_merge(base, data)
     one_length(merged, data.get("train"))

@@ -96,7 +96,7 @@ def cp(
         more = f" (and {len(moved) - 1} more)" if len(moved) > 1 else ""
         warn(
             f"{target} reads {moved[0]}{more} relative to its own folder {target.parent.resolve()}, "
-            f"no longer from {src.parent.resolve()}; make such paths absolute, or copy what they name too"
+            f"no longer from {src.resolve().parent}; make such paths absolute, or copy what they name too"
         )
 
 

@@ -85,6 +85,21 @@ def test_a_relative_cache_dir_is_next_to_the_recipe_and_absolute_in_the_run(proj
     assert (root / "proj" / "mycache" / "shards").is_dir() and not (root / "elsewhere" / "mycache").exists()
 
 
+def test_a_linked_recipe_reads_its_parent_and_its_data_from_the_folder_of_the_file_it_links_to(project):
+    # data paths started at the linked file's folder and `extends:` at the link's: two rules
+    root, recipe = project
+    recipe("base")
+    child = root / "proj" / "variants" / "child.yaml"
+    child.parent.mkdir()
+    child.write_text("extends: ../base.yaml\nname: child\n")
+    links = root / "links" / "deep"
+    links.mkdir(parents=True)
+    (links / "child.yaml").symlink_to(child)
+    r = load_recipe(links / "child.yaml")
+    assert r.name == "child" and r.data.sources[0].source == str((root / "proj" / "corpus").resolve())
+    assert r.recipe_dir == child.parent.resolve()
+
+
 def test_a_relative_out_dir_is_under_the_current_folder(project):
     root, recipe = project
     assert plan_run(load_recipe(recipe())).run_dir.resolve() == (root / "elsewhere" / "runs" / "r").resolve()
