@@ -529,3 +529,23 @@ def test_a_file_whose_name_holds_glob_characters_is_read_as_named(tmp_path: Path
     assert got == ["bracketed"]
     got, _ = read_one("note?[1].txt", tmp_path)  # no such file: a pattern, as before
     assert got == ["matched by the pattern"]
+
+
+def test_local_hf_sources_that_cannot_be_read_say_why_not_that_the_network_is_down(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import datasets
+
+    datasets.Dataset.from_dict({"text": ["a", "b"]}).save_to_disk(str(tmp_path / "saved"))
+    (tmp_path / "rows.jsonl").write_text('{"text": "x"}\n')
+    with pytest.raises(DataError, match="saved with save_to_disk, which data_files do not apply to"):
+        docs([{"source": "hf:./saved", "data_files": ["rows.jsonl"]}], tmp_path)
+    (tmp_path / "empty.jsonl").write_text("")
+    with pytest.raises(DataError, match="its data_files are empty"):
+        docs([{"source": "hf:json", "data_files": ["empty.jsonl"]}], tmp_path)
+    (tmp_path / "jdir").mkdir()
+    (tmp_path / "jdir" / "rows.jsonl").write_text('{"text": "x"}\n')
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    with pytest.raises(DataError, match=r"check the folder .*jdir") as e:
+        docs(["hf:./jdir:nonsense"], tmp_path)
+    assert "offline" not in str(e.value)

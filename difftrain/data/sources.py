@@ -521,15 +521,16 @@ class Source:
                 "to this source (or name the files as sources themselves)"
             )
         unreachable = _unreachable_hub() if local is None and not builder else None
+        saved = local is not None and any(
+            (local / f).exists() for f in ("state.json", "dataset_dict.json", "dataset_info.json")
+        )
+        if saved and self.spec.data_files:
+            raise DataError(
+                f"{self.label}: {local} was saved with save_to_disk, which data_files do not apply to; drop "
+                "data_files (or read the files with source 'hf:json' / 'hf:parquet' / 'hf:csv' and data_files)"
+            )
         try:
-            if (
-                local is not None
-                and local.is_dir()
-                and any(
-                    (local / f).exists() for f in ("state.json", "dataset_dict.json", "dataset_info.json")
-                )
-                and not self.spec.data_files
-            ):
+            if saved:
                 ds = datasets.load_from_disk(str(local))
                 if isinstance(ds, datasets.DatasetDict):
                     if split not in ds:
@@ -562,6 +563,10 @@ class Source:
             text = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
             if "split" in str(e).lower() and isinstance(e, (ValueError, KeyError)):
                 hint = "choose an existing split with hf:<dataset>[:<config>]@<split>"
+            elif builder and all(f.stat().st_size == 0 for f in self._hf_data_files() or []):
+                raise DataError(
+                    f"{self.label}: its data_files are empty; point data_files at files that hold records"
+                ) from e
             elif builder:  # the files are at fault: datasets hides the reason in the exception's cause
                 why = e.__cause__ or e.__context__
                 if why is not None and str(why):
@@ -582,12 +587,27 @@ class Source:
                     "download it where there is network, save it with dataset.save_to_disk(DIR) and use "
                     "source 'hf:DIR'; for local files use e.g. source 'hf:json' with data_files"
                 )
+            elif local is not None:  # nothing to download: the folder is at fault
+                hint = (
+                    f"check the folder {local}: a dataset written by save_to_disk (an empty one cannot be "
+                    "read), or data files datasets can read, with hf:PATH:CONFIG naming a config it has"
+                )
             else:
+                offline = os.environ.get("HF_DATASETS_OFFLINE", "").strip().lower() in (
+                    "1",
+                    "true",
+                    "yes",
+                    "on",
+                )
                 hint = (
                     "if this machine is offline, download the dataset where there is network, "
-                    "save it with dataset.save_to_disk(DIR) and use source 'hf:DIR' (or set "
-                    "HF_DATASETS_OFFLINE=1 to use the local Hugging Face cache); for local files "
-                    "use e.g. source 'hf:json' with data_files"
+                    "save it with dataset.save_to_disk(DIR) and use source 'hf:DIR'"
+                    + (
+                        ""
+                        if offline
+                        else " (or set HF_DATASETS_OFFLINE=1 to use the local Hugging Face cache)"
+                    )
+                    + "; for local files use e.g. source 'hf:json' with data_files"
                 )
             raise DataError(
                 f"{self.label}: could not load Hugging Face dataset '{name}' ({text}); {hint}"
