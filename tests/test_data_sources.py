@@ -386,6 +386,30 @@ def test_a_split_asked_of_a_saved_dataset_without_splits_is_refused(tmp_path: Pa
         DataError, match=r"holds one dataset, not a DatasetDict of splits; leave out @validation"
     ):
         docs(["hf:./one@validation"], tmp_path)
+    # refused before anything is loaded, so a cached source is refused too (it was accepted once
+    # its shards were cached), and a DatasetDict's missing split likewise
+    from difftrain.data.config import DataConfig
+    from difftrain.data.sources import check_local_sources
+
+    with pytest.raises(DataError, match=r"holds one dataset, not a DatasetDict of splits; leave out @train"):
+        check_local_sources(DataConfig(sources=["hf:./one@train"]), tmp_path)
+    datasets.DatasetDict({"train": datasets.Dataset.from_dict({"text": ["a"]})}).save_to_disk(
+        str(tmp_path / "dd")
+    )
+    with pytest.raises(DataError, match=r"no split 'test' in .*dd \(splits: train\)"):
+        check_local_sources(DataConfig(sources=["hf:./dd@test"]), tmp_path)
+    check_local_sources(DataConfig(sources=["hf:./dd@train", "hf:./one"]), tmp_path)
+    from difftrain.data.config import TokenizerConfig, TokenizerTrainConfig
+    from difftrain.data.shards import prepare_data
+
+    words = "alpha beta gamma delta epsilon zeta eta theta".split()
+    text = [" ".join(words[(i + j) % 8] for j in range(40)) for i in range(60)]
+    datasets.Dataset.from_dict({"text": text}).save_to_disk(str(tmp_path / "many"))
+    tok = TokenizerConfig(train=TokenizerTrainConfig(vocab_size=300))
+    cfg = {"cache_dir": str(tmp_path / "cache"), "val_fraction": 0.1}
+    prepare_data(DataConfig(sources=["hf:./many"], **cfg), tok, seed=0, base_dir=tmp_path)
+    with pytest.raises(DataError, match="holds one dataset"):  # its shards are cached under the same key
+        prepare_data(DataConfig(sources=["hf:./many@train"], **cfg), tok, seed=0, base_dir=tmp_path)
     # a local folder named without ./ is a Hub name: offline, the error says how to name the folder
     monkeypatch.setattr(sources_mod, "_unreachable_hub", lambda: "huggingface.co")
     with pytest.raises(

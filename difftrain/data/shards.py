@@ -607,6 +607,8 @@ def prepare_data(
     if sources is None:  # the recipe's: refused where two of them read the same documents
         sources = resolve_sources(data_cfg, base)
         check_distinct(sources)
+    for source in sources:  # what needs no reading, before the cache can answer for the source
+        source.check_local_files()
     tok_path, tok_cached, tok_seconds = prepare_tokenizer(
         data_cfg, tok_cfg, base_dir=base, sources=sources, progress=progress
     )

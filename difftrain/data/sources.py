@@ -234,8 +234,27 @@ class Source:
         """Raise DataError if a local file or folder this source names is missing (path sources
         are checked when they resolve; this adds an hf: source's local folder and data_files)."""
         if self.spec.kind == "hf":
-            self._hf_local_dir()
+            local = self._hf_local_dir()
             self._hf_data_files()
+            if local is not None:
+                self._check_saved_split(local)
+
+    def _check_saved_split(self, local: Path) -> None:
+        """DataError for a split a folder saved with save_to_disk does not hold, read from its
+        metadata files: the load checks the same, but a cached source is not loaded, so `@train`
+        on one saved Dataset was refused once and accepted once its shards were cached."""
+        _, _, split = self.spec.hf_parts()
+        try:
+            if (local / "dataset_dict.json").is_file():
+                splits = [str(x) for x in json.loads((local / "dataset_dict.json").read_text())["splits"]]
+                if split not in splits:
+                    raise DataError(_missing_split(self.label, local, split, splits))
+            elif (local / "state.json").is_file() and "@" in self.spec.source[3:]:
+                saved = json.loads((local / "state.json").read_text()).get("_split")
+                if str(saved or "") != split:
+                    raise DataError(_one_dataset(self.label, local, split, saved))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            return  # unreadable metadata: loading the folder names the problem
 
     # -- identity ----------------------------------------------------------------------------
     def _file_stats(self, files: list[Path]) -> list[tuple[str, int, int]]:
@@ -534,19 +553,12 @@ class Source:
                 ds = datasets.load_from_disk(str(local))
                 if isinstance(ds, datasets.DatasetDict):
                     if split not in ds:
-                        raise DataError(
-                            f"{self.label}: no split '{split}' in {local} (splits: {', '.join(ds)}); "
-                            "choose one with hf:<path>@<split>"
-                        )
+                        raise DataError(_missing_split(self.label, local, split, list(ds)))
                     ds = ds[split]
                 elif "@" in self.spec.source[3:] and str(getattr(ds, "split", None) or "") != split:
                     # one saved Dataset holds no splits: reading all of it as "@split" would hide
                     # that the split asked for is not there
-                    saved = f" (saved from split '{ds.split}')" if getattr(ds, "split", None) else ""
-                    raise DataError(
-                        f"{self.label}: {local} holds one dataset{saved}, not a DatasetDict of splits; leave "
-                        f"out @{split} to read all of it"
-                    )
+                    raise DataError(_one_dataset(self.label, local, split, getattr(ds, "split", None)))
                 return ds
             files = self._hf_data_files()
             with _hub_offline(unreachable is not None), _quiet_datasets(local is not None or builder):
@@ -869,6 +881,15 @@ def check_local_sources(data_cfg: DataConfig, base_dir: str | os.PathLike[str]) 
     for source in sources:
         source.check_local_files()
     check_distinct(sources)
+
+
+def _missing_split(label: str, local: Path, split: str, splits: list[str]) -> str:
+    return f"{label}: no split '{split}' in {local} (splits: {', '.join(splits)}); choose one with hf:<path>@<split>"
+
+
+def _one_dataset(label: str, local: Path, split: str, saved_split: Any) -> str:
+    saved = f" (saved from split '{saved_split}')" if saved_split else ""
+    return f"{label}: {local} holds one dataset{saved}, not a DatasetDict of splits; leave out @{split} to read all of it"
 
 
 def check_distinct(sources: list[Source]) -> None:
