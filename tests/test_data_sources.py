@@ -573,3 +573,15 @@ def test_local_hf_sources_that_cannot_be_read_say_why_not_that_the_network_is_do
     with pytest.raises(DataError, match=r"check the folder .*jdir") as e:
         docs(["hf:./jdir:nonsense"], tmp_path)
     assert "offline" not in str(e.value)
+
+
+def test_a_chat_dataset_read_as_text_says_it_holds_chat_records(tmp_path: Path) -> None:
+    # it said "no column 'text'; set text_field", and text_field: messages then failed on the list
+    import datasets
+
+    msgs = [[{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]]
+    datasets.Dataset.from_dict({"messages": msgs}).save_to_disk(str(tmp_path / "chat"))
+    with pytest.raises(
+        DataError, match=r"dataset holds a chat record \(`messages`\), in data read as plain text"
+    ):
+        docs(["hf:./chat"], tmp_path)

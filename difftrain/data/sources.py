@@ -857,6 +857,8 @@ def _columns_read(columns: list[str], names: list[str], chat: bool, what: str, w
     if chat and "messages" in names:
         return ["messages"]
     wanted = ", ".join(repr(c) for c in missing)
+    if not chat and "messages" in names:  # text_field: messages would name a list, not text
+        raise DataError(f"{what} holds {CHAT_RECORD_AS_TEXT}")
     fix = (
         f"set prompt_field/response_field on {where}, or give chat records a 'messages' column"
         if chat
