@@ -942,7 +942,15 @@ def parse_override(text: str) -> tuple[list[str], Any]:
         parsed = yaml.load(value, Loader=RecipeLoader) if value.strip() else None  # noqa: S506 - safe
     except RecipeError as e:
         raise RecipeError(f"override `{key}`: {e}") from e
-    except (yaml.YAMLError, ValueError, RecursionError):  # not YAML: the schema judges the string
+    except (yaml.YAMLError, ValueError, RecursionError) as e:  # not YAML: the schema judges the string
+        opened = value.strip()[:1]
+        closer = {"[": "]", "{": "}"}.get(opened)
+        if closer and closer not in value and _text_key(key.split(".")) is None:  # a list or mapping, cut
+            example = "[a, b]" if opened == "[" else "{key: value}"
+            raise RecipeError(
+                f"override `{text}`: the value has an unclosed `{opened}`; write it as `{key}={example}` "
+                "(quoted for the shell)"
+            ) from e
         parsed = value
     return key.split("."), parsed
 
@@ -1130,9 +1138,19 @@ def format_validation_error(
                     f'quote the patterns: `{dotted}=[{quoted}]` (in a shell: "{dotted}=[{quoted}]")'
                 )
                 continue
+            if listed:  # `0.9,0.99` or `(0.9,0.99)`: the same items in brackets
+                inner = given.strip()
+                inner = inner[1:-1] if inner[:1] + inner[-1:] in ("()", "[]") else inner
             msgs.append(
                 f"{place + ': ' if place else ''}{what}={given!r} must be a list in brackets"
-                + (f", e.g. `{dotted}=[{given}]`" if listed else _list_example(model, loc, dotted))
+                + (f", e.g. `{dotted}=[{inner}]`" if listed else _list_example(model, loc, dotted))
+            )
+        elif err["type"] == "too_long" and loc:  # a tuple given too many values
+            n = (err.get("ctx") or {}).get("max_length")
+            msgs.append(
+                f"{place + ': ' if place else ''}{what} has too many values"
+                + (f" (it takes {n})" if n else "")
+                + _list_example(model, loc, dotted).replace("; give all", "; give")
             )
         elif err["type"] == "missing":
             if dotted == "train":

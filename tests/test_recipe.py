@@ -221,6 +221,19 @@ def test_bad_override_says_override(tmp_path):
             "override `data.sources`: `data.sources.0`: hf: source needs a dataset name, e.g. 'hf:json' or "
             "'hf:wikitext:wikitext-2-raw-v1@train'",
         ),
+        (  # parentheses, as Python writes a tuple: the same values in brackets
+            "optim.betas=(0.9,0.99)",
+            "override `optim.betas`='(0.9,0.99)' must be a list in brackets, e.g. `optim.betas=[0.9,0.99]`",
+        ),
+        (
+            "optim.betas=[0.9,0.95,0.99]",
+            "override `optim.betas` has too many values (it takes 2); give 2, e.g. `optim.betas=[0.9,0.95]`",
+        ),
+        (  # an unclosed bracket was read as a path: "[data/train.txt matches no files"
+            "data.sources=[corpus",
+            "override `data.sources=[corpus`: the value has an unclosed `[`; write it as `data.sources=[a, b]` "
+            "(quoted for the shell)",
+        ),
         (
             "data.sources.0.weight=2",
             "override `data.sources.0.weight=2`: `data.sources` is a list, not a section; set the whole list: `data.sources=[...]`",
