@@ -986,6 +986,22 @@ def apply_overrides(data: dict[str, Any], overrides: list[str], folder: Path | N
     lengths: dict[str, Any] = {}  # train.max_steps / max_tokens as the command line sets them
     for text in overrides:
         keys, value = parse_override(text)
+        if keys == ["extends"]:
+            raise RecipeError(
+                f"override `{text}`: extends is read with the recipe file, before overrides; write it in "
+                "the file (or give the other recipe as RECIPE and this one's keys as overrides)"
+            )
+        section = Recipe.model_fields.get(keys[0]) if len(keys) == 1 else None
+        if (  # (finetune=null unsets the fine-tune: the recipe pretrains)
+            section is not None
+            and value is None
+            and _model_in(section.annotation) is not None
+            and keys[0] != "finetune"
+        ):
+            raise RecipeError(
+                f"override `{text}` gives the section {keys[0]} no value; set its keys, e.g. "
+                f"`{keys[0]}.KEY=value` or `{keys[0]}={{KEY: value}}`"
+            )
         if len(keys) == 2 and keys[0] == "train" and keys[1] in LENGTH_KEYS:
             lengths[keys[1]] = value
         elif keys == ["train"] and isinstance(value, dict):  # `train={max_tokens: 1e6}`

@@ -673,3 +673,15 @@ def test_grad_clip_zero_says_how_to_train_without_clipping():
     with pytest.raises(RecipeError, match=r"to train without clipping set train.grad_clip: null"):
         load_recipe("quickstart", ["train.grad_clip=0"])
     assert load_recipe("quickstart", ["train.grad_clip=null"]).train.grad_clip is None
+
+
+def test_an_empty_section_or_an_extends_override_is_named(tmp_path):
+    # `model=` said the file lacked `model`, `extends=x` that extends is an unknown key
+    p = write(tmp_path, MINIMAL)
+    for override in ("model=", "train=null", "data="):
+        with pytest.raises(
+            RecipeError, match=rf"override `{re.escape(override)}` gives the section \w+ no value"
+        ):
+            load_recipe(p, [override])
+    with pytest.raises(RecipeError, match="extends is read with the recipe file, before overrides"):
+        load_recipe(p, ["extends=quickstart"])
