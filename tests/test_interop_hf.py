@@ -804,3 +804,23 @@ def test_the_card_snippets_of_a_fine_tune_feed_the_tokens_difftrain_chat_and_gen
     export_hf(run, tmp_path / "hf2")
     expected = prompt_ids(tok, fmt.format(prompt="def fibonacci(n):"), document_start=False)
     assert card_ids(tmp_path / "hf2") == [expected]
+
+
+def test_import_says_what_of_the_tokenizer_settings_it_does_not_keep(tmp_path, tok):
+    # SmolLM2-Instruct's layout: eos declared as the end of turn, and a chat template; the run
+    # ended at the end-of-text token found by name and rendered chats its own way, saying nothing
+    hf_dir = tmp_path / "hf"
+    hf_checkpoint(tok, "llama").save_pretrained(hf_dir)
+    tok.save(hf_dir / "tokenizer.json")
+    (hf_dir / "tokenizer_config.json").write_text(
+        json.dumps({"eos_token": {"content": "<|end|>"}, "chat_template": "{{ messages }}"})
+    )
+    notes = import_hf(hf_dir, tmp_path / "run").notes
+    end = tok.token_to_id("<|end|>")
+    assert (
+        f"the checkpoint declares eos <|end|> (id {end}); difftrain ends documents and generations at <|eos|>"
+        in (" ".join(notes))
+    )
+    assert any(n.startswith("the checkpoint's chat template is not imported") for n in notes)
+    (hf_dir / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|eos|>"}))
+    assert import_hf(hf_dir, tmp_path / "run2").notes == []

@@ -933,6 +933,37 @@ def _restore_sidecar(
     return saved, cand, True, [f"restored difftrain's exact config and {len(tensors)} tensors from {SIDECAR}"]
 
 
+def _tokenizer_notes(src: Path, tok: Any) -> list[str]:
+    """What of the checkpoint's tokenizer settings the run does not keep: its chat template
+    (difftrain's chat and fine-tunes use finetune.chat_template) and an end-of-text token it
+    declares that is not the one difftrain finds by name (documents and replies end at that)."""
+    notes = []
+    cfg: dict[str, Any] = {}
+    try:
+        loaded = json.loads((src / "tokenizer_config.json").read_text(encoding="utf-8"))
+        cfg = loaded if isinstance(loaded, dict) else {}
+    except (OSError, ValueError):
+        pass
+    if cfg.get("chat_template") or any(
+        (src / n).is_file() for n in ("chat_template.jinja", "chat_template.json")
+    ):
+        notes.append(
+            "the checkpoint's chat template is not imported: `difftrain chat` and fine-tunes render chats with "
+            "finetune.chat_template (a fine-tune on chat records writes it into the run)"
+        )
+    declared = cfg.get("eos_token")
+    declared = declared.get("content") if isinstance(declared, dict) else declared
+    if isinstance(declared, str) and declared:
+        declared_id = tok.token_to_id(declared)
+        if declared_id is not None and declared_id != tok.eos_id:
+            notes.append(
+                f"the checkpoint declares eos {declared} (id {declared_id}); difftrain ends documents and "
+                f"generations at {tok.id_to_token(tok.eos_id)} (id {tok.eos_id}), the end-of-text token it "
+                "finds by name, and an export declares that one"
+            )
+    return notes
+
+
 def import_hf(
     hf_dir: str | os.PathLike[str], run_dir: str | os.PathLike[str], *, overwrite: bool = False
 ) -> ImportResult:
@@ -972,7 +1003,7 @@ def import_hf(
     check_hf_tensors(hf, config, src)
     hf = {k: t for k, t in hf.items() if not k.endswith(_IGNORED_SUFFIXES)}
     sd = from_hf_state_dict(hf, config, str(src / CONFIG))
-    notes: list[str] = []
+    notes: list[str] = _tokenizer_notes(src, tok)
     src_dtypes = sorted({str(t.dtype).removeprefix("torch.") for t in hf.values()})
     if src_dtypes != ["float32"]:
         notes.append(f"converted {', '.join(src_dtypes)} weights to float32")
