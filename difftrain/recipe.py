@@ -19,6 +19,7 @@ resolved recipe written to a run directory says what actually ran.
 from __future__ import annotations
 
 import copy
+import datetime
 import difflib
 import math
 import os
@@ -1193,6 +1194,19 @@ def format_validation_error(
                 "must be a valid boolean, unable to interpret input",
                 "must be true or false (yes/no, on/off and 1/0 read as them too)",
             )
+            if err["type"] == "string_type" and isinstance(given, (datetime.date, bool, int, float)):
+                # YAML read the text as a date, a boolean or a number: say so, and how to keep it text
+                key = dotted.split(".")[-1]
+                if isinstance(given, bool):  # the word typed is gone: yes, on, true all read as True
+                    msg = (
+                        f"YAML reads the value as {str(given).lower()} (yes/no, on/off and true/false are "
+                        f"booleans to it), not text; put the text in quotes: `{key}: '...'`"
+                    )
+                else:
+                    text = given.isoformat() if isinstance(given, datetime.date) else shown
+                    typed = "a date" if isinstance(given, datetime.date) else "a number"
+                    msg = f"YAML reads {text} as {typed}, not text; quote it: `{key}: '{text}'`"
+                shown = ""
             msgs.append(f"{place + ': ' if place else ''}{what}{'=' + shown if shown else ''}: {msg}")
     msgs.sort(key=lambda m: "YAML needs a space" not in m)  # the cause of the others comes first
     extra = f" (and {len(msgs) - 3} more)" if len(msgs) > 3 else ""

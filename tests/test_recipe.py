@@ -685,3 +685,24 @@ def test_an_empty_section_or_an_extends_override_is_named(tmp_path):
             load_recipe(p, [override])
     with pytest.raises(RecipeError, match="extends is read with the recipe file, before overrides"):
         load_recipe(p, ["extends=quickstart"])
+
+
+@pytest.mark.parametrize(
+    ("line", "message"),
+    [
+        (
+            "name: 2024-01-01",
+            "`name`: YAML reads 2024-01-01 as a date, not text; quote it: `name: '2024-01-01'`",
+        ),
+        ("name: 12", "`name`: YAML reads 12 as a number, not text; quote it: `name: '12'`"),
+        ("description: yes", "`description`: YAML reads the value as true (yes/no, on/off and true/false"),
+    ],
+)
+def test_text_that_yaml_reads_as_a_date_number_or_boolean_says_to_quote_it(tmp_path, line, message):
+    # it said "`name`=datetime.date(2024, 1, 1): must be a valid string"
+    p = write(tmp_path, MINIMAL.replace("name: tiny", line))
+    with pytest.raises(RecipeError, match=re.escape(message)):
+        load_recipe(p)
+    fixed = message.split("quote it: `")[1].rstrip("`") if "quote it" in message else None
+    if fixed:
+        assert load_recipe(write(tmp_path, MINIMAL.replace("name: tiny", fixed))).name == fixed.split("'")[1]
