@@ -585,3 +585,15 @@ def test_a_chat_dataset_read_as_text_says_it_holds_chat_records(tmp_path: Path) 
         DataError, match=r"dataset holds a chat record \(`messages`\), in data read as plain text"
     ):
         docs(["hf:./chat"], tmp_path)
+
+
+def test_a_windows_style_path_is_told_to_use_slashes(tmp_path: Path) -> None:
+    from difftrain.data.config import DataConfig
+    from difftrain.data.sources import check_local_sources
+
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "train.txt").write_text("x")
+    for raw in ("data\\train.txt", "data\train.txt"):  # as typed, and as YAML's "data\train.txt" reads
+        with pytest.raises(DataError, match=r"does not exist; fix the path .*separate folders with /"):
+            check_local_sources(DataConfig(sources=[raw]), tmp_path)
+    check_local_sources(DataConfig(sources=["data/train.txt"]), tmp_path)

@@ -227,8 +227,15 @@ class Source:
 
     def _start_note(self, raw: str) -> str:
         """Where a relative path in the recipe started, for a message (nothing for an absolute
-        one: overrides arrive absolute, made so against the folder they were typed in)."""
-        return "" if Path(raw).expanduser().is_absolute() else f" (relative paths start at {self.base_dir})"
+        one: overrides arrive absolute, made so against the folder they were typed in); and for
+        a Windows-style path, that folders are separated by /."""
+        note = "" if Path(raw).expanduser().is_absolute() else f" (relative paths start at {self.base_dir})"
+        if os.sep == "/" and any(c in raw for c in "\\\t\n\r"):
+            note += (
+                "; separate folders with / (a \\ is part of a file name here, and in double quotes YAML "
+                "reads \\t as a tab)"
+            )
+        return note
 
     def check_local_files(self) -> None:
         """Raise DataError if a local file or folder this source names is missing (path sources
