@@ -328,7 +328,8 @@ class ChatTemplateConfig(_Section):
             "assistant": "<|assistant|>\n{content}<|end|>\n",
         },
         description="How a `messages` record is rendered: for each role, a format holding {content} "
-        "once; the messages are concatenated in order. A message of a role not listed is an error.",
+        "once; the messages are concatenated in order. A message of a role not listed is an error. "
+        "Roles given replace these defaults as a whole.",
     )
     trained_roles: list[str] = Field(
         default_factory=lambda: ["assistant"],
@@ -349,7 +350,16 @@ class ChatTemplateConfig(_Section):
                 raise ValueError(f"roles.{role} must contain {{content}} exactly once, got {fmt!r}")
         unknown = [r for r in self.trained_roles if r not in self.roles]
         if unknown:
-            raise ValueError(f"trained_roles {unknown} are not among roles ({', '.join(self.roles)})")
+            defaults = ChatTemplateConfig.model_fields["roles"].default_factory()  # type: ignore[misc,call-arg]
+            replaced = (
+                f"; roles replaces the default roles ({', '.join(defaults)}) as a whole: list every role, "
+                "or set trained_roles"
+                if any(r in defaults and r not in self.roles for r in unknown)
+                else ""
+            )
+            raise ValueError(
+                f"trained_roles {unknown} are not among roles ({', '.join(self.roles)}){replaced}"
+            )
         return self
 
 

@@ -706,3 +706,11 @@ def test_text_that_yaml_reads_as_a_date_number_or_boolean_says_to_quote_it(tmp_p
     fixed = message.split("quote it: `")[1].rstrip("`") if "quote it" in message else None
     if fixed:
         assert load_recipe(write(tmp_path, MINIMAL.replace("name: tiny", fixed))).name == fixed.split("'")[1]
+
+
+def test_chat_roles_given_in_part_say_they_replace_the_default_roles(tmp_path):
+    p = write(tmp_path, MINIMAL + "finetune:\n  base: runs/base\n")
+    with pytest.raises(
+        RecipeError, match=r"roles replaces the default roles \(system, user, assistant\) as a whole"
+    ):
+        load_recipe(p, ['finetune.chat_template.roles={user: "U: {content}"}'])
