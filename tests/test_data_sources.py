@@ -564,6 +564,10 @@ def test_local_hf_sources_that_cannot_be_read_say_why_not_that_the_network_is_do
     (tmp_path / "rows.jsonl").write_text('{"text": "x"}\n')
     with pytest.raises(DataError, match="saved with save_to_disk, which data_files do not apply to"):
         docs([{"source": "hf:./saved", "data_files": ["rows.jsonl"]}], tmp_path)
+    with pytest.raises(DataError, match="saved with save_to_disk and has no configs; leave out :foo"):
+        docs(["hf:./saved:foo"], tmp_path)  # the config was ignored
+    with pytest.raises(ValueError, match="text_field applies to record files and datasets, not to .builtin:"):
+        DataConfig(sources=[{"source": "builtin:python-stdlib", "text_field": "body"}])
     (tmp_path / "empty.jsonl").write_text("")
     with pytest.raises(DataError, match="its data_files are empty"):
         docs([{"source": "hf:json", "data_files": ["empty.jsonl"]}], tmp_path)

@@ -183,6 +183,14 @@ class SourceSpec(BaseModel):
             raise ValueError("'needles' parameters apply only to source 'builtin:needles'")
         if self.docstrings is not None and src != "builtin:python-docstrings":
             raise ValueError("'docstrings' parameters apply only to source 'builtin:python-docstrings'")
+        if src.startswith("builtin:"):
+            fields = [  # (as a run's recipe.yaml spells out the defaults, only a changed one counts)
+                f
+                for f in ("text_field", "prompt_field", "response_field")
+                if getattr(self, f) != type(self).model_fields[f].default
+            ]
+            if fields:  # a builtin corpus is text (or its own records): a field would be ignored
+                raise ValueError(f"{', '.join(fields)} applies to record files and datasets, not to '{src}'")
         if not src.startswith("hf:"):
             if self.data_files is not None:
                 raise ValueError("'data_files' applies only to hf: sources (e.g. source: 'hf:json')")

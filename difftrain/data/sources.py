@@ -550,6 +550,10 @@ class Source:
         saved = local is not None and any(
             (local / f).exists() for f in ("state.json", "dataset_dict.json", "dataset_info.json")
         )
+        if saved and config:
+            raise DataError(
+                f"{self.label}: {local} was saved with save_to_disk and has no configs; leave out :{config}"
+            )
         if saved and self.spec.data_files:
             raise DataError(
                 f"{self.label}: {local} was saved with save_to_disk, which data_files do not apply to; drop "
