@@ -115,7 +115,8 @@ class SourceSpec(BaseModel):
         description="A file, a directory (read recursively), a glob ('corpus/**/*.md'), "
         "'builtin:python-stdlib' | 'builtin:needles' | 'builtin:python-docstrings', or "
         "'hf:<dataset>[:<config>][@<split>]' (Hugging Face `datasets`; a local folder saved with "
-        "save_to_disk also works, e.g. 'hf:./my_dataset'). Relative paths are resolved against the "
+        "save_to_disk also works, e.g. 'hf:./my_dataset'; without @<split> the train split is read, and "
+        "validation is drawn from it by data.val_fraction, as from every source). Relative paths are resolved against the "
         "recipe's folder. .txt/.md/code files are one document each; .jsonl/.json/.parquet hold "
         "one document per record (see text_field); .gz files are decompressed.",
     )
