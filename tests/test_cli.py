@@ -269,3 +269,12 @@ def test_tab_completes_recipes_overrides_and_suites(monkeypatch, capsys, tmp_pat
     assert "train.compile=true" in zsh and "false" not in zsh
     assert _complete(monkeypatch, capsys, "bash", "difftrain eval runs/q --suite ppl,ne") == ["ppl,needle"]
     assert _complete(monkeypatch, capsys, "bash", "difftrain recipes show diff2") == ["diff2-124m"]
+
+
+def test_the_peak_memory_cell_of_several_processes_says_whose_it_is():
+    # the figures are rank 0's: read as the run's total they undercount it by the process count
+    from difftrain.cli.common import peak_memory
+
+    assert peak_memory({"peak_rss_mb": 812.4}) == "RSS 812 MiB"
+    assert peak_memory({"peak_rss_mb": 812.4, "devices": 2}) == "RSS 812 MiB (rank 0 of 2 processes)"
+    assert peak_memory({"peak_rss_mb": None, "devices": 2}) == "RSS —"

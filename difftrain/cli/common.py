@@ -343,10 +343,13 @@ def wall_time(summary: dict[str, Any]) -> str:
 
 
 def peak_memory(summary: dict[str, Any]) -> str:
-    """The end table's peak-memory cell ("—" where a figure was not measured)."""
+    """The end table's peak-memory cell ("—" where a figure was not measured). Of several
+    processes the figures are rank 0's, one process's: the cell says so."""
     rss = summary.get("peak_rss_mb")
     gpu = summary.get("peak_gpu_mem_mb")
-    return ("RSS —" if rss is None else f"RSS {rss:.0f} MiB") + (f" · GPU {gpu:.0f} MiB" if gpu else "")
+    text = ("RSS —" if rss is None else f"RSS {rss:.0f} MiB") + (f" · GPU {gpu:.0f} MiB" if gpu else "")
+    n = summary.get("devices") or 1
+    return f"{text} (rank 0 of {n} processes)" if isinstance(n, int) and n > 1 and (rss or gpu) else text
 
 
 def throughput(summary: dict[str, Any]) -> str:
