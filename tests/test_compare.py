@@ -395,6 +395,21 @@ def test_eval_on_another_source_keeps_the_validation_result_and_compare_shows_bo
         "ppl@wiki-2.json",
         "ppl@wiki.json",
     ]
+    # a source typed relative, read through --text-field: the command names it absolute (it works
+    # from any folder) and with the field (without it the rerun failed on the records)
+    (tmp_path / "notes.jsonl").write_text(
+        "".join(json.dumps({"body": filler_sentence(random.Random(i))}) + "\n" for i in range(40))
+    )
+    cwd = os.getcwd()
+    os.chdir(tmp_path)
+    try:
+        assert main(["eval", str(a), "--data", "notes.jsonl", "--text-field", "body", "--windows", "1"]) == 0
+    finally:
+        os.chdir(cwd)
+    capsys.readouterr()
+    assert compare_runs([a, b]).commands["ppl@notes"] == (
+        f"difftrain eval RUN --suite ppl --data {tmp_path / 'notes.jsonl'} --text-field body --windows 1"
+    )
 
 
 def test_data_labels_name_the_source():

@@ -350,9 +350,14 @@ def rerun_command(run_dir: Path | str, key: str, doc: dict[str, Any] | None = No
     settings = (doc or {}).get("settings") or {}
     if label:
         source = settings.get("data")
+        sources = settings.get("sources")
+        if isinstance(sources, list) and len(sources) == 1 and isinstance(sources[0], str):
+            source = sources[0]  # as recorded: absolute, so the command works from any folder
         cmd += f" --data {shlex.quote(str(source)) if source else 'SOURCE'}"
         if source is None or data_label(str(source)) != label:
             cmd += f" --data-label {label}"
+        if settings.get("text_field"):  # the records' field it read, or the rerun fails on them
+            cmd += f" --text-field {shlex.quote(str(settings['text_field']))}"
     options = eval_options(settings, [k for k in EVAL_OPTIONS if settings.get(k) is not None])
     return f"{cmd} {options}" if options else cmd  # the grid, windows, seed... it was measured with
 
