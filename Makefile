@@ -37,7 +37,7 @@ format: install
 	$(VENV)/bin/ruff format difftrain tests benchmarks
 
 quickstart: install
-	$(DT) pretrain quickstart
+	$(DT) pretrain quickstart train.resume=auto
 	$(DT) generate runs/quickstart --prompt 'def fibonacci(n):' --max-new-tokens 120 --seed 0
 
 bench: install
