@@ -45,8 +45,9 @@ HELP = (
     "the context is full: the model reads at most max_seq_len tokens, and generation then stops with a "
     "note. It never slides the window (the model would read a context it was not trained on).\n\n"
     "Sampling applies the repetition penalty, then temperature, top-k, top-p and min-p; --greedy (or "
-    "--temperature 0) takes the most probable token. A seed makes samples reproducible: sample i uses "
-    "seed + i, whatever the batch. Without --seed a random one is drawn and printed."
+    "--temperature 0) takes the most probable token. A seed makes samples reproducible: the i-th "
+    "completion of the command (prompts × --num-samples, in order) uses seed + i, whatever the batch "
+    "(--json shows each one's seed). Without --seed a random one is drawn and printed."
 )
 
 CHAT_HELP = (

@@ -49,7 +49,7 @@ def check_import_paths(src: Path, dst: Path) -> None:
         )
     if not src.is_dir():
         raise InteropError(
-            f"no checkpoint folder {src}; download one first, e.g. `huggingface-cli download ORG/MODEL --local-dir {src}`"
+            f"no checkpoint folder {src}; download one first, e.g. `hf download ORG/MODEL --local-dir {src}` (huggingface_hub before 1.0: huggingface-cli download)"
         )
     if same_dir(src, dst):
         raise InteropError(f"the run directory {dst} is the checkpoint folder itself; choose another folder")
