@@ -278,3 +278,16 @@ def test_the_peak_memory_cell_of_several_processes_says_whose_it_is():
     assert peak_memory({"peak_rss_mb": 812.4}) == "RSS 812 MiB"
     assert peak_memory({"peak_rss_mb": 812.4, "devices": 2}) == "RSS 812 MiB (rank 0 of 2 processes)"
     assert peak_memory({"peak_rss_mb": None, "devices": 2}) == "RSS —"
+
+
+def test_recipes_cp_to_another_name_says_the_copy_keeps_the_originals_run_name(tmp_path, capsys, monkeypatch):
+    # `recipes cp quickstart mine.yaml` then `pretrain mine.yaml` was refused: runs/quickstart holds a run
+    monkeypatch.chdir(tmp_path)
+    assert main(["recipes", "cp", "quickstart", "mine.yaml"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert (
+        "its name is still quickstart: a run of it goes to the original's run folder (out_dir/quickstart)"
+        in out
+    )
+    assert main(["recipes", "cp", "quickstart", "quickstart.yaml"]) == 0  # the same name: nothing to say
+    assert "its name" not in capsys.readouterr().out

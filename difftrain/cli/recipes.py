@@ -91,6 +91,12 @@ def cp(
             f"cannot write {target}: {e.strerror or e}; choose a DEST in a folder you can write"
         ) from e
     typer.echo(f"copied {src.name} to {target}")
+    name = _recipe_name(target)
+    if name is not None and name != target.stem:  # a copy to edit that still runs into the original's folder
+        typer.echo(
+            f"its name is still {name}: a run of it goes to the original's run folder (out_dir/{name}); "
+            "change `name:` to keep the two apart"
+        )
     moved = _paths_read_elsewhere(src, target)
     if moved:
         more = f" (and {len(moved) - 1} more)" if len(moved) > 1 else ""
@@ -98,6 +104,18 @@ def cp(
             f"{target} reads {moved[0]}{more} relative to its own folder {target.parent.resolve()}, "
             f"no longer from {src.resolve().parent}; make such paths absolute, or copy what they name too"
         )
+
+
+def _recipe_name(path: Path) -> str | None:
+    """The `name:` a recipe file sets itself (None where it sets none or cannot be read)."""
+    import yaml
+
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, yaml.YAMLError):
+        return None
+    name = data.get("name") if isinstance(data, dict) else None
+    return str(name) if isinstance(name, (str, int)) else None
 
 
 def _paths_read_elsewhere(src: Path, target: Path) -> list[str]:
