@@ -588,7 +588,9 @@ def test_eval_runs_several_suites_and_renders_tables(runs, capsys, monkeypatch):
     )
     out = capsys.readouterr().out
     assert code == 0
-    assert "bits/byte" in out and "Δloss" in out and "none (ref)" in out
+    assert (
+        "bits/byte" in out and "Δloss" in out and "16 = none (ref)" in out
+    )  # the row the headline calls loss@16
     assert (runs["baseline"] / "eval" / "quant.json").is_file()
     assert not (runs["baseline"] / "eval" / "quant.png").exists()
 

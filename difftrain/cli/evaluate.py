@@ -262,7 +262,7 @@ def render(doc: dict[str, Any], run_dir: Path) -> None:
             t.add_column("Δacc", justify="right")
         for r in res["rows"]:
             cells = [
-                "none (ref)" if r["bits"] >= 16 else f"{r['bits']}",  # 16 stands for unquantized
+                "16 = none (ref)" if r["bits"] >= 16 else f"{r['bits']}",  # 16 stands for unquantized
                 f"{r['loss']:.4f}",
                 f"{r['ppl']:.3f}",
                 fmt_figure(r["delta_loss"], "+.4f"),
