@@ -523,6 +523,7 @@ def test_cli_prints_the_trainable_count_and_merges(ws, capsys):
     out = capsys.readouterr().out
     summary = json.loads((Path("runs") / "cli" / "summary.json").read_text())
     assert f"{summary['trainable_params']:,} of" in out and "lora · rank 4" in out
+    assert "linear layers (self_attn.q_proj" in " ".join(out.split())  # named as --dry-run names them
     assert "difftrain merge" in out
     Path("loop").symlink_to("loop")  # an OUT_DIR that cannot be made: one line, not a traceback
     capsys.readouterr()

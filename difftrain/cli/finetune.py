@@ -64,10 +64,13 @@ def _start_table(info: dict[str, Any]) -> None:
     ]
     method = ft.method
     if method != "full":
+        from difftrain.model.lora import short_names
+
         targets = info.get("lora_targets", [])
-        kinds = sorted({n.rsplit(".", 1)[-1] for n in targets})
         method += f" · rank {ft.lora.rank} · alpha {ft.lora.alpha:g} · dropout {ft.lora.dropout:g}"
-        method += f" · {len(targets)} linear layers ({', '.join(kinds)})"
+        method += (
+            f" · {plural(len(targets), 'linear layer')} ({', '.join(short_names(targets))})"  # as --dry-run
+        )
         if method.startswith("qlora"):
             method += " · base in 4-bit NF4"
     rows.append(("method", method))
