@@ -219,6 +219,9 @@ def test_recipes_show_resolved_prints_the_recipe_a_run_would_use(tmp_path, capsy
 def test_completion_scripts_for_a_named_shell(capsys):
     # Typer's options detect the shell and take no value: `--install-completion zsh` from bash
     # installed bash's script; named, the shell is the one asked for, and a wrong name is one line
+    assert main(["--show-completion", "bash"]) == 0  # no space after `key=` or a folder; names quoted
+    script = capsys.readouterr().out
+    assert "compopt -o nospace" in script and "printf '%q'" in script
     assert main(["--show-completion", "zsh"]) == 0
     assert capsys.readouterr().out.startswith("#compdef difftrain")
     assert main(["--show-completion=fish"]) == 0
@@ -261,10 +264,10 @@ def test_tab_completes_recipes_overrides_and_suites(monkeypatch, capsys, tmp_pat
         "diff2",
     ]
     assert _complete(monkeypatch, capsys, "bash", "difftrain pretrain mine.yaml model.arch=") == [
-        "=baseline",
-        "=diff",
-        "=diff2",
-    ]
+        "baseline",
+        "diff",
+        "diff2",
+    ]  # readline completes the word after the '='
     zsh = " ".join(_complete(monkeypatch, capsys, "zsh", "difftrain finetune x.yaml train.compile=t"))
     assert "train.compile=true" in zsh and "false" not in zsh
     assert _complete(monkeypatch, capsys, "bash", "difftrain eval runs/q --suite ppl,ne") == ["ppl,needle"]

@@ -231,6 +231,10 @@ def _shell_named(args: list[str]) -> bool:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the console script; returns the process exit code."""
     args = list(sys.argv[1:] if argv is None else argv)
+    if any(a.startswith(_COMPLETION_OPTIONS) for a in args):
+        from difftrain.cli.complete import use_bash_script
+
+        use_bash_script()
     shell_named = _shell_named(args) and _SHELL_CHOICE_ENV not in os.environ
     if shell_named:
         os.environ[_SHELL_CHOICE_ENV] = "1"

@@ -76,7 +76,8 @@ def override_items(ctx: Any, incomplete: str) -> list[tuple[str, str]]:
     zsh and fish pass `key=va` as one word. bash splits it at the `=` (COMP_WORDBREAKS): then
     the overrides parsed so far (ctx.params) end [..., key, "="] and only the value is replaced; with the cursor right
     after the `=`, the word being completed is the `=` itself, which click passes as "" after the
-    key, so a bare key before an empty word takes its values with the `=` in front."""
+    key, and readline replaces the empty text after the `=`: a bare key before an empty word
+    takes its values as they are."""
     from difftrain.recipe import explain_rows
 
     args = [str(a) for a in (getattr(ctx, "params", {}).get("overrides") or [])]
@@ -87,8 +88,8 @@ def override_items(ctx: Any, incomplete: str) -> list[tuple[str, str]]:
         return [] if row is None else [(f"{key}={c}", "") for c in _choices(row[1]) if c.startswith(typed)]
     if len(args) >= 2 and args[-1] == "=" and args[-2] in rows:
         return [(c, "") for c in _choices(rows[args[-2]][1]) if c.startswith(incomplete)]
-    if not incomplete and args and args[-1] in rows:
-        return [(f"={c}", "") for c in _choices(rows[args[-1]][1])]
+    if not incomplete and args and args[-1] in rows:  # readline completes the empty word after '='
+        return [(c, "") for c in _choices(rows[args[-1]][1])]
     return [
         (f"{key}=", f"{type_text} (default {default})" if default != "required" else type_text)
         for key, (_, type_text, default, _doc) in rows.items()
@@ -105,3 +106,38 @@ def suite_names(incomplete: str) -> list[tuple[str, str]]:
     taken = set(done.split(",")) if done else set()
     names = [*SUITES, "all"] if not done else list(SUITES)
     return [(prefix + n, "") for n in names if n.startswith(last) and n not in taken]
+
+
+BASH_SCRIPT = r"""
+%(complete_func)s() {
+    local IFS=$'\n' c i
+    COMPREPLY=( $( env COMP_WORDS="${COMP_WORDS[*]}" \
+                   COMP_CWORD=$COMP_CWORD \
+                   %(autocomplete_var)s=complete_bash $1 ) )
+    for i in "${!COMPREPLY[@]}"; do
+        c=${COMPREPLY[$i]}
+        # `key=` and `folder/` are typed on from: no space after them
+        [[ $c == *= || $c == */ ]] && compopt -o nospace
+        # a file name with a space or a shell character is inserted quoted
+        [[ $c == *[[:space:]\'\"\$\&\;\(\)\<\>\|\`]* ]] && COMPREPLY[$i]=$(printf '%%q' "$c")
+    done
+    return 0
+}
+
+complete -o default -F %(complete_func)s %(prog_name)s
+"""
+"""Typer's bash script, but with no space after a completed `key=` or folder (bash appended one:
+`train.max_steps= 100` is then refused) and file names quoted (a recipe named `my run.yaml` was
+split in two)."""
+
+
+def use_bash_script() -> None:
+    """Make `--show-completion bash` / `--install-completion bash` write `BASH_SCRIPT`. Typer keeps
+    its scripts in a private table; where this Typer has none, its own script stays."""
+    try:
+        from typer import _completion_shared
+    except ImportError:
+        return
+    scripts = getattr(_completion_shared, "_completion_scripts", None)
+    if isinstance(scripts, dict) and "bash" in scripts:
+        scripts["bash"] = BASH_SCRIPT
