@@ -764,7 +764,7 @@ def test_an_export_over_a_chat_models_folder_removes_its_chat_template_file(tmp_
 
 @pytest.mark.parametrize("bos_first", [False, True])
 def test_the_card_snippets_of_a_fine_tune_feed_the_tokens_difftrain_chat_and_generate_feed(
-    tmp_path, tok, bos_first
+    tmp_path, tok, bos_first, capsys
 ):
     # a fine-tuning example starts with its own text (difftrain's tokenizers) or after the <s> an
     # imported tokenizer puts first: the card prepended eos to the first and nothing to the second,
@@ -803,7 +803,10 @@ def test_the_card_snippets_of_a_fine_tune_feed_the_tokens_difftrain_chat_and_gen
     (run / "summary.json").write_text(json.dumps({"record_kinds": ["prompt/response"]}))
     export_hf(run, tmp_path / "hf2")
     expected = prompt_ids(tok, fmt.format(prompt="def fibonacci(n):"), document_start=False)
+    capsys.readouterr()
     assert card_ids(tmp_path / "hf2") == [expected]
+    # and it prints the whole prompt: its first token is text, not a start token to skip
+    assert capsys.readouterr().out.startswith(fmt.format(prompt="def fibonacci(n):"))
 
 
 def test_import_says_what_of_the_tokenizer_settings_it_does_not_keep(tmp_path, tok):

@@ -837,6 +837,7 @@ def _model_card(
     adds no start token to)."""
     import collections
 
+    first = ", 1:"  # the snippet prints the text after the start token (eos, or the tokenizer's own)
     if prompt_format is None:
         text = "def fibonacci(n):"
         start = (
@@ -854,6 +855,7 @@ def _model_card(
     else:  # an instruction fine-tune: its examples start with the prompt in its format
         text = prompt_format.format_map(collections.defaultdict(lambda: "...", prompt="def fibonacci(n):"))
         start = ""
+        first = ", 1:" if own_start else ""  # no start token before its prompt: all of it is text
         about = (
             "Fine-tuned on instruction records: the prompt is written in the run's finetune.prompt_format "
             f"({prompt_format!r}) and starts as its examples did, as `difftrain generate` samples it (the same "
@@ -874,7 +876,7 @@ def _model_card(
         f'model = AutoModelForCausalLM.from_pretrained("{out}")\n'
         f'ids = tok({text!r}, return_tensors="pt").input_ids\n'
         + start
-        + "print(tok.decode(model.generate(ids, max_new_tokens=64, do_sample=False)[0, 1:]))\n```\n\n"
+        + f"print(tok.decode(model.generate(ids, max_new_tokens=64, do_sample=False)[0{first}]))\n```\n\n"
         + about
         + f"`{SIDECAR}` holds difftrain's exact tensors for `difftrain import` and is ignored by transformers.\n"
         + (
