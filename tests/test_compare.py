@@ -351,10 +351,12 @@ def test_eval_on_another_source_keeps_the_validation_result_and_compare_shows_bo
         "needle": ["b-base"],
         "icl-order": ["b-base"],
     }
-    # with the options a-diff's result was measured with: the same windows, not today's default
-    assert cmp.commands["ppl@wiki"] == f"difftrain eval RUN --suite ppl --data {src} --windows 2"
+    # with the options and precision a-diff's result was measured with, not today's defaults
+    assert (
+        cmp.commands["ppl@wiki"] == f"difftrain eval RUN --suite ppl --data {src} --windows 2 --dtype float32"
+    )
     with pytest.raises(
-        RunDirError, match=f"has no `ppl@wiki` result .*--suite ppl --data {src} --windows 2`"
+        RunDirError, match=f"has no `ppl@wiki` result .*--suite ppl --data {src} --windows 2 --dtype float32`"
     ):
         compare_runs([a, b], ["ppl@wiki"])
 
@@ -408,7 +410,7 @@ def test_eval_on_another_source_keeps_the_validation_result_and_compare_shows_bo
         os.chdir(cwd)
     capsys.readouterr()
     assert compare_runs([a, b]).commands["ppl@notes"] == (
-        f"difftrain eval RUN --suite ppl --data {tmp_path / 'notes.jsonl'} --text-field body --windows 1"
+        f"difftrain eval RUN --suite ppl --data {tmp_path / 'notes.jsonl'} --text-field body --windows 1 --dtype float32"
     )
 
 

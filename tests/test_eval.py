@@ -716,7 +716,7 @@ def test_eval_show_prints_stored_results_without_running_and_notes_stale_ones(ru
     assert main(["eval", str(run), "--show"]) == 0
     # the rerun measures what the stale result did: its windows, not the default 32
     assert (
-        f"ppl predates the run's current weights; rerun `difftrain eval {run} --suite ppl --windows 2`"
+        f"ppl predates the run's current weights; rerun `difftrain eval {run} --suite ppl --windows 2 --dtype float32`"
         in (capsys.readouterr().err.replace("\n", ""))
     )
     assert main(["eval", str(run), "--show", "--json"]) == 0  # a script is told too: a flag and the note
@@ -1068,3 +1068,23 @@ def test_the_quant_table_prints_a_delta_that_rounds_to_zero_without_a_minus(runs
     render(doc, runs["baseline"])
     out = capsys.readouterr().out
     assert "+0.0000" in out and "-0.0000" not in out
+
+
+def test_a_rerun_command_carries_quants_needle_grid_and_the_precision():
+    # the hint dropped --with-needle and its grid (rerunning it lost the needle accuracy per bit
+    # width) and --dtype (a bfloat16 result came back float32)
+    from difftrain.evals.common import rerun_command
+
+    doc = {
+        "dtype": "bfloat16",
+        "settings": {
+            "bits": [16, 4],
+            "windows": 2,
+            "needle": {"lengths": [150], "depths": [0.5], "needles": [[1, 1]], "samples": 1, "seed": 9},
+        },
+    }
+    assert rerun_command("runs/e2", "quant", doc) == (
+        "difftrain eval runs/e2 --suite quant --windows 2 --bits 16,4 --with-needle --lengths 150 "
+        "--depths 0.5 --needles 1x1 --samples 1 --seed 9 --dtype bfloat16"
+    )
+    assert rerun_command("runs/e2", "quant", doc, dtype=False).endswith("--seed 9")

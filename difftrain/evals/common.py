@@ -341,10 +341,12 @@ def eval_options(settings: dict[str, Any], keys: list[str]) -> str:
     return " ".join(parts)
 
 
-def rerun_command(run_dir: Path | str, key: str, doc: dict[str, Any] | None = None) -> str:
+def rerun_command(
+    run_dir: Path | str, key: str, doc: dict[str, Any] | None = None, *, dtype: bool = True
+) -> str:
     """The `difftrain eval` command that (re)makes result `key` of a run; given the stored result
-    `doc`, with the options that reproduce its settings (`EVAL_OPTIONS`), and for a result on
-    `--data`, with the source it was evaluated on."""
+    `doc`, with the options that reproduce its settings (`EVAL_OPTIONS`, quant's needle grid) and
+    (`dtype`) its precision, and for a result on `--data`, with the source it was evaluated on."""
     suite, label = split_key(key)
     cmd = f"difftrain eval {shlex.quote(str(run_dir))} --suite {suite}"
     settings = (doc or {}).get("settings") or {}
@@ -358,8 +360,19 @@ def rerun_command(run_dir: Path | str, key: str, doc: dict[str, Any] | None = No
             cmd += f" --data-label {label}"
         if settings.get("text_field"):  # the records' field it read, or the rerun fails on them
             cmd += f" --text-field {shlex.quote(str(settings['text_field']))}"
-    options = eval_options(settings, [k for k in EVAL_OPTIONS if settings.get(k) is not None])
-    return f"{cmd} {options}" if options else cmd  # the grid, windows, seed... it was measured with
+    # the grid, windows, seed... it was measured with; quant's needle grid (--with-needle); its dtype
+    keys = [k for k in EVAL_OPTIONS if settings.get(k) is not None]
+    parts = [eval_options(settings, keys)]
+    needle = settings.get("needle")
+    if isinstance(needle, dict):
+        parts += [
+            "--with-needle",
+            eval_options(needle, [k for k in EVAL_OPTIONS if needle.get(k) is not None and k not in keys]),
+        ]
+    if dtype and (doc or {}).get("dtype"):
+        parts.append(f"--dtype {doc['dtype']}")  # type: ignore[index]
+    options = " ".join(p for p in parts if p)
+    return f"{cmd} {options}" if options else cmd
 
 
 def evaluated_source(data: str) -> str:

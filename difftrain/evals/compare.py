@@ -221,7 +221,7 @@ def _dtype_note(
     rec, doc = (other, b) if db != target else (first, a)
     return (
         f"{key}: {first.label} was evaluated in {da} and {other.label} in {db}; rerun "
-        f"`{rerun_command(rec.path, key, doc)} --dtype {target}` to compare them at one precision"
+        f"`{rerun_command(rec.path, key, doc, dtype=False)} --dtype {target}` to compare them at one precision"
     )
 
 
