@@ -316,6 +316,8 @@ def test_two_sources_reading_the_same_documents_are_refused(tmp_path: Path) -> N
     check_local_sources(
         DataConfig(sources=[{"source": "hf:json", "data_files": ["data[1].jsonl"]}]), tmp_path
     )
+    # and read as itself: datasets globs what it is given ([1] matched nothing: "StopIteration")
+    assert docs([{"source": "hf:json", "data_files": ["data[1].jsonl"]}], tmp_path) == ["x"]
 
 
 def test_hf_source_loads_local_json_through_datasets(tmp_path: Path) -> None:

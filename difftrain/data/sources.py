@@ -577,7 +577,8 @@ class Source:
                     str(local) if local is not None else name,
                     config,
                     split=split,
-                    data_files=[str(f) for f in files] if files else None,
+                    # each resolved file as itself: datasets globs what it is given (a[1].jsonl)
+                    data_files=[glob.escape(str(f)) for f in files] if files else None,
                     streaming=self.spec.streaming,
                 )
         except DataError:
