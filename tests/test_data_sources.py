@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import os
 import re
 import socket
 from pathlib import Path
@@ -603,3 +604,22 @@ def test_a_windows_style_path_is_told_to_use_slashes(tmp_path: Path) -> None:
         with pytest.raises(DataError, match=r"does not exist; fix the path .*separate folders with /"):
             check_local_sources(DataConfig(sources=[raw]), tmp_path)
     check_local_sources(DataConfig(sources=["data/train.txt"]), tmp_path)
+
+
+def test_eval_reads_a_chat_dataset_as_records_as_it_reads_a_chat_jsonl(tmp_path: Path) -> None:
+    # an hf: dataset of `messages` given to `eval --data` on a chat fine-tune was read as text (and
+    # refused), while the same records as .jsonl or .parquet were rendered through the template
+    import datasets
+
+    from difftrain.evals.common import data_source, holds_records
+
+    msgs = [[{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]]
+    datasets.Dataset.from_dict({"messages": msgs}).save_to_disk(str(tmp_path / "chat"))
+    (tmp_path / "chat.jsonl").write_text(json.dumps({"messages": msgs[0]}) + "\n")
+    cwd = os.getcwd()
+    os.chdir(tmp_path)
+    try:
+        assert holds_records(data_source("chat.jsonl")) and holds_records(data_source("hf:./chat"))
+        assert not holds_records(data_source("hf:./chat", text_field="messages"))  # --text-field: as text
+    finally:
+        os.chdir(cwd)

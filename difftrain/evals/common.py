@@ -692,8 +692,7 @@ def holds_records(source: Any) -> bool:
     names = source.record_fields()
     if names is None:  # not known before reading: read as records, whose reader names any problem
         return True
-    if spec.kind == "hf":
-        return spec.prompt_field in names
+    # (a dataset's `messages` column too: a chat dataset was read as text and refused)
     return spec.prompt_field in names or ("messages" in names and spec.text_field not in names)
 
 
