@@ -755,9 +755,12 @@ def test_an_export_over_a_chat_models_folder_removes_its_chat_template_file(tmp_
     hf_checkpoint(tok, "diffllama").save_pretrained(folder)
     (folder / "chat_template.jinja").write_text("{% for m in messages %}OLD {{ m['content'] }}{% endfor %}")
     (folder / "added_tokens.json").write_text('{"<|old|>": 9999}')
+    (folder / "additional_chat_templates").mkdir()  # named templates, read too
+    (folder / "additional_chat_templates" / "tool_use.jinja").write_text("X")
     run = write_run(tmp_path / "run", build_model(tok, "diff", 8, 4), tok)
     res = export_hf(run, folder, overwrite=True)
     assert not (folder / "chat_template.jinja").exists() and not (folder / "added_tokens.json").exists()
+    assert not (folder / "additional_chat_templates").exists()
     assert any("chat_template.jinja, added_tokens.json" in n for n in res.notes)
     assert AutoTokenizer.from_pretrained(folder).chat_template is None
 

@@ -64,6 +64,7 @@ import json
 import math
 import os
 import re
+import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -720,6 +721,9 @@ def export_hf(
             "which would shadow this export's for a reader that looks for shards first"
         )
     stale_tokenizer = [out / n for n in STALE_TOKENIZER_FILES if (out / n).is_file()]
+    stale_tokenizer += [
+        out / n for n in STALE_TOKENIZER_FOLDERS if (out / n).is_dir() and not (out / n).is_symlink()
+    ]
     if stale_tokenizer:
         notes.append(
             f"removed the folder's earlier {', '.join(p.name for p in stale_tokenizer)}, which transformers "
@@ -729,7 +733,10 @@ def export_hf(
     bos, eos, pad = tok.bos_id, tok.eos_id, tok.pad_id
     atomic_save_safetensors(out / WEIGHTS, hf_sd, metadata={"format": "pt"})
     for path in stale:
-        path.unlink(missing_ok=True)
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
     atomic_save_safetensors(
         out / SIDECAR,
         exact,
@@ -795,6 +802,10 @@ chat template file wins over tokenizer_config.json's chat_template (an export of
 a chat model's folder would still chat), added_tokens.json adds tokens, and the slow tokenizers'
 files (tokenizer.model, vocab.json + merges.txt) are what a slow or sentencepiece tokenizer
 loads. An --overwrite export removes them, as it removes earlier shards."""
+
+STALE_TOKENIZER_FOLDERS = ("additional_chat_templates",)
+"""Folders of the same kind: transformers reads the named chat templates in
+additional_chat_templates/ (and, with no default among them, refuses to render a chat)."""
 
 SHARD_NAME = re.compile(r"model-\d+-of-\d+\.safetensors")
 """How transformers names the shards of a sharded checkpoint (model-00001-of-00003.safetensors)."""
