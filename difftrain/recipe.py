@@ -1003,12 +1003,7 @@ def apply_overrides(data: dict[str, Any], overrides: list[str], folder: Path | N
                 "the file (or give the other recipe as RECIPE and this one's keys as overrides)"
             )
         section = Recipe.model_fields.get(keys[0]) if len(keys) == 1 else None
-        if (  # (finetune=null unsets the fine-tune: the recipe pretrains)
-            section is not None
-            and value is None
-            and _model_in(section.annotation) is not None
-            and keys[0] != "finetune"
-        ):
+        if section is not None and value is None and _model_in(section.annotation) is not None:
             raise RecipeError(
                 f"override `{text}` gives the section {keys[0]} no value; set its keys, e.g. "
                 f"`{keys[0]}.KEY=value` or `{keys[0]}={{KEY: value}}`"
@@ -1126,6 +1121,11 @@ def format_validation_error(
                 if inside:
                     set_keys = ", ".join(f"`{k}`" for k in inside)
                     place = f"{place + ', ' if place else ''}with override {set_keys}"
+                elif len(loc) > 1:  # a key missing from a section only the command line made
+                    section = ".".join(str(p) for p in loc[:-1])
+                    beside = sorted(k for k in overridden if k.startswith(section + "."))
+                    if beside and not any(k == section or k.startswith(section + ".") for k in where or {}):
+                        place = "override " + ", ".join(f"`{k}`" for k in beside)
         if err["type"] == "extra_forbidden":
             parent = _submodel(model, loc[:-1])
             options = list(parent.model_fields) if parent else []
@@ -1189,6 +1189,7 @@ def format_validation_error(
         elif err["type"] in ("model_type", "model_attributes_type", "dict_type"):  # `train: 5`
             given = err.get("input")
             shown = repr(given) if len(repr(given)) < 60 else type(given).__name__
+            shown = "empty (null)" if given is None else shown  # YAML's word, not Python's None
             section = _submodel(model, loc)
             example = f" such as `{dotted}.{next(iter(section.model_fields))}`" if section else ""
             msgs.append(

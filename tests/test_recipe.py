@@ -714,3 +714,15 @@ def test_chat_roles_given_in_part_say_they_replace_the_default_roles(tmp_path):
         RecipeError, match=r"roles replaces the default roles \(system, user, assistant\) as a whole"
     ):
         load_recipe(p, ['finetune.chat_template.roles={user: "U: {content}"}'])
+
+
+def test_a_key_missing_from_a_section_the_command_line_made_names_the_override(tmp_path):
+    # it blamed the recipe file (a shipped one too) for a finetune section only the override made
+    p = write(tmp_path, MINIMAL)
+    with pytest.raises(RecipeError, match=r"^override `finetune.method`: missing key `finetune.base`"):
+        load_recipe(p, ["finetune.method=full"])
+    with pytest.raises(RecipeError, match="gives the section finetune no value"):
+        load_recipe(p, ["finetune=null"])
+    q = write(tmp_path, MINIMAL + "finetune:\n  base: runs/base\n", "ft.yaml")
+    with pytest.raises(RecipeError, match=r"must be a section of keys .*, not empty \(null\)"):
+        load_recipe(q, ["finetune.lora=null"])
