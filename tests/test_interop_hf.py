@@ -818,15 +818,25 @@ def test_import_says_what_of_the_tokenizer_settings_it_does_not_keep(tmp_path, t
     hf_dir = tmp_path / "hf"
     hf_checkpoint(tok, "llama").save_pretrained(hf_dir)
     tok.save(hf_dir / "tokenizer.json")
+    cfg = json.loads((hf_dir / "config.json").read_text())  # the eos ids transformers' defaults set
+    (hf_dir / "config.json").write_text(json.dumps({**cfg, "eos_token_id": tok.eos_id}))
+    (hf_dir / "generation_config.json").unlink()
     (hf_dir / "tokenizer_config.json").write_text(
         json.dumps({"eos_token": {"content": "<|end|>"}, "chat_template": "{{ messages }}"})
     )
     notes = import_hf(hf_dir, tmp_path / "run").notes
     end = tok.token_to_id("<|end|>")
     assert (
-        f"the checkpoint declares eos <|end|> (id {end}); difftrain ends documents and generations at <|eos|>"
-        in (" ".join(notes))
+        f"the checkpoint declares <|end|> (id {end}, tokenizer_config.json) as an end of text; difftrain ends "
+        "documents and generations at <|eos|>" in " ".join(notes)
     )
     assert any(n.startswith("the checkpoint's chat template is not imported") for n in notes)
     (hf_dir / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|eos|>"}))
     assert import_hf(hf_dir, tmp_path / "run2").notes == []
+    # declared elsewhere: in special_tokens_map.json, or generation_config.json's stop ids
+    (hf_dir / "special_tokens_map.json").write_text(json.dumps({"eos_token": "<|end|>"}))
+    notes = import_hf(hf_dir, tmp_path / "run3").notes
+    assert any("<|end|> (id" in n and "special_tokens_map.json" in n for n in notes)
+    (hf_dir / "special_tokens_map.json").unlink()
+    (hf_dir / "generation_config.json").write_text(json.dumps({"eos_token_id": [tok.eos_id, end]}))
+    assert any("generation_config.json" in n for n in import_hf(hf_dir, tmp_path / "run4").notes)

@@ -946,17 +946,21 @@ def _restore_sidecar(
     return saved, cand, True, [f"restored difftrain's exact config and {len(tensors)} tensors from {SIDECAR}"]
 
 
+def _json_or_empty(path: Path) -> dict[str, Any]:
+    """A JSON object file's contents; {} where it is missing, unreadable or not an object."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
 def _tokenizer_notes(src: Path, tok: Any) -> list[str]:
     """What of the checkpoint's tokenizer settings the run does not keep: its chat template
     (difftrain's chat and fine-tunes use finetune.chat_template) and an end-of-text token it
     declares that is not the one difftrain finds by name (documents and replies end at that)."""
     notes = []
-    cfg: dict[str, Any] = {}
-    try:
-        loaded = json.loads((src / "tokenizer_config.json").read_text(encoding="utf-8"))
-        cfg = loaded if isinstance(loaded, dict) else {}
-    except (OSError, ValueError):
-        pass
+    cfg = _json_or_empty(src / "tokenizer_config.json")
     if cfg.get("chat_template") or any(
         (src / n).is_file() for n in ("chat_template.jinja", "chat_template.json")
     ):
@@ -964,16 +968,27 @@ def _tokenizer_notes(src: Path, tok: Any) -> list[str]:
             "the checkpoint's chat template is not imported: `difftrain chat` and fine-tunes render chats with "
             "finetune.chat_template (a fine-tune on chat records writes it into the run)"
         )
-    declared = cfg.get("eos_token")
-    declared = declared.get("content") if isinstance(declared, dict) else declared
-    if isinstance(declared, str) and declared:
-        declared_id = tok.token_to_id(declared)
-        if declared_id is not None and declared_id != tok.eos_id:
-            notes.append(
-                f"the checkpoint declares eos {declared} (id {declared_id}); difftrain ends documents and "
-                f"generations at {tok.id_to_token(tok.eos_id)} (id {tok.eos_id}), the end-of-text token it "
-                "finds by name, and an export declares that one"
-            )
+    declared: dict[int, str] = {}  # id → where it is declared as eos (or as a stop token)
+    for name in ("tokenizer_config.json", "special_tokens_map.json"):
+        data = cfg if name == "tokenizer_config.json" else _json_or_empty(src / name)
+        token = data.get("eos_token")
+        token = token.get("content") if isinstance(token, dict) else token
+        i = tok.token_to_id(token) if isinstance(token, str) and token else None
+        if i is not None:
+            declared.setdefault(i, name)
+    for name in ("generation_config.json", CONFIG):
+        ids = _json_or_empty(src / name).get("eos_token_id")
+        for i in ids if isinstance(ids, list) else [ids]:
+            if isinstance(i, int) and not isinstance(i, bool) and 0 <= i < tok.vocab_size:
+                declared.setdefault(i, name)
+    others = {i: where for i, where in declared.items() if i != tok.eos_id}
+    if others:
+        listed = ", ".join(f"{tok.id_to_token(i)} (id {i}, {where})" for i, where in sorted(others.items()))
+        notes.append(
+            f"the checkpoint declares {listed} as an end of text; difftrain ends documents and generations at "
+            f"{tok.id_to_token(tok.eos_id)} (id {tok.eos_id}), the end-of-text token it finds by name, and an "
+            "export declares that one"
+        )
     return notes
 
 
