@@ -823,7 +823,9 @@ def odd_base(tmp_path_factory, base_run) -> Path:
     return pretrain(load_recipe(p)).run_dir
 
 
-def test_a_base_vocabulary_that_is_no_multiple_of_64_is_kept_or_grown_and_resumes(ws, tmp_path, odd_base):
+def test_a_base_vocabulary_that_is_no_multiple_of_64_is_kept_or_grown_and_resumes(
+    ws, tmp_path, odd_base, capsys
+):
     base_vocab = json.loads((odd_base / "config.json").read_text())["vocab_size"]
     assert base_vocab % 64 != 0
     # no token added: the rows stay as they are (they were rounded up to a multiple of 64, and the
@@ -836,7 +838,11 @@ def test_a_base_vocabulary_that_is_no_multiple_of_64_is_kept_or_grown_and_resume
     # a token added: grown to a multiple of 64; resumed from the run's own recipe.yaml (which
     # records the grown vocabulary, and was refused as "model.vocab_size differs from the base")
     p = tool_template_recipe(ws, tmp_path, "grow-odd", records=4, base=odd_base)
-    run = finetune(load_recipe(p)).run_dir
+    capsys.readouterr()
+    assert main(["finetune", str(p), "--no-progress"]) == 0
+    run = tmp_path / "runs" / "grow-odd"
+    out = " ".join(capsys.readouterr().out.split())  # the base's vocabulary, then what it grew to
+    assert f"vocab {base_vocab} " in out and f"(vocab {base_vocab} → 320)" in out
     assert json.loads((run / "config.json").read_text())["vocab_size"] == 64 * -(-(base_vocab + 1) // 64)
     resumed = finetune(load_recipe(run / "recipe.yaml", ["train.max_steps=3"]), resume=True)
     assert resumed.run_dir == run and load_run(run).model.lm_head.weight.shape[0] % 64 == 0

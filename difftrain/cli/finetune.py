@@ -59,7 +59,8 @@ def _start_table(info: dict[str, Any]) -> None:
         ),
         (
             "base",
-            f"{info['base']} · {m.arch} · d_model {m.d_model} · {plural(m.n_layers, 'layer')} · vocab {m.vocab_size}",
+            f"{info['base']} · {m.arch} · d_model {m.d_model} · {plural(m.n_layers, 'layer')} · vocab "
+            f"{info.get('base_vocab_size', m.vocab_size)}",
         ),
     ]
     method = ft.method
@@ -102,7 +103,8 @@ def _start_table(info: dict[str, Any]) -> None:
         rows += skipped_records_row(info["data"].stats.bad_records, prepared_bad_examples(info["data"]))
         rows += json_as_text_row(info["data"].stats)
     if info.get("new_tokens"):
-        rows.append(("new tokens", ", ".join(f"{k} → {v}" for k, v in info["new_tokens"].items())))
+        grown = f" (vocab {info['base_vocab_size']} → {m.vocab_size})" if "base_vocab_size" in info else ""
+        rows.append(("new tokens", ", ".join(f"{k} → {v}" for k, v in info["new_tokens"].items()) + grown))
     rows += [
         (
             "batch",

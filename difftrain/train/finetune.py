@@ -566,6 +566,7 @@ def finetune(
     model_cfg = _grown_model(plan, tokenizer)
     vocab_size, r = model_cfg.vocab_size, plan.recipe
     info["new_tokens"] = {tokenizer.id_to_token(i): i for i in new_ids}
+    info["base_vocab_size"] = int(load_config(base).vocab_size)  # (model_cfg's is the grown one)
 
     resume_flag: bool | str = t.resume if resume is None else resume
     resuming, point = dist.on_rank_zero(
