@@ -1143,6 +1143,8 @@ def format_validation_error(
             msgs.append(f"{place + ': ' if place else ''}unknown key `{dotted}`{suggestion}{valid}")
         elif err["type"] == "missing" and loc and isinstance(loc[-1], int):  # a tuple too short
             parent = ".".join(str(p) for p in loc[:-1])
+            if any(f"`{parent}` has too few values" in m for m in msgs):  # one line per list, not per item
+                continue
             msgs.append(
                 f"{place + ': ' if place else ''}`{parent}` has too few values (no item {loc[-1]})"
                 + _list_example(model, loc[:-1], parent)
@@ -1166,8 +1168,7 @@ def format_validation_error(
                 )
                 continue
             if listed:  # `0.9,0.99` or `(0.9,0.99)`: the same items in brackets
-                inner = given.strip()
-                inner = inner[1:-1] if inner[:1] + inner[-1:] in ("()", "[]") else inner
+                inner = given.strip().strip("[]()")  # (0.9,0.99), [0.9,0.99]] ...: the values alone
             msgs.append(
                 f"{place + ': ' if place else ''}{what}={given!r} must be a list in brackets"
                 + (f", e.g. `{dotted}=[{inner}]`" if listed else _list_example(model, loc, dotted))

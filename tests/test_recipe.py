@@ -229,6 +229,15 @@ def test_bad_override_says_override(tmp_path):
             "optim.betas=[0.9,0.95,0.99]",
             "override `optim.betas` has too many values (it takes 2); give 2, e.g. `optim.betas=[0.9,0.95]`",
         ),
+        (  # one bracket too many: the example is the values in brackets, not the input again
+            "optim.betas=[0.9,0.95]]",
+            "override `optim.betas`='[0.9,0.95]]' must be a list in brackets, e.g. `optim.betas=[0.9,0.95]`",
+        ),
+        (  # one line for the list, not one per missing item
+            "optim.betas=[]",
+            "override `optim.betas`: `optim.betas` has too few values (no item 0); give all 2, e.g. "
+            "`optim.betas=[0.9,0.95]`",
+        ),
         (  # an unclosed bracket was read as a path: "[data/train.txt matches no files"
             "data.sources=[corpus",
             "override `data.sources=[corpus`: the value has an unclosed `[`; write it as `data.sources=[a, b]` "
