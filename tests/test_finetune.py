@@ -847,3 +847,23 @@ def test_a_base_vocabulary_that_is_no_multiple_of_64_is_kept_or_grown_and_resume
     resumed = finetune(load_recipe(run / "recipe.yaml", ["train.max_steps=3"]), resume=True)
     assert resumed.run_dir == run and load_run(run).model.lm_head.weight.shape[0] % 64 == 0
     assert main(["finetune", str(run / "recipe.yaml"), "--dry-run", "--resume", "train.max_steps=4"]) == 0
+
+
+def test_eval_on_builtin_text_of_a_fine_tune_with_its_own_record_fields(ws, tmp_path, capsys):
+    # the run's prompt_field/response_field were passed to every --data source, and a builtin
+    # corpus (which has no fields) then refused them: no perplexity on the stdlib for such a run
+    data = tmp_path / "qa.jsonl"
+    data.write_text(
+        "".join(json.dumps({"q": f"def f{i}(a):\n", "a": "    return a\n"}) + "\n" for i in range(12))
+    )
+    p = ws(name="qa", steps=1, save_every=1, data=data)
+    p.write_text(
+        p.read_text().replace(
+            f"sources: [{data}]", f"sources: [{{source: {data}, prompt_field: q, response_field: a}}]"
+        )
+    )
+    run = finetune(load_recipe(p)).run_dir
+    capsys.readouterr()
+    assert (
+        main(["eval", str(run), "--data", "builtin:python-stdlib", "--windows", "1", "--suite", "ppl"]) == 0
+    ), capsys.readouterr().err

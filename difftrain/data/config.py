@@ -191,7 +191,8 @@ class SourceSpec(BaseModel):
                 if getattr(self, f) != type(self).model_fields[f].default
             ]
             if fields:  # a builtin corpus is text (or its own records): a field would be ignored
-                raise ValueError(f"{', '.join(fields)} applies to record files and datasets, not to '{src}'")
+                verb = "applies" if len(fields) == 1 else "apply"
+                raise ValueError(f"{', '.join(fields)} {verb} to record files and datasets, not to '{src}'")
         if not src.startswith("hf:"):
             if self.data_files is not None:
                 raise ValueError("'data_files' applies only to hf: sources (e.g. source: 'hf:json')")

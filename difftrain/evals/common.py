@@ -843,8 +843,13 @@ def eval_windows(
             pass
         template = records_as_text(own) if own is not None and text_field is None else None
         fields: dict[str, Any] = {}
-        if template is not None and own is not None and own.data.sources:
-            first = own.data.sources[0]  # the record fields the run was fine-tuned with
+        if (
+            template is not None
+            and own is not None
+            and own.data.sources
+            and not str(data).startswith("builtin:")
+        ):
+            first = own.data.sources[0]  # the record fields the run was fine-tuned with (a builtin has none)
             fields = {"prompt_field": first.prompt_field, "response_field": first.response_field}
         source = data_source(str(data), text_field, **fields)
         source_label = source.label
