@@ -305,3 +305,47 @@ def read_summary(path: Path) -> dict:
         raise RunDirError(
             f"{f} is not valid JSON ({e}); delete it, it is rewritten at the end of training"
         ) from e
+
+
+@dataclass(frozen=True)
+class PromptSettings:
+    """How a run reads a prompt, from its recipe.yaml: `instruction` (fine-tuned on instruction
+    records, else documents), the `prompt_format` they were written in, and its chat template
+    (a `ChatTemplateConfig`; None: the default one)."""
+
+    instruction: bool = False
+    prompt_format: str = "{prompt}"
+    chat: object = None
+
+
+def prompt_settings(run_path: Path | str) -> PromptSettings:
+    """Read the run's recipe.yaml: an instruction fine-tune gives its formats, anything else
+    (pretraining, continued pretraining on text, no readable recipe) reads documents. (`generate`,
+    `chat` and the exported model card read a run's prompts alike through this.)"""
+    import yaml
+
+    try:
+        data = yaml.safe_load((Path(run_path) / RECIPE).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, yaml.YAMLError):
+        return PromptSettings()
+    ft = data.get("finetune") if isinstance(data, dict) else None
+    if not isinstance(ft, dict):
+        return PromptSettings()
+    chat = None
+    try:
+        from difftrain.recipe import ChatTemplateConfig
+
+        if ft.get("chat_template") is not None:
+            chat = ChatTemplateConfig(**ft["chat_template"])
+    except Exception:  # an unreadable template: fall back to the default one
+        chat = None
+    fmt = ft.get("data_format", "auto")
+    if fmt == "auto":
+        try:
+            from difftrain.recipe import recipe_from_dict, resolve_data_format
+
+            fmt = resolve_data_format(recipe_from_dict(data, Path(run_path)))
+        except Exception:  # the recipe no longer validates here: assume instruction tuning
+            fmt = "instruction"
+    prompt_format = ft.get("prompt_format") if isinstance(ft.get("prompt_format"), str) else "{prompt}"
+    return PromptSettings(instruction=fmt == "instruction", prompt_format=prompt_format, chat=chat)

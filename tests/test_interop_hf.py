@@ -840,3 +840,29 @@ def test_import_says_what_of_the_tokenizer_settings_it_does_not_keep(tmp_path, t
     (hf_dir / "special_tokens_map.json").unlink()
     (hf_dir / "generation_config.json").write_text(json.dumps({"eos_token_id": [tok.eos_id, end]}))
     assert any("generation_config.json" in n for n in import_hf(hf_dir, tmp_path / "run4").notes)
+
+
+def test_the_card_of_a_fine_tune_reads_the_runs_recipe_and_survives_any_prompt_format(tmp_path, tok):
+    # a whole run recipe (the card test above writes a partial one, read through the fallback), and
+    # formats training accepts that the card's example could not fill: export crashed with a
+    # traceback after writing the weights, leaving a folder without config.json
+    import yaml
+
+    from difftrain.rundir import prompt_settings
+
+    run = write_run(tmp_path / "run", build_model(tok, "diff"), tok)
+    recipe = {
+        "name": "run",
+        "finetune": {"base": "runs/base", "prompt_format": "{meta[lang]} Q{id:03d}: {prompt}\n"},
+        "data": {"sources": ["qa.jsonl"]},
+        "train": {"max_steps": 1},
+    }
+    (run / "recipe.yaml").write_text(yaml.safe_dump(recipe))
+    st = prompt_settings(run)
+    assert st.instruction and st.prompt_format == recipe["finetune"]["prompt_format"]
+    (run / "recipe.yaml").write_text(yaml.safe_dump({**recipe, "data": {"sources": ["notes.txt"]}}))
+    assert not prompt_settings(run).instruction  # continued pretraining on text reads documents
+    (run / "recipe.yaml").write_text(yaml.safe_dump(recipe))
+    export_hf(run, tmp_path / "hf")
+    card = (tmp_path / "hf" / "README.md").read_text()
+    assert "{meta[lang]} Q{id:03d}" in card and (tmp_path / "hf" / "config.json").is_file()

@@ -183,35 +183,11 @@ class PromptStyle:
 
 
 def prompt_style(run_path: Path) -> PromptStyle:
-    """Read the run's recipe.yaml: an instruction fine-tune gives its formats, anything else
-    (pretraining, continued pretraining on text, no readable recipe) reads documents."""
-    import yaml
+    """The run's `PromptStyle`, from its recipe.yaml (`rundir.prompt_settings`)."""
+    from difftrain.rundir import prompt_settings
 
-    try:
-        data = yaml.safe_load((Path(run_path) / "recipe.yaml").read_text(encoding="utf-8"))
-    except (OSError, yaml.YAMLError):
-        return PromptStyle()
-    ft = data.get("finetune") if isinstance(data, dict) else None
-    if not isinstance(ft, dict):
-        return PromptStyle()
-    chat = None
-    try:
-        from difftrain.recipe import ChatTemplateConfig
-
-        if ft.get("chat_template") is not None:
-            chat = ChatTemplateConfig(**ft["chat_template"])
-    except Exception:  # an unreadable template: fall back to the default one
-        chat = None
-    fmt = ft.get("data_format", "auto")
-    if fmt == "auto":
-        try:
-            from difftrain.recipe import recipe_from_dict, resolve_data_format
-
-            fmt = resolve_data_format(recipe_from_dict(data, Path(run_path)))
-        except Exception:  # the recipe no longer validates here: assume instruction tuning
-            fmt = "instruction"
-    prompt_format = ft.get("prompt_format") if isinstance(ft.get("prompt_format"), str) else "{prompt}"
-    return PromptStyle(instruction=fmt == "instruction", prompt_format=prompt_format, chat=chat)
+    st = prompt_settings(run_path)
+    return PromptStyle(instruction=st.instruction, prompt_format=st.prompt_format, chat=st.chat)
 
 
 def _record_kinds(run_path: Path) -> list[str] | None:

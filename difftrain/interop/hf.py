@@ -731,6 +731,27 @@ def export_hf(
         )
         stale += stale_tokenizer
     bos, eos, pad = tok.bos_id, tok.eos_id, tok.pad_id
+    # everything the export writes is made before the first write (a failure leaves the folder as it was)
+    chat = run_chat_template(run_path)
+    tokenizer_files = hf_tokenizer_files(tok, config.max_seq_len, chat)
+    if chat is not None:
+        notes.append(
+            "a chat fine-tune: its chat template is written as tokenizer_config.json's chat_template"
+        )
+    own_start = tok.document_start_id != tok.eos_id  # an imported tokenizer that puts its bos first
+    from difftrain.rundir import prompt_settings
+
+    style = prompt_settings(run_path)
+    card = _model_card(
+        config,
+        cls,
+        run_path,
+        out,
+        own_start=own_start,
+        chat=chat is not None,
+        prompt_format=style.prompt_format if style.instruction else None,
+        start_token="tok.bos_token_id" if tok.document_start_id == bos else str(tok.document_start_id),
+    )
     atomic_save_safetensors(out / WEIGHTS, hf_sd, metadata={"format": "pt"})
     for path in stale:
         if path.is_dir() and not path.is_symlink():
@@ -750,12 +771,6 @@ def export_hf(
     atomic_write_bytes(
         out / TOKENIZER, tok.to_str().encode("utf-8") if tok.path is None else Path(tok.path).read_bytes()
     )
-    chat = run_chat_template(run_path)
-    tokenizer_files = hf_tokenizer_files(tok, config.max_seq_len, chat)
-    if chat is not None:
-        notes.append(
-            "a chat fine-tune: its chat template is written as tokenizer_config.json's chat_template"
-        )
     for name, text in tokenizer_files.items():
         atomic_write_text(out / name, text)
     # a chat fine-tune's reply ends at its template's end of turn (<|end|>), where `difftrain chat`
@@ -764,20 +779,6 @@ def export_hf(
     stop_ids: int | list[int] = eos if end_id is None or end_id == eos else [eos, end_id]
     atomic_write_json(
         out / "generation_config.json", {"bos_token_id": bos, "eos_token_id": stop_ids, "pad_token_id": pad}
-    )
-    own_start = tok.document_start_id != tok.eos_id  # an imported tokenizer that puts its bos first
-    from difftrain.cli.generate import prompt_style  # (reads the run's recipe.yaml; no torch)
-
-    style = prompt_style(run_path)
-    card = _model_card(
-        config,
-        cls,
-        run_path,
-        out,
-        own_start=own_start,
-        chat=chat is not None,
-        prompt_format=style.prompt_format if style.instruction else None,
-        start_token="tok.bos_token_id" if tok.document_start_id == bos else str(tok.document_start_id),
     )
     atomic_write_text(out / "README.md", card)
     atomic_write_json(out / CONFIG, hf_config_dict(config, bos_id=bos, eos_id=eos, pad_id=pad, dtype=dtype))
@@ -864,7 +865,12 @@ def _model_card(
             "so a prompt starts after one, as `difftrain generate` samples it (the same greedy tokens). "
         )
     else:  # an instruction fine-tune: its examples start with the prompt in its format
-        text = prompt_format.format_map(collections.defaultdict(lambda: "...", prompt="def fibonacci(n):"))
+        try:  # a record's other fields shown as ...; a format that needs more ({meta[lang]}, {id:03d}) as it is
+            text = prompt_format.format_map(
+                collections.defaultdict(lambda: "...", prompt="def fibonacci(n):")
+            )
+        except (KeyError, IndexError, TypeError, ValueError, AttributeError):
+            text = prompt_format
         start = ""
         first = ", 1:" if own_start else ""  # no start token before its prompt: all of it is text
         about = (
