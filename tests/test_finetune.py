@@ -847,6 +847,11 @@ def test_a_base_vocabulary_that_is_no_multiple_of_64_is_kept_or_grown_and_resume
     resumed = finetune(load_recipe(run / "recipe.yaml", ["train.max_steps=3"]), resume=True)
     assert resumed.run_dir == run and load_run(run).model.lm_head.weight.shape[0] % 64 == 0
     assert main(["finetune", str(run / "recipe.yaml"), "--dry-run", "--resume", "train.max_steps=4"]) == 0
+    # a fresh recipe may not set more rows than its base has (they would stay at the mean, untrained)
+    with pytest.raises(
+        RecipeError, match=f"model.vocab_size=4096 but the base run .* has vocab_size={base_vocab}"
+    ):
+        finetune(load_recipe(ws(name="big", base=odd_base), ["model.vocab_size=4096"]))
 
 
 def test_eval_on_builtin_text_of_a_fine_tune_with_its_own_record_fields(ws, tmp_path, capsys):

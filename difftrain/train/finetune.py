@@ -154,8 +154,8 @@ def apply_model_keys(recipe: Recipe, base_cfg: Any, base: str) -> Any:
     if updates.get("vocab_size") == "auto":
         updates.pop("vocab_size")
     for k, v in updates.items():
-        if k == "vocab_size" and v > base_cfg.vocab_size:
-            continue  # more rows: a run that grew its vocabulary records it so (its recipe.yaml)
+        if k == "vocab_size" and v > base_cfg.vocab_size and recipe._own_run_dir is not None:
+            continue  # a run's own recipe.yaml: one that grew its vocabulary records the grown size
         if k not in CHANGEABLE_MODEL_KEYS and v != getattr(base_cfg, k):
             raise RecipeError(
                 f"model.{k}={v} but {base} has {k}={getattr(base_cfg, k)}: a fine-tune keeps the "
