@@ -294,3 +294,10 @@ def test_recipes_cp_to_another_name_says_the_copy_keeps_the_originals_run_name(t
     )
     assert main(["recipes", "cp", "quickstart", "quickstart.yaml"]) == 0  # the same name: nothing to say
     assert "its name" not in capsys.readouterr().out
+
+
+def test_recipe_completion_of_a_path_in_the_root_folder_stays_absolute():
+    # "/x".rpartition("/") has no folder: it listed the current folder and dropped the "/"
+    from difftrain.cli.complete import recipe_refs
+
+    assert ("/tmp/", "folder") in recipe_refs("/tm")

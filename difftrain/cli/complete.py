@@ -36,7 +36,9 @@ def _first_line(text: str) -> str:
 def _recipe_files(incomplete: str) -> list[tuple[str, str]]:
     """.yaml/.yml files and folders whose path starts with `incomplete` (hidden ones only when
     the typed name starts with a dot)."""
-    folder, _, stem = incomplete.rpartition("/")
+    folder, slash, stem = incomplete.rpartition("/")
+    if slash and not folder:  # "/x": in the root folder
+        folder = "/"
     base = Path(os.path.expanduser(folder)) if folder else Path(".")
     try:
         entries = sorted(base.iterdir(), key=lambda p: p.name)
@@ -47,7 +49,7 @@ def _recipe_files(incomplete: str) -> list[tuple[str, str]]:
         name = entry.name
         if not name.startswith(stem) or (name.startswith(".") and not stem.startswith(".")):
             continue
-        shown = f"{folder}/{name}" if folder else name
+        shown = f"{folder.rstrip('/')}/{name}" if folder else name
         try:
             if entry.is_dir():
                 out.append((shown + "/", "folder"))
@@ -119,7 +121,13 @@ BASH_SCRIPT = r"""
         # `key=` and `folder/` are typed on from: no space after them
         [[ $c == *= || $c == */ ]] && compopt -o nospace
         # a file name with a space or a shell character is inserted quoted
-        [[ $c == *[[:space:]\'\"\$\&\;\(\)\<\>\|\`]* ]] && COMPREPLY[$i]=$(printf '%%q' "$c")
+        if [[ $c == *[[:space:]\'\"\$\&\;\(\)\<\>\|\`]* ]]; then
+            if [[ $c == "~/"* ]]; then  # ~ stays unquoted, or the shell would not expand it
+                COMPREPLY[$i]="~/$(printf '%%q' "${c#\~/}")"
+            else
+                COMPREPLY[$i]=$(printf '%%q' "$c")
+            fi
+        fi
     done
     return 0
 }
