@@ -532,8 +532,8 @@ class Recipe(_Section):
 
     def with_absolute_paths(self) -> Recipe:
         """A copy whose relative local paths are absolute: data sources that are paths, hf: sources
-        that name a local folder and the data_files of hf: sources, tokenizer.path (against
-        `recipe_dir`), finetune.base (against the current folder). A run directory's recipe.yaml is
+        that name a local folder and the data_files of hf: sources, data.cache_dir, tokenizer.path
+        (against `recipe_dir`), finetune.base (against the current folder). A run directory's recipe.yaml is
         written this way, so the run resumes from its own recipe.yaml in any folder."""
         data = self.model_dump()
         for spec, src in zip(self.data.sources, data["data"]["sources"], strict=True):
@@ -543,6 +543,8 @@ class Recipe(_Section):
         tok_file = self.tokenizer.file(self.recipe_dir)
         if tok_file is not None:
             data["tokenizer"]["path"] = str(tok_file.absolute())
+        if self.data.cache_dir:
+            data["data"]["cache_dir"] = absolute_path(self.data.cache_dir, self.recipe_dir)
         if data.get("finetune") and data["finetune"].get("base"):
             data["finetune"]["base"] = absolute_path(data["finetune"]["base"], Path.cwd())
         out = type(self).model_validate(data)
@@ -1292,10 +1294,7 @@ def load_recipe(ref: str | os.PathLike[str], overrides: list[str] | tuple[str, .
     # Relative data paths in a shipped recipe mean the user's current folder; in a user's recipe,
     # the recipe's own folder.
     recipe._recipe_dir = Path.cwd() if is_shipped else path.resolve().parent
-    cache = recipe.data.cache_dir
-    if cache and not Path(cache).expanduser().is_absolute():  # as the data paths: from the recipe's
-        # folder, and absolute in the run's recipe.yaml (a resume from another folder finds it)
-        recipe.data = recipe.data.model_copy(update={"cache_dir": absolute_path(cache, recipe._recipe_dir)})
+    _absolute_cache_dir(recipe)
     recipe._source = f"shipped:{path.stem}" if is_shipped else str(path)
     recipe._overrides = tuple(overrides)
     if is_run_recipe(path) and not overridden & {"name", "out_dir"}:
@@ -1325,7 +1324,17 @@ def recipe_from_dict(data: dict[str, Any], recipe_dir: Path | None = None) -> Re
     except ValidationError as e:
         raise RecipeError(format_validation_error(e, Recipe)) from e
     recipe._recipe_dir = recipe_dir or Path.cwd()
+    _absolute_cache_dir(recipe)
     return recipe
+
+
+def _absolute_cache_dir(recipe: Recipe) -> None:
+    """A relative data.cache_dir made absolute against the recipe's folder, as its data paths are
+    read (`with_absolute_paths` writes the run's recipe.yaml so, and the cache is found from any
+    folder): the one place this is decided, for recipes loaded from a file or built in memory."""
+    cache = recipe.data.cache_dir
+    if cache and not Path(cache).expanduser().is_absolute():
+        recipe.data = recipe.data.model_copy(update={"cache_dir": absolute_path(cache, recipe.recipe_dir)})
 
 
 # --------------------------------------------------------------------------------------------

@@ -83,6 +83,13 @@ def test_a_relative_cache_dir_is_next_to_the_recipe_and_absolute_in_the_run(proj
     )
     assert main(["prepare", str(p)]) == 0
     assert (root / "proj" / "mycache" / "shards").is_dir() and not (root / "elsewhere" / "mycache").exists()
+    # a recipe built in memory follows the same rule (the recipe_dir it is given)
+    import yaml
+
+    from difftrain.recipe import recipe_from_dict
+
+    data = yaml.safe_load(p.read_text())
+    assert recipe_from_dict(data, root / "proj").data.cache_dir == str((root / "proj" / "mycache").resolve())
 
 
 def test_a_linked_recipe_reads_its_parent_and_its_data_from_the_folder_of_the_file_it_links_to(project):
