@@ -1210,16 +1210,23 @@ def format_validation_error(
             )
             if err["type"] == "string_type" and isinstance(given, (datetime.date, bool, int, float)):
                 # YAML read the text as a date, a boolean or a number: say so, and how to keep it text
-                key = dotted.split(".")[-1]
+                # as the line would be written: `key: '…'`, or an item of a list `key: ['…']`
+                item = bool(loc) and isinstance(loc[-1], int)
+                key = str(loc[-2] if item and len(loc) > 1 else loc[-1]) if loc else dotted
+
+                def line(text: str, key: str = key, item: bool = item) -> str:
+                    return f"`{key}: ['{text}']`" if item else f"`{key}: '{text}'`"
+
                 if isinstance(given, bool):  # the word typed is gone: yes, on, true all read as True
                     msg = (
                         f"YAML reads the value as {str(given).lower()} (yes/no, on/off and true/false are "
-                        f"booleans to it), not text; put the text in quotes: `{key}: '...'`"
+                        f"booleans to it), not text; put the text in quotes: {line('...')}"
                     )
                 else:
-                    text = given.isoformat() if isinstance(given, datetime.date) else shown
+                    # (a datetime prints as typed, 2024-01-01 10:00:00; a date's isoformat is its text)
+                    text = str(given) if isinstance(given, datetime.date) else shown
                     typed = "a date" if isinstance(given, datetime.date) else "a number"
-                    msg = f"YAML reads {text} as {typed}, not text; quote it: `{key}: '{text}'`"
+                    msg = f"YAML reads {text} as {typed}, not text; quote it: {line(text)}"
                 shown = ""
             msgs.append(f"{place + ': ' if place else ''}{what}{'=' + shown if shown else ''}: {msg}")
     msgs.sort(key=lambda m: "YAML needs a space" not in m)  # the cause of the others comes first

@@ -705,6 +705,10 @@ def test_an_empty_section_or_an_extends_override_is_named(tmp_path):
         ),
         ("name: 12", "`name`: YAML reads 12 as a number, not text; quote it: `name: '12'`"),
         ("description: yes", "`description`: YAML reads the value as true (yes/no, on/off and true/false"),
+        (  # a datetime, as typed (not its isoformat's T)
+            "name: 2024-01-01 10:00:00",
+            "`name`: YAML reads 2024-01-01 10:00:00 as a date, not text; quote it: `name: '2024-01-01 10:00:00'`",
+        ),
     ],
 )
 def test_text_that_yaml_reads_as_a_date_number_or_boolean_says_to_quote_it(tmp_path, line, message):
