@@ -971,6 +971,15 @@ def parse_override(text: str) -> tuple[list[str], Any]:
 def _text_key(keys: list[str]) -> str | None:
     """ "text" where the recipe key `keys` holds a `str`, "optional" for `str | None`, else None."""
     parent = _submodel(Recipe, tuple(keys[:-1])) if len(keys) > 1 else Recipe
+    if parent is None and len(keys) > 2:  # a value of a mapping of texts (chat_template.roles.user)
+        owner = _submodel(Recipe, tuple(keys[:-2]))
+        field = owner.model_fields.get(keys[-2]) if owner is not None else None
+        if (
+            field is not None
+            and typing.get_origin(field.annotation) is dict
+            and typing.get_args(field.annotation)[1:] == (str,)
+        ):
+            return "text"
     if parent is None or keys[-1] not in parent.model_fields:
         return None
     annotation = parent.model_fields[keys[-1]].annotation

@@ -739,3 +739,11 @@ def test_a_key_missing_from_a_section_the_command_line_made_names_the_override(t
     q = write(tmp_path, MINIMAL + "finetune:\n  base: runs/base\n", "ft.yaml")
     with pytest.raises(RecipeError, match=r"must be a section of keys .*, not empty \(null\)"):
         load_recipe(q, ["finetune.lora=null"])
+
+
+def test_a_chat_role_override_is_text_even_when_it_starts_like_a_list():
+    # `[INST {content}` was read as an unclosed list; a role's format is text
+    from difftrain.recipe import apply_overrides
+
+    out = apply_overrides({}, ["finetune.chat_template.roles.user=[INST {content}"])
+    assert out["finetune"]["chat_template"]["roles"]["user"] == "[INST {content}"
