@@ -91,10 +91,10 @@ def cp(
             f"cannot write {target}: {e.strerror or e}; choose a DEST in a folder you can write"
         ) from e
     typer.echo(f"copied {src.name} to {target}")
-    name = _recipe_name(target)
-    if name is not None and name != target.stem:  # a copy to edit that still runs into the original's folder
+    run_name = _recipe_name(target)
+    if run_name is not None and run_name != target.stem:  # a copy to edit that still runs into the original's folder
         typer.echo(
-            f"its name is still {name}: a run of it goes to the original's run folder (out_dir/{name}); "
+            f"its name is still {run_name}: a run of it goes to the original's run folder (out_dir/{run_name}); "
             "change `name:` to keep the two apart"
         )
     moved = _paths_read_elsewhere(src, target)
