@@ -112,7 +112,7 @@ def suite_names(incomplete: str) -> list[tuple[str, str]]:
 
 BASH_SCRIPT = r"""
 %(complete_func)s() {
-    local IFS=$'\n' c i
+    local IFS=$'\n' c i cur=${COMP_WORDS[COMP_CWORD]}
     COMPREPLY=( $( env COMP_WORDS="${COMP_WORDS[*]}" \
                    COMP_CWORD=$COMP_CWORD \
                    %(autocomplete_var)s=complete_bash $1 ) )
@@ -120,8 +120,8 @@ BASH_SCRIPT = r"""
         c=${COMPREPLY[$i]}
         # `key=` and `folder/` are typed on from: no space after them
         [[ $c == *= || $c == */ ]] && compopt -o nospace
-        # a file name with a space or a shell character is inserted quoted
-        if [[ $c == *[[:space:]\'\"\$\&\;\(\)\<\>\|\`]* ]]; then
+        # a file name with a space or a shell character is inserted quoted (unless typed after a quote)
+        if [[ $cur != [\"\']* && $c == *[[:space:]\'\"\$\&\;\(\)\<\>\|\`]* ]]; then
             if [[ $c == "~/"* ]]; then  # ~ stays unquoted, or the shell would not expand it
                 COMPREPLY[$i]="~/$(printf '%%q' "${c#\~/}")"
             else
