@@ -1013,11 +1013,11 @@ def apply_overrides(data: dict[str, Any], overrides: list[str], folder: Path | N
                 f"override `{text}`: extends is read with the recipe file, before overrides; write it in "
                 "the file (or give the other recipe as RECIPE and this one's keys as overrides)"
             )
-        section = Recipe.model_fields.get(keys[0]) if len(keys) == 1 else None
-        if section is not None and value is None and _model_in(section.annotation) is not None:
+        if value is None and _submodel(Recipe, tuple(keys)) is not None:  # model=, finetune.lora=null
+            dotted = ".".join(keys)
             raise RecipeError(
-                f"override `{text}` gives the section {keys[0]} no value; set its keys, e.g. "
-                f"`{keys[0]}.KEY=value` or `{keys[0]}={{KEY: value}}`"
+                f"override `{text}` gives the section {dotted} no value; set its keys, e.g. "
+                f"`{dotted}.KEY=value` or `{dotted}={{KEY: value}}`"
             )
         if len(keys) == 2 and keys[0] == "train" and keys[1] in LENGTH_KEYS:
             lengths[keys[1]] = value
@@ -1210,6 +1210,7 @@ def format_validation_error(
         else:
             given = err.get("input")
             shown = repr(given) if not isinstance(given, dict) and len(repr(given)) < 60 else ""
+            shown = "null" if given is None else shown  # YAML's word for what was typed, not Python's None
             # pydantic's wording ("Input should be a valid integer") in the recipe's own terms
             msg = err["msg"].removeprefix("Value error, ").replace("Input should be", "must be")
             # YAML's spellings, not Python's: true/false, and which words read as them
