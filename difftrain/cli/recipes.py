@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import shutil
 from pathlib import Path
+from typing import Any
 
 import typer
 
@@ -108,15 +109,21 @@ def cp(
         )
 
 
-def _recipe_name(path: Path) -> str | None:
-    """The `name:` a recipe file sets itself (None where it sets none or cannot be read)."""
+def _own_key(path: Path, key: str) -> Any:
+    """A top-level key of a recipe file as written (None where it has none, or the file is no
+    YAML mapping or cannot be read): the file itself, not what it extends."""
     import yaml
 
     try:
         data = yaml.safe_load(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, yaml.YAMLError):
         return None
-    name = data.get("name") if isinstance(data, dict) else None
+    return data.get(key) if isinstance(data, dict) else None
+
+
+def _recipe_name(path: Path) -> str | None:
+    """The `name:` a recipe file sets itself (None where it sets none or cannot be read)."""
+    name = _own_key(path, "name")
     return str(name) if isinstance(name, (str, int)) else None
 
 
@@ -155,13 +162,7 @@ def _paths_read_elsewhere(src: Path, target: Path) -> list[str]:
 
 def _extends(path: Path) -> str | None:
     """The `extends:` of a recipe file as written (None where it has none or is no YAML mapping)."""
-    import yaml
-
-    try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, yaml.YAMLError):
-        return None
-    value = data.get("extends") if isinstance(data, dict) else None
+    value = _own_key(path, "extends")
     return value if isinstance(value, str) else None
 
 
