@@ -301,3 +301,14 @@ def test_recipe_completion_of_a_path_in_the_root_folder_stays_absolute():
     from difftrain.cli.complete import recipe_refs
 
     assert ("/tmp/", "folder") in recipe_refs("/tm")
+
+
+def test_a_closed_standard_input_reads_as_empty(monkeypatch, capsys):
+    # started with `<&-`, sys.stdin is None: `--prompt-file -`, --interactive and chat raised
+    # AttributeError tracebacks; now standard input reads as /dev/null does (an empty input)
+    import sys
+
+    monkeypatch.setattr(sys, "stdin", None)
+    assert main(["--version"]) == 0
+    assert sys.stdin is not None and sys.stdin.read() == "" and not sys.stdin.isatty()
+    sys.stdin.close()

@@ -231,6 +231,8 @@ def _shell_named(args: list[str]) -> bool:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the console script; returns the process exit code."""
     args = list(sys.argv[1:] if argv is None else argv)
+    if sys.stdin is None:  # started with standard input closed (`<&-`): read as empty, as /dev/null is
+        sys.stdin = open(os.devnull, encoding="utf-8")  # noqa: SIM115 - the process's stdin from here on
     if any(a.startswith(_COMPLETION_OPTIONS) for a in args):
         from difftrain.cli.complete import use_bash_script
 
