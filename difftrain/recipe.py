@@ -781,13 +781,8 @@ def _yaml_error(path: Path, e: yaml.YAMLError) -> str:
     return f"{path}{where}: invalid YAML: {' '.join(str(problem).split())}"
 
 
-def read_yaml(path: Path) -> tuple[dict[str, Any], dict[str, int]]:
-    """Parse a recipe file safely; return its mapping and the line of every dotted key.
-
-    Every way a file can be bad (too big, not UTF-8, not YAML, a python/* tag, nesting deep
-    enough to exhaust the parser's recursion, an alias bomb, a number too long for Python's
-    int conversion) is a RecipeError.
-    """
+def read_recipe_text(path: Path) -> str:
+    """A recipe file's text; a RecipeError where it cannot be read, is too big or is not UTF-8."""
     try:
         with open(path, "rb") as f:
             raw = f.read(MAX_RECIPE_BYTES + 1)  # never read a huge file whole
@@ -796,9 +791,19 @@ def read_yaml(path: Path) -> tuple[dict[str, Any], dict[str, int]]:
     if len(raw) > MAX_RECIPE_BYTES:
         raise RecipeError(f"{path} is too large for a recipe (limit {MAX_RECIPE_BYTES} bytes)")
     try:
-        text = raw.decode("utf-8")
+        return raw.decode("utf-8")
     except UnicodeDecodeError as e:
         raise RecipeError(f"{path}: not UTF-8 text (byte {e.start}); save the recipe as UTF-8") from e
+
+
+def read_yaml(path: Path) -> tuple[dict[str, Any], dict[str, int]]:
+    """Parse a recipe file safely; return its mapping and the line of every dotted key.
+
+    Every way a file can be bad (too big, not UTF-8, not YAML, a python/* tag, nesting deep
+    enough to exhaust the parser's recursion, an alias bomb, a number too long for Python's
+    int conversion) is a RecipeError.
+    """
+    text = read_recipe_text(path)
     try:
         node = yaml.compose(text, Loader=RecipeLoader)
     except yaml.YAMLError as e:

@@ -312,3 +312,10 @@ def test_a_closed_standard_input_reads_as_empty(monkeypatch, capsys):
     assert main(["--version"]) == 0
     assert sys.stdin is not None and sys.stdin.read() == "" and not sys.stdin.isatty()
     sys.stdin.close()
+
+
+def test_recipes_show_of_a_file_that_is_not_utf8_is_one_line(tmp_path, capsys):
+    p = tmp_path / "b.yaml"
+    p.write_bytes(b"\xff\xfe\x00bad")
+    assert main(["recipes", "show", str(p)]) == 2  # a UnicodeDecodeError traceback, exit 1
+    assert "not UTF-8 text (byte 0); save the recipe as UTF-8" in capsys.readouterr().err

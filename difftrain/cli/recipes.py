@@ -51,7 +51,7 @@ def show(
     from rich.syntax import Syntax
 
     from difftrain.cli.common import console
-    from difftrain.recipe import find_recipe, load_recipe
+    from difftrain.recipe import find_recipe, load_recipe, read_recipe_text
 
     if overrides and not resolved:
         raise RecipeError(
@@ -60,7 +60,7 @@ def show(
     if resolved:
         text = load_recipe(name, overrides or []).to_yaml()
     else:
-        text = find_recipe(name).read_text(encoding="utf-8")
+        text = read_recipe_text(find_recipe(name))  # (not UTF-8, unreadable: one line)
     if not console.is_terminal:
         typer.echo(text, nl=False)
         return
