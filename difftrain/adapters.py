@@ -44,6 +44,7 @@ from difftrain.rundir import (
     load_config,
     read_safetensors,
     require_run_dir,
+    require_weights,
     save_weights,
 )
 
@@ -413,6 +414,8 @@ def merge_run(run_dir: Path | str, out_dir: Path | str | None = None, *, overwri
     """
     run_dir = require_run_dir(Path(run_dir))
     if not (run_dir / ADAPTER_CONFIG).is_file():
+        if (run_dir / ADAPTER_WEIGHTS).is_file() and not (run_dir / WEIGHTS).is_file():
+            require_weights(run_dir)  # an adapter that lost its adapter.json: says so, and how to restore it
         what = f"it has {WEIGHTS}" if (run_dir / WEIGHTS).is_file() else "it holds no adapter"
         raise RunDirError(
             f"nothing to merge in {run_dir}: {what} (only a LoRA fine-tune has an adapter to fold)"

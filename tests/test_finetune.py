@@ -529,6 +529,10 @@ def test_cli_prints_the_trainable_count_and_merges(ws, capsys):
     capsys.readouterr()
     assert main(["merge", "runs/cli", "loop"]) == 2
     assert "cannot write OUT_DIR loop: " in capsys.readouterr().err
+    (Path("runs") / "cli" / "adapter.json").rename("adapter.json.bak")  # lost: named, not "no adapter"
+    assert main(["merge", "runs/cli", "runs/cli-m"]) == 2
+    assert "has adapter.safetensors but no adapter.json" in capsys.readouterr().err
+    Path("adapter.json.bak").rename(Path("runs") / "cli" / "adapter.json")
     assert main(["merge", "runs/cli", "runs/cli-m"]) == 0
     assert (Path("runs") / "cli-m" / "model.safetensors").is_file()
     # the merge's folder holds the LoRA run's recipe.yaml: resuming it pointed at --overwrite,
