@@ -317,9 +317,8 @@ def load_adapter_run(
     merge=True folds the adapter into the weights (in fp32, before any cast to `dtype`): plain
     linear layers, full speed. merge=False keeps the LoRA layers (base + B·A at every call).
     """
-    from difftrain.data.tokenizer import load_tokenizer
     from difftrain.model.lora import grow_vocab, merge_lora
-    from difftrain.rundir import load_run
+    from difftrain.rundir import load_run, load_run_tokenizer
 
     path = require_run_dir(Path(path))
     spec = read_adapter_spec(path)
@@ -379,10 +378,7 @@ def load_adapter_run(
     model.requires_grad_(False)
     if merge:
         merge_lora(model)
-    tok_path = path / TOKENIZER
-    if not tok_path.is_file():
-        raise RunDirError(f"{path} has no {TOKENIZER}; copy the fine-tune's tokenizer into it")
-    tokenizer = load_tokenizer(tok_path)
+    tokenizer = load_run_tokenizer(path)
     model.to(device)
     if dtype is not None:
         model = model.to(dtype=dtype)

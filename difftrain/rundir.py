@@ -29,6 +29,7 @@ from difftrain.io import RunLock, atomic_save_safetensors
 if TYPE_CHECKING:  # torch loads where weights are touched: recipe checks must not wait for it
     import torch
 
+    from difftrain.data.tokenizer import Tokenizer
     from difftrain.recipe import FinetuneConfig
 
 CONFIG = "config.json"
@@ -237,7 +238,6 @@ def load_run(path: Path | str, device: str | torch.device = "cpu", dtype: torch.
     A run made by `difftrain finetune` with LoRA and not merged holds only its adapter; the
     base weights come from the run it references, and the adapter is applied on top.
     """
-    from difftrain.data.tokenizer import load_tokenizer
     from difftrain.model import Transformer
 
     path = require_model_files(Path(path))
@@ -248,17 +248,7 @@ def load_run(path: Path | str, device: str | torch.device = "cpu", dtype: torch.
     weights = path / WEIGHTS
     config = load_config(path)
     tok_path = path / TOKENIZER
-    # a run's tokenizer is the one it was trained with: restore it (resuming rewrites it from the
-    # data cache), not the advice of a recipe's tokenizer.path
-    restore = "copy the tokenizer the run was trained with into it"
-    if (path / RECIPE).is_file() and (path / CHECKPOINTS).is_dir():
-        restore += (
-            f", or rewrite it from the data cache by resuming: `difftrain {training_command(path)} "
-            f"{shlex.quote(str(path / RECIPE))} --resume`"
-        )
-    if not tok_path.is_file():
-        raise RunDirError(f"{path} has no {TOKENIZER}; {restore}")
-    tokenizer = load_tokenizer(tok_path, fix=restore)
+    tokenizer = load_run_tokenizer(path)
     if tokenizer.vocab_size > config.vocab_size:
         raise RunDirError(
             f"{tok_path} has {tokenizer.vocab_size} tokens but config.json says vocab_size={config.vocab_size}; "
@@ -273,6 +263,23 @@ def load_run(path: Path | str, device: str | torch.device = "cpu", dtype: torch.
         model = model.to(dtype=dtype)
     model.eval()
     return Run(path=path, model=model, config=config, tokenizer=tokenizer)
+
+
+def load_run_tokenizer(path: Path) -> Tokenizer:
+    """A run folder's tokenizer.json; missing or damaged, a RunDirError/TokenizerError that says to
+    restore the one the run was trained with (resuming rewrites it from the data cache), not the
+    advice for a recipe's tokenizer.path. (generate, eval, merge and a fine-tune's base use it.)"""
+    from difftrain.data.tokenizer import load_tokenizer
+
+    restore = "copy the tokenizer the run was trained with into it"
+    if (path / RECIPE).is_file() and (path / CHECKPOINTS).is_dir():
+        restore += (
+            f", or rewrite it from the data cache by resuming: `difftrain {training_command(path)} "
+            f"{shlex.quote(str(path / RECIPE))} --resume`"
+        )
+    if not (path / TOKENIZER).is_file():
+        raise RunDirError(f"{path} has no {TOKENIZER}; {restore}")
+    return load_tokenizer(path / TOKENIZER, fix=restore)
 
 
 def weights_metadata(path: Path) -> dict[str, str]:

@@ -876,3 +876,14 @@ def test_eval_on_builtin_text_of_a_fine_tune_with_its_own_record_fields(ws, tmp_
     assert (
         main(["eval", str(run), "--data", "builtin:python-stdlib", "--windows", "1", "--suite", "ppl"]) == 0
     ), capsys.readouterr().err
+
+
+def test_a_base_without_its_tokenizer_is_told_to_restore_it(ws, tmp_path, base_run):
+    # it advised pointing tokenizer.path at a tokenizer.json, a recipe setting the user never used
+    base = tmp_path / "base-copy"
+    shutil.copytree(base_run, base)
+    (base / "tokenizer.json").unlink()
+    with pytest.raises(
+        RunDirError, match=r"has no tokenizer.json; copy the tokenizer the run was trained with"
+    ):
+        finetune(load_recipe(ws(name="notok", base=base)))

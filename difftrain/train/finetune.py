@@ -433,8 +433,8 @@ def dry_run_finetune(
     warnings (memory plan, warm-up: what the run would warn of at its start).
     """
     from difftrain.data.sources import check_local_sources
-    from difftrain.data.tokenizer import load_tokenizer
     from difftrain.io import check_run_dir_creatable
+    from difftrain.rundir import load_run_tokenizer
 
     plan, base = plan_finetune(recipe)
     r = plan.recipe
@@ -442,7 +442,7 @@ def dry_run_finetune(
     assert ft is not None
     _refuse_run_dir_early(plan, resume=r.train.resume if resume is None else resume, overwrite=overwrite)
     data_format = resolve_data_format(r)
-    tokenizer = load_tokenizer(base / TOKENIZER)
+    tokenizer = load_run_tokenizer(base)  # (restore advice for a run folder's tokenizer)
     records: dict[str, Any] = {}
     new_ids: list[int] = []
     if data_format == "instruction":
@@ -525,9 +525,8 @@ def finetune(
         rank_warning,
         save_adapter,
     )
-    from difftrain.data.tokenizer import load_tokenizer
     from difftrain.model.lora import grow_vocab
-    from difftrain.rundir import load_run
+    from difftrain.rundir import load_run, load_run_tokenizer
 
     _quiet_lightning()
     dist = start_processes(plan)  # several devices: every rank runs what follows; writes on rank 0
@@ -535,7 +534,7 @@ def finetune(
     data_format = resolve_data_format(r)
 
     # data and tokenizer (the base's, grown by the chat template's tokens if records need them)
-    tokenizer = load_tokenizer(base / TOKENIZER)
+    tokenizer = load_run_tokenizer(base)  # (restore advice for a run folder's tokenizer)
     base_vocab_rows = tokenizer.vocab_size
     new_ids: list[int] = []
     info: dict[str, Any] = {"base": base, "method": ft.method, "data_format": data_format}
