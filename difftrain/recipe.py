@@ -368,6 +368,16 @@ class FinetuneConfig(_Section):
         description="The run directory to start from (relative to the current folder, like out_dir), "
         "e.g. runs/quickstart. Its config.json gives the model and its tokenizer.json the tokenizer."
     )
+
+    @field_validator("base")
+    @classmethod
+    def _named(cls, v: str) -> str:
+        if not v.strip():  # it read as "no fine-tune": "a pretraining recipe needs a model: section"
+            raise ValueError(
+                "finetune.base is empty; name the run directory to start from, e.g. runs/quickstart"
+            )
+        return v
+
     method: Literal["full", "lora", "qlora"] = Field(
         "lora",
         description="full: train every weight. lora: freeze the base, train low-rank adapters (saved "
@@ -462,7 +472,7 @@ class Recipe(_Section):
         (a fine-tune applies only those to the base run's config)."""
         if isinstance(data, dict) and data.get("model") is None:
             ft = data.get("finetune")
-            if not (isinstance(ft, dict) and ft.get("base")):
+            if not (isinstance(ft, dict) and "base" in ft):  # (an empty base is its own message)
                 raise ValueError(
                     "missing key `model`: a pretraining recipe needs a model: section "
                     "(a fine-tune takes it from finetune.base)"

@@ -752,3 +752,12 @@ def test_a_chat_role_override_is_text_even_when_it_starts_like_a_list():
 
     out = apply_overrides({}, ["finetune.chat_template.roles.user=[INST {content}"])
     assert out["finetune"]["chat_template"]["roles"]["user"] == "[INST {content}"
+
+
+def test_an_empty_finetune_base_is_named_not_taken_for_a_pretraining_recipe(tmp_path):
+    p = write(
+        tmp_path,
+        "name: ft\nfinetune:\n  base: runs/base\ndata:\n  sources: [builtin:python-docstrings]\ntrain: {max_steps: 1}\n",
+    )
+    with pytest.raises(RecipeError, match="finetune.base is empty; name the run directory to start from"):
+        load_recipe(p, ["finetune.base="])  # it said "a pretraining recipe needs a model: section"
