@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from difftrain.errors import CheckpointError, RunDirError
+from difftrain.errors import CheckpointError, ConfigError, RunDirError
 from difftrain.io import RunLock, atomic_save_safetensors
 
 if TYPE_CHECKING:  # torch loads where weights are touched: recipe checks must not wait for it
@@ -228,8 +228,24 @@ def load_config(path: Path):
 
     cfg_path = path / CONFIG
     if not cfg_path.is_file():
-        raise RunDirError(f"{path} has no {CONFIG}; it is not a complete run directory")
-    return ModelConfig.from_json(cfg_path)
+        raise RunDirError(f"{path} has no {CONFIG}; it is not a complete run directory{_rewrite_hint(path)}")
+    try:
+        return ModelConfig.from_json(cfg_path)
+    except ConfigError as e:
+        if "transformers config" in str(e):  # its own advice: import the folder
+            raise
+        raise RunDirError(f"{e}{_rewrite_hint(path)}") from None
+
+
+def _rewrite_hint(path: Path) -> str:
+    """How to write a run's config.json again: resuming rewrites it from the run's recipe.yaml
+    (where the run has one and checkpoints to resume); else nothing to add."""
+    if (path / RECIPE).is_file() and (path / CHECKPOINTS).is_dir():
+        return (
+            f"; write it again from the run's recipe by resuming: `difftrain {training_command(path)} "
+            f"{shlex.quote(str(path / RECIPE))} --resume`"
+        )
+    return "; restore it from a copy of the run"
 
 
 def load_run(path: Path | str, device: str | torch.device = "cpu", dtype: torch.dtype | None = None) -> Run:

@@ -1286,3 +1286,23 @@ def test_the_device_named_for_several_processes_says_how_many():
     one, two = _device_name("cpu"), _device_name("cpu", 2)
     assert one.startswith("cpu (") and "each" not in one
     assert two.startswith("cpu × 2 (") and two.endswith(" each)")  # threads are per process
+
+
+def test_a_missing_or_damaged_config_json_says_how_to_write_it_again(workspace, capsys):
+    # it said only "not a complete run directory" / "invalid JSON", with no way out
+    run = pretrain(load_recipe(workspace(steps=2, save_every=2))).run_dir
+    good = (run / "config.json").read_text()
+    (run / "config.json").write_text("")
+    assert main(["generate", str(run), "-p", "x", "-n", "2"]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert (
+        "invalid JSON in model config" in err
+        and f"by resuming: `difftrain pretrain {run / 'recipe.yaml'} --resume`" in err
+    )
+    (run / "config.json").unlink()
+    assert main(["generate", str(run), "-p", "x", "-n", "2"]) == 2
+    assert "has no config.json; it is not a complete run directory; write it again" in " ".join(
+        capsys.readouterr().err.split()
+    )
+    assert main(["pretrain", str(run / "recipe.yaml"), "--resume", "--no-progress"]) == 0  # the advice works
+    assert json.loads((run / "config.json").read_text()) == json.loads(good)
