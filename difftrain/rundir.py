@@ -80,10 +80,27 @@ def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
     try:
         return load_file(str(path))
     except (SafetensorError, OSError, ValueError, RuntimeError) as e:
-        raise CheckpointError(
-            f"{path} is damaged or not a safetensors file ({e}); restore it, or rewrite it from the last checkpoint "
-            f"with `difftrain {training_command(path.parent)} {shlex.quote(str(path.parent / RECIPE))} --resume`"
-        ) from e
+        raise _damaged(path, e) from e
+
+
+def check_safetensors(path: Path) -> None:
+    """The CheckpointError `read_safetensors` would raise for `path`, from its header alone (an
+    empty or cut file: the header's offsets must cover the file); reads no tensor. For the dry
+    runs, which must refuse what the run refuses."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            f.keys()
+    except (SafetensorError, OSError, ValueError, RuntimeError) as e:
+        raise _damaged(path, e) from e
+
+
+def _damaged(path: Path, e: Exception) -> CheckpointError:
+    return CheckpointError(
+        f"{path} is damaged or not a safetensors file ({e}); restore it, or rewrite it from the last checkpoint "
+        f"with `difftrain {training_command(path.parent)} {shlex.quote(str(path.parent / RECIPE))} --resume`"
+    )
 
 
 def check_state_dict(

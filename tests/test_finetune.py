@@ -623,6 +623,11 @@ def test_dry_run_checks_base_data_and_run_folder_and_writes_nothing(ws, tmp_path
         str(ws(name="role", data=bad)): "role 'bot'",
         str(ws(name="nodata", data=tmp_path / "none.jsonl")): "none.jsonl",
     }
+    cut = tmp_path / "cut-base"  # a base whose weights are cut short: the run refuses it, so must the dry run
+    shutil.copytree(base_run, cut)
+    data = (cut / "model.safetensors").read_bytes()
+    (cut / "model.safetensors").write_bytes(data[: len(data) // 2])
+    mistakes[str(ws(name="cut", base=cut))] = "model.safetensors is damaged or not a safetensors file"
     for recipe, message in mistakes.items():
         assert main(["finetune", recipe, "--dry-run"]) == 2, recipe
         assert message in capsys.readouterr().err

@@ -443,6 +443,11 @@ def dry_run_finetune(
     _refuse_run_dir_early(plan, resume=r.train.resume if resume is None else resume, overwrite=overwrite)
     data_format = resolve_data_format(r)
     tokenizer = load_run_tokenizer(base)  # (restore advice for a run folder's tokenizer)
+    from difftrain.rundir import ADAPTER_WEIGHTS, WEIGHTS, check_safetensors
+
+    for weights in (base / WEIGHTS, base / ADAPTER_WEIGHTS):  # an empty or cut file, as the run refuses it
+        if weights.is_file():
+            check_safetensors(weights)
     records: dict[str, Any] = {}
     new_ids: list[int] = []
     if data_format == "instruction":
