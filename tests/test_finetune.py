@@ -628,6 +628,8 @@ def test_dry_run_checks_base_data_and_run_folder_and_writes_nothing(ws, tmp_path
     data = (cut / "model.safetensors").read_bytes()
     (cut / "model.safetensors").write_bytes(data[: len(data) // 2])
     mistakes[str(ws(name="cut", base=cut))] = "model.safetensors is damaged or not a safetensors file"
+    (tmp_path / "empty.txt").write_text("")  # continued pretraining on a text source with nothing in it
+    mistakes[str(ws(name="empty", data=tmp_path / "empty.txt"))] = "the source yielded no documents"
     for recipe, message in mistakes.items():
         assert main(["finetune", recipe, "--dry-run"]) == 2, recipe
         assert message in capsys.readouterr().err

@@ -413,12 +413,14 @@ def _check_resumed_adapter(plan: Plan) -> None:
 
 def _read_first_documents(recipe: Recipe) -> None:
     """The first document of each plain-text source, read as the run reads it: a record without
-    the text field (prompt/response records fine-tuned as text) fails here as it would there."""
-    from difftrain.data.sources import SourceStats, resolve_sources
+    the text field (prompt/response records fine-tuned as text), or a source with no document at
+    all, fails here as it would there."""
+    from difftrain.data.sources import SourceStats, require_documents, resolve_sources
 
     for source in resolve_sources(recipe.data, recipe.recipe_dir):
         stats = SourceStats(source.spec.source)
-        next(iter(source.documents(stats, recipe.data.on_bad_record)), None)
+        if next(iter(source.documents(stats, recipe.data.on_bad_record)), None) is None:
+            require_documents(source, stats)  # no document at all: refused as the run refuses it
 
 
 def dry_run_finetune(
