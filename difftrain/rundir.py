@@ -99,7 +99,7 @@ def check_safetensors(path: Path) -> None:
 def _damaged(path: Path, e: Exception) -> CheckpointError:
     return CheckpointError(
         f"{path} is damaged or not a safetensors file ({e}); restore it, or rewrite it from the last checkpoint "
-        f"with `difftrain {training_command(path.parent)} {shlex.quote(str(path.parent / RECIPE))} --resume`"
+        f"with {resume_command(path.parent)}"
     )
 
 
@@ -189,6 +189,12 @@ def training_command(path: Path) -> str:
     return "finetune" if isinstance(recipe, dict) and recipe.get("finetune") else "pretrain"
 
 
+def resume_command(path: Path) -> str:
+    """The command that resumes the run in `path` from its own recipe.yaml, in backquotes (the
+    way out of a damaged or missing file that resuming writes again)."""
+    return f"`difftrain {training_command(path)} {shlex.quote(str(path / RECIPE))} --resume`"
+
+
 def require_model_files(path: Path) -> Path:
     """`require_run_dir`, and the weights `load_run` reads there: model.safetensors, or for a
     LoRA run that was not merged its adapter (whose own files `load_adapter_run` checks). Reads
@@ -217,7 +223,7 @@ def require_weights(path: Path) -> Path:
             f"{path} is still training{by} and has not saved {WEIGHTS} yet; wait for its first save "
             "(every train.save_every steps) or for the run to end"
         )
-    resume = f"`difftrain {training_command(path)} {shlex.quote(str(path / RECIPE))} --resume`"
+    resume = resume_command(path)
     ckpts = sorted((path / CHECKPOINTS).glob("*.ckpt")) if (path / CHECKPOINTS).is_dir() else []
     if (path / ADAPTER_WEIGHTS).is_file():  # a LoRA fine-tune (never has WEIGHTS) lost its adapter config
         raise RunDirError(
@@ -258,10 +264,7 @@ def _rewrite_hint(path: Path) -> str:
     """How to write a run's config.json again: resuming rewrites it from the run's recipe.yaml
     (where the run has one and checkpoints to resume); else nothing to add."""
     if (path / RECIPE).is_file() and (path / CHECKPOINTS).is_dir():
-        return (
-            f"; write it again from the run's recipe by resuming: `difftrain {training_command(path)} "
-            f"{shlex.quote(str(path / RECIPE))} --resume`"
-        )
+        return f"; write it again from the run's recipe by resuming: {resume_command(path)}"
     return "; restore it from a copy of the run"
 
 
@@ -306,10 +309,7 @@ def load_run_tokenizer(path: Path) -> Tokenizer:
 
     restore = "copy the tokenizer the run was trained with into it"
     if (path / RECIPE).is_file() and (path / CHECKPOINTS).is_dir():
-        restore += (
-            f", or rewrite it from the data cache by resuming: `difftrain {training_command(path)} "
-            f"{shlex.quote(str(path / RECIPE))} --resume`"
-        )
+        restore += f", or rewrite it from the data cache by resuming: {resume_command(path)}"
     if not (path / TOKENIZER).is_file():
         raise RunDirError(f"{path} has no {TOKENIZER}; {restore}")
     return load_tokenizer(path / TOKENIZER, fix=restore)
