@@ -389,3 +389,15 @@ def prompt_settings(run_path: Path | str) -> PromptSettings:
             fmt = "instruction"
     prompt_format = ft.get("prompt_format") if isinstance(ft.get("prompt_format"), str) else "{prompt}"
     return PromptSettings(instruction=fmt == "instruction", prompt_format=prompt_format, chat=chat)
+
+
+def record_kinds(run_path: Path | str) -> list[str] | None:
+    """The kinds of instruction records a fine-tune trained on ("messages", "prompt/response"), as
+    its summary.json records them; None where it does not say (older runs, pretraining, an
+    unreadable summary: generate and chat do not need it)."""
+    try:
+        summary = read_summary(Path(run_path))
+    except RunDirError:
+        return None
+    kinds = summary.get("record_kinds") if isinstance(summary, dict) else None
+    return kinds if isinstance(kinds, list) else None

@@ -190,20 +190,6 @@ def prompt_style(run_path: Path) -> PromptStyle:
     return PromptStyle(instruction=st.instruction, prompt_format=st.prompt_format, chat=st.chat)
 
 
-def _record_kinds(run_path: Path) -> list[str] | None:
-    """The kinds of instruction records a fine-tune trained on ("messages", "prompt/response"), as
-    its summary.json records them; None where it does not say (older runs, pretraining)."""
-    from difftrain.errors import RunDirError
-    from difftrain.rundir import read_summary
-
-    try:
-        summary = read_summary(run_path)
-    except RunDirError:  # an unreadable summary: no note (generate and chat do not need it)
-        return None
-    kinds = summary.get("record_kinds") if isinstance(summary, dict) else None
-    return kinds if isinstance(kinds, list) else None
-
-
 # ----- running and rendering -------------------------------------------------------------------
 @dataclass
 class Row:
@@ -846,7 +832,9 @@ def generate_command(
 
     if not as_json:
         _banner(run, load_s, seed, style, greedy=sampling.is_greedy and not interactive)
-        if _record_kinds(run.path) == ["messages"] and (prompt or prompt_file is not None or interactive):
+        from difftrain.rundir import record_kinds
+
+        if record_kinds(run.path) == ["messages"] and (prompt or prompt_file is not None or interactive):
             err_console.print(
                 f"[yellow]note:[/] {escape(str(run.path))} was fine-tuned on `messages` records only: `difftrain chat "
                 f"{escape(shlex.quote(str(run.path)))}` talks to it in its chat template; here a prompt is "
@@ -947,13 +935,15 @@ def chat_command(
     if chat.end:
         gen = replace(gen, stop=(chat.end,))
     _banner(run, load_s, seed, style)
+    from difftrain.rundir import record_kinds
+
     if not style.instruction:
         err_console.print(
             f"[yellow]note:[/] {escape(str(run.path))} is not instruction-tuned; it reads the chat template as plain "
             "text (fine-tune it on `messages` records with `difftrain finetune` for a model that follows it)",
             soft_wrap=True,
         )
-    elif _record_kinds(run.path) == ["prompt/response"]:
+    elif record_kinds(run.path) == ["prompt/response"]:
         err_console.print(
             f"[yellow]note:[/] {escape(str(run.path))} was fine-tuned on prompt/response records, not `messages`: "
             "it never saw the chat template; `difftrain generate "

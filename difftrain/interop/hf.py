@@ -516,22 +516,17 @@ def chat_end_token_id(chat: Any, tok: Any) -> int | None:
 
 def run_chat_template(run_path: Path) -> Any:
     """The chat template (a ChatTemplateConfig) of a run fine-tuned on `messages` records, as its
-    recipe.yaml and summary.json record them; None for any other run."""
-    import yaml
-
+    recipe.yaml and summary.json record them (`rundir.prompt_settings`, `rundir.record_kinds`);
+    None for any other run."""
     from difftrain.recipe import ChatTemplateConfig
-    from difftrain.rundir import SUMMARY
+    from difftrain.rundir import prompt_settings, record_kinds
 
-    try:
-        summary = json.loads((run_path / SUMMARY).read_text(encoding="utf-8"))
-        recipe = yaml.safe_load((run_path / RECIPE).read_text(encoding="utf-8"))
-        kinds = summary.get("record_kinds") or []
-        ft = recipe.get("finetune") if isinstance(recipe, dict) else None
-        if "messages" not in kinds or not isinstance(ft, dict):
-            return None
-        return ChatTemplateConfig.model_validate(ft.get("chat_template") or {})
-    except (OSError, ValueError, AttributeError, yaml.YAMLError):
+    if "messages" not in (record_kinds(run_path) or []):
         return None
+    st = prompt_settings(run_path)
+    if not st.instruction:
+        return None
+    return st.chat if st.chat is not None else ChatTemplateConfig()
 
 
 def hf_tokenizer_files(tokenizer: Any, model_max_length: int, chat: Any = None) -> dict[str, str]:
