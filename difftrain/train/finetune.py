@@ -436,7 +436,7 @@ def dry_run_finetune(
     """
     from difftrain.data.sources import check_local_sources
     from difftrain.io import check_run_dir_creatable
-    from difftrain.rundir import load_run_tokenizer
+    from difftrain.rundir import ADAPTER_WEIGHTS, WEIGHTS, check_safetensors, load_run_tokenizer
 
     plan, base = plan_finetune(recipe)
     r = plan.recipe
@@ -445,8 +445,6 @@ def dry_run_finetune(
     _refuse_run_dir_early(plan, resume=r.train.resume if resume is None else resume, overwrite=overwrite)
     data_format = resolve_data_format(r)
     tokenizer = load_run_tokenizer(base)  # (restore advice for a run folder's tokenizer)
-    from difftrain.rundir import ADAPTER_WEIGHTS, WEIGHTS, check_safetensors
-
     for weights in (base / WEIGHTS, base / ADAPTER_WEIGHTS):  # an empty or cut file, as the run refuses it
         if weights.is_file():
             check_safetensors(weights)
@@ -615,7 +613,7 @@ def finetune(
             )
         spec.base = base_reference(base, run_dir)
         spec.vocab = {
-            "base_vocab_size": int(load_config(base).vocab_size),
+            "base_vocab_size": info["base_vocab_size"],
             "vocab_size": vocab_size,
             "new_ids": new_ids,
             "used_rows": base_vocab_rows,
