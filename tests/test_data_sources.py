@@ -432,8 +432,13 @@ def test_hf_source_offline_is_a_clear_error(tmp_path: Path, monkeypatch: pytest.
     with pytest.raises(
         DataError,
         match=r"could not load Hugging Face dataset 'someone/corpus' \(ConnectionError.*save_to_disk",
-    ):
+    ) as e:
         docs(["hf:someone/corpus:default@train"], tmp_path)
+    assert "or set HF_DATASETS_OFFLINE=1" in str(e.value)
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)  # set already: not advised again
+    with pytest.raises(DataError, match="save_to_disk") as e:
+        docs(["hf:someone/corpus:default@train"], tmp_path)
+    assert "HF_DATASETS_OFFLINE" not in str(e.value)
 
 
 def test_an_unreachable_hub_reads_the_cache_at_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -164,6 +164,7 @@ class Source:
         evaluations of an instruction fine-tune); plain-text sources ignore it."""
         self.base_dir = base_dir
         self._hf: Any = None  # the loaded dataset of an hf: source (`_hf_dataset`)
+        self._data_files: list[Path] | None = None  # its data_files, resolved (`_hf_data_files`)
         self.files: list[Path] = []
         self.walked: set[Path] = set()
         """The files found by walking a folder (not named by the source itself)."""
@@ -470,10 +471,17 @@ class Source:
                 row += 1
 
     def _hf_data_files(self) -> list[Path] | None:
+        """The files an hf: source's data_files name, globs expanded (None without data_files);
+        resolved once per Source: the checks, the cache key and the load each ask for them."""
         if not self.spec.data_files:
             return None
+        if self._data_files is None:
+            self._data_files = self._expand_data_files(self.spec.data_files)
+        return self._data_files
+
+    def _expand_data_files(self, entries: list[str]) -> list[Path]:
         files: list[Path] = []
-        for raw in self.spec.data_files:
+        for raw in entries:
             p = self._resolve(raw)
             # a file that exists as written is that file (its name may hold [ ] * ?), as for a path source
             matches = (
@@ -617,12 +625,7 @@ class Source:
                     "read), or data files datasets can read, with hf:PATH:CONFIG naming a config it has"
                 )
             else:
-                offline = os.environ.get("HF_DATASETS_OFFLINE", "").strip().lower() in (
-                    "1",
-                    "true",
-                    "yes",
-                    "on",
-                )
+                offline = bool(getattr(datasets.config, "HF_HUB_OFFLINE", False))  # (datasets read the env)
                 hint = (
                     "if this machine is offline, download the dataset where there is network, "
                     "save it with dataset.save_to_disk(DIR) and use source 'hf:DIR'"
