@@ -429,6 +429,7 @@ def test_hf_source_offline_is_a_clear_error(tmp_path: Path, monkeypatch: pytest.
 
     monkeypatch.setattr(datasets, "load_dataset", offline)
     monkeypatch.setattr(socket, "getaddrinfo", lambda *a, **k: [])  # the hub's name resolves
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", False)  # (whatever another test's env set)
     with pytest.raises(
         DataError,
         match=r"could not load Hugging Face dataset 'someone/corpus' \(ConnectionError.*save_to_disk",
