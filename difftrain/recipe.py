@@ -1238,20 +1238,17 @@ def format_validation_error(
                 # as the line would be written: `key: '…'`, or an item of a list `key: ['…']`
                 item = bool(loc) and isinstance(loc[-1], int)
                 key = str(loc[-2] if item and len(loc) > 1 else loc[-1]) if loc else dotted
-
-                def line(text: str, key: str = key, item: bool = item) -> str:
-                    return f"`{key}: ['{text}']`" if item else f"`{key}: '{text}'`"
-
+                line = f"`{key}: ['{{}}']`" if item else f"`{key}: '{{}}'`"
                 if isinstance(given, bool):  # the word typed is gone: yes, on, true all read as True
                     msg = (
                         f"YAML reads the value as {str(given).lower()} (yes/no, on/off and true/false are "
-                        f"booleans to it), not text; put the text in quotes: {line('...')}"
+                        f"booleans to it), not text; put the text in quotes: {line.format('...')}"
                     )
                 else:
                     # (a datetime prints as typed, 2024-01-01 10:00:00; a date's isoformat is its text)
                     text = str(given) if isinstance(given, datetime.date) else shown
                     typed = "a date" if isinstance(given, datetime.date) else "a number"
-                    msg = f"YAML reads {text} as {typed}, not text; quote it: {line(text)}"
+                    msg = f"YAML reads {text} as {typed}, not text; quote it: {line.format(text)}"
                 shown = ""
             msgs.append(f"{place + ': ' if place else ''}{what}{'=' + shown if shown else ''}: {msg}")
     msgs.sort(key=lambda m: "YAML needs a space" not in m)  # the cause of the others comes first
@@ -1362,11 +1359,11 @@ def recipe_from_dict(data: dict[str, Any], recipe_dir: Path | None = None) -> Re
 
 def _absolute_cache_dir(recipe: Recipe) -> None:
     """A relative data.cache_dir made absolute against the recipe's folder, as its data paths are
-    read (`with_absolute_paths` writes the run's recipe.yaml so, and the cache is found from any
-    folder): the one place this is decided, for recipes loaded from a file or built in memory."""
-    cache = recipe.data.cache_dir
-    if cache and not Path(cache).expanduser().is_absolute():
-        recipe.data = recipe.data.model_copy(update={"cache_dir": absolute_path(cache, recipe.recipe_dir)})
+    read, for recipes loaded from a file or built in memory: `DataConfig.resolved_cache_dir`
+    knows no recipe folder (`with_absolute_paths` then writes it as it is)."""
+    if recipe.data.cache_dir:
+        cache = absolute_path(recipe.data.cache_dir, recipe.recipe_dir)  # (an absolute one as written)
+        recipe.data = recipe.data.model_copy(update={"cache_dir": cache})
 
 
 # --------------------------------------------------------------------------------------------

@@ -121,9 +121,8 @@ def usage_message(e: Exception, args: list[str] | None = None) -> str:
     """Click's usage error (its four lines: usage, "Try --help", blank, error) as one: the error
     and where the help is (the command's, from `args` where click's error has no context: an
     option given without its value)."""
-    message = (
-        e.format_message().replace("Input should be", "must be").replace("Value error, ", "").rstrip(".")
-    )  # type: ignore[attr-defined]
+    message = e.format_message()  # type: ignore[attr-defined]
+    message = message.replace("Input should be", "must be").replace("Value error, ", "").rstrip(".")
     ctx = getattr(e, "ctx", None)
     path = ctx.command_path if ctx is not None else _command_path(args or [])
     if getattr(e, "option_name", None) == "--debug" and path != "difftrain":  # given after the command

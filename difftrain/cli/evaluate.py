@@ -127,7 +127,7 @@ def _heading(text: str) -> None:
 def render(doc: dict[str, Any], run_dir: Path) -> None:
     """Print one suite's result as rich tables; `run_dir`: the run as the user named it now (the
     result's `run` is where it was evaluated from, and its plots lie in the run directory)."""
-    from difftrain.evals.common import plot_path
+    from difftrain.evals.common import bits_label, plot_path
 
     suite, res, st = doc["suite"], doc["results"], doc["settings"]
     title = f"{suite}{'@' + doc['label'] if doc.get('label') else ''} · {run_dir} ({doc['arch']})"
@@ -262,7 +262,7 @@ def render(doc: dict[str, Any], run_dir: Path) -> None:
             t.add_column("Δacc", justify="right")
         for r in res["rows"]:
             cells = [
-                "16 = none (ref)" if r["bits"] >= 16 else f"{r['bits']}",  # 16 stands for unquantized
+                bits_label(r["bits"]),
                 f"{r['loss']:.4f}",
                 f"{r['ppl']:.3f}",
                 fmt_figure(r["delta_loss"], "+.4f"),

@@ -93,9 +93,7 @@ def cp(
         ) from e
     typer.echo(f"copied {src.name} to {target}")
     run_name = _recipe_name(target)
-    if (
-        run_name is not None and run_name != target.stem
-    ):  # a copy to edit that still runs into the original's folder
+    if run_name is not None and run_name != target.stem:  # a copy to edit, run into the original's folder
         typer.echo(
             f"its name is still {run_name}: a run of it goes to the original's run folder (out_dir/{run_name}); "
             "change `name:` to keep the two apart"

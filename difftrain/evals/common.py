@@ -251,10 +251,11 @@ def plot_path(run_dir: Path | str, plot: str) -> Path:
 def save_result(run_dir: Path | str, doc: dict[str, Any]) -> Path:
     """Write `RUN_DIR/eval/<suite>.json` (`<suite>@<label>.json` for a result on `--data`)
     atomically; returns its path."""
-    path = result_path(run_dir, result_key(doc["suite"], doc.get("label")))
+    key = result_key(doc["suite"], doc.get("label"))
+    path = result_path(run_dir, key)
     old: dict[str, Any] = {}
     with contextlib.suppress(RunDirError):  # a damaged result is replaced, not read
-        old = load_result(run_dir, result_key(doc["suite"], doc.get("label"))) or {}
+        old = load_result(run_dir, key) or {}
     atomic_write_json(path, doc)
     # a figure of the result replaced, which this one did not draw again (a rerun with --no-plot),
     # would show the old result next to the new one's JSON: removed (only files in eval/)
@@ -308,6 +309,12 @@ def missing_result(run_dir: Path | str, key: str, example: dict[str, Any] | None
     )
 
 
+def bits_label(bits: int) -> str:
+    """How a quant row's width is shown (table and plot): 16 stands for the unquantized reference,
+    as the settings (bits 16) and the headline (loss@16) name it."""
+    return "16 = none (ref)" if bits >= 16 else str(bits)
+
+
 EVAL_OPTIONS = {
     "windows": "--windows",
     "lengths": "--lengths",
@@ -349,7 +356,8 @@ def rerun_command(
     (`dtype`) its precision, and for a result on `--data`, with the source it was evaluated on."""
     suite, label = split_key(key)
     cmd = f"difftrain eval {shlex.quote(str(run_dir))} --suite {suite}"
-    settings = (doc or {}).get("settings") or {}
+    doc = doc or {}
+    settings = doc.get("settings") or {}
     if label:
         source = settings.get("data")
         sources = settings.get("sources")
@@ -369,8 +377,8 @@ def rerun_command(
             "--with-needle",
             eval_options(needle, [k for k in EVAL_OPTIONS if needle.get(k) is not None and k not in keys]),
         ]
-    if dtype and (doc or {}).get("dtype"):
-        parts.append(f"--dtype {doc['dtype']}")  # type: ignore[index]
+    if dtype and doc.get("dtype"):
+        parts.append(f"--dtype {doc['dtype']}")
     options = " ".join(p for p in parts if p)
     return f"{cmd} {options}" if options else cmd
 

@@ -260,7 +260,9 @@ def quant_curve(rows: Sequence[dict[str, Any]], path: Path | str, title: str = "
     pad = max(0.01, 0.1 * (max(losses) - min(losses)))
     ax.set_ylim(min(losses) - pad, max(losses) + pad)
     ax.ticklabel_format(axis="y", useOffset=False)
-    ax.set_xticks(x, ["16 = none (ref)" if b >= 16 else f"{b}" for b in bits])
+    from difftrain.evals.common import bits_label
+
+    ax.set_xticks(x, [bits_label(b) for b in bits])
     ax.set_xlabel("bits of the attention logits")
     ax.set_ylabel("loss (nats/token)")
     ax.set_title("loss", fontsize=10)
