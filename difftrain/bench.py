@@ -285,7 +285,7 @@ def cpu_name() -> str:
 def environment(device: torch.device) -> dict[str, Any]:
     """Where the figures come from: device, versions, threads, load."""
     from difftrain import __version__
-    from difftrain.model import gemm
+    from difftrain.model import ckernels, gemm
     from difftrain.runtime import allocator_state
 
     env: dict[str, Any] = {
@@ -302,6 +302,8 @@ def environment(device: torch.device) -> dict[str, Any]:
         "allocator": allocator_state(),
         "cpu_gemm": gemm.backend(),  # fp32 CPU products: oneDNN or torch's default (model/gemm.py)
         "cpu_vendor": gemm.cpu_vendor(),
+        # fused fp32 CPU kernels for training's norms and SwiGLU (model/ckernels.py)
+        "cpu_kernels": ckernels.status() if device.type == "cpu" else None,
     }
     from importlib import metadata
 

@@ -475,9 +475,11 @@ def describe(result: dict[str, Any]) -> str:
     """One line saying where and how the figures were measured."""
     d = result["device"]
     load = d.get("load_average")
+    kernels = d.get("cpu_kernels")
     return (
         f"{d['name']} ({d['type']}, {d['threads']} threads"
         + (f", load {load[0]:.1f}" if load else "")
+        + (f", fused CPU kernels {kernels}" if kernels and kernels != "compiled" else "")
         + f"), torch {d['torch']}, {result['setup']['precision']}, mode {result['mode']}, "
         f"median of {result['setup']['reps']}, {result['created'][:10]}"
     )

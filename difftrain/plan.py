@@ -41,7 +41,9 @@ the tensors autograd saves, found by reading the code and checked by `saved_acti
 
 as CUDA runs them. CPU training keeps 4D bytes less per fp32 RMSNorm (32-true and bf16-mixed):
 `_RMSNormCPU` saves x̂ and the statistics, not its input as well, so 8D less per layer, 4D less
-outside the layers, and in 32-true the diff layer's subln 4·H·d less.
+outside the layers, and in 32-true the diff layer's subln 4·H·d less. With the fused CPU kernels
+(`model/ckernels.py`, compiled on first use unless DIFFTRAIN_CPU_KERNELS=off) fp32 CPU training
+also keeps 4F less per layer: SwiGLU keeps gate and up, not silu(gate).
 
 and attention adds (the diff kernel differs by device: `blocked_math` or `flash_cpu` on CPU, `padded` on CUDA):
 
@@ -341,7 +343,7 @@ def layer_bytes_per_token(
     assert F is not None
     fam = _dtype_family(precision)
     common = {"fp32": (6 * D + 4 * F + 2) * 4, "mixed": 26 * D + 8 * F + 8, "true": 16 * D + 8 * F + 8}[fam]
-    common -= _cpu_norm_saving(D, fam, device_type) * 2
+    common -= _cpu_norm_saving(D, fam, device_type) * 2 + _cpu_mlp_saving(F, fam, device_type)
     extra = eager_maps_bytes_per_token(config, seq_len) if attn_impl == "eager" else 0.0
     return common + attention_bytes_per_token(config, precision, kernel, seq_len, device_type) + extra
 
@@ -350,6 +352,16 @@ def _cpu_norm_saving(D: int, fam: str, device_type: str) -> int:
     """Bytes per token one fp32 RMSNorm saves less in CPU training: `_RMSNormCPU` keeps x̂ and its
     statistics, not its input x as well (fp32 and bf16-mixed, whose residual stream is fp32)."""
     return 4 * D if device_type == "cpu" and fam in ("fp32", "mixed") else 0
+
+
+def _cpu_mlp_saving(F: int, fam: str, device_type: str) -> int:
+    """Bytes per token the fp32 CPU SwiGLU saves less when the fused CPU kernels run it
+    (`model/ckernels.py`): gate and up, not silu(gate) as well."""
+    if device_type != "cpu" or fam != "fp32":
+        return 0
+    from difftrain.model import ckernels
+
+    return 4 * F if ckernels.library() is not None else 0
 
 
 # LoRA dropout: the projections that read one tensor (the attention's input, ...), by name

@@ -47,6 +47,27 @@ def cpu_gemm_setting() -> str:
     return want
 
 
+CPU_KERNELS_ENV = "DIFFTRAIN_CPU_KERNELS"
+
+
+def cpu_kernels_setting() -> str:
+    """DIFFTRAIN_CPU_KERNELS as asked: auto (unset, auto, on, 1, yes, true) or off (off, 0, no,
+    false); a ConfigError for any other value, checked without torch by every command before it
+    does any work (`model.ckernels` compiles and loads the kernels)."""
+    from difftrain.errors import ConfigError
+
+    raw = os.environ.get(CPU_KERNELS_ENV, "")
+    want = raw.strip().lower()
+    if want in ("", "auto", "on", "1", "yes", "true"):
+        return "auto"
+    if want in ("off", "0", "no", "false"):
+        return "off"
+    raise ConfigError(
+        f"{CPU_KERNELS_ENV}={raw!r} is not a setting; set it to off to train with torch's operations "
+        "instead of the fused CPU kernels (or unset it)"
+    )
+
+
 def tune_allocator() -> str:
     """Keep large freed blocks in glibc's heap (see the module docstring); idempotent.
 

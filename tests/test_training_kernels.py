@@ -68,7 +68,8 @@ def test_rotate_of_bf16_queries_with_fp32_tables_promotes_and_returns_a_bf16_gra
 
 
 @pytest.mark.parametrize("shape", [(3, 5, 16), (2, 4, 3, 8)])
-def test_rms_norm_with_gradients_has_f_rms_norms_bits_and_gradients(shape):
+def test_rms_norm_with_gradients_has_f_rms_norms_bits_and_gradients(shape, cpu_kernels_off):
+    # torch's operations (test_cpu_kernels.py tests the fused kernels against float64)
     g = torch.Generator().manual_seed(0)
     x0 = torch.randn(*shape, generator=g) * 3
     w0 = torch.rand(shape[-1], generator=g) + 0.5
@@ -94,7 +95,7 @@ def test_rms_norm_backward_in_float64_and_with_a_frozen_weight():
     assert frozen.grad is None and x.grad is not None
 
 
-def test_rms_norm_module_takes_the_fast_path_only_where_it_applies():
+def test_rms_norm_module_takes_the_fast_path_only_where_it_applies(cpu_kernels_off):
     norm = RMSNorm(8)
     with torch.no_grad():
         norm.weight.uniform_(0.5, 1.5)

@@ -63,9 +63,10 @@ def _root(
     debug: bool = typer.Option(False, "--debug", help="Show full tracebacks for errors."),
 ) -> None:
     """difftrain — Differential Transformer training toolkit."""
-    from difftrain.runtime import tune_allocator
+    from difftrain.runtime import cpu_kernels_setting, tune_allocator
 
     tune_allocator()  # large CPU buffers are reused instead of page-faulted in every step
+    cpu_kernels_setting()  # a bad DIFFTRAIN_CPU_KERNELS fails here, before any work
     if "DIFFTRAIN_CPU_GEMM" in os.environ:  # a bad setting fails here, before any work
         from difftrain.runtime import cpu_gemm_setting
 

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
+from difftrain.model import ckernels
 from difftrain.model.config import ModelConfig, lambda_init
 from difftrain.model.fused import fused_outputs
 from difftrain.model.gemm import linear, linears
@@ -140,6 +141,11 @@ class _RMSNormCPU(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: Tensor, w: Tensor, eps: float) -> Tensor:  # type: ignore[override]
+        ctx.fused = ckernels.usable(x, w)
+        if ctx.fused:  # one pass (model/ckernels.py); keeps x, not x̂, and recomputes x̂ in backward
+            y, r = ckernels.rms_norm(x, w, eps)
+            ctx.save_for_backward(x, r, w)
+            return y
         r = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
         xhat = x * r
         ctx.save_for_backward(xhat, r, w)
@@ -147,6 +153,9 @@ class _RMSNormCPU(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g: Tensor):  # type: ignore[override]
+        if ctx.fused:
+            x, r, w = ctx.saved_tensors
+            return (*ckernels.rms_norm_backward(g, x, w, r, *ctx.needs_input_grad[:2]), None)
         xhat, r, w = ctx.saved_tensors
         gx = gw = None
         gxhat = g * xhat  # serves both: ∂w sums its rows, mean(g⊙w ⊙ x̂) = (g⊙x̂)·w / D

@@ -44,6 +44,7 @@ import torch
 from torch import Tensor, nn
 
 from difftrain.errors import ConfigError
+from difftrain.model import ckernels
 from difftrain.runtime import CPU_GEMM_ENV, cpu_gemm_setting
 
 
@@ -286,15 +287,26 @@ class _GatedUp(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, dnn: bool, w_gate: Tensor, w_up: Tensor) -> Tensor:  # type: ignore[override]
         gate, up = _xwt(x, w_gate, dnn), _xwt(x, w_up, dnn)
+        ctx.dnn = dnn
+        ctx.fused = ckernels.usable(gate, up)
+        if ctx.fused:  # one pass each way (model/ckernels.py), and silu(gate) is not kept
+            ctx.save_for_backward(x, w_gate, w_up, gate, up)
+            return ckernels.swiglu(gate, up)
         s = torch.nn.functional.silu(gate)
         ctx.save_for_backward(x, w_gate, w_up, gate, up, s)
-        ctx.dnn = dnn
         return s * up
 
     @staticmethod
     def backward(ctx, gh: Tensor):  # type: ignore[override]
-        x, w_gate, w_up, gate, up, s = ctx.saved_tensors
         need_x, need_gate, need_up = ctx.needs_input_grad[0], ctx.needs_input_grad[2], ctx.needs_input_grad[3]
+        if ctx.fused:
+            x, w_gate, w_up, gate, up = ctx.saved_tensors
+            g_gate, g_up = ckernels.swiglu_backward(gh, gate, up)
+            gw_up = _weight_grad_nd(g_up, x, ctx.dnn) if need_up else None
+            gw_gate = _weight_grad_nd(g_gate, x, ctx.dnn) if need_gate else None
+            gx = _accumulate(_gw(g_up, w_up, ctx.dnn), g_gate, w_gate, ctx.dnn) if need_x else None
+            return gx, None, gw_gate, gw_up
+        x, w_gate, w_up, gate, up, s = ctx.saved_tensors
         gx = gw_gate = gw_up = None
         # one (…, F) gradient alive at a time: ∂up's products, then ∂gate's (made in place)
         g = gh * s  # ∂up = ∂h ⊙ silu(gate)
@@ -358,5 +370,8 @@ def gated_up(gate: nn.Module, up: nn.Module, x: Tensor) -> Tensor:
     they qualify (see `_GatedUp`)."""
     dnn = _own_path(x, (gate, up))
     if dnn is None or gate.bias is not None or up.bias is not None:  # type: ignore[union-attr]
-        return torch.nn.functional.silu(linear(gate, x)) * linear(up, x)
+        g, u = linear(gate, x), linear(up, x)
+        if g.shape == u.shape and ckernels.usable(g, u):
+            return ckernels.SwiGLU.apply(g, u)
+        return torch.nn.functional.silu(g) * u
     return _GatedUp.apply(x, dnn, gate.weight, up.weight)

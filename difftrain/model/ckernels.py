@@ -1,0 +1,235 @@
+"""Fused fp32 CPU kernels for training (`cpu_kernels.c`), compiled here at first use.
+
+In a CPU training step the elementwise steps around the matrix products are bound by memory, not
+arithmetic: their (tokens × F) and (tokens × D) tensors come out of a product and do not fit in
+the cache, so each of torch's eager passes (RMSNorm's pow, mean, two products; SwiGLU's silu and
+product, and backward's three) is a trip to DRAM. `cpu_kernels.c` makes one pass for each
+forward and backward: RMSNorm from x to y (keeping x and the row statistics; backward recomputes
+x̂), SwiGLU from gate and up to h (keeping gate and up, not silu(gate): one (tokens × F) tensor
+less per layer), and each backward in one pass (see `benchmarks/README.md` for the figures).
+
+The source is compiled by the machine's C compiler ($CC, else cc) with `-O3 -march=native` into
+the cache folder ($DIFFTRAIN_CACHE/kernels, named by a hash of the source, the compiler and the
+CPU), once per machine, in about a second, and loaded with ctypes. Without a compiler, or with
+DIFFTRAIN_CPU_KERNELS=off, training runs the same steps as torch operations (the same results
+within fp32 rounding: the kernels sum in another order and compute exp themselves, within 2 ulp).
+Only plain contiguous fp32 CPU tensors outside torch.compile take these kernels; everything else,
+CUDA included, is unchanged.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from difftrain.runtime import CPU_KERNELS_ENV as ENV
+from difftrain.runtime import cpu_kernels_setting as setting
+
+SOURCE = Path(__file__).with_name("cpu_kernels.c")
+_FLAGS = ("-O3", "-march=native", "-std=c11", "-shared", "-fPIC", "-fopenmp")
+
+_state: dict[str, Any] = {}
+
+
+def library() -> Any:
+    """The loaded kernels (a ctypes library), or None: turned off, or no compiler (`status` says
+    which). Compiled once per machine into the cache, loaded once per process."""
+    if "lib" not in _state:
+        _state["lib"], _state["status"] = _load()
+    return _state["lib"]
+
+
+def status() -> str:
+    """What `library` found: "compiled", "off (DIFFTRAIN_CPU_KERNELS)", or "unavailable (why)"."""
+    library()
+    return _state["status"]
+
+
+def forget() -> None:
+    """Load again at the next use (tests change the setting)."""
+    _state.clear()
+
+
+def _cache_dir() -> Path:
+    from difftrain.data.config import default_cache_dir
+
+    return Path(default_cache_dir()) / "kernels"
+
+
+def _compiler() -> str | None:
+    cc = os.environ.get("CC", "").strip() or "cc"
+    return shutil.which(cc)
+
+
+def _machine_key() -> str:
+    """What the compiled code depends on besides source and compiler: the CPU (-march=native)."""
+    parts = [platform.machine(), platform.system()]
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                if line.startswith(("flags", "Features", "model name", "CPU part")):
+                    parts.append(line.strip())
+                    if len(parts) > 6:
+                        break
+    except OSError:
+        parts.append(platform.processor())
+    return "\n".join(parts)
+
+
+def library_path(cc: str) -> Path:
+    """Where the library compiled by `cc` for this source and CPU is cached."""
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+    parts = [SOURCE.read_bytes(), version.encode(), " ".join(_FLAGS).encode(), _machine_key().encode()]
+    suffix = ".dll" if platform.system() == "Windows" else ".so"
+    key = hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
+    return _cache_dir() / f"cpu_kernels-{key}{suffix}"
+
+
+def _load() -> tuple[Any, str]:
+    if setting() == "off":
+        return None, f"off ({ENV})"
+    cc = _compiler()
+    if cc is None:
+        return None, "unavailable (no C compiler: install gcc or set $CC)"
+    try:
+        path = library_path(cc)
+    except (OSError, subprocess.SubprocessError) as e:
+        return None, f"unavailable ({cc} --version failed: {e})"
+    for attempt in ("cached", "fresh"):
+        if attempt == "fresh" or not path.exists():
+            why = _compile(cc, path)
+            if why:
+                return None, f"unavailable ({why})"
+        try:
+            lib = ctypes.CDLL(str(path))
+            _declare(lib)
+            return lib, "compiled"
+        except (OSError, AttributeError) as e:  # a damaged or foreign file in the cache: compile anew
+            error = e
+    return None, f"unavailable (cannot load {path}: {error})"
+
+
+def _compile(cc: str, path: Path) -> str | None:
+    """Compile the source to `path` (atomically: concurrent processes each write their own file
+    and rename it); the reason on failure, else None."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=path.suffix + ".tmp")
+        os.close(fd)
+    except OSError as e:
+        return f"cannot write the cache folder {path.parent}: {e.strerror or e}"
+    try:
+        done = subprocess.run(
+            [cc, *_FLAGS, "-o", tmp, str(SOURCE)], capture_output=True, text=True, timeout=300
+        )
+        if done.returncode != 0:
+            first = (done.stderr.strip().splitlines() or ["no message"])[0]
+            return f"{Path(cc).name} failed: {first}"
+        os.replace(tmp, path)
+        return None
+    except (OSError, subprocess.SubprocessError) as e:
+        return f"{Path(cc).name} failed: {e}"
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def _declare(lib: Any) -> None:
+    p, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+    lib.difftrain_swiglu_fwd.argtypes = [p, p, p, i64, i32]
+    lib.difftrain_swiglu_fwd.restype = None
+    lib.difftrain_swiglu_bwd.argtypes = [p, p, p, p, p, i64, i32]
+    lib.difftrain_swiglu_bwd.restype = None
+    lib.difftrain_rmsnorm_fwd.argtypes = [p, p, p, p, i64, i64, f32, i32]
+    lib.difftrain_rmsnorm_fwd.restype = None
+    lib.difftrain_rmsnorm_bwd.argtypes = [p, p, p, p, p, p, i64, i64, i32]
+    lib.difftrain_rmsnorm_bwd.restype = i32
+
+
+def usable(*tensors: Tensor) -> bool:
+    """Whether the kernels may run on these tensors: contiguous fp32 CPU tensors, not under
+    torch.compile, and the library loaded."""
+    return (
+        all(t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous() for t in tensors)
+        and not torch.compiler.is_compiling()
+        and library() is not None
+    )
+
+
+def _ptr(t: Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def swiglu(gate: Tensor, up: Tensor) -> Tensor:
+    """silu(gate) ⊙ up (contiguous fp32 CPU tensors of one shape)."""
+    h = torch.empty_like(gate)
+    library().difftrain_swiglu_fwd(_ptr(gate), _ptr(up), _ptr(h), gate.numel(), torch.get_num_threads())
+    return h
+
+
+def swiglu_backward(gh: Tensor, gate: Tensor, up: Tensor) -> tuple[Tensor, Tensor]:
+    """(∂gate, ∂up) of h = silu(gate) ⊙ up for ∂h = gh."""
+    gh = gh.contiguous()
+    gg, gu = torch.empty_like(gate), torch.empty_like(up)
+    library().difftrain_swiglu_bwd(
+        _ptr(gh), _ptr(gate), _ptr(up), _ptr(gg), _ptr(gu), gate.numel(), torch.get_num_threads()
+    )
+    return gg, gu
+
+
+class SwiGLU(torch.autograd.Function):
+    """silu(gate) ⊙ up by the kernels, keeping gate and up for backward (not silu(gate) too);
+    for `usable` tensors (`gemm.gated_up` runs it when the products are plain layer calls)."""
+
+    @staticmethod
+    def forward(ctx, gate: Tensor, up: Tensor) -> Tensor:  # type: ignore[override]
+        ctx.save_for_backward(gate, up)
+        return swiglu(gate, up)
+
+    @staticmethod
+    def backward(ctx, gh: Tensor):  # type: ignore[override]
+        return swiglu_backward(gh, *ctx.saved_tensors)
+
+
+def rms_norm(x: Tensor, w: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    """(w ⊙ x·r, r) with r = 1/√(mean(x²) + ε) over x's last dimension, one r per row."""
+    D = x.shape[-1]
+    rows = x.numel() // max(D, 1)
+    y = torch.empty_like(x)
+    r = torch.empty(x.shape[:-1], dtype=torch.float32)
+    library().difftrain_rmsnorm_fwd(_ptr(x), _ptr(w), _ptr(y), _ptr(r), rows, D, eps, torch.get_num_threads())
+    return y, r
+
+
+def rms_norm_backward(
+    g: Tensor, x: Tensor, w: Tensor, r: Tensor, need_x: bool, need_w: bool
+) -> tuple[Tensor | None, Tensor | None]:
+    """(∂x, ∂w) of `rms_norm` for ∂y = g, each None when not needed."""
+    g = g.contiguous()
+    D = x.shape[-1]
+    gx = torch.empty_like(x) if need_x else None
+    gw = torch.empty(D, dtype=torch.float32) if need_w else None
+    rc = library().difftrain_rmsnorm_bwd(
+        _ptr(g),
+        _ptr(x),
+        _ptr(w),
+        _ptr(r),
+        _ptr(gx),
+        _ptr(gw),
+        x.numel() // max(D, 1),
+        D,
+        torch.get_num_threads(),
+    )
+    if rc != 0:
+        raise MemoryError("out of memory for RMSNorm's weight gradient")
+    return gx, gw
