@@ -644,7 +644,8 @@ def fit(
         "total_params": n_total,
         "resumed_from": point.step if point else None,
         "warnings": start_warnings(plan, point, warnings),
-        "device": _device_name(plan.accelerator, plan.world_size),
+        "device": _device_name(plan.accelerator, plan.world_size)
+        + _cpu_kernels_note(plan.accelerator, t.precision),
         **(info or {}),
     }
     if on_start is not None and is_global_zero():
@@ -783,6 +784,17 @@ def _device_name(accelerator: str, world: int = 1) -> str:
     return (
         f"cpu{times} ({platform.processor() or platform.machine()}, {n} thread{'s' if n != 1 else ''}{each})"
     )
+
+
+def _cpu_kernels_note(accelerator: str, precision: str) -> str:
+    """For fp32 CPU training: whether the fused CPU kernels run its norms and SwiGLU
+    (`model/ckernels.py`; compiled here on first use), and why not when they cannot."""
+    if accelerator != "cpu" or precision != "32-true":
+        return ""
+    from difftrain.model import ckernels
+
+    status = ckernels.status()
+    return " · fused CPU kernels" if status == "compiled" else f" · fused CPU kernels {status}"
 
 
 def _summary(
