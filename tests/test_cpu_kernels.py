@@ -97,11 +97,13 @@ def test_results_do_not_depend_on_the_number_of_threads(fresh, threads):
     x, g = torch.randn(1000, 96, generator=gen), torch.randn(1000, 96, generator=gen)
     w = torch.rand(96, generator=gen)
     a, b = torch.randn(1000, 96, generator=gen), torch.randn(1000, 96, generator=gen)
+    t = torch.randint(0, 96, (1000,), generator=gen)
 
     def everything():
         y, r = ckernels.rms_norm(x, w, 1e-5)
+        z = a.clone()
         return (y, r, *ckernels.rms_norm_backward(g, x, w, r, True, True), ckernels.swiglu(a, b),
-                *ckernels.swiglu_backward(g, a, b))  # fmt: skip
+                *ckernels.swiglu_backward(g, a, b), ckernels.cross_entropy_rows(z, t, -100, True), z)  # fmt: skip
 
     threads(1)
     one = everything()
@@ -217,3 +219,30 @@ def test_a_bad_setting_is_refused_by_every_command_before_torch_loads(tmp_path, 
     assert done.codes == [2, 2] and done.loaded == []
     assert done.stderr.count("DIFFTRAIN_CPU_KERNELS='fast' is not a setting; set it to off") == 2
     assert "Traceback" not in done.stderr
+
+
+def test_cross_entropy_rows_match_float64_with_the_gradient_in_place(fresh):
+    gen = torch.Generator().manual_seed(6)
+    z0 = torch.randn(37, 1000, generator=gen) * 4
+    z0[3] += 1e4  # large logits: the row's maximum is taken out before exp
+    t = torch.randint(0, 1000, (37,), generator=gen)
+    t[5] = t[30] = -100
+    z = z0.clone()
+    loss = ckernels.cross_entropy_rows(z, t, -100, grad=True)
+    z64 = z0.double().requires_grad_()
+    ref = F.cross_entropy(z64, t, ignore_index=-100, reduction="none")
+    torch.testing.assert_close(loss.double(), ref.detach(), rtol=1e-6, atol=1e-5)
+    ref.sum().backward()
+    torch.testing.assert_close(z.double(), z64.grad, rtol=1e-5, atol=1e-7)
+    assert loss[5] == 0 and z[5].eq(0).all() and z[30].eq(0).all()
+    untouched = z0.clone()
+    assert torch.equal(ckernels.cross_entropy_rows(untouched, t, -100, grad=False), loss)
+    assert torch.equal(untouched, z0)  # without the gradient the logits are left as they were
+
+
+def test_a_target_outside_the_vocabulary_is_an_index_error(fresh):
+    z, t = torch.randn(4, 10), torch.tensor([1, 10, 2, -100])
+    with pytest.raises(IndexError, match="outside the vocabulary of 10 tokens"):
+        ckernels.cross_entropy_rows(z, t, -100, grad=True)
+    with pytest.raises(IndexError):
+        ckernels.cross_entropy_rows(z, torch.tensor([1, -3, 2, 0]), -100, grad=False)

@@ -6,15 +6,19 @@ the cache, so each of torch's eager passes (RMSNorm's pow, mean, two products; S
 product, and backward's three) is a trip to DRAM. `cpu_kernels.c` makes one pass for each
 forward and backward: RMSNorm from x to y (keeping x and the row statistics; backward recomputes
 x̂), SwiGLU from gate and up to h (keeping gate and up, not silu(gate): one (tokens × F) tensor
-less per layer), and each backward in one pass (see `benchmarks/README.md` for the figures).
+less per layer), and each backward in one pass; and the chunked loss (`model/loss.py`) turns each
+chunk of logits into its loss and, in place, its gradient (softmax − one-hot) in one kernel, where
+torch ran log_softmax, exp, gather and scatter. At the bench's quickstart shape (Intel Xeon, two
+threads) they take the diff training step from ≈ 520 to ≈ 485 ms (`benchmarks/README.md`).
 
-The source is compiled by the machine's C compiler ($CC, else cc) with `-O3 -march=native` into
-the cache folder ($DIFFTRAIN_CACHE/kernels, named by a hash of the source, the compiler and the
-CPU), once per machine, in about a second, and loaded with ctypes. Without a compiler, or with
-DIFFTRAIN_CPU_KERNELS=off, training runs the same steps as torch operations (the same results
-within fp32 rounding: the kernels sum in another order and compute exp themselves, within 2 ulp).
-Only plain contiguous fp32 CPU tensors outside torch.compile take these kernels; everything else,
-CUDA included, is unchanged.
+The source is compiled by the machine's C compiler ($CC, else cc) with `-O3 -march=native
+-fopenmp` into the cache folder ($DIFFTRAIN_CACHE/kernels, named by a hash of the source, the
+compiler and the CPU), once per machine, in about a second, and loaded with ctypes; its OpenMP
+binds to torch's libgomp, so the kernels run on torch's own threads. Without a compiler (or
+OpenMP), or with DIFFTRAIN_CPU_KERNELS=off, training runs the same steps as torch operations (the
+same results within fp32 rounding: the kernels sum in another order and compute exp themselves,
+within 2 ulp). Only contiguous fp32 CPU tensors outside torch.compile take these kernels;
+everything else, CUDA included, is unchanged.
 """
 
 from __future__ import annotations
@@ -130,7 +134,7 @@ def _compile(cc: str, path: Path) -> str | None:
         return f"cannot write the cache folder {path.parent}: {e.strerror or e}"
     try:
         done = subprocess.run(
-            [cc, *_FLAGS, "-o", tmp, str(SOURCE)], capture_output=True, text=True, timeout=300
+            [cc, *_FLAGS, "-o", tmp, str(SOURCE), "-lm"], capture_output=True, text=True, timeout=300
         )
         if done.returncode != 0:
             first = (done.stderr.strip().splitlines() or ["no message"])[0]
@@ -154,6 +158,8 @@ def _declare(lib: Any) -> None:
     lib.difftrain_rmsnorm_fwd.restype = None
     lib.difftrain_rmsnorm_bwd.argtypes = [p, p, p, p, p, p, i64, i64, i32]
     lib.difftrain_rmsnorm_bwd.restype = i32
+    lib.difftrain_xent.argtypes = [p, p, p, i64, i64, i64, i32, i32]
+    lib.difftrain_xent.restype = i32
 
 
 def usable(*tensors: Tensor) -> bool:
@@ -233,3 +239,21 @@ def rms_norm_backward(
     if rc != 0:
         raise MemoryError("out of memory for RMSNorm's weight gradient")
     return gx, gw
+
+
+def cross_entropy_rows(z: Tensor, targets: Tensor, ignore_index: int, grad: bool) -> Tensor:
+    """Each row's −log softmax(z)[target] (0 where the target is `ignore_index`), for contiguous
+    fp32 logits z (rows × V) and int64 targets; with `grad`, z is overwritten by the gradient of
+    the rows' summed loss, softmax(z) − onehot(target) (0 on ignored rows). A target outside
+    [0, V) is an IndexError, as torch's gather makes it."""
+    rows, V = z.shape
+    targets = targets.contiguous()
+    loss = torch.empty(rows, dtype=torch.float32)
+    rc = library().difftrain_xent(
+        _ptr(z), _ptr(targets), _ptr(loss), rows, V, ignore_index, int(grad), torch.get_num_threads()
+    )
+    if rc != 0:
+        raise IndexError(
+            f"a target is outside the vocabulary of {V} tokens (0 … {V - 1}) and not {ignore_index}"
+        )
+    return loss

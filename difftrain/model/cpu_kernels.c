@@ -1,4 +1,5 @@
-/* Fused fp32 CPU kernels for training: RMSNorm and SwiGLU, forward and backward.
+/* Fused fp32 CPU kernels for training: RMSNorm and SwiGLU, forward and backward, and the
+ * cross-entropy of a chunk of logits with its gradient.
  *
  * Compiled on the user's machine at first use by `difftrain/model/ckernels.py` (cc -O3
  * -march=native) and called through ctypes on contiguous fp32 tensors. Each kernel makes one pass
@@ -11,6 +12,7 @@
  * the number of threads. exp is computed here (Cody-Waite reduction and the Cephes polynomial,
  * within 2 ulp of expf), in plain C that the compiler vectorises.
  */
+#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -211,4 +213,68 @@ API int difftrain_rmsnorm_bwd(const float *g, const float *x, const float *w, co
         free(partial);
     }
     return 0;
+}
+
+/* ---- cross-entropy rows: loss and ∂loss/∂logits, in place over the logits ----------------------- */
+
+typedef struct {
+    float *z, *loss;
+    const int64_t *target;
+    int64_t v, ignore;
+    int grad;
+    int bad; /* set when a target is outside [0, v) and not the ignore index */
+} xent_args;
+
+static void xent_range(const void *p, int64_t b, int64_t e) {
+    xent_args *a = (xent_args *)p;
+    const int64_t v = a->v;
+    for (int64_t i = b; i < e; i++) {
+        float *restrict z = a->z + i * v;
+        const int64_t t = a->target[i];
+        if (t == a->ignore || t < 0 || t >= v) {
+            if (t != a->ignore) __atomic_store_n(&a->bad, 1, __ATOMIC_RELAXED);
+            a->loss[i] = 0.0f;
+            if (a->grad) memset(z, 0, (size_t)v * sizeof(float));
+            continue;
+        }
+        float mx[16];
+        for (int k = 0; k < 16; k++) mx[k] = z[0];
+        int64_t j0 = 0;
+        for (; j0 + 16 <= v; j0 += 16) /* sixteen running maxima, as a vector register keeps them */
+            for (int k = 0; k < 16; k++) mx[k] = z[j0 + k] > mx[k] ? z[j0 + k] : mx[k];
+        for (; j0 < v; j0++) mx[0] = z[j0] > mx[0] ? z[j0] : mx[0];
+        float m = mx[0];
+        for (int k = 1; k < 16; k++) m = mx[k] > m ? mx[k] : m;
+        const float zt = z[t];
+        float acc[16] = {0};
+        int64_t j = 0;
+        if (a->grad) { /* e^(z − m) written in place, then scaled: one exp per logit */
+            for (; j + 16 <= v; j += 16)
+                for (int k = 0; k < 16; k++) acc[k] += (z[j + k] = exp_nonpos(z[j + k] - m));
+            for (; j < v; j++) acc[0] += (z[j] = exp_nonpos(z[j] - m));
+        } else {
+            for (; j + 16 <= v; j += 16)
+                for (int k = 0; k < 16; k++) acc[k] += exp_nonpos(z[j + k] - m);
+            for (; j < v; j++) acc[0] += exp_nonpos(z[j] - m);
+        }
+        for (int k = 8; k > 0; k /= 2)
+            for (int q = 0; q < k; q++) acc[q] += acc[q + k];
+        const float s = acc[0];
+        a->loss[i] = logf(s) - (zt - m); /* −log softmax(z)[t]; zt − m is exact */
+        if (a->grad) {
+            const float inv = 1.0f / s;
+            for (j = 0; j < v; j++) z[j] *= inv;
+            z[t] -= 1.0f;
+        }
+    }
+}
+
+/* z: rows × v logits; target: one per row (ignore: no loss, no gradient). loss gets each row's
+   −log softmax(z)[target]; with grad, z becomes ∂(Σ loss)/∂z = softmax(z) − onehot(target) (0 on
+   ignored rows). Returns 0, or -1 if a target is outside [0, v) (its row counts as ignored). */
+API int difftrain_xent(float *z, const int64_t *target, float *loss, int64_t rows, int64_t v, int64_t ignore,
+                       int grad, int threads) {
+    xent_args a = {z, loss, target, v, ignore, grad, 0};
+    parallel(xent_range, &a, rows, 1, threads);
+    return a.bad ? -1 : 0;
 }

@@ -8,7 +8,9 @@ to the chunk's logits (softmax − one-hot), which it multiplies into ∂h and a
 Backward only scales those two by the incoming gradient. The result equals
 `F.cross_entropy(h @ Wᵀ, targets, reduction="sum")` and its gradients up to float rounding
 (tests/test_loss.py). It saves memory, not time: on CPU at V = 4096 the training step takes the
-same time within noise (`difftrain bench`, train_step).
+same time within noise (`difftrain bench`, train_step). For fp32 on the CPU, each chunk's loss and
+gradient come from one fused kernel (`model/ckernels.py`) where torch runs log_softmax, exp,
+gather and scatter.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import contextlib
 import torch
 from torch import Tensor
 
-from difftrain.model import gemm
+from difftrain.model import ckernels, gemm
 from difftrain.model.gemm import mm
 
 IGNORE_INDEX = -100
@@ -45,9 +47,18 @@ class _LinearCrossEntropy(torch.autograd.Function):
         # oneDNN's products (model/gemm.py) have no out= form: with them ∂h's rows are copied into
         # dh and each chunk's ∂W is added to dw in a pass of its own; torch's BLAS writes both in place
         dnn = gemm.uses_onednn(h, weight) and gemm.large_enough(min(rows, N), *weight.shape[::-1])
+        # fp32 CPU with torch's BLAS: the fused cross-entropy kernel (model/ckernels.py)
+        fused = not dnn and ckernels.usable(h, weight) and targets.dtype == torch.int64
         for a in range(0, N, rows):
             hc, tc = h[a : a + rows], targets[a : a + rows]
             z = mm(hc, weight.t()).float()  # (n, V) logits of this chunk, fp32 statistics
+            if fused and z.is_contiguous():  # one kernel, the gradient in place (model/ckernels.py)
+                total += ckernels.cross_entropy_rows(z, tc, IGNORE_INDEX, need_h or need_w).sum()
+                if dh is not None:
+                    torch.mm(z, weight, out=dh[a : a + rows])
+                if dw is not None:
+                    dw.addmm_(z.t(), hc)
+                continue
             valid = tc != IGNORE_INDEX
             safe = torch.where(valid, tc, 0)[:, None]
             # one log_softmax kernel, in place of logsumexp (max, subtract, exp, sum, log) and
