@@ -85,8 +85,9 @@ for (`check_plannable`).
 
 The peak is the larger of the backward pass (weights, optimizer state, saved activations, and
 either the gradients already accumulated plus the loss's buffers at its start (the chunked
-loss: ∂h and ∂W scaled, or one chunk's logits in its forward if larger; else two fp32 (B·T, V)
-buffers) or, later, a checkpointed layer being rebuilt with its gradient buffers next to the
+loss: ∂h and ∂W scaled, or one chunk's logits and their exponentials in its forward if larger —
+the logits alone with the fused CPU kernel, which makes the gradient in place; else two fp32
+(B·T, V) buffers) or, later, a checkpointed layer being rebuilt with its gradient buffers next to the
 parameter gradients) and the optimizer step (weights, gradients, state, and the fused/foreach AdamW temporaries,
 ≈ one fp32 copy of the parameters). Gradients count in full when micro-batches accumulate
 (accumulate > 1), else only the output layer's. On CUDA the device also holds the CUDA context
@@ -354,14 +355,20 @@ def _cpu_norm_saving(D: int, fam: str, device_type: str) -> int:
     return 4 * D if device_type == "cpu" and fam in ("fp32", "mixed") else 0
 
 
-def _cpu_mlp_saving(F: int, fam: str, device_type: str) -> int:
-    """Bytes per token the fp32 CPU SwiGLU saves less when the fused CPU kernels run it
-    (`model/ckernels.py`): gate and up, not silu(gate) as well."""
+def _cpu_kernels(fam: str, device_type: str) -> bool:
+    """Whether fp32 CPU training runs the fused CPU kernels (`model/ckernels.py`: compiled here
+    on first use; not with DIFFTRAIN_CPU_KERNELS=off or without a C compiler)."""
     if device_type != "cpu" or fam != "fp32":
-        return 0
+        return False
     from difftrain.model import ckernels
 
-    return 4 * F if ckernels.library() is not None else 0
+    return ckernels.library() is not None
+
+
+def _cpu_mlp_saving(F: int, fam: str, device_type: str) -> int:
+    """Bytes per token the fp32 CPU SwiGLU saves less when the fused CPU kernels run it: gate and
+    up, not silu(gate) as well."""
+    return 4 * F if _cpu_kernels(fam, device_type) else 0
 
 
 # LoRA dropout: the projections that read one tensor (the attention's input, ...), by name
@@ -723,7 +730,9 @@ def plan_memory(
         if _dtype_family(s.precision) == "mixed":
             scaled += (N + V) * D * 4
         rows = min(N, chunk_rows(V))
-        chunk = rows * V * (8 + (hb if hb != 4 else 0)) + (V * D * 4 if hb != 4 else 0)
+        # the fused CPU kernel turns the logits into the gradient in place: one buffer, not two
+        per_logit = 4 if _cpu_kernels(_dtype_family(s.precision), target.kind) else 8 + (hb if hb != 4 else 0)
+        chunk = rows * V * per_logit + (V * D * 4 if hb != 4 else 0)
         loss_buffers = float(max(scaled, chunk))
     else:
         loss_buffers = 2.0 * N * V * 4

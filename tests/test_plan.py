@@ -138,9 +138,14 @@ def test_weights_and_gradients_are_exact_parameter_bytes(arch):
 @pytest.mark.parametrize("kernel", ["flash_cpu", "padded"])
 @pytest.mark.parametrize("precision", ["32-true", "bf16-mixed", "bf16-true"])
 @pytest.mark.parametrize("arch", ["baseline", "diff", "diff2"])
+@pytest.mark.parametrize("cpu_kernels", ["auto", "off"])
 def test_activation_formula_matches_what_autograd_saves(
-    arch, precision, kernel, checkpointing, fused, monkeypatch
+    arch, precision, kernel, checkpointing, fused, cpu_kernels, monkeypatch
 ):
+    from difftrain.model import ckernels
+
+    monkeypatch.setenv(ckernels.ENV, cpu_kernels)
+    monkeypatch.setattr(ckernels, "_state", {})  # loaded afresh, and as before after the test
     # `padded` is the diff core CUDA runs; forcing it on CPU saves the same tensors
     monkeypatch.setitem(kernels.DIFF_SDPA_DEFAULT, "cpu", kernel)
     cfg = tiny(arch, tie_embeddings=arch == "diff")
@@ -431,9 +436,19 @@ def test_plan_cli_json_reports_the_breakdown_and_suggestions(capsys):
     )
 
 
+@pytest.mark.parametrize("cpu_kernels", ["auto", "off"])
 @pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "ckpt"])
 @pytest.mark.parametrize("arch", ["baseline", "diff"])
-def test_planned_peak_matches_the_tensor_peak_of_a_real_training_step(arch, checkpointing):
+def test_planned_peak_matches_the_tensor_peak_of_a_real_training_step(
+    arch, checkpointing, cpu_kernels, monkeypatch
+):
+    # with and without the fused CPU kernels (model/ckernels.py), which save less and need one
+    # loss buffer less; the plan knows which runs
+    from difftrain.model import ckernels
+
+    monkeypatch.setenv(ckernels.ENV, cpu_kernels)
+    monkeypatch.setattr(ckernels, "_state", {})  # loaded afresh, and as before after the test
+    assert (ckernels.library() is None) == (cpu_kernels == "off")
     from difftrain.bench import measure_training_peak
 
     cfg = tiny(arch, d_model=64, vocab_size=512, max_seq_len=64, tie_embeddings=True)
