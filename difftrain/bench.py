@@ -426,6 +426,14 @@ def gemm_backend_of(plan: Plan) -> str | None:
     return gemm.backend() if plan.device.type == "cpu" else None
 
 
+def _torch_ops_variant(plan: Plan) -> bool:
+    """Whether the bench also times our fp32 CPU step without the fused CPU kernels (when they
+    run: model/ckernels.py), what training does without a C compiler."""
+    from difftrain.model import ckernels
+
+    return plan.device.type == "cpu" and plan.precision == "32-true" and ckernels.library() is not None
+
+
 def _torch_gemm_variant(plan: Plan) -> bool:
     """Whether to time steps with torch's default BLAS too: fp32 products run by oneDNN here."""
     return plan.precision == "32-true" and gemm_backend_of(plan) == "onednn"
@@ -439,18 +447,21 @@ def train_step_fn(
     forward: Any = None,
     strategy: str | None = None,
     cpu_gemm: str | None = None,
+    cpu_kernels: bool = True,
 ) -> Callable[[], None]:
     """One training step as a closure: forward, backward, clip the gradient norm to 1, AdamW;
-    `cpu_gemm` pins the CPU matrix-product backend (model/gemm.py) for the step."""
-    from difftrain.model import gemm
+    `cpu_gemm` pins the CPU matrix-product backend (model/gemm.py) for the step, and without
+    `cpu_kernels` it runs torch's operations where the fused CPU kernels would (model/ckernels.py)."""
+    from difftrain.model import ckernels, gemm
 
     x, y = batch
     fwd = model if forward is None else forward
     params = [p for p in model.parameters() if p.requires_grad]
     backend = contextlib.nullcontext if cpu_gemm is None else functools.partial(gemm.use_backend, cpu_gemm)
+    kernels = contextlib.nullcontext if cpu_kernels else ckernels.paused
 
     def step() -> None:
-        with diff_strategy(strategy), _autocast(plan), backend():
+        with diff_strategy(strategy), _autocast(plan), backend(), kernels():
             loss = fwd(x, y, return_logits=False).loss  # as training calls it
             loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -730,6 +741,11 @@ def _train_vs_hf(ours: Any, hf: Any, shape: Shape, plan: Plan, progress: Progres
         fns["ours (torch GEMMs)"] = train_step_fn(
             twin, _optimizer(twin, "adamw", plan.device), (x, y), plan, cpu_gemm="torch"
         )
+    if _torch_ops_variant(plan):  # ours as it trains without a C compiler
+        twin = _build(ours.config, plan)
+        fns["ours (torch ops)"] = train_step_fn(
+            twin, _optimizer(twin, "adamw", plan.device), (x, y), plan, cpu_kernels=False
+        )
     if plan.compile:  # both models under torch.compile (ours: train.compile: true)
         twin = _build(ours.config, plan)
         fns["ours +compile"] = train_step_fn(
@@ -766,6 +782,7 @@ def _variant_figures(t: dict[str, dict[str, list[float]]], tokens: int) -> dict[
     out: dict[str, Any] = {}
     for prefix, ours, ref in (
         ("torch_gemm", "ours (torch GEMMs)", "hf"),
+        ("torch_ops", "ours (torch ops)", "hf"),
         ("compiled", "ours +compile", "hf"),
         ("both_compiled", "ours +compile", "hf +compile"),
     ):

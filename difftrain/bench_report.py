@@ -76,6 +76,7 @@ class BenchOptions:
 
 HF_VARIANT_LABELS = {
     "torch_gemm": "ours with torch's GEMMs",
+    "torch_ops": "ours without the fused CPU kernels",
     "compiled": "ours compiled",
     "both_compiled": "both compiled",
     "row_major": "ours with row-major weights",
@@ -403,6 +404,10 @@ def _hf_note(prefix: str, key: str, r: dict[str, Any]) -> str:
         return "the layout transformers uses"
     if prefix == "torch_gemm":
         return "like for like: the fp32 products transformers gets (torch's BLAS)"
+    if prefix == "torch_ops":
+        return (
+            "torch's operations for norms, SwiGLU and the loss (no C compiler, or DIFFTRAIN_CPU_KERNELS=off)"
+        )
     if key == "train":
         return "vs transformers eager" if prefix == "compiled" else "transformers compiled too"
     if prefix == "compiled":

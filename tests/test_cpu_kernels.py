@@ -246,3 +246,32 @@ def test_a_target_outside_the_vocabulary_is_an_index_error(fresh):
         ckernels.cross_entropy_rows(z, t, -100, grad=True)
     with pytest.raises(IndexError):
         ckernels.cross_entropy_rows(z, torch.tensor([1, -3, 2, 0]), -100, grad=False)
+
+
+def test_paused_runs_torchs_operations_inside_the_block_only(fresh):
+    x = torch.randn(6, 40, requires_grad=True)
+    w = torch.rand(40, requires_grad=True)
+    with ckernels.paused():
+        assert not ckernels.usable(x.detach(), w.detach())
+        assert torch.equal(_RMSNormCPU.apply(x, w, 1e-5), F.rms_norm(x, (40,), w, 1e-5))
+    assert ckernels.usable(x.detach(), w.detach())
+    assert _RMSNormCPU.apply(x, w, 1e-5).grad_fn.saved_tensors[0] is x  # the kernel again
+
+
+def test_the_bench_times_our_step_without_the_kernels_as_well(fresh):
+    from difftrain.bench import BenchOptions, _torch_ops_variant, make_plan
+    from difftrain.bench_report import HF_VARIANT_LABELS, evaluate_targets
+
+    assert _torch_ops_variant(make_plan(BenchOptions(device="cpu", mode="quick")))
+    assert not _torch_ops_variant(make_plan(BenchOptions(device="cpu", mode="quick", precision="bf16-mixed")))
+    row = {
+        "arch": "diff",
+        "speedup": 1.3,
+        "speedup_cpu": 1.3,
+        "torch_ops_speedup": 1.2,
+        "torch_ops_speedup_cpu": 1.2,
+    }
+    names = [
+        t["name"] for t in evaluate_targets({"sections": {"hf": {"train": [row]}}, "device": {"type": "cpu"}})
+    ]
+    assert f"diff training tokens/s vs DiffLlama, {HF_VARIANT_LABELS['torch_ops']}" in names

@@ -23,6 +23,7 @@ everything else, CUDA included, is unchanged.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
 import os
@@ -30,6 +31,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -162,12 +164,27 @@ def _declare(lib: Any) -> None:
     lib.difftrain_xent.restype = i32
 
 
+@contextlib.contextmanager
+def paused() -> Iterator[None]:
+    """Inside the block, training takes torch's operations as with DIFFTRAIN_CPU_KERNELS=off (the
+    bench times both in one process)."""
+    _paused.append(True)
+    try:
+        yield
+    finally:
+        _paused.pop()
+
+
+_paused: list[bool] = []
+
+
 def usable(*tensors: Tensor) -> bool:
     """Whether the kernels may run on these tensors: contiguous fp32 CPU tensors, not under
-    torch.compile, and the library loaded."""
+    torch.compile, not `paused`, and the library loaded."""
     return (
         all(t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous() for t in tensors)
         and not torch.compiler.is_compiling()
+        and not _paused
         and library() is not None
     )
 
