@@ -122,7 +122,7 @@ def test_help_and_version_exit_0(capsys):
     assert "difftrain" in capsys.readouterr().out
 
 
-def test_recipes_cp_copies_to_a_file_or_into_a_folder(tmp_path, capsys):
+def test_recipes_cp_copies_to_a_file_or_into_a_folder(tmp_path, capsys, monkeypatch):
     from difftrain.recipe import find_recipe
 
     shipped = find_recipe("quickstart").read_bytes()
@@ -143,6 +143,11 @@ def test_recipes_cp_copies_to_a_file_or_into_a_folder(tmp_path, capsys):
     assert main(["recipes", "cp", "quickstart", str(tmp_path / "my.yaml" / "x.yaml")]) == 2  # under a file
     err = capsys.readouterr().err
     assert "cannot write" in err and "Traceback" not in err
+    monkeypatch.chdir(tmp_path / "new")
+    for empty in ("", "  "):  # was taken for the current folder
+        assert main(["recipes", "cp", "quickstart", empty]) == 2
+        assert "DEST is empty; give the file to write" in capsys.readouterr().err
+    assert sorted(p.name for p in (tmp_path / "new").iterdir()) == ["quickstart.yaml"]
 
 
 def test_recipes_cp_of_a_recipe_file_says_which_relative_paths_now_name_something_else(tmp_path, capsys):

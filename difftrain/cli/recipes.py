@@ -79,6 +79,8 @@ def cp(
     from difftrain.cli.common import warn
     from difftrain.recipe import find_recipe
 
+    if not dest.strip():
+        raise RecipeError("DEST is empty; give the file to write (mine.yaml) or a folder to copy into (./)")
     src = find_recipe(name)
     path = Path(dest).expanduser()
     target = path / src.name if dest.endswith(("/", os.sep)) or path.is_dir() else path
