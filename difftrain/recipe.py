@@ -496,6 +496,11 @@ class Recipe(_Section):
             raise ValueError(
                 f"name '{v}' starts with '~', which a shell reads as your home folder; choose another"
             )
+        bad = next((c for c in v if ord(c) < 32 or ord(c) == 127), None)
+        if bad is not None:  # a folder name no terminal shows as written (a tab, a newline, an escape)
+            raise ValueError(
+                f"name {v!r} holds the control character {bad!r}; use letters, digits, '-', '_' or '.'"
+            )
         if len(v.encode("utf-8")) > 255:  # it names the run's folder
             raise ValueError(
                 f"name is {len(v.encode('utf-8'))} bytes long, more than a folder name may be (255 bytes); shorten it"

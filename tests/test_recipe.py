@@ -89,6 +89,10 @@ def test_yaml_syntax_error_has_line_and_column(tmp_path):
             r"name is 260 bytes long, more than a folder name may be \(255 bytes\); shorten it",
         ),
         (
+            'name: "run\\t1"\nmodel: {d_model: 64, n_layers: 1, n_heads: 2}\ntrain: {max_steps: 1}\n',
+            r"name 'run\\t1' holds the control character '\\t'; use letters, digits",
+        ),
+        (
             "name: x\nmodel: {d_model: 64, n_layers: 1, n_heads: 2}\n",
             r"missing key `train`: a recipe needs a train: section with max_steps or max_tokens, e\.g\. `train: \{max_steps: 1000\}`$",
         ),
