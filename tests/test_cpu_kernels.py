@@ -4,6 +4,8 @@ use them against the torch operations they replace, and how they load, fail and 
 
 from __future__ import annotations
 
+import contextlib
+import os
 import stat
 from pathlib import Path
 
@@ -275,3 +277,101 @@ def test_the_bench_times_our_step_without_the_kernels_as_well(fresh):
         t["name"] for t in evaluate_targets({"sections": {"hf": {"train": [row]}}, "device": {"type": "cpu"}})
     ]
     assert f"diff training tokens/s vs DiffLlama, {HF_VARIANT_LABELS['torch_ops']}" in names
+
+
+def _script(path: Path, body: str) -> str:
+    path.write_text("#!/bin/sh\n" + body)
+    path.chmod(path.stat().st_mode | stat.S_IEXEC)
+    return str(path)
+
+
+def test_a_compiler_with_arguments_or_bytes_that_are_not_utf8_still_works(fresh, monkeypatch, tmp_path):
+    import shutil
+
+    gcc = shutil.which("cc")
+    monkeypatch.setenv("CC", f"env {gcc}")  # $CC may carry arguments (`ccache gcc`)
+    assert ckernels.library() is not None, ckernels.status()
+    ckernels.forget()
+    odd = _script(
+        tmp_path / "oddcc", f'[ "$1" = --version ] && {{ printf "cc \\377\\n"; exit 0; }}\nexec {gcc} "$@"\n'
+    )
+    monkeypatch.setenv("CC", odd)
+    assert ckernels.library() is not None, ckernels.status()
+    ckernels.forget()
+    monkeypatch.setenv(
+        "CC", _script(tmp_path / "frcc", 'printf "note: x\\nerreur \\351 fatale\\n" >&2; exit 1\n')
+    )
+    assert ckernels.library() is None
+    assert (
+        ckernels.status() == "unavailable (frcc failed: erreur \ufffd fatale)"
+    )  # the error line, not the first
+
+
+def test_a_compiler_that_writes_nothing_leaves_nothing_in_the_cache(fresh, monkeypatch, tmp_path):
+    monkeypatch.setenv("CC", _script(tmp_path / "lazycc", "exit 0\n"))
+    assert ckernels.library() is None and ckernels.status() == "unavailable (lazycc wrote nothing)"
+    assert list(fresh.iterdir()) == []
+
+
+def test_the_cached_library_can_be_loaded_by_others_sharing_the_cache(fresh):
+    assert ckernels.library() is not None
+    (so,) = fresh.iterdir()
+    umask = os.umask(0)
+    os.umask(umask)
+    assert stat.S_IMODE(so.stat().st_mode) == 0o755 & ~umask
+
+
+def test_backward_reads_saved_tensors_a_hook_gave_back_in_another_layout(fresh):
+    gen = torch.Generator().manual_seed(7)
+    x0, w0 = torch.randn(4, 6, generator=gen), torch.rand(6, generator=gen) + 0.5
+    g0, u0 = torch.randn(4, 6, generator=gen), torch.randn(4, 6, generator=gen)
+
+    def grads():
+        x, w, g, u = (t.clone().requires_grad_() for t in (x0, w0, g0, u0))
+        (_RMSNormCPU.apply(x, w, 1e-5).sum() + ckernels.SwiGLU.apply(g, u).square().sum()).backward()
+        return [t.grad for t in (x, w, g, u)]
+
+    want = grads()
+    transposed = {
+        "pack": lambda t: t.t().contiguous() if t.dim() == 2 else t,
+        "unpack": lambda t: t.t() if t.dim() == 2 else t,
+    }
+    with torch.autograd.graph.saved_tensors_hooks(transposed["pack"], transposed["unpack"]):
+        got = grads()
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b)
+
+
+def test_a_second_derivative_is_refused_not_wrong(fresh):
+    # the norm's and SwiGLU's backward passes compute without a graph, with the kernels or not
+    # (torch's operations on saved x̂ gave a second derivative that missed terms)
+    x, w = torch.randn(3, 5, requires_grad=True), torch.rand(5, requires_grad=True)
+    g, u = torch.randn(3, 5, requires_grad=True), torch.randn(3, 5)
+    for paused in (False, True):
+        with ckernels.paused() if paused else contextlib.nullcontext():
+            for out, leaf in ((_RMSNormCPU.apply(x, w, 1e-5), x), (ckernels.SwiGLU.apply(g, u), g)):
+                (d,) = torch.autograd.grad(out.square().sum(), leaf, create_graph=True)
+                with pytest.raises(RuntimeError, match="once_differentiable|not have been used in the graph"):
+                    torch.autograd.grad(d.sum(), leaf)
+
+
+def test_the_loss_takes_the_kernel_with_onednn_products_too(fresh, monkeypatch):
+    from difftrain.model import gemm
+    from difftrain.model.loss import linear_cross_entropy
+
+    calls = []
+    real = ckernels.cross_entropy_rows
+    monkeypatch.setattr(ckernels, "cross_entropy_rows", lambda *a, **k: calls.append(1) or real(*a, **k))
+    gen = torch.Generator().manual_seed(8)
+    h = torch.randn(300, 64, generator=gen, requires_grad=True)
+    w = torch.randn(512, 64, generator=gen, requires_grad=True)
+    t = torch.randint(0, 512, (300,), generator=gen)
+    with gemm.use_backend("onednn"):
+        loss = linear_cross_entropy(h, w, t, rows=128)
+        gh, gw = torch.autograd.grad(loss, (h, w))
+    assert len(calls) == 3  # one per chunk
+    ref = F.cross_entropy(h.double() @ w.double().t(), t)
+    rh, rw = torch.autograd.grad(ref, (h, w))
+    torch.testing.assert_close(loss.double(), ref, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(gh, rh.float(), rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(gw, rw.float(), rtol=1e-4, atol=1e-6)

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.autograd.function import once_differentiable
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from difftrain.model import ckernels
@@ -152,6 +153,7 @@ class _RMSNormCPU(torch.autograd.Function):
         return xhat * w
 
     @staticmethod
+    @once_differentiable  # x̂ and the statistics are saved without a graph
     def backward(ctx, g: Tensor):  # type: ignore[override]
         if ctx.fused:
             x, r, w = ctx.saved_tensors

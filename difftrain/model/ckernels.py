@@ -28,6 +28,7 @@ import ctypes
 import hashlib
 import os
 import platform
+import shlex
 import shutil
 import subprocess
 import tempfile
@@ -37,7 +38,9 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from torch.autograd.function import once_differentiable
 
+from difftrain.errors import ConfigError
 from difftrain.runtime import CPU_KERNELS_ENV as ENV
 from difftrain.runtime import cpu_kernels_setting as setting
 
@@ -51,7 +54,12 @@ def library() -> Any:
     """The loaded kernels (a ctypes library), or None: turned off, or no compiler (`status` says
     which). Compiled once per machine into the cache, loaded once per process."""
     if "lib" not in _state:
-        _state["lib"], _state["status"] = _load()
+        try:
+            _state["lib"], _state["status"] = _load()
+        except ConfigError:
+            raise
+        except Exception as e:  # noqa: BLE001 - anything else: training runs torch's operations
+            _state["lib"], _state["status"] = None, f"unavailable ({type(e).__name__}: {e})"
     return _state["lib"]
 
 
@@ -72,9 +80,12 @@ def _cache_dir() -> Path:
     return Path(default_cache_dir()) / "kernels"
 
 
-def _compiler() -> str | None:
-    cc = os.environ.get("CC", "").strip() or "cc"
-    return shutil.which(cc)
+def _compiler() -> list[str] | None:
+    """$CC (it may carry arguments: `ccache gcc`, `gcc -m64`), else cc, as a command line; None
+    when its program is not found."""
+    words = shlex.split(os.environ.get("CC", "").strip() or "cc")
+    program = shutil.which(words[0]) if words else None
+    return None if program is None else [program, *words[1:]]
 
 
 def _machine_key() -> str:
@@ -92,12 +103,12 @@ def _machine_key() -> str:
     return "\n".join(parts)
 
 
-def library_path(cc: str) -> Path:
-    """Where the library compiled by `cc` for this source and CPU is cached."""
-    version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
-    parts = [SOURCE.read_bytes(), version.encode(), " ".join(_FLAGS).encode(), _machine_key().encode()]
+def library_path(cc: list[str]) -> Path:
+    """Where the library compiled by the command `cc` for this source and CPU is cached."""
+    version = subprocess.run([*cc, "--version"], capture_output=True, text=True, errors="replace", timeout=30)
+    parts = [SOURCE.read_bytes(), " ".join(cc).encode(), version.stdout.encode(), " ".join(_FLAGS).encode()]
     suffix = ".dll" if platform.system() == "Windows" else ".so"
-    key = hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
+    key = hashlib.sha256(b"\0".join([*parts, _machine_key().encode()])).hexdigest()[:16]
     return _cache_dir() / f"cpu_kernels-{key}{suffix}"
 
 
@@ -110,13 +121,14 @@ def _load() -> tuple[Any, str]:
     try:
         path = library_path(cc)
     except (OSError, subprocess.SubprocessError) as e:
-        return None, f"unavailable ({cc} --version failed: {e})"
+        return None, f"unavailable (cannot run {cc[0]} --version or read {SOURCE.name}: {e})"
+    error: Exception | None = None
     for attempt in ("cached", "fresh"):
-        if attempt == "fresh" or not path.exists():
-            why = _compile(cc, path)
-            if why:
-                return None, f"unavailable ({why})"
         try:
+            if attempt == "fresh" or not path.exists():
+                why = _compile(cc, path)
+                if why:
+                    return None, f"unavailable ({why})"
             lib = ctypes.CDLL(str(path))
             _declare(lib)
             return lib, "compiled"
@@ -125,9 +137,10 @@ def _load() -> tuple[Any, str]:
     return None, f"unavailable (cannot load {path}: {error})"
 
 
-def _compile(cc: str, path: Path) -> str | None:
+def _compile(cc: list[str], path: Path) -> str | None:
     """Compile the source to `path` (atomically: concurrent processes each write their own file
     and rename it); the reason on failure, else None."""
+    name = Path(cc[0]).name
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=path.suffix + ".tmp")
@@ -136,15 +149,24 @@ def _compile(cc: str, path: Path) -> str | None:
         return f"cannot write the cache folder {path.parent}: {e.strerror or e}"
     try:
         done = subprocess.run(
-            [cc, *_FLAGS, "-o", tmp, str(SOURCE), "-lm"], capture_output=True, text=True, timeout=300
+            [*cc, *_FLAGS, "-o", tmp, str(SOURCE), "-lm"],
+            capture_output=True,
+            text=True,
+            errors="replace",
+            timeout=300,
         )
         if done.returncode != 0:
-            first = (done.stderr.strip().splitlines() or ["no message"])[0]
-            return f"{Path(cc).name} failed: {first}"
+            lines = done.stderr.strip().splitlines() or ["no message"]
+            return f"{name} failed: {next((x for x in lines if 'error' in x.lower()), lines[-1]).strip()}"
+        if os.path.getsize(tmp) == 0:
+            return f"{name} wrote nothing"
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o755 & ~umask)  # loadable by whoever shares the cache, as a compiler writes it
         os.replace(tmp, path)
         return None
     except (OSError, subprocess.SubprocessError) as e:
-        return f"{Path(cc).name} failed: {e}"
+        return f"{name} failed: {e}"
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
@@ -200,9 +222,17 @@ def swiglu(gate: Tensor, up: Tensor) -> Tensor:
     return h
 
 
+def _plain(*tensors: Tensor) -> list[Tensor]:
+    """Tensors as the kernels read them, contiguous fp32: what forward saved normally is already
+    (free), but a saved-tensor hook (offloading, compression) may give back another layout."""
+    return [t.to(torch.float32).contiguous() for t in tensors]
+
+
 def swiglu_backward(gh: Tensor, gate: Tensor, up: Tensor) -> tuple[Tensor, Tensor]:
     """(∂gate, ∂up) of h = silu(gate) ⊙ up for ∂h = gh."""
-    gh = gh.contiguous()
+    gh, gate, up = _plain(gh, gate, up)
+    if not gh.shape == gate.shape == up.shape:
+        raise ValueError(f"swiglu_backward: shapes {gh.shape}, {gate.shape}, {up.shape} differ")
     gg, gu = torch.empty_like(gate), torch.empty_like(up)
     library().difftrain_swiglu_bwd(
         _ptr(gh), _ptr(gate), _ptr(up), _ptr(gg), _ptr(gu), gate.numel(), torch.get_num_threads()
@@ -220,6 +250,7 @@ class SwiGLU(torch.autograd.Function):
         return swiglu(gate, up)
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, gh: Tensor):  # type: ignore[override]
         return swiglu_backward(gh, *ctx.saved_tensors)
 
@@ -238,8 +269,10 @@ def rms_norm_backward(
     g: Tensor, x: Tensor, w: Tensor, r: Tensor, need_x: bool, need_w: bool
 ) -> tuple[Tensor | None, Tensor | None]:
     """(∂x, ∂w) of `rms_norm` for ∂y = g, each None when not needed."""
-    g = g.contiguous()
+    g, x, w, r = _plain(g, x, w, r)
     D = x.shape[-1]
+    if g.shape != x.shape or w.shape != (D,) or r.numel() * D != x.numel():
+        raise ValueError(f"rms_norm_backward: shapes {g.shape}, {x.shape}, {w.shape}, {r.shape} do not fit")
     gx = torch.empty_like(x) if need_x else None
     gw = torch.empty(D, dtype=torch.float32) if need_w else None
     rc = library().difftrain_rmsnorm_bwd(

@@ -42,6 +42,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.autograd.function import once_differentiable
 
 from difftrain.errors import ConfigError
 from difftrain.model import ckernels
@@ -297,6 +298,7 @@ class _GatedUp(torch.autograd.Function):
         return s * up
 
     @staticmethod
+    @once_differentiable  # its gradients are computed without a graph
     def backward(ctx, gh: Tensor):  # type: ignore[override]
         need_x, need_gate, need_up = ctx.needs_input_grad[0], ctx.needs_input_grad[2], ctx.needs_input_grad[3]
         if ctx.fused:

@@ -47,16 +47,20 @@ class _LinearCrossEntropy(torch.autograd.Function):
         # oneDNN's products (model/gemm.py) have no out= form: with them ∂h's rows are copied into
         # dh and each chunk's ∂W is added to dw in a pass of its own; torch's BLAS writes both in place
         dnn = gemm.uses_onednn(h, weight) and gemm.large_enough(min(rows, N), *weight.shape[::-1])
-        # fp32 CPU with torch's BLAS: the fused cross-entropy kernel (model/ckernels.py)
-        fused = not dnn and ckernels.usable(h, weight) and targets.dtype == torch.int64
+        # fp32 CPU: the fused cross-entropy kernel (model/ckernels.py)
+        fused = ckernels.usable(h, weight) and targets.dtype == torch.int64
         for a in range(0, N, rows):
             hc, tc = h[a : a + rows], targets[a : a + rows]
             z = mm(hc, weight.t()).float()  # (n, V) logits of this chunk, fp32 statistics
             if fused and z.is_contiguous():  # one kernel, the gradient in place (model/ckernels.py)
                 total += ckernels.cross_entropy_rows(z, tc, IGNORE_INDEX, need_h or need_w).sum()
-                if dh is not None:
+                if dh is not None and dnn:
+                    dh[a : a + rows] = mm(z, weight)
+                elif dh is not None:
                     torch.mm(z, weight, out=dh[a : a + rows])
-                if dw is not None:
+                if dw is not None and dnn:
+                    dw.add_(gemm.weight_grad(z, hc))
+                elif dw is not None:
                     dw.addmm_(z.t(), hc)
                 continue
             valid = tc != IGNORE_INDEX
