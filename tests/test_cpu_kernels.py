@@ -375,3 +375,12 @@ def test_the_loss_takes_the_kernel_with_onednn_products_too(fresh, monkeypatch):
     torch.testing.assert_close(loss.double(), ref, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(gh, rh.float(), rtol=1e-4, atol=1e-6)
     torch.testing.assert_close(gw, rw.float(), rtol=1e-4, atol=1e-6)
+
+
+def test_masked_logits_get_exactly_zero_probability(fresh):
+    z = torch.tensor([[0.0, float("-inf"), -200.0, 1.0], [5.0, 5.0, float("-inf"), -1e30]])
+    got = z.clone()
+    ckernels.cross_entropy_rows(got, torch.tensor([0, 1]), -100, grad=True)
+    want = torch.softmax(z, -1) - F.one_hot(torch.tensor([0, 1]), 4)
+    assert torch.equal(got == 0, want == 0) and got[0, 1] == 0 and got[0, 2] == 0
+    torch.testing.assert_close(got, want)

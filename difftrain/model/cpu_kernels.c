@@ -56,8 +56,10 @@ static inline float as_float(int32_t i) {
 
 /* e^x for x <= 0 (all callers): Cody-Waite reduction x = k·ln2 + r, |r| <= ln2/2, the Cephes
    degree-6 polynomial for e^r, and 2^k from exponent bits in two halves, so that results below
-   the smallest normal float come out subnormal, as expf's do; x below -104 gives e^-104. */
+   the smallest normal float come out subnormal, as expf's do; below -104 (e^x under half the
+   smallest subnormal, −inf included) it is 0. */
 static inline float exp_nonpos(float x) {
+    const float x0 = x;
     x = x < -104.0f ? -104.0f : x;
     float kf = x * 1.44269504088896341f;
     kf = (kf + 12582912.0f) - 12582912.0f; /* round to nearest */
@@ -71,7 +73,8 @@ static inline float exp_nonpos(float x) {
     p = p * r + 5.0000001201e-1f;
     float y = p * r * r + r + 1.0f;
     int32_t k = (int32_t)kf, k1 = k >> 1, k2 = k - k1;
-    return y * as_float((k1 + 127) << 23) * as_float((k2 + 127) << 23);
+    y = y * as_float((k1 + 127) << 23) * as_float((k2 + 127) << 23);
+    return x0 < -104.0f ? 0.0f : y;
 }
 
 /* σ(x) = 1/(1 + e^-x), from e^-|x| so that nothing overflows */
