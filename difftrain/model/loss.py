@@ -54,32 +54,27 @@ class _LinearCrossEntropy(torch.autograd.Function):
             z = mm(hc, weight.t()).float()  # (n, V) logits of this chunk, fp32 statistics
             if fused and z.is_contiguous():  # one kernel, the gradient in place (model/ckernels.py)
                 total += ckernels.cross_entropy_rows(z, tc, IGNORE_INDEX, need_h or need_w).sum()
-                if dh is not None and dnn:
-                    dh[a : a + rows] = mm(z, weight)
-                elif dh is not None:
-                    torch.mm(z, weight, out=dh[a : a + rows])
-                if dw is not None and dnn:
-                    dw.add_(gemm.weight_grad(z, hc))
-                elif dw is not None:
-                    dw.addmm_(z.t(), hc)
-                continue
-            valid = tc != IGNORE_INDEX
-            safe = torch.where(valid, tc, 0)[:, None]
-            # one log_softmax kernel, in place of logsumexp (max, subtract, exp, sum, log) and
-            # the subtraction and exp of the gradient below: 6.9 → 4.7 ms per 1024 × 4096 chunk
-            logp = torch.log_softmax(z, dim=-1)
-            del z
-            total -= (logp.gather(1, safe).squeeze(1) * valid).sum()
-            if not (need_h or need_w):
-                continue
-            # ∂(Σ CE)/∂z = softmax(z) − onehot(t) on valid rows, 0 on ignored ones; in place
-            g = logp.exp_()
-            g.scatter_add_(1, safe, torch.full(safe.shape, -1.0, dtype=g.dtype, device=g.device))
-            # skipped where every target counts, checked on the CPU outside torch.compile only
-            # (on a GPU the check would synchronise; under compile it would break the graph)
-            if g.device.type != "cpu" or torch.compiler.is_compiling() or not bool(valid.all()):
-                g.mul_(valid[:, None])
-            g = g.to(h.dtype)
+                if not (need_h or need_w):
+                    continue
+                g = z
+            else:
+                valid = tc != IGNORE_INDEX
+                safe = torch.where(valid, tc, 0)[:, None]
+                # one log_softmax kernel, in place of logsumexp (max, subtract, exp, sum, log) and
+                # the subtraction and exp of the gradient below: 6.9 → 4.7 ms per 1024 × 4096 chunk
+                logp = torch.log_softmax(z, dim=-1)
+                del z
+                total -= (logp.gather(1, safe).squeeze(1) * valid).sum()
+                if not (need_h or need_w):
+                    continue
+                # ∂(Σ CE)/∂z = softmax(z) − onehot(t) on valid rows, 0 on ignored ones; in place
+                g = logp.exp_()
+                g.scatter_add_(1, safe, torch.full(safe.shape, -1.0, dtype=g.dtype, device=g.device))
+                # skipped where every target counts, checked on the CPU outside torch.compile only
+                # (on a GPU the check would synchronise; under compile it would break the graph)
+                if g.device.type != "cpu" or torch.compiler.is_compiling() or not bool(valid.all()):
+                    g.mul_(valid[:, None])
+                g = g.to(h.dtype)
             if dh is not None and dnn:
                 dh[a : a + rows] = mm(g, weight)
             elif dh is not None:
