@@ -64,7 +64,7 @@ def cpu_kernels_setting() -> str:
         return "off"
     raise ConfigError(
         f"{CPU_KERNELS_ENV}={raw!r} is not a setting; set it to off to train with torch's operations "
-        "instead of the fused CPU kernels (or unset it)"
+        "instead of the fused CPU kernels, or to auto (or unset it) to use them"
     )
 
 

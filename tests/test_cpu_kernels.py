@@ -172,6 +172,14 @@ def test_a_setting_it_does_not_know_is_an_error(fresh, monkeypatch):
 def test_without_a_compiler_training_falls_back_to_torch(fresh, monkeypatch):
     monkeypatch.setenv("CC", str(fresh.parent / "no-such-cc"))
     assert ckernels.library() is None
+    assert (
+        ckernels.status()
+        == f"unavailable ($CC={fresh.parent / 'no-such-cc'} is not a program found here; set $CC to a C compiler)"
+    )
+    ckernels.forget()
+    monkeypatch.setenv("CC", "")
+    monkeypatch.setenv("PATH", str(fresh.parent))  # no cc on it
+    assert ckernels.library() is None
     assert ckernels.status() == "unavailable (no C compiler: install gcc or set $CC)"
     loss, _ = _step("diff")
     assert loss > 0
@@ -384,3 +392,30 @@ def test_masked_logits_get_exactly_zero_probability(fresh):
     want = torch.softmax(z, -1) - F.one_hot(torch.tensor([0, 1]), 4)
     assert torch.equal(got == 0, want == 0) and got[0, 1] == 0 and got[0, 2] == 0
     torch.testing.assert_close(got, want)
+
+
+def test_another_library_at_the_caches_name_is_replaced_and_the_new_one_loaded(fresh, tmp_path):
+    import subprocess
+
+    cc = ckernels._compiler()
+    so = ckernels.library_path(cc)
+    so.parent.mkdir(parents=True)
+    (tmp_path / "other.c").write_text("int other(void) { return 1; }\n")
+    subprocess.run([*cc, "-shared", "-fPIC", "-o", str(so), str(tmp_path / "other.c")], check=True)
+    assert ckernels.library() is not None, ckernels.status()  # dlopen of the same path gave the old one
+    assert ckernels.swiglu(torch.ones(3), torch.ones(3)).allclose(torch.full((3,), 0.7310586))
+    assert sorted(p.name for p in fresh.iterdir()) == [so.name]  # the name it was loaded under is gone
+
+
+def test_the_runs_device_row_and_summary_say_whether_the_kernels_ran(fresh, monkeypatch):
+    from difftrain.train.run import _cpu_kernels_note, cpu_kernels_status
+
+    assert cpu_kernels_status("cpu", "32-true", compiled=False) == "compiled"
+    assert cpu_kernels_status("cpu", "bf16-mixed", compiled=False) == "compiled"  # its fp32 norms
+    assert cpu_kernels_status("cpu", "bf16-true", compiled=False) is None
+    assert cpu_kernels_status("cpu", "32-true", compiled=True) is None  # the compiler fuses instead
+    assert cpu_kernels_status("cuda", "32-true", compiled=False) is None
+    assert _cpu_kernels_note("cpu", "32-true", False) == " · fused CPU kernels"
+    monkeypatch.setenv(ckernels.ENV, "off")
+    ckernels.forget()
+    assert _cpu_kernels_note("cpu", "32-true", False) == " · fused CPU kernels off (DIFFTRAIN_CPU_KERNELS)"

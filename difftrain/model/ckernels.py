@@ -117,24 +117,44 @@ def _load() -> tuple[Any, str]:
         return None, f"off ({ENV})"
     cc = _compiler()
     if cc is None:
+        given = os.environ.get("CC", "").strip()
+        if given:
+            return None, f"unavailable ($CC={given} is not a program found here; set $CC to a C compiler)"
         return None, "unavailable (no C compiler: install gcc or set $CC)"
     try:
         path = library_path(cc)
     except (OSError, subprocess.SubprocessError) as e:
         return None, f"unavailable (cannot run {cc[0]} --version or read {SOURCE.name}: {e})"
-    error: Exception | None = None
-    for attempt in ("cached", "fresh"):
-        try:
-            if attempt == "fresh" or not path.exists():
-                why = _compile(cc, path)
-                if why:
-                    return None, f"unavailable ({why})"
-            lib = ctypes.CDLL(str(path))
-            _declare(lib)
-            return lib, "compiled"
-        except (OSError, AttributeError) as e:  # a damaged or foreign file in the cache: compile anew
-            error = e
-    return None, f"unavailable (cannot load {path}: {error})"
+    try:
+        if not path.exists():
+            why = _compile(cc, path)
+            if why:
+                return None, f"unavailable ({why})"
+        return _open(path), "compiled"
+    except (OSError, AttributeError):  # a damaged or foreign file in the cache: compile it anew
+        pass
+    why = _compile(cc, path)
+    if why:
+        return None, f"unavailable ({why})"
+    # loaded under another name: dlopen hands back the library it already opened from `path`
+    # when that path is named again, even when the file there is a new one
+    fresh = path.with_name(f"{path.stem}.{os.getpid()}{path.suffix}")
+    try:
+        os.link(path, fresh)
+        return _open(fresh), "compiled"
+    except (OSError, AttributeError) as e:
+        return None, f"unavailable (cannot load {path}: {e})"
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(fresh)
+
+
+def _open(path: Path) -> Any:
+    """The library at `path` with its functions declared: an OSError if it is no library, an
+    AttributeError if it is another one."""
+    lib = ctypes.CDLL(str(path))
+    _declare(lib)
+    return lib
 
 
 def _compile(cc: list[str], path: Path) -> str | None:
