@@ -1306,3 +1306,21 @@ def test_a_missing_or_damaged_config_json_says_how_to_write_it_again(workspace, 
     )
     assert main(["pretrain", str(run / "recipe.yaml"), "--resume", "--no-progress"]) == 0  # the advice works
     assert json.loads((run / "config.json").read_text()) == json.loads(good)
+
+
+def test_a_runs_damaged_recipe_is_named_as_such_not_as_a_different_run(workspace, capsys):
+    # a recipe.yaml cut short: valid YAML without `train`, and a line cut mid-mapping
+    p = workspace(steps=2, save_every=2)
+    assert main(["pretrain", str(p), "--no-progress"]) == 0
+    saved = p.parent / "runs" / "r" / "recipe.yaml"
+    whole = saved.read_text()
+    before = sorted((q.name, q.stat().st_mtime_ns) for q in saved.parent.rglob("*") if q != saved)
+    capsys.readouterr()
+    cut_at_section = whole[: whole.index("\ntrain:")] + "\n"
+    for cut, says in ((cut_at_section, "the run's recipe is damaged ("), (whole[:200], "invalid YAML: ")):
+        saved.write_text(cut)
+        assert main(["pretrain", str(p), "--resume", "--no-progress"]) == 2
+        err = capsys.readouterr().err
+        assert says in err and "restore the recipe the run was started with" in err, err
+        assert "holds a different run" not in err and len(err.strip().splitlines()) == 1
+    assert sorted((q.name, q.stat().st_mtime_ns) for q in saved.parent.rglob("*") if q != saved) == before

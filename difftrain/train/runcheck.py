@@ -18,7 +18,7 @@ from typing import Any
 
 from difftrain.errors import RecipeError, RunDirError
 from difftrain.io import LOCK_FILE, TEMP_GLOB, RunLock
-from difftrain.recipe import Recipe, global_batch, resolve_auto
+from difftrain.recipe import Recipe, _yaml_error, global_batch, load_recipe, resolve_auto
 from difftrain.rundir import CONFIG, RECIPE, TOKENIZER, holds_run, weights_metadata
 
 # What a run's start writes before its first step: a folder holding only these trained nothing.
@@ -225,7 +225,15 @@ def check_run_dir(
         old = yaml.safe_load(existing.read_text(encoding="utf-8")) or {}
     except yaml.YAMLError as e:
         raise RunDirError(
-            f"{existing} is not valid YAML ({e}); use --overwrite to start the run again"
+            f"{_yaml_error(existing, e)}; restore the recipe the run was started with (a damaged file cannot "
+            "be resumed), or start again with --overwrite"
+        ) from e
+    try:  # what a resume reads: a file cut short or edited into no recipe is no run to compare with
+        load_recipe(existing)
+    except RecipeError as e:
+        raise RunDirError(
+            f"the run's recipe is damaged ({e}); restore the recipe the run was started with as {existing} "
+            "to resume it, or start again with --overwrite"
         ) from e
     old_ft = old.get("finetune") if isinstance(old, dict) else None
     if (
