@@ -52,7 +52,7 @@ _state: dict[str, Any] = {}
 
 def library() -> Any:
     """The loaded kernels (a ctypes library), or None: turned off, or no compiler (`status` says
-    which). Compiled once per machine into the cache, loaded once per process."""
+    which). Compiled once per cache folder, compiler and CPU; loaded once per process."""
     if "lib" not in _state:
         try:
             _state["lib"], _state["status"] = _load()
