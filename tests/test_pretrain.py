@@ -1317,8 +1317,12 @@ def test_a_runs_damaged_recipe_is_named_as_such_not_as_a_different_run(workspace
     before = sorted((q.name, q.stat().st_mtime_ns) for q in saved.parent.rglob("*") if q != saved)
     capsys.readouterr()
     cut_at_section = whole[: whole.index("\ntrain:")] + "\n"
-    for cut, says in ((cut_at_section, "the run's recipe is damaged ("), (whole[:200], "invalid YAML: ")):
-        saved.write_text(cut)
+    for cut, says in (
+        (cut_at_section, "the run's recipe is damaged ("),
+        (whole[:200], "invalid YAML: "),
+        ("name: r\n\xff\n", "not UTF-8 text"),  # (was a traceback)
+    ):
+        saved.write_bytes(cut.encode("latin-1") if "\xff" in cut else cut.encode())
         assert main(["pretrain", str(p), "--resume", "--no-progress"]) == 2
         err = capsys.readouterr().err
         assert says in err and "restore the recipe the run was started with" in err, err

@@ -18,7 +18,7 @@ from typing import Any
 
 from difftrain.errors import RecipeError, RunDirError
 from difftrain.io import LOCK_FILE, TEMP_GLOB, RunLock
-from difftrain.recipe import Recipe, _yaml_error, global_batch, load_recipe, resolve_auto
+from difftrain.recipe import Recipe, global_batch, read_yaml, recipe_from_dict, resolve_auto
 from difftrain.rundir import CONFIG, RECIPE, TOKENIZER, holds_run, weights_metadata
 
 # What a run's start writes before its first step: a folder holding only these trained nothing.
@@ -160,8 +160,6 @@ def check_run_dir(
     compared, and where that or an unknown batch leaves the answer open it returns None and
     decides nothing (the full check runs later). `ignore`: keys not compared yet (a fine-tune's
     model.vocab_size, which its data may still grow; the full check after the data compares it)."""
-    import yaml
-
     run_dir = recipe.run_dir
     existing = run_dir / RECIPE
     # how the user asked to resume: the flag, or the recipe's key (which the flag's absence leaves)
@@ -221,21 +219,15 @@ def check_run_dir(
         raise RunDirError(
             f"{run_dir} exists and is not a difftrain run directory; choose another `name`/`out_dir` or remove it"
         )
-    try:
-        old = yaml.safe_load(existing.read_text(encoding="utf-8")) or {}
-    except yaml.YAMLError as e:
-        raise RunDirError(
-            f"{_yaml_error(existing, e)}; restore the recipe the run was started with (a damaged file cannot "
-            "be resumed), or start again with --overwrite"
-        ) from e
-    try:  # what a resume reads: a file cut short or edited into no recipe is no run to compare with
-        load_recipe(existing)
+    try:  # read as a resume reads it: a file cut short or edited into no recipe is no run to compare with
+        old, _ = read_yaml(existing)
+        recipe_from_dict(old, existing.parent)
     except RecipeError as e:
         raise RunDirError(
             f"the run's recipe is damaged ({e}); restore the recipe the run was started with as {existing} "
             "to resume it, or start again with --overwrite"
         ) from e
-    old_ft = old.get("finetune") if isinstance(old, dict) else None
+    old_ft = old.get("finetune")
     if (
         recipe.finetune is not None
         and isinstance(old_ft, dict)
