@@ -29,6 +29,7 @@ from rich.markup import escape
 
 from difftrain.cli.common import console, err_console, fmt_count, warn
 from difftrain.errors import ConfigError, DataError
+from difftrain.rundir import PromptSettings
 
 HELP = (
     "Sample text from a trained run.\n\n"
@@ -151,12 +152,9 @@ def read_prompt_file(path: Path) -> list[Prompt]:
 
 # ----- how a run reads prompts -----------------------------------------------------------------
 @dataclass(frozen=True)
-class PromptStyle:
-    """How a run expects its input (see the module docstring)."""
-
-    instruction: bool = False  # fine-tuned on instruction records (else: documents)
-    prompt_format: str = "{prompt}"
-    chat: Any = None  # the run's ChatTemplateConfig (None: the default template)
+class PromptStyle(PromptSettings):
+    """How a run expects its input (see the module docstring): `rundir.PromptSettings` (whether
+    it was fine-tuned on instruction records, their prompt_format, its chat template), rendered."""
 
     def render(self, prompt: Prompt) -> str:
         if not self.instruction:
@@ -186,8 +184,7 @@ def prompt_style(run_path: Path) -> PromptStyle:
     """The run's `PromptStyle`, from its recipe.yaml (`rundir.prompt_settings`)."""
     from difftrain.rundir import prompt_settings
 
-    st = prompt_settings(run_path)
-    return PromptStyle(instruction=st.instruction, prompt_format=st.prompt_format, chat=st.chat)
+    return PromptStyle(**vars(prompt_settings(run_path)))
 
 
 # ----- running and rendering -------------------------------------------------------------------

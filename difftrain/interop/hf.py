@@ -514,19 +514,16 @@ def chat_end_token_id(chat: Any, tok: Any) -> int | None:
     return tok.token_to_id(tail) if tail else None
 
 
-def run_chat_template(run_path: Path) -> Any:
+def run_chat_template(run_path: Path, settings: Any) -> Any:
     """The chat template (a ChatTemplateConfig) of a run fine-tuned on `messages` records, as its
-    recipe.yaml and summary.json record them (`rundir.prompt_settings`, `rundir.record_kinds`);
-    None for any other run."""
+    summary.json and its prompt `settings` (`rundir.prompt_settings`) record them; None for any
+    other run."""
     from difftrain.recipe import ChatTemplateConfig
-    from difftrain.rundir import prompt_settings, record_kinds
+    from difftrain.rundir import record_kinds
 
-    if "messages" not in (record_kinds(run_path) or []):
+    if not settings.instruction or "messages" not in (record_kinds(run_path) or []):
         return None
-    st = prompt_settings(run_path)
-    if not st.instruction:
-        return None
-    return st.chat if st.chat is not None else ChatTemplateConfig()
+    return settings.chat if settings.chat is not None else ChatTemplateConfig()
 
 
 def hf_tokenizer_files(tokenizer: Any, model_max_length: int, chat: Any = None) -> dict[str, str]:
@@ -727,16 +724,16 @@ def export_hf(
         stale += stale_tokenizer
     bos, eos, pad = tok.bos_id, tok.eos_id, tok.pad_id
     # everything the export writes is made before the first write (a failure leaves the folder as it was)
-    chat = run_chat_template(run_path)
+    from difftrain.rundir import prompt_settings
+
+    style = prompt_settings(run_path)
+    chat = run_chat_template(run_path, style)
     tokenizer_files = hf_tokenizer_files(tok, config.max_seq_len, chat)
     if chat is not None:
         notes.append(
             "a chat fine-tune: its chat template is written as tokenizer_config.json's chat_template"
         )
     own_start = tok.document_start_id != tok.eos_id  # an imported tokenizer that puts its bos first
-    from difftrain.rundir import prompt_settings
-
-    style = prompt_settings(run_path)
     card = _model_card(
         config,
         cls,
