@@ -48,24 +48,33 @@ def cpu_gemm_setting() -> str:
 
 
 CPU_KERNELS_ENV = "DIFFTRAIN_CPU_KERNELS"
+SWITCH_OFF = ("off", "0", "no", "false")
+SWITCH_ON = ("", "on", "1", "yes", "true")
+
+
+def _switch(env: str, on: tuple[str, ...], off: tuple[str, ...], fix: str) -> str:
+    """An on/off environment variable as asked: "on" or "off" (its words compared case- and
+    space-insensitively; unset is on), or a ConfigError naming the value and `fix`."""
+    from difftrain.errors import ConfigError
+
+    raw = os.environ.get(env, "")
+    want = raw.strip().lower()
+    if want in off:
+        return "off"
+    if want in on:
+        return "on"
+    raise ConfigError(f"{env}={raw!r} is not a setting; {fix}")
 
 
 def cpu_kernels_setting() -> str:
     """DIFFTRAIN_CPU_KERNELS as asked: auto (unset, auto, on, 1, yes, true) or off (off, 0, no,
     false); a ConfigError for any other value, checked without torch by every command before it
     does any work (`model.ckernels` compiles and loads the kernels)."""
-    from difftrain.errors import ConfigError
-
-    raw = os.environ.get(CPU_KERNELS_ENV, "")
-    want = raw.strip().lower()
-    if want in ("", "auto", "on", "1", "yes", "true"):
-        return "auto"
-    if want in ("off", "0", "no", "false"):
-        return "off"
-    raise ConfigError(
-        f"{CPU_KERNELS_ENV}={raw!r} is not a setting; set it to off to train with torch's operations "
-        "instead of the fused CPU kernels, or to auto (or unset it) to use them"
+    fix = (
+        "set it to off to train with torch's operations instead of the fused CPU kernels, or to auto "
+        "(or unset it) to use them"
     )
+    return "auto" if _switch(CPU_KERNELS_ENV, (*SWITCH_ON, "auto"), SWITCH_OFF, fix) == "on" else "off"
 
 
 def tune_allocator() -> str:
@@ -86,26 +95,12 @@ def allocator_state() -> str:
     return _state.get("allocator", "not tried")
 
 
-MALLOC_OFF = ("default", "off", "0", "no", "false")
-MALLOC_ON = ("", "on", "1", "yes", "true", "tuned")
-
-
 def malloc_setting() -> str:
     """DIFFTRAIN_MALLOC as asked: "off" (glibc's default allocator: default, off, 0, no, false) or
     "on" (unset, on, 1, yes, true, tuned); a ConfigError for any other value, which every command
     checks before it does any work."""
-    from difftrain.errors import ConfigError
-
-    raw = os.environ.get("DIFFTRAIN_MALLOC", "")
-    want = raw.strip().lower()
-    if want in MALLOC_OFF:
-        return "off"
-    if want in MALLOC_ON:
-        return "on"
-    raise ConfigError(
-        f"DIFFTRAIN_MALLOC={raw!r} is not a setting; set it to default to turn off the allocator tuning "
-        "(or unset it to keep it on)"
-    )
+    fix = "set it to default to turn off the allocator tuning (or unset it to keep it on)"
+    return _switch("DIFFTRAIN_MALLOC", (*SWITCH_ON, "tuned"), ("default", *SWITCH_OFF), fix)
 
 
 def _tune() -> str:
