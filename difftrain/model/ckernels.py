@@ -13,7 +13,8 @@ threads) they take the diff training step from ≈ 520 to ≈ 485 ms (`benchmark
 
 The source is compiled by the machine's C compiler ($CC, else cc) with `-O3 -march=native
 -fopenmp` into the cache folder ($DIFFTRAIN_CACHE/kernels, named by a hash of the source, the
-compiler and the CPU), once per machine, in about a second, and loaded with ctypes; its OpenMP
+compiler and the CPU), once per cache folder, compiler and CPU, in about a second, and loaded
+with ctypes; its OpenMP
 binds to torch's libgomp, so the kernels run on torch's own threads. Without a compiler (or
 OpenMP), or with DIFFTRAIN_CPU_KERNELS=off, training runs the same steps as torch operations (the
 same results within fp32 rounding: the kernels sum in another order and compute exp themselves,
@@ -136,11 +137,11 @@ def _load() -> tuple[Any, str]:
     why = _compile(cc, path)
     if why:
         return None, f"unavailable ({why})"
-    # loaded under another name: dlopen hands back the library it already opened from `path`
-    # when that path is named again, even when the file there is a new one
+    # loaded from a copy under another name: dlopen hands back the library it already opened
+    # from `path` when that path is named again, even when the file there is a new one
     fresh = path.with_name(f"{path.stem}.{os.getpid()}{path.suffix}")
     try:
-        os.link(path, fresh)
+        shutil.copyfile(path, fresh)
         return _open(fresh), "compiled"
     except (OSError, AttributeError) as e:
         return None, f"unavailable (cannot load {path}: {e})"

@@ -19,8 +19,6 @@
 
 #define API __attribute__((visibility("default")))
 
-int difftrain_kernels_version(void) { return 1; }
-
 /* ---- threads ------------------------------------------------------------------------------ */
 
 typedef void (*range_fn)(const void *args, int64_t begin, int64_t end);
@@ -133,15 +131,18 @@ typedef struct {
     float eps;
 } rms_args;
 
+/* eight running sums of a row, as a vectorised loop keeps them, added pairwise */
+static inline float sum8(const float acc[8]) {
+    return ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
+}
+
 static inline float row_rstd(const float *restrict x, int64_t d, float eps) {
-    /* eight running sums, as a vectorised loop keeps them, then added pairwise */
     float acc[8] = {0};
     int64_t j = 0;
     for (; j + 8 <= d; j += 8)
         for (int k = 0; k < 8; k++) acc[k] += x[j + k] * x[j + k];
     for (; j < d; j++) acc[0] += x[j] * x[j];
-    float s = ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
-    float v = s / (float)d + eps;
+    float v = sum8(acc) / (float)d + eps;
     /* 1/√v in float as torch.rsqrt computes it */
     return 1.0f / __builtin_sqrtf(v);
 }
@@ -177,7 +178,7 @@ static void rms_bwd_range(const void *p, int64_t b, int64_t e) {
             for (; j + 8 <= d; j += 8)
                 for (int k = 0; k < 8; k++) acc[k] += g[j + k] * w[j + k] * (x[j + k] * r);
             for (; j < d; j++) acc[0] += g[j] * w[j] * (x[j] * r);
-            float c = (((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]))) / (float)d;
+            float c = sum8(acc) / (float)d;
             if (a->gx) {
                 float *restrict gx = a->gx + i * d;
                 for (j = 0; j < d; j++) gx[j] = r * (g[j] * w[j] - (x[j] * r) * c);
