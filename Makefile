@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 DT := $(VENV)/bin/difftrain
 
-.PHONY: install test test-fast lint format quickstart bench gpu-check clean help readme
+.PHONY: install test test-fast lint format quickstart bench gpu-check clean help docs
 
 help:
 	@echo "make install     create $(VENV) and install difftrain with dev extras"
@@ -13,6 +13,7 @@ help:
 	@echo "make test        run the test suite (CPU)"
 	@echo "make lint        ruff check + format check"
 	@echo "make bench       run the benchmarks and write benchmarks/results/*.json"
+	@echo "make docs        regenerate the recipe reference in docs/recipes.md"
 
 install: $(VENV)/.installed
 
@@ -49,6 +50,6 @@ gpu-check: install
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache build dist *.egg-info
 
-# Regenerate the README's recipe table from the schema (tests fail when it is stale).
-readme: install
-	$(PY) -c "import re, pathlib; from difftrain.recipe import recipe_reference_markdown as t; p = pathlib.Path('README.md'); s = p.read_text(); a, b = '<!-- recipe-reference:start -->\n', '<!-- recipe-reference:end -->'; i, j = s.index(a) + len(a), s.index(b); p.write_text(s[:i] + t() + s[j:])"
+# Regenerate the recipe reference in docs/recipes.md from the schema (a test fails when it is stale).
+docs: install
+	$(PY) -c "import pathlib; from difftrain.recipe import recipe_reference_markdown as t; p = pathlib.Path('docs/recipes.md'); s = p.read_text(); a, b = '<!-- recipe-reference:start -->\n', '<!-- recipe-reference:end -->'; i, j = s.index(a) + len(a), s.index(b); p.write_text(s[:i] + t() + s[j:])"

@@ -1524,7 +1524,7 @@ def explain_rows(section: str | None = None) -> list[tuple[str, str, str, str]]:
 
 
 def recipe_reference_markdown(section: str | None = None) -> str:
-    """The README's recipe reference table (of one section or key), generated from the schema."""
+    """The recipe reference table of docs/recipes.md (or of one section or key), from the schema."""
     out = ["| key | type | default | description |", "| --- | --- | --- | --- |"]
     for key, typ, default, desc in explain_rows(section):
         cell = lambda s: s.replace("|", "\\|").replace("\n", " ")  # noqa: E731

@@ -374,11 +374,11 @@ def test_explain_takes_a_section_a_key_or_a_group_of_keys():
         explain_rows("trian.max_steps")
 
 
-def test_readme_recipe_table_is_generated_from_the_schema():
-    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
-    assert recipe_reference_markdown() in readme, (
-        "README's recipe table is stale: run `difftrain recipes explain --markdown`"
-    )
+def test_docs_recipe_reference_is_generated_from_the_schema():
+    page = (Path(__file__).resolve().parent.parent / "docs" / "recipes.md").read_text()
+    start, end = "<!-- recipe-reference:start -->\n", "<!-- recipe-reference:end -->"
+    table = page[page.index(start) + len(start) : page.index(end)]
+    assert table == recipe_reference_markdown(), "docs/recipes.md is stale: run `make docs`"
 
 
 def test_every_shipped_recipe_validates():

@@ -184,7 +184,7 @@ def explain(
         help="A section (model, data, tokenizer, train, optim, logging, ...) or a key (train.max_steps).",
     ),
     markdown: bool = typer.Option(
-        False, "--markdown", help="Print the reference as a Markdown table (the README's)."
+        False, "--markdown", help="Print the reference as a Markdown table (that of docs/recipes.md)."
     ),
 ) -> None:
     """Print every recipe key (of a section, or one key) with its type, default and description."""
