@@ -9,7 +9,7 @@ written and read directly (transformers is only needed to *use* the exported fol
 
 ## Why `diff` needs a permutation (H = n_heads, Hk = n_kv_heads, d = head_dim, r = H/Hk)
 
-difftrain (README, "The models") forms differential head i ∈ [0, H/2) from query heads 2i (map A1) and
+difftrain (docs/models.md) forms differential head i ∈ [0, H/2) from query heads 2i (map A1) and
 2i+1 (map A2), key heads 2g and 2g+1 with g = ⌊i/r⌋, and the value [v_2g ; v_2g+1] — the
 contiguous 2d slice g of V read as Hk/2 heads of width 2d.
 
