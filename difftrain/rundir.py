@@ -1,4 +1,4 @@
-"""The run directory: the one artifact every command reads (README, "The run directory").
+"""The run directory: the one artifact every command reads (docs/run-directory.md).
 
     runs/<name>/
       recipe.yaml        the fully resolved recipe
