@@ -15,7 +15,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-BUILTIN_SOURCES = ("python-stdlib", "needles", "python-docstrings")
+BUILTIN_SOURCES = ("python-stdlib", "needles", "python-docstrings", "recall")
 """Names accepted after `builtin:` in a source."""
 
 
@@ -83,6 +83,60 @@ class NeedlesSpec(BaseModel):
         return self
 
 
+class RecallSpec(BaseModel):
+    """Parameters of the multi-query associative recall task (`builtin:recall`)."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    n_pairs: int = Field(16, ge=1, description="N: the number of key→value pairs in each example's context.")
+    n_queries: int = Field(
+        4,
+        ge=1,
+        description="How many of the pairs' keys are asked for after the context (each followed by "
+        "its value, the answer); at most n_pairs.",
+    )
+    distractor_rate: float = Field(
+        0.0,
+        ge=0.0,
+        le=16.0,
+        description="Mean number of distractor tokens (values that no key precedes) after each "
+        "pair: ⌊rate⌋ of them, plus one more with probability rate − ⌊rate⌋.",
+    )
+    key_vocab: int = Field(
+        64,
+        ge=1,
+        le=676,
+        description="Number of distinct keys (written AA, AB, ...); at least n_pairs.",
+    )
+    value_vocab: int = Field(64, ge=1, le=676, description="Number of distinct values (written aa, ab, ...).")
+    num_documents: int = Field(20_000, ge=1, description="Number of training examples generated.")
+    val_documents: int = Field(
+        256,
+        ge=0,
+        description="Number of validation examples, drawn from other seeds than the training "
+        "examples, none equal to one of them (with data.val_windows: 0 there is no validation).",
+    )
+    seed: int = Field(
+        0,
+        description="Seed of the generator; the examples are a pure function of these parameters "
+        "(independent of the recipe's top-level seed).",
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> RecallSpec:
+        if self.n_pairs > self.key_vocab:
+            raise ValueError(
+                f"n_pairs={self.n_pairs} is larger than key_vocab={self.key_vocab}: the keys of an "
+                "example are distinct, so raise key_vocab or lower n_pairs"
+            )
+        if self.n_queries > self.n_pairs:
+            raise ValueError(
+                f"n_queries={self.n_queries} is larger than n_pairs={self.n_pairs}: only the context's "
+                "pairs can be queried"
+            )
+        return self
+
+
 class DocstringsSpec(BaseModel):
     """Parameters of the stdlib instruction dataset (`builtin:python-docstrings`)."""
 
@@ -113,7 +167,7 @@ class SourceSpec(BaseModel):
         ...,
         min_length=1,
         description="A file, a directory (read recursively), a glob ('corpus/**/*.md'), "
-        "'builtin:python-stdlib' | 'builtin:needles' | 'builtin:python-docstrings', or "
+        "'builtin:python-stdlib' | 'builtin:needles' | 'builtin:python-docstrings' | 'builtin:recall', or "
         "'hf:<dataset>[:<config>][@<split>]' (Hugging Face `datasets`; a local folder saved with "
         "save_to_disk also works, e.g. 'hf:./my_dataset'; without @<split> the train split is read, and "
         "validation is drawn from it by data.val_fraction, as from every source). Relative paths are resolved against the "
@@ -166,6 +220,10 @@ class SourceSpec(BaseModel):
         None,
         description="Parameters of builtin:python-docstrings (defaults apply when unset).",
     )
+    recall: RecallSpec | None = Field(
+        None,
+        description="Parameters of builtin:recall (defaults apply when unset).",
+    )
 
     @field_validator("data_files", mode="before")
     @classmethod
@@ -184,6 +242,8 @@ class SourceSpec(BaseModel):
             raise ValueError("'needles' parameters apply only to source 'builtin:needles'")
         if self.docstrings is not None and src != "builtin:python-docstrings":
             raise ValueError("'docstrings' parameters apply only to source 'builtin:python-docstrings'")
+        if self.recall is not None and src != "builtin:recall":
+            raise ValueError("'recall' parameters apply only to source 'builtin:recall'")
         if src.startswith("builtin:"):
             fields = [  # (as a run's recipe.yaml spells out the defaults, only a changed one counts)
                 f
@@ -328,6 +388,24 @@ class DataConfig(BaseModel):
             v = [_colon_string(s) for s in v]
             return [{"source": s} if isinstance(s, str) else s for s in v]
         return v
+
+    @model_validator(mode="after")
+    def _recall_alone(self) -> DataConfig:
+        recall = [s.source == "builtin:recall" for s in self.sources]
+        if any(recall) and not all(recall):
+            raise ValueError(
+                "builtin:recall is trained on its answers only, so it cannot share data.sources with "
+                "text sources; list only builtin:recall sources (several, e.g. with different n_pairs, "
+                "are fine)"
+            )
+        return self
+
+    @property
+    def recall_specs(self) -> list[RecallSpec] | None:
+        """The settings of each source when every one is `builtin:recall` (None otherwise)."""
+        if all(s.source == "builtin:recall" for s in self.sources):
+            return [s.recall or RecallSpec() for s in self.sources]
+        return None
 
     def resolved_cache_dir(self) -> Path:
         """The cache folder this config points to (see `cache_dir`)."""

@@ -292,8 +292,38 @@ class PretrainDataModule(_ResumableDataModule):
         seq_len: int,
         micro_batch_size: int,
         seed: int,
-    ) -> PretrainDataModule:
-        """Build from the recipe's data section (workers, pinning, validation windows)."""
+    ) -> PretrainDataModule | SFTDataModule:
+        """Build from the recipe's data section (workers, pinning, validation windows).
+
+        `builtin:recall` data is the exception: it is trained on its answers only, so its
+        examples go one per sequence, with the loss mask of fine-tuning (an `SFTDataModule` whose
+        records are the examples' segments); its validation is the sources' `val_documents`."""
+        specs = data_cfg.recall_specs
+        if specs is not None:
+            from difftrain.data import recall
+            from difftrain.data.tokenizer import load_tokenizer
+
+            train, val = recall.recall_records(specs)
+            dm = SFTDataModule(
+                train,
+                val if data_cfg.val_windows > 0 else [],
+                tokenizer=load_tokenizer(prepared.tokenizer_path),
+                max_seq_len=seq_len,
+                micro_batch_size=micro_batch_size,
+                seed=seed,
+                template=recall.record_segments,
+                add_eos=False,
+                num_workers=data_cfg.num_workers,
+                pin_memory=data_cfg.pin_memory,
+            )
+            dm.setup()
+            if dm.truncated:
+                raise DataError(
+                    f"builtin:recall: {dm.truncated:,} examples are longer than model.max_seq_len={seq_len} "
+                    "tokens and would lose part of their context; raise model.max_seq_len, or lower n_pairs "
+                    "or distractor_rate"
+                )
+            return dm
         return cls(
             prepared,
             seq_len=seq_len,
@@ -533,7 +563,8 @@ class SFTDataModule(_ResumableDataModule):
     sample g is the record at position g mod N of the seeded permutation of epoch g div N —
     a pure function of (seed, g), hence exactly resumable like the pretraining module.
     `template` turns a record into (text, trained) segments (default: prompt masked, response
-    trained; see `PromptResponseTemplate`); `pad_to_max_seq_len` gives static shapes (for
+    trained; see `PromptResponseTemplate`); `add_eos` ends each example with the end-of-sequence
+    token, trained (the model learns to stop); `pad_to_max_seq_len` gives static shapes (for
     torch.compile) instead of padding to the longest example of each batch.
     """
 
@@ -549,6 +580,7 @@ class SFTDataModule(_ResumableDataModule):
         template: Template | None = None,
         train_on_prompt: bool = False,
         add_bos: bool = False,
+        add_eos: bool = True,
         pad_to_max_seq_len: bool = False,
         num_workers: int = 0,
         pin_memory: bool | Literal["auto"] = False,
@@ -570,6 +602,7 @@ class SFTDataModule(_ResumableDataModule):
         self.template = template or PromptResponseTemplate()
         self.train_on_prompt = train_on_prompt
         self.add_bos = add_bos
+        self.add_eos = add_eos
         self.length = max_seq_len if pad_to_max_seq_len else None
         self._records = (list(train_records), list(val_records))
         self.train_examples: list[tuple[list[int], list[int]]] = []
@@ -577,6 +610,8 @@ class SFTDataModule(_ResumableDataModule):
         self.truncated = 0
         self.empty_responses = 0
         """Records whose response is empty: only the end-of-sequence token is trained on them."""
+        self.val_note: str | None = None
+        """A note on the validation data for the start table (none here)."""
         self._encoded = False
 
     def _encode(self, records: list[Mapping[str, Any]]) -> list[tuple[list[int], list[int]]]:
@@ -593,7 +628,7 @@ class SFTDataModule(_ResumableDataModule):
                 pieces,
                 max_seq_len=self.max_seq_len,
                 bos_id=self.tokenizer.bos_id if self.add_bos else record_start_id(self.tokenizer),
-                eos_id=self.tokenizer.eos_id,
+                eos_id=self.tokenizer.eos_id if self.add_eos else None,
                 train_on_prompt=self.train_on_prompt,
             )
             self.truncated += cut

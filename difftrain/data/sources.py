@@ -34,8 +34,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import IO, Any, Literal
 
-from difftrain.data import builtin
-from difftrain.data.config import DataConfig, SourceSpec, resolve_path
+from difftrain.data import builtin, recall
+from difftrain.data.config import DataConfig, RecallSpec, SourceSpec, resolve_path
 from difftrain.errors import DataError
 from difftrain.io import json_error_reason as _json_reason
 
@@ -280,6 +280,8 @@ class Source:
         an absolute path, a symbolic link: a run's recipe.yaml records them absolute) as the one
         real path, so the same files find the same shards."""
         spec = self.spec.model_dump(mode="json")
+        if spec.get("recall") is None:  # (absent from the keys of the sources that have none)
+            spec.pop("recall", None)
         if self.spec.kind == "path":
             spec["source"] = os.path.realpath(self._resolve(self.spec.source))
         elif self.spec.kind == "hf":
@@ -319,6 +321,8 @@ class Source:
         """Rough size of the text, for progress bars (None when unknown)."""
         if self.spec.source == "builtin:needles":
             return builtin.needles_estimated_bytes(self.spec.needles)
+        if self.spec.source == "builtin:recall":
+            return recall.estimated_bytes(self.spec.recall or RecallSpec())
         if self.spec.kind == "hf":
             return None
         total = 0
@@ -747,6 +751,8 @@ class Source:
                 yield rec["prompt"] + rec["response"]
         elif src == "builtin:needles":
             yield from builtin.needle_documents(self.spec.needles)
+        elif src == "builtin:recall":
+            yield from recall.recall_documents(self.spec.recall or RecallSpec())
         elif self.spec.kind == "hf":
             f = self.spec.text_field
             for where, rec in self._hf_rows([f]):

@@ -1,0 +1,213 @@
+"""`builtin:recall`: multi-query associative recall (MQAR), the task of Arora et al., "Zoology"
+(2023), which separates attention variants at small scale.
+
+An example is a context of N key→value pairs, optionally with distractor tokens between the
+pairs, followed by queries of some of the keys, each followed by its value:
+
+    AC ka  BF qd mo  AA ka  ...  |  BF qd  AC ka
+    └ pair ┘ └pair┘└┘ distractor    query + answer
+
+Keys are upper-case letter pairs (`AA`, `AB`, ... one per key of the key vocabulary), values and
+distractors lower-case ones (`aa`, `ab`, ...), each written after a space: a byte-level BPE
+trained on the corpus learns every symbol as one token, and the text of a symbol encodes the
+same wherever it stands. Keys are distinct within an example; values are drawn with
+replacement; a distractor is a value symbol that no key precedes, so every query has exactly one
+answer: the value that follows its key in the context. The queries name distinct pairs, in a
+random order. Training puts the loss on the answers only (the examples are read as segments by
+the fine-tuning machinery: `segments` marks the answers as the trained pieces).
+
+Example i of a split is a pure function of (spec, split, i): its generator is seeded by a stable
+hash of them, so training, validation and evaluation examples come from different seeds; the
+validation and evaluation examples also skip any example whose text is a training example's.
+Randomness comes from `random.Random(seed).random()` only, whose stream CPython keeps stable.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+
+from difftrain.data.config import RecallSpec
+from difftrain.errors import DataError
+
+MAX_VOCAB = 26 * 26
+"""The most keys (and the most values) there are symbols for: two letters each."""
+
+SPLITS = ("train", "val", "eval")
+
+
+def key_symbol(i: int) -> str:
+    """Key i as text: two upper-case letters (0 → AA, 1 → AB, ... 675 → ZZ)."""
+    if not 0 <= i < MAX_VOCAB:
+        raise ValueError(f"key index {i} is outside [0, {MAX_VOCAB})")
+    return chr(65 + i // 26) + chr(65 + i % 26)
+
+
+def value_symbol(j: int) -> str:
+    """Value j as text: two lower-case letters (0 → aa, ... 675 → zz)."""
+    return key_symbol(j).lower()
+
+
+@dataclass(frozen=True)
+class RecallExample:
+    """One MQAR example. `context` is the symbol sequence of the pairs and distractors;
+    `queries` holds the queried pair indices in query order; `answers` their values."""
+
+    keys: tuple[int, ...]
+    values: tuple[int, ...]
+    context: tuple[str, ...]
+    queries: tuple[int, ...]
+
+    @property
+    def answers(self) -> list[str]:
+        return [value_symbol(self.values[q]) for q in self.queries]
+
+    @property
+    def query_keys(self) -> list[str]:
+        return [key_symbol(self.keys[q]) for q in self.queries]
+
+    def segments(self) -> list[tuple[str, bool]]:
+        """(text, trained) pieces: the context and each query key untrained, each answer trained."""
+        out = [("".join(" " + s for s in self.context), False)]
+        for k, v in zip(self.query_keys, self.answers, strict=True):
+            out += [(" " + k, False), (" " + v, True)]
+        return out
+
+    @property
+    def text(self) -> str:
+        return "".join(t for t, _ in self.segments())
+
+
+def make_recall_example(
+    *, n_pairs: int, n_queries: int, distractor_rate: float, key_vocab: int, value_vocab: int, seed: int
+) -> RecallExample:
+    """Build one example, deterministic for `seed` (see the module docstring).
+
+    After each pair come ⌊distractor_rate⌋ distractors, plus one more with probability
+    distractor_rate − ⌊distractor_rate⌋.
+    """
+    if not 1 <= n_pairs <= key_vocab <= MAX_VOCAB:
+        raise ValueError(f"need 1 <= n_pairs={n_pairs} <= key_vocab={key_vocab} <= {MAX_VOCAB}")
+    if not 1 <= value_vocab <= MAX_VOCAB:
+        raise ValueError(f"value_vocab must be in [1, {MAX_VOCAB}], got {value_vocab}")
+    if not 1 <= n_queries <= n_pairs:
+        raise ValueError(f"n_queries must be in [1, n_pairs={n_pairs}], got {n_queries}")
+    if distractor_rate < 0:
+        raise ValueError(f"distractor_rate must be >= 0, got {distractor_rate}")
+    rng = random.Random(seed)
+    pool = list(range(key_vocab))
+    keys = tuple(pool.pop(int(rng.random() * len(pool))) for _ in range(n_pairs))
+    values = tuple(int(rng.random() * value_vocab) for _ in range(n_pairs))
+    whole, frac = divmod(distractor_rate, 1.0)
+    context: list[str] = []
+    for k, v in zip(keys, values, strict=True):
+        context += [key_symbol(k), value_symbol(v)]
+        n = int(whole) + (rng.random() < frac)
+        context += [value_symbol(int(rng.random() * value_vocab)) for _ in range(n)]
+    order = list(range(n_pairs))
+    queries = tuple(order.pop(int(rng.random() * len(order))) for _ in range(n_queries))
+    return RecallExample(keys=keys, values=values, context=tuple(context), queries=queries)
+
+
+def example_seed(spec: RecallSpec, split: str, index: int) -> int:
+    """Seed of example `index` of a split ("train", "val" or "eval"): a stable hash of the split,
+    the spec's seed and the index (not Python's hash())."""
+    if split not in SPLITS:
+        raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
+    digest = hashlib.blake2b(f"recall:{split}:{spec.seed}:{index}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little")
+
+
+def spec_example(spec: RecallSpec, seed: int) -> RecallExample:
+    return make_recall_example(
+        n_pairs=spec.n_pairs,
+        n_queries=spec.n_queries,
+        distractor_rate=spec.distractor_rate,
+        key_vocab=spec.key_vocab,
+        value_vocab=spec.value_vocab,
+        seed=seed,
+    )
+
+
+def train_examples(spec: RecallSpec) -> Iterator[RecallExample]:
+    """The `num_documents` training examples of a source."""
+    for i in range(spec.num_documents):
+        yield spec_example(spec, example_seed(spec, "train", i))
+
+
+def held_out_examples(
+    spec: RecallSpec, count: int, *, split: str = "val", exclude: Iterable[str] = ()
+) -> list[RecallExample]:
+    """`count` examples of the held-out `split`, none of whose texts is in `exclude` (the training
+    texts) or repeated. A DataError when the task has too few distinct examples to give them."""
+    seen = set(exclude)
+    out: list[RecallExample] = []
+    i = 0
+    limit = 20 * count + 1000
+    while len(out) < count:
+        if i >= limit:
+            raise DataError(
+                f"builtin:recall: only {len(out)} of {count} held-out examples differ from the training "
+                f"examples (n_pairs={spec.n_pairs}, key_vocab={spec.key_vocab}, value_vocab={spec.value_vocab}): "
+                "the task has too few distinct examples; raise key_vocab or value_vocab"
+            )
+        ex = spec_example(spec, example_seed(spec, split, i))
+        i += 1
+        if ex.text not in seen:
+            seen.add(ex.text)
+            out.append(ex)
+    return out
+
+
+def recall_documents(spec: RecallSpec) -> Iterator[str]:
+    """The documents of `builtin:recall` as plain text (what the tokenizer is trained on)."""
+    for ex in train_examples(spec):
+        yield ex.text
+
+
+def estimated_bytes(spec: RecallSpec) -> int:
+    per_pair = 6 + 3 * spec.distractor_rate
+    return int(spec.num_documents * (spec.n_pairs * per_pair + 6 * spec.n_queries))
+
+
+def as_record(ex: RecallExample) -> dict[str, object]:
+    """An example as a fine-tuning record (read by `record_segments`)."""
+    return {"segments": ex.segments()}
+
+
+def record_segments(record: dict[str, object]) -> list[tuple[str, bool]]:
+    """The SFT template of recall records: their own segments (answers trained, the rest not)."""
+    return [(str(t), bool(trained)) for t, trained in record["segments"]]  # type: ignore[union-attr]
+
+
+def recall_records(specs: list[RecallSpec]) -> tuple[list[dict[str, object]], list[dict[str, object]]]:
+    """(training records, validation records) of the recall sources: each source's training
+    examples, and its `val_documents` validation examples, none of which is a training text."""
+    train: list[dict[str, object]] = []
+    val: list[dict[str, object]] = []
+    for spec in specs:
+        exs = list(train_examples(spec))
+        train += [as_record(ex) for ex in exs]
+        held = held_out_examples(spec, spec.val_documents, split="val", exclude=(ex.text for ex in exs))
+        val += [as_record(ex) for ex in held]
+    return train, val
+
+
+__all__ = [
+    "MAX_VOCAB",
+    "RecallExample",
+    "as_record",
+    "estimated_bytes",
+    "example_seed",
+    "held_out_examples",
+    "key_symbol",
+    "make_recall_example",
+    "recall_documents",
+    "recall_records",
+    "record_segments",
+    "spec_example",
+    "train_examples",
+    "value_symbol",
+]
