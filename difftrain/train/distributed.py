@@ -91,7 +91,9 @@ def build_strategy(recipe: Any, world_size: int) -> Any:
         return FSDPStrategy(
             sharding_strategy=f.sharding_strategy.upper(),
             auto_wrap_policy={Block} if f.auto_wrap else None,
-            activation_checkpointing_policy={Block} if t.activation_checkpointing else None,
+            # no activation_checkpointing_policy: train.activation_checkpointing is the model's own
+            # (set_activation_checkpointing, under every strategy); both would recompute each
+            # block twice
             mixed_precision=fsdp_mixed_precision(t.precision, f),
             cpu_offload=f.cpu_offload,
             state_dict_type=f.checkpoint,
