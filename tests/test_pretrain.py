@@ -1156,25 +1156,25 @@ def test_running_a_runs_command_again_is_refused_before_torch_loads(workspace, c
     assert "--overwrite and --resume contradict each other" in errors[3]
 
 
-def test_validations_are_scheduled_through_lightnings_hook_and_a_release_without_it_is_refused():
-    from types import SimpleNamespace
+def test_a_resume_restates_lightnings_micro_batch_count_in_this_runs_accumulation():
+    """Lightning validates every val_every × accumulate micro-batches counted since the run
+    began; a resume with another accumulation restates the count it restores (the end-to-end
+    promise: test_a_resume_may_split_the_global_batch_differently_but_not_change_it)."""
+    import copy
 
-    from lightning.pytorch.loops.training_epoch_loop import _TrainingEpochLoop
+    from difftrain.recipe import OptimConfig
+    from difftrain.train.lit import LitLM
 
-    from difftrain.errors import TrainingError
-    from difftrain.train.callbacks import schedule_validation
-
-    # the installed Lightning still asks this method whether to validate after a batch
-    assert callable(_TrainingEpochLoop._should_check_val_fx)
-    asked = []
-    loop = SimpleNamespace(_should_check_val_fx=lambda data_fetcher: True)
-    schedule_validation(
-        SimpleNamespace(fit_loop=SimpleNamespace(epoch_loop=loop)), lambda: asked.append(1) or False
-    )
-    assert loop._should_check_val_fx(None) is False and asked == [1]
-    bare = SimpleNamespace(fit_loop=SimpleNamespace(epoch_loop=SimpleNamespace()))
-    with pytest.raises(TrainingError, match=r"lacks the hook .* pip install 'lightning>=2.4,<=2.6.6'"):
-        schedule_validation(bare, lambda: True)
+    lit = LitLM(torch.nn.Linear(2, 2), OptimConfig(), total_steps=10, accumulate=4, grad_clip=None)
+    counts = {"ready": 6, "started": 6, "processed": 6, "completed": 6}
+    progress = {"total": dict(counts), "current": dict(counts), "is_last_batch": False}
+    ckpt = {"global_step": 3, "loops": {"fit_loop": {"epoch_loop.batch_progress": progress}}}
+    lit._count_micro_batches_in_steps(ckpt)  # 3 steps of 2 micro-batches, resumed with 4 per step
+    assert progress["total"] == progress["current"] == dict.fromkeys(counts, 12)
+    bare = {"global_step": 3, "loops": {}}
+    before = copy.deepcopy(bare)
+    lit._count_micro_batches_in_steps(bare)  # a checkpoint without the loops' progress: as it is
+    assert bare == before
 
 
 GPU_ONLY = [  # overrides a machine without CUDA cannot train, each refused as a DeviceError

@@ -31,7 +31,7 @@ from typing import Any
 import lightning as L
 import torch
 
-from difftrain.errors import StopRequested, TrainingError
+from difftrain.errors import StopRequested
 from difftrain.io import fsync_dir
 from difftrain.rundir import save_weights
 from difftrain.train.checkpoint import record_checkpoint, remove_checkpoint_path, step_file
@@ -73,20 +73,6 @@ def flops_per_token(n_params_no_embedding: int, n_layers: int, d_attn: int, seq_
     heads of width 2d for AV.
     """
     return 6 * n_params_no_embedding + 12 * n_layers * d_attn * seq_len
-
-
-def schedule_validation(trainer: L.Trainer, validates: Callable[[], bool]) -> None:
-    """Make Lightning ask `validates()` whether to validate after each training batch. Lightning
-    has no public hook for this; if a release drops the one used, refuse to train (validations
-    would silently fall back to Lightning's schedule) rather than guess."""
-    loop = trainer.fit_loop.epoch_loop
-    if not callable(getattr(loop, "_should_check_val_fx", None)):
-        raise TrainingError(
-            f"lightning {L.__version__} lacks the hook difftrain schedules validations with "
-            "(_TrainingEpochLoop._should_check_val_fx); install a release it supports: "
-            "pip install 'lightning>=2.4,<=2.6.6'"
-        )
-    loop._should_check_val_fx = lambda data_fetcher: validates()
 
 
 @dataclass
@@ -257,10 +243,6 @@ class RunCallback(L.Callback):
         self._window_tokens = pl_module.tokens_seen
         self._logged_step = trainer.global_step
         self.state.saved_step = trainer.global_step if trainer.global_step > 0 else -1
-        # Validation every val_every optimizer steps, decided here rather than by Lightning, which
-        # counts micro-batches since the run began: a resume that splits the global batch into
-        # another number of micro-batches would move its validations off the val_every steps.
-        schedule_validation(trainer, lambda: self.validates(trainer, pl_module))
         self.peak_flops = peak_flops(pl_module.device)
         self._sec_per_step = None
         # A live bar on a terminal; in a log file (or with the bar off) a plain line per log step:
@@ -300,15 +282,22 @@ class RunCallback(L.Callback):
         step = trainer.global_step
         # step 1, every log_every-th, the last (max_steps may come from max_tokens) and the one a
         # signal stops at: the curve in metrics.csv always reaches the loss the summary reports
-        if (
+        logs = (
             step % self.log_every == 0
             or step == 1
             or 0 < trainer.max_steps <= step
             or self._stop_signal is not None
-        ):
-            self._log_step(trainer, pl_module, step)
-        self._check_spike(trainer, pl_module, step)
-        self._show(trainer, pl_module)
+        )
+        # The step's figures stay on the device until a step that reports them: one that logs,
+        # saves or validates (a rollback acts on the step's own loss: every step then).
+        if logs or self.spike_rollback or self.validates(trainer, pl_module) or step % self.save_every == 0:
+            for s, loss in pl_module.settle():
+                self._check_spike(trainer, pl_module, s, loss)
+            if logs:
+                self._log_step(trainer, pl_module, step)
+            self._show(trainer, pl_module)
+        elif self._progress is not None:
+            self._progress.update(self._task, completed=step)
         if not self.validates(trainer, pl_module):  # else after the validation (on_validation_end)
             self._save_or_stop(trainer, pl_module)
 
@@ -387,10 +376,9 @@ class RunCallback(L.Callback):
         self.state.last_val = float(state.get("last_val", math.nan))
         self.state.last_val_step = int(state.get("last_val_step", -1))
 
-    def _check_spike(self, trainer: L.Trainer, pl_module: Any, step: int) -> None:
+    def _check_spike(self, trainer: L.Trainer, pl_module: Any, step: int, loss: float) -> None:
         """A spike: loss > spike_factor · m, with m ← 0.9·m + 0.1·loss over the non-spike steps,
         checked once m has seen 10 steps after warmup. Logged; optionally rolled back."""
-        loss = pl_module.last_loss
         if self.spike_factor is None or not math.isfinite(loss):
             return
         ema = self.loss_ema
@@ -438,6 +426,8 @@ class RunCallback(L.Callback):
 
     def _log_step(self, trainer: L.Trainer, pl_module: Any, step: int) -> None:
         """The train row of optimizer step `step` in the metrics, and its plain log line."""
+        for s, loss in pl_module.settle():  # (none left when the step's report settled them)
+            self._check_spike(trainer, pl_module, s, loss)
         self._log(trainer, pl_module, step)
         self._line(trainer, pl_module, step)
         self._logged_step = step
@@ -498,6 +488,7 @@ class RunCallback(L.Callback):
             self._save_or_stop(trainer, pl_module)
 
     def on_train_end(self, trainer: L.Trainer, pl_module: Any) -> None:
+        pl_module.settle()
         if self.state.saved_step != trainer.global_step and trainer.global_step > 0:
             self.save(trainer, pl_module)
         self._finish()

@@ -4,13 +4,20 @@ Optimization is manual (Lightning's `automatic_optimization = False`) so that on
 is exactly what the recipe says and nothing else:
 
     for each micro-batch:   loss_m = CE(model(x_m), y_m);  backward(loss_m / accumulate)
-    every `accumulate`:     if loss or ‖g‖ is not finite → drop the gradients, count a skip
-                            else clip ‖g‖ to grad_clip, optimizer.step(), scheduler.step()
+    every `accumulate`:     ok = loss and ‖g‖ are finite   (on the device)
+                            clip ‖g‖ to grad_clip, optimizer.step() unless not ok, scheduler.step()
 
-A skipped step does not advance `global_step`; `nan_skip_limit` skips in a row stop training with
-a TrainingError that names the step, the learning rate and the first parameter whose gradient was
-not finite. The compiled forward (torch.compile) is kept outside the module tree so state-dict
-keys never carry compile's `_orig_mod.` prefix.
+The step never waits for the device: loss, ‖g‖, token count and the verdict `ok` stay tensors
+until the figures are reported (`settle`, called by the run callback on logging, saving and
+validation steps and at the end), so the host queues the next step while the device computes
+this one. A step that is not ok applies no update: a fused torch optimizer (AdamW, as on CUDA and
+CPU) skips it on the device (its `found_inf`, as torch's GradScaler uses it); any other one (the
+8-bit optimizers) gets a zero gradient, so only its moments decay. A skipped step is still a step
+(the counter, schedule and data move on) and is counted; more than `nan_skip_limit` in a row stop
+training at the next report with a TrainingError that names the step, the learning rate and the
+first parameter whose gradient was not finite. The compiled forward (torch.compile) serves
+training and validation; it is kept outside the module tree so state-dict keys never carry
+compile's `_orig_mod.` prefix.
 
 Several processes (DDP, FSDP; see `difftrain.train.distributed`): gradients of the first a − 1
 micro-batches stay local (DDP's no_sync) and the last backward averages them over ranks; the
@@ -27,7 +34,6 @@ dropout masks are a function of the position in training and a resumed run draws
 
 from __future__ import annotations
 
-import math
 import time
 from contextlib import nullcontext
 
@@ -92,10 +98,12 @@ class LitLM(L.LightningModule):
         self._tokens_pending = 0
         self._val_stats: torch.Tensor | None = None
         self._bad_steps = 0
+        # steps whose figures are still on the device: (step, lr, grad names, figures)
+        self._pending: list[tuple[int, float, list[str], torch.Tensor]] = []
         self.micro_batches_seen = 0  # saved in checkpoints: the data position for exact resume
         self.tokens_seen = 0
         self.skipped_steps = 0
-        self.stepped = False  # True right after an optimizer step (read by the run callback)
+        self.stepped = False  # True right after an optimizer step, skipped or not (read by the run callback)
         self.last_loss = float("nan")
         self.last_grad_norm = float("nan")
         self.last_lr = float("nan")  # the lr of the last optimizer step (the scheduler has moved on)
@@ -186,96 +194,116 @@ class LitLM(L.LightningModule):
         # loss and tokens of this step over all ranks: every rank sees the same figures
         stats = torch.stack(
             [
-                torch.as_tensor(self._loss_sum, dtype=torch.float32, device=self.device)
-                / (1 if self.token_mean else self.accumulate),
+                torch.as_tensor(self._loss_sum, dtype=torch.float32, device=self.device),
                 torch.tensor(float(self._tokens_pending), device=self.device),
                 torch.as_tensor(self._count_sum, dtype=torch.float32, device=self.device),
             ]
         )
         stats = self._all_reduce(stats)
         if self.token_mean:
-            trained = stats[2].item()
-            loss_mean = stats[0].item() / trained if trained > 0 else 0.0
+            trained = stats[2]
+            loss_mean = torch.where(trained > 0, stats[0] / trained.clamp(min=1.0), 0.0)
             self._to_token_mean(trained)
         else:
-            loss_mean = stats[0].item() / self._world()
-        self.tokens_seen += int(stats[1].item())
+            loss_mean = stats[0] / (self.accumulate * self._world())
         self._loss_sum, self._tokens_pending, self._count_sum = 0.0, 0, 0.0
-        grad_norm = self._grad_norm() if self.check_grads else 0.0
-        if not math.isfinite(loss_mean) or not math.isfinite(grad_norm):
-            self._skip(opt, loss_mean, grad_norm)
-            return
-        self._bad_steps = 0
+        names, params = self._with_grads()
+        grads = [p.grad for p in params]
+        if self.check_grads:
+            grad_norm, bad = self._grad_norm(grads)
+        else:  # 16-mixed: the grad scaler skips steps with inf/nan gradients itself
+            grad_norm, bad = torch.zeros((), device=self.device), torch.full((), -1.0, device=self.device)
+        ok = torch.isfinite(loss_mean) & torch.isfinite(grad_norm)
         if self.grad_clip is not None:
             if self.check_grads:  # reuse the norm computed above (of all shards under FSDP)
-                params = [p for p in self.model.parameters() if p.grad is not None]
-                torch.nn.utils.clip_grads_with_norm_(params, self.grad_clip, torch.tensor(grad_norm))
+                torch.nn.utils.clip_grads_with_norm_(params, self.grad_clip, grad_norm)
             else:
                 self.clip_gradients(opt, gradient_clip_val=self.grad_clip, gradient_clip_algorithm="norm")
+        inner = getattr(opt, "optimizer", opt)
+        held = self.check_grads and getattr(inner, "_step_supports_amp_scaling", False)
+        if held:  # a fused torch optimizer skips the update on the device when found_inf is 1
+            inner.found_inf = (~ok).float()
+        elif self.check_grads:
+            for g in grads:  # (a 0-dim mask on the device: no sync)
+                g.masked_fill_(~ok, 0.0)
         self.last_lr = opt.param_groups[0]["lr"]
         opt.step()
+        if held:
+            del inner.found_inf
         opt.zero_grad(set_to_none=True)
         self.lr_schedulers().step()
         now = time.perf_counter()
         self.train_time += now - self._t0
         self._t0 = now
         self.stepped = True
-        self.last_loss = loss_mean
-        self.last_grad_norm = grad_norm
+        figures = torch.stack([loss_mean.float(), grad_norm.float(), stats[1], bad.float(), ok.float()])
+        self._pending.append((self.global_step, self.last_lr, names, figures.detach()))
 
-    def _to_token_mean(self, trained: float) -> None:
+    def settle(self) -> list[tuple[int, float]]:
+        """Read the figures of the steps taken since the last call from the device (one copy) and
+        return their (step, loss). Updates last_loss, last_grad_norm, tokens_seen and
+        skipped_steps; raises TrainingError once more than `nan_skip_limit` steps in a row were
+        skipped. Every rank calls it at the same steps (the run callback's reporting steps)."""
+        if not self._pending:
+            return []
+        pending, self._pending = self._pending, []
+        rows = torch.stack([f for *_, f in pending]).tolist()  # the one host sync
+        out = []
+        for (step, lr, names, _), (loss, norm, tokens, bad, ok) in zip(pending, rows, strict=True):
+            self.tokens_seen += int(tokens)
+            self.last_loss, self.last_grad_norm = loss, norm
+            out.append((step, loss))
+            if ok:
+                self._bad_steps = 0
+                continue
+            self._bad_steps += 1
+            self.skipped_steps += 1
+            what = f"loss={loss:.4g}, grad norm={norm:.4g}"
+            if 0 <= bad < len(names):
+                what += f", first non-finite grad in {names[int(bad)]}"
+            self.last_skip = f"step {step}: {what}, lr={lr:.3g}"
+            if self._bad_steps > self.nan_skip_limit:
+                raise TrainingError(
+                    f"training diverged: {self._bad_steps} steps in a row had a non-finite loss or gradient "
+                    f"(last at {self.last_skip}); the last good checkpoint is kept — lower optim.lr, raise "
+                    "optim.warmup_steps, or set train.grad_clip, then resume with --resume"
+                )
+        return out
+
+    def _with_grads(self) -> tuple[list[str], list[torch.nn.Parameter]]:
+        """The parameters that have a gradient, and their names."""
+        named = [(clean_name(n), p) for n, p in self.model.named_parameters() if p.grad is not None]
+        return [n for n, _ in named], [p for _, p in named]
+
+    def _to_token_mean(self, trained: torch.Tensor) -> None:
         """Scale the step's gradient from Σ_micro-batches ∇(summed loss)/unit, averaged over the
-        processes by DDP/FSDP, to ∇ of the mean over the step's `trained` tokens (all processes)."""
-        if trained <= 0:
-            return
+        processes by DDP/FSDP, to ∇ of the mean over the step's `trained` tokens (all processes);
+        a step that trained no token keeps its (zero) gradient."""
         grads = [p.grad for p in self.model.parameters() if p.grad is not None]
         if grads:
-            torch._foreach_mul_(grads, self._world() * TOKEN_UNIT / trained)  # one fused pass
+            scale = torch.where(trained > 0, self._world() * TOKEN_UNIT / trained.clamp(min=1.0), 1.0)
+            torch._foreach_mul_(grads, scale)  # one fused pass, the scale a tensor: no sync
 
-    def _grad_norm(self) -> float:
-        """‖g‖₂ over all parameters; under FSDP, √(Σ over ranks of each shard's Σg²)."""
-        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
-        if is_fsdp(self.model):
-            sq = torch.zeros((), device=self.device)
-            for g in grads:
-                sq += g.float().square().sum().to(sq.device)
-            return math.sqrt(self._all_reduce(sq).item())
+    def _grad_norm(self, grads: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """‖g‖₂ over all parameters (under FSDP, √(Σ over ranks of each shard's Σg²)) and the
+        index in `grads` of the first non-finite one (-1: none, or not known under FSDP), both
+        on the device."""
+        none = torch.full((), -1.0, device=self.device)
         if not grads:
-            return 0.0
-        return torch.linalg.vector_norm(
-            torch.stack([torch.linalg.vector_norm(g.float()) for g in grads])
-        ).item()
-
-    def _skip(self, opt, loss: float, grad_norm: float) -> None:
-        bad_param = next(
-            (
-                n
-                for n, p in self.model.named_parameters()
-                if p.grad is not None and not torch.isfinite(p.grad).all()
-            ),
-            None,
-        )
-        opt.zero_grad(set_to_none=True)
-        self._bad_steps += 1
-        self.skipped_steps += 1
-        lr = opt.param_groups[0]["lr"]
-        what = f"loss={loss:.4g}, grad norm={grad_norm:.4g}" + (
-            f", first non-finite grad in {bad_param}" if bad_param else ""
-        )
-        self.last_skip = f"step {self.global_step + 1}: {what}, lr={lr:.3g}"
-        if self._bad_steps > self.nan_skip_limit:
-            raise TrainingError(
-                f"training diverged: {self._bad_steps} steps in a row had a non-finite loss or gradient "
-                f"(last at {self.last_skip}); the last good checkpoint is kept — lower optim.lr, raise "
-                "optim.warmup_steps, or set train.grad_clip, then resume with --resume"
-            )
+            return torch.zeros((), device=self.device), none
+        norms = torch.stack([torch.linalg.vector_norm(g, dtype=torch.float32) for g in grads])
+        if is_fsdp(self.model):
+            return self._all_reduce(norms.square().sum()).sqrt(), none
+        total = torch.linalg.vector_norm(norms)
+        first = (~torch.isfinite(norms)).int().argmax().float()
+        return total, torch.where(torch.isfinite(total), none, first)
 
     # ---- validation ------------------------------------------------------------------------
     def on_validation_epoch_start(self) -> None:
         self._val_stats = torch.zeros(2, device=self.device)
 
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
-        out = self.model(batch["input_ids"], batch["targets"], return_logits=False)
+        out = self._forward(batch["input_ids"], batch["targets"], return_logits=False)
         # weighed by the batch's trained tokens (not its sequences): the mean over every token of
         # the split, whatever the batch size and the number of processes
         n = (batch["targets"] != IGNORE_INDEX).sum().float()
@@ -293,6 +321,7 @@ class LitLM(L.LightningModule):
 
     # ---- state that must survive a resume --------------------------------------------------
     def on_save_checkpoint(self, checkpoint: dict) -> None:
+        self.settle()  # the step counts below include every step taken
         if not self.save_frozen:
             keep = self._trainable_keys()
             checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if k in keep}
@@ -330,11 +359,35 @@ class LitLM(L.LightningModule):
                     f"but this run's config implies {want} ({len(wrong)} tensors differ); it was copied "
                     "from another run — remove it and resume again, or start again with --overwrite"
                 )
+        self._count_micro_batches_in_steps(checkpoint)
         state = checkpoint.get("difftrain", {})
         self.micro_batches_seen = int(state.get("micro_batches_seen", 0))
         self.tokens_seen = int(state.get("tokens_seen", 0))
         self.skipped_steps = int(state.get("skipped_steps", 0))
         self.train_time = float(state.get("train_time", 0.0))
+
+    def _count_micro_batches_in_steps(self, checkpoint: dict) -> None:
+        """Restate the training loop's micro-batch count as global_step × this run's accumulation.
+
+        Lightning schedules validations every `val_check_interval` micro-batches counted since the
+        run began (the run sets it to val_every × accumulate) and offers no public hook to decide
+        per optimizer step. A resume that splits the global batch into another number of
+        micro-batches would move every later validation off the val_every steps; the count it
+        restores from the checkpoint ("loops", the loops' saved progress) is restated here, in
+        the hook Lightning calls before it restores the loops. A checkpoint without that entry
+        is left as it is."""
+        loop = checkpoint.get("loops", {}).get("fit_loop", {})
+        progress = loop.get("epoch_loop.batch_progress")
+        if not isinstance(progress, dict) or not isinstance(progress.get("total"), dict):
+            return
+        want = int(checkpoint.get("global_step", 0)) * self.accumulate
+        shift = want - int(progress["total"].get("ready", want))
+        for part in ("total", "current"):
+            counts = progress.get(part)
+            if isinstance(counts, dict):
+                for key in ("ready", "started", "processed", "completed"):
+                    if isinstance(counts.get(key), int):
+                        counts[key] = max(0, counts[key] + shift)
 
     def lambda_values(self) -> dict[str, float]:
         """λ of every `diff` layer (the scalar the paper's Figure plots), for logging."""

@@ -1,5 +1,5 @@
-"""Non-finite losses and gradients are skipped, then stop the run with a diagnosis; the last good
-checkpoint is kept. Faults are injected through `pretrain(..., fault_hook=)` (LitLM's test hook,
+"""Non-finite losses and gradients are skipped (no update; the step still counts), then stop the
+run with a diagnosis; the last good checkpoint is kept. Faults are injected through `pretrain(..., fault_hook=)` (LitLM's test hook,
 called with (step, loss) on every micro-batch) or by an absurd learning rate."""
 
 from __future__ import annotations
@@ -53,22 +53,34 @@ def nan_grad_from(step: int):
     return hook
 
 
-def test_a_few_nan_losses_are_skipped_and_training_completes(workspace):
-    calls = {"n": 0}
+class WeightsAt(L.Callback):
+    """The weights at the start of the given optimizer steps (1-based: before step s runs)."""
 
+    def __init__(self, *steps: int) -> None:
+        self.steps, self.weights = steps, {}
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        s = trainer.global_step + 1
+        if s in self.steps and s not in self.weights:
+            self.weights[s] = {k: v.detach().clone() for k, v in pl_module.state_dict().items()}
+
+
+def test_a_few_nan_losses_are_skipped_counted_and_apply_no_update(workspace):
     def hook(step: int, loss: torch.Tensor) -> torch.Tensor:
-        if step == 3:  # the first micro-batch of the first two attempts at step 4 (accumulate 2)
-            calls["n"] += 1
-            if calls["n"] in (1, 3):
-                return loss * float("nan")
-        return loss
+        return loss * float("nan") if step in (3, 4) else loss  # the forwards of steps 4 and 5
 
-    result = pretrain(load_recipe(workspace(steps=6, save_every=2)), fault_hook=hook)
+    watch = WeightsAt(4, 6)
+    result = pretrain(load_recipe(workspace(steps=6, save_every=2)), fault_hook=hook, extra_callbacks=[watch])
     assert result.summary["steps"] == 6 and result.summary["skipped_steps"] == 2
     assert math.isfinite(result.summary["final_train_loss"])
-    rows = [r for r in read_metrics(result.run_dir / "metrics.csv") if "train/loss" in r]
-    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
-    assert all(math.isfinite(r["train/loss"]) for r in rows)
+    rows = {
+        r["step"]: r["train/loss"] for r in read_metrics(result.run_dir / "metrics.csv") if "train/loss" in r
+    }
+    assert sorted(rows) == [1, 2, 3, 4, 5, 6]
+    assert [s for s, v in rows.items() if not math.isfinite(v)] == [4, 5]  # a skipped step's own loss
+    # the fused AdamW skipped both updates on the device: step 6 starts from step 3's weights
+    before, after = watch.weights[4], watch.weights[6]
+    assert all(torch.equal(before[k], after[k]) for k in before)
 
 
 def test_persistent_nan_gradients_stop_with_step_lr_and_parameter(workspace):
@@ -76,18 +88,22 @@ def test_persistent_nan_gradients_stop_with_step_lr_and_parameter(workspace):
     with pytest.raises(TrainingError) as err:
         pretrain(recipe, fault_hook=nan_grad_from(3), extra_callbacks=[Grab()])
     msg = str(err.value)
-    lr = recipe.optim.lr * lr_multiplier(recipe.optim, 10)(3)  # the scheduler's lr at step 4
-    assert "3 steps in a row" in msg and "step 4:" in msg and f"lr={lr:.3g}" in msg
+    # steps 4, 5 and 6 had NaN gradients: the third in a row stops the run, at its report
+    lr = recipe.optim.lr * lr_multiplier(recipe.optim, 10)(5)  # the scheduler's lr at step 6
+    assert "3 steps in a row" in msg and "step 6:" in msg and f"lr={lr:.3g}" in msg
     assert f"first non-finite grad in {BAD_PARAM}" in msg
     assert "loss=" in msg and "grad norm=nan" in msg
-    # the last good checkpoint (step 3) is kept, complete and finite; nothing after the fault
+    # the last checkpoint (step 5, before the third skip) is complete, finite, and holds the
+    # weights of step 3: the skipped steps applied no update; nothing of step 6 was written
     run = recipe.run_dir
     assert_checkpoints_verify(run)
     point = resume_point(run)
-    assert point.step == 3 and point.warnings == []
+    assert point.step == 5 and point.warnings == []
     ckpt = load_checkpoint_file(point.path)
+    good = load_checkpoint_file(run / "checkpoints" / "step-00000003.ckpt")
     assert all(torch.isfinite(v).all() for v in ckpt["state_dict"].values())
-    assert safetensors_step(run / "model.safetensors") == 3
+    assert all(torch.equal(v, good["state_dict"][k]) for k, v in ckpt["state_dict"].items())
+    assert safetensors_step(run / "model.safetensors") == 5
     weights = model_weights(run / "model.safetensors")
     assert all(torch.equal(v, ckpt["state_dict"][k]) for k, v in weights.items())
 
@@ -107,7 +123,7 @@ def test_the_cli_exits_2_with_the_diagnosis_and_resume_works_after_the_fault(wor
     assert "training diverged" in err and BAD_PARAM in err and "Traceback" not in err
     monkeypatch.setattr(run_mod, "pretrain", real)  # the fault is gone: the run resumes and ends
     assert main(["pretrain", str(recipe), "--resume", "--no-progress"]) == 0
-    assert "resuming from step 2" in flat(capsys.readouterr().out)
+    assert "resuming from step 5" in flat(capsys.readouterr().out)  # steps 3-5 skipped, 6 stopped it
 
 
 def test_an_absurd_learning_rate_ends_in_a_training_error_not_garbage(workspace, capsys):
