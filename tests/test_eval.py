@@ -668,7 +668,7 @@ def test_suite_lists_accept_commas_repeats_and_all():
 
     assert parse_suites(None) == ["ppl"]
     assert parse_suites(["ppl,needle", "ppl", "quant"]) == ["ppl", "needle", "quant"]
-    assert parse_suites(["all"]) == ["ppl", "needle", "attention", "outliers", "quant", "icl-order"]
+    assert parse_suites(["all"]) == ["ppl", "needle", "attention", "outliers", "quant", "icl-order", "recall"]
 
 
 def test_an_eval_of_a_run_still_training_names_the_step_of_the_weights_it_scored(runs, tmp_path, capsys):

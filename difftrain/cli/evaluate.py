@@ -52,7 +52,13 @@ and the grid options set any part explicitly.
 """
 
 
-_EXAMPLES = {"--lengths": "64,128,192", "--depths": "0,0.5,1", "--bits": "8,6,4"}
+_EXAMPLES = {
+    "--lengths": "64,128,192",
+    "--depths": "0,0.5,1",
+    "--bits": "8,6,4",
+    "--pairs": "4,8,16,32,64",
+    "--distractors": "0,1",
+}
 
 
 def _split(text: str | None, what: str, cast: Any) -> list[Any] | None:
@@ -175,6 +181,29 @@ def render(doc: dict[str, Any], run_dir: Path) -> None:
         console.print(
             f"[bold]accuracy[/] {res['accuracy']:.3f} · exact match (all queries) {res['exact_match']:.3f}"
         )
+    elif suite == "recall":
+        _heading(
+            f"{title} · {st['samples']} examples per cell, {st['n_queries']} queries each, "
+            f"keys {st['key_vocab']}, values {st['value_vocab']} (exact match per query)"
+        )
+        t = Table()
+        t.add_column("N pairs", justify="right", style="bold")
+        for r in st["distractors"]:
+            t.add_column(f"distractors {r:g}", justify="right")
+        t.add_column("mean", justify="right", style="bold")
+        for row in res["by_pairs"]:
+            by_r = {
+                c["distractor_rate"]: c["accuracy"] for c in res["cells"] if c["n_pairs"] == row["n_pairs"]
+            }
+            t.add_row(
+                str(row["n_pairs"]),
+                *[_acc_cell(by_r.get(r)) for r in st["distractors"]],
+                _acc_cell(row["accuracy"]),
+            )
+        console.print(t)
+        at = res.get("at_recipe")
+        tail = f" · at the recipe's N={at['n_pairs']}: {at['accuracy']:.3f}" if at else ""
+        console.print(f"[bold]accuracy[/] {res['accuracy']:.3f}{tail}")
     elif suite == "attention":
         _heading(f"{title} · map {res['map']} · {res['prompts']} prompts")
         t = Table()
@@ -414,8 +443,16 @@ def eval_command(
     needles: str = typer.Option(
         None, "--needles", help="needle/attention: N×R pairs (N needles, R queried), e.g. 1x1,4x2."
     ),
+    pairs: str = typer.Option(
+        None, "--pairs", help="recall: numbers of key→value pairs N, e.g. 4,8,16,32,64 (default)."
+    ),
+    distractors: str = typer.Option(
+        None, "--distractors", help="recall: distractor rates, e.g. 0,1 (default: 0 and the recipe's)."
+    ),
     samples: int = typer.Option(
-        None, "--samples", help="needle/attention: samples per grid cell (default 4; --full 20)."
+        None,
+        "--samples",
+        help="needle/attention: samples per grid cell (default 4; --full 20); recall: examples per cell (64; 256).",
     ),
     tokens: int = typer.Option(
         None, "--tokens", help="outliers: tokens to collect (default 8192; --full 131072)."
@@ -479,6 +516,8 @@ def eval_command(
         lengths=_split(lengths, "--lengths", int),
         depths=_split(depths, "--depths", float),
         needles=parse_needles(needles) if needles is not None else None,
+        pairs=_split(pairs, "--pairs", int),
+        distractors=_split(distractors, "--distractors", float),
         samples=samples,
         tokens=tokens,
         bits=_split(bits, "--bits", int),
@@ -525,7 +564,7 @@ def eval_command(
 
     from difftrain.evals import preflight, save_result
     from difftrain.evals.common import result_key, split_key
-    from difftrain.infer.device import cpu_inference_layout, resolve_device, resolve_dtype
+    from difftrain.infer.device import resolve_device, resolve_dtype
     from difftrain.io import uncreatable_reason
     from difftrain.rundir import load_run
 
@@ -538,7 +577,6 @@ def eval_command(
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
     run = load_run(run_dir, device=dev, dtype=dt)
-    cpu_inference_layout(run.model)
     named = named_suites(suite)
     skipped: dict[str, str] = {}
     for s in suites:

@@ -4,8 +4,8 @@
 An example is a context of N key→value pairs, optionally with distractor tokens between the
 pairs, followed by queries of some of the keys, each followed by its value:
 
-    AC ka  BF qd mo  AA ka  ...  |  BF qd  AC ka
-    └ pair ┘ └pair┘└┘ distractor    query + answer
+    AC ka BF qd mo AA ka ... BF qd AC ka
+    (pairs AC→ka, BF→qd, AA→ka; `mo` a distractor; then the queries BF and AC, each answered)
 
 Keys are upper-case letter pairs (`AA`, `AB`, ... one per key of the key vocabulary), values and
 distractors lower-case ones (`aa`, `ab`, ...), each written after a space: a byte-level BPE

@@ -8,6 +8,8 @@ Suites (each a module with `run(run, opts, progress) -> SuiteOutput`):
 - `outliers`   top activations and kurtosis of attention logits and hidden states (Table 5)
 - `quant`      degradation under attention-logit quantization to 8/6/4 bits (Figure 8)
 - `icl-order`  in-context classification accuracy across orders of the demonstrations
+- `recall`     multi-query associative recall accuracy by N pairs and distractor rate (runs
+               trained on `builtin:recall`)
 
 `evaluate(run, suite, opts)` runs one suite and returns its result document; `save_result`
 writes it to RUN_DIR/eval/<suite>.json, or RUN_DIR/eval/<suite>@<label>.json for a suite run on
@@ -43,6 +45,7 @@ SUITES: dict[str, str] = {
     "outliers": "outliers",
     "quant": "quant",
     "icl-order": "icl",
+    "recall": "recall",
 }
 """Suite name → module under difftrain.evals."""
 
@@ -53,6 +56,7 @@ SUITE_HELP = {
     "outliers": "top-k, median, kurtosis of attention logits and hidden states",
     "quant": "loss (and --with-needle accuracy) with attention logits at 8/6/4 bits",
     "icl-order": "in-context classification accuracy over orders of the demonstrations",
+    "recall": "associative recall (MQAR) exact match by N pairs × distractor rate",
 }
 
 
@@ -79,6 +83,11 @@ def preflight(run: Any, suite: str, opts: EvalOptions) -> None:
         from difftrain.evals.needle import default_grid
 
         default_grid(tok, max_len, opts)
+    elif suite == "recall":
+        from difftrain.evals.recall import default_grid as recall_grid
+        from difftrain.evals.recall import run_task
+
+        recall_grid(tok, max_len, opts, run_task(run))
     elif suite == "attention":
         from difftrain.evals.attention import attention_grid
 

@@ -82,6 +82,10 @@ class EvalOptions:
     lengths: list[int] | None = None
     depths: list[float] | None = None
     needles: list[tuple[int, int]] | None = None
+    pairs: list[int] | None = None
+    """recall: the numbers of key→value pairs (N) of the grid."""
+    distractors: list[float] | None = None
+    """recall: the distractor rates of the grid."""
     samples: int | None = None
     tokens: int | None = None
     bits: list[int] | None = None
@@ -320,6 +324,8 @@ EVAL_OPTIONS = {
     "lengths": "--lengths",
     "depths": "--depths",
     "needles": "--needles",
+    "pairs": "--pairs",
+    "distractors": "--distractors",
     "samples": "--samples",
     "tokens": "--tokens",
     "bits": "--bits",

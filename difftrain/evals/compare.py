@@ -438,7 +438,8 @@ def _tokenizer_note(runs: Sequence[RunRecord]) -> str | None:
 
 
 def plot_curves(comparison: Comparison, path: str | Path) -> Path:
-    """The loss curves of the compared runs (train and val, vs tokens and vs time) as a PNG."""
+    """The loss curves of the compared runs (train and val, vs tokens and vs time) as a PNG, and
+    recall accuracy against N for the runs that have a recall result."""
     from difftrain.evals import plots
     from difftrain.train.metrics import read_metrics
 
@@ -447,4 +448,5 @@ def plot_curves(comparison: Comparison, path: str | Path) -> Path:
         raise RunDirError(
             "none of the runs has a metrics.csv with logged steps, so there are no curves to plot"
         )
-    return plots.loss_curves(curves, path)
+    recall = [(r.label, r.evals["recall"]["results"]) for r in comparison.runs if "recall" in r.evals]
+    return plots.loss_curves(curves, path, recall)

@@ -281,18 +281,67 @@ def quant_curve(rows: Sequence[dict[str, Any]], path: Path | str, title: str = "
 
 
 # ---------------------------------------------------------------------------------------------
+# associative recall
+
+
+def _recall_panel(ax: Any, runs: Sequence[tuple[str, dict[str, Any]]]) -> None:
+    """Accuracy against N on `ax`: one colour per run, one line style per distractor rate."""
+    styles = ["-", "--", ":", "-."]
+    rates = sorted({c["distractor_rate"] for _, res in runs for c in res["cells"]})
+    for i, (label, res) in enumerate(runs):
+        for j, rate in enumerate(rates):
+            cells = sorted(
+                (c for c in res["cells"] if c["distractor_rate"] == rate and c["accuracy"] is not None),
+                key=lambda c: c["n_pairs"],
+            )
+            if cells:
+                ax.plot(
+                    [c["n_pairs"] for c in cells],
+                    [c["accuracy"] for c in cells],
+                    color=f"C{i % 10}",
+                    ls=styles[j % len(styles)],
+                    marker="o",
+                    markersize=3.5,
+                    label=f"{label}, distractors {rate:g}",
+                )
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("N (key→value pairs in the context)")
+    ax.set_ylabel("exact-match accuracy")
+    ax.set_ylim(-0.03, 1.03)
+    ax.set_title("associative recall: accuracy vs N", fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+
+
+def recall_curves(runs: Sequence[tuple[str, dict[str, Any]]], path: Path | str, title: str = "") -> Path:
+    """Recall accuracy against N for each run (label, the `results` of recall.json)."""
+    fig = _figure(6.4, 4.4)
+    _recall_panel(fig.subplots(1, 1), runs)
+    if title:
+        _suptitle(fig, title)
+    return _save(fig, path)
+
+
+# ---------------------------------------------------------------------------------------------
 # loss curves of several runs
 
 
-def loss_curves(runs: Sequence[tuple[str, list[dict[str, Any]]]], path: Path | str) -> Path:
-    """Train and validation loss of each run against tokens seen and against training time."""
-    fig = _figure(12.0, 4.4)
-    axes = fig.subplots(1, 2)
+def loss_curves(
+    runs: Sequence[tuple[str, list[dict[str, Any]]]],
+    path: Path | str,
+    recall: Sequence[tuple[str, dict[str, Any]]] = (),
+) -> Path:
+    """Train and validation loss of each run against tokens seen and against training time;
+    with `recall` (label, recall results of each run), a third panel of recall accuracy vs N."""
+    fig = _figure(18.0 if recall else 12.0, 4.4)
+    axes = fig.subplots(1, 3 if recall else 2)
+    if recall:
+        _recall_panel(axes[2], recall)
     colors = [f"C{i % 10}" for i in range(len(runs))]
     for (label, rows), color in zip(runs, colors, strict=True):
         train = [r for r in rows if "train/loss" in r]
         val = [r for r in rows if "val/loss" in r]
-        for ax, key in zip(axes, ("train/tokens", "train/time_s"), strict=True):
+        for ax, key in zip(axes[:2], ("train/tokens", "train/time_s"), strict=True):
             t = [r for r in train if key in r]
             if t:
                 ax.plot(
@@ -316,7 +365,7 @@ def loss_curves(runs: Sequence[tuple[str, list[dict[str, Any]]]], path: Path | s
                 )
     axes[0].set_xlabel("tokens seen")
     axes[1].set_xlabel("training time (s)")
-    for ax, what in zip(axes, ("tokens", "training time"), strict=True):
+    for ax, what in zip(axes[:2], ("tokens", "training time"), strict=True):
         ax.set_ylabel("loss (nats/token)")
         ax.set_title(f"loss vs {what}", fontsize=10)
         ax.grid(alpha=0.3)
