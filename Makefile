@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 DT := $(VENV)/bin/difftrain
 
-.PHONY: install test test-fast lint format quickstart bench gpu-check clean help docs
+.PHONY: install test test-fast lint format quickstart bench gpu-check clean help docs claims
 
 help:
 	@echo "make install     create $(VENV) and install difftrain with dev extras"
@@ -13,6 +13,7 @@ help:
 	@echo "make test        run the test suite (CPU)"
 	@echo "make lint        ruff check + format check"
 	@echo "make bench       run the benchmarks and write benchmarks/results/*.json"
+	@echo "make claims      diff vs baseline over 3 seeds (~1 h on 2 cores): benchmarks/results/claims.md"
 	@echo "make docs        regenerate the recipe reference in docs/recipes.md"
 
 install: $(VENV)/.installed
@@ -43,6 +44,11 @@ quickstart: install
 
 bench: install
 	$(PY) benchmarks/run_all.py
+
+# The claims study: recall-diff/-baseline and quickstart/-baseline over 3 seeds, evaluated
+# (CLAIMS_ARGS passes options, e.g. CLAIMS_ARGS='--quickstart-steps 300').
+claims: install
+	$(PY) benchmarks/claims.py $(CLAIMS_ARGS)
 
 gpu-check: install
 	bash benchmarks/gpu_check.sh

@@ -182,6 +182,10 @@ def _check_cached_data(plan: Any) -> str:
             "and checks the splits)"
         )
     train, val = index["train"]["tokens"], index["val"]["tokens"]
+    specs = r.data.recall_specs
+    if specs is not None:  # one example per sequence, validated on examples of their own seeds
+        held = sum(s.val_documents for s in specs) if r.data.val_windows > 0 else 0
+        return f"prepared: {sum(s.num_documents for s in specs):,} training · {held:,} validation recall examples"
     check_split_sizes(train, val, plan.seq_len, r.data.val_windows)
     return f"prepared: {train:,} training · {val:,} validation tokens"
 

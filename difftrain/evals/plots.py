@@ -305,6 +305,7 @@ def _recall_panel(ax: Any, runs: Sequence[tuple[str, dict[str, Any]]]) -> None:
                     label=f"{label}, distractors {rate:g}",
                 )
     ax.set_xscale("log", base=2)
+    ax.xaxis.set_major_formatter("{x:g}")
     ax.set_xlabel("N (key→value pairs in the context)")
     ax.set_ylabel("exact-match accuracy")
     ax.set_ylim(-0.03, 1.03)
