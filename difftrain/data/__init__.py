@@ -7,6 +7,7 @@ Public API (the rest of difftrain imports from here):
 - `load_tokenizer(path) -> Tokenizer`, `check_vocab_fits(tokenizer, vocab_size)`, `StreamDecoder`
 - `PretrainDataModule`, `SFTDataModule`, `encode_sft_record`, `load_sft_records`
 - `make_needle_example` (builtin:needles, for the retrieval evaluation)
+- `RecallSpec`, `make_recall_example`, `held_out_examples` (builtin:recall, for the recall suite)
 
 Heavy modules (torch, lightning) load only when `modules` is first used.
 """
@@ -20,6 +21,7 @@ from difftrain.data.config import (
     DataConfig,
     DocstringsSpec,
     NeedlesSpec,
+    RecallSpec,
     SourceSpec,
     TokenizerConfig,
     TokenizerTrainConfig,
@@ -37,6 +39,7 @@ if TYPE_CHECKING:
         load_sft_records,
         pad_sft_batch,
     )
+    from difftrain.data.recall import RecallExample, held_out_examples, make_recall_example
     from difftrain.data.shards import PreparedData, PrepareProgress, PrepareStats, prepare_data
     from difftrain.data.tokenizer import StreamDecoder, Tokenizer, check_vocab_fits, load_tokenizer
 
@@ -51,6 +54,9 @@ _LAZY = {
     "encode_sft_record": "modules",
     "load_sft_records": "modules",
     "pad_sft_batch": "modules",
+    "RecallExample": "recall",
+    "held_out_examples": "recall",
+    "make_recall_example": "recall",
     "PreparedData": "shards",
     "PrepareProgress": "shards",
     "PrepareStats": "shards",
@@ -70,6 +76,7 @@ __all__ = [
     "DataConfig",
     "DocstringsSpec",
     "NeedlesSpec",
+    "RecallSpec",
     "SourceSpec",
     "TokenizerConfig",
     "TokenizerTrainConfig",
@@ -83,6 +90,9 @@ __all__ = [
     "encode_sft_record",
     "load_sft_records",
     "pad_sft_batch",
+    "RecallExample",
+    "held_out_examples",
+    "make_recall_example",
     "PreparedData",
     "PrepareProgress",
     "PrepareStats",
