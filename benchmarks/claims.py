@@ -90,7 +90,9 @@ def train_and_eval(job: tuple[str, int, int | None, str], args: argparse.Namespa
     out = run_dir(args.runs_dir, recipe, seed)
     log = args.runs_dir / f"{out.name}.log"
     threads = 1 if args.jobs > 1 else None
-    if not finished(out, steps):
+    if finished(out, steps):
+        args.reused.append(out.name)
+    else:
         cmd = [*DIFFTRAIN, "pretrain", recipe, f"seed={seed}", f"name={out.name}", f"out_dir={args.runs_dir}"]
         cmd += [f"train.max_steps={steps}"] if steps is not None else []
         sh([*cmd, "--overwrite", "--no-progress"], log, threads)
@@ -133,6 +135,7 @@ def run_figures(path: Path) -> dict[str, Any]:
     from difftrain.train.metrics import read_metrics
 
     rows = read_metrics(path / "metrics.csv")
+    out["val_by_step"] = [[r["step"], r["val/loss"]] for r in rows if "val/loss" in r]
     out["val_curve"] = [
         [r["train/tokens"], r["val/loss"]] for r in rows if "val/loss" in r and "train/tokens" in r
     ]
@@ -173,7 +176,9 @@ def compare(d: dict[str, Any], b: dict[str, Any], higher_better: bool | None) ->
     if d["mean"] is None or b["mean"] is None:
         return {"delta": None, "exceeds_spread": None, "reading": "missing"}
     delta = d["mean"] - b["mean"]
-    spread = (d["std"] or 0.0) + (b["std"] or 0.0)
+    if d["std"] is None or b["std"] is None:
+        return {"delta": delta, "exceeds_spread": None, "reading": "one seed: no spread to compare with"}
+    spread = d["std"] + b["std"]
     exceeds = abs(delta) > spread
     if not exceeds:
         reading = f"no clear difference: gap {abs(delta):.3g} ≤ seed spread {spread:.3g}"
@@ -229,6 +234,17 @@ def build_claims(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
             "rows": claim_rows(
                 runs, PAIRS["recall"], lambda r, c: _dig(r, "recall", "cells", c), cells, True
             ),
+        }
+        steps = sorted({int(t) for r in rec for t, _ in r.get("val_by_step", [])})
+
+        def at_step(r: dict[str, Any], t: str) -> float | None:
+            return next((v for st, v in r.get("val_by_step", []) if int(st) == int(t.split()[-1])), None)
+
+        claims["answer loss against steps (recall)"] = {
+            "unit": "validation loss on the answers (nats/token) at each validation step: how fast the task is "
+            "learned (chance: ln 64 = 4.16)",
+            "format": ".3f",
+            "rows": claim_rows(runs, PAIRS["recall"], at_step, [f"step {t}" for t in steps], False),
         }
     qs = [r for r in runs.get("quickstart", []) + runs.get("quickstart-baseline", []) if r.get("val_curve")]
     if qs:
@@ -311,7 +327,7 @@ def markdown(doc: dict[str, Any]) -> str:
         for r in claim["rows"]:
             delta = "—" if r["delta"] is None else f"{r['delta']:+{spec}}"
             lines.append(
-                f"| {r['name']} | {fmt(r['diff'], spec)} | {fmt(r['baseline'], spec)} | {delta} | {r['reading']} |"
+                f"| {label(r['name'])} | {fmt(r['diff'], spec)} | {fmt(r['baseline'], spec)} | {delta} | {r['reading']} |"
             )
     if doc.get("plots"):
         lines += ["", "Figures: " + ", ".join(f"[{p}]({p})" for p in doc["plots"])]
@@ -399,6 +415,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--report-only", action="store_true", help="no training: report the runs there are")
     args = ap.parse_args(argv)
     args.runs_dir = args.runs_dir.resolve()
+    args.reused = []  # runs an earlier invocation finished (trained then, evaluated again now)
     args.runs_dir.mkdir(parents=True, exist_ok=True)
     argv_s = " ".join(sys.argv[1:] if argv is None else argv)
     command = f"python benchmarks/claims.py {argv_s}".strip()
@@ -442,6 +459,17 @@ def main(argv: list[str] | None = None) -> int:
             )
             + f"; {args.jobs} trainings at a time"
             + (", one thread each." if args.jobs > 1 else ".")
+            + (
+                f" Trained by an earlier invocation (same command) and reused: {', '.join(sorted(args.reused))}."
+                if args.reused
+                else ""
+            )
+            + " Training time per run (s): "
+            + "; ".join(
+                f"{name} {fmt(stats([r.get('train_time_s') for r in rs]), '.0f')}"
+                for name, rs in runs.items()
+            )
+            + "."
         ),
         "claims": build_claims(runs),
         "runs": runs,
