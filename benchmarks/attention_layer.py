@@ -80,10 +80,8 @@ def block_step(args: argparse.Namespace, arch: str, impl: str, device: torch.dev
     x = torch.randn(B, T, cfg.d_model, device=device, requires_grad=True)
     grad = torch.randn_like(x)
     assert cfg.head_dim is not None
-    rope = (
-        RotaryEmbedding(cfg.head_dim, cfg.rope_theta)
-        .to(device)
-        .tables(torch.arange(T, device=device)[None].expand(B, T), x.dtype)
+    rope = RotaryEmbedding(cfg.head_dim, cfg.rope_theta).to(device)(
+        torch.arange(T, device=device)[None].expand(B, T)
     )
     mask, opts = AttnMask(T, T), AttnOptions(impl)
     backward = not (impl == "flex" and device.type == "cpu")
@@ -92,11 +90,11 @@ def block_step(args: argparse.Namespace, arch: str, impl: str, device: torch.dev
         if backward:
             block.zero_grad(set_to_none=True)
             x.grad = None
-            out = block(x, rope, mask, None, opts)[0]
+            out = block(x, *rope, mask, None, opts)[0]
             out.backward(grad)
         else:
             with torch.no_grad():
-                block(x, rope, mask, None, opts)
+                block(x, *rope, mask, None, opts)
 
     return step, "fwd+bwd" if backward else "fwd"
 

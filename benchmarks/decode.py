@@ -10,8 +10,7 @@ prompt (no eos stop, so every run produces exactly that many tokens), once throu
 engine and once through the no-cache reference (`use_cache=False`, the whole sequence
 recomputed every step), after a short warm-up. Both paths are timed in the same process, one
 after the other, so their ratio is meaningful on a noisy machine even when absolute figures are
-not. On CPU the weights are first re-laid as `difftrain generate` does
-(`infer.device.cpu_inference_layout`; `--row-major-weights` skips it). The tokens of the two paths are compared too (they should agree: same math, different
+not. The tokens of the two paths are compared too (they should agree: same math, different
 shapes; with random weights near-ties can flip late tokens, so the agreeing prefix is reported).
 
 With `--hf`, and when `difftrain.interop.hf` provides an exporter, the same weights are
@@ -29,7 +28,6 @@ from pathlib import Path
 
 import torch
 
-from difftrain.infer.device import cpu_inference_layout
 from difftrain.infer.generate import GenerationConfig, generate_all
 from difftrain.infer.sampling import SamplingConfig
 from difftrain.model import ModelConfig, Transformer
@@ -121,11 +119,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--threads", type=int, default=None, help="torch.set_num_threads (default: torch's choice)."
     )
-    ap.add_argument(
-        "--row-major-weights",
-        action="store_true",
-        help="Keep the weights as trained (skip the CPU inference layout `difftrain generate` applies).",
-    )
     ap.add_argument("--json", type=Path, help="Write the results as JSON to this file.")
     args = ap.parse_args(argv)
     if args.threads:
@@ -144,8 +137,6 @@ def main(argv: list[str] | None = None) -> int:
 
     rows = []
     for arch, model in models:
-        if not args.row_major_weights:
-            cpu_inference_layout(model)  # as `difftrain generate` loads a model (a no-op off CPU)
         c = model.config
         if args.prompt_tokens + args.new_tokens - 1 > c.max_seq_len:
             sys.exit(

@@ -2,11 +2,10 @@
 
 Sections (each may be run alone with `--only`):
 
-    attention    attention core forward+backward, each attn_impl × arch over a grid of (B, T, H, d),
-                 plus every exact diff formulation (`kernels.DIFF_SDPA_STRATEGIES`)
+    attention    attention core forward+backward, each attn_impl × arch over a grid of (B, T, H, d)
     train_step   one training step (forward, backward, clip, AdamW) in tokens/s for baseline, diff and
                  diff2 at matched parameter counts (diff2's MLP is narrowed by its extra q/λ weights),
-                 with and without torch.compile; plus `diff` with the previous CPU core (`flash_cpu`)
+                 with and without torch.compile
     lightning    the same step driven by the Lightning Trainer (LitLM) vs a minimal hand-written loop
     hf           transformers' LlamaForCausalLM / DiffLlamaForCausalLM training step and greedy
                  `generate`, on the same weights, against ours
@@ -36,7 +35,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
-import functools
 import gc
 import json
 import os
@@ -45,7 +43,7 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -239,27 +237,6 @@ def _reps(t: dict[str, list[float]]) -> dict[str, list[float]]:
     return {"wall_ms_reps": [1e3 * x for x in t["wall"]], "cpu_ms_reps": [1e3 * x for x in t["cpu"]]}
 
 
-@contextlib.contextmanager
-def diff_strategy(name: str | None) -> Iterator[None]:
-    """Run the diff core through `kernels.DIFF_SDPA_STRATEGIES[name]` on every device, decode
-    steps included, meanwhile."""
-    from difftrain.model import kernels
-
-    if name is None:
-        yield
-        return
-    saved, saved_decode = dict(kernels.DIFF_SDPA_DEFAULT), kernels.DECODE_MAX_QUERIES
-    for k in list(kernels.DIFF_SDPA_DEFAULT):
-        kernels.DIFF_SDPA_DEFAULT[k] = name
-    kernels.DECODE_MAX_QUERIES = 0  # decode steps too
-    try:
-        yield
-    finally:
-        kernels.DIFF_SDPA_DEFAULT.clear()
-        kernels.DIFF_SDPA_DEFAULT.update(saved)
-        kernels.DECODE_MAX_QUERIES = saved_decode
-
-
 def _autocast(plan: Plan) -> contextlib.AbstractContextManager[Any]:
     if plan.precision in ("bf16-mixed", "16-mixed"):
         dtype = torch.bfloat16 if plan.precision.startswith("bf16") else torch.float16
@@ -285,8 +262,6 @@ def cpu_name() -> str:
 def environment(device: torch.device) -> dict[str, Any]:
     """Where the figures come from: device, versions, threads, load."""
     from difftrain import __version__
-    from difftrain.model import ckernels, gemm
-    from difftrain.runtime import allocator_state
 
     env: dict[str, Any] = {
         "type": device.type,
@@ -299,11 +274,6 @@ def environment(device: torch.device) -> dict[str, Any]:
         "python": platform.python_version(),
         "difftrain": __version__,
         "cuda": torch.version.cuda,
-        "allocator": allocator_state(),
-        "cpu_gemm": gemm.backend(),  # fp32 CPU products: oneDNN or torch's default (model/gemm.py)
-        "cpu_vendor": gemm.cpu_vendor(),
-        # fused fp32 CPU kernels for training's norms and SwiGLU (model/ckernels.py)
-        "cpu_kernels": ckernels.status() if device.type == "cpu" else None,
     }
     from importlib import metadata
 
@@ -317,7 +287,7 @@ def environment(device: torch.device) -> dict[str, Any]:
 
 # ----- sections ------------------------------------------------------------------------------------
 def bench_attention(plan: Plan, progress: Progress) -> dict[str, Any]:
-    """Attention core forward+backward per (B, T, H, d) × impl × arch, plus the diff strategies."""
+    """Attention core forward+backward per (B, T, H, d) × impl × arch."""
     # what the core sees: fp16 under 16-mixed (CUDA only), bf16 under the bf16 precisions
     dtype = {"32-true": torch.float32, "16-mixed": torch.float16}.get(plan.precision, torch.bfloat16)
     rows: list[dict[str, Any]] = []
@@ -329,13 +299,7 @@ def bench_attention(plan: Plan, progress: Progress) -> dict[str, Any]:
 
 
 def _attention_point(plan: Plan, dtype: torch.dtype, B: int, T: int, H: int, d: int) -> list[dict[str, Any]]:
-    from difftrain.model.kernels import (
-        DIFF_SDPA_STRATEGIES,
-        AttnMask,
-        baseline_attention,
-        diff2_attention,
-        diff_attention,
-    )
+    from difftrain.model.kernels import AttnMask, attention_core
 
     dev = plan.device
     g = torch.Generator().manual_seed(0)
@@ -350,9 +314,9 @@ def _attention_point(plan: Plan, dtype: torch.dtype, B: int, T: int, H: int, d: 
     gb = torch.randn(B, H, T, d, generator=g).to(dev, dtype)
     gd = torch.randn(B, H // 2, T, 2 * d, generator=g).to(dev, dtype)
     cores: dict[str, Callable[[str], torch.Tensor]] = {
-        "baseline": lambda impl: baseline_attention(q, k, v_base, mask, impl).out,
-        "diff": lambda impl: diff_attention(q, k, v_diff, lam, mask, impl).out,
-        "diff2": lambda impl: diff2_attention(q2, k, v_base, lam2, mask, impl).out,
+        "baseline": lambda impl: attention_core("baseline", q, k, v_base, None, mask, impl).out,
+        "diff": lambda impl: attention_core("diff", q, k, v_diff, lam, mask, impl).out,
+        "diff2": lambda impl: attention_core("diff2", q2, k, v_base, lam2, mask, impl).out,
     }
     grads = {"baseline": gb, "diff": gd, "diff2": gb}
 
@@ -370,17 +334,11 @@ def _attention_point(plan: Plan, dtype: torch.dtype, B: int, T: int, H: int, d: 
         for arch in ARCHS:
             fns[f"{arch}/{impl}"] = lambda a=arch, i=impl, f=fwd_only: run(a, i, f)
             modes[f"{arch}/{impl}"] = "fwd" if fwd_only else "fwd+bwd"
-    if "sdpa" in plan.impls:
-        for name, fn in DIFF_SDPA_STRATEGIES.items():
-            if name == "flash_cpu" and dev.type != "cpu":
-                continue
-            fns[f"diff/sdpa:{name}"] = lambda fn=fn: fn(q, k, v_diff, lam, mask).backward(gd)
-            modes[f"diff/sdpa:{name}"] = "fwd+bwd"
     times = time_round_robin(fns, warmup=plan.warmup, reps=plan.reps, device=dev)
     rows = []
     for key, t in times.items():
         arch, impl = key.split("/")
-        ref = times[f"baseline/{impl.split(':')[0]}"]
+        ref = times[f"baseline/{impl}"]
         rows.append(
             {
                 "B": B,
@@ -419,49 +377,20 @@ def _optimizer(model: Any, name: str, device: torch.device) -> Any:
     return build_optimizer(model, OptimConfig(name=name, lr=1e-4, warmup_steps=0), device.type)
 
 
-def gemm_backend_of(plan: Plan) -> str | None:
-    """The CPU matrix-product backend (model/gemm.py) the plan's steps use; None on CUDA."""
-    from difftrain.model import gemm
-
-    return gemm.backend() if plan.device.type == "cpu" else None
-
-
-def _torch_ops_variant(plan: Plan) -> bool:
-    """Whether the bench also times our fp32 CPU step without the fused CPU kernels (when they
-    run: model/ckernels.py), what training does without a C compiler."""
-    from difftrain.model import ckernels
-
-    return plan.device.type == "cpu" and plan.precision == "32-true" and ckernels.library() is not None
-
-
-def _torch_gemm_variant(plan: Plan) -> bool:
-    """Whether to time steps with torch's default BLAS too: fp32 products run by oneDNN here."""
-    return plan.precision == "32-true" and gemm_backend_of(plan) == "onednn"
-
-
 def train_step_fn(
     model: Any,
     opt: Any,
     batch: tuple[torch.Tensor, torch.Tensor],
     plan: Plan,
     forward: Any = None,
-    strategy: str | None = None,
-    cpu_gemm: str | None = None,
-    cpu_kernels: bool = True,
 ) -> Callable[[], None]:
-    """One training step as a closure: forward, backward, clip the gradient norm to 1, AdamW;
-    `cpu_gemm` pins the CPU matrix-product backend (model/gemm.py) for the step, and without
-    `cpu_kernels` it runs torch's operations where the fused CPU kernels would (model/ckernels.py)."""
-    from difftrain.model import ckernels, gemm
-
+    """One training step as a closure: forward, backward, clip the gradient norm to 1, AdamW."""
     x, y = batch
     fwd = model if forward is None else forward
     params = [p for p in model.parameters() if p.requires_grad]
-    backend = contextlib.nullcontext if cpu_gemm is None else functools.partial(gemm.use_backend, cpu_gemm)
-    kernels = contextlib.nullcontext if cpu_kernels else ckernels.paused
 
     def step() -> None:
-        with diff_strategy(strategy), _autocast(plan), backend(), kernels():
+        with _autocast(plan):
             loss = fwd(x, y, return_logits=False).loss  # as training calls it
             loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -478,35 +407,22 @@ def bench_train_step(plan: Plan, progress: Progress) -> dict[str, Any]:
     peak = peak_flops(plan.device)
     rows: list[dict[str, Any]] = []
     for shape in plan.step_shapes:
-        variants: dict[str, tuple[str, bool, str | None, str | None]] = {
-            a: (a, False, None, None) for a in ARCHS
-        }
-        if plan.device.type == "cpu":
-            variants["diff (previous core: flash_cpu)"] = ("diff", False, "flash_cpu", None)
-        else:
-            variants["diff (split_v core)"] = ("diff", False, "split_v", None)
-        if _torch_gemm_variant(plan):  # where oneDNN runs them, torch's products as well
-            for a in ("baseline", "diff"):
-                variants[f"{a} (torch GEMMs)"] = (a, False, None, "torch")
+        variants: dict[str, tuple[str, bool]] = {a: (a, False) for a in ARCHS}
         if plan.compile:  # compile warm-up is long: diff2 only in full mode
             for a in ARCHS if plan.mode == "full" else ("baseline", "diff"):
-                variants[f"{a} +compile"] = (a, True, None, None)
+                variants[f"{a} +compile"] = (a, True)
         fns, info = {}, {}
-        for name, (arch, compiled, strategy, cpu_gemm) in variants.items():
+        for name, (arch, compiled) in variants.items():
             cfg = shape.config(arch)
             model = _build(cfg, plan)
             opt = _optimizer(model, "adamw", plan.device)
             forward = torch.compile(model) if compiled else None
-            fns[name] = train_step_fn(
-                model, opt, _batch(shape, plan.device), plan, forward, strategy, cpu_gemm
-            )
+            fns[name] = train_step_fn(model, opt, _batch(shape, plan.device), plan, forward)
             counts = model.num_params()
             info[name] = {
                 "arch": arch,
                 "compile": compiled,
-                "core": strategy,
-                "cpu_gemm": cpu_gemm or gemm_backend_of(plan),
-                "reference": "baseline" + (" +compile" if compiled else " (torch GEMMs)" if cpu_gemm else ""),
+                "reference": "baseline" + (" +compile" if compiled else ""),
                 "params": counts["total"],
                 "ffn_hidden": cfg.ffn_hidden,
                 "flops_per_token": flops_per_token(
@@ -736,16 +652,6 @@ def _train_vs_hf(ours: Any, hf: Any, shape: Shape, plan: Plan, progress: Progres
         "ours": train_step_fn(ours, _optimizer(ours, "adamw", plan.device), (x, y), plan),
         "hf": hf_step_fn(hf, hf),
     }
-    if _torch_gemm_variant(plan):  # ours with the products transformers gets: the like-for-like figure
-        twin = _build(ours.config, plan)
-        fns["ours (torch GEMMs)"] = train_step_fn(
-            twin, _optimizer(twin, "adamw", plan.device), (x, y), plan, cpu_gemm="torch"
-        )
-    if _torch_ops_variant(plan):  # ours as it trains without a C compiler
-        twin = _build(ours.config, plan)
-        fns["ours (torch ops)"] = train_step_fn(
-            twin, _optimizer(twin, "adamw", plan.device), (x, y), plan, cpu_kernels=False
-        )
     if plan.compile:  # both models under torch.compile (ours: train.compile: true)
         twin = _build(ours.config, plan)
         fns["ours +compile"] = train_step_fn(
@@ -761,7 +667,6 @@ def _train_vs_hf(ours: Any, hf: Any, shape: Shape, plan: Plan, progress: Progres
     t = time_round_robin(fns, warmup=plan.warmup, reps=plan.reps, device=plan.device)
     return {
         **_variant_figures(t, shape.tokens),
-        "cpu_gemm": gemm_backend_of(plan),
         "arch": ours.config.arch,
         "hf_class": type(hf).__name__,
         "hf_attn_implementation": getattr(hf.config, "_attn_implementation", None),
@@ -777,12 +682,10 @@ def _train_vs_hf(ours: Any, hf: Any, shape: Shape, plan: Plan, progress: Progres
 
 
 def _variant_figures(t: dict[str, dict[str, list[float]]], tokens: int) -> dict[str, Any]:
-    """Each variant of our step timed against transformers': compiled and with torch's GEMMs
-    against its eager step, and (when timed) both compiled."""
+    """Each variant of our step timed against transformers': compiled against its eager step,
+    and (when timed) both compiled."""
     out: dict[str, Any] = {}
     for prefix, ours, ref in (
-        ("torch_gemm", "ours (torch GEMMs)", "hf"),
-        ("torch_ops", "ours (torch ops)", "hf"),
         ("compiled", "ours +compile", "hf"),
         ("both_compiled", "ours +compile", "hf +compile"),
     ):
@@ -811,14 +714,11 @@ def _hf_compiled_generate(hf: Any) -> dict[str, Any] | None:
 
 
 def _decode_vs_hf(ours: Any, hf: Any, plan: Plan, progress: Progress) -> dict[str, Any]:
-    from difftrain.infer.device import cpu_inference_layout
     from difftrain.infer.generate import GenerationConfig, generate_all
     from difftrain.infer.sampling import SamplingConfig
 
     ours.eval()
     hf.eval()
-    row_major = copy.deepcopy(ours)
-    cpu_inference_layout(ours)  # as `difftrain generate` loads a model (a no-op off CPU)
     n = plan.decode_tokens
     prompt = torch.randint(
         0, ours.config.vocab_size, (16,), generator=torch.Generator().manual_seed(1)
@@ -829,9 +729,6 @@ def _decode_vs_hf(ours: Any, hf: Any, plan: Plan, progress: Progress) -> dict[st
 
     def ours_fn() -> None:
         out["ours"] = generate_all(ours, [prompt], cfg)[0].token_ids
-
-    def row_major_fn() -> None:
-        out["ours, row-major weights"] = generate_all(row_major, [prompt], cfg)[0].token_ids
 
     def hf_generate(name: str, **kwargs: Any) -> Callable[[], None]:
         def fn() -> None:
@@ -846,8 +743,6 @@ def _decode_vs_hf(ours: Any, hf: Any, plan: Plan, progress: Progress) -> dict[st
     hf_fn = hf_generate("hf")
 
     fns = {"ours": ours_fn, "hf": hf_fn}
-    if plan.device.type == "cpu":
-        fns["ours, row-major weights"] = row_major_fn
     if plan.decode_compile:  # `generate --compile`: the static-shape decode step, compiled
         compiled_cfg = dataclasses.replace(cfg, compile=True)
 
@@ -870,13 +765,6 @@ def _decode_vs_hf(ours: Any, hf: Any, plan: Plan, progress: Progress) -> dict[st
         compiled["compiled_equals_eager"] = out["ours +compile"] == out["ours"]
     if "hf +compile" in t:
         compiled["hf_compiled_equals_eager"] = out["hf +compile"] == out["hf"]
-    if "ours, row-major weights" in t:
-        r = t["ours, row-major weights"]
-        compiled |= {
-            "row_major_tokens_per_s": n / statistics.median(r["wall"]),
-            "row_major_speedup": paired_ratio(t["hf"]["wall"], r["wall"]),
-            "row_major_speedup_cpu": paired_ratio(t["hf"]["cpu"], r["cpu"]),
-        }
     return {
         **compiled,
         "arch": ours.config.arch,
@@ -946,44 +834,29 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
     return n
 
 
-MODULE_FORWARD = "module forward"  # a decode variant: every step through Transformer.forward
-
-
 def bench_decode(plan: Plan, progress: Progress) -> dict[str, Any]:
     """Cached greedy decode tokens/s per arch (16-token prompt, no eos stop), round-robin."""
-    from difftrain.infer.device import cpu_inference_layout
     from difftrain.infer.generate import GenerationConfig, generate_all
     from difftrain.infer.sampling import SamplingConfig
-    from difftrain.model.decode import FlatDecoder
 
     shape = plan.step_shapes[0]
     n = plan.decode_tokens
     cfg_gen = GenerationConfig(max_new_tokens=n, sampling=SamplingConfig(greedy=True), stop_at_eos=False)
     fns = {}
-    variants = {a: (a, None, False) for a in ARCHS}
-    if plan.device.type == "cpu":  # what `FlatDecoder` buys: the same steps through the modules
-        variants["diff (module forward)"] = ("diff", MODULE_FORWARD, False)
+    variants = {a: (a, False) for a in ARCHS}
     if plan.decode_compile:  # `generate --compile`
-        variants |= {f"{a} +compile": (a, None, True) for a in ARCHS}
+        variants |= {f"{a} +compile": (a, True) for a in ARCHS}
     models: dict[str, Any] = {}
     tokens: dict[str, list[int]] = {}
-    for name, (arch, strategy, compiled) in variants.items():
+    for name, (arch, compiled) in variants.items():
         cfg = shape.config(arch).replace(max_seq_len=max(shape.seq_len, 16 + n))
         if arch not in models:
             models[arch] = _build(cfg, plan).eval()
-            cpu_inference_layout(models[arch])  # as `difftrain generate` loads a model (a no-op off CPU)
         prompt = torch.randint(0, cfg.vocab_size, (16,), generator=torch.Generator().manual_seed(1)).tolist()
         gen_cfg = dataclasses.replace(cfg_gen, compile=compiled)
 
-        def run(
-            m: Any = models[arch],
-            p: list[int] = prompt,
-            s: str | None = strategy,
-            g: Any = gen_cfg,
-            k: str = name,
-        ) -> None:
-            with diff_strategy(None if s == MODULE_FORWARD else s), FlatDecoder.disabled(s == MODULE_FORWARD):
-                tokens[k] = generate_all(m, [p], g)[0].token_ids
+        def run(m: Any = models[arch], p: list[int] = prompt, g: Any = gen_cfg, k: str = name) -> None:
+            tokens[k] = generate_all(m, [p], g)[0].token_ids
 
         if compiled:
             progress(f"decode: compiling the {arch} decode step")
@@ -996,7 +869,7 @@ def bench_decode(plan: Plan, progress: Progress) -> dict[str, Any]:
         rows.append(
             {
                 "arch": variants[name][0],
-                "compiled": variants[name][2],
+                "compiled": variants[name][1],
                 # how many of the eager arch's tokens this variant reproduces before a difference
                 "agreeing_tokens": _common_prefix(tokens[name], tokens[variants[name][0]]),
                 "variant": name,
@@ -1164,9 +1037,6 @@ SECTION_FUNCS: dict[str, Callable[[Plan, Progress], dict[str, Any]]] = {
 def run_bench(opts: BenchOptions, progress: Progress | None = None) -> dict[str, Any]:
     """Run the sections of `opts` and return the result document (see `validate_result`)."""
     progress = progress or (lambda msg: None)
-    from difftrain.runtime import tune_allocator
-
-    tune_allocator()  # as every difftrain command does: the figures are what a run sees
     if opts.threads:
         torch.set_num_threads(opts.threads)
     plan = make_plan(opts)
@@ -1210,9 +1080,6 @@ def run_bench(opts: BenchOptions, progress: Progress | None = None) -> dict[str,
 def _main(argv: list[str]) -> int:
     """`python -m difftrain.bench --measure-peak SPEC` (the memory section's child process)."""
     if len(argv) == 2 and argv[0] == "--measure-peak":
-        from difftrain.runtime import tune_allocator
-
-        tune_allocator()  # the allocator a `difftrain pretrain` process has
         print(json.dumps(measure_training_peak(json.loads(argv[1]))))
         return 0
     print("usage: difftrain bench (this module's entry point only serves --measure-peak)", file=sys.stderr)

@@ -32,39 +32,30 @@ counts it on the GPU (the worst case).
 
 D = d_model, F = ffn_hidden, H = n_heads, Hkv = n_kv_heads, d = head_dim. These are the bytes of
 the tensors autograd saves, found by reading the code and checked by `saved_activation_bytes`
-(tests compare both on every arch × precision × kernel). The MLP and norms cost, per layer:
+(tests compare both on every arch × precision). The MLP and norms cost, per layer:
 
     32-true     (6D + 4F + 2) · 4          (block input, 2 × RMSNorm (x, x̂, out), 4 MLP tensors)
     bf16-mixed  26D + 8F + 8               (fp32 residual and norm statistics, bf16 matmul inputs:
                                             autocast casts the norm output once per projection)
     bf16-true   16D + 8F + 8
 
-as CUDA runs them. CPU training keeps 4D bytes less per fp32 RMSNorm (32-true and bf16-mixed):
-`_RMSNormCPU` saves x̂ and the statistics, not its input as well, so 8D less per layer, 4D less
-outside the layers, and in 32-true the diff layer's subln 4·H·d less. With the fused CPU kernels
-(`model/ckernels.py`, compiled on first use unless DIFFTRAIN_CPU_KERNELS=off) fp32 CPU training
-also keeps 4F less per layer: SwiGLU keeps gate and up, not silu(gate).
-
-and attention adds (the diff kernel differs by device: `blocked_math` or `flash_cpu` on CPU, `padded` on CUDA):
+and attention adds (the core `auto` runs: `sdpa` on CPU, `flex` on CUDA):
 
                           32-true (× 4 bytes)            bf16 (mixed and true)
     baseline              2Hd + 2Hkv·d + H                4Hd + 4Hkv·d + 4H
-    diff (flash_cpu)      6Hd + 2Hkv·d + 1.5H             14Hd + 4Hkv·d + 6H
-    diff (blocked_math)   4Hd + 2Hkv·d + 0.5H + H·T′      (fp32 only: CPU picks it while maps are
-                                                           small; T′ = the keys a query block sees,
-                                                           on average: 5T/8 with 4 blocks,
-                                                           9T/16 with 8)
-    diff (padded)         7Hd + 3Hkv·d + 1.5H             16Hd + 6Hkv·d + 6H
+    diff (sdpa)           7Hd + 3Hkv·d + 1.5H             16Hd + 6Hkv·d + 6H
+    diff (flex)           6Hd + 2Hkv·d + 1.5H             14Hd + 4Hkv·d + 6H
     diff2                 5Hd + 2Hkv·d + 3H               10Hd + 4Hkv·d + 14H (+2D mixed)
 
-(q, k, v, the kernel's output and log-sum-exp; diff adds its second map's output and subln's
-tensors; padding q/k to 2d doubles them when they are saved padded; diff2 has 2H query heads and
-its gate.) bf16-mixed also keeps a bf16 copy of every projection weight (2 bytes per matmul
+(q, k, v, the core's output and log-sum-exp; diff adds its second map's output and subln's
+tensors; `sdpa` saves diff's q and k zero-padded to 2d, `flex` saves them d wide — the flex row
+is derived, not measured: torch has no flex backward on CPU; diff2 has 2H query heads and its
+gate.) bf16-mixed also keeps a bf16 copy of every projection weight (2 bytes per matmul
 parameter) until the backward pass. `attn_impl: eager` materialises the maps: + 4·H·T bytes per
 token and layer for baseline, 6·H·T for diff, 12·H·T for diff2 (fp32 maps), approximately.
 
 Outside the layers, per token: the final norm and the rotary tables, (12D + 8d + 20) bytes in
-32-true, (10D + 8d + 20) in bf16-mixed, (8D + 4d + 20) in bf16-true; with the chunked loss 8
+32-true, (10D + 4d + 20) in bf16-mixed, (8D + 4d + 20) in bf16-true; with the chunked loss 8
 bytes less (the targets are not kept; its ∂h takes the place of the output layer's saved input)
 plus its ∂W (V·D, 4 bytes per element in 32-true, else 2), and without it the log-softmax
 output, 4V bytes per token. With activation checkpointing a layer keeps only its input (4D bytes per token; 2D in
@@ -85,14 +76,13 @@ for (`check_plannable`).
 
 The peak is the larger of the backward pass (weights, optimizer state, saved activations, and
 either the gradients already accumulated plus the loss's buffers at its start (the chunked
-loss: ∂h and ∂W scaled, or one chunk's logits and their exponentials in its forward if larger —
-the logits alone with the fused CPU kernel, which makes the gradient in place; else two fp32
-(B·T, V) buffers) or, later, a checkpointed layer being rebuilt with its gradient buffers next to the
+loss: ∂h and ∂W scaled, or one chunk's logits and their exponentials in its forward if larger;
+else two fp32 (B·T, V) buffers) or, later, a checkpointed layer being rebuilt with its gradient buffers next to the
 parameter gradients) and the optimizer step (weights, gradients, state, and the fused/foreach AdamW temporaries,
 ≈ one fp32 copy of the parameters). Gradients count in full when micro-batches accumulate
 (accumulate > 1), else only the output layer's. On CUDA the device also holds the CUDA context
 (≈ 0.5 GiB, not in `torch.cuda.max_memory_allocated`) and the caching allocator rounds and
-fragments (×1.10); on CPU the process itself (Python, torch, Lightning and the kernels loaded on
+fragments (×1.10); on CPU the process itself (Python, torch, Lightning and the libraries loaded on
 first use, ≈ 0.9 GiB) and glibc's free blocks (×1.25). The estimates are for eager execution:
 torch.compile fuses and recomputes, and usually saves less.
 
@@ -119,7 +109,7 @@ from difftrain.model.config import ModelConfig
 KiB, MiB, GiB = 2**10, 2**20, 2**30
 CUDA_CONTEXT_BYTES = GiB // 2
 CUDA_ALLOCATOR_FACTOR = 1.10
-CPU_PROCESS_BYTES = 900 * MiB  # Python + torch + Lightning (≈ 600 MiB) + kernels loaded on first use
+CPU_PROCESS_BYTES = 900 * MiB  # Python + torch + Lightning (≈ 600 MiB) + libraries loaded on first use
 CPU_ALLOCATOR_FACTOR = 1.25  # glibc keeps freed blocks: the resident set exceeds the live tensors
 BNB_MIN_8BIT_SIZE = 4096
 BNB_BLOCK = 256
@@ -286,40 +276,28 @@ def _dtype_family(precision: str) -> str:
 
 
 def diff_kernel(device_type: str, attn_impl: str = "auto") -> str:
-    """Which diff core a device runs: `flash_cpu` on CPU (and for flex), `padded` on CUDA."""
-    if attn_impl == "flex" or device_type == "cpu":
-        return "flash_cpu"
-    return "padded"
+    """The attention core training runs on a device type (`model.kernels.resolve_impl`'s table):
+    `flex` on CUDA for auto and flex, else `sdpa` (eager keeps its maps on top of sdpa's row)."""
+    return "flex" if device_type == "cuda" and attn_impl in ("auto", "flex") else "sdpa"
 
 
-def attention_bytes_per_token(
-    config: ModelConfig, precision: str, kernel: str = "flash_cpu", seq_len: int = 0, device_type: str = "cpu"
-) -> float:
-    """Bytes autograd saves per token in one layer's attention (sdpa/flash; see the table)."""
+def attention_bytes_per_token(config: ModelConfig, precision: str, kernel: str = "sdpa") -> float:
+    """Bytes autograd saves per token in one layer's attention (see the table)."""
     H, d, kv = config.n_heads, config.head_dim, config.n_kv_heads
     assert d is not None and kv is not None
     Hd, Kd = H * d, kv * d
     fam = _dtype_family(precision)
     arch = config.arch
-    if arch == "diff" and kernel == "blocked_math":
-        # the scaled query blocks, k, v, subln's input, normalised input, output and statistics,
-        # and both softmaxes of every query block against the keys it sees (fp32 only)
-        from difftrain.model.kernels import query_blocks
-
-        seen = sum((t1 - t0) * t1 for t0, t1 in query_blocks(seq_len)) / max(seq_len, 1)
-        return 4 * (4 * Hd + 2 * Kd + 0.5 * H + H * seen - (Hd if device_type == "cpu" else 0))
     if fam == "fp32":
         elems = {
             "baseline": 2 * Hd + 2 * Kd + H,
-            "diff": (6 * Hd + 2 * Kd + 1.5 * H) if kernel == "flash_cpu" else (7 * Hd + 3 * Kd + 1.5 * H),
+            "diff": (6 * Hd + 2 * Kd + 1.5 * H) if kernel == "flex" else (7 * Hd + 3 * Kd + 1.5 * H),
             "diff2": 5 * Hd + 2 * Kd + 3 * H,
         }[arch]
-        if arch == "diff" and device_type == "cpu":  # subln keeps x̂, not its input (`_RMSNormCPU`)
-            elems -= Hd
         return 4 * elems
     out = {
         "baseline": 4 * Hd + 4 * Kd + 4 * H,
-        "diff": (14 * Hd + 4 * Kd + 6 * H) if kernel == "flash_cpu" else (16 * Hd + 6 * Kd + 6 * H),
+        "diff": (14 * Hd + 4 * Kd + 6 * H) if kernel == "flex" else (16 * Hd + 6 * Kd + 6 * H),
         "diff2": 10 * Hd + 4 * Kd + 14 * H + (2 * config.d_model if fam == "mixed" else 0),
     }[arch]
     return float(out)
@@ -332,43 +310,15 @@ def eager_maps_bytes_per_token(config: ModelConfig, seq_len: int) -> float:
 
 
 def layer_bytes_per_token(
-    config: ModelConfig,
-    precision: str,
-    kernel: str = "flash_cpu",
-    seq_len: int = 0,
-    attn_impl: str = "auto",
-    device_type: str = "cpu",
+    config: ModelConfig, precision: str, kernel: str = "sdpa", seq_len: int = 0, attn_impl: str = "auto"
 ) -> float:
     """Bytes saved per token by one decoder layer (norms, MLP, attention)."""
     D, F = config.d_model, config.ffn_hidden
     assert F is not None
     fam = _dtype_family(precision)
     common = {"fp32": (6 * D + 4 * F + 2) * 4, "mixed": 26 * D + 8 * F + 8, "true": 16 * D + 8 * F + 8}[fam]
-    common -= _cpu_norm_saving(D, fam, device_type) * 2 + _cpu_mlp_saving(F, fam, device_type)
     extra = eager_maps_bytes_per_token(config, seq_len) if attn_impl == "eager" else 0.0
-    return common + attention_bytes_per_token(config, precision, kernel, seq_len, device_type) + extra
-
-
-def _cpu_norm_saving(D: int, fam: str, device_type: str) -> int:
-    """Bytes per token one fp32 RMSNorm saves less in CPU training: `_RMSNormCPU` keeps x̂ and its
-    statistics, not its input x as well (fp32 and bf16-mixed, whose residual stream is fp32)."""
-    return 4 * D if device_type == "cpu" and fam in ("fp32", "mixed") else 0
-
-
-def _cpu_kernels(fam: str, device_type: str) -> bool:
-    """Whether fp32 CPU training runs the fused CPU kernels (`model/ckernels.py`: compiled here
-    on first use; not with DIFFTRAIN_CPU_KERNELS=off or without a C compiler)."""
-    if device_type != "cpu" or fam != "fp32":
-        return False
-    from difftrain.model import ckernels
-
-    return ckernels.library() is not None
-
-
-def _cpu_mlp_saving(F: int, fam: str, device_type: str) -> int:
-    """Bytes per token the fp32 CPU SwiGLU saves less when the fused CPU kernels run it: gate and
-    up, not silu(gate) as well."""
-    return 4 * F if _cpu_kernels(fam, device_type) else 0
+    return common + attention_bytes_per_token(config, precision, kernel) + extra
 
 
 # LoRA dropout: the projections that read one tensor (the attention's input, ...), by name
@@ -436,17 +386,14 @@ def lora_dropout_bytes_per_token(
     return out
 
 
-def outside_bytes_per_token(
-    config: ModelConfig, precision: str, fused_loss: bool = True, device_type: str = "cpu"
-) -> float:
+def outside_bytes_per_token(config: ModelConfig, precision: str, fused_loss: bool = True) -> float:
     """Per token outside the layers: final norm, rotary tables, ids/targets, and the loss's saved
     tensors: the chunked loss's input gradient (in place of the output layer's saved input, the
     same bytes), or the targets and the log-softmax output (4V)."""
     D, d, V = config.d_model, config.head_dim, config.vocab_size
     assert d is not None and isinstance(V, int)
     fam = _dtype_family(precision)
-    norm = {"fp32": 12 * D + 8 * d, "mixed": 10 * D + 8 * d, "true": 8 * D + 4 * d}[fam]
-    norm -= _cpu_norm_saving(D, fam, device_type)
+    norm = {"fp32": 12 * D + 8 * d, "mixed": 10 * D + 4 * d, "true": 8 * D + 4 * d}[fam]
     if fused_loss:  # ∂h replaces the output layer's saved input; the targets are not kept
         return norm + 12
     return norm + 20 + 4 * V
@@ -481,7 +428,7 @@ def activations(
     seq_len: int,
     precision: str,
     checkpointing: bool,
-    kernel: str = "flash_cpu",
+    kernel: str = "sdpa",
     attn_impl: str = "auto",
     fused_loss: bool = True,
     device_type: str = "cpu",
@@ -489,22 +436,11 @@ def activations(
 ) -> Activations:
     """Activation memory of one micro-batch of `micro_batch_size` × `seq_len` tokens.
 
-    kernel `flash_cpu` stands for what CPU training runs: at shapes where `cpu_diff_core` picks
-    the materialised maps, their formula is used.
-
     fused_loss: the loss is computed in chunks with the output layer (what training does;
     `model/loss.py`), else from materialised logits (a LoRA-adapted or quantised output layer)."""
     N = micro_batch_size * seq_len
     L = config.n_layers
-    if kernel == "flash_cpu" and config.arch == "diff" and attn_impl != "eager":
-        import torch
-
-        from difftrain.model.kernels import cpu_diff_core
-
-        dtype = torch.float32 if _dtype_family(precision) == "fp32" else torch.bfloat16
-        assert config.head_dim is not None
-        kernel = cpu_diff_core(micro_batch_size, config.n_heads, seq_len, seq_len, dtype)
-    per_layer = N * layer_bytes_per_token(config, precision, kernel, seq_len, attn_impl, device_type)
+    per_layer = N * layer_bytes_per_token(config, precision, kernel, seq_len, attn_impl)
     fam = _dtype_family(precision)
     if checkpointing:
         layers = N * L * config.d_model * (2 if fam == "true" else 4)
@@ -524,7 +460,7 @@ def activations(
         copies = outside + (0.0 if checkpointing else in_layers)
         if checkpointing:
             recompute += in_layers / L
-    outside = N * outside_bytes_per_token(config, precision, fused_loss, device_type)
+    outside = N * outside_bytes_per_token(config, precision, fused_loss)
     if lora_dropout is not None:
         extra = lora_dropout_bytes_per_token(lora_dropout, precision, device_type)
         outside += N * extra.pop(None, 0.0)
@@ -730,8 +666,7 @@ def plan_memory(
         if _dtype_family(s.precision) == "mixed":
             scaled += (N + V) * D * 4
         rows = min(N, chunk_rows(V))
-        # the fused CPU kernel turns the logits into the gradient in place: one buffer, not two
-        per_logit = 4 if _cpu_kernels(_dtype_family(s.precision), target.kind) else 8 + (hb if hb != 4 else 0)
+        per_logit = 8 + (hb if hb != 4 else 0)
         chunk = rows * V * per_logit + (V * D * 4 if hb != 4 else 0)
         loss_buffers = float(max(scaled, chunk))
     else:

@@ -51,15 +51,3 @@ def metaspace_tokenizer():
     tk.decoder = tokenizers.decoders.Metaspace()
     tk.add_special_tokens(["<unk>", "</s>", "<s>"])
     return Tokenizer(tk)
-
-
-@pytest.fixture()
-def cpu_kernels_off(monkeypatch):
-    """Training runs torch's operations, not the fused CPU kernels (model/ckernels.py): for tests
-    of those operations' exact bits."""
-    from difftrain.model import ckernels
-
-    monkeypatch.setenv(ckernels.ENV, "off")
-    ckernels.forget()
-    yield
-    ckernels.forget()

@@ -109,9 +109,8 @@ def build(arch: str, n_kv: int) -> Transformer:
 
 def run_module(attn, x: torch.Tensor, impl: str) -> torch.Tensor:
     from difftrain.model.attention import AttnOptions
-    from difftrain.model.rope import rope_tables
 
-    return attn(x, rope_tables(*cos_sin(B, T, d)), AttnMask(T, T), None, AttnOptions(impl)).out
+    return attn(x, cos_sin(B, T, d), AttnMask(T, T), None, AttnOptions(impl)).out
 
 
 def assert_rel_close(actual: torch.Tensor, expected: torch.Tensor, rtol: float = 1e-5) -> None:
@@ -159,15 +158,15 @@ def test_diff_lambda_is_the_layer_scalar_of_the_paper():
         + 0.8
         - 0.6 * math.exp(-0.6)
     )
-    assert attn.lam().dtype == torch.float32
-    assert torch.allclose(attn.lam(), expected)
+    assert attn.lam(None).dtype == torch.float32
+    assert torch.allclose(attn.lam(None), expected)
 
 
 def test_rope_matches_hf_llama_rotate_half():
     transformers = pytest.importorskip("transformers")
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
 
-    from difftrain.model.rope import RotaryEmbedding, apply_rotary, rotate
+    from difftrain.model.rope import RotaryEmbedding, apply_rotary
 
     hf_cfg = transformers.LlamaConfig(hidden_size=64, num_attention_heads=4, rope_theta=500.0)
     hf = LlamaRotaryEmbedding(hf_cfg)
@@ -175,15 +174,32 @@ def test_rope_matches_hf_llama_rotate_half():
     pos = torch.tensor([[0, 1, 2, 7, 100], [3, 4, 5, 6, 1000]])
     q, k = torch.randn(2, 4, 5, 16), torch.randn(2, 2, 5, 16)
     cos_hf, sin_hf = hf(q, pos)
-    cos, sin = ours(pos, q.dtype)
+    cos, sin = ours(pos)
     assert torch.equal(cos, cos_hf) and torch.equal(sin, sin_hf)
     q_hf, k_hf = apply_rotary_pos_emb(q, k, cos_hf, sin_hf)
     assert torch.equal(apply_rotary(q, cos, sin), q_hf)
     assert torch.equal(apply_rotary(k, cos, sin), k_hf)
-    # what the model runs: the same bits in four operations
-    tables = ours.tables(pos, q.dtype)
-    assert torch.equal(rotate(q, tables), q_hf)
-    assert torch.equal(rotate(k, tables), k_hf)
+
+
+def test_under_bf16_autocast_the_core_receives_q_and_k_in_bf16(monkeypatch):
+    """The fp32 RoPE tables are cast to the heads' dtype: rotating must not promote q and k back
+    to fp32 (which the core would then run in, or cast again)."""
+    from difftrain.model import kernels
+
+    seen = []
+
+    def recording(q, k, v, mask):
+        seen.append((q.dtype, k.dtype, v.dtype))
+        return torch.zeros(*q.shape[:-1], v.shape[-1], dtype=v.dtype)
+
+    monkeypatch.setattr(kernels, "attend_sdpa", recording)
+    for arch in ("baseline", "diff", "diff2"):
+        model = build(arch, 2)
+        model.attn_impl = "sdpa"
+        seen.clear()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            model(torch.randint(0, 11, (B, T)))
+        assert seen and set(seen) == {(torch.bfloat16,) * 3}, arch
 
 
 def test_rope_frequencies_stay_fp32_when_the_model_is_cast():

@@ -82,7 +82,7 @@ def test_sampled_tokens_with_cache_equal_those_without(arch):
 @pytest.mark.parametrize("n_kv_heads", [None, 2], ids=["mha", "gqa"])
 @pytest.mark.parametrize("arch", ARCHS)
 def test_static_decode_step_equals_the_cached_forward_on_a_left_padded_batch(arch, n_kv_heads):
-    # decode_step (what --compile runs) attends over every slot of the cache through a mask; the
+    # static steps (what --compile runs) attend over every slot of the cache through a mask; the
     # cached forward over exactly the used slots. Same logits, step after step, for rows whose
     # prompts have different lengths (left padding) -- run eagerly, so the mask and slot logic
     # are tested without a compiler.
@@ -94,14 +94,12 @@ def test_static_decode_step_equals_the_cached_forward_on_a_left_padded_batch(arc
         ref, static = model.new_cache(3, max_len=P + 8), model.new_cache(3, max_len=P + 8)
         a = model(ids, cache=ref, key_padding_mask=pad).logits[:, -1]
         b = model(ids, cache=static, key_padding_mask=pad).logits[:, -1]
-        slot = torch.tensor(P)
+        static.start_static()
         for _ in range(8):
             nxt = a.argmax(-1)[:, None]
             a = model(nxt, cache=ref).logits[:, -1]
-            b = model.decode_step(nxt, static, slot)
-            static.length += 1
-            static.next_position += 1
-            slot += 1
+            b = model(nxt, cache=static).logits[:, -1]
+            static.static_step_done()
             torch.testing.assert_close(b, a, atol=2e-5, rtol=1e-5)
         assert static.length == ref.length == static.max_len
         for k1, k2 in zip(ref.keys + ref.values, static.keys + static.values, strict=True):
@@ -114,9 +112,9 @@ def test_compiled_generation_gives_the_eager_tokens_and_reuses_its_compiled_step
     eager = [c.token_ids for c in generate_all(model, PROMPTS, greedy_cfg)]
     compiled_cfg = GenerationConfig(**{**greedy_cfg.__dict__, "compile": True})
     assert [c.token_ids for c in generate_all(model, PROMPTS, compiled_cfg)] == eager
-    step = model.__dict__["_compiled_decode_step"]
+    step = model.__dict__["_compiled_forward"]
     assert [c.token_ids for c in generate_all(model, PROMPTS[:1], compiled_cfg)] == eager[:1]
-    assert model.__dict__["_compiled_decode_step"] is step
+    assert model.__dict__["_compiled_forward"] is step
 
 
 def test_compile_without_the_cache_is_refused():

@@ -15,7 +15,6 @@ from difftrain.data.config import TokenizerTrainConfig
 from difftrain.data.tokenizer import train_tokenizer
 from difftrain.errors import DataError
 from difftrain.model import ModelConfig, Transformer
-from difftrain.model.decode import FlatDecoder
 from difftrain.rundir import save_weights
 
 TEXTS = ["def fibonacci(n):\n    return n if n < 2 else fibonacci(n - 1)\n"] * 10 + [
@@ -222,7 +221,6 @@ def test_interactive_ctrl_c_interrupts_a_generation_without_quitting(run_dir, ca
 
     monkeypatch.setattr(builtins, "input", fake_input)
     monkeypatch.setattr(Transformer, "forward", interrupting_forward)
-    monkeypatch.setattr(FlatDecoder, "build", classmethod(lambda cls, m: None))  # every step via forward
     code, out, err = gen(capsys, run_dir, "--interactive", "-n", 4, "--seed", 0)
     assert code == 0
     assert "interrupted" in err
@@ -516,7 +514,6 @@ def test_chat_renders_the_conversation_streams_replies_until_end_and_resets(tmp_
         return x
 
     monkeypatch.setattr(Transformer, "forward", scripted_forward)
-    monkeypatch.setattr(FlatDecoder, "build", classmethod(lambda cls, m: None))  # every step via forward
     monkeypatch.setattr(builtins, "input", fake_input)
     code, out, err = gen_chat(capsys, run, "--system", "be brief", "--seed", 0)
     assert code == 0, err
@@ -622,7 +619,6 @@ def test_ctrl_c_during_a_generation_exits_130_with_one_line(run_dir, capsys, mon
         return forward(self, *a, **kw)
 
     monkeypatch.setattr(Transformer, "forward", interrupted_forward)
-    monkeypatch.setattr(FlatDecoder, "build", classmethod(lambda cls, m: None))  # every step via forward
     code, _, err = gen(capsys, run_dir, "--prompt", "def", "-n", 50, "--seed", 0)
     assert code == 130
     assert err.strip().splitlines()[-1] == "error: interrupted (Ctrl-C)"
@@ -648,7 +644,6 @@ def test_sigterm_during_an_interactive_generation_ends_the_command(run_dir, caps
     prompts = iter(["def", "class"])
     monkeypatch.setattr(builtins, "input", lambda prompt="": next(prompts))
     monkeypatch.setattr(Transformer, "forward", terminated_forward)
-    monkeypatch.setattr(FlatDecoder, "build", classmethod(lambda cls, m: None))  # every step via forward
     code, _, err = gen(capsys, run_dir, "--interactive", "-n", 20, "--seed", 0)
     assert code == 143 and err.strip().splitlines()[-1] == "error: interrupted (SIGTERM)"
     assert next(prompts) == "class"  # the REPL did not read another prompt

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from difftrain.model import ModelConfig, Transformer, ckernels
+from difftrain.model import ModelConfig, Transformer
 from difftrain.model.loss import chunk_rows, linear_cross_entropy
 
 
@@ -17,20 +17,8 @@ def _reference(h, w, t):
     return total / (flat != -100).sum().clamp(min=1)
 
 
-@pytest.fixture(params=["cpu-kernel", "torch-ops"])
-def path(request, monkeypatch):
-    """Each chunk's loss and gradient by the fused CPU kernel (model/ckernels.py) or by torch's
-    operations (DIFFTRAIN_CPU_KERNELS=off)."""
-    if request.param == "torch-ops":
-        monkeypatch.setenv(ckernels.ENV, "off")
-    ckernels.forget()
-    assert (ckernels.library() is not None) == (request.param == "cpu-kernel"), ckernels.status()
-    yield request.param
-    ckernels.forget()
-
-
 @pytest.mark.parametrize("rows", [1, 7, 64, 1000])
-def test_matches_cross_entropy_values_and_gradients(rows, path):
+def test_matches_cross_entropy_values_and_gradients(rows):
     g = torch.Generator().manual_seed(0)
     h = torch.randn(3, 21, 16, generator=g, requires_grad=True)
     w = torch.randn(50, 16, generator=g, requires_grad=True)
@@ -47,7 +35,7 @@ def test_matches_cross_entropy_values_and_gradients(rows, path):
     torch.testing.assert_close(fw, gw, rtol=1e-5, atol=1e-6)
 
 
-def test_all_ignored_is_zero_with_zero_gradients(path):
+def test_all_ignored_is_zero_with_zero_gradients():
     h = torch.randn(4, 8, requires_grad=True)
     w = torch.randn(10, 8, requires_grad=True)
     loss = linear_cross_entropy(h, w, torch.full((4,), -100))
@@ -56,7 +44,7 @@ def test_all_ignored_is_zero_with_zero_gradients(path):
     assert h.grad.abs().max() == 0 and w.grad.abs().max() == 0
 
 
-def test_frozen_head_and_no_grad(path):
+def test_frozen_head_and_no_grad():
     h = torch.randn(6, 8, requires_grad=True)
     w = torch.randn(10, 8)  # frozen (e.g. LoRA fine-tuning without the head)
     t = torch.randint(0, 10, (6,))

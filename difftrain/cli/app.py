@@ -63,17 +63,6 @@ def _root(
     debug: bool = typer.Option(False, "--debug", help="Show full tracebacks for errors."),
 ) -> None:
     """difftrain — Differential Transformer training toolkit."""
-    from difftrain.runtime import cpu_kernels_setting, tune_allocator
-
-    tune_allocator()  # large CPU buffers are reused instead of page-faulted in every step
-    cpu_kernels_setting()  # a bad DIFFTRAIN_CPU_KERNELS fails here, before any work
-    if "DIFFTRAIN_CPU_GEMM" in os.environ:  # a bad setting fails here, before any work
-        from difftrain.runtime import cpu_gemm_setting
-
-        if cpu_gemm_setting() == "onednn":  # (a typo: without torch; onednn: only torch can tell)
-            from difftrain.model.gemm import configured_backend
-
-            configured_backend()
 
 
 def unwrap_help(doc: str) -> str:

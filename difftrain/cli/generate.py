@@ -672,14 +672,13 @@ def _check_compile(compile: bool, device: str) -> None:
 
 
 def _load(run_dir: Path, device: str, dtype: str) -> tuple[Any, float]:
-    from difftrain.infer.device import cpu_inference_layout, resolve_device, resolve_dtype
+    from difftrain.infer.device import resolve_device, resolve_dtype
     from difftrain.rundir import load_run
 
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
     t0 = time.perf_counter()
     run = load_run(run_dir, device=dev, dtype=dt)
-    cpu_inference_layout(run.model)
     return run, time.perf_counter() - t0
 
 

@@ -64,47 +64,6 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return dtype
 
 
-def cpu_inference_layout(model: torch.nn.Module) -> int:
-    """Store every fp32 linear weight of a CPU model column-major (its transpose contiguous), and
-    run the projections that share an input (q/k/v, gate/up) as one product.
-
-    Generating one token is almost all matrix-vector products, and the CPU BLAS reads a
-    column-major weight faster there: `benchmarks/decode.py` and `difftrain bench --only hf`
-    measure decode 1.2-1.3× faster with it (AMD EPYC, MKL, one thread), while products over
-    many rows (prefill, evaluation windows) take the same time in either layout. q/k/v and
-    gate/up become row blocks of one matrix each (`model.fused`): fewer, larger products read the
-    same bytes faster (29 → 17 products per token at the quickstart shape). The values are
-    unchanged (results equal up to float rounding: another summation order). A tied embedding
-    is re-laid with its output layer; a lookup reads a strided row, which costs nothing next to
-    a product. Inference only (`generate`, `eval` apply it after loading): gradients of a
-    re-laid weight would follow its layout, and the fused products run only without gradients.
-    Returns how many weights were re-laid; 0 off CPU, for other dtypes, or when already done.
-    """
-    from difftrain.model.attention import QKV, RMSNorm
-    from difftrain.model.fused import fuse_linears
-    from difftrain.model.transformer import GATE_UP
-
-    done: set[int] = set()
-    with torch.no_grad():
-        for module in model.modules():
-            for names in (QKV, GATE_UP):
-                if fuse_linears(module, names):
-                    done.update(id(getattr(module, n).weight) for n in names)
-        for module in model.modules():
-            if isinstance(module, RMSNorm) and module.weight.device.type == "cpu":
-                module.cpu_inference = True  # one layer_norm kernel instead of F.rms_norm's dozen ops
-            w = getattr(module, "weight", None)
-            if not (isinstance(module, torch.nn.Linear) and isinstance(w, torch.nn.Parameter)):
-                continue
-            if id(w) in done or w.device.type != "cpu" or w.dtype != torch.float32 or w.dim() != 2:
-                continue
-            if not w.is_contiguous():  # already column-major (or some other view): leave it
-                continue
-            w.data = w.data.t().contiguous().t()
-            done.add(id(w))
-    return len(done)
-
-
 def require_compiler(device: torch.device, option: str = "--compile") -> None:
     """DeviceError unless torch.compile can build kernels for `device`: on CPU inductor compiles
     C++ (it needs a compiler: $CXX, g++, clang++ or c++ on PATH), on CUDA it needs Triton.

@@ -12,15 +12,10 @@ masked out of attention (`key_padding_mask`) and every sequence gets its own RoP
     prefill:  logits = model(ids (B, P), cache, key_padding_mask)[:, −1]   (fills the KV cache)
     decode:   v_t ~ sampler(logits);  logits = model(v_t (B, 1), cache)[:, −1]
 
-On the CPU, for a model laid out by `infer.device.cpu_inference_layout` (as `generate`, `chat`
-and `eval` load one), the decode steps run `model.decode.FlatDecoder`: the same step as flat
-tensor operations, without the module calls (a quarter less time per token at the quickstart
-shape); a model with hooks, a logit transform or replaced layers keeps the forward.
-
-With `compile=True` the decode steps run `Transformer.decode_step` under torch.compile: the same
-math with shapes fixed for the whole generation (attention over every cache slot, masked), so
-one compiled graph serves every token. The first generation pays for the compilation (seconds
-to tens of seconds); on CPU it decodes about 1.1× faster than the flat eager step (README).
+With `compile=True` the decode steps run the model's forward under torch.compile over a static
+KV cache (`KVCache.start_static`: attention over every cache slot, masked), so the shapes are
+fixed for the whole generation and one compiled graph serves every token. The first generation
+pays for the compilation (seconds to tens of seconds).
 
 With `use_cache=False` every step instead recomputes the whole sequence (prompt + generated
 so far) without a cache: O(n²) work, the reference the cached path is tested against.
@@ -54,7 +49,6 @@ from torch import Tensor
 from difftrain.errors import DataError
 from difftrain.infer.sampling import Sampler
 from difftrain.infer.settings import GenerationConfig, SamplingConfig
-from difftrain.model.decode import FlatDecoder
 
 FinishReason = Literal["eos", "stop", "length", "context"]
 
@@ -196,71 +190,57 @@ class _Text:
 
 # ----- the two forward paths -------------------------------------------------------------------
 class _CachedForward:
-    """Prefill once into a preallocated KV cache, then feed one token per step: on the CPU, for a
-    model laid out by `cpu_inference_layout`, by `FlatDecoder` (the same step without module
-    calls), else by the model's forward."""
-
-    flat_steps = True
+    """Prefill once into a preallocated KV cache, then feed one token per step."""
 
     def __init__(self, model: torch.nn.Module, ids: Tensor, mask: Tensor | None, capacity: int) -> None:
         self.model, self.ids, self.mask = model, ids, mask
         self.cache = model.new_cache(ids.shape[0], max_len=capacity)  # type: ignore[operator]
-        self.flat = FlatDecoder.build(model) if self.flat_steps else None
 
     def prefill(self) -> Tensor:
         out = self.model(self.ids, cache=self.cache, key_padding_mask=self.mask)
         return out.logits[:, -1].float()
 
     def step(self, next_ids: Tensor) -> Tensor:
-        if self.flat is not None and self.flat.accepts(self.cache):
-            return self.flat(next_ids, self.cache).float()
         return self.model(next_ids[:, None], cache=self.cache).logits[:, -1].float()
 
 
 class _CompiledForward(_CachedForward):
-    """`_CachedForward` whose decode steps run the model's compiled `decode_step` (static shapes:
-    every step attends over the whole cache, masked, so one compiled graph serves every token).
-    The prefill runs eagerly: it happens once per generation and its length varies."""
-
-    flat_steps = False
+    """`_CachedForward` whose decode steps run the compiled forward over a static cache (the
+    same modules, with shapes that do not change from token to token). The prefill runs eagerly:
+    it happens once per generation and its length varies."""
 
     def __init__(self, model: torch.nn.Module, ids: Tensor, mask: Tensor | None, capacity: int) -> None:
         super().__init__(model, ids, mask, capacity)
-        self.decode = compiled_decode_step(model)
-        self.slot = torch.zeros((), dtype=torch.long, device=ids.device)
+        self.decode = compiled_forward(model)
         self.graphs = ids.device.type == "cuda"
-        if self.graphs:  # what the CUDA graph reads and writes stays at one address for the run
-            c = self.cache
-            for t in (*c.keys, *c.values, c.key_padding_mask, c.next_position, self.slot):
-                torch._dynamo.mark_static_address(t)
 
     def prefill(self) -> Tensor:
         logits = super().prefill()
-        self.slot.fill_(self.cache.length)
+        c = self.cache
+        c.start_static()
+        if self.graphs:  # what the CUDA graph reads and writes stays at one address for the run
+            for t in (*c.keys, *c.values, c.key_padding_mask, c.next_position, c.slot):
+                torch._dynamo.mark_static_address(t)
         return logits
 
     def step(self, next_ids: Tensor) -> Tensor:
-        cache = self.cache
         if self.graphs:  # the previous step's outputs have been read: the graph may reuse them
             torch.compiler.cudagraph_mark_step_begin()
-        logits = self.decode(next_ids[:, None], cache, self.slot).float()
-        cache.length += 1
-        cache.next_position += 1
-        self.slot += 1
+        logits = self.decode(next_ids[:, None], cache=self.cache).logits[:, -1].float()
+        self.cache.static_step_done()
         return logits
 
 
-def compiled_decode_step(model: torch.nn.Module) -> Callable[[Tensor, object, Tensor], Tensor]:
-    """`torch.compile(model.decode_step)`, made once per model and kept on it (later generations
-    reuse the compiled code; a new batch size or cache length compiles once more, then runs with
-    symbolic sizes). On CUDA in mode "reduce-overhead": the step is replayed as a CUDA graph, one
-    launch per token instead of hundreds of small kernels (not yet measured on a GPU: see
-    `benchmarks/gpu_check.sh bench`)."""
-    fn = model.__dict__.get("_compiled_decode_step")
+def compiled_forward(model: torch.nn.Module) -> Callable[..., object]:
+    """`torch.compile(model.forward)` for static decode steps, made once per model and kept on it
+    (later generations reuse the compiled code; a new batch size or cache length compiles once
+    more, then runs with symbolic sizes). On CUDA in mode "reduce-overhead": the step is replayed
+    as a CUDA graph, one launch per token instead of hundreds of small kernels."""
+    fn = model.__dict__.get("_compiled_forward")
     if fn is None:
         cuda = model.lm_head.weight.device.type == "cuda"  # type: ignore[union-attr]
-        fn = torch.compile(model.decode_step, mode="reduce-overhead" if cuda else None)  # type: ignore[operator]
-        model.__dict__["_compiled_decode_step"] = fn
+        fn = torch.compile(model.forward, mode="reduce-overhead" if cuda else None)
+        model.__dict__["_compiled_forward"] = fn
     return fn
 
 

@@ -128,12 +128,11 @@ class ModelConfig(BaseModel):
     attn_impl: AttnImpl = Field(
         "auto",
         description=(
-            "Attention kernel. `eager`: explicit softmax maps (slowest; what the probes use). `sdpa`: "
-            "torch scaled_dot_product_attention (flash / memory-efficient kernels on GPU). `flex`: "
-            "torch flex attention under torch.compile (compiles on first use; no backward on CPU; KV-cache "
-            "decoding uses sdpa). "
-            "`auto`: sdpa on every device (the fastest measured without compile warm-up). All give the "
-            "same result to float rounding."
+            "Attention core. `eager`: explicit softmax maps (slowest; what the probes use). `sdpa`: "
+            "torch scaled_dot_product_attention (fused kernels on CPU and GPU). `flex`: torch flex "
+            "attention under torch.compile (compiles on first use; no backward on CPU; masks other than "
+            "the plain causal one, as in KV-cache decoding, run sdpa). `auto`: flex on CUDA GPUs of "
+            "compute capability 8.0 and newer, sdpa elsewhere. All give the same result to float rounding."
         ),
     )
     init_std: float = Field(

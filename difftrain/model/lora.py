@@ -34,7 +34,6 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from difftrain.errors import ConfigError
-from difftrain.model.gemm import linear
 
 NF4_BLOCKSIZE = 64
 
@@ -58,7 +57,7 @@ class LoRALinear(nn.Module):
         nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5))  # as nn.Linear (and peft) do
 
     def forward(self, x: Tensor) -> Tensor:
-        y = linear(self.base, x)  # the frozen product by oneDNN where it runs (model/gemm.py)
+        y = self.base(x)
         h = F.linear(self.dropout(x).to(self.lora_A.dtype), self.lora_A)
         return y + (F.linear(h, self.lora_B) * self.scaling).to(y.dtype)
 

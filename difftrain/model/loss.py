@@ -8,9 +8,7 @@ to the chunk's logits (softmax − one-hot), which it multiplies into ∂h and a
 Backward only scales those two by the incoming gradient. The result equals
 `F.cross_entropy(h @ Wᵀ, targets, reduction="sum")` and its gradients up to float rounding
 (tests/test_loss.py). It saves memory, not time: on CPU at V = 4096 the training step takes the
-same time within noise (`difftrain bench`, train_step). For fp32 on the CPU, each chunk's loss and
-gradient come from one fused kernel (`model/ckernels.py`) where torch runs log_softmax, exp,
-gather and scatter.
+same time within noise.
 """
 
 from __future__ import annotations
@@ -19,9 +17,6 @@ import contextlib
 
 import torch
 from torch import Tensor
-
-from difftrain.model import ckernels, gemm
-from difftrain.model.gemm import mm
 
 IGNORE_INDEX = -100
 CHUNK_ELEMENTS = 1 << 22
@@ -44,44 +39,22 @@ class _LinearCrossEntropy(torch.autograd.Function):
         total = torch.zeros((), dtype=torch.float32, device=h.device)
         dh = torch.empty_like(h) if need_h else None
         dw = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
-        # oneDNN's products (model/gemm.py) have no out= form: with them ∂h's rows are copied into
-        # dh and each chunk's ∂W is added to dw in a pass of its own; torch's BLAS writes both in place
-        dnn = gemm.uses_onednn(h, weight) and gemm.large_enough(min(rows, N), *weight.shape[::-1])
-        # fp32 CPU: the fused cross-entropy kernel (model/ckernels.py)
-        fused = ckernels.usable(h, weight) and targets.dtype == torch.int64
         for a in range(0, N, rows):
             hc, tc = h[a : a + rows], targets[a : a + rows]
-            z = mm(hc, weight.t()).float()  # (n, V) logits of this chunk, fp32 statistics
-            if fused and z.is_contiguous():  # one kernel, the gradient in place (model/ckernels.py)
-                total += ckernels.cross_entropy_rows(z, tc, IGNORE_INDEX, need_h or need_w).sum()
-                if not (need_h or need_w):
-                    continue
-                g = z
-            else:
-                valid = tc != IGNORE_INDEX
-                safe = torch.where(valid, tc, 0)[:, None]
-                # one log_softmax kernel, in place of logsumexp (max, subtract, exp, sum, log) and
-                # the subtraction and exp of the gradient below: 6.9 → 4.7 ms per 1024 × 4096 chunk
-                logp = torch.log_softmax(z, dim=-1)
-                del z
-                total -= (logp.gather(1, safe).squeeze(1) * valid).sum()
-                if not (need_h or need_w):
-                    continue
-                # ∂(Σ CE)/∂z = softmax(z) − onehot(t) on valid rows, 0 on ignored ones; in place
-                g = logp.exp_()
-                g.scatter_add_(1, safe, torch.full(safe.shape, -1.0, dtype=g.dtype, device=g.device))
-                # skipped where every target counts, checked on the CPU outside torch.compile only
-                # (on a GPU the check would synchronise; under compile it would break the graph)
-                if g.device.type != "cpu" or torch.compiler.is_compiling() or not bool(valid.all()):
-                    g.mul_(valid[:, None])
-                g = g.to(h.dtype)
-            if dh is not None and dnn:
-                dh[a : a + rows] = mm(g, weight)
-            elif dh is not None:
+            valid = tc != IGNORE_INDEX
+            safe = torch.where(valid, tc, 0)[:, None]
+            # one log_softmax kernel serves the loss and, exponentiated in place, the gradient
+            logp = torch.log_softmax((hc @ weight.t()).float(), dim=-1)  # (n, V), fp32 statistics
+            total -= (logp.gather(1, safe).squeeze(1) * valid).sum()
+            if not (need_h or need_w):
+                continue
+            # ∂(Σ CE)/∂z = softmax(z) − onehot(t) on valid rows, 0 on ignored ones; in place
+            g = logp.exp_()
+            g.scatter_add_(1, safe, torch.full(safe.shape, -1.0, dtype=g.dtype, device=g.device))
+            g = g.mul_(valid[:, None]).to(h.dtype)
+            if dh is not None:
                 torch.mm(g, weight, out=dh[a : a + rows])
-            if dw is not None and dnn:
-                dw.add_(gemm.weight_grad(g, hc))
-            elif dw is not None and dw.dtype == g.dtype:
+            if dw is not None and dw.dtype == g.dtype:
                 dw.addmm_(g.t(), hc)
             elif dw is not None:  # half-precision matmul, fp32 accumulation across chunks
                 dw.add_(g.t() @ hc)

@@ -4,6 +4,9 @@
     for each block:  h = h + self_attn(input_layernorm(h));  h = h + mlp(post_attention_layernorm(h))
     logits = lm_head(norm(h))
 
+One forward pass serves training, evaluation and generation: with a `KVCache` the same modules
+append each chunk's keys and values and attend over everything cached.
+
 State-dict keys follow HF Llama (`model.embed_tokens.weight`, `model.layers.{i}.self_attn.q_proj.weight`,
 ..., `model.norm.weight`, `lm_head.weight`). With `tie_embeddings`, `lm_head.weight` *is*
 `model.embed_tokens.weight` (one tensor); safetensors refuses shared tensors, so savers write
@@ -24,7 +27,6 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from difftrain.errors import CheckpointError, ConfigError
-from difftrain.model import gemm
 from difftrain.model.attention import (
     ATTENTION_CLASSES,
     AttnLogitTransform,
@@ -33,11 +35,9 @@ from difftrain.model.attention import (
     RMSNorm,
 )
 from difftrain.model.config import ModelConfig
-from difftrain.model.fused import fused_outputs
-from difftrain.model.gemm import gated_up, linear
 from difftrain.model.kernels import AttnMask, resolve_impl
 from difftrain.model.loss import IGNORE_INDEX, linear_cross_entropy
-from difftrain.model.rope import RopeTables, RotaryEmbedding
+from difftrain.model.rope import RotaryEmbedding
 
 
 @dataclass
@@ -60,17 +60,19 @@ class LMOutput:
 
 
 class KVCache:
-    """Preallocated keys and values for incremental decoding (use under `torch.no_grad()`).
+    """Preallocated keys and values for incremental decoding (use without gradients).
 
     Per layer: keys (B, Hkv, max_len, d); values (B, Hkv, max_len, d), or for `diff`
-    (B, Hkv/2, max_len, 2d) -- the 2d-wide value heads the differential core reads (the key
-    buffer holds both halves, key heads 2g and 2g+1). Buffers never change shape; a forward on a
-    chunk of T tokens writes slots [length, length+T), attends over slots [0, length+T), then
-    advances `length`.
+    (B, Hkv/2, max_len, 2d), the 2d-wide value heads the differential core reads. Buffers never
+    change shape; a forward on a chunk of T tokens writes slots [length, length+T), attends over
+    slots [0, length+T), then advances `length`. `key_padding_mask` (B, max_len) remembers which
+    slots are real tokens (left-padded prompts) and `next_position` (B,) each sequence's next
+    RoPE position, so decode steps need only the new token ids.
 
-    `key_padding_mask` (B, max_len) remembers which slots are real tokens (for left-padded
-    prompts) and `next_position` (B,) each sequence's next RoPE position, so decode steps need
-    only the new token ids.
+    Static steps (`start_static`, for a compiled decode step): one token per sequence is written at
+    `slot` (a 0-d tensor) and attention runs over all max_len slots, masked to the real tokens up
+    to the slot, so the shapes never change and one compiled graph serves every token. The forward
+    then reads only tensors; the caller advances with `static_step_done`.
     """
 
     def __init__(self, keys: list[Tensor], values: list[Tensor]) -> None:
@@ -81,8 +83,7 @@ class KVCache:
         self.next_position = torch.zeros(B, dtype=torch.long, device=device)
         self.length = 0
         self.padded = False  # any slot marked as padding since the last reset
-        self._rope: dict[tuple[torch.dtype, torch.device], tuple[Tensor, Tensor]] = {}
-        self.slot_positions = True  # positions come from the slots (no explicit ones since the reset)
+        self.slot: Tensor | None = None  # set by `start_static`
 
     @property
     def batch_size(self) -> int:
@@ -102,52 +103,58 @@ class KVCache:
 
     def reset(self) -> None:
         """Forget all tokens (buffers are reused)."""
-        self.length = 0
-        self.padded = False
-        self.slot_positions = True
+        self.length, self.padded, self.slot = 0, False, None
         self.key_padding_mask.fill_(True)
         self.next_position.zero_()
 
-    def rope_tables(self, rotary: RotaryEmbedding, positions: Tensor, dtype: torch.dtype) -> RopeTables:
-        """`rotary.tables(positions, dtype)` for positions < max_len (true while `slot_positions`:
-        a token's position counts the real tokens before its slot), gathered from the tables of
-        positions 0 … max_len − 1, computed once per cache (the same elementwise formula): a
-        decode step would otherwise spend a dozen small operations on the angles of one token."""
-        key = (dtype, positions.device)
-        if key not in self._rope:
-            every = rotary.tables(torch.arange(self.max_len, device=positions.device)[None], dtype)
-            self._rope[key] = (every.cos[0, 0], every.signed_sin[0, 0])  # (max_len, d) each
-        cos, signed_sin = self._rope[key]
-        return RopeTables(cos[positions].unsqueeze(1), signed_sin[positions].unsqueeze(1))
+    def start_static(self) -> None:
+        """From now on each forward is one static step at slot `length` (see the class docstring)."""
+        self.slot = torch.tensor(self.length, device=self.next_position.device)
+
+    def static_step_done(self) -> None:
+        """Advance past the token a static step wrote."""
+        assert self.slot is not None
+        self.length += 1
+        self.next_position += 1
+        self.slot += 1
+
+    def prepare(
+        self, T: int, key_padding_mask: Tensor | None, positions: Tensor | None
+    ) -> tuple[AttnMask, Tensor]:
+        """The mask and RoPE positions (B, T) of a chunk of T tokens appended to the cache."""
+        device = self.next_position.device
+        if self.slot is not None:
+            if T != 1 or key_padding_mask is not None or positions is not None:
+                raise ValueError("a static KV cache takes one token per sequence per step, nothing else")
+            allowed = self.key_padding_mask & (torch.arange(self.max_len, device=device) <= self.slot)
+            return AttnMask(1, self.max_len, allowed=allowed[:, None, None, :]), self.next_position[:, None]
+        self.require_room(T)
+        offset, S = self.length, self.length + T
+        if key_padding_mask is not None:
+            self.key_padding_mask[:, :S] = key_padding_mask
+            self.padded = self.padded or not bool(key_padding_mask.all())
+            if positions is None:
+                positions = (key_padding_mask.long().cumsum(1) - 1).clamp(min=0)[:, offset:]
+        else:
+            self.key_padding_mask[:, offset:S] = True
+            if positions is None:
+                positions = self.next_position[:, None] + torch.arange(T, device=device)
+        self.next_position.copy_(positions[:, -1] + 1)
+        kpm = self.key_padding_mask[:, :S] if self.padded else None
+        return AttnMask(T, S, offset, kpm), positions
 
     def update(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        """Write this chunk's k, v at [length, length+T) and return slots [0, length+T)."""
-        start, end = self.length, self.length + k.shape[2]
-        self.keys[layer][:, :, start:end] = k
-        self.values[layer][:, :, start:end] = v
-        keys, values = self.keys[layer][:, :, :end], self.values[layer][:, :, :end]
-        if keys.dtype != k.dtype or values.dtype != v.dtype:
-            keys, values = keys.to(k.dtype), values.to(v.dtype)
-        return keys, values
-
-
-class _SlotWriter:
-    """What the attention layers of `Transformer.decode_step` see as the cache: each layer's
-    keys and values are written at one slot (a (1,) tensor), and the whole buffers returned."""
-
-    def __init__(self, cache: KVCache, slot: Tensor) -> None:
-        self.cache, self.slot = cache, slot
-
-    def update(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        keys, values = self.cache.keys[layer], self.cache.values[layer]
-        keys.index_copy_(2, self.slot, k.to(keys.dtype))
-        values.index_copy_(2, self.slot, v.to(values.dtype))
-        if keys.dtype != k.dtype or values.dtype != v.dtype:
-            return keys.to(k.dtype), values.to(v.dtype)
-        return keys, values
-
-
-GATE_UP = ("gate_proj", "up_proj")  # the projections `fused_outputs` may run as one
+        """Write this chunk's k, v and return the slots attention reads, in k's and v's dtype."""
+        keys, values = self.keys[layer], self.values[layer]
+        if self.slot is not None:
+            keys.index_copy_(2, self.slot.view(1), k.to(keys.dtype))
+            values.index_copy_(2, self.slot.view(1), v.to(values.dtype))
+        else:
+            start, end = self.length, self.length + k.shape[2]
+            keys[:, :, start:end] = k
+            values[:, :, start:end] = v
+            keys, values = keys[:, :, :end], values[:, :, :end]
+        return keys.to(k.dtype), values.to(v.dtype)
 
 
 class MLP(nn.Module):
@@ -161,10 +168,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(config.ffn_hidden, config.d_model, bias=False)
 
     def forward(self, x: Tensor) -> Tensor:
-        gate_up = fused_outputs(self, GATE_UP, x)  # one product when fused for CPU inference
-        if gate_up is not None:
-            return linear(self.down_proj, F.silu(gate_up[0]) * gate_up[1])
-        return linear(self.down_proj, gated_up(self.gate_proj, self.up_proj, x))
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class Block(nn.Module):
@@ -180,12 +184,13 @@ class Block(nn.Module):
     def forward(
         self,
         x: Tensor,
-        rope: RopeTables,
+        cos: Tensor,
+        sin: Tensor,
         mask: AttnMask,
         cache: KVCache | None = None,
         opts: AttnOptions = AttnOptions(),
     ) -> tuple[Tensor, Tensor | None, Tensor | None]:
-        r = self.self_attn(self.input_layernorm(x), rope, mask, cache, opts)
+        r = self.self_attn(self.input_layernorm(x), (cos, sin), mask, cache, opts)
         x = x + r.out
         x = x + self.mlp(self.post_attention_layernorm(x))
         return x, r.maps, r.logits
@@ -204,7 +209,7 @@ class DecoderModel(nn.Module):
 
 
 class Transformer(nn.Module):
-    """Decoder-only LM for arch baseline | diff | diff2 (see README, "The models").
+    """Decoder-only LM for arch baseline | diff | diff2 (docs/models.md).
 
     `attn_impl` (initialised from the config) may be changed on the instance at any time.
     """
@@ -218,7 +223,6 @@ class Transformer(nn.Module):
             )
         self.config = config
         self.attn_impl: str = config.attn_impl
-        gemm.configured_backend()  # the CPU product backend, resolved now: not first under torch.compile
         self.model = DecoderModel(config)
         self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
         if config.tie_embeddings:
@@ -251,7 +255,7 @@ class Transformer(nn.Module):
         """Apply fn(scores, layer_idx) to every layer's scaled attention scores before softmax.
 
         scores are (B, query heads, T, S) fp32 with −inf at masked positions (the mask is applied
-        again afterwards). Setting a transform forces the eager core. `None` removes it.
+        again afterwards). Setting a transform runs the eager core. `None` removes it.
         """
         self._logit_transform = fn
 
@@ -303,74 +307,55 @@ class Transformer(nn.Module):
             with a cache it is remembered, so later chunks may omit it.
         positions: (B, T) RoPE positions. Default: from the padding mask (count of real tokens
             before each slot), else the cache's next positions, else 0 … T−1.
-        output_attentions: return per-layer effective maps and logits (forces the eager core).
-        return_logits: False (with targets) lets the loss be computed fused with the LM head in
-            chunks (`model/loss.py`): the logits are never materialised and `logits` is None.
-            Training passes False; the loss is the same up to float rounding.
+        output_attentions: return per-layer effective maps and logits (runs the eager core).
+        return_logits: False (with targets) computes the loss fused with the LM head in chunks
+            (`model/loss.py`): the logits are never materialised and `logits` is None.
         """
         B, T = input_ids.shape
-        offset = 0 if cache is None else cache.length
-        S = offset + T
         device = input_ids.device
-        if cache is not None:
-            cache.require_room(T)
         if key_padding_mask is not None:
             key_padding_mask = key_padding_mask.to(device=device, dtype=torch.bool)
+            S = T if cache is None else cache.length + T
             if tuple(key_padding_mask.shape) != (B, S):
                 raise ValueError(
                     f"key_padding_mask has shape {tuple(key_padding_mask.shape)}, expected (B, S) = ({B}, {S})"
                 )
-        given_positions = positions is not None
         if positions is not None:
             positions = positions.to(device)
-        else:
-            if key_padding_mask is not None:
-                positions = (key_padding_mask.long().cumsum(1) - 1).clamp(min=0)[:, offset:]
-            elif cache is not None:
-                positions = cache.next_position[:, None] + torch.arange(T, device=device)
-            else:
-                positions = torch.arange(T, device=device)[None].expand(B, T)
         if cache is not None:
-            if key_padding_mask is not None:
-                cache.key_padding_mask[:, :S] = key_padding_mask
-                cache.padded = cache.padded or not bool(key_padding_mask.all())
-            else:
-                cache.key_padding_mask[:, offset:S] = True
-            key_padding_mask = cache.key_padding_mask[:, :S] if cache.padded else None
-            cache.next_position.copy_(positions[:, -1] + 1)
-        mask = AttnMask(T, S, offset, key_padding_mask)
-
-        impl = resolve_impl(self.attn_impl, device)
-        if impl == "flex" and cache is not None:
-            impl = "sdpa"  # every decode step has a new key length: flex would recompile each time
-        opts = AttnOptions(impl, output_attentions, self._logit_transform)
-        h = self.model.embed_tokens(input_ids)
-        if cache is not None and given_positions:
-            cache.slot_positions = False  # its next positions follow these, not the slots
-        if cache is not None and cache.slot_positions:  # every position is below max_len
-            rope = cache.rope_tables(self.model.rotary_emb, positions, h.dtype)
+            mask, positions = cache.prepare(T, key_padding_mask, positions)
         else:
-            rope = self.model.rotary_emb.tables(positions, h.dtype)
+            mask = AttnMask(T, T, 0, key_padding_mask)
+            if positions is None and key_padding_mask is not None:
+                positions = (key_padding_mask.long().cumsum(1) - 1).clamp(min=0)
+            elif positions is None:
+                positions = torch.arange(T, device=device)[None].expand(B, T)
+        opts = AttnOptions(
+            resolve_impl(self.attn_impl, device, mask), output_attentions, self._logit_transform
+        )
+        h = self.model.embed_tokens(input_ids)
+        # the tables in the dtype q and k will have (autocast's, else the model's): cast once here
+        dt = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else h.dtype
+        cos, sin = (t.to(dt) for t in self.model.rotary_emb(positions))
         maps, logits_per_layer, hidden = [], [], []
         ckpt = self._checkpointing and torch.is_grad_enabled() and cache is None and not output_attentions
         for block in self.model.layers:
             if ckpt:
-                # the tables go in as tensors, so that checkpoint keeps them as it keeps h
-                h, a, s = checkpoint(_checkpointed, block, h, *rope, mask, opts, use_reentrant=False)
+                h, a, s = checkpoint(block, h, cos, sin, mask, None, opts, use_reentrant=False)
             else:
-                h, a, s = block(h, rope, mask, cache, opts)
+                h, a, s = block(h, cos, sin, mask, cache, opts)
             if output_attentions:
                 maps.append(a)
                 logits_per_layer.append(s)
             if output_hidden_states:
                 hidden.append(h)
-        if cache is not None:
-            cache.length = S
+        if cache is not None and cache.slot is None:
+            cache.length += T
         h = self.model.norm(h)
         if targets is not None and not return_logits and type(self.lm_head) is nn.Linear:
             logits, loss = None, linear_cross_entropy(h, self.lm_head.weight, targets)
         else:
-            logits = linear(self.lm_head, h)
+            logits = self.lm_head(h)
             loss = None if targets is None else lm_loss(logits, targets)
         return LMOutput(
             logits=logits,
@@ -379,31 +364,6 @@ class Transformer(nn.Module):
             attn_logits=tuple(logits_per_layer) if output_attentions else None,
             hidden_states=tuple(hidden) if output_hidden_states else None,
         )
-
-    def decode_step(self, ids: Tensor, cache: KVCache, slot: Tensor) -> Tensor:
-        """Logits (B, V) for one new token per sequence, ids (B, 1), written at KV-cache slot
-        `slot` (a 0-d long tensor on the model's device: the slots already used).
-
-        The shapes do not depend on the position: attention runs over all `cache.max_len` slots,
-        masked to each row's real tokens up to its own slot (`AttnMask.slots`), and the keys and
-        values are written with `index_copy_`. So `torch.compile` traces it once for a whole
-        generation (and CUDA graphs can replay it); `forward` with a cache instead attends over
-        exactly the used slots, which is faster uncompiled. The cache's buffers are updated in
-        place; `cache.length` and `cache.next_position` are not (the caller advances them, one
-        slot per call). Inference only (no gradients).
-        """
-        B = ids.shape[0]
-        positions = cache.next_position[:, None]  # (B, 1)
-        written = torch.arange(cache.max_len, device=ids.device) <= slot
-        mask = AttnMask.slots(cache.key_padding_mask & written)
-        impl = resolve_impl(self.attn_impl, ids.device)
-        opts = AttnOptions("sdpa" if impl == "flex" else impl)  # flex would not reuse its block mask
-        writer = _SlotWriter(cache, slot.view(1))
-        h = self.model.embed_tokens(ids)
-        rope = self.model.rotary_emb.tables(positions, h.dtype)
-        for block in self.model.layers:
-            h = block(h, rope, mask, writer, opts)[0]  # type: ignore[arg-type]
-        return self.lm_head(self.model.norm(h)).view(B, -1)
 
     # ----- state dict -----------------------------------------------------------------------
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False):
@@ -447,12 +407,6 @@ class Transformer(nn.Module):
             {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
             {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
         ]
-
-
-def _checkpointed(
-    block: Block, h: Tensor, cos: Tensor, signed_sin: Tensor, mask: AttnMask, opts: AttnOptions
-) -> tuple[Tensor, Tensor | None, Tensor | None]:
-    return block(h, RopeTables(cos, signed_sin), mask, None, opts)
 
 
 def param_group(name: str) -> str:

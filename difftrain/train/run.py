@@ -645,7 +645,7 @@ def fit(
         "resumed_from": point.step if point else None,
         "warnings": start_warnings(plan, point, warnings),
         "device": _device_name(plan.accelerator, plan.world_size)
-        + _cpu_kernels_note(plan.accelerator, t.precision, t.compile),
+        + f" · attention {attention_core_name(plan.accelerator, lit.model.attn_impl)}",
         **(info or {}),
     }
     if on_start is not None and is_global_zero():
@@ -786,24 +786,14 @@ def _device_name(accelerator: str, world: int = 1) -> str:
     )
 
 
-def cpu_kernels_status(accelerator: str, precision: str, compiled: bool) -> str | None:
-    """For eager CPU training with fp32 tensors (32-true; bf16-mixed's residual stream), what ran
-    its norms, SwiGLU and loss: "compiled" (the fused CPU kernels of `model/ckernels.py`, built
-    here on first use), "off (…)" or "unavailable (why)"; None where they do not apply (CUDA,
-    bf16-true, and torch.compile, where the compiler fuses instead)."""
-    if accelerator != "cpu" or precision not in ("32-true", "bf16-mixed") or compiled:
-        return None
-    from difftrain.model import ckernels
+def attention_core_name(accelerator: str, attn_impl: str) -> str:
+    """The attention core training runs for `attn_impl` (`model.kernels.resolve_impl`'s table)."""
+    import torch
 
-    return ckernels.status()
+    from difftrain.model.kernels import resolve_impl
 
-
-def _cpu_kernels_note(accelerator: str, precision: str, compiled: bool) -> str:
-    """The device row's note on the fused CPU kernels (`cpu_kernels_status`)."""
-    status = cpu_kernels_status(accelerator, precision, compiled)
-    if status is None:
-        return ""
-    return " · fused CPU kernels" if status == "compiled" else f" · fused CPU kernels {status}"
+    core = resolve_impl(attn_impl, torch.device(accelerator))
+    return core if attn_impl == core else f"{core} ({attn_impl})"
 
 
 def _summary(
@@ -849,7 +839,7 @@ def _summary(
         "precision": r.train.precision,
         "optimizer": r.optim.name,
         "device": _device_name(plan.accelerator, plan.world_size),
-        "cpu_kernels": cpu_kernels_status(plan.accelerator, r.train.precision, r.train.compile),
+        "attention": attention_core_name(plan.accelerator, lit.model.attn_impl),
         "devices": plan.world_size,
         "torch": torch.__version__,
     }
