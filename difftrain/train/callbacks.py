@@ -272,11 +272,7 @@ class RunCallback(L.Callback):
     def on_train_batch_end(
         self, trainer: L.Trainer, pl_module: Any, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        if not getattr(pl_module, "stepped", False):
-            if pl_module._micro == 0:  # (a skipped step's end: every process is here)
-                self._agree_on_stop(trainer)
-                if self._stop_signal is not None:
-                    self._stop(trainer, pl_module)
+        if not getattr(pl_module, "stepped", False):  # a micro-batch before the step's last
             return
         self._agree_on_stop(trainer)
         step = trainer.global_step
