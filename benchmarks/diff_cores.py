@@ -6,8 +6,9 @@ the value slice i of width 2d:
     A1 = softmax(q_{2i} k_{2i}ᵀ / √d + causal),  A2 = softmax(q_{2i+1} k_{2i+1}ᵀ / √d + causal)
     out_i = (A1 − λ·A2) V_i
 
-q: (B, H, T, d); k: (B, n_kv, T, d); v: (B, n_kv/2, T, 2d) (GQA: n_kv divides H); λ: a 0-dim
-tensor; out: (B, H/2, T, 2d). The package's `flex` core computes QKᵀ over d and the values over
+q: (B, H, T, d); k: (B, n_kv, T, d); v: (B, n_kv/2, T, 2d); λ: a 0-dim tensor; out:
+(B, H/2, T, 2d). Under GQA (n_rep = H / n_kv) differential head i reads key heads 2g and 2g+1 and
+value head g, g = i // n_rep, as the package's core does. The package's `flex` core computes QKᵀ over d and the values over
 2d. torch's flash kernel wants one head width for q, k and v, which these two candidates meet at
 a cost:
 
@@ -28,9 +29,11 @@ from torch import Tensor
 
 
 def _per_query_head(k: Tensor, v: Tensor, n_heads: int) -> tuple[Tensor, Tensor]:
-    """k and v repeated so that query head h sees its key head and its differential head's V."""
-    group = n_heads // k.shape[1]
-    return k.repeat_interleave(group, dim=1), v.repeat_interleave(2 * group, dim=1)
+    """k and v repeated so that query head h = 2i + c sees key head 2g + c and value head g."""
+    B, n_kv, S, d = k.shape
+    n_rep = n_heads // n_kv
+    pairs = k.view(B, n_kv // 2, 2, S, d).repeat_interleave(n_rep, dim=1).reshape(B, n_heads, S, d)
+    return pairs, v.repeat_interleave(n_rep, dim=1).repeat_interleave(2, dim=1)
 
 
 def _combine(o: Tensor, lam: Tensor) -> Tensor:

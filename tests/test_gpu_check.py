@@ -148,12 +148,14 @@ def test_the_candidate_diff_cores_equal_eager(n_kv):
     for name, fn in cores.CANDIDATES.items():
         for a, b in zip(run(fn), ref, strict=True):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=name)
-    # the reference itself, written out for one differential head: (A1 − λ·A2)·V
+    # the reference itself, written out for differential head 1: (A1 − λ·A2)·V, its maps from
+    # query heads 2 and 3 and key heads 2g and 2g+1, its values from head g (g = 1 // n_rep)
     q, k, v, lam = inputs
+    g = 1 // (H // n_kv)
     mask = torch.ones(T, T, dtype=torch.bool).tril()
-    a1 = (q[0, 0] @ k[0, 0].T / d**0.5).masked_fill(~mask, -torch.inf).softmax(-1)
-    a2 = (q[0, 1] @ k[0, 1 // (H // n_kv)].T / d**0.5).masked_fill(~mask, -torch.inf).softmax(-1)
-    torch.testing.assert_close(ref[0][0, 0], (a1 - lam * a2) @ v[0, 0], rtol=1e-5, atol=1e-5)
+    a1 = (q[0, 2] @ k[0, 2 * g].T / d**0.5).masked_fill(~mask, -torch.inf).softmax(-1)
+    a2 = (q[0, 3] @ k[0, 2 * g + 1].T / d**0.5).masked_fill(~mask, -torch.inf).softmax(-1)
+    torch.testing.assert_close(ref[0][0, 1], (a1 - lam * a2) @ v[0, g], rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.slow
