@@ -158,8 +158,8 @@ def test_diff_lambda_is_the_layer_scalar_of_the_paper():
         + 0.8
         - 0.6 * math.exp(-0.6)
     )
-    assert attn.lam(None).dtype == torch.float32
-    assert torch.allclose(attn.lam(None), expected)
+    assert attn.lam().dtype == torch.float32
+    assert torch.allclose(attn.lam(), expected)
 
 
 def test_rope_matches_hf_llama_rotate_half():

@@ -142,7 +142,7 @@ def test_output_attentions_returns_effective_maps_and_masked_logits(arch):
     if arch == "baseline":
         expected = torch.ones_like(rows)
     elif arch == "diff":
-        expected = (1 - attn.lam(None)).expand_as(rows)
+        expected = (1 - attn.lam()).expand_as(rows)
     else:
         h = model.model.layers[1].input_layernorm(
             out.hidden_states[0] if out.hidden_states else _h0(model, x)

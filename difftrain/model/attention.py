@@ -90,7 +90,7 @@ class Attention(nn.Module):
             fn, layer = opts.logit_transform, self.layer_idx
             transform = lambda s: fn(s, layer)  # noqa: E731
         r = attention_core(
-            self.arch, q, k, v, self.lam(x), mask, opts.impl,
+            self.arch, q, k, v, self.second_map_weight(x), mask, opts.impl,
             return_maps=opts.output_attentions, transform=transform,
         )  # fmt: skip
         out = self.head_outputs(r.out).transpose(1, 2).reshape(B, T, -1)
@@ -100,8 +100,8 @@ class Attention(nn.Module):
         """V (B, T, Hkv, d) → the value heads the core reads, (B, heads, T, width)."""
         return v.transpose(1, 2)
 
-    def lam(self, x: Tensor) -> Tensor | None:
-        """The arch's λ (none for the baseline)."""
+    def second_map_weight(self, x: Tensor) -> Tensor | None:
+        """The arch's λ, which weighs the second map (none for the baseline)."""
         return None
 
     def head_outputs(self, out: Tensor) -> Tensor:
@@ -144,8 +144,11 @@ class DiffAttention(Attention):
         B, T, _, d = v.shape
         return v.reshape(B, T, self.n_kv // 2, 2 * d).transpose(1, 2)
 
-    def lam(self, x: Tensor | None = None) -> Tensor:
-        """The layer's scalar λ, a 0-d fp32 tensor (it does not depend on x)."""
+    def second_map_weight(self, x: Tensor) -> Tensor:
+        return self.lam()
+
+    def lam(self) -> Tensor:
+        """The layer's scalar λ, a 0-d fp32 tensor."""
         l1 = torch.exp(torch.dot(self.lambda_q1.float(), self.lambda_k1.float()))
         l2 = torch.exp(torch.dot(self.lambda_q2.float(), self.lambda_k2.float()))
         return l1 - l2 + self.lambda_init
@@ -168,7 +171,7 @@ class Diff2Attention(Attention):
         super().__init__(config, layer_idx)
         self.lambda_proj = nn.Linear(config.d_model, config.n_heads, bias=False)
 
-    def lam(self, x: Tensor) -> Tensor:
+    def second_map_weight(self, x: Tensor) -> Tensor:
         """λ (B, H, T), one per token and output head."""
         return self.lambda_proj(x).transpose(1, 2)
 
