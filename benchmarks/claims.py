@@ -278,7 +278,8 @@ def build_claims(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
         }
     if any("attention" in r for r in runs.get("quickstart", [])):
         claims["attention share on the answer"] = {
-            "unit": "share of attention on the answer span vs the rest during retrieval",
+            "unit": "share of attention on the answer span vs the rest during retrieval (the diff map is "
+            "signed, its rows sum to 1 − λ: its shares can fall outside [0, 1])",
             "format": ".3f",
             "rows": claim_rows(
                 runs, PAIRS["quickstart"], lambda r, n: _dig(r, "attention", n), ["answer share"], True
@@ -329,6 +330,14 @@ def markdown(doc: dict[str, Any]) -> str:
             lines.append(
                 f"| {label(r['name'])} | {fmt(r['diff'], spec)} | {fmt(r['baseline'], spec)} | {delta} | {r['reading']} |"
             )
+        judged = [r for r in claim["rows"] if r["exceeds_spread"] is not None]
+        beyond = [r for r in judged if r["exceeds_spread"]]
+        if judged:
+            lines += [
+                "",
+                f"Gap beyond the seed spread in {len(beyond)} of {len(judged)} rows"
+                + (f" ({', '.join(label(r['name']) for r in beyond)})." if beyond else "."),
+            ]
     if doc.get("plots"):
         lines += ["", "Figures: " + ", ".join(f"[{p}]({p})" for p in doc["plots"])]
     return "\n".join(lines) + "\n"
@@ -460,7 +469,7 @@ def main(argv: list[str] | None = None) -> int:
             + f"; {args.jobs} trainings at a time"
             + (", one thread each." if args.jobs > 1 else ".")
             + (
-                f" Trained by an earlier invocation (same command) and reused: {', '.join(sorted(args.reused))}."
+                f" Trained (same recipe and steps) by an earlier invocation and reused: {', '.join(sorted(args.reused))}."
                 if args.reused
                 else ""
             )
