@@ -26,7 +26,7 @@ other jobs it is the steadier of the two. Read ratios, not absolute times.
 Modes: `quick` (tiny shapes, seconds: a smoke test), `default` (the quickstart shape and
 d_model 512 / seq 512; a few minutes on a 2-core CPU), `full` (adds torch.compile, flex
 attention, a longer grid; on CUDA the 124M shapes). The result is a JSON document (schema in
-`validate_result`); `bench_markdown` renders the README's tables from it. Both, the targets and
+`validate_result`); `bench_markdown` renders its tables from it. Both, the targets and
 the options live in `difftrain.bench_report`, which loads no torch.
 """
 

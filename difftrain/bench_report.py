@@ -1,6 +1,6 @@
 """The torch-free half of `difftrain bench`: its options and their checks, and what it makes of a
 result document — the targets met or not (`evaluate_targets`), the schema (`validate_result`),
-the tables (`tables`) and the README's markdown (`bench_markdown`). `difftrain bench` checks its
+the tables (`tables`) and their markdown (`bench_markdown`). `difftrain bench` checks its
 options and `--markdown` renders a result without loading torch; `difftrain.bench` measures.
 """
 
@@ -474,7 +474,7 @@ def describe(result: dict[str, Any]) -> str:
 
 
 def bench_markdown(result: dict[str, Any]) -> str:
-    """The README's performance tables, regenerated from a result document."""
+    """The performance tables as markdown, regenerated from a result document."""
     validate_result(result)
     lines = [f"Measured on {describe(result)}."]
     if result.get("command"):

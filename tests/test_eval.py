@@ -996,7 +996,7 @@ def test_attention_on_a_context_too_short_for_four_needles_probes_one_and_says_s
         ConfigError, match=r"^attention: max_seq_len=\d+ is too short for a needle test with 4"
     ):
         evaluate(short, "attention", EvalOptions(needles=[(4, 1)], samples=1, plot=False))
-    # and so does the command, whose check before the model runs used to refuse the default
+    # and so does the command: its check before the model runs accepts the default
     assert (
         main(["eval", str(path), "--suite", "attention", "--samples", "1", "--depths", "0.5", "--no-plot"])
         == 0

@@ -679,7 +679,7 @@ def test_a_run_name_without_runs_is_refused_before_torch_loads_by_every_command(
 
 
 def test_option_mistakes_and_a_folder_without_a_model_are_refused_before_torch_loads(tmp_path, cli_probe):
-    # each of these used to wait 3-5 s for torch before saying what was wrong
+    # each of these says what is wrong without waiting seconds for torch to load
     run = tmp_path / "runs" / "r"
     run.mkdir(parents=True)
     (run / "model.safetensors").write_bytes(b"")  # the options are refused before it is read

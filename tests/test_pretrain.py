@@ -1320,7 +1320,7 @@ def test_a_runs_damaged_recipe_is_named_as_such_not_as_a_different_run(workspace
     for cut, says in (
         (cut_at_section, "the run's recipe is damaged ("),
         (whole[:200], "invalid YAML: "),
-        ("name: r\n\xff\n", "not UTF-8 text"),  # (was a traceback)
+        ("name: r\n\xff\n", "not UTF-8 text"),  # one line, no traceback
     ):
         saved.write_bytes(cut.encode("latin-1") if "\xff" in cut else cut.encode())
         assert main(["pretrain", str(p), "--resume", "--no-progress"]) == 2

@@ -41,10 +41,10 @@ def bench_command(
     markdown: Path = typer.Option(
         None,
         "--markdown",
-        help="Print the README's tables from an existing JSON result and exit (measures nothing).",
+        help="Print the tables of an existing JSON result as markdown and exit (measures nothing).",
     ),
 ) -> None:
-    """Measure speed and memory in one process, as ratios (see the README).
+    """Measure speed and memory in one process, as ratios (benchmarks/README.md).
 
     Attention cores, training steps, the Lightning overhead, transformers on the same weights,
     optimizers, decoding and the memory planner."""
@@ -113,7 +113,7 @@ def bench_command(
     replaced = " (replacing the earlier result there)" if path.exists() else ""
     atomic_write_json(path, result)
     console.print(
-        f"wrote {path}{replaced} ({result['seconds']:.0f} s); README tables: difftrain bench --markdown {path}"
+        f"wrote {path}{replaced} ({result['seconds']:.0f} s); tables: difftrain bench --markdown {path}"
     )
 
 

@@ -122,7 +122,7 @@ def pretrain_command(
         None, "--progress/--no-progress", help="Show the progress bar (default: logging.progress)."
     ),
 ) -> None:
-    """Train a model from scratch as RECIPE says; writes runs/<name>/ (see the README)."""
+    """Train a model from scratch as RECIPE says; writes runs/<name>/ (docs/run-directory.md)."""
     from difftrain.recipe import load_recipe
 
     r = load_recipe(recipe, overrides or [])

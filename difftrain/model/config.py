@@ -1,6 +1,6 @@
 """ModelConfig: the shape of a baseline / Differential V1 / Differential V2 decoder.
 
-Every field's `description` is its user documentation (`difftrain recipes explain`, the README).
+Every field's `description` is its user documentation (`difftrain recipes explain`, docs/recipes.md).
 Derived fields (`n_kv_heads`, `head_dim`, `ffn_hidden`) default to `None` in the schema and are
 filled in by validation, so a validated config -- and the `config.json` written from it -- is
 fully explicit.
