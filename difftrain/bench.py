@@ -404,7 +404,7 @@ def bench_train_step(plan: Plan, progress: Progress) -> dict[str, Any]:
     """Training-step tokens/s per arch at matched parameters (± torch.compile); MFU on known GPUs."""
     from difftrain.train.callbacks import flops_per_token, peak_flops
 
-    peak = peak_flops(plan.device)
+    peak = peak_flops(plan.device, plan.precision)
     rows: list[dict[str, Any]] = []
     for shape in plan.step_shapes:
         variants: dict[str, tuple[str, bool]] = {a: (a, False) for a in ARCHS}

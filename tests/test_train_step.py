@@ -147,3 +147,15 @@ def test_gradients_reach_the_optimizer_clipped_to_grad_clip(tmp_path):
     recipe = load_recipe(tiny_recipe(tmp_path, steps=3), ["train.grad_clip=0.01"])
     pretrain(recipe, extra_callbacks=[seen])
     assert len(seen.norms) == 3 and all(0 < n <= 0.01 * (1 + 1e-4) for n in seen.norms), seen.norms
+
+
+def test_mfu_peak_comes_from_lightnings_table_which_tells_card_variants_apart(monkeypatch):
+    """An H100 PCIe is not an SXM (756 vs 989 dense bf16 TFLOP/s) and an L4 is not an L40 (121 vs
+    181)."""
+    from difftrain.train.callbacks import peak_flops
+
+    cuda = torch.device("cuda")
+    names = iter(["NVIDIA H100 PCIe", "NVIDIA H100 80GB HBM3", "NVIDIA L4"])
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: next(names))
+    assert [peak_flops(cuda) for _ in range(3)] == [756e12, 989.4e12, 121e12]
+    assert peak_flops(torch.device("cpu")) is None

@@ -30,6 +30,7 @@ from typing import Any
 
 import lightning as L
 import torch
+from lightning.fabric.utilities.throughput import get_available_flops
 
 from difftrain.errors import StopRequested
 from difftrain.io import fsync_dir
@@ -37,33 +38,22 @@ from difftrain.rundir import save_weights
 from difftrain.train.checkpoint import record_checkpoint, remove_checkpoint_path, step_file
 from difftrain.train.distributed import gather_full_weights, is_fsdp
 
-# Peak dense bf16 FLOP/s (no sparsity) for MFU; matched on a substring of the device name.
-PEAK_FLOPS = {
-    "H200": 989e12,
-    "H100": 989e12,
-    "A100": 312e12,
-    "L40S": 362e12,
-    "L4": 121e12,
-    "A10G": 125e12,
-    "A6000": 155e12,
-    "4090": 165e12,
-    "4080": 97e12,
-    "4070": 58e12,
-    "3090": 71e12,
-    "3080": 60e12,
-    "T4": 65e12,
-    "V100": 125e12,
+_COMPUTE_DTYPES = {
+    "bf16-mixed": torch.bfloat16,
+    "bf16-true": torch.bfloat16,
+    "16-mixed": torch.float16,
+    "16-true": torch.float16,
 }
 
 
-def peak_flops(device: torch.device) -> float | None:
+def peak_flops(device: torch.device, precision: str = "bf16-mixed") -> float | None:
+    """Peak dense FLOP/s of a CUDA `device` in the compute dtype of `precision`, for MFU: Lightning's
+    table (`get_available_flops`, which tells an H100 PCIe from an SXM and an L4 from an L40);
+    None off CUDA, and for a GPU it does not know (it warns once)."""
     if device.type != "cuda":
         return None
-    name = torch.cuda.get_device_name(device)
-    for key, flops in PEAK_FLOPS.items():
-        if key in name:
-            return flops
-    return None
+    flops = get_available_flops(device, _COMPUTE_DTYPES.get(precision, torch.float32))
+    return float(flops) if flops else None
 
 
 def flops_per_token(n_params_no_embedding: int, n_layers: int, d_attn: int, seq_len: int) -> float:
@@ -243,7 +233,7 @@ class RunCallback(L.Callback):
         self._window_tokens = pl_module.tokens_seen
         self._logged_step = trainer.global_step
         self.state.saved_step = trainer.global_step if trainer.global_step > 0 else -1
-        self.peak_flops = peak_flops(pl_module.device)
+        self.peak_flops = peak_flops(pl_module.device, str(trainer.precision))
         self._sec_per_step = None
         # A live bar on a terminal; in a log file (or with the bar off) a plain line per log step:
         # rich's bar writes only its last frame where it cannot redraw
