@@ -1,5 +1,5 @@
 """Recipes this machine's devices cannot run, refused with the fix — torch-free, so that where
-torch can see no GPU (`runcheck.no_cuda_here`) a GPU-only option fails in a second, before torch
+torch can see no GPU (`no_cuda_here`) a GPU-only option fails in a second, before torch
 and Lightning load, in the words `train.run.plan_run` uses after they have.
 
 `plan_run` (every start and dry run) calls `check_off_cuda` and `check_strategy` on the recipe
@@ -9,12 +9,25 @@ without CUDA and calls the same two.
 
 from __future__ import annotations
 
+import os
+import sys
 from typing import Any
 
 from difftrain.errors import DeviceError, RecipeError
 from difftrain.recipe import Recipe, resolve_auto
 
 BNB_NAMES = ("adamw8bit", "paged_adamw8bit", "lion8bit")
+
+
+def no_cuda_here() -> bool:
+    """True where torch cannot see a CUDA (or ROCm) GPU whatever it finds: macOS, or Linux
+    without the device files of the NVIDIA, AMD (ROCm) and WSL GPU drivers. False where it may
+    (then only torch can tell)."""
+    if sys.platform == "darwin":
+        return True
+    if sys.platform.startswith("linux"):
+        return not any(os.path.exists(p) for p in ("/dev/nvidiactl", "/dev/nvidia0", "/dev/kfd", "/dev/dxg"))
+    return False
 
 
 def has_tensorboard() -> bool:
@@ -113,8 +126,6 @@ def early_device_check(recipe: Recipe) -> None:
     `plan_run` makes there for a pretraining recipe (a cuda accelerator, fp16, paged 8-bit AdamW,
     FSDP, flex attention). Elsewhere (a GPU driver present, an MPS accelerator) only torch can
     tell, and this decides nothing."""
-    from difftrain.train.runcheck import no_cuda_here
-
     t = recipe.train
     if recipe.finetune is not None or t.accelerator == "mps" or not no_cuda_here():
         return

@@ -12,7 +12,6 @@ from __future__ import annotations
 import fnmatch
 import os
 import shlex
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +19,7 @@ from difftrain.errors import RecipeError, RunDirError
 from difftrain.io import LOCK_FILE, TEMP_GLOB, RunLock
 from difftrain.recipe import Recipe, global_batch, read_yaml, recipe_from_dict, resolve_auto
 from difftrain.rundir import CONFIG, RECIPE, TOKENIZER, holds_run, weights_metadata
+from difftrain.train import devicecheck
 
 # What a run's start writes before its first step: a folder holding only these trained nothing.
 STARTUP_FILES = {RECIPE, CONFIG, TOKENIZER}
@@ -296,21 +296,10 @@ def _has_auto(recipe: Recipe) -> bool:
     return "auto" in (t.precision, t.compile, recipe.optim.name)
 
 
-def no_cuda_here() -> bool:
-    """True where torch cannot see a CUDA (or ROCm) GPU whatever it finds: macOS, or Linux
-    without the device files of the NVIDIA, AMD (ROCm) and WSL GPU drivers. False where it may
-    (then only torch can tell)."""
-    if sys.platform == "darwin":
-        return True
-    if sys.platform.startswith("linux"):
-        return not any(os.path.exists(p) for p in ("/dev/nvidiactl", "/dev/nvidia0", "/dev/kfd", "/dev/dxg"))
-    return False
-
-
 def early_check(recipe: Recipe, *, resume: bool | None, overwrite: bool) -> None:
     """`check_run_dir` for a pretraining recipe before torch loads: the refusals that do not
     depend on the machine (another run there, the run's own command run again, a run in use,
-    --resume with nothing to resume). On a machine without a GPU (`no_cuda_here`) the recipe's
+    --resume with nothing to resume). On a machine without a GPU (`devicecheck.no_cuda_here`) the recipe's
     auto values resolve as `plan_run` resolves them there, and the check is the full one up to
     the checkpoints. Decides nothing else and writes nothing."""
     if recipe.finetune is not None:  # its model and tokenizer come from the base run, read later:
@@ -325,13 +314,11 @@ def early_check(recipe: Recipe, *, resume: bool | None, overwrite: bool) -> None
             ignore=frozenset({"model", "tokenizer"}),
         )
         return
-    from difftrain.train.devicecheck import check_loggers, early_device_check
+    devicecheck.check_loggers(recipe)  # a missing logger package: as `plan_run` refuses it, before torch
 
-    check_loggers(recipe)  # a missing logger package: as `plan_run` refuses it, before torch
-
-    early_device_check(recipe)  # a GPU-only option where there is no GPU: refused first, as later
+    devicecheck.early_device_check(recipe)  # a GPU-only option where there is no GPU: refused first, as later
     t = recipe.train
-    cpu_only = no_cuda_here() and t.accelerator != "cuda"  # (a cuda accelerator is refused later)
+    cpu_only = devicecheck.no_cuda_here() and t.accelerator != "cuda"  # (a cuda accelerator is refused later)
     if cpu_only:
         recipe = resolve_auto(recipe, cuda=False, bf16=False)
     batch = None
