@@ -1081,7 +1081,7 @@ def recipe_settings(recipe: Any, target: Target) -> tuple[ModelConfig, Settings,
 def _finetune_model(r: Any) -> tuple[ModelConfig, str | None]:
     """The model a fine-tune trains: its base run's, or, before that run exists, the model of the
     shipped recipe that writes it (with a note saying so), so a fine-tune can be planned first."""
-    from difftrain.train.finetune import apply_model_keys, base_run_dir, resolve_model
+    from difftrain.rundir import apply_model_keys, base_run_dir, resolve_model
 
     ft = r.finetune
     base = Path(ft.base).expanduser()

@@ -23,14 +23,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from difftrain.errors import CheckpointError, ConfigError, RunDirError
+from difftrain.errors import CheckpointError, ConfigError, RecipeError, RunDirError
 from difftrain.io import RunLock, atomic_save_safetensors
 
 if TYPE_CHECKING:  # torch loads where weights are touched: recipe checks must not wait for it
     import torch
 
     from difftrain.data.tokenizer import Tokenizer
-    from difftrain.recipe import FinetuneConfig
+    from difftrain.model import ModelConfig
+    from difftrain.recipe import FinetuneConfig, Recipe
 
 CONFIG = "config.json"
 WEIGHTS = "model.safetensors"
@@ -38,6 +39,8 @@ TOKENIZER = "tokenizer.json"
 RECIPE = "recipe.yaml"
 SUMMARY = "summary.json"
 METRICS = "metrics.csv"
+CHANGEABLE_MODEL_KEYS = {"attn_impl", "max_seq_len", "init_std", "lambda_std"}
+"""The `model:` keys a fine-tune may set differently from its base run."""
 CHECKPOINTS = "checkpoints"
 ADAPTER_WEIGHTS = "adapter.safetensors"  # a LoRA fine-tune's weights (it has no WEIGHTS)
 ADAPTER_CONFIG = "adapter.json"
@@ -153,6 +156,32 @@ def require_run_dir(path: Path) -> Path:
     if not path.is_dir():
         raise RunDirError(f"{path} is a file, not a run directory")
     return path
+
+
+def resolve_model(recipe: Recipe, base: Path) -> ModelConfig:
+    """The base run's ModelConfig with the recipe's own `model:` keys applied; a key that would
+    change the architecture is a RecipeError."""
+    return apply_model_keys(recipe, load_config(base), f"the base run {base}")
+
+
+def apply_model_keys(recipe: Recipe, base_cfg: ModelConfig, base: str) -> ModelConfig:
+    """`base_cfg` (the model of `base`, as the messages name it) with the recipe's own `model:`
+    keys applied; a key that would change the architecture is a RecipeError."""
+    if recipe.model is None or not recipe.model_keys:
+        return base_cfg
+    updates = {k: getattr(recipe.model, k) for k in recipe.model_keys}
+    if updates.get("vocab_size") == "auto":
+        updates.pop("vocab_size")
+    for k, v in updates.items():
+        if k == "vocab_size" and v > base_cfg.vocab_size and recipe._own_run_dir is not None:
+            continue  # a run's own recipe.yaml: one that grew its vocabulary records the grown size
+        if k not in CHANGEABLE_MODEL_KEYS and v != getattr(base_cfg, k):
+            raise RecipeError(
+                f"model.{k}={v} but {base} has {k}={getattr(base_cfg, k)}: a fine-tune keeps the "
+                f"base's architecture (only {', '.join(sorted(CHANGEABLE_MODEL_KEYS))} may change); remove "
+                f"model.{k} from the recipe"
+            )
+    return base_cfg.replace(**updates)
 
 
 def base_run_dir(ft: FinetuneConfig) -> Path:

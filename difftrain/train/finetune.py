@@ -31,7 +31,7 @@ from difftrain.recipe import (
     require_finetuning,
     resolve_data_format,
 )
-from difftrain.rundir import RECIPE, TOKENIZER, base_run_dir, load_config
+from difftrain.rundir import RECIPE, TOKENIZER, base_run_dir, load_config, resolve_model
 from difftrain.train.run import (
     Plan,
     TrainResult,
@@ -48,8 +48,6 @@ from difftrain.train.run import (
 from difftrain.train.runcheck import check_run_dir
 
 # Model settings a fine-tune may change; everything else must equal the base run's.
-CHANGEABLE_MODEL_KEYS = {"attn_impl", "max_seq_len", "init_std", "lambda_std"}
-
 Segment = tuple[str, bool]
 
 
@@ -137,32 +135,6 @@ class SFTTemplate:
 
 # --------------------------------------------------------------------------------------------
 # resolving a fine-tune recipe against its base run
-
-
-def resolve_model(recipe: Recipe, base: Path) -> Any:
-    """The base run's ModelConfig with the recipe's own `model:` keys applied; a key that would
-    change the architecture is a RecipeError."""
-    return apply_model_keys(recipe, load_config(base), f"the base run {base}")
-
-
-def apply_model_keys(recipe: Recipe, base_cfg: Any, base: str) -> Any:
-    """`base_cfg` (the model of `base`, as the messages name it) with the recipe's own `model:`
-    keys applied; a key that would change the architecture is a RecipeError."""
-    if recipe.model is None or not recipe.model_keys:
-        return base_cfg
-    updates = {k: getattr(recipe.model, k) for k in recipe.model_keys}
-    if updates.get("vocab_size") == "auto":
-        updates.pop("vocab_size")
-    for k, v in updates.items():
-        if k == "vocab_size" and v > base_cfg.vocab_size and recipe._own_run_dir is not None:
-            continue  # a run's own recipe.yaml: one that grew its vocabulary records the grown size
-        if k not in CHANGEABLE_MODEL_KEYS and v != getattr(base_cfg, k):
-            raise RecipeError(
-                f"model.{k}={v} but {base} has {k}={getattr(base_cfg, k)}: a fine-tune keeps the "
-                f"base's architecture (only {', '.join(sorted(CHANGEABLE_MODEL_KEYS))} may change); remove "
-                f"model.{k} from the recipe"
-            )
-    return base_cfg.replace(**updates)
 
 
 def add_special_tokens(tokenizer: Any, tokens: Sequence[str]) -> tuple[Any, list[int]]:
