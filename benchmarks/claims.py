@@ -73,6 +73,13 @@ def finished(path: Path, steps: int | None) -> bool:
     return bool(s.get("finished")) and (steps is None or s.get("steps") == steps)
 
 
+def recipe_steps(recipe: str) -> int | None:
+    """The shipped recipe's train.max_steps (a run of other steps is not reused)."""
+    from difftrain.recipe import load_recipe
+
+    return load_recipe(recipe).train.max_steps
+
+
 def sh(cmd: list[str], log: Path, threads: int | None) -> None:
     env = dict(os.environ)
     if threads:
@@ -90,7 +97,7 @@ def train_and_eval(job: tuple[str, int, int | None, str], args: argparse.Namespa
     out = run_dir(args.runs_dir, recipe, seed)
     log = args.runs_dir / f"{out.name}.log"
     threads = 1 if args.jobs > 1 else None
-    if finished(out, steps):
+    if finished(out, steps if steps is not None else recipe_steps(recipe)):
         args.reused.append(out.name)
     else:
         cmd = [*DIFFTRAIN, "pretrain", recipe, f"seed={seed}", f"name={out.name}", f"out_dir={args.runs_dir}"]
