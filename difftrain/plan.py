@@ -911,7 +911,7 @@ def plan_target(recipe: Any, gpu_mem: str | None = None, device: str = "auto") -
     """The target `difftrain plan` plans for: `detect_target`'s, where train.accelerator allows it.
     A recipe pinned to the CPU (or MPS) is planned against the RAM, and --gpu-mem for it is
     refused; one pinned to CUDA needs --gpu-mem or a GPU here (training refuses it without)."""
-    from difftrain.train.devicecheck import NO_CUDA
+    from difftrain.devicecheck import NO_CUDA
 
     acc = recipe.train.accelerator
     if acc in ("cpu", "mps") and gpu_mem is not None:
@@ -934,8 +934,8 @@ def check_plannable(recipe: Any, target: Target) -> None:
     """Refuse what training refuses on `target`'s kind of device, in its words: options that need
     CUDA, strategy/optimizer/precision combinations (FSDP with an 8-bit optimizer), flex attention
     on CPU. The batch and sequence length are refused while the plan is made (`recipe_settings`)."""
+    from difftrain.devicecheck import check_flex, check_off_cuda, check_strategy
     from difftrain.recipe import resolve_auto
-    from difftrain.train.devicecheck import check_flex, check_off_cuda, check_strategy
 
     cuda = target.kind == "cuda"
     accelerator = "cuda" if cuda else ("mps" if recipe.train.accelerator == "mps" else "cpu")

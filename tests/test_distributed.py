@@ -34,11 +34,11 @@ from safetensors.torch import load_file
 from test_pretrain import make_corpus
 
 from difftrain.data.modules import PretrainDataModule
+from difftrain.devicecheck import check_strategy
 from difftrain.errors import CheckpointError, DeviceError, RecipeError
 from difftrain.recipe import load_recipe
 from difftrain.rundir import load_run
 from difftrain.train.checkpoint import load_checkpoint_file
-from difftrain.train.devicecheck import check_strategy
 from difftrain.train.distributed import start
 from difftrain.train.metrics import read_metrics
 from difftrain.train.run import plan_run, pretrain
@@ -127,7 +127,7 @@ if os.environ.get("FSDP_ON_CPU") == "1":
     from torch.distributed.fsdp.api import FullOptimStateDictConfig
     from torch.distributed.fsdp.wrap import enable_wrap
 
-    import difftrain.train.devicecheck as devicecheck
+    import difftrain.devicecheck as devicecheck
     import difftrain.train.run as run
 
     class CPUFSDPStrategy(lfsdp.FSDPStrategy):

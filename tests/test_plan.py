@@ -303,7 +303,7 @@ def test_plan_refuses_the_batch_and_length_pretrain_refuses_with_the_same_messag
 
 def test_plan_refuses_what_training_refuses_on_the_device_it_plans_for(capsys, tmp_path, monkeypatch):
     """A plan that says "fits" for a run training refuses answers a question nobody can act on."""
-    from difftrain.train.devicecheck import NO_CUDA
+    from difftrain.devicecheck import NO_CUDA
 
     monkeypatch.chdir(tmp_path)  # no runs/ here: the dry run refuses nothing about the folder
     # the vocabulary the tokenizer cannot fit, as `pretrain --dry-run` refuses it

@@ -1093,7 +1093,8 @@ def test_a_warm_up_as_long_as_the_run_is_noted_as_what_the_schedule_does(workspa
 def test_the_early_run_directory_check_refuses_what_the_full_one_refuses_in_its_words(workspace, monkeypatch):
     # `early_check` answers before torch loads; it must never refuse what the run would accept,
     # nor say anything else than the run would (here both see a machine without CUDA)
-    from difftrain.train import devicecheck, runcheck
+    from difftrain import devicecheck
+    from difftrain.train import runcheck
     from difftrain.train.run import plan_run, prepare_run_dir
 
     monkeypatch.setattr(devicecheck, "no_cuda_here", lambda: True)
@@ -1136,7 +1137,7 @@ def test_the_early_run_directory_check_refuses_what_the_full_one_refuses_in_its_
 
 
 def test_running_a_runs_command_again_is_refused_before_torch_loads(workspace, cli_probe):
-    from difftrain.train.devicecheck import no_cuda_here
+    from difftrain.devicecheck import no_cuda_here
 
     p = workspace(steps=2, save_every=2)
     assert main(["pretrain", str(p), "--no-progress"]) == 0
@@ -1190,8 +1191,9 @@ GPU_ONLY = [  # overrides a machine without CUDA cannot train, each refused as a
 def test_gpu_only_options_on_a_machine_without_cuda_are_refused_early_as_the_run_refuses_them(
     workspace, monkeypatch
 ):
+    from difftrain import devicecheck
     from difftrain.errors import DeviceError
-    from difftrain.train import devicecheck, runcheck
+    from difftrain.train import runcheck
     from difftrain.train.run import plan_run
 
     monkeypatch.setattr(devicecheck, "no_cuda_here", lambda: True)
@@ -1221,7 +1223,7 @@ def test_gpu_only_options_are_refused_before_torch_loads_where_no_gpu_driver_is(
         [["pretrain", str(p), *o] for o in GPU_ONLY] + [["pretrain", str(p), "--dry-run", *GPU_ONLY[3]]],
         p.parent,
         # a machine without a GPU driver, also where this one has one
-        prelude="import difftrain.train.devicecheck as dc; dc.no_cuda_here = lambda: True",
+        prelude="import difftrain.devicecheck as dc; dc.no_cuda_here = lambda: True",
     )
     assert done.codes == [2] * (len(GPU_ONLY) + 1) and done.loaded == [], done.stderr
     errors = done.stderr.strip().splitlines()

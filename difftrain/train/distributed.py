@@ -30,7 +30,7 @@ FSDP: the Transformer (not the LightningModule) is the FSDP root, wrapped in `Li
 — Lightning wraps the whole LightningModule otherwise, and a manual backward inside
 `training_step` then runs inside the root's forward, which FSDP cannot handle (Lightning issue
 #19685). Each `Block` is its own unit when `train.fsdp.auto_wrap`. Lightning and torch refuse
-FSDP on CPU, so `strategy: fsdp` needs CUDA (`difftrain.train.devicecheck.check_strategy`).
+FSDP on CPU, so `strategy: fsdp` needs CUDA (`difftrain.devicecheck.check_strategy`).
 """
 
 from __future__ import annotations

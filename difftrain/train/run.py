@@ -25,11 +25,7 @@ from typing import Any
 
 import torch
 
-from difftrain.errors import CheckpointError, DeviceError, RecipeError, RunDirError, StopRequested
-from difftrain.io import LOCK_FILE, RunLock, atomic_write_json, atomic_write_text, remove_stale_temps
-from difftrain.recipe import Recipe, global_batch, resolve_auto, train_seq_len
-from difftrain.rundir import CHECKPOINTS, CONFIG, METRICS, RECIPE, SUMMARY, TOKENIZER
-from difftrain.train.devicecheck import (
+from difftrain.devicecheck import (
     NO_CUDA,
     check_flex,
     check_loggers,
@@ -37,6 +33,10 @@ from difftrain.train.devicecheck import (
     check_strategy,
     has_tensorboard,
 )
+from difftrain.errors import CheckpointError, DeviceError, RecipeError, RunDirError, StopRequested
+from difftrain.io import LOCK_FILE, RunLock, atomic_write_json, atomic_write_text, remove_stale_temps
+from difftrain.recipe import Recipe, global_batch, resolve_auto, train_seq_len
+from difftrain.rundir import CHECKPOINTS, CONFIG, METRICS, RECIPE, SUMMARY, TOKENIZER
 from difftrain.train.distributed import DistContext
 from difftrain.train.runcheck import Batch, _global_batch, check_run_dir, in_use_message, require_not_in_use
 

@@ -15,11 +15,11 @@ import shlex
 from pathlib import Path
 from typing import Any
 
+from difftrain import devicecheck
 from difftrain.errors import RecipeError, RunDirError
 from difftrain.io import LOCK_FILE, TEMP_GLOB, RunLock
 from difftrain.recipe import Recipe, global_batch, read_yaml, recipe_from_dict, resolve_auto
 from difftrain.rundir import CONFIG, RECIPE, TOKENIZER, holds_run, weights_metadata
-from difftrain.train import devicecheck
 
 # What a run's start writes before its first step: a folder holding only these trained nothing.
 STARTUP_FILES = {RECIPE, CONFIG, TOKENIZER}
