@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
+import os
 import statistics
 import sys
 import time
@@ -25,7 +25,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from difftrain.bench import hf_model_for  # noqa: E402
+from difftrain.bench import cpu_name, hf_model_for  # noqa: E402
 from difftrain.model import ModelConfig, Transformer  # noqa: E402
 
 
@@ -123,7 +123,7 @@ def main() -> None:
     tokens = args.batch * args.seq
     result = {
         "date": date.today().isoformat(),
-        "machine": f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads",
+        "machine": f"{cpu_name()}, {torch.get_num_threads()} threads, load {os.getloadavg()[0]:.1f}",
         "torch": torch.__version__,
         "command": "python benchmarks/model_step.py " + " ".join(sys.argv[1:]),
         "shape": {k: getattr(args, k) for k in ("d_model", "layers", "heads", "seq", "batch", "vocab")},
