@@ -12,7 +12,8 @@ until the figures are reported (`settle`, called by the run callback on logging,
 validation steps and at the end), so the host queues the next step while the device computes
 this one. A step that is not ok applies no update: a fused torch optimizer (AdamW, as on CUDA and
 CPU) skips it on the device (its `found_inf`, as torch's GradScaler uses it); any other one (the
-8-bit optimizers) gets a zero gradient, so only its moments decay. A skipped step is still a step
+8-bit optimizers) gets a zero gradient, so the step moves the weights by their decayed momentum
+alone. A skipped step is still a step
 (the counter, schedule and data move on) and is counted; more than `nan_skip_limit` in a row stop
 training at the next report with a TrainingError that names the step, the learning rate and the
 first parameter whose gradient was not finite. The compiled forward (torch.compile) serves

@@ -35,6 +35,7 @@ from difftrain.devicecheck import (
 )
 from difftrain.errors import CheckpointError, DeviceError, RecipeError, RunDirError, StopRequested
 from difftrain.io import LOCK_FILE, RunLock, atomic_write_json, atomic_write_text, remove_stale_temps
+from difftrain.model.kernels import resolve_impl
 from difftrain.recipe import Recipe, global_batch, resolve_auto, train_seq_len
 from difftrain.rundir import CHECKPOINTS, CONFIG, METRICS, RECIPE, SUMMARY, TOKENIZER
 from difftrain.train.distributed import DistContext
@@ -788,10 +789,6 @@ def _device_name(accelerator: str, world: int = 1) -> str:
 
 def attention_core_name(accelerator: str, attn_impl: str) -> str:
     """The attention core training runs for `attn_impl` (`model.kernels.resolve_impl`'s table)."""
-    import torch
-
-    from difftrain.model.kernels import resolve_impl
-
     core = resolve_impl(attn_impl, torch.device(accelerator))
     return core if attn_impl == core else f"{core} ({attn_impl})"
 
