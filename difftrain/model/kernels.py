@@ -16,7 +16,7 @@ by `attn_impl`:
            fused kernel on CPU); GQA through `enable_gqa`, so K and V are never copied.
 - `flex`   flex_attention under torch.compile, for the plain causal mask. For `diff` each map is
            QKᵀ over d with the 2d-wide V, so diff costs 1.5× the baseline's attention FLOPs
-           (`attention_flops`); under a compiled model the λ combination and subln fuse into
+           (`tests/test_kernels.py` counts it); under a compiled model the λ combination and subln fuse into
            one elementwise pass. torch has no flex backward on CPU.
 
 `auto` resolves per device (`resolve_impl`), to the core with the fewest FLOPs that runs there:
@@ -265,18 +265,3 @@ def _eager_core(arch, q, k, v, lam, mask, transform) -> AttnResult:
     A = P if arch == "baseline" else _pairwise(arch, P[:, 0::2], P[:, 1::2], lam.float())
     n_rep = A.shape[1] // v.shape[1]
     return AttnResult(A.to(v.dtype) @ repeat_kv(v, n_rep), A, logits)
-
-
-def attention_flops(arch: str, impl: str, shape: tuple[int, int, int, int, int]) -> int:
-    """Matrix-product FLOPs of one attention core call, for shape (B, T, S, H, d), counting every
-    query-key pair (a causal mask saves the same share on every core).
-
-    baseline: H heads × (QKᵀ over d + PV over d) = 4·B·T·S·H·d. diff: H/2 heads × 2 maps ×
-    (QKᵀ over d + PV over 2d) = 6·B·T·S·H·d, 1.5× the baseline, on `eager` and `flex`; `sdpa` pads
-    q and k to 2d for the fused kernels: 8·B·T·S·H·d, 2×. diff2: 2H query heads: 8·B·T·S·H·d.
-    """
-    if impl not in IMPLS:
-        raise ValueError(f"impl {impl!r}: resolve `auto` first")
-    B, T, S, H, d = shape
-    per_unit = {"baseline": 4, "diff": 8 if impl == "sdpa" else 6, "diff2": 8}[arch]
-    return per_unit * B * T * S * H * d
