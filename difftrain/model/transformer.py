@@ -59,6 +59,11 @@ class LMOutput:
     hidden_states: tuple[Tensor, ...] | None = None
 
 
+def padded_positions(key_padding_mask: Tensor) -> Tensor:
+    """RoPE positions of a left-padded batch: each slot's count of real tokens before it."""
+    return (key_padding_mask.long().cumsum(1) - 1).clamp(min=0)
+
+
 class KVCache:
     """Preallocated keys and values for incremental decoding (use without gradients).
 
@@ -134,7 +139,7 @@ class KVCache:
             self.key_padding_mask[:, :S] = key_padding_mask
             self.padded = self.padded or not bool(key_padding_mask.all())
             if positions is None:
-                positions = (key_padding_mask.long().cumsum(1) - 1).clamp(min=0)[:, offset:]
+                positions = padded_positions(key_padding_mask)[:, offset:]
         else:
             self.key_padding_mask[:, offset:S] = True
             if positions is None:
@@ -327,7 +332,7 @@ class Transformer(nn.Module):
         else:
             mask = AttnMask(T, T, 0, key_padding_mask)
             if positions is None and key_padding_mask is not None:
-                positions = (key_padding_mask.long().cumsum(1) - 1).clamp(min=0)
+                positions = padded_positions(key_padding_mask)
             elif positions is None:
                 positions = torch.arange(T, device=device)[None].expand(B, T)
         opts = AttnOptions(
