@@ -224,7 +224,8 @@ def test_sft_examples_of_a_tokenizer_with_a_text_start_token_begin_with_it(tok: 
     cut, cut_targets = encode_sft_record(long, started, max_seq_len=32)
     assert cut[0] == bos and bos not in cut[1:] and len(cut) == 32 and len(cut_targets) == 32
     # and generation and chat prompt such a fine-tune as its examples began
-    from difftrain.cli.generate import Chat, PromptStyle
+    from difftrain.infer.chat import Chat
+    from difftrain.infer.session import PromptStyle
     from difftrain.recipe import ChatTemplateConfig
 
     assert PromptStyle(instruction=True).ids(started, "Question: hi\n")[0] == bos

@@ -568,8 +568,8 @@ def gen_chat(capsys, *args) -> tuple[int, str, str]:
 def test_chat_drops_the_oldest_exchanges_whole_to_fit_the_context_and_keeps_the_system_message():
     from types import SimpleNamespace
 
-    from difftrain.cli.generate import Chat
     from difftrain.errors import DataError
+    from difftrain.infer.chat import Chat
 
     roles = {"system": "S{content}|", "user": "U{content}|", "assistant": "A{content}<|end|>"}
     chat = Chat(SimpleNamespace(roles=roles), "sys")

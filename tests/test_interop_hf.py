@@ -669,7 +669,7 @@ def test_a_chat_fine_tune_exports_its_template_as_transformers_chat_template(tmp
     hold (newlines that Jinja's trim_blocks would eat, its own delimiters, non-ASCII)."""
     import yaml
 
-    from difftrain.cli.generate import Chat
+    from difftrain.infer.chat import Chat
     from difftrain.recipe import ChatTemplateConfig
 
     run = write_run(tmp_path / "run", build_model(tok, "baseline"), tok)
@@ -774,7 +774,7 @@ def test_the_card_snippets_of_a_fine_tune_feed_the_tokens_difftrain_chat_and_gen
     # so transformers sampled other tokens than `difftrain chat` / `generate`
     import yaml
 
-    from difftrain.cli.generate import Chat
+    from difftrain.infer.chat import Chat
     from difftrain.infer.generate import prompt_ids
     from difftrain.recipe import ChatTemplateConfig
 

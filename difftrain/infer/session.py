@@ -1,0 +1,172 @@
+"""A generation session (`Session`): a loaded run, how it reads prompts (`PromptStyle`) and the
+generation settings, turning prompts into completions. Every prompt × sample is a `Row` with its
+own seed: row k of a session draws with seed + k, counting the rows of earlier turns, so a sample
+does not depend on its batch."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from difftrain.errors import DataError
+from difftrain.infer.generate import Completion, Finished, Token, generate, generate_all, prompt_ids
+from difftrain.infer.prompts import Prompt
+from difftrain.infer.settings import GenerationConfig
+from difftrain.rundir import PromptSettings, prompt_settings
+
+
+@dataclass(frozen=True)
+class PromptStyle(PromptSettings):
+    """How a run reads a prompt (`rundir.PromptSettings`): a pretrained run reads documents, so the
+    prompt follows <|eos|> (the separator before every document of its training stream); an
+    instruction-tuned run reads its SFT format, so the prompt is `finetune.prompt_format` filled
+    in, with no token before it (as in fine-tuning)."""
+
+    def render(self, prompt: Prompt) -> str:
+        if not self.instruction:
+            return prompt.text
+        try:
+            return self.prompt_format.format_map({**prompt.record, "prompt": prompt.text})
+        except KeyError as e:
+            raise DataError(
+                f"{prompt.where}: this run was fine-tuned with finetune.prompt_format={self.prompt_format!r}, "
+                f"which needs the field {e}; give a .jsonl --prompt-file whose records have it"
+            ) from None
+        except (ValueError, IndexError) as e:
+            raise DataError(
+                f"finetune.prompt_format={self.prompt_format!r} of this run is not a format: {e}"
+            ) from None
+
+    def ids(self, tokenizer: Any, text: str) -> list[int]:
+        """Token ids of rendered text: a document's after the token documents start after
+        (<|eos|>, or an imported tokenizer's <s>); an instruction's as fine-tuning examples
+        start (`prompt_ids` without document_start); an empty prompt starts from the document start."""
+        return prompt_ids(tokenizer, text, document_start=not (self.instruction and text))
+
+
+def prompt_style(run_path: Path) -> PromptStyle:
+    """The run's `PromptStyle`, from its recipe.yaml (`rundir.prompt_settings`)."""
+    return PromptStyle(**vars(prompt_settings(run_path)))
+
+
+@dataclass
+class Row:
+    """One completion to produce: `text` is what the model reads (rendered prompt), `ids` its tokens."""
+
+    seed: int
+    sample: int
+    prompt: Prompt
+    text: str
+    ids: list[int]
+
+
+@dataclass
+class Result:
+    """A row and its completion."""
+
+    row: Row
+    completion: Completion
+
+    def to_json(self) -> dict[str, Any]:
+        """The fields of `difftrain generate --json`'s results."""
+        c, row = self.completion, self.row
+        # a .jsonl prompt's other fields (an id, a reference answer): results keep their inputs
+        extra = {k: v for k, v in row.prompt.record.items() if k != "prompt"}
+        return {
+            "prompt": row.prompt.text,
+            "source": row.prompt.where,
+            "sample": row.sample,
+            "seed": row.seed,
+            "completion": c.text,
+            "prompt_tokens": len(c.prompt_ids),
+            "completion_tokens": len(c.token_ids),
+            "finish_reason": c.finish_reason,
+            "first_token_s": round(c.first_token_s, 6),
+            "time_s": round(c.time_s, 6),
+            "tokens_per_s": round(c.tokens_per_s, 3),
+            "token_ids": c.token_ids,
+            **({"record": extra} if extra else {}),
+        }
+
+
+def compiled_graphs() -> int:
+    """How many graphs torch.compile has made in this process (0 where it made none)."""
+    try:
+        from torch._dynamo.utils import counters
+    except ImportError:
+        return 0
+    return int(counters["stats"].get("unique_graphs", 0))
+
+
+@dataclass
+class Session:
+    """A loaded run (`rundir.load_run`) plus the generation settings; turns prompts into completions.
+    `rows_done` counts the rows generated (or interrupted) so far: seeds keep advancing across turns."""
+
+    run: Any
+    gen: GenerationConfig
+    style: PromptStyle
+    seed: int
+    num_samples: int = 1
+    batch_size: int = 1
+    rows_done: int = 0
+    graphs_seen: int = field(init=False)  # torch.compile's graphs counted by `compiled_anew`
+
+    def __post_init__(self) -> None:
+        self.graphs_seen = compiled_graphs() if self.gen.compile else 0
+
+    def encode(self, prompt: Prompt) -> tuple[str, list[int]]:
+        """(rendered text, ids), or a DataError if it does not fit the context."""
+        text = self.style.render(prompt)
+        ids = self.style.ids(self.run.tokenizer, text)
+        limit = self.run.config.max_seq_len
+        if len(ids) > limit:
+            raise DataError(
+                f"{prompt.where}: the prompt is {len(ids)} tokens but {self.run.path} has max_seq_len={limit}; "
+                f"shorten it by at least {len(ids) - limit} tokens"
+            )
+        return text, ids
+
+    def rows(self, prompts: list[Prompt]) -> list[Row]:
+        """Every prompt × sample, in order; row k gets seed + k (counting earlier turns)."""
+        out: list[Row] = []
+        for p in prompts:
+            text, ids = self.encode(p)
+            for s in range(self.num_samples):
+                out.append(Row(self.seed + self.rows_done + len(out), s, p, text, ids))
+        return out
+
+    def stream(self, rows: list[Row]) -> Iterator[Row | Token | Result]:
+        """Generate row by row, yielding each `Row` as it starts, its `Token`s as they come and its
+        `Result` (Ctrl-C propagates to the caller)."""
+        for row in rows:
+            yield row
+            events = generate(
+                self.run.model, [row.ids], self.gen, tokenizer=self.run.tokenizer, seeds=[row.seed]
+            )
+            for ev in events:
+                yield Result(row, ev.completion) if isinstance(ev, Finished) else ev
+            self.rows_done += 1
+
+    def batch(self, rows: list[Row]) -> Iterator[Result]:
+        """Generate in batches of `batch_size` rows; each batch's results come when it is done."""
+        for start in range(0, len(rows), self.batch_size):
+            chunk = rows[start : start + self.batch_size]
+            completions = generate_all(
+                self.run.model,
+                [r.ids for r in chunk],
+                self.gen,
+                tokenizer=self.run.tokenizer,
+                seeds=[r.seed for r in chunk],
+            )
+            self.rows_done += len(chunk)
+            yield from (Result(row, c) for row, c in zip(chunk, completions, strict=True))
+
+    def compiled_anew(self) -> bool:
+        """Whether torch.compile made new graphs since the session started or this was last asked
+        (a new prompt length or batch shape compiles the decode step again); False without compile."""
+        graphs = compiled_graphs() if self.gen.compile else 0
+        new, self.graphs_seen = graphs > self.graphs_seen, max(graphs, self.graphs_seen)
+        return new
