@@ -8,10 +8,11 @@
                             weights file, so a changed or swapped base is detected, not silently used
       config.json, tokenizer.json, recipe.yaml, metrics.csv, summary.json, checkpoints/  (as usual)
 
-`load_adapter_run` rebuilds the fine-tuned model from base + adapter (what `load_run` does for
-such a directory), `merge_run` folds the adapter into the base and writes a plain run directory,
-and `adapt_model` turns a loaded base into the model a LoRA fine-tune trains. The model-side
-pieces (LoRALinear, 4-bit layers, vocabulary growth) are in `difftrain.model.lora`.
+This module plans and saves an adapter (`plan_adapter`, `save_adapter`), and `merge_run` folds one
+into its base as a plain run directory. Reading one (`AdapterSpec`, `resolve_base`, `adapt_model`,
+`load_adapter_run`) is in `difftrain.rundir`, which loads every kind of run; those names are
+re-exported here. The model-side pieces (LoRALinear, 4-bit layers, vocabulary growth) are in
+`difftrain.model.lora`.
 """
 
 from __future__ import annotations
@@ -19,16 +20,14 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
 from torch import nn
 
-from difftrain.errors import CheckpointError, ConfigError, RunDirError
+from difftrain.errors import ConfigError, RunDirError
 from difftrain.io import atomic_save_safetensors, atomic_write_json, atomic_write_text, uncreatable_reason
-from difftrain.rundir import (
+from difftrain.layout import (
     ADAPTER_CONFIG,
     ADAPTER_WEIGHTS,
     CHECKPOINTS,
@@ -38,18 +37,21 @@ from difftrain.rundir import (
     SUMMARY,
     TOKENIZER,
     WEIGHTS,
-    Run,
     holds_run,
-    is_adapter_run,
-    load_config,
-    read_safetensors,
+)
+from difftrain.rundir import (  # noqa: F401 - re-exported: `from difftrain.adapters import load_adapter_run`
+    AdapterSpec,
+    adapt_model,
+    adapter_tensors,
+    load_adapter_run,
+    read_adapter_spec,
     require_run_dir,
     require_weights,
+    resolve_base,
     save_weights,
+    weights_file,
+    weights_sha256,
 )
-
-FORMAT = "difftrain-lora"
-VERSION = 1
 
 # Names of the differential-attention λ parameters (diff: four vectors; diff2: a projection).
 LAMBDA_SUFFIXES = (
@@ -59,63 +61,6 @@ LAMBDA_SUFFIXES = (
     ".self_attn.lambda_k2",
     ".self_attn.lambda_proj.weight",
 )
-
-
-@dataclass
-class AdapterSpec:
-    """What adapter.json records: enough to rebuild the trained model from its base run."""
-
-    method: str  # lora | qlora
-    rank: int
-    alpha: float
-    dropout: float
-    target_modules: list[str]  # the patterns as written in the recipe
-    targets: list[str]  # the linear layers they matched
-    trained: list[str] = field(default_factory=list)  # parameters trained in full
-    quantized: list[str] = field(default_factory=list)  # layers held in 4-bit NF4 (qlora)
-    base: dict[str, Any] = field(default_factory=dict)  # path, abs_path, weights_file, weights_sha256
-    vocab: dict[str, Any] = field(default_factory=dict)  # base_vocab_size, vocab_size, new_ids, used_rows
-    step: int = 0
-
-    def to_json(self) -> dict[str, Any]:
-        return {"format": FORMAT, "version": VERSION, **asdict(self)}
-
-    @classmethod
-    def from_json(cls, data: Any, where: Path) -> AdapterSpec:
-        if not isinstance(data, dict) or data.get("format") != FORMAT:
-            raise RunDirError(f"{where} is not a difftrain adapter file (format {FORMAT!r} expected)")
-        if data.get("version", 0) > VERSION:
-            raise RunDirError(
-                f"{where} was written by a newer difftrain (adapter format {data['version']}); upgrade difftrain"
-            )
-        fields = {k: data[k] for k in cls.__dataclass_fields__ if k in data}
-        try:
-            return cls(**fields)
-        except TypeError as e:
-            raise RunDirError(f"{where} is incomplete ({e}); fine-tune again or restore the file") from e
-
-
-def read_adapter_spec(run_dir: Path) -> AdapterSpec:
-    f = Path(run_dir) / ADAPTER_CONFIG
-    try:
-        data = json.loads(f.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise RunDirError(f"{run_dir} has no {ADAPTER_CONFIG}; it is not a LoRA fine-tune") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise RunDirError(f"{f} is not valid JSON ({e}); restore it or fine-tune again") from e
-    return AdapterSpec.from_json(data, f)
-
-
-def weights_file(run_dir: Path) -> Path:
-    """The file that holds a run's own weights: model.safetensors, or its adapter."""
-    d = Path(run_dir)
-    return d / ADAPTER_WEIGHTS if is_adapter_run(d) else d / WEIGHTS
-
-
-def weights_sha256(run_dir: Path) -> str:
-    from difftrain.io import sha256_file  # (train.checkpoint would load Lightning)
-
-    return sha256_file(weights_file(run_dir))
 
 
 def base_reference(base_dir: Path, run_dir: Path) -> dict[str, Any]:
@@ -132,40 +77,6 @@ def base_reference(base_dir: Path, run_dir: Path) -> dict[str, Any]:
         "weights_file": f.name,
         "weights_sha256": weights_sha256(base_abs),
     }
-
-
-def resolve_base(run_dir: Path, spec: AdapterSpec) -> Path:
-    """The base run of an adapter run, verified to hold the weights the adapter was trained on."""
-    run_dir = Path(run_dir)
-    ref = spec.base
-    candidates = []
-    if ref.get("path"):
-        candidates.append((run_dir / ref["path"]).resolve())
-    if ref.get("abs_path"):
-        candidates.append(Path(ref["abs_path"]))
-    base = next((c for c in candidates if c.is_dir()), None)
-    if base is None:
-        shown = ", ".join(dict.fromkeys(str(c) for c in candidates)) or "(none recorded)"
-        raise RunDirError(
-            f"{run_dir} is a LoRA adapter whose base run is gone (looked in {shown}); put the base run back "
-            f'there, or, if you moved it, set "path" under "base" in {run_dir / ADAPTER_CONFIG} to its new '
-            "folder (its weights' SHA-256 is checked)"
-        )
-    expected = ref.get("weights_sha256")
-    if expected:
-        f = weights_file(base)
-        if not f.is_file():
-            raise RunDirError(
-                f"the base run {base} of adapter {run_dir} has no {f.name}; restore the base run's weights"
-            )
-        actual = weights_sha256(base)
-        if actual != expected:
-            raise CheckpointError(
-                f"the base run {base} has changed since {run_dir} was fine-tuned from it ({f.name} sha256 "
-                f"{actual[:12]}…, adapter expects {expected[:12]}…); restore the base weights it was trained "
-                "on, or fine-tune again from the current base"
-            )
-    return base
 
 
 # --------------------------------------------------------------------------------------------
@@ -256,40 +167,6 @@ def rank_warning(model: nn.Module, spec: AdapterSpec) -> str | None:
     )
 
 
-def adapt_model(
-    model: nn.Module,
-    spec: AdapterSpec,
-    *,
-    quantize_on: torch.device | str | None = None,
-    compute_dtype: torch.dtype = torch.float32,
-) -> None:
-    """Freeze `model`, put LoRA on `spec.targets`, and make `spec.trained` trainable (in place).
-
-    quantize_on: a device to hold `spec.quantized` in 4-bit NF4 (training a QLoRA run). None
-    instead rounds those weights through NF4 and keeps them dense (loading a QLoRA adapter: the
-    same function without 4-bit kernels).
-    """
-    from difftrain.model.lora import apply_lora, nf4_round_trip_, quantize_4bit
-
-    model.requires_grad_(False)
-    if spec.quantized:
-        if quantize_on is not None:
-            quantize_4bit(model, spec.quantized, device=quantize_on, compute_dtype=compute_dtype)
-        else:
-            nf4_round_trip_(model, spec.quantized)
-    apply_lora(model, spec.targets, spec.rank, spec.alpha, spec.dropout)
-    params = dict(model.named_parameters())
-    for name in spec.trained:
-        if name not in params:
-            raise CheckpointError(f"the adapter trains `{name}`, which this model does not have")
-        params[name].requires_grad_(True)
-
-
-def adapter_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
-    """What adapter.safetensors holds: every trainable parameter (LoRA matrices and ones trained in full)."""
-    return {n: p.detach() for n, p in model.named_parameters() if p.requires_grad}
-
-
 def save_adapter(run_dir: Path, model: nn.Module, spec: AdapterSpec, step: int) -> None:
     """Write adapter.safetensors, then adapter.json (both atomically)."""
     spec.step = step
@@ -302,88 +179,7 @@ def save_adapter(run_dir: Path, model: nn.Module, spec: AdapterSpec, step: int) 
 
 
 # --------------------------------------------------------------------------------------------
-# loading and merging
-
-
-def load_adapter_run(
-    path: Path | str,
-    device: str | torch.device = "cpu",
-    dtype: torch.dtype | None = None,
-    *,
-    merge: bool = True,
-) -> Run:
-    """Rebuild a LoRA fine-tune from its base run + adapter files.
-
-    merge=True folds the adapter into the weights (in fp32, before any cast to `dtype`): plain
-    linear layers, full speed. merge=False keeps the LoRA layers (base + B·A at every call).
-    """
-    from difftrain.model.lora import grow_vocab, merge_lora
-    from difftrain.rundir import load_run, load_run_tokenizer
-
-    path = require_run_dir(Path(path))
-    spec = read_adapter_spec(path)
-    weights = path / ADAPTER_WEIGHTS
-    if not weights.is_file():
-        raise RunDirError(
-            f"{path} has {ADAPTER_CONFIG} but no {ADAPTER_WEIGHTS}; restore it, or resume the fine-tune with "
-            f"`difftrain finetune {path / RECIPE} --resume`"
-        )
-    base_dir = resolve_base(path, spec)
-    base = load_run(base_dir)  # fp32 on CPU; an adapter base is merged
-    model = base.model
-    config = load_config(path)
-    base_cfg = base.config
-    for key in (
-        "arch",
-        "d_model",
-        "n_layers",
-        "n_heads",
-        "n_kv_heads",
-        "head_dim",
-        "ffn_hidden",
-        "tie_embeddings",
-    ):
-        if getattr(config, key) != getattr(base_cfg, key):
-            raise RunDirError(
-                f"{path / CONFIG} has {key}={getattr(config, key)} but its base run {base_dir} has "
-                f"{getattr(base_cfg, key)}; the adapter belongs to another base"
-            )
-    if config.vocab_size != base_cfg.vocab_size or spec.vocab.get("new_ids"):
-        grow_vocab(
-            model,
-            spec.vocab.get("new_ids", []),
-            config.vocab_size,
-            int(spec.vocab.get("used_rows", base_cfg.vocab_size)),
-        )
-    model.config = config  # attn_impl / max_seq_len as the fine-tune set them
-    model.attn_impl = config.attn_impl
-    adapt_model(model, spec)
-    sd = read_safetensors(weights)
-    expected = adapter_tensors(model)
-    missing = [k for k in expected if k not in sd]
-    unexpected = [k for k in sd if k not in expected]
-    if missing or unexpected:
-        what = f"missing {missing[0]}" if missing else f"unexpected {unexpected[0]}"
-        raise CheckpointError(
-            f"{weights} does not match {ADAPTER_CONFIG} ({what}); the two files come from different fine-tunes"
-        )
-    params = dict(model.named_parameters())
-    with torch.no_grad():
-        for k, v in sd.items():
-            if tuple(v.shape) != tuple(params[k].shape):
-                raise CheckpointError(
-                    f"{weights}: tensor {k} has shape {tuple(v.shape)}, expected {tuple(params[k].shape)}"
-                )
-            params[k].copy_(v.to(params[k].dtype))
-    model.requires_grad_(False)
-    if merge:
-        merge_lora(model)
-    tokenizer = load_run_tokenizer(path)
-    model.to(device)
-    if dtype is not None:
-        model = model.to(dtype=dtype)
-    model.eval()
-    return Run(path=path, model=model, config=config, tokenizer=tokenizer)
+# merging
 
 
 def default_merge_dir(run_dir: Path) -> Path:

@@ -1,56 +1,47 @@
-"""The run directory: the one artifact every command reads (docs/run-directory.md).
+"""The run directory: the one artifact every command reads (file names: `difftrain.layout`).
 
-    runs/<name>/
-      recipe.yaml        the fully resolved recipe
-      config.json        ModelConfig
-      tokenizer.json     HF `tokenizers` format
-      model.safetensors  latest weights (no pickle)
-      checkpoints/       Lightning checkpoints for resuming (last.ckpt, step-N.ckpt, index.json)
-      metrics.csv        per-step metrics
-      summary.json       final figures
-
-This module reads and writes the inference files. It sits beside recipe.py (above model/ and
-data/) because train/, infer/, evals/ and interop/ all load runs and none of them should import
-another. Weights are verified against the config on load: missing, unexpected or mis-shaped
-tensors are a CheckpointError that says which.
+This module reads and writes a run's inference files and loads a run, a LoRA fine-tune's adapter
+over its base run included. It sits beside recipe.py (above model/ and data/) because train/,
+infer/, evals/ and interop/ all load runs and none of them should import another. Weights are
+verified against the config on load: missing, unexpected or mis-shaped tensors are a
+CheckpointError that says which.
 """
 
 from __future__ import annotations
 
 import json
 import shlex
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from difftrain.errors import CheckpointError, ConfigError, RecipeError, RunDirError
-from difftrain.io import RunLock, atomic_save_safetensors
+from difftrain.io import RunLock, atomic_save_safetensors, sha256_file
+from difftrain.layout import (  # noqa: F401 - re-exported: `from difftrain.rundir import CHECKPOINTS`
+    ADAPTER_CONFIG,
+    ADAPTER_WEIGHTS,
+    CHECKPOINTS,
+    CONFIG,
+    METRICS,
+    RECIPE,
+    RUN_FILES,
+    SUMMARY,
+    TOKENIZER,
+    WEIGHTS,
+    holds_run,
+    is_adapter_run,
+)
 
 if TYPE_CHECKING:  # torch loads where weights are touched: recipe checks must not wait for it
     import torch
+    from torch import nn
 
     from difftrain.data.tokenizer import Tokenizer
     from difftrain.model import ModelConfig
     from difftrain.recipe import FinetuneConfig, Recipe
 
-CONFIG = "config.json"
-WEIGHTS = "model.safetensors"
-TOKENIZER = "tokenizer.json"
-RECIPE = "recipe.yaml"
-SUMMARY = "summary.json"
-METRICS = "metrics.csv"
 CHANGEABLE_MODEL_KEYS = {"attn_impl", "max_seq_len", "init_std", "lambda_std"}
 """The `model:` keys a fine-tune may set differently from its base run."""
-CHECKPOINTS = "checkpoints"
-ADAPTER_WEIGHTS = "adapter.safetensors"  # a LoRA fine-tune's weights (it has no WEIGHTS)
-ADAPTER_CONFIG = "adapter.json"
-RUN_FILES = (CONFIG, TOKENIZER, WEIGHTS, METRICS, SUMMARY, ADAPTER_CONFIG)  # files only runs write
-
-
-def holds_run(folder: Path) -> bool:
-    """Whether `folder` holds a difftrain run (its recipe.yaml or config.json): the only kind of
-    folder an --overwrite may replace."""
-    return (folder / RECIPE).is_file() or (folder / CONFIG).is_file()
 
 
 def weights_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -87,9 +78,8 @@ def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
 
 
 def check_safetensors(path: Path) -> None:
-    """The CheckpointError `read_safetensors` would raise for `path`, from its header alone (an
-    empty or cut file: the header's offsets must cover the file); reads no tensor. For the dry
-    runs, which must refuse what the run refuses."""
+    """The CheckpointError `read_safetensors` would raise for `path`, from its header alone (the
+    dry runs refuse what the run refuses without reading a tensor)."""
     from safetensors import SafetensorError, safe_open
 
     try:
@@ -207,15 +197,19 @@ def base_run_dir(ft: FinetuneConfig) -> Path:
 
 
 def training_command(path: Path) -> str:
-    """`finetune` for a run whose recipe.yaml has a finetune: section, else `pretrain` (a run's
-    recipe.yaml holds every section, `finetune: null` in a pretraining run's)."""
+    """`finetune` for a run whose recipe.yaml has a finetune: section, else `pretrain`."""
+    return "finetune" if _run_recipe(path).get("finetune") else "pretrain"
+
+
+def _run_recipe(path: Path) -> dict:
+    """The mapping in a run's recipe.yaml ({} where it cannot be read)."""
     import yaml
 
     try:
-        recipe = yaml.safe_load((path / RECIPE).read_text(encoding="utf-8"))
+        data = yaml.safe_load((Path(path) / RECIPE).read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, yaml.YAMLError):
-        return "pretrain"
-    return "finetune" if isinstance(recipe, dict) and recipe.get("finetune") else "pretrain"
+        return {}
+    return data if isinstance(data, dict) else {}
 
 
 def resume_command(path: Path) -> str:
@@ -225,19 +219,12 @@ def resume_command(path: Path) -> str:
 
 
 def require_model_files(path: Path) -> Path:
-    """`require_run_dir`, and the weights `load_run` reads there: model.safetensors, or for a
-    LoRA run that was not merged its adapter (whose own files `load_adapter_run` checks). Reads
-    nothing and loads no torch: a folder that holds no model is refused at once."""
+    """`require_run_dir`, and the weights `load_run` reads there (model.safetensors, or a LoRA run's
+    adapter); loads no torch."""
     path = require_run_dir(path)
     if not is_adapter_run(path):
         require_weights(path)
     return path
-
-
-def is_adapter_run(run_dir: Path) -> bool:
-    """A directory holding an adapter and no full weights of its own (a LoRA fine-tune not merged)."""
-    d = Path(run_dir)
-    return (d / ADAPTER_CONFIG).is_file() and not (d / WEIGHTS).is_file()
 
 
 def require_weights(path: Path) -> Path:
@@ -298,31 +285,30 @@ def _rewrite_hint(path: Path) -> str:
 
 
 def load_run(path: Path | str, device: str | torch.device = "cpu", dtype: torch.dtype | None = None) -> Run:
-    """Load config.json + model.safetensors + tokenizer.json from a run directory (never a pickle).
-
-    A run made by `difftrain finetune` with LoRA and not merged holds only its adapter; the
-    base weights come from the run it references, and the adapter is applied on top.
-    """
+    """Load config.json + model.safetensors + tokenizer.json from a run directory (never a pickle);
+    a LoRA fine-tune not merged is its base run with the adapter applied (`load_adapter_run`)."""
     from difftrain.model import Transformer
 
     path = require_model_files(Path(path))
     if is_adapter_run(path):
-        from difftrain.adapters import load_adapter_run
-
         return load_adapter_run(path, device=device, dtype=dtype)
     weights = path / WEIGHTS
     config = load_config(path)
-    tok_path = path / TOKENIZER
     tokenizer = load_run_tokenizer(path)
     if tokenizer.vocab_size > config.vocab_size:
         raise RunDirError(
-            f"{tok_path} has {tokenizer.vocab_size} tokens but config.json says vocab_size={config.vocab_size}; "
-            "the tokenizer belongs to another run"
+            f"{path / TOKENIZER} has {tokenizer.vocab_size} tokens but config.json says "
+            f"vocab_size={config.vocab_size}; the tokenizer belongs to another run"
         )
     model = Transformer(config)
     sd = read_safetensors(weights)
     check_state_dict(sd, model, weights)
     model.load_state_dict(sd, strict=False)
+    return _ready(path, model, config, tokenizer, device, dtype)
+
+
+def _ready(path: Path, model: nn.Module, config: Any, tokenizer: Any, device: Any, dtype: Any) -> Run:
+    """The loaded run: `model` moved to `device` (and cast to `dtype`), in eval mode."""
     model.to(device)
     if dtype is not None:
         model = model.to(dtype=dtype)
@@ -331,9 +317,8 @@ def load_run(path: Path | str, device: str | torch.device = "cpu", dtype: torch.
 
 
 def load_run_tokenizer(path: Path) -> Tokenizer:
-    """A run folder's tokenizer.json; missing or damaged, a RunDirError/TokenizerError that says to
-    restore the one the run was trained with (resuming rewrites it from the data cache), not the
-    advice for a recipe's tokenizer.path. (generate, eval, merge and a fine-tune's base use it.)"""
+    """A run folder's tokenizer.json; missing or damaged, an error that says to restore the one
+    the run was trained with (resuming rewrites it from the data cache)."""
     from difftrain.data.tokenizer import load_tokenizer
 
     restore = "copy the tokenizer the run was trained with into it"
@@ -344,10 +329,221 @@ def load_run_tokenizer(path: Path) -> Tokenizer:
     return load_tokenizer(path / TOKENIZER, fix=restore)
 
 
+# --------------------------------------------------------------------------------------------
+# adapter runs (LoRA fine-tunes not merged; made by difftrain.adapters)
+
+
+FORMAT = "difftrain-lora"
+VERSION = 1
+
+
+@dataclass
+class AdapterSpec:
+    """What adapter.json records: enough to rebuild the trained model from its base run."""
+
+    method: str  # lora | qlora
+    rank: int
+    alpha: float
+    dropout: float
+    target_modules: list[str]  # the patterns as written in the recipe
+    targets: list[str]  # the linear layers they matched
+    trained: list[str] = field(default_factory=list)  # parameters trained in full
+    quantized: list[str] = field(default_factory=list)  # layers held in 4-bit NF4 (qlora)
+    base: dict[str, Any] = field(default_factory=dict)  # path, abs_path, weights_file, weights_sha256
+    vocab: dict[str, Any] = field(default_factory=dict)  # base_vocab_size, vocab_size, new_ids, used_rows
+    step: int = 0
+
+    def to_json(self) -> dict[str, Any]:
+        return {"format": FORMAT, "version": VERSION, **asdict(self)}
+
+    @classmethod
+    def from_json(cls, data: Any, where: Path) -> AdapterSpec:
+        if not isinstance(data, dict) or data.get("format") != FORMAT:
+            raise RunDirError(f"{where} is not a difftrain adapter file (format {FORMAT!r} expected)")
+        if data.get("version", 0) > VERSION:
+            raise RunDirError(
+                f"{where} was written by a newer difftrain (adapter format {data['version']}); upgrade difftrain"
+            )
+        fields = {k: data[k] for k in cls.__dataclass_fields__ if k in data}
+        try:
+            return cls(**fields)
+        except TypeError as e:
+            raise RunDirError(f"{where} is incomplete ({e}); fine-tune again or restore the file") from e
+
+
+def read_adapter_spec(run_dir: Path) -> AdapterSpec:
+    f = Path(run_dir) / ADAPTER_CONFIG
+    try:
+        data = json.loads(f.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise RunDirError(f"{run_dir} has no {ADAPTER_CONFIG}; it is not a LoRA fine-tune") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise RunDirError(f"{f} is not valid JSON ({e}); restore it or fine-tune again") from e
+    return AdapterSpec.from_json(data, f)
+
+
+def weights_file(run_dir: Path) -> Path:
+    """The file that holds a run's own weights: model.safetensors, or its adapter."""
+    d = Path(run_dir)
+    return d / ADAPTER_WEIGHTS if is_adapter_run(d) else d / WEIGHTS
+
+
+def weights_sha256(run_dir: Path) -> str:
+    return sha256_file(weights_file(run_dir))
+
+
+def resolve_base(run_dir: Path, spec: AdapterSpec) -> Path:
+    """The base run of an adapter run, verified to hold the weights the adapter was trained on."""
+    run_dir = Path(run_dir)
+    ref = spec.base
+    candidates = []
+    if ref.get("path"):
+        candidates.append((run_dir / ref["path"]).resolve())
+    if ref.get("abs_path"):
+        candidates.append(Path(ref["abs_path"]))
+    base = next((c for c in candidates if c.is_dir()), None)
+    if base is None:
+        shown = ", ".join(dict.fromkeys(str(c) for c in candidates)) or "(none recorded)"
+        raise RunDirError(
+            f"{run_dir} is a LoRA adapter whose base run is gone (looked in {shown}); put the base run back "
+            f'there, or, if you moved it, set "path" under "base" in {run_dir / ADAPTER_CONFIG} to its new '
+            "folder (its weights' SHA-256 is checked)"
+        )
+    expected = ref.get("weights_sha256")
+    if expected:
+        f = weights_file(base)
+        if not f.is_file():
+            raise RunDirError(
+                f"the base run {base} of adapter {run_dir} has no {f.name}; restore the base run's weights"
+            )
+        actual = weights_sha256(base)
+        if actual != expected:
+            raise CheckpointError(
+                f"the base run {base} has changed since {run_dir} was fine-tuned from it ({f.name} sha256 "
+                f"{actual[:12]}…, adapter expects {expected[:12]}…); restore the base weights it was trained "
+                "on, or fine-tune again from the current base"
+            )
+    return base
+
+
+def adapt_model(
+    model: nn.Module,
+    spec: AdapterSpec,
+    *,
+    quantize_on: torch.device | str | None = None,
+    compute_dtype: torch.dtype | None = None,
+) -> None:
+    """Freeze `model`, put LoRA on `spec.targets`, and make `spec.trained` trainable (in place).
+
+    quantize_on: a device to hold `spec.quantized` in 4-bit NF4 (training a QLoRA run). None
+    instead rounds those weights through NF4 and keeps them dense (loading a QLoRA adapter: the
+    same function without 4-bit kernels). compute_dtype: that of the 4-bit layers (default fp32).
+    """
+    import torch
+
+    from difftrain.model.lora import apply_lora, nf4_round_trip_, quantize_4bit
+
+    model.requires_grad_(False)
+    if spec.quantized:
+        if quantize_on is not None:
+            quantize_4bit(
+                model, spec.quantized, device=quantize_on, compute_dtype=compute_dtype or torch.float32
+            )
+        else:
+            nf4_round_trip_(model, spec.quantized)
+    apply_lora(model, spec.targets, spec.rank, spec.alpha, spec.dropout)
+    params = dict(model.named_parameters())
+    for name in spec.trained:
+        if name not in params:
+            raise CheckpointError(f"the adapter trains `{name}`, which this model does not have")
+        params[name].requires_grad_(True)
+
+
+def adapter_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
+    """What adapter.safetensors holds: every trainable parameter (LoRA matrices and ones trained in full)."""
+    return {n: p.detach() for n, p in model.named_parameters() if p.requires_grad}
+
+
+def load_adapter_run(
+    path: Path | str,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype | None = None,
+    *,
+    merge: bool = True,
+) -> Run:
+    """Rebuild a LoRA fine-tune from its base run + adapter files.
+
+    merge=True folds the adapter into the weights (in fp32, before any cast to `dtype`): plain
+    linear layers, full speed. merge=False keeps the LoRA layers (base + B·A at every call).
+    """
+    import torch
+
+    from difftrain.model.lora import grow_vocab, merge_lora
+
+    path = require_run_dir(Path(path))
+    spec = read_adapter_spec(path)
+    weights = path / ADAPTER_WEIGHTS
+    if not weights.is_file():
+        raise RunDirError(
+            f"{path} has {ADAPTER_CONFIG} but no {ADAPTER_WEIGHTS}; restore it, or resume the fine-tune with "
+            f"`difftrain finetune {path / RECIPE} --resume`"
+        )
+    base_dir = resolve_base(path, spec)
+    base = load_run(base_dir)  # fp32 on CPU; an adapter base is merged
+    model = base.model
+    config = load_config(path)
+    base_cfg = base.config
+    for key in (
+        "arch",
+        "d_model",
+        "n_layers",
+        "n_heads",
+        "n_kv_heads",
+        "head_dim",
+        "ffn_hidden",
+        "tie_embeddings",
+    ):
+        if getattr(config, key) != getattr(base_cfg, key):
+            raise RunDirError(
+                f"{path / CONFIG} has {key}={getattr(config, key)} but its base run {base_dir} has "
+                f"{getattr(base_cfg, key)}; the adapter belongs to another base"
+            )
+    if config.vocab_size != base_cfg.vocab_size or spec.vocab.get("new_ids"):
+        grow_vocab(
+            model,
+            spec.vocab.get("new_ids", []),
+            config.vocab_size,
+            int(spec.vocab.get("used_rows", base_cfg.vocab_size)),
+        )
+    model.config = config  # attn_impl / max_seq_len as the fine-tune set them
+    model.attn_impl = config.attn_impl
+    adapt_model(model, spec)
+    sd = read_safetensors(weights)
+    expected = adapter_tensors(model)
+    missing = [k for k in expected if k not in sd]
+    unexpected = [k for k in sd if k not in expected]
+    if missing or unexpected:
+        what = f"missing {missing[0]}" if missing else f"unexpected {unexpected[0]}"
+        raise CheckpointError(
+            f"{weights} does not match {ADAPTER_CONFIG} ({what}); the two files come from different fine-tunes"
+        )
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for k, v in sd.items():
+            if tuple(v.shape) != tuple(params[k].shape):
+                raise CheckpointError(
+                    f"{weights}: tensor {k} has shape {tuple(v.shape)}, expected {tuple(params[k].shape)}"
+                )
+            params[k].copy_(v.to(params[k].dtype))
+    model.requires_grad_(False)
+    if merge:
+        merge_lora(model)
+    return _ready(path, model, config, load_run_tokenizer(path), device, dtype)
+
+
 def weights_metadata(path: Path) -> dict[str, str]:
     """The metadata of a run's model.safetensors ({} where it has none or cannot be read), read
-    from the file's JSON header without torch (safetensors' safe_open imports it): the early
-    run-folder check before torch loads asks too."""
+    from the file's JSON header without torch."""
     try:
         with open(Path(path) / WEIGHTS, "rb") as f:
             size = int.from_bytes(f.read(8), "little")
@@ -388,16 +584,10 @@ class PromptSettings:
 
 
 def prompt_settings(run_path: Path | str) -> PromptSettings:
-    """Read the run's recipe.yaml: an instruction fine-tune gives its formats, anything else
-    (pretraining, continued pretraining on text, no readable recipe) reads documents. (`generate`,
-    `chat` and the exported model card read a run's prompts alike through this.)"""
-    import yaml
-
-    try:
-        data = yaml.safe_load((Path(run_path) / RECIPE).read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, yaml.YAMLError):
-        return PromptSettings()
-    ft = data.get("finetune") if isinstance(data, dict) else None
+    """How the run reads a prompt, from its recipe.yaml: an instruction fine-tune's formats;
+    documents for anything else (pretraining, a text fine-tune, no readable recipe)."""
+    data = _run_recipe(Path(run_path))
+    ft = data.get("finetune")
     if not isinstance(ft, dict):
         return PromptSettings()
     chat = None
@@ -422,8 +612,7 @@ def prompt_settings(run_path: Path | str) -> PromptSettings:
 
 def record_kinds(run_path: Path | str) -> list[str] | None:
     """The kinds of instruction records a fine-tune trained on ("messages", "prompt/response"), as
-    its summary.json records them; None where it does not say (older runs, pretraining, an
-    unreadable summary: generate and chat do not need it)."""
+    its summary.json records them; None where it does not say."""
     try:
         summary = read_summary(Path(run_path))
     except RunDirError:

@@ -18,7 +18,7 @@ from typing import Any
 import typer
 
 from difftrain import __version__
-from difftrain.errors import DifftrainError
+from difftrain.errors import user_message
 
 # Modules under difftrain.cli that register commands, in the order they appear in --help.
 COMMAND_MODULES = [
@@ -66,10 +66,8 @@ def _root(
 
 
 def unwrap_help(doc: str) -> str:
-    """A docstring or help text as shown: the lines of each paragraph joined into one. Typer's
-    rich mode keeps the text's line breaks, so `--help` showed them mid-sentence, wherever the
-    source wrapped; the terminal wraps the joined text instead. A paragraph with an indented line
-    is a table (eval's list of suites) and keeps its lines."""
+    """A docstring or help text as shown: the lines of each paragraph joined into one (the terminal
+    wraps it); a paragraph with an indented line is a table and keeps its lines."""
     paragraphs = re.split(r"\n\s*\n", inspect.cleandoc(doc))
     return "\n\n".join(
         p
@@ -108,9 +106,8 @@ def error_line(message: str) -> None:
 
 
 def usage_message(e: Exception, args: list[str] | None = None) -> str:
-    """Click's usage error (its four lines: usage, "Try --help", blank, error) as one: the error
-    and where the help is (the command's, from `args` where click's error has no context: an
-    option given without its value)."""
+    """Click's usage error as one line: the error and where the help is (the command's, from `args`
+    where click's error has no context)."""
     message = e.format_message()  # type: ignore[attr-defined]
     message = message.replace("Input should be", "must be").replace("Value error, ", "").rstrip(".")
     ctx = getattr(e, "ctx", None)
@@ -124,8 +121,6 @@ def usage_message(e: Exception, args: list[str] | None = None) -> str:
 def _dash_file_hint(e: Exception, args: list[str]) -> str:
     """For an unknown option that is an existing file's name (`prepare -dash.yaml`): how to name
     that file so it is not read as options."""
-    import os
-
     name = getattr(e, "option_name", None)
     given = next((a for a in args if name and a.startswith(name) and os.path.exists(a)), None)
     if given is None:
@@ -134,8 +129,8 @@ def _dash_file_hint(e: Exception, args: list[str]) -> str:
 
 
 def _command_path(args: list[str]) -> str | None:
-    """ "difftrain CMD [SUB]" for the command named at the start of `args` (options before it
-    skipped), or None where none is named."""
+    """`difftrain CMD [SUB]` for the command named at the start of `args` (options skipped), or
+    None where none is named."""
     command: Any = typer.main.get_command(app)
     path = ["difftrain"]
     for arg in args:
@@ -152,15 +147,13 @@ _CTRL_C = {"seen": False}
 
 
 class Terminated(BaseException):
-    """SIGTERM outside training (which saves first): it ends the command with one line, as Ctrl-C
-    does, but is no KeyboardInterrupt, so that a chat's "Ctrl-C stops this reply" does not catch
-    it and keep the process alive."""
+    """SIGTERM outside training (which saves first): ends the command with one line, as Ctrl-C does,
+    but is no KeyboardInterrupt, which a chat's "Ctrl-C stops this reply" catches."""
 
 
 def _watch_ctrl_c() -> Callable[[], None]:
-    """Python's own Ctrl-C behaviour (KeyboardInterrupt), noted in `_CTRL_C`, and SIGTERM as
-    `Terminated` (by default it ends the process without a word); returns the undo. Training
-    installs its own handlers (finish the step, save) while it runs."""
+    """Ctrl-C as KeyboardInterrupt (noted in `_CTRL_C`) and SIGTERM as `Terminated`, where their
+    handlers are the defaults; returns the undo. Training installs its own while it runs."""
     import signal
     import threading
 
@@ -187,8 +180,8 @@ def _watch_ctrl_c() -> Callable[[], None]:
     return restore
 
 
-def _interrupted(by: str = "Ctrl-C") -> None:
-    """Ctrl-C outside training (which saves and says how to resume): one line. On a terminal a
+def _interrupted(message: str = "interrupted (Ctrl-C)") -> None:
+    """A stop outside training (which saves and says how to resume): one line. On a terminal a
     newline first ends what was being streamed to stdout (a generation) on the same screen."""
     try:
         if sys.stdout.isatty():
@@ -196,7 +189,7 @@ def _interrupted(by: str = "Ctrl-C") -> None:
         sys.stdout.flush()
     except (OSError, ValueError):
         pass
-    error_line(f"interrupted ({by})")
+    error_line(message)
 
 
 _COMPLETION_OPTIONS = ("--show-completion", "--install-completion")
@@ -205,10 +198,7 @@ _SHELL_CHOICE_ENV = "_TYPER_COMPLETE_TEST_DISABLE_SHELL_DETECTION"  # Typer: the
 
 def _shell_named(args: list[str]) -> bool:
     """Whether the command line names the shell for --show-completion / --install-completion
-    (`--show-completion zsh` or `--show-completion=zsh`). Typer's options detect the shell and
-    take no value, so `difftrain --install-completion zsh` installed bash's script into
-    ~/.bashrc from bash; told, Typer builds them as options that take the shell's name (checked
-    against the shells it supports)."""
+    (`--show-completion zsh`, `--show-completion=zsh`): Typer then takes it as the option's value."""
     for i, arg in enumerate(args):
         if arg in _COMPLETION_OPTIONS:
             return i + 1 < len(args) and not args[i + 1].startswith("-")
@@ -229,42 +219,51 @@ def main(argv: list[str] | None = None) -> int:
     shell_named = _shell_named(args) and _SHELL_CHOICE_ENV not in os.environ
     if shell_named:
         os.environ[_SHELL_CHOICE_ENV] = "1"
-    debug = "--debug" in args
     watch = _watch_ctrl_c()
     try:
         result = app(args=args, prog_name="difftrain", standalone_mode=False)
         if result == 130 and _CTRL_C["seen"]:  # Typer turns Ctrl-C into a silent return of 130
             _interrupted()
-    except DifftrainError as e:
-        if debug:  # the traceback, then the same line and exit code as without --debug
-            import traceback
+    except BaseException as e:
+        ending = _ending(e, args)
+        if ending is None:  # not a user's failure: a bug, whose traceback stands
+            raise
+        message, code = ending
+        if isinstance(e, (KeyboardInterrupt, Terminated)):
+            _interrupted(message)
+        elif message is not None:
+            if "--debug" in args and user_message(e) is not None:  # the traceback, then the same line
+                import traceback
 
-            traceback.print_exc()
-        error_line(str(e))
-        return e.exit_code
-    except typer.Exit as e:
-        return e.exit_code
-    except SystemExit as e:  # Typer's --show-completion / --install-completion exit so
-        return e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-    except typer.Abort:
-        error_line("aborted")
-        return 130
-    except _USAGE_ERROR as e:  # unknown option, missing argument, bad value: one line, as every error
-        if not e.format_message():  # a command group run bare: click has printed its help, nothing failed
-            return 0
-        error_line(usage_message(e, args) + _dash_file_hint(e, args))
-        return e.exit_code  # type: ignore[attr-defined]
-    except KeyboardInterrupt:
-        _interrupted()
-        return 130
-    except Terminated:
-        _interrupted("SIGTERM")
-        return 143
+                traceback.print_exc()
+            error_line(message)
+        return code
     finally:
         watch()
         if shell_named:
             del os.environ[_SHELL_CHOICE_ENV]
     return result if isinstance(result, int) else 0
+
+
+def _ending(e: BaseException, args: list[str]) -> tuple[str | None, int] | None:
+    """How the command ends on `e`: (its one red line, None for none; the exit code). None: `e` is
+    not a user's failure (a bug) and keeps its traceback."""
+    if isinstance(e, typer.Exit):
+        return None, e.exit_code
+    if isinstance(e, SystemExit):  # Typer's --show-completion / --install-completion exit so
+        return None, e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    if isinstance(e, typer.Abort):
+        return "aborted", 130
+    if isinstance(e, _USAGE_ERROR):  # unknown option, missing argument, bad value
+        if not e.format_message():  # a command group run bare: click has printed its help, nothing failed
+            return None, 0
+        return usage_message(e, args) + _dash_file_hint(e, args), e.exit_code  # type: ignore[attr-defined]
+    if isinstance(e, KeyboardInterrupt):
+        return "interrupted (Ctrl-C)", 130
+    if isinstance(e, Terminated):
+        return "interrupted (SIGTERM)", 143
+    message = user_message(e)
+    return None if message is None else (message, getattr(e, "exit_code", 2))
 
 
 if __name__ == "__main__":

@@ -27,7 +27,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from difftrain.errors import ConfigError
+from difftrain.errors import ConfigError, validation_message
 from difftrain.io import atomic_write_json, json_error_reason
 
 Arch = Literal["baseline", "diff", "diff2"]
@@ -45,18 +45,8 @@ def default_ffn_hidden(d_model: int) -> int:
 
 
 def config_error_from_validation(err: ValidationError, where: str = "model") -> ConfigError:
-    """One ConfigError line per pydantic error: `where.field: message`."""
-    parts = []
-    for e in err.errors():
-        loc = ".".join(str(p) for p in (where, *e["loc"]) if p != "")
-        msg = str(e["msg"]).removeprefix("Value error, ")
-        if e["type"] == "extra_forbidden":
-            msg = f"unknown key; valid keys are: {', '.join(ModelConfig.model_fields)}"
-        if e["type"] == "value_error" and msg.split("=")[0] in ModelConfig.model_fields:
-            parts.append(f"{loc}.{msg}")  # a cross-field check whose message starts with `field=`
-        else:
-            parts.append(f"{loc}: {msg}")
-    return ConfigError("; ".join(parts))
+    """A ConfigError of one line for `err`: `where.field: message` for each error."""
+    return ConfigError(validation_message(err, ModelConfig, prefix=where))
 
 
 class ModelConfig(BaseModel):
