@@ -12,7 +12,7 @@ help:
 	@echo "make quickstart  train the quickstart model (~5 min on a 2-core CPU) and sample from it"
 	@echo "make test        run the test suite (CPU)"
 	@echo "make lint        ruff check + format check"
-	@echo "make bench       run the benchmarks and write benchmarks/results/*.json"
+	@echo "make bench       run the benchmark scripts and write benchmarks/results/*.json"
 	@echo "make claims      diff vs baseline over 3 seeds (~1 h on 2 cores): benchmarks/results/claims.md"
 	@echo "make docs        regenerate the recipe reference in docs/recipes.md"
 

@@ -3,7 +3,12 @@ and attention implementation, and the diff/baseline (and diff2/baseline) ratios 
 
     .venv/bin/python benchmarks/attention_layer.py                     # d_model=512, H=8, T=512, B=8
     .venv/bin/python benchmarks/attention_layer.py --impls sdpa --reps 3 --json bench.json
-    .venv/bin/python benchmarks/attention_layer.py --variants          # diff sdpa: two calls vs one
+    .venv/bin/python benchmarks/attention_layer.py --cores             # the attention cores alone
+    .venv/bin/python benchmarks/attention_layer.py --variants          # diff: the candidate cores
+
+`--cores` times `difftrain.model.kernels.attention_core` alone (no projections) per arch × impl at
+the (B, T, H, d) of the arguments; `--variants` times the candidate `diff` cores of
+`diff_cores.py` (zero-padded SDPA, SDPA with V split) against the package's sdpa core.
 
 Each measurement: `--warmup` untimed iterations, then the median of `--reps` timed ones, the
 archs of one implementation timed round-robin so their ratio survives a change of machine load. flex
@@ -21,11 +26,13 @@ import sys
 import time
 from pathlib import Path
 
+import diff_cores
 import torch
+from common import ROOT  # noqa: F401  (puts the checkout on sys.path)
 
 from difftrain.model import AttnMask, ModelConfig
 from difftrain.model.attention import AttnOptions
-from difftrain.model.kernels import diff_sdpa_one_call, diff_sdpa_split_v, diff_sdpa_two_calls
+from difftrain.model.kernels import attention_core
 from difftrain.model.rope import RotaryEmbedding
 from difftrain.model.transformer import Block
 
@@ -108,7 +115,7 @@ def bench_blocks(args: argparse.Namespace, impl: str, device: torch.device) -> l
 
 
 def bench_diff_variants(args: argparse.Namespace, device: torch.device) -> list[dict]:
-    """The diff core alone (fwd+bwd): the sdpa strategies of kernels.py, relative to the first."""
+    """The diff core alone (fwd+bwd): the package's sdpa core, then each candidate of diff_cores.py."""
     torch.manual_seed(0)
     B, T, H, d = args.batch, args.seq, args.n_heads, args.d_model // args.n_heads
     q = torch.randn(B, H, T, d, device=device, requires_grad=True)
@@ -116,16 +123,51 @@ def bench_diff_variants(args: argparse.Namespace, device: torch.device) -> list[
     v = torch.randn(B, H // 2, T, 2 * d, device=device, requires_grad=True)
     lam = torch.tensor(0.3, device=device, requires_grad=True)
     mask = AttnMask(T, T)
+    cores = {"package_sdpa": lambda: attention_core("diff", q, k, v, lam, mask, "sdpa").out}
+    cores |= {name: lambda fn=fn: fn(q, k, v, lam) for name, fn in diff_cores.CANDIDATES.items()}
     steps = {}
-    for fn in (diff_sdpa_two_calls, diff_sdpa_one_call, diff_sdpa_split_v):
+    for name, core in cores.items():
 
-        def step(fn=fn) -> None:
-            out = fn(q, k, v, lam, mask)
-            torch.autograd.grad(out.sum(), (q, k, v, lam))
+        def step(core=core) -> None:
+            torch.autograd.grad(core().sum(), (q, k, v, lam))
 
-        steps[fn.__name__] = step
+        steps[name] = step
     times = _time_interleaved(steps, args.warmup, args.reps, device)
     return [{"variant": name, **_summary(t)} for name, t in times.items()]
+
+
+def bench_cores(args: argparse.Namespace, impl: str, device: torch.device) -> list[dict]:
+    """Each arch's attention core alone, forward+backward (forward only for flex on CPU)."""
+    g = torch.Generator().manual_seed(0)
+    B, T, H, d = args.batch, args.seq, args.n_heads, args.d_model // args.n_heads
+
+    def leaf(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=g).to(device).requires_grad_()
+
+    mask = AttnMask(T, T)
+    q, k, q2 = leaf(B, H, T, d), leaf(B, H, T, d), leaf(B, 2 * H, T, d)
+    v_base, v_diff = leaf(B, H, T, d), leaf(B, H // 2, T, 2 * d)
+    lam, lam2 = torch.tensor(0.3, device=device, requires_grad=True), leaf(B, H, T)
+    cores = {
+        "baseline": lambda: attention_core("baseline", q, k, v_base, None, mask, impl).out,
+        "diff": lambda: attention_core("diff", q, k, v_diff, lam, mask, impl).out,
+        "diff2": lambda: attention_core("diff2", q2, k, v_base, lam2, mask, impl).out,
+    }
+    backward = not (impl == "flex" and device.type == "cpu")
+    steps = {}
+    for arch in args.archs:
+
+        def step(core=cores[arch]) -> None:
+            if backward:
+                core().sum().backward()
+            else:
+                with torch.no_grad():
+                    core()
+
+        steps[arch] = step
+    times = _time_interleaved(steps, args.warmup, args.reps, device)
+    mode = "fwd+bwd" if backward else "fwd"
+    return [{"arch": a, "impl": impl, "mode": mode, **_summary(times[a])} for a in args.archs]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -139,7 +181,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--variants", action="store_true", help="only compare the two diff sdpa strategies")
+    p.add_argument("--variants", action="store_true", help="only compare the candidate diff cores")
+    p.add_argument("--cores", action="store_true", help="the attention cores alone, not whole blocks")
     p.add_argument("--json", type=Path, help="also write the results as JSON to this path")
     args = p.parse_args(argv)
     device = torch.device(args.device)
@@ -154,7 +197,13 @@ def main(argv: list[str] | None = None) -> int:
         "warmup": args.warmup,
         "reps": args.reps,
     }
-    what = "the diff attention core (sdpa strategies)" if args.variants else "one decoder block"
+    what = (
+        "the candidate diff cores"
+        if args.variants
+        else "the attention core"
+        if args.cores
+        else "one decoder block"
+    )
     print(
         f"{what}, d_model={args.d_model} H={args.n_heads} T={args.seq} B={args.batch} "
         f"on {device} ({torch.get_num_threads()} threads), median of {args.reps}"
@@ -169,7 +218,8 @@ def main(argv: list[str] | None = None) -> int:
             )
         result: dict = {"setup": setup, "diff_sdpa_variants": rows}
     else:
-        results = [r for impl in args.impls for r in bench_blocks(args, impl, device)]
+        bench = bench_cores if args.cores else bench_blocks
+        results = [r for impl in args.impls for r in bench(args, impl, device)]
         by = {(r["arch"], r["impl"]): r for r in results}
         others = [a for a in args.archs if a != "baseline"] if "baseline" in args.archs else []
         ratios = {}
@@ -184,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
                     ratios[f"{a}/baseline[{impl},{clock}]"] = round(r, 3)
                     line += f"{r:12.2f}"
                 print(line)
-        result = {"setup": setup, "results": results, "ratios": ratios}
+        result = {"setup": setup, "cores_only": args.cores, "results": results, "ratios": ratios}
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(result, indent=2) + "\n")

@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 
 import torch
+from common import hf_model_for
 
 from difftrain.infer.generate import GenerationConfig, generate_all
 from difftrain.infer.sampling import SamplingConfig
@@ -63,27 +64,9 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 
 
 def hf_model(model: Transformer) -> torch.nn.Module | None:
-    """The same weights as a transformers model (Llama for baseline, DiffLlama for diff), built in
-    memory with `difftrain.interop.hf`'s converters; None when those are missing or the arch has no
-    transformers class (diff2)."""
-    try:
-        import transformers
-
-        from difftrain.errors import InteropError
-        from difftrain.interop.hf import hf_config_dict, to_hf_state_dict
-    except ImportError:
-        return None
-    c = model.config
-    try:
-        cfg = hf_config_dict(c, bos_id=0, eos_id=1, pad_id=2)
-    except InteropError:
-        return None
-    hf_cfg = transformers.AutoConfig.for_model(cfg.pop("model_type"), **cfg)
-    hf = transformers.AutoModelForCausalLM.from_config(hf_cfg, dtype=torch.float32)
-    missing, unexpected = hf.load_state_dict(to_hf_state_dict(model.state_dict(), c), strict=False)
-    assert not unexpected and all(k == "lm_head.weight" for k in missing), (missing, unexpected)
-    hf.generation_config.eos_token_id = None  # like our run: exactly new_tokens tokens, no eos stop
-    return hf.eval()
+    """The same weights as a transformers model in eval mode (see `common.hf_model_for`)."""
+    hf = hf_model_for(model)
+    return None if hf is None else hf.eval()
 
 
 def time_hf(model: Transformer, prompt: list[int], new_tokens: int) -> tuple[float, list[int]] | None:

@@ -22,11 +22,9 @@ from datetime import date
 from pathlib import Path
 
 import torch
+from common import cpu_name, hf_model_for
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from difftrain.bench import cpu_name, hf_model_for  # noqa: E402
-from difftrain.model import ModelConfig, Transformer  # noqa: E402
+from difftrain.model import ModelConfig, Transformer
 
 
 def build(arch: str, args: argparse.Namespace, impl: str = "auto") -> Transformer:
@@ -82,7 +80,7 @@ def timed(fn, reps: int, warmup: int = 1) -> list[float]:
     return out
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--d-model", type=int, default=512)
     p.add_argument("--layers", type=int, default=4)
@@ -94,7 +92,7 @@ def main() -> None:
     p.add_argument("--decode-tokens", type=int, default=64)
     p.add_argument("--json", type=Path)
     p.add_argument("extra", nargs="*", help="more variants: arch:impl (e.g. diff:eager)")
-    args = p.parse_args()
+    args = p.parse_args(argv)
 
     torch.manual_seed(0)
     ids = torch.randint(0, args.vocab, (args.batch, args.seq + 1))
@@ -125,7 +123,7 @@ def main() -> None:
         "date": date.today().isoformat(),
         "machine": f"{cpu_name()}, {torch.get_num_threads()} threads, load {os.getloadavg()[0]:.1f}",
         "torch": torch.__version__,
-        "command": "python benchmarks/model_step.py " + " ".join(sys.argv[1:]),
+        "command": "python benchmarks/model_step.py " + " ".join(sys.argv[1:] if argv is None else argv),
         "shape": {k: getattr(args, k) for k in ("d_model", "layers", "heads", "seq", "batch", "vocab")},
         "train_tokens_per_s": {n: tokens / statistics.median(t) for n, t in train_s.items()},
         "decode_tokens_per_s": {n: args.decode_tokens / statistics.median(t) for n, t in decode_s.items()},
@@ -143,7 +141,8 @@ def main() -> None:
         print(f"{k:28s} {v:.2f}")
     if args.json:
         args.json.write_text(json.dumps(result, indent=2) + "\n")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -1,82 +1,76 @@
-"""Run the whole benchmark (`make bench`) and write benchmarks/results/bench-<device>-<mode>.{json,md}.
+"""Run the benchmark scripts one after another (`make bench`), each writing results/<name>.json.
 
-    .venv/bin/python benchmarks/run_all.py              # default: a few minutes on a 2-core CPU
-    .venv/bin/python benchmarks/run_all.py --quick      # tiny shapes: a smoke test (about a minute)
-    .venv/bin/python benchmarks/run_all.py --full       # + torch.compile, flex attention, longer grid
-    .venv/bin/python benchmarks/run_all.py --threads 1  # on a machine other jobs share (see below)
+    .venv/bin/python benchmarks/run_all.py              # every script at its default shapes
+    .venv/bin/python benchmarks/run_all.py --quick      # tiny shapes, 1-2 repetitions: a smoke test
+    .venv/bin/python benchmarks/run_all.py --only memory optimizer_state --threads 1
 
-Everything is measured by `difftrain bench` (difftrain/bench.py) in this one process, so the
-ratios in the result are comparable; the .md file holds the README's tables, regenerated from the
-JSON (`difftrain bench --markdown FILE.json` prints the same). On a CPU that other jobs share,
-`--threads 1` avoids the intra-op threads waiting for each other, which otherwise dominates both
-wall and CPU time; the result records the thread count and the load average.
+Each script runs in its own process (a failure is reported and the next one runs); the exit code
+is 1 when any failed. On a CPU that other jobs share, `--threads 1` avoids intra-op threads
+waiting for each other, which otherwise dominates both wall and CPU time. `--out-dir` puts the
+JSON elsewhere (default: benchmarks/results/; `--quick` results get a `-quick` suffix, so they
+never replace a full run's).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import subprocess
 import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+HERE = Path(__file__).resolve().parent
+
+# result → (the script's arguments, its arguments under --quick)
+SCRIPTS: dict[str, tuple[list[str], list[str]]] = {
+    "attention_layer": (
+        [],
+        ["--d-model", "64", "--n-heads", "4", "--seq", "64", "--batch", "2", "--reps", "1"],
+    ),
+    "attention_cores": (
+        ["--cores"],
+        ["--cores", "--d-model", "64", "--n-heads", "4", "--seq", "64", "--reps", "1"],
+    ),
+    "model_step": (
+        ["--reps", "5"],
+        ["--d-model", "64", "--layers", "2", "--seq", "64", "--reps", "1", "--decode-tokens", "8"],
+    ),
+    "hf_compare": (["--compile"], ["--shape", "tiny", "--reps", "1", "--decode-tokens", "8"]),
+    "lightning_overhead": ([], ["--shape", "tiny", "--steps", "3", "--rounds", "2"]),
+    "optimizer_state": ([], ["--shape", "tiny", "--reps", "2"]),
+    "decode": (["--compile", "--hf"], ["--new-tokens", "8", "--no-uncached", "--arch", "diff"]),
+    "memory": ([], ["--shapes", "tiny"]),
+    "data_pipeline": ([], ["--vocab", "512", "--batches", "20", "--no-model"]),
+}
+FILES = {"attention_cores": "attention_layer"}  # result name → script, where they differ
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    mode = ap.add_mutually_exclusive_group()
-    mode.add_argument("--quick", action="store_true", help="tiny shapes (a smoke test)")
-    mode.add_argument("--full", action="store_true", help="add torch.compile, flex and a longer grid")
-    ap.add_argument("--device", default="auto", help="auto | cpu | cuda")
-    ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
-    ap.add_argument("--only", nargs="+", default=None, help="sections to run (default: all)")
-    ap.add_argument("--out-dir", type=Path, default=ROOT / "benchmarks" / "results")
-    args = ap.parse_args(argv)
-
-    from rich.table import Table
-
-    from difftrain.bench import run_bench
-    from difftrain.bench_report import SECTIONS, BenchOptions, bench_markdown, describe, tables
-    from difftrain.cli.common import WideWhenPiped
-    from difftrain.errors import DifftrainError
-    from difftrain.io import atomic_write_json, atomic_write_text
-
-    mode_name = "quick" if args.quick else "full" if args.full else "default"
-    argv_s = " ".join(sys.argv[1:] if argv is None else argv)
-    opts = BenchOptions(
-        mode=mode_name,
-        sections=tuple(args.only or SECTIONS),
-        device=args.device,
-        threads=args.threads,
-        command=f"python benchmarks/run_all.py {argv_s}".strip(),
+    ap.add_argument("--quick", action="store_true", help="tiny shapes (a smoke test)")
+    ap.add_argument(
+        "--threads", type=int, default=None, help="OMP_NUM_THREADS of each script (torch's threads)"
     )
-    console = WideWhenPiped()  # piped or to a file: no cell cropped
-    t0 = time.perf_counter()
-
-    def progress(msg: str) -> None:
-        console.print(f"[dim]{time.perf_counter() - t0:6.0f} s[/] {msg}")
-
-    try:
-        result = run_bench(opts, progress=progress)
-    except DifftrainError as e:  # a bad option or setting (no GPU for --device cuda, ...): one line
-        console.print(f"[bold red]error:[/] {e}", soft_wrap=True)
-        return e.exit_code
-    console.print(f"[bold]difftrain bench[/] — {describe(result)}")
-    for title, header, rows in tables(result):
-        table = Table(title=title, title_justify="left")
-        for h in header:
-            table.add_column(h)
-        for row in rows:
-            table.add_row(*[str(c) for c in row])
-        console.print(table)
-    # the name `difftrain bench` gives: a run of some sections (--only) never replaces a whole run's
-    import torch
-
-    stem = args.out_dir / Path(opts.default_out(torch.device(result["device"]["type"]))).stem
-    atomic_write_json(stem.with_suffix(".json"), result)
-    atomic_write_text(stem.with_suffix(".md"), bench_markdown(result))
-    console.print(f"wrote {stem}.json and {stem}.md in {result['seconds']:.0f} s")
-    return 0
+    ap.add_argument("--only", nargs="+", choices=list(SCRIPTS), default=None, help="these results only")
+    ap.add_argument("--out-dir", type=Path, default=HERE / "results")
+    args = ap.parse_args(argv)
+    failed = []
+    for name in args.only or SCRIPTS:
+        script_args, quick_args = SCRIPTS[name]
+        out = args.out_dir / f"{name}{'-quick' if args.quick else ''}.json"
+        cmd = [sys.executable, str(HERE / f"{FILES.get(name, name)}.py")]
+        cmd += [*(quick_args if args.quick else script_args), "--json", str(out)]
+        print(f"== {name}: {' '.join(cmd[1:])}", flush=True)
+        t0 = time.perf_counter()
+        env = {**os.environ, **({"OMP_NUM_THREADS": str(args.threads)} if args.threads else {})}
+        code = subprocess.run(cmd, env=env).returncode
+        print(f"== {name}: exit {code} after {time.perf_counter() - t0:.0f} s", flush=True)
+        if code != 0:
+            failed.append(name)
+    if failed:
+        print(f"failed: {', '.join(failed)}", file=sys.stderr)
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -86,7 +86,7 @@ fragments (×1.10); on CPU the process itself (Python, torch, Lightning and the 
 first use, ≈ 0.9 GiB) and glibc's free blocks (×1.25). The estimates are for eager execution:
 torch.compile fuses and recomputes, and usually saves less.
 
-How good it is (`difftrain bench --only memory`, CPU fp32, fresh process per shape): the peak
+How good it is (`python benchmarks/memory.py`, CPU fp32, fresh process per shape): the peak
 estimate is within ±4 % of the tensors' own peak (tracked by the profiler's memory events) for
 baseline/diff, with and without checkpointing, AdamW and 8-bit AdamW, up to d_model 512 / seq
 512. The resident set grows 1.4–2.5× more than that peak (allocator blocks, lazily loaded
