@@ -381,7 +381,7 @@ def test_chat_records_are_read_from_parquet_and_hf_datasets_as_from_jsonl(tmp_pa
 def test_a_split_asked_of_a_saved_dataset_without_splits_is_refused(tmp_path: Path, monkeypatch) -> None:
     import datasets
 
-    from difftrain.data import sources as sources_mod
+    from difftrain.data import hub as sources_mod
 
     datasets.Dataset.from_dict({"text": ["a", "b"]}).save_to_disk(str(tmp_path / "one"))
     assert docs(["hf:./one"], tmp_path) == ["a", "b"]
@@ -617,7 +617,7 @@ def test_eval_reads_a_chat_dataset_as_records_as_it_reads_a_chat_jsonl(tmp_path:
     # refused), while the same records as .jsonl or .parquet were rendered through the template
     import datasets
 
-    from difftrain.evals.common import data_source, holds_records
+    from difftrain.evals.windows import data_source, holds_records
 
     msgs = [[{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]]
     datasets.Dataset.from_dict({"messages": msgs}).save_to_disk(str(tmp_path / "chat"))

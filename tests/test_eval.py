@@ -21,7 +21,7 @@ from difftrain.data.tokenizer import train_tokenizer
 from difftrain.errors import ConfigError
 from difftrain.evals import EvalOptions, evaluate, save_result
 from difftrain.evals.attention import spans
-from difftrain.evals.common import eval_windows, load_result
+from difftrain.evals.common import load_result
 from difftrain.evals.icl import label_scores
 from difftrain.evals.needle import (
     NeedleGrid,
@@ -32,6 +32,7 @@ from difftrain.evals.needle import (
     score,
 )
 from difftrain.evals.quant import fake_quantize
+from difftrain.evals.windows import eval_windows
 from difftrain.model import ModelConfig, Transformer
 from difftrain.model.transformer import LMOutput
 from difftrain.rundir import load_run, save_weights
@@ -1028,7 +1029,7 @@ def test_figure_titles_with_a_long_run_name_stay_inside_the_figure(tmp_path, mon
 def test_bits_per_byte_counts_the_spaces_a_sentencepiece_piece_stands_for(metaspace_tokenizer):
     import numpy as np
 
-    from difftrain.evals.common import token_byte_lengths, window_target_bytes
+    from difftrain.evals.windows import token_byte_lengths, window_target_bytes
 
     tok = metaspace_tokenizer
     windows = np.array([[2, 3, 4, 5], [3, 4, 5, 6], [5, 1, 3, 4]])

@@ -502,9 +502,9 @@ def eval_command(
         check_depths,
         check_label,
         check_positive,
-        data_source,
     )
     from difftrain.evals.needle import parse_needles
+    from difftrain.evals.windows import data_source
 
     suites = parse_suites(suite)
     opts = EvalOptions(

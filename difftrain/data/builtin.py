@@ -1,19 +1,14 @@
 """Embedded corpora: the Python standard library, a multi-needle retrieval task, docstring SFT.
 
-All three exist wherever Python does, so the quickstart runs offline with nothing downloaded.
-
 - `builtin:python-stdlib`: the stdlib's own `.py` files (found via `sysconfig`), test suites
   excluded, in sorted order — about 14 MB of real, varied text.
 - `builtin:needles`: the multi-needle retrieval test of the Differential Transformer paper
   (§3.4): a haystack of filler sentences with N needles "The magic number of <city> is
   <7 digits>." inserted at chosen depths, and R of them asked for at the end.
-  `make_needle_example` returns the structured example (needles, their character offsets, the
-  query, the expected answers) for the retrieval evaluation.
 - `builtin:python-docstrings`: instruction records derived with `ast`: prompt = a function's
   signature and docstring, response = its body.
 
-Randomness comes from `random.Random(seed).random()` / `getrandbits` only, whose streams CPython
-keeps stable across versions, so a corpus is a pure function of its parameters.
+A corpus is a pure function of its parameters (`random.Random(seed)` streams only).
 """
 
 from __future__ import annotations

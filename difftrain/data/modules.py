@@ -1,16 +1,10 @@
 """Lightning data modules: pretraining windows from token shards, and SFT records.
 
-Both modules are *exactly resumable*: the batch at global sample index g is a pure function of
-(seed, g), and the module counts the samples the training loop has consumed (`state_dict()`
-holds the count; Lightning saves it in every checkpoint and calls `load_state_dict` on resume),
-so a resumed run sees the same batches an uninterrupted run would have seen. The count is taken
-in `on_after_batch_transfer` — when a batch reaches the training step, not when a DataLoader
-worker prefetches it. (A LightningModule must therefore not override `on_after_batch_transfer`.)
-
-Ranks: rank r of a world of w processes reads the global sample indices g = c + k·w + r
-(k = 0, 1, ...; c = samples consumed so far), so ranks are disjoint and together read the same
-samples as one process would. Rank and world size come from the attached Trainer unless given.
-Both modules use IterableDatasets so that Lightning does not inject a DistributedSampler.
+Both are exactly resumable: the batch at global sample index g is a pure function of (seed, g),
+and `state_dict()` holds the samples consumed, counted in `on_after_batch_transfer` (a
+LightningModule must not override it). Rank r of w reads g = c + k·w + r (c = samples consumed),
+so ranks are disjoint and together read what one process would. Rank and world size come from
+the attached Trainer unless given. IterableDatasets keep Lightning from adding a sampler.
 """
 
 from __future__ import annotations
@@ -80,13 +74,12 @@ class _ResumableDataModule(L.LightningDataModule):
 
     def __init__(
         self,
-        *,
         micro_batch_size: int,
         seed: int,
-        num_workers: int,
-        pin_memory: bool | Literal["auto"],
-        rank: int | None,
-        world_size: int | None,
+        num_workers: int = 0,
+        pin_memory: bool | Literal["auto"] = False,
+        rank: int | None = None,
+        world_size: int | None = None,
     ) -> None:
         super().__init__()
         if micro_batch_size < 1:
@@ -147,6 +140,43 @@ def _worker_slice() -> tuple[int, int]:
     return (0, 1) if info is None else (info.id, info.num_workers)
 
 
+class _Endless(IterableDataset):
+    """Endless batches of one rank: local batch j holds the global samples `batch_indices(j)`,
+    made into a batch by `make` (DataLoader workers take every n-th j, in order)."""
+
+    def __init__(
+        self, make: Callable[[np.ndarray], Any], batch: int, start: int, rank: int, world: int
+    ) -> None:
+        self.make, self.batch, self.start, self.rank, self.world = make, batch, start, rank, world
+
+    def batch_indices(self, j: int) -> np.ndarray:
+        """Global sample indices of this rank's local batch j."""
+        k = np.arange(j * self.batch, (j + 1) * self.batch, dtype=np.int64)
+        return self.start + k * self.world + self.rank
+
+    def __iter__(self) -> Iterator[Any]:
+        worker, n_workers = _worker_slice()
+        j = worker
+        while True:
+            yield self.make(self.batch_indices(j))
+            j += n_workers
+
+
+class _Fixed(IterableDataset):
+    """One rank's share (`items[rank::world]`) of a fixed list, in batches made by `make`."""
+
+    def __init__(self, make: Callable[[Any], Any], items: Any, batch: int, rank: int, world: int) -> None:
+        self.make, self.items, self.batch = make, items[rank::world], batch
+
+    def __len__(self) -> int:
+        return -(-len(self.items) // self.batch)
+
+    def __iter__(self) -> Iterator[Any]:
+        worker, n_workers = _worker_slice()
+        for j in range(worker, len(self), n_workers):
+            yield self.make(self.items[j * self.batch : (j + 1) * self.batch])
+
+
 # ---------------------------------------------------------------------------------------------
 # pretraining
 
@@ -172,66 +202,27 @@ class _Memmap:
         return torch.from_numpy(rows.astype(np.int64))
 
 
-class _TrainWindows(IterableDataset):
-    """Endless stream of training batches for one rank, starting after `start` global samples."""
+@dataclass(frozen=True)
+class _WindowBatches:
+    """Batches of windows of `data`: by start offset, or (`seed` set) by training sample index."""
 
-    def __init__(
-        self, data: _Memmap, seq_len: int, batch: int, seed: int, start: int, rank: int, world: int
-    ) -> None:
-        self.data, self.seq_len, self.batch, self.seed = data, seq_len, batch, seed
-        self.start, self.rank, self.world = start, rank, world
+    data: _Memmap
+    seq_len: int
+    seed: int | None = None
 
-    def batch_indices(self, j: int) -> np.ndarray:
-        """Global sample indices of this rank's local batch j."""
-        k = np.arange(j * self.batch, (j + 1) * self.batch, dtype=np.int64)
-        return self.start + k * self.world + self.rank
-
-    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
-        worker, n_workers = _worker_slice()
-        j = worker  # DataLoader interleaves workers round-robin, preserving this order
-        while True:
-            g = self.batch_indices(j)
-            offsets = window_offsets(self.seed, g, self.data.n_tokens, self.seq_len + 1)
-            w = self.data.windows(offsets, self.seq_len + 1)
-            yield {"input_ids": w[:, :-1], "targets": w[:, 1:]}
-            j += n_workers
-
-
-class _ValWindows(IterableDataset):
-    """The fixed validation windows of one rank, in batches."""
-
-    def __init__(
-        self, data: _Memmap, seq_len: int, offsets: np.ndarray, batch: int, rank: int, world: int
-    ) -> None:
-        self.data, self.seq_len, self.batch = data, seq_len, batch
-        self.offsets = offsets[rank::world]
-
-    def __len__(self) -> int:
-        return -(-len(self.offsets) // self.batch)
-
-    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
-        worker, n_workers = _worker_slice()
-        for j in range(worker, len(self), n_workers):
-            w = self.data.windows(self.offsets[j * self.batch : (j + 1) * self.batch], self.seq_len + 1)
-            yield {"input_ids": w[:, :-1], "targets": w[:, 1:]}
+    def __call__(self, at: np.ndarray) -> dict[str, torch.Tensor]:
+        if self.seed is not None:
+            at = window_offsets(self.seed, at, self.data.n_tokens, self.seq_len + 1)
+        w = self.data.windows(at, self.seq_len + 1)
+        return {"input_ids": w[:, :-1], "targets": w[:, 1:]}
 
 
 class PretrainDataModule(_ResumableDataModule):
     """Windows of seq_len + 1 tokens from the token shards: input_ids = w[:-1], targets = w[1:].
 
-    Sampling: random offsets (as nanoGPT's memmap reader), not packed sequential windows.
-    Training sample g starts at offset(seed, g) (see `window_offsets`), uniformly over the
-    training tokens, crossing document boundaries (documents are separated by <|eos|>).
-    Why: a sample is a pure function of (seed, g), so resuming, changing the number of ranks or
-    workers, or changing seq_len needs no epoch bookkeeping and no shuffled index of all windows;
-    every position is equally likely to start a window, so no token is systematically cut at a
-    window boundary as in a fixed packing. The cost — windows are drawn with replacement, so an
-    "epoch" covers ≈ 63% of windows — is irrelevant for language-model pretraining, where data is
-    rarely repeated and the loss is averaged over millions of positions.
-
-    Validation: `val_windows` windows evenly spaced over the validation split — the same windows
-    for every run and architecture with the same data and seed — split over ranks.
-
+    Training sample g starts at `window_offsets(seed, g)`, uniform over the training tokens and
+    across document boundaries (drawn with replacement, as nanoGPT's memmap reader). Validation:
+    `val_windows` windows evenly spaced over the validation split, split over ranks.
     `prepared`: the `PreparedData` of `prepare_data`, or a shard folder (with index.json).
     """
 
@@ -248,14 +239,7 @@ class PretrainDataModule(_ResumableDataModule):
         rank: int | None = None,
         world_size: int | None = None,
     ) -> None:
-        super().__init__(
-            micro_batch_size=micro_batch_size,
-            seed=seed,
-            num_workers=num_workers,
-            pin_memory=pin_memory,
-            rank=rank,
-            world_size=world_size,
-        )
+        super().__init__(micro_batch_size, seed, num_workers, pin_memory, rank, world_size)
         if isinstance(prepared, PreparedData):
             index, train_path, val_path = prepared.index, prepared.train_path, prepared.val_path
         else:
@@ -294,13 +278,11 @@ class PretrainDataModule(_ResumableDataModule):
         seed: int,
     ) -> PretrainDataModule | SFTDataModule:
         """Build from the recipe's data section (workers, pinning, validation windows).
-
-        `builtin:recall` data is the exception: it is trained on its answers only, so its
-        examples go one per sequence, with the loss mask of fine-tuning (an `SFTDataModule` whose
-        records are the examples' segments); its validation is the sources' `val_documents`."""
+        `builtin:recall` data gives an `SFTDataModule`: one example per sequence, trained on its
+        answers only; validation on the sources' `val_documents`."""
         specs = data_cfg.recall_specs
         if specs is not None:
-            from difftrain.data import recall
+            import difftrain.data.recall as recall
             from difftrain.data.tokenizer import load_tokenizer
 
             train, val = recall.recall_records(specs)
@@ -334,16 +316,9 @@ class PretrainDataModule(_ResumableDataModule):
             pin_memory=data_cfg.pin_memory,
         )
 
-    def train_dataset(self) -> _TrainWindows:
-        return _TrainWindows(
-            self.train_data,
-            self.seq_len,
-            self.micro_batch_size,
-            self.seed,
-            self.consumed_samples,
-            self.rank,
-            self.world_size,
-        )
+    def train_dataset(self) -> _Endless:
+        make = _WindowBatches(self.train_data, self.seq_len, self.seed)
+        return _Endless(make, self.micro_batch_size, self.consumed_samples, self.rank, self.world_size)
 
     def train_dataloader(self) -> DataLoader:
         """Endless loader starting at the consumed position (bound the run with max_steps)."""
@@ -352,10 +327,8 @@ class PretrainDataModule(_ResumableDataModule):
     def val_dataloader(self) -> DataLoader | list:
         if len(self.val_offsets) == 0:
             return []
-        ds = _ValWindows(
-            self.val_data, self.seq_len, self.val_offsets, self.micro_batch_size, self.rank, self.world_size
-        )
-        return self._loader(ds)
+        make = _WindowBatches(self.val_data, self.seq_len)
+        return self._loader(_Fixed(make, self.val_offsets, self.micro_batch_size, self.rank, self.world_size))
 
     def state_dict(self) -> dict[str, Any]:
         return {**super().state_dict(), "seq_len": self.seq_len}
@@ -368,16 +341,12 @@ Segment = tuple[str, bool]
 """A piece of an SFT example: (text, trained) — trained pieces contribute to the loss."""
 
 Template = Callable[[Mapping[str, Any]], Sequence[Segment]]
-"""Turns a record into segments; the fine-tune issue adds chat templates for `messages`."""
+"""Turns a record into segments."""
 
 
 @dataclass(frozen=True)
 class PromptResponseTemplate:
-    """The default template: prompt_format.format(**record) (masked) + response_format (trained).
-
-    The formats are plain concatenated; put separators in them, e.g.
-    PromptResponseTemplate("### Instruction:\\n{prompt}\\n### Response:\\n", "{response}").
-    """
+    """prompt_format.format(**record) (masked) + response_format (trained), concatenated."""
 
     prompt_format: str = "{prompt}"
     response_format: str = "{response}"
@@ -396,9 +365,8 @@ class PromptResponseTemplate:
 
 
 def _empty_response(record: Mapping[str, Any]) -> bool:
-    """Whether an instruction record has nothing to answer with: an empty (or blank) response, or
-    a chat whose assistant turns are all empty. Training such a record teaches only where a reply
-    ends (the end-of-sequence token, or the chat template's end of turn)."""
+    """Whether an instruction record has an empty (or blank) response, or a chat whose assistant
+    turns are all empty."""
     if "messages" in record and "response" not in record:
         replies = [
             m.get("content")
@@ -478,11 +446,8 @@ def encode_sft_record(
 def pad_sft_batch(
     examples: Sequence[tuple[Sequence[int], Sequence[int]]], pad_id: int, length: int | None = None
 ) -> dict[str, torch.Tensor]:
-    """Right-pad examples to the longest (or `length`): input pad = pad_id, target pad = -100.
-
-    With causal attention, right padding never changes the real positions' outputs, so no
-    attention mask is needed.
-    """
+    """Right-pad examples to the longest (or `length`): input pad = pad_id, target pad = -100
+    (causal attention: right padding needs no mask)."""
     T = length if length is not None else max(len(ids) for ids, _ in examples)
     input_ids = torch.full((len(examples), T), pad_id, dtype=torch.long)
     targets = torch.full((len(examples), T), IGNORE_INDEX, dtype=torch.long)
@@ -492,80 +457,41 @@ def pad_sft_batch(
     return {"input_ids": input_ids, "targets": targets}
 
 
-class _SFTTrain(IterableDataset):
-    """Endless SFT batches: sample g is record perm_e[g mod N] with e = g div N (epoch e)."""
+class _SFTBatches:
+    """Padded batches of SFT examples: by slice, or (`seed` set) by training sample index, where
+    sample g is example perm_e[g mod N] of the seeded permutation of epoch e = g div N."""
 
     def __init__(
         self,
         examples: list[tuple[list[int], list[int]]],
-        batch: int,
-        seed: int,
-        start: int,
-        rank: int,
-        world: int,
         pad_id: int,
         length: int | None,
+        seed: int | None = None,
     ) -> None:
-        self.examples, self.batch, self.seed = examples, batch, seed
-        self.start, self.rank, self.world = start, rank, world
-        self.pad_id, self.length = pad_id, length
+        self.examples, self.pad_id, self.length, self.seed = examples, pad_id, length, seed
         self._perms: dict[int, np.ndarray] = {}
 
     def record_index(self, g: int) -> int:
-        n = len(self.examples)
-        epoch, pos = divmod(g, n)
+        epoch, pos = divmod(g, len(self.examples))
         perm = self._perms.get(epoch)
         if perm is None:
-            perm = np.random.default_rng([self.seed & _MASK64, epoch]).permutation(n)
+            perm = np.random.default_rng([self.seed & _MASK64, epoch]).permutation(len(self.examples))  # type: ignore[operator]
             self._perms = {epoch: perm}  # keep only the current epoch's permutation
         return int(perm[pos])
 
-    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
-        worker, n_workers = _worker_slice()
-        j = worker
-        while True:
-            g0 = j * self.batch
-            idx = [
-                self.record_index(self.start + (g0 + b) * self.world + self.rank) for b in range(self.batch)
-            ]
-            yield pad_sft_batch([self.examples[i] for i in idx], self.pad_id, self.length)
-            j += n_workers
-
-
-class _SFTVal(IterableDataset):
-    def __init__(
-        self,
-        examples: list[tuple[list[int], list[int]]],
-        batch: int,
-        rank: int,
-        world: int,
-        pad_id: int,
-        length: int | None,
-    ) -> None:
-        self.examples = examples[rank::world]
-        self.batch, self.pad_id, self.length = batch, pad_id, length
-
-    def __len__(self) -> int:
-        return -(-len(self.examples) // self.batch)
-
-    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
-        worker, n_workers = _worker_slice()
-        for j in range(worker, len(self), n_workers):
-            yield pad_sft_batch(
-                self.examples[j * self.batch : (j + 1) * self.batch], self.pad_id, self.length
-            )
+    def __call__(self, at: Any) -> dict[str, torch.Tensor]:
+        if self.seed is not None:
+            at = [self.examples[self.record_index(int(g))] for g in at]
+        return pad_sft_batch(at, self.pad_id, self.length)
 
 
 class SFTDataModule(_ResumableDataModule):
     """Prompt/response records → right-padded batches {"input_ids", "targets"} with a loss mask.
 
-    Records are tokenized once in `setup` (segments encoded in parallel batches). Training
-    sample g is the record at position g mod N of the seeded permutation of epoch g div N —
-    a pure function of (seed, g), hence exactly resumable like the pretraining module.
-    `template` turns a record into (text, trained) segments (default: prompt masked, response
-    trained; see `PromptResponseTemplate`); `add_eos` ends each example with the end-of-sequence
-    token, trained (the model learns to stop); `pad_to_max_seq_len` gives static shapes (for
-    torch.compile) instead of padding to the longest example of each batch.
+    Records are tokenized once in `setup`. Training sample g is the record at position g mod N of
+    the seeded permutation of epoch g div N. `template` turns a record into (text, trained)
+    segments (default `PromptResponseTemplate`); `add_eos` ends each example with a trained
+    end-of-sequence token; `pad_to_max_seq_len` gives static shapes (for torch.compile).
     """
 
     def __init__(
@@ -579,29 +505,18 @@ class SFTDataModule(_ResumableDataModule):
         seed: int,
         template: Template | None = None,
         train_on_prompt: bool = False,
-        add_bos: bool = False,
         add_eos: bool = True,
         pad_to_max_seq_len: bool = False,
         num_workers: int = 0,
         pin_memory: bool | Literal["auto"] = False,
-        rank: int | None = None,
-        world_size: int | None = None,
     ) -> None:
-        super().__init__(
-            micro_batch_size=micro_batch_size,
-            seed=seed,
-            num_workers=num_workers,
-            pin_memory=pin_memory,
-            rank=rank,
-            world_size=world_size,
-        )
+        super().__init__(micro_batch_size, seed, num_workers, pin_memory)
         if not train_records:
             raise DataError("no fine-tuning records: the training set is empty; check data.sources")
         self.tokenizer = tokenizer
         self.max_seq_len = max_seq_len
         self.template = template or PromptResponseTemplate()
         self.train_on_prompt = train_on_prompt
-        self.add_bos = add_bos
         self.add_eos = add_eos
         self.length = max_seq_len if pad_to_max_seq_len else None
         self._records = (list(train_records), list(val_records))
@@ -617,17 +532,13 @@ class SFTDataModule(_ResumableDataModule):
     def _encode(self, records: list[Mapping[str, Any]]) -> list[tuple[list[int], list[int]]]:
         segs = [self.template(r) for r in records]
         flat = [text for s in segs for text, _ in s]
-        ids = self.tokenizer.encode_batch(flat) if flat else []
-        out, k = [], 0
+        ids = iter(self.tokenizer.encode_batch(flat) if flat else [])
+        out = []
         for s in segs:
-            pieces = []
-            for _, trained in s:
-                pieces.append((ids[k], trained))
-                k += 1
             inp, tgt, cut = _segments_to_example(
-                pieces,
+                [(next(ids), trained) for _, trained in s],
                 max_seq_len=self.max_seq_len,
-                bos_id=self.tokenizer.bos_id if self.add_bos else record_start_id(self.tokenizer),
+                bos_id=record_start_id(self.tokenizer),
                 eos_id=self.tokenizer.eos_id if self.add_eos else None,
                 train_on_prompt=self.train_on_prompt,
             )
@@ -644,31 +555,19 @@ class SFTDataModule(_ResumableDataModule):
 
     def train_dataloader(self) -> DataLoader:
         self.setup()
-        ds = _SFTTrain(
-            self.train_examples,
-            self.micro_batch_size,
-            self.seed,
-            self.consumed_samples,
-            self.rank,
-            self.world_size,
-            self.tokenizer.pad_id,
-            self.length,
+        make = _SFTBatches(self.train_examples, self.tokenizer.pad_id, self.length, self.seed)
+        return self._loader(
+            _Endless(make, self.micro_batch_size, self.consumed_samples, self.rank, self.world_size)
         )
-        return self._loader(ds)
 
     def val_dataloader(self) -> DataLoader | list:
         self.setup()
         if not self.val_examples:
             return []
-        ds = _SFTVal(
-            self.val_examples,
-            self.micro_batch_size,
-            self.rank,
-            self.world_size,
-            self.tokenizer.pad_id,
-            self.length,
+        make = _SFTBatches(self.val_examples, self.tokenizer.pad_id, self.length)
+        return self._loader(
+            _Fixed(make, self.val_examples, self.micro_batch_size, self.rank, self.world_size)
         )
-        return self._loader(ds)
 
 
 def load_sft_records(
@@ -678,14 +577,8 @@ def load_sft_records(
     base_dir: str | os.PathLike[str],
     check_messages: Callable[[list[Any]], object] | None = None,
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[SourceStats]]:
-    """Read the recipe's instruction records and split them like the token shards
-    (`check_messages`: see `Source.records`).
-
-    Record d of source s goes to validation when u("val", seed, s, d) < val_fraction; a
-    training record of a source with weight w appears ⌊w⌋ times plus once more with probability
-    w − ⌊w⌋. Returns (train records, val records, per-source stats).
-    """
-
+    """(train records, val records, per-source stats) of the recipe's instruction records, split
+    and weighted like the token shards (`check_messages`: see `Source.records`)."""
     train: list[dict[str, Any]] = []
     val: list[dict[str, Any]] = []
     all_stats = []

@@ -7,19 +7,12 @@ pairs, followed by queries of some of the keys, each followed by its value:
     AC ka BF qd mo AA ka ... BF qd AC ka
     (pairs AC→ka, BF→qd, AA→ka; `mo` a distractor; then the queries BF and AC, each answered)
 
-Keys are upper-case letter pairs (`AA`, `AB`, ... one per key of the key vocabulary), values and
-distractors lower-case ones (`aa`, `ab`, ...), each written after a space: a byte-level BPE
-trained on the corpus learns every symbol as one token, and the text of a symbol encodes the
-same wherever it stands. Keys are distinct within an example; values are drawn with
-replacement; a distractor is a value symbol that no key precedes, so every query has exactly one
-answer: the value that follows its key in the context. The queries name distinct pairs, in a
-random order. Training puts the loss on the answers only (the examples are read as segments by
-the fine-tuning machinery: `segments` marks the answers as the trained pieces).
-
-Example i of a split is a pure function of (spec, split, i): its generator is seeded by a stable
-hash of them, so training, validation and evaluation examples come from different seeds; the
-validation and evaluation examples also skip any example whose text is a training example's.
-Randomness comes from `random.Random(seed).random()` only, whose stream CPython keeps stable.
+Keys are upper-case letter pairs (`AA`, `AB`, ...), values and distractors lower-case ones,
+each after a space (one BPE token each). Keys are distinct within an example, values drawn with
+replacement, and a distractor is a value no key precedes, so every query has one answer. The
+queries name distinct pairs in a random order; training puts the loss on the answers only
+(`segments`). Example i of a split is a pure function of (spec, split, i); validation and
+evaluation examples skip any whose text is a training example's.
 """
 
 from __future__ import annotations

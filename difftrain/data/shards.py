@@ -12,10 +12,9 @@ A document goes to validation when u(seed, source, position) < val_fraction, wit
 mapped to [0, 1): the split is by document and deterministic for the seed. A training document
 of a source with weight w is written ⌊w⌋ times, plus once more when u'(seed, ...) < w − ⌊w⌋.
 
-Cache keys are hashes of the source fingerprints (spec, paths, sizes, mtimes), the settings,
-and — for shards — the tokenizer's hash, so a second run with unchanged data reuses both
-without reading the text. Every entry is built in a temporary folder and renamed into place
-when complete: a crash half-way leaves only a `.tmp-*` folder, never an entry that looks valid.
+Cache keys hash the source fingerprints (spec, paths, sizes, mtimes), the settings and, for
+shards, the tokenizer, so unchanged data is never read again. Every entry is built in a `.tmp-*`
+folder renamed into place when complete.
 """
 
 from __future__ import annotations
@@ -52,11 +51,8 @@ FORMAT_VERSION = 1
 
 @dataclass(frozen=True)
 class PrepareProgress:
-    """A progress report from `prepare_data` (the CLI renders it; the library never prints).
-
-    stage: "tokenizer" (reading text to train the tokenizer) or "shards" (tokenizing);
-    total_bytes is an estimate of the stage's text size, or None when unknown.
-    """
+    """A progress report from `prepare_data`: stage "tokenizer" (reading text to train it) or
+    "shards" (tokenizing); total_bytes estimates the stage's text size (None: unknown)."""
 
     stage: str
     source: str
@@ -142,27 +138,17 @@ def token_dtype(vocab_size: int) -> np.dtype:
 # atomic cache entries
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:
-        return True
-    return True
-
-
 def _clean_stale_tmp(parent: Path) -> None:
     """Remove temporary folders left by crashed builds (their process is gone)."""
-    if not parent.is_dir():
-        return
-    for p in parent.glob(".tmp-*"):
+    for p in parent.glob(".tmp-*") if parent.is_dir() else []:
         try:
-            pid = int(p.name.rsplit("-", 2)[1])
+            os.kill(int(p.name.rsplit("-", 2)[1]), 0)
         except (IndexError, ValueError):
             continue
-        if not _pid_alive(pid):
+        except ProcessLookupError:
             shutil.rmtree(p, ignore_errors=True)
+        except OSError:
+            continue
 
 
 @contextlib.contextmanager
@@ -209,12 +195,10 @@ def _training_texts(
 ) -> Iterator[str]:
     """Text for tokenizer training: at most `max_bytes`, sampled evenly over the corpus.
 
-    Documents are cut into pieces of about TOKENIZER_SAMPLE_PIECE characters (at word starts;
-    most documents are one piece). With an estimated corpus size S > max_bytes, piece k of
-    document d of source s is kept when u("tok", s, d[, k]) < max_bytes / S (a fixed hash: the
-    same tokenizer for every seed). Cutting large documents keeps a corpus of a few huge files
-    from being all dropped by chance, or taken whole far past max_bytes; a non-empty corpus
-    always gives some text (its first piece, if the sample missed every piece).
+    Documents are cut into pieces of about TOKENIZER_SAMPLE_PIECE characters at word starts.
+    With an estimated corpus size S > max_bytes, piece k of document d of source s is kept when
+    u("tok", s, d[, k]) < max_bytes / S (the same for every seed). A non-empty corpus always
+    gives some text (its first piece, if the sample missed every piece).
     """
     estimates = [s.estimated_bytes() for s in sources]
     known = sum(e for e in estimates if e)
@@ -368,6 +352,20 @@ def training_repeats(weight: float, seed: int, source: int, doc: int) -> int:
     return whole + (1 if frac > 0 and unit_hash("weight", seed, source, doc) < frac else 0)
 
 
+def _batches(texts: Iterator[str]) -> Iterator[list[str]]:
+    """`texts` in batches of about 1 MiB (at most 4096 texts) for the tokenizer."""
+    batch: list[str] = []
+    size = 0
+    for text in texts:
+        batch.append(text)
+        size += len(text)
+        if size >= 1 << 20 or len(batch) >= 4096:
+            yield batch
+            batch, size = [], 0
+    if batch:
+        yield batch
+
+
 def _build_shards(
     out: Path,
     sources: list[Source],
@@ -380,18 +378,13 @@ def _build_shards(
     """Tokenize `sources` into out/train.bin and out/val.bin; the index's counts.
 
     Validation documents are drawn by hash (`val_fraction`), each written once; training
-    documents are written as often as their source's weight says. Where that leaves one side
-    empty (too few documents, e.g. one big file), validation is the tail of the data instead:
-    `tail_at` is where it starts in the unweighted stream of every document once. With every
-    weight 1 that is the training stream's tail, cut off in place; otherwise the data is read a
-    second time with `tail_at` set, so that validation is text training never sees and holds
-    every token once, as a document split's does."""
+    documents as often as their source's weight says. Where that leaves one side empty,
+    validation is the tail of the data instead: `tail_at` is where it starts in the unweighted
+    stream of every document once (with every weight 1, the training stream's tail, cut in place;
+    else the data is read again with `tail_at` set). A tokenizer that puts a start token before
+    every text (Llama's <s>) starts each document with it: `<s> doc </s> <s> doc </s> …`."""
     dtype = token_dtype(tok.vocab_size)
     eos = np.array([tok.eos_id], dtype=dtype)
-    # A tokenizer whose post-processor puts a token before every text (Llama's <s>) starts each
-    # document with it, as generation and the evals start a prompt (`document_start_id`): the
-    # stream is `<s> doc </s> <s> doc </s> …`. difftrain's own: `doc eos doc eos …`, where eos
-    # is what precedes every document.
     start = [tok.document_start_id] if tok.document_start_id != tok.eos_id else []
     train = _ShardWriter(out / "train.bin", dtype)
     val = _ShardWriter(out / "val.bin", dtype)
@@ -403,65 +396,38 @@ def _build_shards(
         for s in sources:
             stats = SourceStats(s.spec.source)
             all_stats.append(stats)
-            doc_index = 0
-            batch: list[str] = []
-            batch_bytes = 0
-
-            def flush(batch: list[str], first: int, src: Source = s) -> int:
-                nonlocal seen_tokens
-                n = 0
-                for i, ids in enumerate(
-                    tok.encode_arrays(batch, dtype, allow_special=src.spells_special_tokens)
-                ):
+            d = 0
+            for batch in _batches(s.documents(stats, data_cfg.on_bad_record)):
+                for ids in tok.encode_arrays(batch, dtype, allow_special=s.spells_special_tokens):
                     arr = np.empty(len(start) + len(ids) + 1, dtype=dtype)
                     arr[: len(start)] = start
                     arr[len(start) : -1] = ids
                     arr[-1] = eos[0]
-                    d = first + i
                     if tail_at is not None:  # the unweighted stream's tail is validation
-                        cut = min(max(tail_at - (seen_tokens + n), 0), len(arr))
-                        copies = training_repeats(src.spec.weight, seed, src.index, d)
+                        cut = min(max(tail_at - seen_tokens, 0), len(arr))
+                        copies = training_repeats(s.spec.weight, seed, s.index, d)
                         if cut and copies:
                             train.write(arr[:cut], copies)
                         if cut < len(arr):
                             val.write(arr[cut:])
                     elif (
                         data_cfg.val_fraction > 0
-                        and unit_hash("val", seed, src.index, d) < data_cfg.val_fraction
+                        and unit_hash("val", seed, s.index, d) < data_cfg.val_fraction
                     ):
                         val.write(arr)
-                    else:
-                        copies = training_repeats(src.spec.weight, seed, src.index, d)
-                        if copies:
-                            train.write(arr, copies)
-                    n += len(arr)
-                seen_tokens += n
-                return n
-
-            for text in s.documents(stats, data_cfg.on_bad_record):
-                batch.append(text)
-                batch_bytes += len(text)
-                if batch_bytes >= 1 << 20 or len(batch) >= 4096:
-                    flush(batch, doc_index)
-                    doc_index += len(batch)
-                    seen_docs += len(batch)
-                    seen_bytes += batch_bytes
-                    batch, batch_bytes = [], 0
-                    if progress is not None:
-                        progress(
-                            PrepareProgress(
-                                "shards", s.spec.source, seen_docs, seen_bytes, seen_tokens, total_est
-                            )
-                        )
-            if batch:
-                flush(batch, doc_index)
+                    elif copies := training_repeats(s.spec.weight, seed, s.index, d):
+                        train.write(arr, copies)
+                    seen_tokens += len(arr)
+                    d += 1
                 seen_docs += len(batch)
-                seen_bytes += batch_bytes
+                seen_bytes += sum(map(len, batch))
+                if progress is not None:
+                    progress(
+                        PrepareProgress(
+                            "shards", s.spec.source, seen_docs, seen_bytes, seen_tokens, total_est
+                        )
+                    )
             require_documents(s, stats)
-            if progress is not None:
-                progress(
-                    PrepareProgress("shards", s.spec.source, seen_docs, seen_bytes, seen_tokens, total_est)
-                )
     finally:
         train.close()
         val.close()
@@ -515,16 +481,13 @@ def _valid_entry(final: Path) -> dict[str, Any] | None:
         itemsize = np.dtype(index["dtype"]).itemsize
         for split in ("train", "val"):
             st = (final / index[split]["file"]).stat()
-            if st.st_size != index[split]["tokens"] * itemsize:
+            # a shard of another size, or changed in place after it was built (without mtime_ns: unchecked)
+            if (
+                st.st_size != index[split]["tokens"] * itemsize
+                or index[split].get("mtime_ns", st.st_mtime_ns) != st.st_mtime_ns
+            ):
                 return None
-            # a shard changed in place (its size kept) after it was built: its tokens are not
-            # the ones counted, and may not even be token ids; entries from before this check
-            # have no mtime_ns
-            if index[split].get("mtime_ns", st.st_mtime_ns) != st.st_mtime_ns:
-                return None
-        if index.get("format") != FORMAT_VERSION:
-            return None
-        return index
+        return index if index.get("format") == FORMAT_VERSION else None
     except (OSError, ValueError, KeyError, TypeError):
         return None
 
@@ -597,11 +560,8 @@ def prepare_data(
     sources: list[Source] | None = None,
 ) -> PreparedData:
     """Tokenizer + token shards for a recipe's data, built once and then served from the cache.
-
-    base_dir: folder that relative source paths (and tokenizer.path) are resolved against — the
-    recipe's folder. progress: called with `PrepareProgress` reports while text is read.
-    sources: `data_cfg.sources` already resolved (e.g. named for their messages as an option).
-    """
+    `base_dir`: what relative source paths (and tokenizer.path) resolve against; `progress`:
+    called with `PrepareProgress` reports; `sources`: `data_cfg.sources` already resolved."""
     t0 = time.perf_counter()
     base = Path(base_dir).expanduser().resolve()
     if sources is None:  # the recipe's: refused where two of them read the same documents
@@ -640,21 +600,16 @@ def prepare_data(
             atomic_write_json(tmp / "index.json", index)
     shard_seconds = time.perf_counter() - t1
     stats = PrepareStats(
-        documents=index["documents"],
-        bytes=index["bytes"],
-        tokens=index["tokens"],
+        **{k: index[k] for k in ("documents", "bytes", "tokens", "bad_records", "split", "sources")},
         train_tokens=index["train"]["tokens"],
         val_tokens=index["val"]["tokens"],
         train_documents=index["train"]["documents"],
         val_documents=index["val"]["documents"],
-        bad_records=index["bad_records"],
         vocab_size=tok.vocab_size,
         seconds=time.perf_counter() - t0,
         tokenizer_seconds=tok_seconds,
         shard_seconds=shard_seconds,
         cache_bytes=_dir_bytes(final) + _dir_bytes(tok_path.parent),
-        split=index["split"],
-        sources=index["sources"],
     )
     return PreparedData(
         tokenizer_path=tok_path,

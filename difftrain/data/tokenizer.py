@@ -290,19 +290,13 @@ def record_start_id(tokenizer: Tokenizer) -> int | None:
 
 
 class StreamDecoder:
-    """Incremental detokenizer: `push(id)` returns the text that became complete.
+    """Incremental detokenizer: `push(id)` returns the text that became complete (whole UTF-8
+    characters only); `flush()` returns what is left at the end of generation.
 
-    A token may end in the middle of a multi-byte UTF-8 character (an emoji is 4 bytes, often
-    split over tokens); text is emitted only once its bytes form whole characters, so streaming
-    output never shows replacement characters that later change. For byte-level tokenizers the
-    bytes of each id are fed to an incremental UTF-8 decoder (O(1) per token); for others the
-    tail of the id sequence is re-decoded from a moving offset (as vLLM does) and text is held
-    back while it ends in U+FFFD. `flush()` returns what is left at the end of generation.
-
-    `context`: the ids before the first pushed one (the prompt). The generic path decodes new ids
-    after the last few of them: a SentencePiece (Metaspace) decoder drops the space of a text's
-    first piece and WordPiece shows a continuation's `##`, so "▁world" after "Hello" must be
-    decoded as the continuation it is (" world"), not as the start of a text ("world").
+    Byte-level tokenizers feed each id's bytes to an incremental UTF-8 decoder; others re-decode
+    the tail of the ids from a moving offset and hold text back while it ends in U+FFFD.
+    `context`: the ids before the first pushed one (the prompt), decoded before new ids so that
+    a continuation piece ("▁world" after "Hello") decodes as one (" world").
     """
 
     CONTEXT = 6  # context ids kept for the generic path (as vLLM's detokenizer keeps 5 and more)

@@ -76,7 +76,7 @@ def preflight(run: Any, suite: str, opts: EvalOptions) -> None:
     suite = check_suite(suite)
     tok, max_len = run.tokenizer, run.config.max_seq_len
     if suite in DATA_SUITES and opts.data is None:
-        from difftrain.evals.common import require_own_split
+        from difftrain.evals.windows import require_own_split
 
         require_own_split(run.path, suite)
     if suite == "needle" or (suite == "quant" and opts.with_needle):

@@ -8,18 +8,12 @@ and the mass on every other position (the noise: filler, distractor needles, que
     answer_l = mean_{heads, query rows} Σ_{s ∈ span} A_l[h, t, s]
     noise_l  = mean_{heads, query rows} Σ_{s ∉ span} A_l[h, t, s]
 
-The probed map is the softmax map for `baseline` (so answer + noise = 1), the differential
-map A1 − λ·A2 for `diff` (rows sum to 1 − λ, entries may be negative: `noise_abs` sums |A|
-over the noise positions), and the combined map A_2i − σ(λ)·A_2i+1 for `diff2` (rows sum to
-1 − σ(λ)). The masses are therefore on different scales across archs — and the scale of a
-differential head's map does not reach its output, which `subln` (an RMSNorm per head)
-normalises. So the figures compared (the headlines) are the shares of each row's total:
+The probed map is the softmax map for `baseline`, A1 − λ·A2 for `diff` (entries may be
+negative: `noise_abs` sums |A| over the noise) and A_2i − σ(λ)·A_2i+1 for `diff2`. Their rows
+sum to different totals, so the headlines are the shares of each row's total (rows whose total
+is not positive are left out), per layer and averaged over layers, for each depth:
 
     answer_share_l = mean_{heads, query rows} answer_row / total_row,  noise_share = 1 − answer_share
-
-(rows whose total is not positive, which a λ ≥ 1 head would give, are left out). The paper
-reports that differential attention puts more of its attention on the answer and less on the
-noise. Results are given per layer and averaged over layers, for each depth of the needle.
 """
 
 from __future__ import annotations
@@ -168,7 +162,7 @@ def run(run: Run, opts: EvalOptions, progress: Progress = _no_progress) -> Suite
         ],
     )
     if opts.plot:
-        from difftrain.evals import plots
+        import difftrain.evals.plots as plots
 
         plots.require()
         mid = grid.depths[len(grid.depths) // 2]

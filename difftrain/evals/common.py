@@ -1,7 +1,7 @@
-"""What every evaluation suite shares: options, the result file, seeds, token windows.
+"""What every evaluation suite shares: options, the result file, seeds, option checks.
 
-A suite is a function `run(run, opts, progress) -> dict` (see `difftrain.evals.SUITES`). Its
-result is one JSON document, written atomically to `RUN_DIR/eval/<suite>.json`:
+A suite is a function `run(run, opts, progress) -> SuiteOutput` (see `difftrain.evals.SUITES`).
+Its result is one JSON document, written atomically to `RUN_DIR/eval/<suite>.json`:
 
     {
       "suite": "ppl", "format": 1, "run": "runs/quickstart", "arch": "diff", "params": 4194304,
@@ -16,18 +16,11 @@ result is one JSON document, written atomically to `RUN_DIR/eval/<suite>.json`:
       "plots": ["eval/needle.png"]   relative to the run directory
     }
 
-A suite that reads text (ppl, outliers, quant) run on another source with `--data SOURCE` keeps
-its result apart, in `RUN_DIR/eval/<suite>@<label>.json` (the label names the source: `wiki` for
-data/wiki.txt, or `--data-label`), so that it never replaces the validation-split result;
-`result_key` is the file's stem ("ppl" or "ppl@wiki"), the name compare shows it under. A label
-taken from the source's name never replaces the result of another source with the same name
-(data/a.txt, data2/a.txt): `check_data_label` refuses and asks for `--data-label`.
-
-The precision is not part of the name: `eval --dtype float16` replaces the float32 result, which
-records its `dtype`; `--show` prints it and compare notes results measured at different ones.
-
-`headline` is self-describing so that `difftrain compare` can put any suite side by side
-without knowing it; `settings` lets it warn when two runs were evaluated differently.
+A suite that reads text (ppl, outliers, quant) run with `--data SOURCE` writes
+`RUN_DIR/eval/<suite>@<label>.json` (label: the source's name, e.g. `wiki` for data/wiki.txt, or
+`--data-label`); `result_key` is the file's stem. The precision is not part of the name.
+`headline` is self-describing so that `difftrain compare` can show any suite; `settings` lets it
+warn when two runs were evaluated differently.
 """
 
 from __future__ import annotations
@@ -45,11 +38,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
-
-from difftrain.errors import ConfigError, DataError, RecipeError, RunDirError
+from difftrain.errors import ConfigError, RunDirError
 from difftrain.io import atomic_write_json
-from difftrain.rundir import RECIPE, TOKENIZER, WEIGHTS, Run
+from difftrain.rundir import WEIGHTS, Run
 
 if TYPE_CHECKING:  # torch loads when a suite runs, not when the CLI checks its options
     import torch
@@ -67,12 +58,8 @@ def _no_progress(done: int, total: int) -> None:
 
 @dataclass
 class EvalOptions:
-    """Settings of one `difftrain eval` invocation (each suite reads the ones it uses).
-
-    Unset (None) grid options take the suite's default, sized so that a suite finishes in about
-    a minute on a 2-core CPU for the quickstart model; `full` switches the defaults to the
-    paper-sized grids.
-    """
+    """Settings of one `difftrain eval` invocation (each suite reads the ones it uses). Unset
+    (None) grid options take the suite's default; `full` switches to the paper-sized grids."""
 
     seed: int = 0
     full: bool = False
@@ -435,12 +422,10 @@ def describe_data(doc: dict[str, Any], with_split: bool = False) -> str:
 def check_data_label(
     run_dir: Path | str, suites: Sequence[str], data: str, label: str | None
 ) -> list[tuple[Path, str]]:
-    """Before `eval --data DATA [--data-label LABEL]` writes eval/<suite>@<label>.json for
-    `suites`: where such a result holds another source (data/a.txt when DATA is data2/a.txt,
-    both labelled `a`), a label taken from the source's name raises a ConfigError that asks for
-    --data-label, so that no result is replaced unseen; a label the user gave names the result
-    on purpose and replaces it: the (path, old source) pairs returned say which. Re-running the
-    same source replaces its own result, as any rerun does."""
+    """Before `eval --data DATA [--data-label LABEL]` writes eval/<suite>@<label>.json: where such
+    a result holds another source, a label taken from the source's name raises a ConfigError
+    asking for --data-label; a label the user gave replaces it, and the (path, old source) pairs
+    returned say which."""
     chosen = label or data_label(data)
     new = evaluated_source(data)
     clashes: list[tuple[Path, str]] = []
@@ -560,397 +545,6 @@ def check_depths(depths: Sequence[float] | None) -> None:
         bad = [d for d in depths if not 0.0 <= d <= 1.0]
         if bad:
             raise ConfigError(f"--depths {bad[0]:g} is outside [0, 1] (0 = start, 1 = end of the context)")
-
-
-# ---------------------------------------------------------------------------------------------
-# token windows for ppl, outliers, quant
-
-
-@dataclass
-class TokenWindows:
-    """Fixed windows of seq_len + 1 tokens: input = w[:-1], targets = w[1:].
-
-    `source` says where they come from (for people); `sources` what they were drawn from (for
-    comparing results: the run's data sources, or the --data source, paths made absolute);
-    `split_tokens` is the size of the split they were cut from; `target_bytes` holds the UTF-8 bytes each window's targets stand for (bits per byte);
-    `records_as_text`: an instruction fine-tune's records, read as text through its template;
-    `notes`: what a suite should tell the user (fewer windows than asked for, shorter ones);
-    `split_drawn`: for a validation split, what chose its documents ({seed, val_fraction}): two
-    runs of the same sources with another seed hold other text.
-    """
-
-    windows: torch.Tensor
-    source: str
-    split: str
-    split_tokens: int
-    target_bytes: np.ndarray
-    records_as_text: bool = False
-    sources: list[str] = field(default_factory=list)
-    notes: list[str] = field(default_factory=list)
-    split_drawn: dict[str, Any] | None = None
-
-
-def data_settings(opts: Any, tw: TokenWindows) -> dict[str, Any]:
-    """The settings of a result that say what text it measured (`same_data` compares them)."""
-    out: dict[str, Any] = {"data": opts.data or "validation", "sources": tw.sources}
-    if tw.split_drawn is not None:
-        out["split"] = tw.split_drawn
-    return out
-
-
-def _run_recipe(run_dir: Path):
-    from difftrain.recipe import load_recipe
-
-    path = run_dir / RECIPE
-    if not path.is_file():
-        raise RunDirError(
-            f"{run_dir} has no {RECIPE}, so its validation data is unknown; evaluate on a data source with --data SOURCE"
-        )
-    try:
-        return load_recipe(path)
-    except RecipeError as e:
-        raise RunDirError(
-            f"{path} cannot be read as a recipe ({e}); evaluate on a data source with --data SOURCE"
-        ) from e
-
-
-def _sources_base(data_cfg: Any, run_dir: Path) -> Path:
-    """Folder that the run's relative source paths resolve against.
-
-    The resolved recipe in a run directory keeps paths as the user wrote them (relative to the
-    folder the recipe was in, or to the current folder for a shipped recipe): the current
-    folder when they exist there, else the folder above `out_dir`.
-    """
-    rel = [
-        s.source
-        for s in data_cfg.sources
-        if s.kind == "path" and not Path(s.source).expanduser().is_absolute()
-    ]
-    candidates = [Path.cwd(), run_dir.resolve().parent.parent, run_dir.resolve()]
-    for base in candidates:
-        if all(any(base.glob(p)) if any(c in p for c in "*?[") else (base / p).exists() for p in rel):
-            return base
-    return Path.cwd()
-
-
-def window_target_bytes(tokenizer: Any, windows: np.ndarray) -> np.ndarray:
-    """UTF-8 bytes of the text each window's targets (w[1:]) stand for: (n,) int64.
-
-    A byte-level tokenizer's tokens stand for their bytes whatever their neighbours, so a table
-    of per-token lengths is exact. Others are not: a SentencePiece (Metaspace) piece decoded alone
-    loses its word-starting space and WordPiece's `##` pieces join their words, so the targets'
-    text is the window's decoded text less that of its first token (special tokens, as the
-    documents' separators, standing for no text; a document's first piece then counts its
-    word-starting space: one byte per document boundary)."""
-    if getattr(tokenizer, "is_byte_level", False):
-        table = token_byte_lengths(tokenizer)
-        return table[np.clip(windows[:, 1:], 0, len(table) - 1)].sum(axis=1)
-    out = np.zeros(len(windows), dtype=np.int64)
-    for i, w in enumerate(windows.tolist()):
-        whole = tokenizer.decode(w, skip_special_tokens=True).encode("utf-8")
-        first = tokenizer.decode(w[:1], skip_special_tokens=True).encode("utf-8")
-        out[i] = max(0, len(whole) - len(first))
-    return out
-
-
-def token_byte_lengths(tokenizer: Any) -> np.ndarray:
-    """UTF-8 bytes of the text each token id stands for (special tokens: 0)."""
-    n = tokenizer.vocab_size
-    special = set(tokenizer.special_tokens.values())
-    if getattr(tokenizer, "is_byte_level", False):
-        table = [len(b) for b in tokenizer._id_bytes]
-    else:
-        table = [len(tokenizer.decode([i]).encode("utf-8")) for i in range(n)]
-    out = np.asarray(table, dtype=np.int64)
-    for i in special:
-        if i < n:
-            out[i] = 0
-    return out
-
-
-def data_source(data: str, text_field: str | None = None, **fields: Any) -> Any:
-    """The `--data` source resolved against the current folder, named as the option in messages
-    (a missing file fails here, before a model loads); a `difftrain.data.sources.Source`.
-    `text_field`: `--text-field`; `fields`: more SourceSpec fields (an instruction run's
-    prompt_field and response_field)."""
-    from difftrain.data.config import SourceSpec
-    from difftrain.data.sources import Source
-
-    try:
-        spec = SourceSpec(
-            source=data, **fields, **({"text_field": text_field} if text_field is not None else {})
-        )
-    except ValueError as e:
-        errors = e.errors() if hasattr(e, "errors") else []  # pydantic's ValidationError
-        msg = errors[0]["msg"].removeprefix("Value error, ") if errors else str(e) or "invalid source"
-        raise DataError(f"--data {data!r}: {msg}") from None
-    source = Source(spec, 0, Path.cwd().resolve(), name=f"--data {data!r}")
-    source.check_local_files()
-    return source
-
-
-def holds_records(source: Any) -> bool:
-    """Whether a `--data` source holds instruction records (`messages`, or a prompt field) for
-    an instruction fine-tune's template to render, judged by its first record (a file's first
-    object, a Parquet file's or dataset's columns); plain text, and records with only a text
-    field, are read as text."""
-    from difftrain.data.sources import RECORD_SUFFIXES, _suffix
-
-    spec = source.spec
-    if spec.kind == "builtin":
-        return spec.source == "builtin:python-docstrings"
-    if spec.kind != "hf" and (
-        not source.files or any(_suffix(f) not in RECORD_SUFFIXES for f in source.files)
-    ):
-        return False
-    names = source.record_fields()
-    if names is None:  # not known before reading: read as records, whose reader names any problem
-        return True
-    # (a dataset's `messages` column too: a chat dataset was read as text and refused)
-    return spec.prompt_field in names or ("messages" in names and spec.text_field not in names)
-
-
-def _data_advice(e: DataError, label: str) -> DataError:
-    """A DataError from reading the `--data` source called `label`, its advice (recipe settings
-    of data.sources) put in eval's terms."""
-    from difftrain.data.sources import CHAT_RECORD_AS_TEXT
-
-    field_hint = "; name the field to read with --text-field FIELD"
-    record_hint = (
-        "; an instruction fine-tune reads records with `messages`, or a prompt and a response, through "
-        "its template: fix the record, or read one field as plain text with --text-field FIELD"
-    )
-    text = str(e)
-    for old, new in (
-        (
-            CHAT_RECORD_AS_TEXT,
-            "a chat record (`messages`), and this run has no chat template: evaluate its chat fine-tune "
-            "(`difftrain finetune` on this file), or read one field as plain text with --text-field FIELD",
-        ),
-        (f"; set text_field: <field> on {label}", field_hint),
-        (f"; set prompt_field: <field> on {label}", record_hint),
-        (f"; set response_field: <field> on {label}", record_hint),
-        (f"; set text_field (or prompt_field/response_field) on {label}", field_hint),
-        ("; set text_field (or prompt_field/response_field) on this source", field_hint),
-        (", or set data.on_bad_record: skip to drop such records", ""),
-        (
-            "not a string; fix the record",
-            "not a string; fix the record, or name a text field with --text-field FIELD",
-        ),
-        ("or remove the source from data.sources", "or give another --data source"),
-        ("or remove it from data.sources", "or give another --data source"),
-    ):
-        text = text.replace(old, new)
-    return e if text == str(e) else DataError(text)
-
-
-def require_own_split(run_dir: Path, suite: str | None = None) -> None:
-    """ConfigError for an imported run (`difftrain import`): it was trained elsewhere, on data
-    difftrain never saw, and its recipe.yaml holds only default data, so it has no validation
-    split to measure; --data names what to measure instead."""
-    from difftrain.rundir import imported_from
-
-    origin = imported_from(run_dir)
-    if origin is not None:
-        reader = f"`{suite}`" if suite else "eval"
-        raise ConfigError(
-            f"{run_dir} was imported (from {origin}), so it has no validation split of its own for {reader} to "
-            "read (its recipe.yaml holds default data it never trained on); give the text to measure with "
-            "--data SOURCE, e.g. --data builtin:python-stdlib or --data 'docs/*.md'"
-        )
-
-
-def records_as_text(recipe: Any) -> Any:
-    """For an instruction fine-tune's recipe: how its records read as text — through its own
-    template, prompts included, each record one document (a `RecordText`); None for other runs."""
-    if recipe.finetune is None:
-        return None
-    from difftrain.data.sources import RecordText
-    from difftrain.recipe import resolve_data_format
-    from difftrain.train.finetune import SFTTemplate
-
-    if resolve_data_format(recipe) != "instruction":
-        return None
-    ft = recipe.finetune
-    template = SFTTemplate.from_config(ft)
-    key = json.dumps(
-        [ft.prompt_format, ft.response_format, ft.chat_template.model_dump(mode="json")], sort_keys=True
-    )
-    return RecordText(key, lambda record: "".join(text for text, _ in template(record)))
-
-
-def option_windows(run: Any, opts: Any) -> TokenWindows:
-    """The windows ppl and quant score, as eval's options say (--data, --windows, --full,
-    --text-field)."""
-    return eval_windows(
-        run,
-        data=opts.data,
-        count=opts.windows,
-        full=opts.full,
-        text_field=opts.text_field,
-        asked=f"--windows {opts.windows:,}" if opts.windows is not None else None,
-    )
-
-
-def eval_windows(
-    run: Run,
-    *,
-    data: str | None,
-    count: int | None,
-    full: bool,
-    default_count: int = 32,
-    max_tokens: int | None = None,
-    text_field: str | None = None,
-    asked: str | None = None,
-    error_bar: bool = True,
-) -> TokenWindows:
-    """The windows a perplexity-like suite evaluates, tokenized with the run's own tokenizer.
-
-    Without `data`: the run's validation split, rebuilt from its recipe through the shard cache
-    (the same split and — with count = data.val_windows — the same windows as the validation
-    loss in training). With `data`: all of that source (no split); an instruction fine-tune reads
-    a source of instruction records through its template, as its validation split
-    (`holds_records`), unless `text_field` names a field to read as plain text. Windows are
-    evenly spaced over the split (`val_window_offsets`); `full` takes every non-overlapping window.
-
-    At most the split's non-overlapping windows are taken (⌊tokens / (max_seq_len + 1)⌋), with a
-    note that names `asked` (the option the count came from, e.g. "--windows 2500"): more would
-    score tokens twice, add nothing but time, and make the loss's standard error, which treats
-    the windows as independent, look smaller than it is (`error_bar`: the note says so). A split
-    shorter than one window is scored as one window of all its tokens, with a note.
-    """
-    from difftrain.data.config import DataConfig, TokenizerConfig, absolute_source
-    from difftrain.data.shards import (
-        prepare_data,
-        val_window_offsets,  # (data.modules would load Lightning)
-    )
-
-    if data is None:
-        require_own_split(run.path)
-    recipe = _run_recipe(run.path) if data is None else None
-    sources = as_text = None
-    seq_len = int(run.config.max_seq_len)  # type: ignore[attr-defined]
-    window = seq_len + 1
-    tok_cfg = TokenizerConfig(path=str((run.path / TOKENIZER).resolve()))
-    source_label = None
-    if recipe is not None:
-        data_cfg = recipe.data
-        seed = recipe.seed
-        base = _sources_base(data_cfg, run.path)
-        as_text = records_as_text(recipe)
-        if as_text is not None:  # an instruction fine-tune: its records, as training rendered them
-            from difftrain.data.sources import resolve_sources
-
-            sources = resolve_sources(data_cfg, base, as_text)
-        if count is None and not full:
-            count = data_cfg.val_windows or default_count
-            asked = asked or (
-                f"data.val_windows={data_cfg.val_windows:,} (the windows of training's validation loss)"
-                if data_cfg.val_windows
-                else f"the default {default_count} windows"
-            )
-    else:
-        own = None
-        try:
-            own = _run_recipe(run.path)
-        except RunDirError:
-            pass
-        template = records_as_text(own) if own is not None and text_field is None else None
-        fields: dict[str, Any] = {}
-        if (
-            template is not None
-            and own is not None
-            and own.data.sources
-            and not str(data).startswith("builtin:")
-        ):
-            first = own.data.sources[0]  # the record fields the run was fine-tuned with (a builtin has none)
-            fields = {"prompt_field": first.prompt_field, "response_field": first.response_field}
-        source = data_source(str(data), text_field, **fields)
-        source_label = source.label
-        if template is not None:
-            try:
-                if holds_records(source):
-                    as_text = source.records_as_text = template
-            except DataError as e:
-                raise _data_advice(e, source.label) from e
-        sources = [source]
-        data_cfg = DataConfig(
-            sources=[source.spec],
-            val_fraction=0.0,
-            val_windows=0,
-            cache_dir=own.data.cache_dir if own else None,
-        )
-        seed = 0
-        base = Path.cwd()
-    try:
-        prepared = prepare_data(data_cfg, tok_cfg, seed=seed, base_dir=base, sources=sources)
-    except DataError as e:
-        if source_label is None:
-            raise
-        raise _data_advice(e, source_label) from e
-    split = "val" if recipe is not None else "train"
-    path = prepared.val_path if split == "val" else prepared.train_path
-    n_tokens = int(prepared.index[split]["tokens"])
-    label = ", ".join(s.source for s in data_cfg.sources)
-    drawn_from = (
-        [absolute_source(s.source, base) for s in data_cfg.sources]
-        if recipe is not None
-        else [evaluated_source(str(data))]
-    )
-    where = f"validation split of {label}" if recipe is not None else label
-    named = where if recipe is not None else f"--data source {label}"  # as the notes name it
-    if recipe is None:
-        hint = "give a larger --data source"
-    elif as_text is not None:
-        hint = (
-            "raise data.val_fraction when fine-tuning, or evaluate on more records with "
-            "--data FILE.jsonl (rendered through the run's template)"
-        )
-    else:
-        hint = "raise data.val_fraction when training, or evaluate on another source with --data SOURCE"
-    notes: list[str] = []
-    if n_tokens < 2:
-        raise DataError(
-            f"the {named} holds {n_tokens} token{'s' * (n_tokens != 1)}: nothing to score; {hint}"
-        )
-    if n_tokens < window:
-        notes.append(
-            f"the {named} holds {n_tokens:,} tokens, fewer than one window of max_seq_len + 1 = {window}: "
-            f"scored as one window of all {n_tokens:,} (no error bar); for full windows, {hint}"
-        )
-        window = n_tokens
-    fit = n_tokens // window  # non-overlapping windows
-    if count is None:  # --full without an explicit --windows: every non-overlapping window
-        count = fit if full else default_count
-    if max_tokens is not None:
-        count = min(count, max(1, max_tokens // seq_len))
-    count = max(1, count)
-    if count > fit and not notes:  # (a split shorter than one window is noted already)
-        notes.append(
-            f"{f'{asked} asks for' if asked else 'asked for'} {count:,} windows of {window} tokens, more than the "
-            f"{fit:,} non-overlapping ones the {named} holds ({n_tokens:,} tokens): evaluated on those {fit:,}, "
-            "so that no token counts twice"
-            + (" and the ± (which treats windows as independent) stays honest" if error_bar else "")
-        )
-    count = min(count, fit)
-    offsets = val_window_offsets(n_tokens, window, count)
-    mm = np.memmap(path, dtype=prepared.dtype, mode="r", shape=(n_tokens,))
-    arr = np.stack([np.asarray(mm[o : o + window], dtype=np.int64) for o in offsets])
-    del mm
-    target_bytes = window_target_bytes(run.tokenizer, arr)
-    import torch
-
-    return TokenWindows(
-        windows=torch.from_numpy(arr),
-        source=where,
-        split=split,
-        split_tokens=n_tokens,
-        target_bytes=target_bytes,
-        records_as_text=as_text is not None,
-        sources=drawn_from,
-        notes=notes,
-        split_drawn={"seed": seed, "val_fraction": data_cfg.val_fraction} if recipe is not None else None,
-    )
 
 
 def batches(n: int, size: int) -> list[tuple[int, int]]:

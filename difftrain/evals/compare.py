@@ -440,7 +440,7 @@ def _tokenizer_note(runs: Sequence[RunRecord]) -> str | None:
 def plot_curves(comparison: Comparison, path: str | Path) -> Path:
     """The loss curves of the compared runs (train and val, vs tokens and vs time) as a PNG, and
     recall accuracy against N for the runs that have a recall result."""
-    from difftrain.evals import plots
+    import difftrain.evals.plots as plots
     from difftrain.train.metrics import read_metrics
 
     curves = [(r.label, read_metrics(r.path / METRICS)) for r in comparison.runs]

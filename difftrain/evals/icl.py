@@ -1,8 +1,7 @@
 """`icl-order`: in-context classification and its sensitivity to the order of demonstrations.
 
-The paper (§3.6) finds differential attention less sensitive to the order of in-context
-examples. This suite builds a small binary task from the needle generator's facts: each item
-is a needle sentence "The magic number of <city> is <7 digits>." labelled `high` when the
+A small binary task from the needle generator's facts (paper §3.6): each item is a needle
+sentence "The magic number of <city> is <7 digits>." labelled `high` when the
 number is at least 5000000 and `low` otherwise. A prompt is D labelled demonstrations (half of
 each label) followed by an unlabelled test item:
 

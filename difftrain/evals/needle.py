@@ -12,9 +12,7 @@ value:
 over K samples per cell (each a fresh haystack, cities and values, seeded). The grid of context
 lengths × depths is drawn as a heat map per (N, R), like the paper's Figure 5.
 
-The examples come from `difftrain.data.builtin.make_needle_example` (the generator behind
-`builtin:needles`) with seeds hashed from ("needle-eval", seed, cell, sample), which never
-coincide with a training corpus's documents.
+Examples come from `make_needle_example` seeded by ("needle-eval", seed, cell, sample).
 """
 
 from __future__ import annotations
@@ -447,7 +445,7 @@ def run(run: Run, opts: EvalOptions, progress: Progress = _no_progress) -> Suite
         ],
     )
     if opts.plot is not False:
-        from difftrain.evals import plots
+        import difftrain.evals.plots as plots
 
         path = run.path / "eval" / "needle.png"
         if opts.plot:

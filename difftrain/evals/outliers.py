@@ -7,12 +7,9 @@ Over a fixed number of validation tokens, collect
 - hidden states: every layer's block output (after its residual), all features;
 
 and report for the magnitudes |x| the top-1, -2, -3, -10 and -100 values and the median, plus
-the kurtosis of x, κ = E[(x − μ)⁴] / σ⁴ (3 for a Gaussian; heavy tails → large κ). The paper
-finds differential attention's top activations several times smaller (easier to quantize).
-
-Figures are pooled over all layers and also given per layer. Moments are accumulated in
-float64; the median is exact up to `MEDIAN_SAMPLE` values per kind and otherwise taken over an
-evenly strided subsample (recorded as `median_over`).
+the kurtosis of x, κ = E[(x − μ)⁴] / σ⁴ (3 for a Gaussian), pooled over layers and per layer.
+The median is exact up to `MEDIAN_SAMPLE` values per kind, else over an evenly strided
+subsample (recorded as `median_over`).
 """
 
 from __future__ import annotations
@@ -30,10 +27,9 @@ from difftrain.evals.common import (
     _no_progress,
     batches,
     check_positive,
-    data_settings,
-    eval_windows,
     headline,
 )
+from difftrain.evals.windows import data_settings, eval_windows
 from difftrain.rundir import Run
 
 TOPS = (1, 2, 3, 10, 100)

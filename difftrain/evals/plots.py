@@ -339,31 +339,14 @@ def loss_curves(
     if recall:
         _recall_panel(axes[2], recall)
     colors = [f"C{i % 10}" for i in range(len(runs))]
+    styles = {"train": {"lw": 1.0, "alpha": 0.55}, "val": {"lw": 1.8, "marker": "o", "markersize": 3.5}}
     for (label, rows), color in zip(runs, colors, strict=True):
-        train = [r for r in rows if "train/loss" in r]
-        val = [r for r in rows if "val/loss" in r]
         for ax, key in zip(axes[:2], ("train/tokens", "train/time_s"), strict=True):
-            t = [r for r in train if key in r]
-            if t:
-                ax.plot(
-                    [r[key] for r in t],
-                    [r["train/loss"] for r in t],
-                    color=color,
-                    lw=1.0,
-                    alpha=0.55,
-                    label=f"{label} train",
-                )
-            v = [r for r in val if key in r]
-            if v:
-                ax.plot(
-                    [r[key] for r in v],
-                    [r["val/loss"] for r in v],
-                    color=color,
-                    lw=1.8,
-                    marker="o",
-                    markersize=3.5,
-                    label=f"{label} val",
-                )
+            for split, style in styles.items():
+                pts = [r for r in rows if f"{split}/loss" in r and key in r]
+                if pts:
+                    xs, ys = [r[key] for r in pts], [r[f"{split}/loss"] for r in pts]
+                    ax.plot(xs, ys, color=color, label=f"{label} {split}", **style)
     axes[0].set_xlabel("tokens seen")
     axes[1].set_xlabel("training time (s)")
     for ax, what in zip(axes[:2], ("tokens", "training time"), strict=True):

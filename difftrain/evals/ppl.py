@@ -7,11 +7,8 @@ For windows w of max_seq_len + 1 tokens (inputs w[:-1], targets w[1:]):
     bits per token = loss / ln 2
     bits per byte  = Σ −log₂ p(...) / N_bytes             (N_bytes = UTF-8 bytes of the targets)
 
-Bits per byte does not depend on the tokenizer, so runs with different vocabularies compare.
-By default the windows are the run's own validation windows, so `loss` reproduces the final
-validation loss of training (up to the attention kernel's rounding) where the split holds that
-many non-overlapping windows; more are never taken (`eval_windows`): overlapping ones would score
-tokens twice and shrink the standard error, which treats the windows as independent.
+By default the windows are the run's validation windows (`eval_windows`), so `loss` reproduces
+training's final validation loss where the split holds that many non-overlapping windows.
 """
 
 from __future__ import annotations
@@ -27,14 +24,12 @@ from difftrain.evals.common import (
     EvalOptions,
     Progress,
     SuiteOutput,
-    TokenWindows,
     _no_progress,
     batches,
     check_positive,
-    data_settings,
     headline,
-    option_windows,
 )
+from difftrain.evals.windows import TokenWindows, data_settings, option_windows
 from difftrain.rundir import Run
 
 

@@ -7,13 +7,9 @@ absmax quantization to b bits (symmetric, round to nearest):
     Δ     = s_max / (2^(b−1) − 1)
     Ŝ     = clamp(round(S / Δ), −(2^(b−1) − 1), 2^(b−1) − 1) · Δ
 
-The scale is per (sequence, head), so a sequence's result never depends on what else is in
-its batch. Smaller outliers (see the `outliers` suite) mean a finer Δ for the same bits, so a
-model with fewer outliers should degrade less. 16 bits is the reference: the unquantized
-model (the paper's 16-bit baseline), run through the same eager attention path as the
-quantized rows so that differences are due to quantization alone. Reported: the `ppl` figures
-at each width and the degradation Δloss = loss_b − loss_16 (and, with --with-needle, the
-needle accuracy at each width).
+16 bits is the reference: the unquantized model through the same eager attention path.
+Reported: the `ppl` figures at each width, Δloss = loss_b − loss_16, and with --with-needle the
+needle accuracy at each width.
 """
 
 from __future__ import annotations
@@ -31,11 +27,10 @@ from difftrain.evals.common import (
     _no_progress,
     check_bits,
     check_positive,
-    data_settings,
     headline,
-    option_windows,
 )
 from difftrain.evals.ppl import summarize, window_nll
+from difftrain.evals.windows import data_settings, option_windows
 from difftrain.rundir import Run
 
 
@@ -58,7 +53,7 @@ def quantizer(bits: int) -> Callable[[torch.Tensor, int], torch.Tensor]:
 
 
 def run(run: Run, opts: EvalOptions, progress: Progress = _no_progress) -> SuiteOutput:
-    from difftrain.evals import needle as needle_suite
+    import difftrain.evals.needle as needle_suite
 
     check_positive("--windows", opts.windows)
     widths = check_bits(opts.bits)
@@ -124,7 +119,7 @@ def run(run: Run, opts: EvalOptions, progress: Progress = _no_progress) -> Suite
         settings=settings, results={"source": tw.source, "rows": rows}, headline=heads, notes=list(tw.notes)
     )
     if opts.plot is not False:
-        from difftrain.evals import plots
+        import difftrain.evals.plots as plots
 
         if plots.available():
             path = run.path / "eval" / "quant.png"

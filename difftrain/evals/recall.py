@@ -23,15 +23,8 @@ from difftrain.data.config import RecallSpec
 from difftrain.data.recall import RecallExample, held_out_examples, train_examples
 from difftrain.data.tokenizer import record_start_id
 from difftrain.errors import ConfigError, RunDirError
-from difftrain.evals.common import (
-    EvalOptions,
-    Progress,
-    SuiteOutput,
-    _no_progress,
-    _run_recipe,
-    headline,
-    mean,
-)
+from difftrain.evals.common import EvalOptions, Progress, SuiteOutput, _no_progress, headline, mean
+from difftrain.evals.windows import _run_recipe
 
 PAIRS = [4, 8, 16, 32, 64]
 SAMPLES_QUICK = 64
@@ -238,7 +231,7 @@ def run(run: Any, opts: EvalOptions, progress: Progress = _no_progress) -> Suite
         settings=grid_settings(grid, opts.seed, max_len), results=res, headline=heads, notes=notes
     )
     if opts.plot is not False:
-        from difftrain.evals import plots
+        import difftrain.evals.plots as plots
 
         path = run.path / "eval" / "recall.png"
         if opts.plot:

@@ -1,67 +1,18 @@
 """Export runs to Hugging Face transformers (Llama, DiffLlama) and import them back, exactly.
 
-    baseline  ↔  LlamaForCausalLM       same tensors, same names (RoPE is rotate-half in both)
-    diff      ↔  DiffLlamaForCausalLM   same function; q/k/v rows permuted, subln folded into o_proj
-    diff2     →  refused: transformers has no Differential Transformer V2 class
-
 Neither direction needs transformers: config.json, model.safetensors and the tokenizer files are
-written and read directly (transformers is only needed to *use* the exported folder).
-
-## Why `diff` needs a permutation (H = n_heads, Hk = n_kv_heads, d = head_dim, r = H/Hk)
-
-difftrain (docs/models.md) forms differential head i ∈ [0, H/2) from query heads 2i (map A1) and
-2i+1 (map A2), key heads 2g and 2g+1 with g = ⌊i/r⌋, and the value [v_2g ; v_2g+1] — the
-contiguous 2d slice g of V read as Hk/2 heads of width 2d.
-
-transformers' `DiffLlamaAttention` runs two ordinary GQA attentions over all H query heads with
-V split in halves, `torch.chunk(V, 2, dim=heads)`, each half repeated twice along the heads; the
-outputs are concatenated on features and then chunked on heads into a first and a second half
-that are subtracted. Following the indices: query head h reads key head ⌊h/r⌋ and values
-[v_(⌊h/r⌋ mod Hk/2) ; v_(Hk/2 + ⌊h/r⌋ mod Hk/2)], and differential head i is the pair (i, i + H/2).
-Because H/2 = r·Hk/2, ⌊(i + H/2)/r⌋ = g + Hk/2 with g = ⌊i/r⌋ < Hk/2, so differential head i uses
-query heads i, i + H/2, key heads g, g + Hk/2 and the value [v_g ; v_(g + Hk/2)].
-
-So the two layouts agree once head j of HF's q_proj is head P_H(j) of ours, and head j of HF's
-k_proj and v_proj is head P_Hk(j) of ours, where
-
-    P_n(j) = 2·(j mod n/2) + ⌊j / (n/2)⌋      (n/2 first members of the pairs, then the seconds)
-
-i.e. rows viewed as (n/2, 2, d, D) are transposed to (2, n/2, d, D) — a "de-interleave". HF's
-differential head i then sees exactly our q/k heads and our 2d value slice g, in the same feature
-order, and its outputs (B, T, H/2, 2d) → H·d are in our order, so o_proj's columns need no
-permutation. RoPE acts within each head and commutes with permuting heads. Both use scale 1/√d,
-λ = exp(λq1·λk1) − exp(λq2·λk2) + λinit with λinit = 0.8 − 0.6·exp(−0.3·l) for 0-based layer l,
-and the same parameter names for the four λ vectors, which are copied unchanged.
-
-## subln and its ε
-
-Ours: out_i = (1 − λinit)·w ⊙ y_i / √(mean(y_i²) + 1e-5) with a learnable w ∈ R^{2d} shared by
-the heads (`subln`). HF's `groupnorm` has no weight and uses ε = rms_norm_eps. Two exact fixes:
-
-- w is folded into o_proj: o_proj(concat_i (w ⊙ n_i)) = (W_o · diag(w repeated H/2 times))·n, so
-  HF's o_proj = ours with column 2d·i + f multiplied by w_f.
-- if norm_eps ≠ 1e-5 (HF's config has one ε for every norm), V is scaled by c = √(norm_eps/1e-5):
-  the attention output is linear in V, so y → c·y and c·y / √(c²·mean(y²) + norm_eps) =
-  y / √(mean(y²) + 1e-5). With the default norm_eps = 1e-5, c = 1 and V is not touched.
-
-Import undoes both: rows are re-interleaved, V is divided by c, and subln = ones (a DiffLlama
-checkpoint has no subln weights; one that carries `self_attn.subln.weight` or
-`self_attn.groupnorm.weight`, e.g. converted from Microsoft's code, keeps them).
-
-## Bit-identical round trips
-
-Folding w into o_proj (and scaling V) rounds, so the transformers tensors alone do not give back
-the run's tensors bit for bit. `export` therefore also writes `difftrain.safetensors` (ignored by
-transformers): the run's ModelConfig and the original value of every tensor whose conversion
-does not invert exactly. `import` uses it only when re-exporting the restored tensors reproduces
-model.safetensors bit for bit (i.e. the weights were not changed since the export); otherwise it
-imports the transformers weights as they are — the same function either way.
+written and read directly (`difftrain.interop.convert` holds the layout conversion). Folding
+subln into o_proj (and scaling V) rounds, so an export also writes `difftrain.safetensors`
+(ignored by transformers): the run's ModelConfig and the original value of every tensor whose
+conversion does not invert exactly. Import uses it only when re-exporting the restored tensors
+reproduces model.safetensors bit for bit; otherwise it imports the transformers weights as they
+are — the same function either way.
 """
 
 from __future__ import annotations
 
+import collections
 import json
-import math
 import os
 import re
 import shutil
@@ -74,6 +25,24 @@ from torch import Tensor
 
 from difftrain.adapters import ADAPTER_CONFIG
 from difftrain.errors import DifftrainError, InteropError
+from difftrain.interop.convert import (
+    _IGNORED_SUFFIXES,
+    HF_CLASS_OF_ARCH,
+    MODEL_TYPES,
+    SUBLN_EPS,
+    SUPPORTED_ARCHITECTURES,
+    chat_end_token_id,
+    check_hf_tensors,
+    config_from_hf,
+    deinterleave_heads,
+    from_hf_state_dict,
+    hf_config_dict,
+    hf_tokenizer_files,
+    interleave_heads,
+    run_chat_template,
+    to_hf_state_dict,
+    value_scale,
+)
 from difftrain.interop.paths import EXPORT_DTYPES, check_export_paths, check_import_paths
 from difftrain.io import (
     atomic_save_safetensors,
@@ -85,21 +54,24 @@ from difftrain.io import (
 from difftrain.model.config import ModelConfig
 from difftrain.rundir import CHECKPOINTS, CONFIG, METRICS, RECIPE, TOKENIZER, WEIGHTS
 
-LLAMA = "LlamaForCausalLM"
-DIFFLLAMA = "DiffLlamaForCausalLM"
-SUPPORTED_ARCHITECTURES: dict[str, str] = {LLAMA: "baseline", DIFFLLAMA: "diff"}
-"""transformers class → difftrain arch (both directions)."""
-MODEL_TYPES = {LLAMA: "llama", DIFFLLAMA: "diffllama"}
-HF_CLASS_OF_ARCH = {arch: cls for cls, arch in SUPPORTED_ARCHITECTURES.items()}
+__all__ = [
+    "SUBLN_EPS",
+    "SUPPORTED_ARCHITECTURES",
+    "ExportResult",
+    "ImportResult",
+    "config_from_hf",
+    "deinterleave_heads",
+    "export_hf",
+    "hf_config_dict",
+    "import_hf",
+    "interleave_heads",
+    "to_hf_state_dict",
+]
 
-SUBLN_EPS = 1e-5
-"""ε of difftrain's per-head RMSNorm (`DiffAttention.subln`), fixed by the model."""
 SIDECAR = "difftrain.safetensors"
 """Exact difftrain tensors and config kept next to an export (transformers ignores the file)."""
 HF_INDEX = "model.safetensors.index.json"
 DTYPES = {name: getattr(torch, name) for name in EXPORT_DTYPES}
-_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # buffers some older checkpoints saved
-
 
 # --------------------------------------------------------------------------------------------
 # results
@@ -130,433 +102,6 @@ class ImportResult:
     exact_sidecar: bool
     """True when difftrain.safetensors restored the original difftrain tensors bit for bit."""
     notes: list[str] = field(default_factory=list)
-
-
-# --------------------------------------------------------------------------------------------
-# the head permutation
-
-
-def deinterleave_heads(w: Tensor, n_heads: int) -> Tensor:
-    """Rows of `n_heads` heads in difftrain's pair order → transformers' DiffLlama order.
-
-    Head j of the result is head P(j) = 2·(j mod n/2) + ⌊j/(n/2)⌋ of `w`: rows viewed as
-    (n/2, 2, d, cols) are transposed to (2, n/2, d, cols).
-    """
-    rows, cols = w.shape
-    return w.reshape(n_heads // 2, 2, rows // n_heads, cols).transpose(0, 1).reshape(rows, cols)
-
-
-def interleave_heads(w: Tensor, n_heads: int) -> Tensor:
-    """Inverse of `deinterleave_heads`: (2, n/2, d, cols) → (n/2, 2, d, cols)."""
-    rows, cols = w.shape
-    return w.reshape(2, n_heads // 2, rows // n_heads, cols).transpose(0, 1).reshape(rows, cols)
-
-
-def value_scale(config: ModelConfig) -> float:
-    """c = √(norm_eps / 1e-5): the factor on V that turns HF's groupnorm ε into subln's 1e-5."""
-    return math.sqrt(config.norm_eps / SUBLN_EPS)
-
-
-# --------------------------------------------------------------------------------------------
-# state dicts
-
-
-def hf_class_for(config: ModelConfig) -> str:
-    """The transformers class a difftrain arch exports to, or an InteropError (diff2)."""
-    cls = HF_CLASS_OF_ARCH.get(config.arch)
-    if cls is None:
-        raise InteropError(
-            f"arch={config.arch} has no transformers class (transformers implements the Differential "
-            "Transformer V1 as DiffLlama, but not V2), so it cannot be exported; export supports "
-            + ", ".join(f"{a} → {c}" for a, c in HF_CLASS_OF_ARCH.items())
-        )
-    return cls
-
-
-def to_hf_state_dict(
-    sd: dict[str, Tensor], config: ModelConfig, dtype: torch.dtype = torch.float32
-) -> dict[str, Tensor]:
-    """difftrain tensors → the tensors of the matching transformers class (see the module doc).
-
-    The conversion is computed in fp32 and cast to `dtype`. A tied lm_head is dropped (HF ties it
-    to the embedding through `tie_word_embeddings`).
-    """
-    hf_class_for(config)
-    out = {k: t for k, t in sd.items() if not (k == "lm_head.weight" and config.tie_embeddings)}
-    if config.arch == "diff":
-        H, Hk = config.n_heads, config.n_kv_heads
-        assert Hk is not None
-        c = value_scale(config)
-        for i in range(config.n_layers):
-            p = f"model.layers.{i}.self_attn."
-            w = out.pop(p + "subln.weight").float()
-            v = out[p + "v_proj.weight"].float()
-            out[p + "q_proj.weight"] = deinterleave_heads(out[p + "q_proj.weight"], H)
-            out[p + "k_proj.weight"] = deinterleave_heads(out[p + "k_proj.weight"], Hk)
-            out[p + "v_proj.weight"] = deinterleave_heads(v * c if c != 1.0 else v, Hk)
-            out[p + "o_proj.weight"] = out[p + "o_proj.weight"].float() * w.repeat(H // 2)[None, :]
-    return {k: t.detach().to(dtype).contiguous() for k, t in out.items()}
-
-
-def from_hf_state_dict(hf: dict[str, Tensor], config: ModelConfig, where: str = CONFIG) -> dict[str, Tensor]:
-    """Tensors of a (checked) Llama / DiffLlama checkpoint → difftrain's state dict, in fp32.
-
-    Keys must already match `expected_hf_shapes` (see `check_hf_tensors`). DiffLlama: q/k/v rows
-    re-interleaved, V divided by `value_scale`, subln = ones unless the checkpoint carries one.
-    `where`: the config.json its messages name.
-    """
-    sd = {k: t.float() for k, t in hf.items() if not k.endswith(_IGNORED_SUFFIXES)}
-    if config.tie_embeddings:
-        head = sd.pop("lm_head.weight", None)
-        if head is not None and not torch.equal(head, sd["model.embed_tokens.weight"]):
-            raise InteropError(
-                f"{where} has tie_word_embeddings=true but lm_head.weight differs from "
-                "model.embed_tokens.weight; set tie_word_embeddings to false there to import both"
-            )
-    if config.arch == "diff":
-        H, Hk, d = config.n_heads, config.n_kv_heads, config.head_dim
-        assert Hk is not None and d is not None
-        c = value_scale(config)
-        for i in range(config.n_layers):
-            p = f"model.layers.{i}.self_attn."
-            sd[p + "q_proj.weight"] = interleave_heads(sd[p + "q_proj.weight"], H)
-            sd[p + "k_proj.weight"] = interleave_heads(sd[p + "k_proj.weight"], Hk)
-            v = interleave_heads(sd[p + "v_proj.weight"], Hk)
-            sd[p + "v_proj.weight"] = v / c if c != 1.0 else v
-            w = sd.pop(p + "groupnorm.weight", None)
-            w = sd.pop(p + "subln.weight", w)
-            sd[p + "subln.weight"] = torch.ones(2 * d) if w is None else w
-    return sd
-
-
-def expected_hf_shapes(config: ModelConfig) -> dict[str, tuple[tuple[int, ...], str]]:
-    """Every tensor of the transformers checkpoint of `config`: name → (shape, formula in HF's names)."""
-    V, D, F, L = config.vocab_size, config.d_model, config.ffn_hidden, config.n_layers
-    H, Hk, d = config.n_heads, config.n_kv_heads, config.head_dim
-    assert isinstance(V, int) and F is not None and Hk is not None and d is not None
-    vd = "vocab_size × hidden_size"
-    out: dict[str, tuple[tuple[int, ...], str]] = {"model.embed_tokens.weight": ((V, D), vd)}
-    for i in range(L):
-        p = f"model.layers.{i}."
-        out[p + "input_layernorm.weight"] = ((D,), "hidden_size")
-        out[p + "post_attention_layernorm.weight"] = ((D,), "hidden_size")
-        out[p + "self_attn.q_proj.weight"] = ((H * d, D), "num_attention_heads·head_dim × hidden_size")
-        out[p + "self_attn.k_proj.weight"] = ((Hk * d, D), "num_key_value_heads·head_dim × hidden_size")
-        out[p + "self_attn.v_proj.weight"] = ((Hk * d, D), "num_key_value_heads·head_dim × hidden_size")
-        out[p + "self_attn.o_proj.weight"] = ((D, H * d), "hidden_size × num_attention_heads·head_dim")
-        out[p + "mlp.gate_proj.weight"] = ((F, D), "intermediate_size × hidden_size")
-        out[p + "mlp.up_proj.weight"] = ((F, D), "intermediate_size × hidden_size")
-        out[p + "mlp.down_proj.weight"] = ((D, F), "hidden_size × intermediate_size")
-        if config.arch == "diff":
-            for n in ("q1", "k1", "q2", "k2"):
-                out[p + f"self_attn.lambda_{n}"] = ((d,), "head_dim")
-    out["model.norm.weight"] = ((D,), "hidden_size")
-    if not config.tie_embeddings:
-        out["lm_head.weight"] = ((V, D), vd)
-    return out
-
-
-def check_hf_tensors(hf: dict[str, Tensor], config: ModelConfig, hf_dir: Path) -> None:
-    """InteropError unless `hf` holds exactly the tensors config.json implies, with its shapes."""
-    expected = expected_hf_shapes(config)
-    optional: dict[str, tuple[int, ...]] = {}
-    if config.tie_embeddings:
-        optional["lm_head.weight"] = expected["model.embed_tokens.weight"][0]
-    if config.arch == "diff":
-        assert config.head_dim is not None
-        for i in range(config.n_layers):
-            for n in ("subln", "groupnorm"):
-                optional[f"model.layers.{i}.self_attn.{n}.weight"] = (2 * config.head_dim,)
-    cfg = hf_dir / CONFIG
-    missing = [k for k in expected if k not in hf]
-    unexpected = [
-        k for k in hf if k not in expected and k not in optional and not k.endswith(_IGNORED_SUFFIXES)
-    ]
-    if missing:
-        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
-        raise InteropError(
-            f"{hf_dir}: tensor {missing[0]}{more} is missing from the weights but {cfg} implies it; "
-            "the config and the weights come from different models, or the download is incomplete"
-        )
-    extra_layers = sorted(
-        {int(m.group(1)) for k in unexpected if (m := re.match(r"model\.layers\.(\d+)\.", k))}
-    )
-    if extra_layers and extra_layers[0] >= config.n_layers:
-        raise InteropError(
-            f"{hf_dir}: the weights hold layers up to model.layers.{extra_layers[-1]} but {cfg} says "
-            f"num_hidden_layers={config.n_layers}; set num_hidden_layers={extra_layers[-1] + 1} there (the config "
-            "and the weights disagree)"
-        )
-    if unexpected:
-        more = f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else ""
-        raise InteropError(
-            f"{hf_dir}: unexpected tensor {unexpected[0]}{more} for a {HF_CLASS_OF_ARCH[config.arch]} "
-            f"with this {cfg}; difftrain imports only the plain Llama/DiffLlama layout (no biases, no extra modules)"
-        )
-    for k, t in hf.items():
-        want = expected[k][0] if k in expected else optional.get(k)
-        if want is not None and tuple(t.shape) != want:
-            formula = f" ({expected[k][1]})" if k in expected else ""
-            raise InteropError(
-                f"{hf_dir}: tensor {k} has shape {tuple(t.shape)} but {cfg} implies {want}{formula}; "
-                "fix the sizes in config.json to match the weights"
-            )
-        if not t.is_floating_point():
-            raise InteropError(f"{hf_dir}: tensor {k} has dtype {t.dtype}; expected floating-point weights")
-
-
-# --------------------------------------------------------------------------------------------
-# configs
-
-
-def hf_config_dict(
-    config: ModelConfig, *, bos_id: int, eos_id: int, pad_id: int, dtype: str = "float32"
-) -> dict[str, Any]:
-    """config.json of the transformers class for `config` (readable by transformers 4.48+ and 5.x)."""
-    cls = hf_class_for(config)
-    out: dict[str, Any] = {
-        "architectures": [cls],
-        "model_type": MODEL_TYPES[cls],
-        "vocab_size": config.vocab_size,
-        "hidden_size": config.d_model,
-        "intermediate_size": config.ffn_hidden,
-        "num_hidden_layers": config.n_layers,
-        "num_attention_heads": config.n_heads,
-        "num_key_value_heads": config.n_kv_heads,
-        "head_dim": config.head_dim,
-        "hidden_act": "silu",
-        "max_position_embeddings": config.max_seq_len,
-        "initializer_range": config.init_std,
-        "rms_norm_eps": config.norm_eps,
-        "rope_theta": config.rope_theta,  # transformers 4.x; 5.x reads rope_parameters
-        "rope_parameters": {"rope_type": "default", "rope_theta": config.rope_theta},
-        "attention_bias": False,
-        "attention_dropout": 0.0,
-        "tie_word_embeddings": config.tie_embeddings,
-        "bos_token_id": bos_id,
-        "eos_token_id": eos_id,
-        "pad_token_id": pad_id,
-        "use_cache": True,
-        "dtype": dtype,
-    }
-    if cls == LLAMA:
-        out["mlp_bias"] = False
-        out["pretraining_tp"] = 1
-    else:
-        out["lambda_std_dev"] = config.lambda_std
-    return out
-
-
-def _num(
-    hf: dict[str, Any],
-    key: str,
-    where: Path,
-    *,
-    default: Any = None,
-    integer: bool = True,
-    positive: bool = True,
-) -> Any:
-    v = hf.get(key, default)
-    if v is None:
-        raise InteropError(f"{where}: missing `{key}`; a Llama/DiffLlama config.json needs it")
-    ok = (
-        isinstance(v, int) and not isinstance(v, bool)
-        if integer
-        else isinstance(v, (int, float)) and not isinstance(v, bool)
-    )
-    if not ok or (positive and v <= 0):
-        kind = "a positive integer" if integer else "a positive number"
-        raise InteropError(f"{where}: `{key}`={v!r} must be {kind}")
-    return v
-
-
-def hf_class_of(hf: dict[str, Any], where: Path) -> str:
-    """The supported transformers class a config.json describes, or an InteropError naming it."""
-    archs = hf.get("architectures") or []
-    if isinstance(archs, str):
-        archs = [archs]
-    for a in archs:
-        if a in SUPPORTED_ARCHITECTURES:
-            return a
-    by_type = {t: c for c, t in MODEL_TYPES.items()}
-    if not archs and hf.get("model_type") in by_type:
-        return by_type[hf["model_type"]]
-    name = ", ".join(map(str, archs)) or f"model_type={hf.get('model_type')!r}"
-    raise InteropError(
-        f"{where}: architecture {name} is not supported; difftrain imports "
-        + " and ".join(f"{c} (model_type {MODEL_TYPES[c]})" for c in SUPPORTED_ARCHITECTURES)
-    )
-
-
-def config_from_hf(hf: dict[str, Any], where: Path) -> tuple[ModelConfig, str]:
-    """A transformers config.json (as a dict) → (ModelConfig, transformers class).
-
-    Refuses (InteropError naming the key) what difftrain's model cannot compute exactly: biases,
-    activations other than SiLU, RoPE scaling, odd head counts for DiffLlama.
-    """
-    cls = hf_class_of(hf, where)
-    D = _num(hf, "hidden_size", where)
-    L = _num(hf, "num_hidden_layers", where)
-    H = _num(hf, "num_attention_heads", where)
-    V = _num(hf, "vocab_size", where)
-    F = _num(hf, "intermediate_size", where)
-    Hk = _num(hf, "num_key_value_heads", where, default=H)
-    d = hf.get("head_dim")
-    if d is None:
-        if D % H:
-            raise InteropError(
-                f"{where}: hidden_size={D} is not divisible by num_attention_heads={H}; set `head_dim` explicitly"
-            )
-        d = D // H
-    d = _num({"head_dim": d}, "head_dim", where)
-    if H % Hk:
-        raise InteropError(
-            f"{where}: num_attention_heads={H} is not a multiple of num_key_value_heads={Hk}; fix one of them"
-        )
-    if d % 2:
-        raise InteropError(f"{where}: head_dim={d} must be even (RoPE rotates pairs of features)")
-    if cls == DIFFLLAMA and (H % 2 or Hk % 2):
-        raise InteropError(
-            f"{where}: DiffLlama needs even num_attention_heads and num_key_value_heads "
-            f"(got {H} and {Hk}): differential heads pair them"
-        )
-    act = hf.get("hidden_act", "silu")
-    if act not in ("silu", "swish"):
-        raise InteropError(f"{where}: hidden_act={act!r} is not supported; difftrain's MLP is SwiGLU (silu)")
-    for key in ("attention_bias", "mlp_bias"):
-        if hf.get(key):
-            raise InteropError(
-                f"{where}: {key}=true is not supported; difftrain's projections have no biases"
-            )
-    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
-    if not isinstance(rope, dict):
-        raise InteropError(f"{where}: rope_parameters must be a mapping, got {rope!r}")
-    if (
-        "rope_type" not in rope
-        and "type" not in rope
-        and rope
-        and all(isinstance(v, dict) for v in rope.values())
-    ):
-        raise InteropError(f"{where}: per-layer-type rope_parameters are not supported")
-    rope_type = rope.get("rope_type", rope.get("type")) or "default"
-    if rope_type != "default":
-        raise InteropError(
-            f"{where}: RoPE scaling rope_type={rope_type!r} is not supported; difftrain implements plain RoPE "
-            "(rope_type 'default')"
-        )
-    theta = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
-    if hf.get("partial_rotary_factor", 1.0) != 1.0 or rope.get("partial_rotary_factor", 1.0) != 1.0:
-        raise InteropError(
-            f"{where}: partial_rotary_factor is not supported; difftrain rotates the whole head"
-        )
-    init_std = hf.get("initializer_range") or 0.02
-    lam_std = hf.get("lambda_std_dev")
-    fields: dict[str, Any] = {
-        "arch": SUPPORTED_ARCHITECTURES[cls],
-        "vocab_size": V,
-        "d_model": D,
-        "n_layers": L,
-        "n_heads": H,
-        "n_kv_heads": Hk,
-        "head_dim": d,
-        "ffn_hidden": F,
-        "max_seq_len": _num(hf, "max_position_embeddings", where, default=2048),
-        "rope_theta": _num({"rope_theta": theta}, "rope_theta", where, integer=False),
-        "norm_eps": _num(hf, "rms_norm_eps", where, default=1e-6 if cls == LLAMA else 1e-5, integer=False),
-        "tie_embeddings": bool(hf.get("tie_word_embeddings", False)),
-        "init_std": init_std if init_std > 0 else 0.02,
-    }
-    if cls == DIFFLLAMA and lam_std is not None:
-        fields["lambda_std"] = lam_std
-    try:
-        return ModelConfig.from_dict(fields, where=str(where)), cls
-    except DifftrainError as e:
-        raise InteropError(f"{e} (converted from the transformers config)") from e
-
-
-# --------------------------------------------------------------------------------------------
-# tokenizer files
-
-
-def jinja_chat_template(chat: Any) -> str:
-    """A chat template (finetune.chat_template) as the Jinja template transformers'
-    `apply_chat_template` renders: each message as roles[role] with its content, in order, then the
-    assistant's header with add_generation_prompt — the text `difftrain chat` gives the model. The
-    formats' text goes in as string literals, which neither Jinja's delimiters nor the
-    trim_blocks transformers sets can change."""
-
-    def literal(text: str) -> str:
-        return "{{ " + json.dumps(text, ensure_ascii=False) + " }}" if text else ""
-
-    branches = []
-    for i, (role, fmt) in enumerate(chat.roles.items()):
-        head, tail = fmt.split("{content}")
-        branches.append(
-            f"{{% {'if' if i == 0 else 'elif'} message['role'] == {json.dumps(role)} %}}"
-            f"{literal(head)}{{{{ message['content'] }}}}{literal(tail)}"
-        )
-    unknown = "{% else %}{{ raise_exception('the chat template has no role ' + message['role']) }}{% endif %}"
-    reply_head = chat.roles["assistant"].split("{content}")[0]
-    return (
-        "{% for message in messages %}"
-        + "".join(branches)
-        + unknown
-        + "{% endfor %}{% if add_generation_prompt %}"
-        + literal(reply_head)
-        + "{% endif %}"
-    )
-
-
-def chat_end_token_id(chat: Any, tok: Any) -> int | None:
-    """The token that ends an assistant turn of a chat template (the stripped text after its
-    {content}, as `difftrain chat` stops at it), where that is one token; else None."""
-    tail = str(chat.roles.get("assistant", "")).split("{content}")[-1].strip()
-    return tok.token_to_id(tail) if tail else None
-
-
-def run_chat_template(run_path: Path, settings: Any) -> Any:
-    """The chat template (a ChatTemplateConfig) of a run fine-tuned on `messages` records, as its
-    summary.json and its prompt `settings` (`rundir.prompt_settings`) record them; None for any
-    other run."""
-    from difftrain.recipe import ChatTemplateConfig
-    from difftrain.rundir import record_kinds
-
-    if not settings.instruction or "messages" not in (record_kinds(run_path) or []):
-        return None
-    return settings.chat if settings.chat is not None else ChatTemplateConfig()
-
-
-def hf_tokenizer_files(tokenizer: Any, model_max_length: int, chat: Any = None) -> dict[str, str]:
-    """tokenizer_config.json and special_tokens_map.json for `PreTrainedTokenizerFast` (the
-    tokenizer.json itself is copied verbatim). No post-processor: like difftrain's own `encode`,
-    `tokenizer(text)` adds no special tokens (pretraining separates documents with eos only).
-    `chat`: a chat fine-tune's template, written as `chat_template` (`jinja_chat_template`)."""
-    special = {
-        "bos_token": tokenizer.id_to_token(tokenizer.bos_id),
-        "eos_token": tokenizer.id_to_token(tokenizer.eos_id),
-        "pad_token": tokenizer.id_to_token(tokenizer.pad_id),
-    }
-    extra = sorted(
-        (t for t in tokenizer.special_tokens if t not in special.values()), key=tokenizer.special_tokens.get
-    )
-    cfg = {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        **special,
-        "additional_special_tokens": extra,
-        "model_max_length": model_max_length,
-        "clean_up_tokenization_spaces": False,
-        "add_bos_token": False,
-        "add_eos_token": False,
-    }
-    if chat is not None:
-        cfg["chat_template"] = jinja_chat_template(chat)
-    return {
-        "tokenizer_config.json": json.dumps(cfg, indent=2, ensure_ascii=False) + "\n",
-        "special_tokens_map.json": json.dumps(
-            {**special, "additional_special_tokens": extra}, indent=2, ensure_ascii=False
-        )
-        + "\n",
-    }
 
 
 # --------------------------------------------------------------------------------------------
@@ -790,15 +335,11 @@ STALE_TOKENIZER_FILES = (
     "vocab.json",
     "merges.txt",
 )
-"""Tokenizer files an export does not write that transformers reads when a folder has them: a
-chat template file wins over tokenizer_config.json's chat_template (an export of a plain run over
-a chat model's folder would still chat), added_tokens.json adds tokens, and the slow tokenizers'
-files (tokenizer.model, vocab.json + merges.txt) are what a slow or sentencepiece tokenizer
-loads. An --overwrite export removes them, as it removes earlier shards."""
+"""Tokenizer files an export does not write that transformers reads when a folder has them (a
+chat template, added tokens, a slow tokenizer's files): an --overwrite export removes them."""
 
 STALE_TOKENIZER_FOLDERS = ("additional_chat_templates",)
-"""Folders of the same kind: transformers reads the named chat templates in
-additional_chat_templates/ (and, with no default among them, refuses to render a chat)."""
+"""Folders of the same kind (named chat templates)."""
 
 SHARD_NAME = re.compile(r"model-\d+-of-\d+\.safetensors")
 """How transformers names the shards of a sharded checkpoint (model-00001-of-00003.safetensors)."""
@@ -832,15 +373,10 @@ def _model_card(
     start_token: str = "tok.bos_token_id",
 ) -> str:
     """The exported README.md, whose snippets give the model the tokens `difftrain generate` and
-    `difftrain chat` give it (the same greedy tokens). `own_start`: the tokenizer's post-processor
-    puts the start token (`start_token`, as the snippet writes it) before a text itself (an
-    imported Llama's <s>), which a document and a fine-tuning example both start with; else a
-    document starts after eos and a fine-tuning example with its own text. `prompt_format`: an
-    instruction fine-tune's finetune.prompt_format, which the plain snippet's prompt is written
-    in. `chat`: a chat fine-tune, whose template the tokenizer carries (and `apply_chat_template`
-    adds no start token to)."""
-    import collections
-
+    `difftrain chat` give it. `own_start`: the tokenizer puts its start token (`start_token`, as
+    the snippet writes it) before a text itself; else a document starts after eos.
+    `prompt_format`: an instruction fine-tune's finetune.prompt_format. `chat`: a chat fine-tune,
+    whose template the tokenizer carries."""
     first = ", 1:"  # the snippet prints the text after the start token (eos, or the tokenizer's own)
     if prompt_format is None:
         text = "def fibonacci(n):"
