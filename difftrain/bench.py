@@ -30,7 +30,8 @@ from typing import Any
 
 import torch
 
-from difftrain.errors import ConfigError, DeviceError, RecipeError
+from difftrain.errors import ConfigError, RecipeError
+from difftrain.spec import resolve
 
 Progress = Callable[[str], None]
 
@@ -118,38 +119,6 @@ def train_step(model: Any, opt: Any, x: torch.Tensor, y: torch.Tensor, train: An
     return step
 
 
-def resolve(recipe: Any) -> tuple[Any, torch.device, int, int]:
-    """The recipe with its `auto` values fixed for this machine, as training fixes them, and what
-    training refuses here refused: (recipe, device, seq_len, devices × nodes)."""
-    from difftrain.devicecheck import NO_CUDA, check_flex, check_off_cuda
-    from difftrain.recipe import resolve_auto, train_seq_len
-
-    cuda = torch.cuda.is_available()
-    acc = recipe.train.accelerator
-    acc = ("cuda" if cuda else "cpu") if acc == "auto" else acc
-    if acc == "cuda" and not cuda:
-        raise DeviceError(NO_CUDA)
-    if acc == "mps" and not torch.backends.mps.is_available():
-        raise DeviceError(
-            "train.accelerator=mps but Apple MPS is not available here; use train.accelerator=auto"
-        )
-    bf16 = acc == "cuda" and torch.cuda.is_bf16_supported()
-    r = resolve_auto(recipe, cuda=acc == "cuda", bf16=bf16)
-    check_off_cuda(r, acc)
-    if acc == "cuda" and r.train.precision in ("bf16-mixed", "bf16-true") and not bf16:
-        raise DeviceError(
-            f"train.precision={r.train.precision} but this GPU has no bf16 support; use 16-mixed"
-        )
-    if r.train.compile and acc in ("cpu", "cuda"):
-        from difftrain.infer.device import require_compiler
-
-        require_compiler(torch.device(acc), "train.compile=true")
-    check_flex(r.model, acc)
-    devices = r.train.devices
-    world = (torch.cuda.device_count() if acc == "cuda" else 1) if devices == "auto" else int(devices)
-    return r, torch.device(acc), train_seq_len(r.train, r.model.max_seq_len), world * r.train.num_nodes
-
-
 def bench_recipe(
     recipe: Any,
     *,
@@ -171,8 +140,9 @@ def bench_recipe(
             f"{recipe.source or recipe.name}: no model: section; `difftrain bench` measures a pretraining "
             "recipe (for a fine-tune, bench the recipe of its base)"
         )
-    r, device, seq_len, world = resolve(recipe)
-    t, cfg, notes = r.train, r.model, []
+    spec = resolve(recipe)
+    r, device, seq_len, world = spec.recipe, torch.device(spec.accelerator), spec.seq_len, spec.world_size
+    t, cfg, notes = r.train, spec.model, []
     if cfg.vocab_size == "auto":  # as training sizes it: the tokenizer's, rounded up to 64
         size = tokenizer_size(r)
         cfg = cfg.replace(vocab_size=64 * math.ceil(size / 64))

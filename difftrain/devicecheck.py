@@ -1,10 +1,7 @@
-"""Recipes this machine's devices cannot run, refused with the fix — torch-free, so that where
-torch can see no GPU (`no_cuda_here`) a GPU-only option fails in a second, before torch
-and Lightning load, in the words `train.run.plan_run` uses after they have.
-
-`plan_run` (every start and dry run) calls `check_off_cuda` and `check_strategy` on the recipe
-resolved for the machine; `early_device_check` resolves it as `plan_run` would on a machine
-without CUDA and calls the same two.
+"""Recipes a machine's devices cannot run, refused with the fix — torch-free, so that where
+torch can see no GPU (`no_cuda_here`) a GPU-only option fails in a second, before torch and
+Lightning load. `difftrain.spec.resolve` calls these checks on the recipe resolved for a
+machine, this one or one described (`train.runcheck.early_check`: one without a GPU).
 """
 
 from __future__ import annotations
@@ -14,7 +11,6 @@ import sys
 from typing import Any
 
 from difftrain.errors import DeviceError, RecipeError
-from difftrain.recipe import Recipe, resolve_auto
 
 BNB_NAMES = ("adamw8bit", "paged_adamw8bit", "lion8bit")
 
@@ -119,21 +115,3 @@ def check_flex(model: Any, accelerator: str) -> None:
             "model.attn_impl=flex has no backward pass on CPU in this torch; train on CPU with "
             "model.attn_impl=sdpa (or auto), or use flex on a CUDA GPU"
         )
-
-
-def early_device_check(recipe: Recipe) -> None:
-    """Before torch loads, on a Linux or macOS machine where it cannot see a CUDA GPU: the refusals
-    `plan_run` makes there for a pretraining recipe (a cuda accelerator, fp16, paged 8-bit AdamW,
-    FSDP, flex attention). Elsewhere (a GPU driver present, an MPS accelerator) only torch can
-    tell, and this decides nothing."""
-    t = recipe.train
-    if recipe.finetune is not None or t.accelerator == "mps" or not no_cuda_here():
-        return
-    if t.accelerator == "cuda":
-        raise DeviceError(NO_CUDA)
-    resolved = resolve_auto(recipe, cuda=False, bf16=False)
-    check_off_cuda(resolved, "cpu")
-    devices = 1 if t.devices == "auto" else int(t.devices)
-    check_strategy(resolved, "cpu", devices * t.num_nodes)
-    if resolved.model is not None:
-        check_flex(resolved.model, "cpu")

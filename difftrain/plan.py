@@ -70,7 +70,7 @@ passes in train.fsdp.param_dtype (the root and about two blocks with one unit pe
 full_shard, else all of them); with bf16 gathered weights autocast makes no copies. This follows
 FSDP's design and has not been measured on GPUs. No 8-bit optimizer is suggested under FSDP
 (training refuses one), and `difftrain plan` refuses what training refuses on the device it plans
-for (`check_plannable`).
+for: the recipe is resolved there by `difftrain.spec.resolve`, as the run resolves it.
 
 ## Peak
 
@@ -105,6 +105,7 @@ from typing import Any
 
 from difftrain.errors import ConfigError, DeviceError, RecipeError
 from difftrain.model.config import ModelConfig
+from difftrain.spec import Machine, RunSpec, resolve
 
 KiB, MiB, GiB = 2**10, 2**20, 2**30
 CUDA_CONTEXT_BYTES = GiB // 2
@@ -481,6 +482,17 @@ class Target:
     kind: str
     memory: int
     name: str
+    machine: Machine | None = None  # this machine, when the target is its own GPU or RAM
+
+    def machine_for(self, recipe: Any) -> Machine:
+        """The machine a recipe is resolved on for this target: this one, or one described with
+        as many GPUs as the recipe asks for (`plan --gpu-mem`, a target made by hand)."""
+        if self.machine is not None:
+            return self.machine
+        if self.kind == "cuda":
+            t = recipe.train
+            return replace(Machine.gpu(self.name), cuda_devices=1 if t.devices == "auto" else int(t.devices))
+        return Machine(mps=recipe.train.accelerator == "mps")
 
     @property
     def overhead(self) -> int:
@@ -930,24 +942,6 @@ def plan_target(recipe: Any, gpu_mem: str | None = None, device: str = "auto") -
     return target
 
 
-def check_plannable(recipe: Any, target: Target) -> None:
-    """Refuse what training refuses on `target`'s kind of device, in its words: options that need
-    CUDA, strategy/optimizer/precision combinations (FSDP with an 8-bit optimizer), flex attention
-    on CPU. The batch and sequence length are refused while the plan is made (`recipe_settings`)."""
-    from difftrain.devicecheck import check_flex, check_off_cuda, check_strategy
-    from difftrain.recipe import resolve_auto
-
-    cuda = target.kind == "cuda"
-    accelerator = "cuda" if cuda else ("mps" if recipe.train.accelerator == "mps" else "cpu")
-    resolved = resolve_auto(recipe, cuda=cuda, bf16=cuda)
-    t = resolved.train
-    check_off_cuda(resolved, accelerator)
-    devices = int(t.devices) if t.devices != "auto" else 1
-    check_strategy(resolved, accelerator, devices * t.num_nodes)
-    if resolved.model is not None:
-        check_flex(resolved.model, accelerator)
-
-
 def detect_target(gpu_mem: str | None = None, device: str = "auto") -> Target:
     """The target of a plan: `--gpu-mem` → a CUDA GPU of that size; otherwise this machine's
     first CUDA GPU, or its RAM when it has none (or device == 'cpu')."""
@@ -955,10 +949,11 @@ def detect_target(gpu_mem: str | None = None, device: str = "auto") -> Target:
         return Target("cuda", parse_memory(gpu_mem), f"GPU with {gpu_mem}")
     import torch
 
-    if device != "cpu" and torch.cuda.is_available():
+    here = Machine.detect()
+    if device != "cpu" and here.cuda_devices:
         props = torch.cuda.get_device_properties(0)
-        return Target("cuda", int(props.total_memory), props.name)
-    return Target("cpu", available_ram(), "this machine's RAM")
+        return Target("cuda", int(props.total_memory), props.name, here)
+    return Target("cpu", available_ram(), "this machine's RAM", here.cpu_only())
 
 
 def available_ram() -> int:
@@ -1002,6 +997,7 @@ class RecipePlan:
     kv_cache: int
     generation_bytes: int
     generation_dtype: str = "float32"  # what `generate --dtype auto` uses on the target
+    spec: RunSpec | None = None  # the run planned
 
     @property
     def generation_logits(self) -> int:
@@ -1028,54 +1024,48 @@ class RecipePlan:
         }
 
 
-def recipe_settings(recipe: Any, target: Target) -> tuple[ModelConfig, Settings, list[Param], str, list[str]]:
-    """The model, settings, parameters and fine-tuning method a recipe resolves to on `target`,
-    and notes on how they were found."""
-    from difftrain.recipe import global_batch, resolve_auto, train_seq_len
-
-    cuda = target.kind == "cuda"
-    r = resolve_auto(recipe, cuda=cuda, bf16=cuda)
+def recipe_settings(recipe: Any, target: Target) -> tuple[RunSpec, Settings, list[Param], str, list[str]]:
+    """The run a recipe resolves to on `target` (refused where training refuses it there), its
+    memory settings, parameters and fine-tuning method, and notes on how they were found."""
     method = "full"
     trained: set[str] | None = None
     quantized: set[str] | None = None
     notes: list[str] = []
-    if r.finetune is not None:
-        config, base_note = _finetune_model(r)
-        trained, quantized, method = set(), set(), r.finetune.method
+    if recipe.finetune is not None:
+        config, base_note = _finetune_model(recipe)
+        trained, quantized, method = set(), set(), recipe.finetune.method
         notes += [base_note] if base_note else []
     else:
-        if r.model is None:
+        if recipe.model is None:
             raise RecipeError(f"{recipe.source or recipe.name}: no model: section to plan for")
-        config = r.model.replace(vocab_size=_vocab_size(r))
-    t = r.train
-    seq_len = train_seq_len(t, config.max_seq_len)  # refused where `pretrain` refuses it
-    devices = int(t.devices) if t.devices != "auto" else 1
-    world = devices * t.num_nodes
+        config = recipe.model.replace(vocab_size=_vocab_size(recipe))
+    spec = resolve(recipe.model_copy(update={"model": config}), target.machine_for(recipe))
+    t = spec.recipe.train
     sharding = None
     if t.strategy == "fsdp":
-        f = t.fsdp
-        shards = {"full_shard": world, "shard_grad_op": world, "hybrid_shard": devices, "no_shard": 1}
+        f, world = t.fsdp, spec.world_size
+        shards = {"full_shard": world, "shard_grad_op": world, "hybrid_shard": spec.devices, "no_shard": 1}
         sharding = Sharding(
             f.sharding_strategy, shards[f.sharding_strategy], f.auto_wrap, f.param_dtype, f.cpu_offload
         )
     settings = Settings(
         micro_batch_size=t.micro_batch_size,
-        seq_len=seq_len,
-        global_batch_size=global_batch(t, devices)[0],  # refused where `pretrain` refuses it
-        world_size=world,
+        seq_len=spec.seq_len,
+        global_batch_size=spec.global_batch_size,
+        world_size=spec.world_size,
         precision=t.precision,
-        optimizer=r.optim.name,
+        optimizer=spec.recipe.optim.name,
         checkpointing=t.activation_checkpointing,
         attn_impl=config.attn_impl,
         fsdp=sharding,
-        devices=devices,
+        devices=spec.devices,
     )
     if trained is None:
         params = model_params(config)
     else:
-        params, lora_dropout = _finetune_params(config, r, trained, quantized or set())
+        params, lora_dropout = _finetune_params(config, spec.recipe, trained, quantized or set())
         settings = replace(settings, lora_dropout=lora_dropout)
-    return config, settings, params, method, notes
+    return spec, settings, params, method, notes
 
 
 def _finetune_model(r: Any) -> tuple[ModelConfig, str | None]:
@@ -1137,7 +1127,8 @@ def _finetune_params(
 
 def plan_recipe(recipe: Any, target: Target) -> RecipePlan:
     """Plan `recipe` on `target`; suggestions when it does not fit."""
-    config, settings, params, method, notes = recipe_settings(recipe, target)
+    spec, settings, params, method, notes = recipe_settings(recipe, target)
+    config = spec.model
     plan = plan_memory(config, settings, target, params, method=method)
     plan.notes[:0] = notes
     suggestions = [] if plan.fits else suggest(config, settings, target, params, method=method)
@@ -1146,7 +1137,7 @@ def plan_recipe(recipe: Any, target: Target) -> RecipePlan:
     kv = kv_cache_bytes(config, dtype_bytes=width)
     gen_bytes = int(sum(p.numel for p in params) * width + kv + config.vocab_size * 4)  # type: ignore[operator]
     table = activation_table(config, settings, target) if method == "full" else []
-    return RecipePlan(plan, suggestions, table, kv, gen_bytes, dtype)
+    return RecipePlan(plan, suggestions, table, kv, gen_bytes, dtype, spec)
 
 
 def fit_warning(recipe: Any, accelerator: str) -> str | None:

@@ -41,7 +41,8 @@ from difftrain.rundir import load_run
 from difftrain.train.checkpoint import load_checkpoint_file
 from difftrain.train.distributed import start
 from difftrain.train.metrics import read_metrics
-from difftrain.train.run import plan_run, pretrain
+from difftrain.spec import resolve
+from difftrain.train.run import pretrain
 
 RECIPE = """\
 name: {name}
@@ -127,8 +128,7 @@ if os.environ.get("FSDP_ON_CPU") == "1":
     from torch.distributed.fsdp.api import FullOptimStateDictConfig
     from torch.distributed.fsdp.wrap import enable_wrap
 
-    import difftrain.devicecheck as devicecheck
-    import difftrain.train.run as run
+    import difftrain.spec as spec
 
     class CPUFSDPStrategy(lfsdp.FSDPStrategy):
         @contextlib.contextmanager
@@ -153,9 +153,8 @@ if os.environ.get("FSDP_ON_CPU") == "1":
 
     strategies.FSDPStrategy = CPUFSDPStrategy
     lfsdp._get_full_state_dict_context = full_state_dict_context
-    check = run.check_strategy
-    run.check_strategy = lambda recipe, accelerator, world: check(recipe, "cuda", world)
-    devicecheck.check_strategy = run.check_strategy  # and before torch loads (early_device_check)
+    check = spec.check_strategy
+    spec.check_strategy = lambda recipe, accelerator, world: check(recipe, "cuda", world)
 
 if os.environ.get("DT_SIGNAL_AT"):  # "RANK:STEP": that process alone gets SIGTERM at that step
     import signal
@@ -505,7 +504,7 @@ def test_sharded_fsdp_checkpoints_are_folders_that_only_fsdp_resumes(ws, ref):
 def test_fsdp_on_cpu_and_unsupported_combinations_are_refused_with_the_fix(ws, tmp_path):
     recipe = ws.recipe(tmp_path, "x")
     with pytest.raises(DeviceError, match="fsdp needs CUDA.*train.strategy=ddp"):
-        plan_run(load_recipe(recipe, ["train.strategy=fsdp"]))
+        resolve(load_recipe(recipe, ["train.strategy=fsdp"]))
     for overrides, pattern in (
         (["optim.name=adamw8bit"], "optim.name=adamw8bit with train.strategy=fsdp"),
         (["optim.name=lion8bit"], "optim.name=lion8bit with train.strategy=fsdp"),
@@ -515,7 +514,7 @@ def test_fsdp_on_cpu_and_unsupported_combinations_are_refused_with_the_fix(ws, t
         with pytest.raises(DeviceError, match=pattern):
             check_strategy(r, "cuda", 2)
     with pytest.raises(RecipeError, match="data.val_windows=1 is fewer than the 2 processes"):
-        plan_run(load_recipe(recipe, ["train.devices=2", "data.val_windows=1"]))
+        resolve(load_recipe(recipe, ["train.devices=2", "data.val_windows=1"]))
     with pytest.raises(RecipeError, match="deepspeed_stage_2"):
         load_recipe(recipe, ["train.strategy=deepspeed_stage_2"])
     # a launcher (torchrun, srun) that started another number of processes than the recipe plans

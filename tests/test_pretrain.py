@@ -21,7 +21,7 @@ from safetensors.torch import load_file
 from difftrain.cli.app import main
 from difftrain.errors import DeviceError, RecipeError, RunDirError, StopRequested
 from difftrain.recipe import load_recipe
-from difftrain.train.callbacks import RunCallback
+from difftrain.train.callbacks import CallbackSettings, RunCallback
 from difftrain.train.checkpoint import find_resume_checkpoint, load_checkpoint_file
 from difftrain.train.metrics import read_metrics
 from difftrain.train.run import pretrain
@@ -228,10 +228,12 @@ def test_a_checkpoint_keeps_the_validation_of_its_step_through_a_kill_or_a_stop(
 def test_the_run_callback_carries_the_validations_through_a_checkpoint(tmp_path):
     """best/last validation loss are saved with a checkpoint: a resumed run's summary would
     otherwise forget a best validation measured before the resume."""
-    kw = dict(save_every=1, keep=1, log_every=1, tokens_per_step=1, flops_per_token=1.0, progress=False)
-    cb = RunCallback(tmp_path, **kw)
+    kw = CallbackSettings(
+        save_every=1, keep=1, log_every=1, tokens_per_step=1, flops_per_token=1.0, progress=False
+    )
+    cb = RunCallback(tmp_path, kw)
     cb.state.best_val, cb.state.last_val, cb.state.last_val_step = 3.25, 3.5, 8
-    other = RunCallback(tmp_path, **kw)
+    other = RunCallback(tmp_path, kw)
     other.load_state_dict(cb.state_dict())
     assert (other.state.best_val, other.state.last_val, other.state.last_val_step) == (3.25, 3.5, 8)
     other.load_state_dict({})  # a checkpoint of an older version: no validations known
@@ -321,13 +323,13 @@ def test_sigterm_during_start_up_ends_with_one_line_and_exit_143(workspace, caps
     like a Ctrl-C, not a silent death; Python's handlers are back afterwards."""
     from difftrain.train import run as run_module
 
-    plan_run = run_module.plan_run
+    resolve = run_module.resolve
 
     def terminated(recipe):
         os.kill(os.getpid(), signal.SIGTERM)
-        return plan_run(recipe)
+        return resolve(recipe)
 
-    monkeypatch.setattr(run_module, "plan_run", terminated)
+    monkeypatch.setattr(run_module, "resolve", terminated)
     assert main(["pretrain", str(workspace(name="term")), "--no-progress"]) == 143
     assert capsys.readouterr().err.strip().splitlines()[-1] == "error: interrupted (SIGTERM)"
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
@@ -432,7 +434,7 @@ def test_a_logger_whose_package_is_missing_is_refused_before_anything_is_written
     # TensorBoard failed with a traceback after the first step; wandb after the run folder was made
     import importlib.util
 
-    from difftrain.train.run import plan_run
+    from difftrain.spec import resolve
 
     real = importlib.util.find_spec
     gone = {"tensorboard", "tensorboardX", "wandb"}
@@ -454,7 +456,7 @@ def test_a_logger_whose_package_is_missing_is_refused_before_anything_is_written
             assert main(["pretrain", str(p), override, *dry]) == 2
             assert f"error: {message}" in capsys.readouterr().err
         with pytest.raises(DeviceError, match=re.escape(message)):  # the check every start makes
-            plan_run(load_recipe(p, [override]))
+            resolve(load_recipe(p, [override]))
     assert not (p.parent / "runs" / "r").exists()
     assert main(["pretrain", str(p), "--dry-run"]) == 0  # tensorboard: auto logs only where it is installed
 
@@ -1076,7 +1078,8 @@ def test_a_run_that_lost_its_recipe_is_named_a_run_not_a_folder_to_remove(worksp
 
 
 def test_a_warm_up_as_long_as_the_run_is_noted_as_what_the_schedule_does(workspace):
-    from difftrain.train.run import _warmup_notes, plan_run
+    from difftrain.spec import resolve
+    from difftrain.train.run import _warmup_notes
 
     for steps, note in (
         (1, "optim.warmup_steps=2 with train.max_steps=1: the one step runs at the peak optim.lr"),
@@ -1084,10 +1087,10 @@ def test_a_warm_up_as_long_as_the_run_is_noted_as_what_the_schedule_does(workspa
         (3, "optim.warmup_steps=3 is not below train.max_steps=3: warm-up is cut to 2 steps and"),
     ):
         r = load_recipe(workspace(name=f"w{steps}", steps=steps), [f"optim.warmup_steps={max(2, steps)}"])
-        (got,) = _warmup_notes(plan_run(r))
+        (got,) = _warmup_notes(resolve(r))
         assert got.startswith(note), got
     r = load_recipe(workspace(name="w6", steps=6))
-    assert _warmup_notes(plan_run(r)) == []
+    assert _warmup_notes(resolve(r)) == []
 
 
 def test_the_early_run_directory_check_refuses_what_the_full_one_refuses_in_its_words(workspace, monkeypatch):
@@ -1095,10 +1098,11 @@ def test_the_early_run_directory_check_refuses_what_the_full_one_refuses_in_its_
     # nor say anything else than the run would (here both see a machine without CUDA)
     from difftrain import devicecheck
     from difftrain.train import runcheck
-    from difftrain.train.run import plan_run, prepare_run_dir
+    from difftrain.spec import Machine, resolve
+    from difftrain.train.run import preflight
 
     monkeypatch.setattr(devicecheck, "no_cuda_here", lambda: True)
-    monkeypatch.setattr("difftrain.train.run._cuda_facts", lambda: (False, False))
+    monkeypatch.setattr("difftrain.spec.Machine.detect", lambda: Machine(threads=1, here=True))
     p = workspace(steps=2, save_every=2)
     pretrain(load_recipe(p))
     cases = [  # overrides, --resume, --overwrite, accepted
@@ -1125,9 +1129,9 @@ def test_the_early_run_directory_check_refuses_what_the_full_one_refuses_in_its_
         runcheck.early_check(r, resume=resume, overwrite=overwrite)
 
     def full(r, resume, overwrite):
-        plan = plan_run(r)
-        flag = plan.recipe.train.resume if resume is None else resume
-        prepare_run_dir(plan, resume=flag, overwrite=overwrite, dry_run=True)
+        spec = resolve(r)
+        flag = spec.recipe.train.resume if resume is None else resume
+        preflight(spec, resume=flag, overwrite=overwrite, dry_run=True)
 
     for overrides, resume, overwrite, accepted in cases:
         r = load_recipe(p, overrides)
@@ -1194,10 +1198,10 @@ def test_gpu_only_options_on_a_machine_without_cuda_are_refused_early_as_the_run
     from difftrain import devicecheck
     from difftrain.errors import DeviceError
     from difftrain.train import runcheck
-    from difftrain.train.run import plan_run
+    from difftrain.spec import Machine, resolve
 
     monkeypatch.setattr(devicecheck, "no_cuda_here", lambda: True)
-    monkeypatch.setattr("difftrain.train.run._cuda_facts", lambda: (False, False))
+    monkeypatch.setattr("difftrain.spec.Machine.detect", lambda: Machine(threads=1, here=True))
     p = workspace(steps=2)
 
     def said(check, r):
@@ -1210,11 +1214,11 @@ def test_gpu_only_options_on_a_machine_without_cuda_are_refused_early_as_the_run
     for overrides in GPU_ONLY:
         r = load_recipe(p, overrides)
         early = said(lambda r: runcheck.early_check(r, resume=None, overwrite=False), r)
-        assert early is not None and early == said(plan_run, r), (overrides, early)
+        assert early is not None and early == said(resolve, r), (overrides, early)
     for overrides in ([], ["train.precision=bf16-mixed"], ["optim.name=adamw8bit"], ["train.devices=2"]):
         r = load_recipe(p, overrides)  # what the CPU can train passes both
         assert said(lambda r: runcheck.early_check(r, resume=None, overwrite=False), r) is None, overrides
-        assert said(plan_run, r) is None, overrides
+        assert said(resolve, r) is None, overrides
 
 
 def test_gpu_only_options_are_refused_before_torch_loads_where_no_gpu_driver_is(workspace, cli_probe):
@@ -1283,9 +1287,9 @@ def test_a_stopped_run_logs_the_step_it_stops_at_and_its_resume_goes_on_from_the
 
 
 def test_the_device_named_for_several_processes_says_how_many():
-    from difftrain.train.run import _device_name
+    from difftrain.spec import Machine, device_name
 
-    one, two = _device_name("cpu"), _device_name("cpu", 2)
+    one, two = device_name("cpu", Machine.detect()), device_name("cpu", Machine.detect(), 2)
     assert one.startswith("cpu (") and "each" not in one
     assert two.startswith("cpu × 2 (") and two.endswith(" each)")  # threads are per process
 
@@ -1330,3 +1334,40 @@ def test_a_runs_damaged_recipe_is_named_as_such_not_as_a_different_run(workspace
         assert says in err and "restore the recipe the run was started with" in err, err
         assert "holds a different run" not in err and len(err.strip().splitlines()) == 1
     assert sorted((q.name, q.stat().st_mtime_ns) for q in saved.parent.rglob("*") if q != saved) == before
+
+
+SPEC_LABELS = ("model", "batch", "steps", "optimizer", "precision", "device", "auto")
+
+
+def spec_lines(out: str) -> dict[str, str]:
+    """The resolved-settings rows (`cli.common.spec_rows`) of a command's tables."""
+    rows = {}
+    for line in out.splitlines():
+        label, _, value = line.strip().partition(" ")
+        if label in SPEC_LABELS and value.strip():
+            rows.setdefault(label, value.strip())
+    return rows
+
+
+def test_plan_dry_run_and_the_start_table_show_the_same_resolved_settings(workspace, capsys):
+    # overrides that `auto` and the batch arithmetic resolve: accumulation, precision, optimizer
+    p = workspace(steps=2, save_every=2)
+    over = [
+        "train.precision=auto",
+        "optim.name=auto",
+        "train.compile=auto",
+        "train.activation_checkpointing=true",
+    ]
+    shown = []
+    for args in (
+        ["plan", str(p), *over],
+        ["pretrain", str(p), "--dry-run", *over],
+        ["pretrain", str(p), *over],
+    ):
+        assert main(args) == 0, args
+        shown.append(spec_lines(capsys.readouterr().out))
+    plan, dry, start = shown
+    assert set(start) == set(SPEC_LABELS), start  # every setting, and why each auto chose its value
+    assert plan == dry == start
+    assert "accum 2" in start["batch"] and "activation checkpointing" in start["precision"]
+    assert "precision:" in start["auto"] and "optimizer:" in start["auto"]

@@ -150,15 +150,15 @@ def oom_advice(recipe: Any, *, finetune: bool = False, device: str = "GPU") -> s
     import importlib.util
 
     from difftrain.errors import DifftrainError
-    from difftrain.train.run import plan_run
+    from difftrain.spec import resolve
     from difftrain.train.runcheck import resumable_change
 
     t = recipe.train
     micro = t.micro_batch_size
     try:
-        plan = plan_run(recipe)
-        global_bs, accumulate, seq_len = plan.global_batch_size, plan.accumulate, plan.seq_len
-        optimizer = plan.recipe.optim.name
+        spec = resolve(recipe)
+        global_bs, accumulate, seq_len = spec.global_batch_size, spec.accumulate, spec.seq_len
+        optimizer = spec.recipe.optim.name
     except DifftrainError:  # a fine-tune's model (and so its seq_len) comes from its base run
         global_bs = t.global_batch_size or micro
         accumulate, seq_len, optimizer = global_bs // micro, t.seq_len, recipe.optim.name
@@ -206,19 +206,48 @@ def oom_advice(recipe: Any, *, finetune: bool = False, device: str = "GPU") -> s
     )
 
 
-def dry_run_rows(plan: Any, resuming: bool, point: Any, overwrite: bool) -> dict[str, str]:
-    """The rows both dry runs show: what the run does with its folder, and the device."""
+def spec_rows(spec: Any, padded: bool = False) -> list[tuple[str, str]]:
+    """A run's resolved settings (`difftrain.spec.RunSpec`), as `plan`, `--dry-run` and the start
+    table all show them: model, batch, steps, optimizer, precision, device, and why each `auto`
+    chose what it did. `padded`: sequences are padded to the longest of a batch (instruction
+    records), so a step holds at most the tokens it says."""
+    m, t = spec.model, spec.recipe.train
+    at_most = "≤" if padded else ""
+    rows = [
+        (
+            "model",
+            f"{m.arch} · d_model {m.d_model} · {plural(m.n_layers, 'layer')} · {plural(m.n_heads, 'head')}"
+            + (f" ({m.n_kv_heads} kv)" if m.n_kv_heads != m.n_heads else "")
+            + f" · head_dim {m.head_dim}",
+        ),
+        (
+            "batch",
+            f"{spec.global_batch_size} seq × {at_most}{spec.seq_len} tok = {at_most}{fmt_count(spec.tokens_per_step)} "
+            f"tok/step (micro {t.micro_batch_size} × accum {spec.accumulate} × devices {spec.world_size})",
+        ),
+        ("steps", f"{spec.max_steps} ({at_most}{fmt_count(spec.max_steps * spec.tokens_per_step)} tokens)"),
+        ("optimizer", optimizer_row(spec.recipe.optim, t)),
+        (
+            "precision",
+            f"{t.precision} · compile {'on' if t.compile else 'off'} · attention {spec.attention}"
+            + (" · activation checkpointing" if t.activation_checkpointing else ""),
+        ),
+        ("device", spec.device),
+    ]
+    if spec.reasons:
+        rows.append(("auto", " · ".join(f"{k} {value} ({why})" for k, value, why in spec.auto_choices())))
+    return rows
+
+
+def run_row(spec: Any, resuming: bool, point: Any, overwrite: bool) -> tuple[str, str]:
+    """A dry run's `run` row: the folder and what the run would do with it."""
     if resuming:
         action = f"resumes from step {point.step}"
-    elif overwrite and plan.run_dir.exists():
+    elif overwrite and spec.run_dir.exists():
         action = "replaces the run there (--overwrite)"
     else:
         action = "a new run"
-    r = plan.recipe
-    return {
-        "run": f"{plan.run_dir} ({action})",
-        "device": f"{plan.accelerator} × {plan.world_size} · {r.train.precision} · {r.optim.name}",
-    }
+    return ("run", f"{spec.run_dir} ({action})")
 
 
 def skipped_records_row(count: int, examples: list[str]) -> list[tuple[str, str]]:

@@ -11,16 +11,16 @@ import typer
 from difftrain.cli.common import (
     check_files,
     console,
-    dry_run_rows,
     fmt_count,
     json_as_text_row,
     kv_table,
-    optimizer_row,
     peak_memory,
     plural,
     prepared_bad_examples,
     report_finished,
+    run_row,
     skipped_records_row,
+    spec_rows,
     throughput,
     wall_time,
     warn,
@@ -47,27 +47,27 @@ def _no_val_note(val_records: int, val_fraction: float) -> str:
     )
 
 
-def _start_table(info: dict[str, Any]) -> None:
-    plan, r = info["plan"], info["recipe"]
-    m, t, ft = r.model, r.train, r.finetune
-    total, trainable = info["total_params"], info["trainable_params"]
+def _start_table(info: Any) -> None:
+    spec, d = info.spec, info.details
+    r = spec.recipe
+    m, ft = spec.model, r.finetune
+    total, trainable = info.total_params, info.trainable_params
     rows = [
         (
             "run",
-            str(info["run_dir"])
-            + (f"  (resuming from step {info['resumed_from']})" if info["resumed_from"] else ""),
+            str(spec.run_dir) + (f"  (resuming from step {info.resumed_from})" if info.resumed_from else ""),
         ),
         (
             "base",
-            f"{info['base']} · {m.arch} · d_model {m.d_model} · {plural(m.n_layers, 'layer')} · vocab "
-            f"{info.get('base_vocab_size', m.vocab_size)}",
+            f"{d['base']} · {m.arch} · d_model {m.d_model} · {plural(m.n_layers, 'layer')} · vocab "
+            f"{d.get('base_vocab_size', m.vocab_size)}",
         ),
     ]
     method = ft.method
     if method != "full":
         from difftrain.model.lora import short_names
 
-        targets = info.get("lora_targets", [])
+        targets = d.get("lora_targets", [])
         method += f" · rank {ft.lora.rank} · alpha {ft.lora.alpha:g} · dropout {ft.lora.dropout:g}"
         method += (
             f" · {plural(len(targets), 'linear layer')} ({', '.join(short_names(targets))})"  # as --dry-run
@@ -80,45 +80,33 @@ def _start_table(info: dict[str, Any]) -> None:
             "trainable",
             f"{trainable:,} of {total:,} parameters ({100 * trainable / max(total, 1):.2f}%)"
             + (
-                f" · trained in full: {len(info['trained_in_full'])} tensors"
-                if info.get("trained_in_full")
-                else ""
+                f" · trained in full: {len(d['trained_in_full'])} tensors" if d.get("trained_in_full") else ""
             ),
         )
     )
-    if info["data_format"] == "instruction":
-        data = f"instruction records: {info['train_records']:,} train · {info['val_records']:,} val"
-        if info.get("truncated"):
-            data += f" · {info['truncated']:,} truncated to {plan.seq_len} tokens"
-        data += _empty_note(info.get("empty_responses", 0))
-        data += _no_val_note(info["val_records"], r.data.val_fraction)
+    instruction = d["data_format"] == "instruction"
+    if instruction:
+        data = f"instruction records: {d['train_records']:,} train · {d['val_records']:,} val"
+        if d.get("truncated"):
+            data += f" · {d['truncated']:,} truncated to {spec.seq_len} tokens"
+        data += _empty_note(d.get("empty_responses", 0))
+        data += _no_val_note(d["val_records"], r.data.val_fraction)
         if not ft.train_on_prompt:
             data += " · loss on responses only"
     else:
-        data = f"plain text (continued pretraining) · {fmt_count(info['data'].index['train']['tokens'])} train tokens"
+        data = f"plain text (continued pretraining) · {fmt_count(d['data'].index['train']['tokens'])} train tokens"
     rows.append(("data", data))
-    if info["data_format"] == "instruction":
-        rows += skipped_records_row(info.get("bad_records", 0), info.get("bad_examples", []))
+    if instruction:
+        rows += skipped_records_row(d.get("bad_records", 0), d.get("bad_examples", []))
     else:
-        rows += skipped_records_row(info["data"].stats.bad_records, prepared_bad_examples(info["data"]))
-        rows += json_as_text_row(info["data"].stats)
-    if info.get("new_tokens"):
-        grown = f" (vocab {info['base_vocab_size']} → {m.vocab_size})" if "base_vocab_size" in info else ""
-        rows.append(("new tokens", ", ".join(f"{k} → {v}" for k, v in info["new_tokens"].items()) + grown))
-    rows += [
-        (
-            "batch",
-            # instruction records are padded to the longest of a batch; text windows are full
-            f"{plan.global_batch_size} seq × {'≤' if info['data_format'] == 'instruction' else ''}{plan.seq_len} tok "
-            f"(micro {t.micro_batch_size} × accum {plan.accumulate} × devices {plan.world_size})",
-        ),
-        ("steps", str(plan.max_steps)),
-        ("optimizer", optimizer_row(r.optim, t)),
-        ("precision", f"{t.precision} · compile {'on' if t.compile else 'off'} · attention {m.attn_impl}"),
-        ("device", info["device"]),
-    ]
+        rows += skipped_records_row(d["data"].stats.bad_records, prepared_bad_examples(d["data"]))
+        rows += json_as_text_row(d["data"].stats)
+    if d.get("new_tokens"):
+        grown = f" (vocab {d['base_vocab_size']} → {m.vocab_size})" if "base_vocab_size" in d else ""
+        rows.append(("new tokens", ", ".join(f"{k} → {v}" for k, v in d["new_tokens"].items()) + grown))
+    rows += spec_rows(spec, padded=instruction)
     console.print(kv_table("difftrain finetune", rows))
-    for w in info["warnings"]:
+    for w in info.warnings:
         warn(w)
 
 
@@ -209,20 +197,20 @@ def _dry_run(r: Any, *, resume: bool | None, overwrite: bool) -> None:
     from difftrain.train.finetune import dry_run_finetune
 
     d = dry_run_finetune(r, resume=resume, overwrite=overwrite)
-    plan = d["plan"]
-    ft, m = plan.recipe.finetune, plan.recipe.model
-    shared = dry_run_rows(plan, d["resuming"], d["point"], overwrite)
+    spec = d["spec"]
+    ft, m = spec.recipe.finetune, spec.model
     method = ft.method + (f" · rank {ft.lora.rank} · alpha {ft.lora.alpha:g}" if ft.method != "full" else "")
     if d["lora_targets"]:
         from difftrain.model.lora import short_names
 
         targets = d["lora_targets"]
         method += f" · {plural(len(targets), 'linear layer')} ({', '.join(short_names(targets))})"
-    if d["data_format"] == "instruction":
+    instruction = d["data_format"] == "instruction"
+    if instruction:
         rec = d["records"]
         data = f"instruction records: {rec['train_records']:,} train · {rec['val_records']:,} val"
         if rec["truncated"]:
-            data += f" · {rec['truncated']:,} truncated to {plan.seq_len} tokens"
+            data += f" · {rec['truncated']:,} truncated to {spec.seq_len} tokens"
         data += _empty_note(rec.get("empty_responses", 0))
         data += _no_val_note(rec["val_records"], r.data.val_fraction)
     else:
@@ -233,25 +221,17 @@ def _dry_run(r: Any, *, resume: bool | None, overwrite: bool) -> None:
             "base",
             f"{d['base']} · {m.arch} · d_model {m.d_model} · {plural(m.n_layers, 'layer')} · vocab {d['base_vocab_size']}",
         ),
-        ("run", shared["run"]),
+        run_row(spec, d["resuming"], d["point"], overwrite),
         ("method", method),
         ("data", data),
     ]
-    if d["data_format"] == "instruction":  # what data.on_bad_record: skip drops, as the run's start says
+    if instruction:  # what data.on_bad_record: skip drops, as the run's start says
         rows += skipped_records_row(d["records"]["bad_records"], d["records"]["bad_examples"])
     if d["new_tokens"]:
         rows.append(
             ("new tokens", f"{', '.join(d['new_tokens'])} (vocab {d['base_vocab_size']} → {m.vocab_size})")
         )
-    rows += [
-        (
-            "batch",
-            f"{plan.global_batch_size} × {'≤' if d['data_format'] == 'instruction' else ''}{plan.seq_len} "
-            f"(accumulate {plan.accumulate})",
-        ),
-        ("steps", str(plan.max_steps)),
-        ("device", shared["device"]),
-    ]
+    rows += spec_rows(spec, padded=instruction)
     console.print(kv_table("dry run: the fine-tune is ready", rows))
     for w in d["warnings"]:
         warn(w)

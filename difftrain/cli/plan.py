@@ -7,7 +7,7 @@ from typing import Any
 
 import typer
 
-from difftrain.cli.common import check_vocab_early, console, fmt_count, kv_table, plural
+from difftrain.cli.common import check_vocab_early, console, fmt_count, kv_table, spec_rows
 from difftrain.cli.complete import override_items, recipe_refs
 
 
@@ -34,7 +34,7 @@ def plan_command(
     peak. Says whether it fits and lists the cheapest changes that make it fit. Exit code 0 when it
     fits, 1 when it does not."""
     from difftrain.errors import ConfigError
-    from difftrain.plan import check_plannable, plan_recipe, plan_target, tokenizer_size
+    from difftrain.plan import plan_recipe, plan_target, tokenizer_size
     from difftrain.recipe import load_recipe
 
     if device not in ("auto", "cpu"):
@@ -45,7 +45,6 @@ def plan_command(
         )
     r = load_recipe(recipe, overrides or [])
     target = plan_target(r, gpu_mem, device)  # where train.accelerator lets it train
-    check_plannable(r, target)  # what training refuses there, refused in its words
     vocab_note = None
     if r.finetune is None and r.model is not None:  # as `pretrain --dry-run` checks the vocabulary
         vocab_note = check_vocab_early(r, tokenizer_size(r))
@@ -70,18 +69,12 @@ def _render(r: Any, rp: Any) -> None:
     head = [
         ("recipe", str(r.source or r.name)),
         (
-            "model",
-            f"{c.arch} · d_model {c.d_model} · {plural(c.n_layers, 'layer')} · {plural(c.n_heads, 'head')} · vocab {c.vocab_size}"
+            "parameters",
+            f"{fmt_count(p.params)} ({fmt_count(p.trained_params)} trained) · vocab {c.vocab_size}"
             + (f" · {p.method}" if p.method != "full" else ""),
         ),
-        ("parameters", f"{fmt_count(p.params)} ({fmt_count(p.trained_params)} trained)"),
-        (
-            "batch",
-            f"micro {s.micro_batch_size} × {s.seq_len} tokens (accumulate {s.accumulate}) · {s.precision} · "
-            f"{s.optimizer}"
-            + (" · activation checkpointing" if s.checkpointing else "")
-            + (f" · fsdp {s.fsdp.strategy} over {s.fsdp.shards}" if s.fsdp else ""),
-        ),
+        *spec_rows(rp.spec),
+        *([("fsdp", f"{s.fsdp.strategy} over {s.fsdp.shards}")] if s.fsdp else []),
         ("target", f"{t.name}: {fmt_bytes(t.memory)}"),
     ]
     console.print(kv_table("difftrain plan", head))

@@ -11,16 +11,15 @@ from difftrain.cli.common import (
     check_files,
     check_vocab_early,
     console,
-    dry_run_rows,
     fmt_count,
     json_as_text_row,
     kv_table,
-    optimizer_row,
     peak_memory,
-    plural,
     prepared_bad_examples,
     report_finished,
+    run_row,
     skipped_records_row,
+    spec_rows,
     throughput,
     vocab_shortfall,
     wall_time,
@@ -29,48 +28,26 @@ from difftrain.cli.common import (
 from difftrain.cli.complete import override_items, recipe_refs
 
 
-def _plan_rows(plan: Any) -> dict[str, str]:
-    """The rows the start table and the dry run share, from the plan's resolved recipe: model,
-    batch, steps, optimizer, precision."""
-    r = plan.recipe
-    m, t, o = r.model, r.train, r.optim
-    return {
-        "model": f"{m.arch} · d_model {m.d_model} · {plural(m.n_layers, 'layer')} · {plural(m.n_heads, 'head')}"
-        + (f" ({m.n_kv_heads} kv)" if m.n_kv_heads != m.n_heads else "")
-        + f" · head_dim {m.head_dim}",
-        "batch": f"{plan.global_batch_size} seq × {plan.seq_len} tok = {fmt_count(plan.tokens_per_step)} tok/step "
-        f"(micro {t.micro_batch_size} × accum {plan.accumulate} × devices {plan.world_size})",
-        "steps": f"{plan.max_steps} ({fmt_count(plan.max_steps * plan.tokens_per_step)} tokens)",
-        "optimizer": optimizer_row(o, t),
-        "precision": f"{t.precision} · compile {'on' if t.compile else 'off'} · attention {m.attn_impl}"
-        + (" · activation checkpointing" if t.activation_checkpointing else ""),
-    }
-
-
-def _start_table(info: dict[str, Any]) -> None:
-    plan, r, counts = info["plan"], info["recipe"], info["params"]
-    m = r.model
-    shared = _plan_rows(plan)
+def _start_table(info: Any) -> None:
+    """The start table, from the run's `StartInfo`."""
+    spec, data = info.spec, info.details["data"]
     rows = [
         (
             "run",
-            str(info["run_dir"])
-            + (f"  (resuming from step {info['resumed_from']})" if info["resumed_from"] else ""),
+            str(spec.run_dir) + (f"  (resuming from step {info.resumed_from})" if info.resumed_from else ""),
         ),
-        ("model", shared["model"]),
-        ("parameters", " · ".join(f"{k} {fmt_count(v)}" for k, v in counts.items() if v)),
-        *skipped_records_row(info["data"].stats.bad_records, prepared_bad_examples(info["data"])),
-        *json_as_text_row(info["data"].stats),
+        ("parameters", " · ".join(f"{k} {fmt_count(v)}" for k, v in info.counts.items() if v)),
+        *skipped_records_row(data.stats.bad_records, prepared_bad_examples(data)),
+        *json_as_text_row(data.stats),
         (
             "vocabulary",
-            f"{m.vocab_size} (tokenizer {info['data'].tokenizer_path.name})"
-            + vocab_shortfall(info["data"].stats.vocab_size, r.tokenizer, info["data"].stats.bytes),
+            f"{spec.model.vocab_size} (tokenizer {data.tokenizer_path.name})"
+            + vocab_shortfall(data.stats.vocab_size, spec.recipe.tokenizer, data.stats.bytes),
         ),
-        *((k, shared[k]) for k in ("batch", "steps", "optimizer", "precision")),
-        ("device", info["device"]),
+        *spec_rows(spec),
     ]
     console.print(kv_table("difftrain pretrain", rows))
-    for w in info["warnings"]:
+    for w in info.warnings:
         warn(w)
 
 
@@ -132,35 +109,20 @@ def pretrain_command(
         check_files(r)  # a missing file or unwritable folder fails in a second, before torch loads
         early_check(r, resume=resume, overwrite=overwrite)  # and so does the run's own command again
     if dry_run:
-        from difftrain.train.run import (
-            dry_run_warnings,
-            plan_run,
-            prepare_run_dir,
-            require_pretraining,
-        )
+        from difftrain.spec import resolve
+        from difftrain.train.run import dry_run_warnings, preflight, require_pretraining
 
         require_pretraining(r)
-        plan = plan_run(r)
+        spec = resolve(r)
         # what the run would do with its folder, refused where the run would refuse
-        resuming, point = prepare_run_dir(
-            plan,
-            resume=plan.recipe.train.resume if resume is None else resume,
-            overwrite=overwrite,
-            dry_run=True,
-        )
-        warnings = _check_inputs(plan.recipe, resuming) + dry_run_warnings(plan, point)
-        data = _check_cached_data(plan)
-        shared = dry_run_rows(plan, resuming, point, overwrite)
-        figures = _plan_rows(
-            plan
-        )  # as the run's start table shows them (its parameter counts need the tokenizer)
+        flag = spec.recipe.train.resume if resume is None else resume
+        resuming, point = preflight(spec, resume=flag, overwrite=overwrite, dry_run=True)
+        warnings = _check_inputs(spec.recipe, resuming) + dry_run_warnings(spec, point)
         rows = [
             ("recipe", r.source),
-            ("run", shared["run"]),
-            ("model", figures["model"]),
-            ("data", data),
-            *((k, figures[k]) for k in ("batch", "steps", "optimizer", "precision")),
-            ("device", shared["device"]),
+            run_row(spec, resuming, point, overwrite),
+            ("data", _check_cached_data(spec)),
+            *spec_rows(spec),
         ]
         console.print(kv_table("dry run: the recipe is valid", rows))
         for w in warnings:
@@ -169,12 +131,12 @@ def pretrain_command(
     _train(r, resume=resume, overwrite=overwrite, progress=progress)
 
 
-def _check_cached_data(plan: Any) -> str:
+def _check_cached_data(spec: Any) -> str:
     """The dry run's data row. Where the data is prepared already (the cache holds its tokenizer
     and shards), its splits are checked against the sequence length as the run checks them."""
     from difftrain.data.shards import cached_index, check_split_sizes
 
-    r = plan.recipe
+    r = spec.recipe
     index = cached_index(r.data, r.tokenizer, seed=r.seed, base_dir=r.recipe_dir)
     if index is None:
         return (
@@ -186,7 +148,7 @@ def _check_cached_data(plan: Any) -> str:
     if specs is not None:  # one example per sequence, validated on examples of their own seeds
         held = sum(s.val_documents for s in specs) if r.data.val_windows > 0 else 0
         return f"prepared: {sum(s.num_documents for s in specs):,} training · {held:,} validation recall examples"
-    check_split_sizes(train, val, plan.seq_len, r.data.val_windows)
+    check_split_sizes(train, val, spec.seq_len, r.data.val_windows)
     return f"prepared: {train:,} training · {val:,} validation tokens"
 
 

@@ -118,14 +118,21 @@ class AttnMask:
         return self._dense
 
 
-def resolve_impl(impl: str, device: torch.device, mask: AttnMask | None = None) -> str:
-    """The primitive that runs `impl` on `device` for `mask` (see the module docstring's table)."""
+def pick_core(impl: str, device_type: str, capability: tuple[int, int] | None = None) -> str:
+    """The core `impl` names on a device of `device_type` (a CUDA GPU of compute `capability`),
+    for the plain causal mask: the module docstring's table."""
     if impl not in ("auto", *IMPLS):
         raise ConfigError(f"model.attn_impl={impl!r} is unknown; choose one of auto, {', '.join(IMPLS)}")
-    if impl == "auto":
-        impl = AUTO_IMPL.get(device.type, "sdpa")
-        if impl == "flex" and torch.cuda.get_device_capability(device) < FLEX_MIN_CAPABILITY:
-            impl = "sdpa"
+    if impl != "auto":
+        return impl
+    impl = AUTO_IMPL.get(device_type, "sdpa")
+    return "sdpa" if impl == "flex" and (capability or (0, 0)) < FLEX_MIN_CAPABILITY else impl
+
+
+def resolve_impl(impl: str, device: torch.device, mask: AttnMask | None = None) -> str:
+    """The primitive that runs `impl` on `device` for `mask` (see the module docstring's table)."""
+    cuda_auto = device.type == "cuda" and impl == "auto"
+    impl = pick_core(impl, device.type, torch.cuda.get_device_capability(device) if cuda_auto else None)
     if impl == "flex" and mask is not None and not mask.plain_causal:
         impl = "sdpa"
     return impl

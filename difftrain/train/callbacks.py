@@ -109,31 +109,39 @@ def _duration(seconds: float) -> str:
     return f"{s}s"
 
 
+@dataclass
+class CallbackSettings:
+    """What `RunCallback` does: save every `save_every` steps keeping `keep` checkpoints, log every
+    `log_every`, validate every `val_every` (0: never), throughput and MFU from `tokens_per_step`
+    and `flops_per_token`, the progress bar on `console`, the `resume_command` a stop prints,
+    `export` for the inference weights (see `save_inference_weights`), and the loss-spike guard
+    (`spike_factor` over the loss EMA after `warmup_steps`; `spike_rollback` reloads the last
+    checkpoint with the lr × `spike_lr_factor`)."""
+
+    save_every: int
+    keep: int
+    log_every: int
+    tokens_per_step: int
+    flops_per_token: float
+    progress: bool = True
+    console: Any = None
+    resume_command: str = ""
+    export: Callable[[Path, torch.nn.Module, int], None] | None = None
+    spike_factor: float | None = None
+    spike_rollback: bool = False
+    spike_lr_factor: float = 0.5
+    warmup_steps: int = 0
+    val_every: int = 0
+
+
 class RunCallback(L.Callback):
-    def __init__(
-        self,
-        run_dir: Path,
-        *,
-        save_every: int,
-        keep: int,
-        log_every: int,
-        tokens_per_step: int,
-        flops_per_token: float,
-        progress: bool = True,
-        console: Any = None,
-        resume_command: str = "",
-        export: Callable[[Path, torch.nn.Module, int], None] | None = None,
-        spike_factor: float | None = None,
-        spike_rollback: bool = False,
-        spike_lr_factor: float = 0.5,
-        warmup_steps: int = 0,
-        val_every: int = 0,
-    ) -> None:
-        self.val_every = val_every  # 0: no validation during training
-        self.spike_factor = spike_factor
-        self.spike_rollback = spike_rollback
-        self.spike_lr_factor = spike_lr_factor
-        self.warmup_steps = warmup_steps
+    def __init__(self, run_dir: Path, settings: CallbackSettings) -> None:
+        c = settings
+        self.val_every = c.val_every  # 0: no validation during training
+        self.spike_factor = c.spike_factor
+        self.spike_rollback = c.spike_rollback
+        self.spike_lr_factor = c.spike_lr_factor
+        self.warmup_steps = c.warmup_steps
         # loss-spike state, saved in checkpoints (state_dict) so a resumed run decides alike
         self.loss_ema: float | None = None
         self.ema_updates = 0
@@ -141,15 +149,15 @@ class RunCallback(L.Callback):
         self.rollbacks = 0
         self.run_dir = Path(run_dir)
         self.ckpt_dir = self.run_dir / "checkpoints"
-        self.save_every = save_every
-        self.keep = keep
-        self.log_every = log_every
-        self.tokens_per_step = tokens_per_step
-        self.flops_per_token = flops_per_token
-        self.show_progress = progress
-        self.console = console
-        self.resume_command = resume_command
-        self.export = export
+        self.save_every = c.save_every
+        self.keep = c.keep
+        self.log_every = c.log_every
+        self.tokens_per_step = c.tokens_per_step
+        self.flops_per_token = c.flops_per_token
+        self.show_progress = c.progress
+        self.console = c.console
+        self.resume_command = c.resume_command
+        self.export = c.export
         self.state = RunState()
         self._stop_signal: int | None = None
         self._speaks = True  # rank 0 (of several processes: the others print nothing)

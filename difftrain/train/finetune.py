@@ -32,15 +32,16 @@ from difftrain.recipe import (
     resolve_data_format,
 )
 from difftrain.rundir import RECIPE, TOKENIZER, base_run_dir, load_config, resolve_model
+from difftrain.spec import RunSpec, resolve
 from difftrain.train.run import (
-    Plan,
+    FitOptions,
+    Hooks,
     TrainResult,
     _quiet_lightning,
     dry_run_warnings,
     fit,
     memory_warnings,
-    plan_run,
-    prepare_run_dir,
+    preflight,
     resumed_run_files,
     start_processes,
     training_into,
@@ -150,23 +151,23 @@ def add_special_tokens(tokenizer: Any, tokens: Sequence[str]) -> tuple[Any, list
     return grown, [grown.token_to_id(t) for t in missing]
 
 
-def _check_method(method: str, plan: Plan) -> None:
+def _check_method(method: str, spec: RunSpec) -> None:
     if method != "qlora":
         return
     from difftrain.model.lora import import_bitsandbytes
 
-    if plan.accelerator == "mps":
+    if spec.accelerator == "mps":
         raise DeviceError(
             "finetune.method=qlora needs bitsandbytes' 4-bit kernels, which do not run on Apple MPS; "
             "use finetune.method=lora"
         )
     import_bitsandbytes()
-    if plan.world_size > 1:
+    if spec.world_size > 1:
         raise DeviceError(
-            f"finetune.method=qlora trains on one device (the plan has {plan.world_size}); use "
+            f"finetune.method=qlora trains on one device (the run has {spec.world_size}); use "
             "finetune.method=lora to fine-tune on several"
         )
-    if plan.recipe.train.precision == "bf16-true":
+    if spec.recipe.train.precision == "bf16-true":
         raise DeviceError(
             "finetune.method=qlora keeps 4-bit weights that a whole-model cast to bf16 (train.precision="
             "bf16-true) would break; use train.precision=bf16-mixed"
@@ -185,10 +186,10 @@ def _compute_dtype(precision: str) -> torch.dtype:
 # the stages a run and its dry run share
 
 
-def plan_finetune(recipe: Recipe) -> tuple[Plan, Path]:
-    """Check the recipe against its base run and this machine: (plan, base run directory).
+def plan_finetune(recipe: Recipe) -> tuple[RunSpec, Path]:
+    """Check the recipe against its base run and this machine: (spec, base run directory).
 
-    The plan's recipe has the base run's model (with the recipe's own changeable `model:` keys)
+    The spec's recipe has the base run's model (with the recipe's own changeable `model:` keys)
     and the base's tokenizer. Reads the base's config.json; loads no weights, writes nothing.
     """
     from difftrain.data.config import TokenizerConfig
@@ -213,24 +214,24 @@ def plan_finetune(recipe: Recipe) -> tuple[Plan, Path]:
         )
     model_cfg = resolve_model(recipe, base)  # (after the base check: a run's recipe names its model)
     # (model_copy keeps the recipe's folder, source and own model keys)
-    plan = plan_run(
+    spec = resolve(
         recipe.model_copy(update={"model": model_cfg, "tokenizer": TokenizerConfig(path=str(base_tok_path))})
     )
-    if plan.run_dir.resolve() == base.resolve():
+    if spec.run_dir.resolve() == base.resolve():
         raise RecipeError(
             f"finetune.base is {base}, the folder this fine-tune writes to; give the fine-tune its own `name`"
         )
-    _check_method(ft.method, plan)
-    return plan, base
+    _check_method(ft.method, spec)
+    return spec, base
 
 
-def instruction_data(plan: Plan, tokenizer: Any) -> tuple[Any, list[int], Any, dict[str, Any]]:
+def instruction_data(spec: RunSpec, tokenizer: Any) -> tuple[Any, list[int], Any, dict[str, Any]]:
     """Read and tokenize the recipe's instruction records (nothing is written): (tokenizer grown by
     the chat template's special tokens where `messages` records need them, the new token ids, the
     set-up SFTDataModule, record counts for the start table)."""
     from difftrain.data.modules import SFTDataModule, load_sft_records
 
-    r = plan.recipe
+    r = spec.recipe
     ft, t = r.finetune, r.train
     assert ft is not None
     try:
@@ -255,7 +256,7 @@ def instruction_data(plan: Plan, tokenizer: Any) -> tuple[Any, list[int], Any, d
         train_records,
         val_records,
         tokenizer=tokenizer,
-        max_seq_len=plan.seq_len,
+        max_seq_len=spec.seq_len,
         micro_batch_size=t.micro_batch_size,
         seed=r.seed,
         template=SFTTemplate.from_config(ft),
@@ -265,9 +266,9 @@ def instruction_data(plan: Plan, tokenizer: Any) -> tuple[Any, list[int], Any, d
         pin_memory=r.data.pin_memory,
     )
     dm.setup()  # tokenizes every record now: bad records fail before anything is written
-    if 0 < len(dm.val_examples) < plan.world_size:
+    if 0 < len(dm.val_examples) < spec.world_size:
         raise DataError(
-            f"{len(dm.val_examples)} validation records for {plan.world_size} processes, and every "
+            f"{len(dm.val_examples)} validation records for {spec.world_size} processes, and every "
             "process validates at least one; raise data.val_fraction or train on fewer devices"
         )
     records = {
@@ -283,29 +284,28 @@ def instruction_data(plan: Plan, tokenizer: Any) -> tuple[Any, list[int], Any, d
     return tokenizer, new_ids, dm, records
 
 
-def _grown_model(plan: Plan, tokenizer: Any) -> Any:
+def _grown_model(spec: RunSpec, tokenizer: Any) -> RunSpec:
     """The model config with a row for every id of `tokenizer`: its rows as they are while they
     hold every id (an imported base may have 500), else grown to a multiple of 64; sets it as
-    the plan's recipe's model, which is what the run's recipe.yaml records. (Rounding a base of
+    the spec's model, which is what the run's recipe.yaml records. (Rounding a base of
     500 rows up to 512 with no token added wrote a config of 512 over weights of 500 that
     nothing could load.)"""
-    model_cfg = plan.recipe.model
+    model_cfg = spec.model
     if tokenizer.vocab_size > int(model_cfg.vocab_size):
         model_cfg = model_cfg.replace(vocab_size=64 * math.ceil(tokenizer.vocab_size / 64))
-    plan.recipe = plan.recipe.model_copy(update={"model": model_cfg})
-    return model_cfg
+    return spec.with_model(model_cfg)
 
 
-def _refuse_run_dir_early(plan: Plan, *, resume: bool | str, overwrite: bool) -> None:
+def _refuse_run_dir_early(spec: RunSpec, *, resume: bool | str, overwrite: bool) -> None:
     """The run folder's refusals (the run's own command again, another run there, --resume with
     nothing to resume, a run in use) before the data is read: tokenizing instruction records
     takes tens of seconds. The vocabulary may still grow by the chat template's tokens, so
-    model.vocab_size is compared by `prepare_run_dir` after the data, which decides the rest."""
+    model.vocab_size is compared by `preflight` after the data, which decides the rest."""
     check_run_dir(
-        plan.recipe,
+        spec.recipe,
         resume=resume,
         overwrite=overwrite,
-        batch=plan.batch,
+        batch=spec.batch,
         ignore=frozenset({"model.vocab_size"}),
     )
 
@@ -374,13 +374,13 @@ def _check_resumed_data(checkpoint: Path, key: str, run_dir: Path) -> None:
         )
 
 
-def _check_resumed_adapter(plan: Plan) -> None:
+def _check_resumed_adapter(spec: RunSpec) -> None:
     """A LoRA run being resumed must find the base it was trained on (same weights' SHA-256)."""
     from difftrain.adapters import ADAPTER_CONFIG, read_adapter_spec, resolve_base
 
-    ft = plan.recipe.finetune
-    if ft is not None and ft.method != "full" and (plan.run_dir / ADAPTER_CONFIG).is_file():
-        resolve_base(plan.run_dir, read_adapter_spec(plan.run_dir))
+    ft = spec.recipe.finetune
+    if ft is not None and ft.method != "full" and (spec.run_dir / ADAPTER_CONFIG).is_file():
+        resolve_base(spec.run_dir, read_adapter_spec(spec.run_dir))
 
 
 def _read_first_documents(recipe: Recipe) -> None:
@@ -402,7 +402,7 @@ def dry_run_finetune(
     recipe against this machine, the data (instruction records read and tokenized; local text
     sources found), the run folder (resume or refusal, as the run decides) — and nothing written.
 
-    Returns what the run would do: plan, base, data_format, records (instruction data), new_tokens,
+    Returns what the run would do: spec, base, data_format, records (instruction data), new_tokens,
     base_vocab_size, resuming, point, lora_targets (the adapted layers; None for a full fine-tune),
     warnings (memory plan, warm-up: what the run would warn of at its start).
     """
@@ -410,11 +410,11 @@ def dry_run_finetune(
     from difftrain.io import check_run_dir_creatable
     from difftrain.rundir import ADAPTER_WEIGHTS, WEIGHTS, check_safetensors, load_run_tokenizer
 
-    plan, base = plan_finetune(recipe)
-    r = plan.recipe
+    spec, base = plan_finetune(recipe)
+    r = spec.recipe
     ft = r.finetune
     assert ft is not None
-    _refuse_run_dir_early(plan, resume=r.train.resume if resume is None else resume, overwrite=overwrite)
+    _refuse_run_dir_early(spec, resume=r.train.resume if resume is None else resume, overwrite=overwrite)
     data_format = resolve_data_format(r)
     tokenizer = load_run_tokenizer(base)  # (restore advice for a run folder's tokenizer)
     for weights in (base / WEIGHTS, base / ADAPTER_WEIGHTS):  # an empty or cut file, as the run refuses it
@@ -423,13 +423,14 @@ def dry_run_finetune(
     records: dict[str, Any] = {}
     new_ids: list[int] = []
     if data_format == "instruction":
-        tokenizer, new_ids, dm, records = instruction_data(plan, tokenizer)
+        tokenizer, new_ids, dm, records = instruction_data(spec, tokenizer)
     else:
         check_local_sources(r.data, r.recipe_dir)
         _read_first_documents(r)
     base_vocab_size = load_config(base).vocab_size  # (r.model's may be a resumed run's grown one)
-    model_cfg = _grown_model(plan, tokenizer)
-    spec = None
+    spec = _grown_model(spec, tokenizer)
+    model_cfg = spec.model
+    adapter = None
     warnings: list[str] = []
     if ft.method != "full":  # the adapter's targets, on a model of shapes only (meta: no memory)
         from difftrain.adapters import plan_finetune_adapter, rank_warning
@@ -437,24 +438,24 @@ def dry_run_finetune(
 
         with torch.device("meta"):
             skeleton = Transformer(model_cfg)
-        spec = plan_finetune_adapter(skeleton, ft, train_embeddings=bool(new_ids))
-        warnings += [w for w in (rank_warning(skeleton, spec),) if w]
-    resuming, point = prepare_run_dir(
-        plan, resume=r.train.resume if resume is None else resume, overwrite=overwrite, dry_run=True
+        adapter = plan_finetune_adapter(skeleton, ft, train_embeddings=bool(new_ids))
+        warnings += [w for w in (rank_warning(skeleton, adapter),) if w]
+    resuming, point = preflight(
+        spec, resume=r.train.resume if resume is None else resume, overwrite=overwrite, dry_run=True
     )
     if resuming:
         if data_format == "instruction":
-            _check_resumed_data(point.path, _data_key(dm, None), plan.run_dir)
+            _check_resumed_data(point.path, _data_key(dm, None), spec.run_dir)
         else:  # the shards the resume would read, where they are prepared already
             from difftrain.data.shards import cached_index
 
             index = cached_index(r.data, r.tokenizer, seed=r.seed, base_dir=r.recipe_dir)
             if index is not None:
-                _check_resumed_data(point.path, _text_data_key(index), plan.run_dir)
-        _check_resumed_adapter(plan)
-    check_run_dir_creatable(plan.run_dir)
+                _check_resumed_data(point.path, _text_data_key(index), spec.run_dir)
+        _check_resumed_adapter(spec)
+    check_run_dir_creatable(spec.run_dir)
     return {
-        "plan": plan,
+        "spec": spec,
         "base": base,
         "data_format": data_format,
         "records": records,
@@ -462,8 +463,8 @@ def dry_run_finetune(
         "base_vocab_size": base_vocab_size,
         "resuming": resuming,
         "point": point,
-        "lora_targets": spec.targets if spec is not None else None,
-        "warnings": dry_run_warnings(plan, point) + warnings,
+        "lora_targets": adapter.targets if adapter is not None else None,
+        "warnings": dry_run_warnings(spec, point) + warnings,
     }
 
 
@@ -479,20 +480,20 @@ def finetune(
     progress: bool | None = None,
     console: Any = None,
     on_start: Any = None,
-    extra_callbacks: list[Any] | None = None,
+    extra_callbacks: Sequence[Any] = (),
     fault_hook: Any = None,
     data_progress: Any = None,
 ) -> TrainResult:
     """Fine-tune `recipe.finetune.base` as the recipe says into a new run directory.
 
-    Same keyword arguments and result as `pretrain`. `on_start(info)` receives, besides what
-    pretrain passes, `base`, `method`, `data_format`, `trainable_params`, `total_params`,
-    `lora_targets`, `new_tokens` and the record counts.
+    Same keyword arguments and result as `pretrain`. The `StartInfo.details` that `on_start`
+    receives hold `base`, `method`, `data_format`, `base_vocab_size`, `new_tokens`, the record
+    counts (instruction data) or the prepared text (`data`), and `lora_targets`.
     """
-    plan, base = plan_finetune(recipe)
-    r, ft = plan.recipe, plan.recipe.finetune
+    spec, base = plan_finetune(recipe)
+    r, ft = spec.recipe, spec.recipe.finetune
     assert ft is not None
-    _refuse_run_dir_early(plan, resume=r.train.resume if resume is None else resume, overwrite=overwrite)
+    _refuse_run_dir_early(spec, resume=r.train.resume if resume is None else resume, overwrite=overwrite)
     import lightning as L  # (seconds: after the refusals above)
 
     from difftrain.adapters import (
@@ -506,7 +507,7 @@ def finetune(
     from difftrain.rundir import load_run, load_run_tokenizer
 
     _quiet_lightning()
-    dist = start_processes(plan)  # several devices: every rank runs what follows; writes on rank 0
+    dist = start_processes(spec)  # several devices: every rank runs what follows; writes on rank 0
     t = r.train
     data_format = resolve_data_format(r)
 
@@ -516,7 +517,7 @@ def finetune(
     new_ids: list[int] = []
     info: dict[str, Any] = {"base": base, "method": ft.method, "data_format": data_format}
     if data_format == "instruction":
-        tokenizer, new_ids, dm, records = instruction_data(plan, tokenizer)
+        tokenizer, new_ids, dm, records = instruction_data(spec, tokenizer)
         has_val = records["val_records"] > 0
         info.update(records)
         tokens_per_micro_batch = 0
@@ -534,26 +535,25 @@ def finetune(
             )
         )
         dm = PretrainDataModule.from_config(
-            prepared, r.data, seq_len=plan.seq_len, micro_batch_size=t.micro_batch_size, seed=r.seed
+            prepared, r.data, seq_len=spec.seq_len, micro_batch_size=t.micro_batch_size, seed=r.seed
         )
         has_val = r.data.val_windows > 0
         info["data"] = prepared
-        tokens_per_micro_batch = t.micro_batch_size * plan.seq_len
-    model_cfg = _grown_model(plan, tokenizer)
-    vocab_size, r = model_cfg.vocab_size, plan.recipe
+        tokens_per_micro_batch = t.micro_batch_size * spec.seq_len
+    spec = _grown_model(spec, tokenizer)
+    model_cfg, r = spec.model, spec.recipe
+    vocab_size = model_cfg.vocab_size
     info["new_tokens"] = {tokenizer.id_to_token(i): i for i in new_ids}
     info["base_vocab_size"] = int(load_config(base).vocab_size)  # (model_cfg's is the grown one)
 
     resume_flag: bool | str = t.resume if resume is None else resume
-    resuming, point = dist.on_rank_zero(
-        lambda: prepare_run_dir(plan, resume=resume_flag, overwrite=overwrite)
-    )
-    run_dir = plan.run_dir
+    resuming, point = dist.on_rank_zero(lambda: preflight(spec, resume=resume_flag, overwrite=overwrite))
+    run_dir = spec.run_dir
     restore: list[str] = []
     data_key = _data_key(dm, info.get("data"))
     if resuming:
         _check_resumed_data(point.path, data_key, run_dir)
-        _check_resumed_adapter(plan)
+        _check_resumed_adapter(spec)
         restore = dist.on_rank_zero(lambda: resumed_run_files(run_dir, tokenizer, point))
 
     # the model: base weights, grown vocabulary, then LoRA (and 4-bit) or all weights trainable
@@ -570,66 +570,60 @@ def finetune(
     if ft.method == "full":
         model.requires_grad_(True)
     else:
-        spec = plan_finetune_adapter(model, ft, train_embeddings=bool(new_ids))
-        rank_note = rank_warning(model, spec)
-        device = torch.device("cuda", torch.cuda.current_device()) if plan.accelerator == "cuda" else "cpu"
+        adapter = plan_finetune_adapter(model, ft, train_embeddings=bool(new_ids))
+        rank_note = rank_warning(model, adapter)
+        device = torch.device("cuda", torch.cuda.current_device()) if spec.accelerator == "cuda" else "cpu"
         adapt_model(
             model,
-            spec,
+            adapter,
             quantize_on=device if ft.method == "qlora" else None,
             compute_dtype=_compute_dtype(t.precision),
         )
-        if ft.method == "qlora" and not spec.quantized:
+        if ft.method == "qlora" and not adapter.quantized:
             raise RecipeError(
                 "finetune.method=qlora but the model has no decoder linear layers to store in 4 bits"
             )
-        spec.base = base_reference(base, run_dir)
-        spec.vocab = {
+        adapter.base = base_reference(base, run_dir)
+        adapter.vocab = {
             "base_vocab_size": info["base_vocab_size"],
             "vocab_size": vocab_size,
             "new_ids": new_ids,
             "used_rows": base_vocab_rows,
         }
-        info["lora_targets"] = spec.targets
-        info["trained_in_full"] = spec.trained
+        info["lora_targets"] = adapter.targets
+        info["trained_in_full"] = adapter.trained
 
-        def export(run_dir: Path, m: torch.nn.Module, step: int, spec: Any = spec) -> None:
-            save_adapter(run_dir, m, spec, step)
+        def export(run_dir: Path, m: torch.nn.Module, step: int, adapter: Any = adapter) -> None:
+            save_adapter(run_dir, m, adapter, step)
 
     if t.activation_checkpointing:
         model.set_activation_checkpointing(True)
 
+    opts = FitOptions(
+        counts=counts,
+        has_val=has_val,
+        resume_command=f"difftrain finetune {shlex.quote(str(run_dir / RECIPE))} --resume",
+        details=info,
+        # `difftrain plan` covers fine-tunes too
+        warnings=memory_warnings(r, spec.accelerator) + ([rank_note] if rank_note else []),
+        export=export,
+        save_frozen=ft.method == "full",
+        step_seed=r.seed,
+        validate_first=True,
+        tokens_per_micro_batch=tokens_per_micro_batch,
+        token_mean=data_format == "instruction",  # responses of different lengths
+        summary_extra={
+            "method": ft.method,
+            "base": str(base),
+            "data_format": data_format,
+            **({"record_kinds": info["record_kinds"]} if "record_kinds" in info else {}),
+            **({"lora_rank": ft.lora.rank, "lora_alpha": ft.lora.alpha} if ft.method != "full" else {}),
+        },
+    )
+    hooks = Hooks(
+        progress, console, on_start, [*extra_callbacks, data_fingerprint_callback(data_key)], fault_hook
+    )
     with training_into(run_dir, dist, r, tokenizer, fresh=not resuming, replace=overwrite, restore=restore):
-        result = fit(
-            r,
-            plan,
-            model,
-            dm,
-            point=point,
-            counts=counts,
-            has_val=has_val,
-            resume_command=f"difftrain finetune {shlex.quote(str(run_dir / RECIPE))} --resume",
-            progress=progress,
-            console=console,
-            on_start=on_start,
-            extra_callbacks=[*(extra_callbacks or []), data_fingerprint_callback(data_key)],
-            fault_hook=fault_hook,
-            info=info,
-            # `difftrain plan` covers fine-tunes too
-            warnings=memory_warnings(r, plan.accelerator) + ([rank_note] if rank_note else []),
-            export=export,
-            save_frozen=ft.method == "full",
-            step_seed=r.seed,
-            validate_first=True,
-            tokens_per_micro_batch=tokens_per_micro_batch,
-            token_mean=data_format == "instruction",  # responses of different lengths
-            summary_extra={
-                "method": ft.method,
-                "base": str(base),
-                "data_format": data_format,
-                **({"record_kinds": info["record_kinds"]} if "record_kinds" in info else {}),
-                **({"lora_rank": ft.lora.rank, "lora_alpha": ft.lora.alpha} if ft.method != "full" else {}),
-            },
-        )
+        result = fit(spec, model, dm, point, opts, hooks)
     dist.join()
     return result

@@ -1,12 +1,12 @@
-"""Entry points for training, used by the CLI and by tests: `plan_run` checks a recipe against the
-machine without writing anything; `pretrain` runs it and returns the figures of the run. `fit`
-is the loop itself (Lightning module, callbacks, loggers, Trainer, summary), shared with
-`difftrain.train.finetune`.
+"""Entry points for training, used by the CLI and by tests: `pretrain` runs a recipe and returns
+the figures of the run; `preflight` makes the run folder's checks (the run and its dry run call
+it alike); `fit` is the loop itself (Lightning module, callbacks, loggers, Trainer, summary),
+shared with `difftrain.train.finetune`.
 
-Everything a user can get wrong is checked before the first step: device and precision, batch
-arithmetic, sequence length, the run directory (a different run already there is refused unless
---overwrite; resuming a run with a different model or data is refused), and the tokenizer's fit
-to the model's vocabulary.
+Everything a user can get wrong is checked before the first step: the recipe against the
+machine (`difftrain.spec.resolve`), the run directory (a different run already there is refused
+unless --overwrite; resuming a run with a different model or data is refused), and the
+tokenizer's fit to the model's vocabulary.
 """
 
 from __future__ import annotations
@@ -18,50 +18,21 @@ import shlex
 import shutil
 import time
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from difftrain.devicecheck import (
-    NO_CUDA,
-    check_flex,
-    check_loggers,
-    check_off_cuda,
-    check_strategy,
-    has_tensorboard,
-)
+from difftrain.devicecheck import has_tensorboard
 from difftrain.errors import CheckpointError, DeviceError, RecipeError, RunDirError, StopRequested
 from difftrain.io import LOCK_FILE, RunLock, atomic_write_json, atomic_write_text, remove_stale_temps
-from difftrain.model.kernels import resolve_impl
-from difftrain.recipe import Recipe, global_batch, resolve_auto, train_seq_len
+from difftrain.recipe import Recipe
 from difftrain.rundir import CHECKPOINTS, CONFIG, METRICS, RECIPE, SUMMARY, TOKENIZER
+from difftrain.spec import RunSpec, resolve
 from difftrain.train.distributed import DistContext
-from difftrain.train.runcheck import Batch, _global_batch, check_run_dir, in_use_message, require_not_in_use
-
-
-@dataclass
-class Plan:
-    """What a recipe resolves to on this machine (no files written)."""
-
-    recipe: Recipe
-    accelerator: str
-    devices: int
-    world_size: int
-    seq_len: int
-    accumulate: int
-    global_batch_size: int
-    tokens_per_step: int
-    max_steps: int | None  # None until max_tokens is converted (needs nothing else: known here)
-    run_dir: Path
-    notes: list[str] = field(default_factory=list)
-
-    @property
-    def batch(self) -> Batch:
-        """(global batch, micro-batch, devices×nodes, accumulation): what `check_run_dir` compares."""
-        return (self.global_batch_size, self.recipe.train.micro_batch_size, self.world_size, self.accumulate)
+from difftrain.train.runcheck import _global_batch, check_run_dir, in_use_message, require_not_in_use
 
 
 @dataclass
@@ -75,93 +46,78 @@ class TrainResult:
     notes: list[str] = field(default_factory=list)  # what a finished run's resume did (restored weights)
 
 
-def _cuda_facts() -> tuple[bool, bool]:
-    cuda = torch.cuda.is_available()
-    bf16 = cuda and torch.cuda.is_bf16_supported()
-    return cuda, bf16
+@dataclass
+class Hooks:
+    """What the caller of a training run watches or adds: the progress bar (None: the recipe's
+    logging.progress), the console it prints on, `on_start(StartInfo)` once everything is set up
+    (the CLI prints the start table from it), Lightning callbacks, a test hook for the
+    LightningModule (`fault_hook`) and the data preparation's progress callback."""
+
+    progress: bool | None = None
+    console: Any = None
+    on_start: Callable[[StartInfo], None] | None = None
+    extra_callbacks: list[Any] = field(default_factory=list)
+    fault_hook: Any = None
+    data_progress: Any = None
 
 
-def plan_run(recipe: Recipe) -> Plan:
-    """Resolve `auto` values for this machine and check everything that can be checked early."""
-    cuda, bf16 = _cuda_facts()
-    t = recipe.train
-    accelerator = t.accelerator
-    if accelerator == "auto":
-        accelerator = "cuda" if cuda else "cpu"
-    if accelerator == "cuda" and not cuda:
-        raise DeviceError(NO_CUDA)
-    if accelerator == "mps" and not (hasattr(torch.backends, "mps") and torch.backends.mps.is_available()):
-        raise DeviceError(
-            "train.accelerator=mps but Apple MPS is not available here; use train.accelerator=auto"
-        )
-    resolved = resolve_auto(recipe, cuda=accelerator == "cuda", bf16=bf16 and accelerator == "cuda")
-    t = resolved.train
-    check_loggers(resolved)
-    check_off_cuda(resolved, accelerator)
-    if accelerator == "cuda" and t.precision in ("bf16-mixed", "bf16-true") and not bf16:
-        raise DeviceError(f"train.precision={t.precision} but this GPU has no bf16 support; use 16-mixed")
-    if t.devices == "auto":
-        devices = torch.cuda.device_count() if accelerator == "cuda" else 1
-    else:
-        devices = int(t.devices)
-        if devices < 1:
-            raise RecipeError(f"train.devices={devices}: need at least 1 (or auto)")
-        if accelerator == "cuda" and devices > torch.cuda.device_count():
-            raise DeviceError(
-                f"train.devices={devices} but only {torch.cuda.device_count()} CUDA GPU(s) are visible; lower train.devices"
-            )
-    if t.compile and accelerator in ("cpu", "cuda"):
-        from difftrain.infer.device import require_compiler
+@dataclass
+class FitOptions:
+    """How `fit` trains what the entry point (pretrain, finetune) set up. `counts`: parameter
+    counts to report; `export(run_dir, model, step)` replaces the model.safetensors written at
+    each save (LoRA: the adapter files); `save_frozen=False` keeps frozen parameters out of
+    checkpoints; `step_seed` makes dropout resumable (see LitLM); `validate_first` measures the
+    validation loss before the first step of a fresh run (summary `initial_val_loss`);
+    `tokens_per_micro_batch=0` counts the tokens of each batch; `token_mean`: a step's loss is
+    the mean over all its trained tokens (see LitLM); `details`: the entry point's facts for the
+    start table (data, records, base)."""
 
-        require_compiler(torch.device(accelerator), "train.compile=true")
-    world = devices * t.num_nodes
-    check_strategy(resolved, accelerator, world)
-    m = resolved.model
-    if m is None:
-        raise RecipeError(
-            f"{recipe.source or recipe.name}: no model: section; a pretraining recipe needs one "
-            "(a fine-tune fills it from finetune.base)"
-        )
-    check_flex(m, accelerator)  # found before anything is written
-    seq_len = train_seq_len(t, m.max_seq_len)
-    global_bs, accumulate = global_batch(t, devices)
-    # written out in the run's recipe.yaml: the global batch is the run's, not the micro-batch's,
-    # so a resume from the run folder may change train.micro_batch_size (or devices) and keep it
-    resolved.train.global_batch_size = global_bs
-    tokens_per_step = global_bs * seq_len
-    max_steps = t.max_steps or -(-t.max_tokens // tokens_per_step)  # type: ignore[operator]  # ceil, exact for any size
-    return Plan(
-        recipe=resolved,
-        accelerator=accelerator,
-        devices=devices,
-        world_size=world,
-        seq_len=seq_len,
-        accumulate=accumulate,
-        global_batch_size=global_bs,
-        tokens_per_step=tokens_per_step,
-        max_steps=max_steps,
-        run_dir=resolved.run_dir,
-    )
+    counts: dict[str, int]
+    has_val: bool
+    resume_command: str
+    warnings: Sequence[str] = ()
+    details: dict[str, Any] = field(default_factory=dict)
+    export: Any = None
+    save_frozen: bool = True
+    step_seed: int | None = None
+    validate_first: bool = False
+    tokens_per_micro_batch: int = 0
+    summary_extra: dict[str, Any] = field(default_factory=dict)
+    token_mean: bool = False
 
 
-def prepare_run_dir(
-    plan: Plan, *, resume: bool | str, overwrite: bool, dry_run: bool = False
+@dataclass
+class StartInfo:
+    """What a run's start table shows: the spec it runs, where it resumes, its parameter counts,
+    its start-up warnings and the entry point's `details`."""
+
+    spec: RunSpec
+    resumed_from: int | None
+    counts: dict[str, int]
+    trainable_params: int
+    total_params: int
+    warnings: list[str]
+    details: dict[str, Any]
+
+
+def preflight(
+    spec: RunSpec, *, resume: bool | str, overwrite: bool, dry_run: bool = False
 ) -> tuple[bool, Any]:
-    """Decide between a fresh start and a resume; refuse to clobber a different run.
-
-    Returns (resuming, ResumePoint | None). `dry_run`: decide and refuse the same way, but
-    remove nothing (`pretrain --dry-run`).
+    """The run folder's checks, made before work starts by the run and its dry run alike: decide
+    between a fresh start and a resume, and refuse to clobber a different run, to resume past the
+    run's end, or to resume a run in use. Returns (resuming, ResumePoint | None); the point
+    carries the resume's warnings. `dry_run`: decide and refuse the same way, remove nothing.
     """
     from difftrain.train.checkpoint import find_resume_checkpoint
 
-    run_dir = plan.run_dir
+    run_dir = spec.run_dir
     require_not_in_use(run_dir)  # before anything is removed
     # A run killed while it started (or while saving) leaves empty folders and temporary files of
     # unfinished atomic writes: those are not a run, and must not block its restart.
     for folder in (run_dir, run_dir / CHECKPOINTS):
         if not dry_run:
             remove_stale_temps(folder)
-    old = check_run_dir(plan.recipe, resume=resume, overwrite=overwrite, batch=plan.batch)
+    old = check_run_dir(spec.recipe, resume=resume, overwrite=overwrite, batch=spec.batch)
     if old is None:
         return False, None
     point = find_resume_checkpoint(run_dir / CHECKPOINTS)
@@ -184,48 +140,48 @@ def prepare_run_dir(
         if not dry_run:
             shutil.rmtree(run_dir / CHECKPOINTS, ignore_errors=True)
         return False, None
-    if plan.max_steps is not None and point.step > plan.max_steps:
+    if spec.max_steps is not None and point.step > spec.max_steps:
         raise RecipeError(
-            f"{run_dir} is at step {point.step} (its last checkpoint), past train.max_steps={plan.max_steps}: "
+            f"{run_dir} is at step {point.step} (its last checkpoint), past train.max_steps={spec.max_steps}: "
             f"a resume only trains on; raise train.max_steps above {point.step}, or start again with --overwrite"
         )
-    note = _schedule_note(old, plan, point.step, _global_batch(old))
+    note = _schedule_note(old, spec, point.step, _global_batch(old))
     if note:
         point.warnings.append(note)
     old_data = old.get("data") if isinstance(old, dict) else None
     windows = old_data.get("val_windows") if isinstance(old_data, dict) else None
-    if isinstance(windows, int) and windows != plan.recipe.data.val_windows:
+    if isinstance(windows, int) and windows != spec.recipe.data.val_windows:
         point.warnings.append(
-            f"data.val_windows changed from {windows} to {plan.recipe.data.val_windows}: validation losses "
+            f"data.val_windows changed from {windows} to {spec.recipe.data.val_windows}: validation losses "
             f"after step {point.step} are measured on other windows than those before it"
         )
     return True, point
 
 
-def _schedule_note(old: dict[str, Any], plan: Plan, step: int, old_global: int | None) -> str | None:
+def _schedule_note(old: dict[str, Any], spec: RunSpec, step: int, old_global: int | None) -> str | None:
     """A resume whose length changed (train.max_steps / max_tokens) recomputes the learning-rate
     schedule over the new length: the note says how far the lr of the next step moves from the
     one the run's own schedule had (a finished cosine run extended warms up again)."""
     from difftrain.train.optim import lr_multiplier
 
     t = old.get("train") if isinstance(old, dict) else None
-    if not isinstance(t, dict) or plan.max_steps is None:
+    if not isinstance(t, dict) or spec.max_steps is None:
         return None
     try:
         before = int(t["max_steps"]) if t.get("max_steps") else None
         if before is None and t.get("max_tokens") and old_global:
-            before = -(-int(t["max_tokens"]) // (old_global * plan.seq_len))
+            before = -(-int(t["max_tokens"]) // (old_global * spec.seq_len))
     except (TypeError, ValueError):
         return None
-    cfg = plan.recipe.optim
-    if before is None or before == plan.max_steps or cfg.schedule == "constant":
+    cfg = spec.recipe.optim
+    if before is None or before == spec.max_steps or cfg.schedule == "constant":
         return None
-    was, now = lr_multiplier(cfg, before)(step) * cfg.lr, lr_multiplier(cfg, plan.max_steps)(step) * cfg.lr
+    was, now = lr_multiplier(cfg, before)(step) * cfg.lr, lr_multiplier(cfg, spec.max_steps)(step) * cfg.lr
     if abs(now - was) <= 0.05 * was:
         return None
     return (
-        f"the run's length changed from {before} to {plan.max_steps} steps: its {cfg.schedule} learning-rate "
-        f"schedule now spans {plan.max_steps} steps, so step {step + 1} runs at lr {now:.2e} where the run's "
+        f"the run's length changed from {before} to {spec.max_steps} steps: its {cfg.schedule} learning-rate "
+        f"schedule now spans {spec.max_steps} steps, so step {step + 1} runs at lr {now:.2e} where the run's "
         f"own schedule had {was:.2e}"
     )
 
@@ -324,13 +280,13 @@ def _clear_run_dir(run_dir: Path) -> None:
             child.unlink()
 
 
-def start_processes(plan: Plan) -> DistContext:
+def start_processes(spec: RunSpec) -> DistContext:
     """Start or join the run's processes (one per device; see `difftrain.train.distributed`).
     Everything after this runs on every rank; what must happen once goes through the context."""
     from difftrain.train.distributed import start
 
-    t = plan.recipe.train
-    return start(plan.recipe, accelerator=plan.accelerator, devices=plan.devices, num_nodes=t.num_nodes)
+    t = spec.recipe.train
+    return start(spec.recipe, accelerator=spec.accelerator, devices=spec.devices, num_nodes=t.num_nodes)
 
 
 def _quiet_lightning() -> None:
@@ -363,16 +319,13 @@ def pretrain(
     overwrite: bool = False,
     progress: bool | None = None,
     console: Any = None,
-    on_start: Any = None,
-    extra_callbacks: list[Any] | None = None,
+    on_start: Callable[[StartInfo], None] | None = None,
+    extra_callbacks: Sequence[Any] = (),
     fault_hook: Any = None,
     data_progress: Any = None,
 ) -> TrainResult:
     """Train a model from scratch (or resume one) as the recipe says; returns the run's figures.
-
-    `on_start(info: dict)` is called once everything is set up (the CLI prints the start summary
-    from it). `fault_hook` is a test hook passed to the LightningModule.
-    """
+    The keyword arguments after `overwrite` are the run's `Hooks`."""
     import lightning as L
 
     from difftrain.data.modules import PretrainDataModule
@@ -380,16 +333,15 @@ def pretrain(
     from difftrain.data.tokenizer import check_vocab_fits, load_tokenizer
     from difftrain.model import Transformer
 
+    hooks = Hooks(progress, console, on_start, [*extra_callbacks], fault_hook, data_progress)
     _quiet_lightning()
     require_pretraining(recipe)
-    plan = plan_run(recipe)
-    r = plan.recipe
+    spec = resolve(recipe)
+    r = spec.recipe
     resume_flag: bool | str = r.train.resume if resume is None else resume
-    dist = start_processes(plan)
+    dist = start_processes(spec)
     # rank 0 decides (and may clear the folder); the others learn the decision
-    resuming, point = dist.on_rank_zero(
-        lambda: prepare_run_dir(plan, resume=resume_flag, overwrite=overwrite)
-    )
+    resuming, point = dist.on_rank_zero(lambda: preflight(spec, resume=resume_flag, overwrite=overwrite))
 
     # data + tokenizer (cached: a second run reuses both); built by rank 0, cache hits elsewhere
     prepared = dist.rank_zero_first(
@@ -398,16 +350,16 @@ def pretrain(
             r.tokenizer,
             seed=r.seed,
             base_dir=r.recipe_dir,
-            progress=data_progress if dist.is_global_zero else None,
+            progress=hooks.data_progress if dist.is_global_zero else None,
         )
     )
     tokenizer = load_tokenizer(prepared.tokenizer_path)
-    model_cfg = r.model
-    assert model_cfg is not None  # plan_run checked it
+    model_cfg = spec.model
     if model_cfg.vocab_size == "auto":
         model_cfg = model_cfg.replace(vocab_size=64 * math.ceil(tokenizer.vocab_size / 64))
     check_vocab_fits(tokenizer, model_cfg.vocab_size)
-    r = r.model_copy(update={"model": model_cfg})  # (keeps the recipe's folder and source)
+    spec = spec.with_model(model_cfg)  # (keeps the recipe's folder and source)
+    r = spec.recipe
 
     L.seed_everything(r.seed, workers=True, verbose=False)
     model = Transformer(model_cfg)
@@ -415,55 +367,46 @@ def pretrain(
         model.set_activation_checkpointing(True)
     # checks the data against the sequence length: a split too short fails before anything is written
     dm = PretrainDataModule.from_config(
-        prepared, r.data, seq_len=plan.seq_len, micro_batch_size=r.train.micro_batch_size, seed=r.seed
+        prepared, r.data, seq_len=spec.seq_len, micro_batch_size=r.train.micro_batch_size, seed=r.seed
     )
 
-    run_dir = plan.run_dir
+    run_dir = spec.run_dir
     restore = dist.on_rank_zero(lambda: resumed_run_files(run_dir, tokenizer, point)) if resuming else []
+    opts = FitOptions(
+        counts=model.num_params(),
+        has_val=r.data.val_windows > 0,
+        resume_command=f"difftrain pretrain {shlex.quote(str(run_dir / RECIPE))} --resume",
+        details={"data": prepared},
+        warnings=[*memory_warnings(r, spec.accelerator), *([dm.val_note] if dm.val_note else [])],
+        tokens_per_micro_batch=r.train.micro_batch_size * spec.seq_len,
+    )
     with training_into(run_dir, dist, r, tokenizer, fresh=not resuming, replace=overwrite, restore=restore):
-        result = fit(
-            r,
-            plan,
-            model,
-            dm,
-            point=point,
-            counts=model.num_params(),
-            has_val=r.data.val_windows > 0,
-            resume_command=f"difftrain pretrain {shlex.quote(str(run_dir / RECIPE))} --resume",
-            progress=progress,
-            console=console,
-            on_start=on_start,
-            extra_callbacks=extra_callbacks,
-            fault_hook=fault_hook,
-            info={"data": prepared},
-            warnings=[*memory_warnings(r, plan.accelerator), *([dm.val_note] if dm.val_note else [])],
-            tokens_per_micro_batch=r.train.micro_batch_size * plan.seq_len,
-        )
+        result = fit(spec, model, dm, point, opts, hooks)
     dist.join()  # the ranks this process started have finished too
     return result
 
 
-def start_warnings(plan: Plan, point: Any, warnings: Sequence[str] = ()) -> list[str]:
+def start_warnings(spec: RunSpec, point: Any, warnings: Sequence[str] = ()) -> list[str]:
     """The warnings a run gives at its start: the resume's (a damaged checkpoint skipped, a
-    changed schedule, ...), the caller's (`warnings`: the memory plan, ...), then, on a fresh
+    changed schedule, ...), the caller's (`warnings`: the memory spec, ...), then, on a fresh
     start, the warm-up against the run's length."""
     return [
         *(point.warnings if point else []),
         *warnings,
-        *([] if point else _warmup_notes(plan)),
+        *([] if point else _warmup_notes(spec)),
     ]
 
 
-def dry_run_warnings(plan: Plan, point: Any) -> list[str]:
+def dry_run_warnings(spec: RunSpec, point: Any) -> list[str]:
     """The start-up warnings a `--dry-run` can give without the data: those of `start_warnings`
     with the memory plan against this device."""
-    return start_warnings(plan, point, memory_warnings(plan.recipe, plan.accelerator))
+    return start_warnings(spec, point, memory_warnings(spec.recipe, spec.accelerator))
 
 
-def _warmup_notes(plan: Plan) -> list[str]:
+def _warmup_notes(spec: RunSpec) -> list[str]:
     """A warm-up as long as the run (`lr_multiplier` cuts it to max_steps - 1 steps)."""
-    optim = plan.recipe.optim
-    warmup, steps, schedule = optim.warmup_steps, plan.max_steps, optim.schedule
+    optim = spec.recipe.optim
+    warmup, steps, schedule = optim.warmup_steps, spec.max_steps, optim.schedule
     if warmup < steps:
         return []
     if steps <= 1:
@@ -493,54 +436,25 @@ def memory_warnings(r: Recipe, accelerator: str) -> list[str]:
 
 
 def fit(
-    r: Recipe,
-    plan: Plan,
-    model: torch.nn.Module,
-    datamodule: Any,
-    *,
-    point: Any,
-    counts: dict[str, int],
-    has_val: bool,
-    resume_command: str,
-    progress: bool | None = None,
-    console: Any = None,
-    on_start: Any = None,
-    extra_callbacks: list[Any] | None = None,
-    fault_hook: Any = None,
-    info: dict[str, Any] | None = None,
-    warnings: Sequence[str] = (),
-    export: Any = None,
-    save_frozen: bool = True,
-    step_seed: int | None = None,
-    validate_first: bool = False,
-    tokens_per_micro_batch: int = 0,
-    summary_extra: dict[str, Any] | None = None,
-    token_mean: bool = False,
+    spec: RunSpec, model: torch.nn.Module, datamodule: Any, point: Any, opts: FitOptions, hooks: Hooks
 ) -> TrainResult:
     """The training loop shared by `pretrain` and `finetune`: Lightning module, callbacks, loggers,
-    Trainer, fit (resuming from `point`), final validation, summary.json.
+    Trainer, fit (resuming from `point`, a ResumePoint or None), final validation, summary.json.
 
-    `r` has its `model` resolved and the run directory holds recipe.yaml, config.json and
-    tokenizer.json. `counts`: parameter counts to report. `export(run_dir, model, step)` replaces
-    the model.safetensors written at each save (LoRA: the adapter files); `save_frozen=False`
-    keeps frozen parameters out of checkpoints; `step_seed` makes dropout resumable (see LitLM);
-    `validate_first` measures the validation loss before the first step of a fresh run
-    (summary `initial_val_loss`). `tokens_per_micro_batch=0` counts the tokens of each batch.
-    `token_mean`: a step's loss is the mean over all its trained tokens (see LitLM).
+    `spec.recipe` has its `model` resolved, and the run directory holds recipe.yaml, config.json
+    and tokenizer.json.
     """
     import lightning as L
 
     from difftrain.model.lora import count_params
-    from difftrain.train.callbacks import RunCallback, flops_per_token
+    from difftrain.train.callbacks import CallbackSettings, RunCallback, flops_per_token
     from difftrain.train.checkpoint import AtomicCheckpointIO
     from difftrain.train.distributed import build_strategy, is_global_zero
     from difftrain.train.lit import LitLM
     from difftrain.train.metrics import MetricsCSV, read_metrics
 
-    t = r.train
-    model_cfg = r.model
-    assert model_cfg is not None
-    run_dir = plan.run_dir
+    r = spec.recipe
+    t, model_cfg, run_dir = r.train, spec.model, spec.run_dir
     if point is not None and point.path.is_dir() and t.strategy != "fsdp":
         raise CheckpointError(
             f"{point.path} is a sharded FSDP checkpoint (train.fsdp.checkpoint=sharded), which only FSDP "
@@ -549,21 +463,21 @@ def fit(
     lit = LitLM(
         model,
         r.optim,
-        total_steps=plan.max_steps,
-        accumulate=plan.accumulate,
+        total_steps=spec.max_steps,
+        accumulate=spec.accumulate,
         grad_clip=t.grad_clip,
         nan_skip_limit=t.nan_skip_limit,
         compile=bool(t.compile),
-        tokens_per_micro_batch=tokens_per_micro_batch,
+        tokens_per_micro_batch=opts.tokens_per_micro_batch,
         check_grads=t.precision != "16-mixed",
-        save_frozen=save_frozen,
-        step_seed=step_seed,
-        token_mean=token_mean,
+        save_frozen=opts.save_frozen,
+        step_seed=opts.step_seed,
+        token_mean=opts.token_mean,
     )
-    lit.fault_hook = fault_hook
+    lit.fault_hook = hooks.fault_hook
     lit.resume_path = point.path if point else None
-    if point is not None and point.step >= plan.max_steps:  # type: ignore[operator]
-        done = _resume_finished(r, plan, lit, point, export)
+    if point is not None and point.step >= spec.max_steps:  # type: ignore[operator]
+        done = _resume_finished(spec, lit, point, opts.export)
         if done is not None:
             return done
     # Training FLOPs per token: 6·N for trained weights, 4·N for frozen ones (forward + the
@@ -575,28 +489,29 @@ def fit(
     n_frozen_body = n_total - n_emb - n_train_body
     fpt = (
         flops_per_token(
-            n_train_body, model_cfg.n_layers, model_cfg.n_heads * model_cfg.head_dim, plan.seq_len
+            n_train_body, model_cfg.n_layers, model_cfg.n_heads * model_cfg.head_dim, spec.seq_len
         )
         + 4 * n_frozen_body
     )
-    show = r.logging.progress if progress is None else progress
-    cb = RunCallback(
-        run_dir,
+    show = r.logging.progress if hooks.progress is None else hooks.progress
+    has_val = opts.has_val
+    settings = CallbackSettings(
         save_every=t.save_every,
         keep=t.keep_checkpoints,
         log_every=t.log_every,
-        tokens_per_step=plan.tokens_per_step,
+        tokens_per_step=spec.tokens_per_step,
         flops_per_token=fpt,
         progress=show,
-        console=console,
-        resume_command=resume_command,
-        export=export,
+        console=hooks.console,
+        resume_command=opts.resume_command,
+        export=opts.export,
         spike_factor=t.spike_factor,
         spike_rollback=t.spike_rollback,
         spike_lr_factor=t.spike_lr_factor,
         warmup_steps=r.optim.warmup_steps,
         val_every=t.val_every if has_val else 0,
     )
+    cb = RunCallback(run_dir, settings)
     loggers: list[Any] = [MetricsCSV(run_dir / METRICS, resume_step=point.step if point else None)]
     tb = r.logging.tensorboard
     if tb is True or (tb == "auto" and has_tensorboard()):
@@ -615,20 +530,20 @@ def fit(
                 "logging.wandb_project is set but wandb is not installed; `pip install wandb`"
             ) from e
     trainer = L.Trainer(
-        accelerator=plan.accelerator,
-        devices=plan.devices,
+        accelerator=spec.accelerator,
+        devices=spec.devices,
         num_nodes=t.num_nodes,
-        strategy=build_strategy(r, plan.world_size),
+        strategy=build_strategy(r, spec.world_size),
         precision=t.precision,
-        max_steps=plan.max_steps,
+        max_steps=spec.max_steps,
         max_epochs=-1,
-        val_check_interval=t.val_every * plan.accumulate,
+        val_check_interval=t.val_every * spec.accumulate,
         check_val_every_n_epoch=None,
         limit_val_batches=1.0 if has_val else 0,
         num_sanity_val_steps=0,
         logger=loggers,
         log_every_n_steps=1,
-        callbacks=[*(extra_callbacks or []), cb],
+        callbacks=[*hooks.extra_callbacks, cb],
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
@@ -636,23 +551,12 @@ def fit(
         plugins=[AtomicCheckpointIO()],
         default_root_dir=str(run_dir),
     )
-    start_info = {
-        "run_dir": run_dir,
-        "recipe": r,
-        "plan": plan,
-        "params": counts,
-        "trainable_params": n_trainable,
-        "total_params": n_total,
-        "resumed_from": point.step if point else None,
-        "warnings": start_warnings(plan, point, warnings),
-        "device": _device_name(plan.accelerator, plan.world_size)
-        + f" · attention {attention_core_name(plan.accelerator, lit.model.attn_impl)}",
-        **(info or {}),
-    }
-    if on_start is not None and is_global_zero():
-        on_start(start_info)
+    if hooks.on_start is not None and is_global_zero():
+        warned = start_warnings(spec, point, opts.warnings)
+        resumed = point.step if point else None
+        hooks.on_start(StartInfo(spec, resumed, opts.counts, n_trainable, n_total, warned, opts.details))
     initial_val = None
-    if validate_first and point is None and has_val:
+    if opts.validate_first and point is None and has_val:
         trainer.validate(lit, datamodule=datamodule, verbose=False)
         if math.isfinite(cb.state.last_val):
             initial_val = cb.state.last_val
@@ -660,9 +564,9 @@ def fit(
     t0 = time.perf_counter()
 
     def summary_of(wall: float, *, finished: bool) -> dict[str, Any]:
-        summary = _summary(r, plan, lit, cb, wall, counts, trainer)
+        summary = _summary(spec, lit, cb, wall, opts.counts, trainer)
         summary.update(trainable_params=n_trainable, finished=finished)
-        summary.update(summary_extra or {})
+        summary.update(opts.summary_extra)
         return summary
 
     try:
@@ -683,7 +587,7 @@ def fit(
             cb.state.last_val = float(val)
             cb.state.best_val = min(cb.state.best_val, float(val))
     summary = summary_of(wall, finished=True)
-    if validate_first:
+    if opts.validate_first:
         if initial_val is None and point is not None:  # a resumed run: logged at step 0
             rows = [x for x in read_metrics(run_dir / METRICS) if x.get("step") == 0 and "val/loss" in x]
             initial_val = rows[0]["val/loss"] if rows else None
@@ -699,8 +603,8 @@ def fit(
     )
 
 
-def _resume_finished(r: Recipe, plan: Plan, lit: Any, point: Any, export: Any) -> TrainResult | None:
-    """A resume of a run whose last checkpoint is at train.max_steps (past it, `prepare_run_dir`
+def _resume_finished(spec: RunSpec, lit: Any, point: Any, export: Any) -> TrainResult | None:
+    """A resume of a run whose last checkpoint is at train.max_steps (past it, `preflight`
     refused the resume): nothing to train. The run's inference weights are checked against the
     last checkpoint and rewritten from it when they are missing, damaged or of an older step (a
     kill between the two saves, a truncated copy); the summary.json of the run is kept as it is
@@ -709,7 +613,7 @@ def _resume_finished(r: Recipe, plan: Plan, lit: Any, point: Any, export: Any) -
     from difftrain.rundir import read_summary
     from difftrain.train.distributed import is_global_zero
 
-    run_dir, step = plan.run_dir, point.step
+    run_dir, step = spec.run_dir, point.step
 
     notes = []
     problem = _final_weights_problem(run_dir, step, adapter=export is not None)
@@ -772,43 +676,21 @@ def _final_weights_problem(run_dir: Path, step: int, *, adapter: bool) -> str | 
     return None
 
 
-def _device_name(accelerator: str, world: int = 1) -> str:
-    """What trains: the GPU's name, or the CPU with its threads (per process); × the processes of
-    a run on several (all of them, on every node)."""
-    times = f" × {world}" if world > 1 else ""
-    if accelerator == "cuda":
-        return torch.cuda.get_device_name(0) + times
-    import platform
-
-    n = torch.get_num_threads()
-    each = " each" if world > 1 else ""
-    return (
-        f"cpu{times} ({platform.processor() or platform.machine()}, {n} thread{'s' if n != 1 else ''}{each})"
-    )
-
-
-def attention_core_name(accelerator: str, attn_impl: str) -> str:
-    """The attention core training runs for `attn_impl` (`model.kernels.resolve_impl`'s table)."""
-    core = resolve_impl(attn_impl, torch.device(accelerator))
-    return core if attn_impl == core else f"{core} ({attn_impl})"
-
-
-def _summary(
-    r: Recipe, plan: Plan, lit: Any, cb: Any, wall: float, counts: Any, trainer: Any
-) -> dict[str, Any]:
+def _summary(spec: RunSpec, lit: Any, cb: Any, wall: float, counts: Any, trainer: Any) -> dict[str, Any]:
+    r = spec.recipe
     steps = trainer.global_step
     tokens = lit.tokens_seen
     train_time = lit.train_time or wall
     tps = tokens / train_time if train_time > 0 else 0.0
     peak_mem = None
-    if plan.accelerator == "cuda":
+    if spec.accelerator == "cuda":
         peak_mem = torch.cuda.max_memory_allocated() / 2**20
     mfu = tps * cb.flops_per_token / cb.peak_flops if cb.peak_flops else None
     last_loss: float | None = lit.last_loss
     if not math.isfinite(lit.last_loss):  # no step ran in this process (a finished run's resume)
         from difftrain.train.metrics import read_metrics
 
-        logged = [row["train/loss"] for row in read_metrics(plan.run_dir / METRICS) if "train/loss" in row]
+        logged = [row["train/loss"] for row in read_metrics(spec.run_dir / METRICS) if "train/loss" in row]
         last_loss = logged[-1] if logged and math.isfinite(logged[-1]) else None
     return {
         "name": r.name,
@@ -835,8 +717,8 @@ def _summary(
         "spike_rollbacks": cb.rollbacks,
         "precision": r.train.precision,
         "optimizer": r.optim.name,
-        "device": _device_name(plan.accelerator, plan.world_size),
-        "attention": attention_core_name(plan.accelerator, lit.model.attn_impl),
-        "devices": plan.world_size,
+        "device": spec.device,
+        "attention": spec.attention,
+        "devices": spec.world_size,
         "torch": torch.__version__,
     }

@@ -1,7 +1,7 @@
 """Whether a recipe may train into its run directory — a fresh start, a resume, or a refusal that
 says what to do — decided from the folder's files and its recipe.yaml alone, without torch.
 
-`train.run.prepare_run_dir` runs `check_run_dir` on the recipe resolved for this machine and goes
+`train.run.preflight` runs `check_run_dir` on the recipe resolved for this machine and goes
 on to the checkpoints. `early_check` runs it before torch and Lightning load (8-10 s on a small
 CPU), on the recipe as written, for the refusals that do not depend on the machine: rerunning
 the command of a run that is there is the usual slip, and is answered at once.
@@ -18,8 +18,9 @@ from typing import Any
 from difftrain import devicecheck
 from difftrain.errors import RecipeError, RunDirError
 from difftrain.io import LOCK_FILE, TEMP_GLOB, RunLock
-from difftrain.recipe import Recipe, global_batch, read_yaml, recipe_from_dict, resolve_auto
+from difftrain.recipe import Recipe, global_batch, read_yaml, recipe_from_dict
 from difftrain.rundir import CONFIG, RECIPE, TOKENIZER, holds_run, weights_metadata
+from difftrain.spec import Batch, Machine, resolve
 
 # What a run's start writes before its first step: a folder holding only these trained nothing.
 STARTUP_FILES = {RECIPE, CONFIG, TOKENIZER}
@@ -137,10 +138,6 @@ def require_not_in_use(run_dir: Path) -> None:
     holder = RunLock(run_dir).holder()
     if holder is not None:
         raise RunDirError(in_use_message(run_dir, holder))
-
-
-Batch = tuple[int, int, int, int]
-"""(global batch, micro-batch, devices×nodes, accumulation) of the recipe to train."""
 
 
 def check_run_dir(
@@ -299,9 +296,10 @@ def _has_auto(recipe: Recipe) -> bool:
 def early_check(recipe: Recipe, *, resume: bool | None, overwrite: bool) -> None:
     """`check_run_dir` for a pretraining recipe before torch loads: the refusals that do not
     depend on the machine (another run there, the run's own command run again, a run in use,
-    --resume with nothing to resume). On a machine without a GPU (`devicecheck.no_cuda_here`) the recipe's
-    auto values resolve as `plan_run` resolves them there, and the check is the full one up to
-    the checkpoints. Decides nothing else and writes nothing."""
+    --resume with nothing to resume). Where torch can see no GPU (`devicecheck.no_cuda_here`)
+    the recipe is resolved as the run resolves it there (`resolve` on a `Machine()` without
+    one), so a GPU-only option is refused in the run's words, and the folder check is the full
+    one up to the checkpoints. Decides nothing else and writes nothing."""
     if recipe.finetune is not None:  # its model and tokenizer come from the base run, read later:
         # the folder's refusals that do not depend on them (in use, --resume with nothing to
         # resume, a model made by import or merge, another run there, the run's own command again)
@@ -314,16 +312,14 @@ def early_check(recipe: Recipe, *, resume: bool | None, overwrite: bool) -> None
             ignore=frozenset({"model", "tokenizer"}),
         )
         return
-    devicecheck.check_loggers(recipe)  # a missing logger package: as `plan_run` refuses it, before torch
-
-    devicecheck.early_device_check(recipe)  # a GPU-only option where there is no GPU: refused first, as later
+    devicecheck.check_loggers(recipe)  # a missing logger package: as the run refuses it, before torch
     t = recipe.train
-    cpu_only = devicecheck.no_cuda_here() and t.accelerator != "cuda"  # (a cuda accelerator is refused later)
-    if cpu_only:
-        recipe = resolve_auto(recipe, cuda=False, bf16=False)
     batch = None
-    if t.devices != "auto" or cpu_only:
-        devices = 1 if t.devices == "auto" else int(t.devices)
+    if t.accelerator != "mps" and devicecheck.no_cuda_here():
+        spec = resolve(recipe, Machine())
+        recipe, batch = spec.recipe, spec.batch
+    elif t.devices != "auto":
+        devices = int(t.devices)
         global_bs, accumulate = global_batch(t, devices)
         batch = (global_bs, t.micro_batch_size, devices * t.num_nodes, accumulate)
     check_run_dir(

@@ -16,7 +16,7 @@ from conftest import flat, make_corpus
 from difftrain.cli.app import main
 from difftrain.errors import RecipeError
 from difftrain.recipe import load_recipe
-from difftrain.train.run import plan_run
+from difftrain.spec import resolve
 
 RECIPE = """\
 name: {name}
@@ -109,14 +109,14 @@ def test_a_linked_recipe_reads_its_parent_and_its_data_from_the_folder_of_the_fi
 
 def test_a_relative_out_dir_is_under_the_current_folder(project):
     root, recipe = project
-    assert plan_run(load_recipe(recipe())).run_dir.resolve() == (root / "elsewhere" / "runs" / "r").resolve()
+    assert resolve(load_recipe(recipe())).run_dir.resolve() == (root / "elsewhere" / "runs" / "r").resolve()
 
 
 @pytest.mark.parametrize("out_dir", ["..", "../runs", "runs/../../x", "./../runs"])
 def test_out_dir_cannot_climb_out_through_dotdot(project, out_dir, capsys):
     root, recipe = project
     with pytest.raises(RecipeError, match="climbs out of the current folder"):
-        plan_run(load_recipe(recipe(out_dir=out_dir)))
+        resolve(load_recipe(recipe(out_dir=out_dir)))
     assert main(["pretrain", str(recipe(out_dir=out_dir)), "--dry-run"]) == 2
     assert main(["pretrain", str(recipe()), f"out_dir={out_dir}"]) == 2
     assert "climbs out" in capsys.readouterr().err
@@ -134,7 +134,7 @@ def test_an_absolute_out_dir_is_allowed_on_purpose(project, capsys):
     root, recipe = project
     target = root / "shared-runs"
     r = load_recipe(recipe(out_dir=str(target)))
-    assert plan_run(r).run_dir == target / "r"
+    assert resolve(r).run_dir == target / "r"
     assert main(["pretrain", str(recipe(out_dir=str(target))), "--no-progress"]) == 0
     assert (target / "r" / "model.safetensors").is_file()
     # the run went where out_dir says: no runs/ next to the recipe or in the current folder
