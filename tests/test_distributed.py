@@ -38,10 +38,10 @@ from difftrain.devicecheck import check_strategy
 from difftrain.errors import CheckpointError, DeviceError, RecipeError
 from difftrain.recipe import load_recipe
 from difftrain.rundir import load_run
+from difftrain.spec import resolve
 from difftrain.train.checkpoint import load_checkpoint_file
 from difftrain.train.distributed import start
 from difftrain.train.metrics import read_metrics
-from difftrain.spec import resolve
 from difftrain.train.run import pretrain
 
 RECIPE = """\

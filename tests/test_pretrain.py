@@ -1097,8 +1097,8 @@ def test_the_early_run_directory_check_refuses_what_the_full_one_refuses_in_its_
     # `early_check` answers before torch loads; it must never refuse what the run would accept,
     # nor say anything else than the run would (here both see a machine without CUDA)
     from difftrain import devicecheck
-    from difftrain.train import runcheck
     from difftrain.spec import Machine, resolve
+    from difftrain.train import runcheck
     from difftrain.train.run import preflight
 
     monkeypatch.setattr(devicecheck, "no_cuda_here", lambda: True)
@@ -1197,8 +1197,8 @@ def test_gpu_only_options_on_a_machine_without_cuda_are_refused_early_as_the_run
 ):
     from difftrain import devicecheck
     from difftrain.errors import DeviceError
-    from difftrain.train import runcheck
     from difftrain.spec import Machine, resolve
+    from difftrain.train import runcheck
 
     monkeypatch.setattr(devicecheck, "no_cuda_here", lambda: True)
     monkeypatch.setattr("difftrain.spec.Machine.detect", lambda: Machine(threads=1, here=True))
