@@ -47,64 +47,67 @@ def _no_val_note(val_records: int, val_fraction: float) -> str:
     )
 
 
+def _setup_rows(setup: Any) -> list[tuple[str, str]]:
+    """The rows the start table and the dry run share, from the fine-tune's `FinetuneSetup`."""
+    spec = setup.spec
+    m, ft, rec = spec.model, spec.recipe.finetune, setup.records
+    method = ft.method
+    if method != "full":
+        from difftrain.model.lora import short_names
+
+        targets = setup.lora_targets or []
+        method += f" · rank {ft.lora.rank} · alpha {ft.lora.alpha:g} · dropout {ft.lora.dropout:g}"
+        method += f" · {plural(len(targets), 'linear layer')} ({', '.join(short_names(targets))})"
+        if method.startswith("qlora"):
+            method += " · base in 4-bit NF4"
+    instruction = setup.data_format == "instruction"
+    if instruction:
+        data = f"instruction records: {rec['train_records']:,} train · {rec['val_records']:,} val"
+        if rec["truncated"]:
+            data += f" · {rec['truncated']:,} truncated to {spec.seq_len} tokens"
+        data += _empty_note(rec["empty_responses"])
+        data += _no_val_note(rec["val_records"], spec.recipe.data.val_fraction)
+        if not ft.train_on_prompt:
+            data += " · loss on responses only"
+        skipped = skipped_records_row(rec["bad_records"], rec["bad_examples"])
+    elif setup.prepared is not None:
+        prepared = setup.prepared
+        data = f"plain text (continued pretraining) · {fmt_count(prepared.index['train']['tokens'])} train tokens"
+        skipped = skipped_records_row(prepared.stats.bad_records, prepared_bad_examples(prepared))
+        skipped += json_as_text_row(prepared.stats)
+    else:
+        data = "plain text (continued pretraining; tokenized when the run starts)"
+        skipped = []
+    rows = [
+        (
+            "base",
+            f"{setup.base} · {m.arch} · d_model {m.d_model} · {plural(m.n_layers, 'layer')} · vocab {setup.base_vocab_size}",
+        ),
+        ("method", method),
+        ("data", data),
+        *skipped,
+    ]
+    if setup.new_ids:
+        new = ", ".join(setup.new_tokens)  # (ids: the rows after the base's vocabulary)
+        rows.append(("new tokens", f"{new} (vocab {setup.base_vocab_size} → {m.vocab_size})"))
+    return rows + spec_rows(spec, padded=instruction)
+
+
 def _start_table(info: Any) -> None:
-    spec, d = info.spec, info.details
-    r = spec.recipe
-    m, ft = spec.model, r.finetune
-    total, trainable = info.total_params, info.trainable_params
+    setup, total, trainable = info.details, info.total_params, info.trainable_params
+    spec = setup.spec
     rows = [
         (
             "run",
             str(spec.run_dir) + (f"  (resuming from step {info.resumed_from})" if info.resumed_from else ""),
         ),
         (
-            "base",
-            f"{d['base']} · {m.arch} · d_model {m.d_model} · {plural(m.n_layers, 'layer')} · vocab "
-            f"{d.get('base_vocab_size', m.vocab_size)}",
-        ),
-    ]
-    method = ft.method
-    if method != "full":
-        from difftrain.model.lora import short_names
-
-        targets = d.get("lora_targets", [])
-        method += f" · rank {ft.lora.rank} · alpha {ft.lora.alpha:g} · dropout {ft.lora.dropout:g}"
-        method += (
-            f" · {plural(len(targets), 'linear layer')} ({', '.join(short_names(targets))})"  # as --dry-run
-        )
-        if method.startswith("qlora"):
-            method += " · base in 4-bit NF4"
-    rows.append(("method", method))
-    rows.append(
-        (
             "trainable",
             f"{trainable:,} of {total:,} parameters ({100 * trainable / max(total, 1):.2f}%)"
-            + (
-                f" · trained in full: {len(d['trained_in_full'])} tensors" if d.get("trained_in_full") else ""
-            ),
-        )
-    )
-    instruction = d["data_format"] == "instruction"
-    if instruction:
-        data = f"instruction records: {d['train_records']:,} train · {d['val_records']:,} val"
-        if d.get("truncated"):
-            data += f" · {d['truncated']:,} truncated to {spec.seq_len} tokens"
-        data += _empty_note(d.get("empty_responses", 0))
-        data += _no_val_note(d["val_records"], r.data.val_fraction)
-        if not ft.train_on_prompt:
-            data += " · loss on responses only"
-    else:
-        data = f"plain text (continued pretraining) · {fmt_count(d['data'].index['train']['tokens'])} train tokens"
-    rows.append(("data", data))
-    if instruction:
-        rows += skipped_records_row(d.get("bad_records", 0), d.get("bad_examples", []))
-    else:
-        rows += skipped_records_row(d["data"].stats.bad_records, prepared_bad_examples(d["data"]))
-        rows += json_as_text_row(d["data"].stats)
-    if d.get("new_tokens"):
-        grown = f" (vocab {d['base_vocab_size']} → {m.vocab_size})" if "base_vocab_size" in d else ""
-        rows.append(("new tokens", ", ".join(f"{k} → {v}" for k, v in d["new_tokens"].items()) + grown))
-    rows += spec_rows(spec, padded=instruction)
+            + (f" · trained in full: {len(setup.trained_in_full)} tensors" if setup.trained_in_full else ""),
+        ),
+        *_setup_rows(setup),
+    ]
     console.print(kv_table("difftrain finetune", rows))
     for w in info.warnings:
         warn(w)
@@ -196,44 +199,14 @@ def finetune_command(
 def _dry_run(r: Any, *, resume: bool | None, overwrite: bool) -> None:
     from difftrain.train.finetune import dry_run_finetune
 
-    d = dry_run_finetune(r, resume=resume, overwrite=overwrite)
-    spec = d["spec"]
-    ft, m = spec.recipe.finetune, spec.model
-    method = ft.method + (f" · rank {ft.lora.rank} · alpha {ft.lora.alpha:g}" if ft.method != "full" else "")
-    if d["lora_targets"]:
-        from difftrain.model.lora import short_names
-
-        targets = d["lora_targets"]
-        method += f" · {plural(len(targets), 'linear layer')} ({', '.join(short_names(targets))})"
-    instruction = d["data_format"] == "instruction"
-    if instruction:
-        rec = d["records"]
-        data = f"instruction records: {rec['train_records']:,} train · {rec['val_records']:,} val"
-        if rec["truncated"]:
-            data += f" · {rec['truncated']:,} truncated to {spec.seq_len} tokens"
-        data += _empty_note(rec.get("empty_responses", 0))
-        data += _no_val_note(rec["val_records"], r.data.val_fraction)
-    else:
-        data = "plain text (continued pretraining; tokenized when the run starts)"
+    setup = dry_run_finetune(r, resume=resume, overwrite=overwrite)
     rows = [
         ("recipe", r.source),
-        (
-            "base",
-            f"{d['base']} · {m.arch} · d_model {m.d_model} · {plural(m.n_layers, 'layer')} · vocab {d['base_vocab_size']}",
-        ),
-        run_row(spec, d["resuming"], d["point"], overwrite),
-        ("method", method),
-        ("data", data),
+        run_row(setup.spec, setup.resuming, setup.point, overwrite),
+        *_setup_rows(setup),
     ]
-    if instruction:  # what data.on_bad_record: skip drops, as the run's start says
-        rows += skipped_records_row(d["records"]["bad_records"], d["records"]["bad_examples"])
-    if d["new_tokens"]:
-        rows.append(
-            ("new tokens", f"{', '.join(d['new_tokens'])} (vocab {d['base_vocab_size']} → {m.vocab_size})")
-        )
-    rows += spec_rows(spec, padded=instruction)
     console.print(kv_table("dry run: the fine-tune is ready", rows))
-    for w in d["warnings"]:
+    for w in setup.warnings:
         warn(w)
 
 

@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import math
 import shlex
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +33,7 @@ from difftrain.recipe import (
 )
 from difftrain.rundir import RECIPE, TOKENIZER, base_run_dir, load_config, resolve_model
 from difftrain.spec import RunSpec, resolve
+from difftrain.train.distributed import DistContext
 from difftrain.train.run import (
     FitOptions,
     Hooks,
@@ -395,77 +396,138 @@ def _read_first_documents(recipe: Recipe) -> None:
             require_documents(source, stats)  # no document at all: refused as the run refuses it
 
 
-def dry_run_finetune(
-    recipe: Recipe, *, resume: bool | None = None, overwrite: bool = False
-) -> dict[str, Any]:
-    """`finetune --dry-run`: every check the run makes before its first write — the base run, the
-    recipe against this machine, the data (instruction records read and tokenized; local text
-    sources found), the run folder (resume or refusal, as the run decides) — and nothing written.
+@dataclass
+class FinetuneSetup:
+    """What a fine-tune does before its model is built, decided by `setup_finetune` for the run
+    and its dry run alike: the spec (the base's model, grown by the chat template's tokens), the
+    base run, the data (`dm`; `prepared` text shards, None in a dry run, which tokenizes no text),
+    the record counts of instruction data, the run folder's decision (`resuming`, `point`) and
+    the data's fingerprint. `lora_targets`, `trained_in_full` and `warnings` are filled in once
+    the adapter is planned."""
 
-    Returns what the run would do: spec, base, data_format, records (instruction data), new_tokens,
-    base_vocab_size, resuming, point, lora_targets (the adapted layers; None for a full fine-tune),
-    warnings (memory plan, warm-up: what the run would warn of at its start).
-    """
+    spec: RunSpec
+    base: Path
+    data_format: str
+    tokenizer: Any
+    new_ids: list[int]
+    base_vocab_size: int
+    base_vocab_rows: int
+    dm: Any
+    prepared: Any
+    records: dict[str, Any]
+    resuming: bool
+    point: Any
+    data_key: str | None
+    dist: DistContext | None = None  # the run's processes (None in a dry run)
+    lora_targets: list[str] | None = None
+    trained_in_full: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+
+    @property
+    def new_tokens(self) -> dict[str, int]:
+        return {self.tokenizer.id_to_token(i): i for i in self.new_ids}
+
+
+def setup_finetune(
+    recipe: Recipe,
+    *,
+    resume: bool | str | None,
+    overwrite: bool,
+    start: Callable[[RunSpec], DistContext] | None = None,
+    data_progress: Any = None,
+) -> FinetuneSetup:
+    """Every check a fine-tune makes before its first write, in order: the base run, the recipe
+    against this machine, the run folder's refusals, the data, the vocabulary, the run folder's
+    decision, the resume's data and adapter base. `start` starts the run's processes
+    (`train.run.start_processes`) once the recipe is checked; then rank 0 prepares the text and
+    decides the folder. Without it, the dry run: nothing is written (the base weights are
+    checked instead of loaded, local text sources read instead of tokenized into the cache,
+    nothing removed from the run folder)."""
+    from difftrain.data.modules import PretrainDataModule
+    from difftrain.data.shards import cached_index, prepare_data
     from difftrain.data.sources import check_local_sources
     from difftrain.io import check_run_dir_creatable
     from difftrain.rundir import ADAPTER_WEIGHTS, WEIGHTS, check_safetensors, load_run_tokenizer
 
+    dry = start is None
     spec, base = plan_finetune(recipe)
     r = spec.recipe
-    ft = r.finetune
-    assert ft is not None
-    _refuse_run_dir_early(spec, resume=r.train.resume if resume is None else resume, overwrite=overwrite)
+    flag: bool | str = r.train.resume if resume is None else resume
+    _refuse_run_dir_early(spec, resume=flag, overwrite=overwrite)
+    dist = None if start is None else start(spec)  # every rank runs what follows; writes on rank 0
     data_format = resolve_data_format(r)
     tokenizer = load_run_tokenizer(base)  # (restore advice for a run folder's tokenizer)
-    for weights in (base / WEIGHTS, base / ADAPTER_WEIGHTS):  # an empty or cut file, as the run refuses it
-        if weights.is_file():
-            check_safetensors(weights)
+    base_vocab_rows = tokenizer.vocab_size
+    if dry:
+        for weights in (
+            base / WEIGHTS,
+            base / ADAPTER_WEIGHTS,
+        ):  # an empty or cut file, as the run refuses it
+            if weights.is_file():
+                check_safetensors(weights)
     records: dict[str, Any] = {}
     new_ids: list[int] = []
+    dm = prepared = None
     if data_format == "instruction":
         tokenizer, new_ids, dm, records = instruction_data(spec, tokenizer)
-    else:
+    elif dry:
         check_local_sources(r.data, r.recipe_dir)
         _read_first_documents(r)
-    base_vocab_size = load_config(base).vocab_size  # (r.model's may be a resumed run's grown one)
+    else:
+        assert dist is not None
+        prepared = dist.rank_zero_first(
+            lambda: prepare_data(
+                r.data,
+                r.tokenizer,
+                seed=r.seed,
+                base_dir=r.recipe_dir,
+                progress=data_progress if dist.is_global_zero else None,
+            )
+        )
+        dm = PretrainDataModule.from_config(
+            prepared, r.data, seq_len=spec.seq_len, micro_batch_size=r.train.micro_batch_size, seed=r.seed
+        )
     spec = _grown_model(spec, tokenizer)
-    model_cfg = spec.model
-    adapter = None
-    warnings: list[str] = []
-    if ft.method != "full":  # the adapter's targets, on a model of shapes only (meta: no memory)
-        from difftrain.adapters import plan_finetune_adapter, rank_warning
-        from difftrain.model import Transformer
+    base_vocab_size = int(load_config(base).vocab_size)  # (the spec's model has the grown vocabulary)
 
-        with torch.device("meta"):
-            skeleton = Transformer(model_cfg)
-        adapter = plan_finetune_adapter(skeleton, ft, train_embeddings=bool(new_ids))
-        warnings += [w for w in (rank_warning(skeleton, adapter),) if w]
-    resuming, point = preflight(
-        spec, resume=r.train.resume if resume is None else resume, overwrite=overwrite, dry_run=True
-    )
+    def decide() -> tuple[bool, Any]:
+        return preflight(spec, resume=flag, overwrite=overwrite, dry_run=dry)
+
+    resuming, point = decide() if dist is None else dist.on_rank_zero(decide)
+    if dm is not None:
+        data_key: str | None = _data_key(dm, prepared)
+    else:  # a dry run's text: the shards the resume would read, where they are prepared already
+        index = cached_index(r.data, r.tokenizer, seed=r.seed, base_dir=r.recipe_dir)
+        data_key = _text_data_key(index) if index is not None else None
     if resuming:
-        if data_format == "instruction":
-            _check_resumed_data(point.path, _data_key(dm, None), spec.run_dir)
-        else:  # the shards the resume would read, where they are prepared already
-            from difftrain.data.shards import cached_index
-
-            index = cached_index(r.data, r.tokenizer, seed=r.seed, base_dir=r.recipe_dir)
-            if index is not None:
-                _check_resumed_data(point.path, _text_data_key(index), spec.run_dir)
+        if data_key is not None:
+            _check_resumed_data(point.path, data_key, spec.run_dir)
         _check_resumed_adapter(spec)
-    check_run_dir_creatable(spec.run_dir)
-    return {
-        "spec": spec,
-        "base": base,
-        "data_format": data_format,
-        "records": records,
-        "new_tokens": {tokenizer.id_to_token(i): i for i in new_ids},
-        "base_vocab_size": base_vocab_size,
-        "resuming": resuming,
-        "point": point,
-        "lora_targets": adapter.targets if adapter is not None else None,
-        "warnings": dry_run_warnings(spec, point) + warnings,
-    }
+    if dry:
+        check_run_dir_creatable(spec.run_dir)
+    return FinetuneSetup(
+        spec, base, data_format, tokenizer, new_ids, base_vocab_size, base_vocab_rows, dm, prepared, records,
+        resuming, point, data_key, dist,
+    )  # fmt: skip
+
+
+def dry_run_finetune(recipe: Recipe, *, resume: bool | None = None, overwrite: bool = False) -> FinetuneSetup:
+    """`finetune --dry-run`: `setup_finetune` with nothing written, the adapter planned on a model
+    of shapes only (meta: no memory), and the warnings the run would give at its start."""
+    from difftrain.adapters import plan_finetune_adapter, rank_warning
+    from difftrain.model import Transformer
+
+    setup = setup_finetune(recipe, resume=resume, overwrite=overwrite)
+    ft = setup.spec.recipe.finetune
+    assert ft is not None
+    setup.warnings = dry_run_warnings(setup.spec, setup.point)
+    if ft.method != "full":
+        with torch.device("meta"):
+            skeleton = Transformer(setup.spec.model)
+        adapter = plan_finetune_adapter(skeleton, ft, train_embeddings=bool(setup.new_ids))
+        setup.lora_targets, setup.trained_in_full = adapter.targets, adapter.trained
+        setup.warnings += [w for w in (rank_warning(skeleton, adapter),) if w]
+    return setup
 
 
 # --------------------------------------------------------------------------------------------
@@ -486,15 +548,10 @@ def finetune(
 ) -> TrainResult:
     """Fine-tune `recipe.finetune.base` as the recipe says into a new run directory.
 
-    Same keyword arguments and result as `pretrain`. The `StartInfo.details` that `on_start`
-    receives hold `base`, `method`, `data_format`, `base_vocab_size`, `new_tokens`, the record
-    counts (instruction data) or the prepared text (`data`), and `lora_targets`.
+    Same keyword arguments and result as `pretrain`; `StartInfo.details` is the run's
+    `FinetuneSetup`.
     """
-    spec, base = plan_finetune(recipe)
-    r, ft = spec.recipe, spec.recipe.finetune
-    assert ft is not None
-    _refuse_run_dir_early(spec, resume=r.train.resume if resume is None else resume, overwrite=overwrite)
-    import lightning as L  # (seconds: after the refusals above)
+    import lightning as L
 
     from difftrain.adapters import (
         adapt_model,
@@ -504,63 +561,27 @@ def finetune(
         save_adapter,
     )
     from difftrain.model.lora import grow_vocab
-    from difftrain.rundir import load_run, load_run_tokenizer
+    from difftrain.rundir import load_run
 
     _quiet_lightning()
-    dist = start_processes(spec)  # several devices: every rank runs what follows; writes on rank 0
-    t = r.train
-    data_format = resolve_data_format(r)
-
-    # data and tokenizer (the base's, grown by the chat template's tokens if records need them)
-    tokenizer = load_run_tokenizer(base)  # (restore advice for a run folder's tokenizer)
-    base_vocab_rows = tokenizer.vocab_size
-    new_ids: list[int] = []
-    info: dict[str, Any] = {"base": base, "method": ft.method, "data_format": data_format}
-    if data_format == "instruction":
-        tokenizer, new_ids, dm, records = instruction_data(spec, tokenizer)
-        has_val = records["val_records"] > 0
-        info.update(records)
-        tokens_per_micro_batch = 0
-    else:
-        from difftrain.data.modules import PretrainDataModule
-        from difftrain.data.shards import prepare_data
-
-        prepared = dist.rank_zero_first(
-            lambda: prepare_data(
-                r.data,
-                r.tokenizer,
-                seed=r.seed,
-                base_dir=r.recipe_dir,
-                progress=data_progress if dist.is_global_zero else None,
-            )
-        )
-        dm = PretrainDataModule.from_config(
-            prepared, r.data, seq_len=spec.seq_len, micro_batch_size=t.micro_batch_size, seed=r.seed
-        )
-        has_val = r.data.val_windows > 0
-        info["data"] = prepared
-        tokens_per_micro_batch = t.micro_batch_size * spec.seq_len
-    spec = _grown_model(spec, tokenizer)
-    model_cfg, r = spec.model, spec.recipe
+    setup = setup_finetune(
+        recipe, resume=resume, overwrite=overwrite, start=start_processes, data_progress=data_progress
+    )
+    spec, base, tokenizer, new_ids, dist = setup.spec, setup.base, setup.tokenizer, setup.new_ids, setup.dist
+    assert dist is not None
+    r, ft, t, run_dir = spec.recipe, spec.recipe.finetune, spec.recipe.train, spec.run_dir
+    assert ft is not None
+    model_cfg, point, instruction = spec.model, setup.point, setup.data_format == "instruction"
     vocab_size = model_cfg.vocab_size
-    info["new_tokens"] = {tokenizer.id_to_token(i): i for i in new_ids}
-    info["base_vocab_size"] = int(load_config(base).vocab_size)  # (model_cfg's is the grown one)
-
-    resume_flag: bool | str = t.resume if resume is None else resume
-    resuming, point = dist.on_rank_zero(lambda: preflight(spec, resume=resume_flag, overwrite=overwrite))
-    run_dir = spec.run_dir
-    restore: list[str] = []
-    data_key = _data_key(dm, info.get("data"))
-    if resuming:
-        _check_resumed_data(point.path, data_key, run_dir)
-        _check_resumed_adapter(spec)
-        restore = dist.on_rank_zero(lambda: resumed_run_files(run_dir, tokenizer, point))
+    restore = (
+        dist.on_rank_zero(lambda: resumed_run_files(run_dir, tokenizer, point)) if setup.resuming else []
+    )
 
     # the model: base weights, grown vocabulary, then LoRA (and 4-bit) or all weights trainable
     L.seed_everything(r.seed, workers=True, verbose=False)
     model = load_run(base).model
     if new_ids or vocab_size != model.config.vocab_size:
-        grow_vocab(model, new_ids, vocab_size, used_rows=base_vocab_rows)
+        grow_vocab(model, new_ids, vocab_size, used_rows=setup.base_vocab_rows)
     model.config = model_cfg
     model.attn_impl = model_cfg.attn_impl
     counts = model.num_params()
@@ -585,13 +606,12 @@ def finetune(
             )
         adapter.base = base_reference(base, run_dir)
         adapter.vocab = {
-            "base_vocab_size": info["base_vocab_size"],
+            "base_vocab_size": setup.base_vocab_size,
             "vocab_size": vocab_size,
             "new_ids": new_ids,
-            "used_rows": base_vocab_rows,
+            "used_rows": setup.base_vocab_rows,
         }
-        info["lora_targets"] = adapter.targets
-        info["trained_in_full"] = adapter.trained
+        setup.lora_targets, setup.trained_in_full = adapter.targets, adapter.trained
 
         def export(run_dir: Path, m: torch.nn.Module, step: int, adapter: Any = adapter) -> None:
             save_adapter(run_dir, m, adapter, step)
@@ -601,29 +621,30 @@ def finetune(
 
     opts = FitOptions(
         counts=counts,
-        has_val=has_val,
+        has_val=setup.records["val_records"] > 0 if instruction else r.data.val_windows > 0,
         resume_command=f"difftrain finetune {shlex.quote(str(run_dir / RECIPE))} --resume",
-        details=info,
+        details=setup,
         # `difftrain plan` covers fine-tunes too
         warnings=memory_warnings(r, spec.accelerator) + ([rank_note] if rank_note else []),
         export=export,
         save_frozen=ft.method == "full",
         step_seed=r.seed,
         validate_first=True,
-        tokens_per_micro_batch=tokens_per_micro_batch,
-        token_mean=data_format == "instruction",  # responses of different lengths
+        tokens_per_micro_batch=0 if instruction else t.micro_batch_size * spec.seq_len,
+        token_mean=instruction,  # responses of different lengths
         summary_extra={
             "method": ft.method,
             "base": str(base),
-            "data_format": data_format,
-            **({"record_kinds": info["record_kinds"]} if "record_kinds" in info else {}),
+            "data_format": setup.data_format,
+            **({"record_kinds": setup.records["record_kinds"]} if instruction else {}),
             **({"lora_rank": ft.lora.rank, "lora_alpha": ft.lora.alpha} if ft.method != "full" else {}),
         },
     )
     hooks = Hooks(
-        progress, console, on_start, [*extra_callbacks, data_fingerprint_callback(data_key)], fault_hook
+        progress, console, on_start, [*extra_callbacks, data_fingerprint_callback(setup.data_key)], fault_hook
     )
-    with training_into(run_dir, dist, r, tokenizer, fresh=not resuming, replace=overwrite, restore=restore):
-        result = fit(spec, model, dm, point, opts, hooks)
+    fresh = not setup.resuming
+    with training_into(run_dir, dist, r, tokenizer, fresh=fresh, replace=overwrite, restore=restore):
+        result = fit(spec, model, setup.dm, point, opts, hooks)
     dist.join()
     return result
