@@ -1,8 +1,8 @@
 """`difftrain eval RUN_DIR --suite SUITE`: measure a run — perplexity, retrieval, probes.
 
-Parses and checks the options (a typo fails before the model loads), loads the run, runs each
-suite through `difftrain.evals.evaluate`, writes RUN_DIR/eval/<suite>.json and renders a
-table per suite (or prints the JSON with --json).
+Checks the options (a typo fails before the model loads), loads the run, runs each suite through
+`difftrain.evals.evaluate`, writes RUN_DIR/eval/<suite>.json and renders a table per suite (or
+prints the JSON with --json).
 """
 
 from __future__ import annotations
@@ -52,29 +52,16 @@ and the grid options set any part explicitly.
 """
 
 
-_EXAMPLES = {
-    "--lengths": "64,128,192",
-    "--depths": "0,0.5,1",
-    "--bits": "8,6,4",
-    "--pairs": "4,8,16,32,64",
-    "--distractors": "0,1",
-}
-
-
 def _split(text: str | None, what: str, cast: Any) -> list[Any] | None:
     if text is None:
         return None
     out = []
-    for part in text.split(","):
-        part = part.strip()
-        if not part:
-            continue
+    for part in filter(None, map(str.strip, text.split(","))):
         try:
             out.append(cast(part))
         except ValueError:
             raise ConfigError(
-                f"{what} {part!r} is not a number; give a comma-separated list, e.g. {what} "
-                f"{_EXAMPLES.get(what, '1,2,3')}"
+                f"{what} {part!r} is not a number; give a comma-separated list of numbers"
             ) from None
     if not out:
         raise ConfigError(f"{what} is empty; give a comma-separated list")
@@ -84,19 +71,17 @@ def _split(text: str | None, what: str, cast: Any) -> list[Any] | None:
 def parse_suites(values: list[str] | None) -> list[str]:
     from difftrain.evals import SUITES, check_suite
 
-    names: list[str] = []
-    for part in _suite_parts(values):
+    parts = _suite_parts(values)
+    for part in parts:
         if "@" in part:
             raise ConfigError(
                 f"--suite {part} names a stored result on another source: run it with --suite "
                 f"{part.split('@')[0]} --data SOURCE, or print it with --show --suite {part}"
             )
-        for s in list(SUITES) if part.lower() == "all" else [check_suite(part)]:
-            if s not in names:
-                names.append(s)
+    names = [s for p in parts for s in (SUITES if p.lower() == "all" else [check_suite(p)])]
     if not names:
         raise ConfigError("--suite is empty; choose from " + ", ".join(SUITES))
-    return names
+    return list(dict.fromkeys(names))
 
 
 def named_suites(values: list[str] | None) -> set[str]:
@@ -114,9 +99,7 @@ def _suite_parts(values: list[str] | None) -> list[str]:
 
 # ----- rendering -------------------------------------------------------------------------------
 def _f(v: Any, spec: str = ".4f") -> str:
-    if v is None:
-        return "—"
-    return format(v, spec)
+    return "—" if v is None else format(v, spec)
 
 
 def _acc_cell(v: float | None) -> str:
@@ -126,8 +109,15 @@ def _acc_cell(v: float | None) -> str:
     return f"[{color}]{v:.2f}[/]"
 
 
-def _heading(text: str) -> None:
-    console.print(f"[bold]{text}[/]", soft_wrap=True)
+def _table(heading: str | None, *columns: str, bold: tuple[int, ...] = ()) -> Table:
+    """A table of right-aligned `columns` (those at the indices `bold` in bold), after a bold
+    heading line."""
+    if heading is not None:
+        console.print(f"[bold]{heading}[/]", soft_wrap=True)
+    t = Table()
+    for i, c in enumerate(columns):
+        t.add_column(c, justify="right", style="bold" if i in bold or i - len(columns) in bold else None)
+    return t
 
 
 def render(doc: dict[str, Any], run_dir: Path) -> None:
@@ -139,100 +129,79 @@ def render(doc: dict[str, Any], run_dir: Path) -> None:
     title = f"{suite}{'@' + doc['label'] if doc.get('label') else ''} · {run_dir} ({doc['arch']})"
     if suite == "ppl":
         err = f" ± {res['loss_stderr']:.4f}" if res.get("loss_stderr") else ""
-        console.print(
-            kv_table(
-                title,
-                [
-                    ("data", res["source"]),
-                    (
-                        "windows",
-                        f"{res['windows']} × {st['seq_len']} tokens ({fmt_count(res['tokens'])} tokens, {fmt_count(res['bytes'])} bytes)",
-                    ),
-                    ("loss", f"{res['loss']:.4f}{err} nats/token"),
-                    ("perplexity", f"{res['ppl']:.3f}"),
-                    ("bits/token", f"{res['bits_per_token']:.4f}"),
-                    ("bits/byte", _f(res["bits_per_byte"])),
-                    *([("note", res["note"])] if res.get("note") else []),
-                ],
-            )
-        )
+        rows = [
+            ("data", res["source"]),
+            (
+                "windows",
+                f"{res['windows']} × {st['seq_len']} tokens ({fmt_count(res['tokens'])} tokens, {fmt_count(res['bytes'])} bytes)",
+            ),
+            ("loss", f"{res['loss']:.4f}{err} nats/token"),
+            ("perplexity", f"{res['ppl']:.3f}"),
+            ("bits/token", f"{res['bits_per_token']:.4f}"),
+            ("bits/byte", _f(res["bits_per_byte"])),
+            *([("note", res["note"])] if res.get("note") else []),
+        ]
+        console.print(kv_table(title, rows))
     elif suite == "needle":
         for n, r in st["needles"]:
-            _heading(f"{title} · N={n} needles, R={r} queried · {st['samples']} samples per cell")
-            t = Table()
-            t.add_column("context", justify="right", style="bold")
-            for d in st["depths"]:
-                t.add_column(f"{d:.0%}", justify="right")
-            t.add_column("mean", justify="right", style="bold")
+            heading = f"{title} · N={n} needles, R={r} queried · {st['samples']} samples per cell"
+            t = _table(heading, "context", *[f"{d:.0%}" for d in st["depths"]], "mean", bold=(0, -1))
             for L in st["lengths"]:
-                cells = [
-                    c
+                by_d = {
+                    c["depth"]: c["accuracy"]
                     for c in res["cells"]
                     if (c["context_tokens"], c["n_needles"], c["n_queries"]) == (L, n, r)
-                ]
-                by_d = {c["depth"]: c["accuracy"] for c in cells}
+                }
                 vals = [v for v in by_d.values() if v is not None]
-                t.add_row(
-                    str(L),
-                    *[_acc_cell(by_d.get(d)) for d in st["depths"]],
-                    _acc_cell(sum(vals) / len(vals) if vals else None),
-                )
+                mean = sum(vals) / len(vals) if vals else None
+                t.add_row(str(L), *[_acc_cell(by_d.get(d)) for d in st["depths"]], _acc_cell(mean))
             console.print(t)
         console.print(
             f"[bold]accuracy[/] {res['accuracy']:.3f} · exact match (all queries) {res['exact_match']:.3f}"
         )
     elif suite == "recall":
-        _heading(
+        heading = (
             f"{title} · {st['samples']} examples per cell, {st['n_queries']} queries each, "
             f"keys {st['key_vocab']}, values {st['value_vocab']} (exact match per query)"
         )
-        t = Table()
-        t.add_column("N pairs", justify="right", style="bold")
-        for r in st["distractors"]:
-            t.add_column(f"distractors {r:g}", justify="right")
-        t.add_column("mean", justify="right", style="bold")
+        t = _table(
+            heading, "N pairs", *[f"distractors {r:g}" for r in st["distractors"]], "mean", bold=(0, -1)
+        )
         for row in res["by_pairs"]:
             by_r = {
                 c["distractor_rate"]: c["accuracy"] for c in res["cells"] if c["n_pairs"] == row["n_pairs"]
             }
-            t.add_row(
-                str(row["n_pairs"]),
-                *[_acc_cell(by_r.get(r)) for r in st["distractors"]],
-                _acc_cell(row["accuracy"]),
-            )
+            cells = [_acc_cell(by_r.get(r)) for r in st["distractors"]]
+            t.add_row(str(row["n_pairs"]), *cells, _acc_cell(row["accuracy"]))
         console.print(t)
         at = res.get("at_recipe")
         tail = f" · at the recipe's N={at['n_pairs']}: {at['accuracy']:.3f}" if at else ""
         console.print(f"[bold]accuracy[/] {res['accuracy']:.3f}{tail}")
     elif suite == "attention":
-        _heading(f"{title} · map {res['map']} · {res['prompts']} prompts")
-        t = Table()
-        t.add_column("needle depth", justify="right")
-        t.add_column("answer", justify="right")
-        t.add_column("noise", justify="right")
         signed = doc["arch"] != "baseline"
-        if signed:
-            t.add_column("|noise|", justify="right")
-        t.add_column("answer share", justify="right")  # scale-free: comparable across archs
-        t.add_column("noise share", justify="right")
+        # the shares are scale-free: comparable across archs
+        columns = [
+            "needle depth",
+            "answer",
+            "noise",
+            *(["|noise|"] if signed else []),
+            "answer share",
+            "noise share",
+        ]
+        t = _table(f"{title} · map {res['map']} · {res['prompts']} prompts", *columns)
         keys = ("answer", "noise", "noise_abs", "answer_share", "noise_share")
         for row in res["by_depth"] + [{"depth": None, **{k: res.get(k) for k in keys}}]:
-            cells = [
+            t.add_row(
                 "mean" if row["depth"] is None else f"{row['depth']:.0%}",
                 f"{row['answer']:.3f}",
                 f"{row['noise']:.3f}",
                 *([f"{row['noise_abs']:.3f}"] if signed else []),
                 _f(row.get("answer_share"), ".3f"),
                 _f(row.get("noise_share"), ".3f"),
-            ]
-            t.add_row(*cells, style="bold" if row["depth"] is None else None)
+                style="bold" if row["depth"] is None else None,
+            )
         console.print(t)
-        _heading("per layer (mean over depths)")
-        lt = Table()
-        lt.add_column("layer", justify="right")
-        lt.add_column("answer", justify="right")
-        lt.add_column("noise", justify="right")
-        lt.add_column("answer share", justify="right")
+        lt = _table("per layer (mean over depths)", "layer", "answer", "noise", "answer share")
         for row in res["per_layer"]:
             lt.add_row(
                 str(row["layer"]),
@@ -254,41 +223,25 @@ def render(doc: dict[str, Any], run_dir: Path) -> None:
                 soft_wrap=True,
             )
     elif suite == "outliers":
-        _heading(f"{title} · {fmt_count(res['tokens'])} tokens of the {res['source']}")
-        t = Table()
-        for c in ("", "top-1", "top-2", "top-3", "top-10", "top-100", "median", "kurtosis"):
-            t.add_column(c, justify="right" if c else "left", style="bold" if not c else None)
+        heading = f"{title} · {fmt_count(res['tokens'])} tokens of the {res['source']}"
+        t = _table(
+            heading, "", "top-1", "top-2", "top-3", "top-10", "top-100", "median", "kurtosis", bold=(0,)
+        )
+        t.columns[0].justify = "left"
         for name, key in (("attention logits", "attention_logits"), ("hidden states", "hidden_states")):
             s = res[key]
-            t.add_row(
-                name,
-                *[_f(s[f"top{k}"], ".2f") for k in (1, 2, 3, 10, 100)],
-                _f(s["median"], ".3f"),
-                _f(s.get("kurtosis"), ".1f"),
-            )
+            tops = [_f(s[f"top{k}"], ".2f") for k in (1, 2, 3, 10, 100)]
+            t.add_row(name, *tops, _f(s["median"], ".3f"), _f(s.get("kurtosis"), ".1f"))
         console.print(t)
-        _heading("per layer")
-        lt = Table()
-        for c in ("layer", "logit top-1", "logit kurtosis", "hidden top-1", "hidden kurtosis"):
-            lt.add_column(c, justify="right")
+        lt = _table("per layer", "layer", "logit top-1", "logit kurtosis", "hidden top-1", "hidden kurtosis")
         for a, h in zip(res["attention_logits"]["per_layer"], res["hidden_states"]["per_layer"], strict=True):
-            lt.add_row(
-                str(a["layer"]),
-                _f(a["top1"], ".2f"),
-                _f(a.get("kurtosis"), ".1f"),
-                _f(h["top1"], ".2f"),
-                _f(h.get("kurtosis"), ".1f"),
-            )
+            cells = [c for x in (a, h) for c in (_f(x["top1"], ".2f"), _f(x.get("kurtosis"), ".1f"))]
+            lt.add_row(str(a["layer"]), *cells)
         console.print(lt)
     elif suite == "quant":
-        _heading(f"{title} · attention logits, dynamic absmax {st['granularity']}")
-        t = Table()
-        for c in ("bits", "loss", "ppl", "Δloss", "ppl ratio"):
-            t.add_column(c, justify="right")
         needle = "needle" in st
-        if needle:
-            t.add_column("needle acc", justify="right")
-            t.add_column("Δacc", justify="right")
+        columns = ["bits", "loss", "ppl", "Δloss", "ppl ratio", *(["needle acc", "Δacc"] if needle else [])]
+        t = _table(f"{title} · attention logits, dynamic absmax {st['granularity']}", *columns)
         for r in res["rows"]:
             cells = [
                 bits_label(r["bits"]),
@@ -302,24 +255,19 @@ def render(doc: dict[str, Any], run_dir: Path) -> None:
             t.add_row(*cells)
         console.print(t)
     elif suite == "icl-order":
-        console.print(
-            kv_table(
-                title,
-                [
-                    (
-                        "task",
-                        f"{st['demos']} demonstrations, {st['items']} test items, labels {' / '.join(st['labels'])}",
-                    ),
-                    ("orders", str(st["permutations"])),
-                    (
-                        "accuracy",
-                        f"mean {res['mean']:.3f} · std {res['std']:.3f} · best {res['best']:.3f} · worst {res['worst']:.3f} (chance {res['chance']:.2f})",
-                    ),
-                    ("order margin", f"{res['margin']:.3f} (best − worst)"),
-                    ("predicts 'high'", f"{res['predicted_high']:.0%} of the time"),
-                ],
-            )
+        task = f"{st['demos']} demonstrations, {st['items']} test items, labels {' / '.join(st['labels'])}"
+        accuracy = (
+            f"mean {res['mean']:.3f} · std {res['std']:.3f} · best {res['best']:.3f} · "
+            f"worst {res['worst']:.3f} (chance {res['chance']:.2f})"
         )
+        rows = [
+            ("task", task),
+            ("orders", str(st["permutations"])),
+            ("accuracy", accuracy),
+            ("order margin", f"{res['margin']:.3f} (best − worst)"),
+            ("predicts 'high'", f"{res['predicted_high']:.0%} of the time"),
+        ]
+        console.print(kv_table(title, rows))
     for note in doc.get("notes", []):
         err_console.print(f"[yellow]note:[/] {escape(note)}", soft_wrap=True)
     for p in doc.get("plots", []):
@@ -347,35 +295,30 @@ def show_results(run_dir: str, values: list[str] | None, as_json: bool) -> None:
         keys = list(dict.fromkeys(check_result(p) for p in parts))
     docs: dict[str, Any] = {}
     for key in keys:
-        doc = load_result(run, key)
-        if doc is None:
+        docs[key] = load_result(run, key)
+        if docs[key] is None:
             raise missing_result(run, key)
-        docs[key] = doc
-
-    def stale_note(key: str, doc: dict[str, Any]) -> None:
-        err_console.print(
-            f"[yellow]note:[/] {key} predates the run's current weights; rerun `{escape(rerun_command(run, key, doc))}`",
-            soft_wrap=True,
-        )
-
-    if as_json:  # each result as stored, and whether it is stale (on stderr too: stdout stays JSON)
-        shown = {key: {**doc, "stale": stale(run, doc)} for key, doc in docs.items()}
+    stale_keys = {key for key, doc in docs.items() if stale(run, doc)}
+    if as_json:  # each result as stored, and whether it is stale (the note goes to stderr)
+        shown = {key: {**doc, "stale": key in stale_keys} for key, doc in docs.items()}
         sys.stdout.write(json.dumps(shown, indent=2) + "\n")
-        for key, doc in shown.items():
-            if doc["stale"]:
-                stale_note(key, doc)
-        return
     for key, doc in docs.items():
-        render(doc, run)
-        when = doc.get("created", "?")
-        on = (f" on {doc['device']}" if doc.get("device") else "") + (
-            f" in {doc['dtype']}" if doc.get("dtype") else ""
-        )
-        step = (doc.get("weights") or {}).get("step")
-        on += f" · weights of step {step}" if step is not None else ""
-        console.print(f"[dim]{result_path(run, key)} · computed {when}{on}[/]", soft_wrap=True)
-        if stale(run, doc):
-            stale_note(key, doc)
+        if not as_json:
+            render(doc, run)
+            step = (doc.get("weights") or {}).get("step")
+            on = (
+                (f" on {doc['device']}" if doc.get("device") else "")
+                + (f" in {doc['dtype']}" if doc.get("dtype") else "")
+                + (f" · weights of step {step}" if step is not None else "")
+            )
+            console.print(
+                f"[dim]{result_path(run, key)} · computed {doc.get('created', '?')}{on}[/]", soft_wrap=True
+            )
+        if key in stale_keys:
+            err_console.print(
+                f"[yellow]note:[/] {key} predates the run's current weights; rerun `{escape(rerun_command(run, key, doc))}`",
+                soft_wrap=True,
+            )
 
 
 _SHOW_PARAMS = {"run_dir", "suite", "as_json", "show"}
@@ -492,17 +435,9 @@ def eval_command(
         return
     from difftrain.rundir import require_model_files
 
-    # the usual slip (a name without runs/), or a folder without a model, fails before torch loads
-    require_model_files(Path(run_dir))
-    from difftrain.evals import EvalOptions
-    from difftrain.evals.common import (
-        DATA_SUITES,
-        check_bits,
-        check_data_label,
-        check_depths,
-        check_label,
-        check_positive,
-    )
+    require_model_files(Path(run_dir))  # a mistyped name fails before torch loads
+    from difftrain.evals import EvalOptions, preflight, save_result
+    from difftrain.evals import common as ec
     from difftrain.evals.needle import parse_needles
     from difftrain.evals.windows import data_source
 
@@ -526,44 +461,43 @@ def eval_command(
         permutations=permutations,
         items=items,
         plot=plot,
-        data_label=check_label(data_label) if data_label is not None else None,
+        data_label=ec.check_label(data_label) if data_label is not None else None,
         text_field=text_field,
     )
-    if data_label is not None and data is None:
-        raise ConfigError("--data-label names the results of --data; give --data SOURCE with it (or drop it)")
     if text_field is not None and not text_field.strip():
+        raise ConfigError("--text-field is empty; name the field of --data's records to read")
+    for name, given, what in (
+        ("--data-label", data_label, "the results of --data"),
+        ("--text-field", text_field, "the field of --data's records to read"),
+    ):
+        if given is not None and data is None:
+            raise ConfigError(f"{name} names {what}; give --data SOURCE with it (or drop it)")
+    data_suites = [s for s in suites if s in ec.DATA_SUITES]
+    if data is not None and not data_suites:
         raise ConfigError(
-            "--text-field is empty; name the field of --data's records to read, e.g. --text-field content"
-        )
-    if text_field is not None and data is None:
-        raise ConfigError(
-            "--text-field names the field of --data's records to read; give --data SOURCE with it (or drop it)"
-        )
-    if data is not None and not any(s in DATA_SUITES for s in suites):
-        raise ConfigError(
-            f"--data applies to the suites that read text ({', '.join(DATA_SUITES)}), not {', '.join(suites)}: "
+            f"--data applies to the suites that read text ({', '.join(ec.DATA_SUITES)}), not {', '.join(suites)}: "
             "drop --data, or add e.g. --suite ppl"
         )
     replacing: list[tuple[Path, str]] = []
     if data is not None:
         data_source(data, text_field)  # a missing file fails before the model loads
         # a result on another source under the same label: refused, or replaced with a note
-        replacing = check_data_label(run_dir, [s for s in suites if s in DATA_SUITES], data, opts.data_label)
-    check_positive("--batch-size", batch_size)
-    for name, v in (("--windows", windows), ("--samples", samples), ("--tokens", tokens)):
-        check_positive(name, v)
+        replacing = ec.check_data_label(run_dir, data_suites, data, opts.data_label)
+    for name, v in (
+        ("--batch-size", batch_size),
+        ("--windows", windows),
+        ("--samples", samples),
+        ("--tokens", tokens),
+    ):
+        ec.check_positive(name, v)
     for name, v in (("--demos", demos), ("--permutations", permutations), ("--items", items)):
-        check_positive(name, v, 2)  # icl-order compares orders of at least two demonstrations
-    check_depths(opts.depths)
-    if opts.bits is not None:
-        check_bits(opts.bits)
+        ec.check_positive(name, v, 2)  # icl-order compares orders of at least two demonstrations
+    ec.check_depths(opts.depths)
+    ec.check_bits(opts.bits)
     if plot:
         from difftrain.evals import plots
 
         plots.require()
-
-    from difftrain.evals import preflight, save_result
-    from difftrain.evals.common import result_key, split_key
     from difftrain.infer.device import resolve_device, resolve_dtype
     from difftrain.io import uncreatable_reason
     from difftrain.rundir import load_run
@@ -597,7 +531,7 @@ def eval_command(
     for s, why in skipped.items():
         err_console.print(f"[yellow]skipped {s}: {escape(why)}[/]", soft_wrap=True)
     for path, old in replacing:
-        if split_key(path.stem)[0] in suites:
+        if ec.split_key(path.stem)[0] in suites:
             err_console.print(
                 f"[yellow]note:[/] --data-label {escape(str(opts.data_label))} replaces {escape(str(path))}, "
                 f"the result on {escape(old)}",
@@ -606,7 +540,7 @@ def eval_command(
     docs = {}
     for s in suites:
         doc = _run_with_progress(run, s, opts, show=not as_json and err_console.is_terminal)
-        before = _stored_dtype(run.path, result_key(s, doc.get("label")))
+        before = _stored_dtype(run.path, ec.result_key(s, doc.get("label")))
         try:
             path = save_result(run.path, doc)
         except OSError as e:  # (disk full, a folder made read-only meanwhile): show what was measured
@@ -629,7 +563,6 @@ def eval_command(
 
 def _stored_dtype(run_dir: Path, key: str) -> str | None:
     """The precision of the stored result `key`, which a new one is about to replace (None: none)."""
-    from difftrain.errors import RunDirError
     from difftrain.evals import load_result
 
     try:
@@ -646,21 +579,12 @@ def _run_with_progress(run: Any, suite: str, opts: Any, show: bool) -> dict[str,
         return evaluate(run, suite, opts)
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    bars = Progress(
-        TextColumn(f"[bold]{suite}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        console=err_console,
-        transient=True,
-    )
-    with bars:
+    columns = (TextColumn(f"[bold]{suite}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    with Progress(*columns, console=err_console, transient=True) as bars:
         task = bars.add_task(suite, total=None)
-
-        def update(done: int, total: int) -> None:
-            bars.update(task, completed=done, total=total)
-
-        return evaluate(run, suite, opts, progress=update)
+        return evaluate(
+            run, suite, opts, progress=lambda done, total: bars.update(task, completed=done, total=total)
+        )
 
 
 def register(app: typer.Typer) -> None:
