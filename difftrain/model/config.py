@@ -1,20 +1,10 @@
 """ModelConfig: the shape of a baseline / Differential V1 / Differential V2 decoder.
 
-Every field's `description` is its user documentation (`difftrain recipes explain`, docs/recipes.md).
-Derived fields (`n_kv_heads`, `head_dim`, `ffn_hidden`) default to `None` in the schema and are
-filled in by validation, so a validated config -- and the `config.json` written from it -- is
-fully explicit.
-
-Construction paths and their errors:
-
-- `ModelConfig.from_dict(d)` and `ModelConfig.from_json(path)` raise `difftrain.errors.ConfigError`
-  whose one-line message names each bad field (`model.n_heads=3 must be even ...`) and the fix.
-- `ModelConfig(**fields)` and validation nested inside a larger pydantic schema (the recipe)
-  raise an ordinary `pydantic.ValidationError` with field locations, so the recipe loader can map
-  them to YAML lines; `config_error_from_validation(err, where)` formats one as a ConfigError.
-- `config.model_copy(update=...)` does *not* validate (pydantic's contract); use
-  `config.replace(**updates)` to change fields with validation, e.g. to resolve
-  `vocab_size="auto"` from the tokenizer: `config.replace(vocab_size=tokenizer.vocab_size)` (difftrain's Tokenizer: its largest id + 1).
+Every field's `description` is its user documentation (`difftrain recipes explain`). Derived
+fields (`n_kv_heads`, `head_dim`, `ffn_hidden`) are filled in by validation, so a validated
+config, and the `config.json` written from it, is fully explicit. `from_dict` / `from_json` raise
+a one-line ConfigError; `ModelConfig(**fields)` raises pydantic's ValidationError (the recipe
+loader maps it to YAML lines); `replace(**updates)` is the validating `model_copy`.
 """
 
 from __future__ import annotations
@@ -37,11 +27,6 @@ AttnImpl = Literal["auto", "eager", "sdpa", "flex"]
 def lambda_init(layer_idx: int) -> float:
     """λinit = 0.8 − 0.6·exp(−0.3·l) for 0-based layer index l (Differential Transformer, eq. 2)."""
     return 0.8 - 0.6 * math.exp(-0.3 * layer_idx)
-
-
-def default_ffn_hidden(d_model: int) -> int:
-    """8/3·d_model rounded up to a multiple of 64 (SwiGLU keeps the 4·d_model MLP's parameters)."""
-    return 64 * -(-8 * d_model // (3 * 64))  # ceil in integers: no float overflow for any d_model
 
 
 def config_error_from_validation(err: ValidationError, where: str = "model") -> ConfigError:
@@ -147,9 +132,9 @@ class ModelConfig(BaseModel):
                 )
             self.head_dim = self.d_model // H
         if self.ffn_hidden is None:
-            self.ffn_hidden = default_ffn_hidden(self.d_model)
-        kv = self.n_kv_heads
-        d = self.head_dim
+            # 8/3·d_model rounded up to a multiple of 64 (the 4·d_model MLP's parameter count)
+            self.ffn_hidden = 64 * -(-8 * self.d_model // (3 * 64))
+        kv, d = self.n_kv_heads, self.head_dim
         if H % kv:
             raise ValueError(f"n_heads={H} with n_kv_heads={kv}: n_heads must be a multiple of n_kv_heads")
         if d % 2:
@@ -164,22 +149,14 @@ class ModelConfig(BaseModel):
                     f"n_kv_heads={kv} must be even for arch=diff: differential heads pair key heads "
                     "2j and 2j+1 and read V as n_kv_heads/2 heads of width 2·head_dim"
                 )
-        # diff2 needs 2H/Hkv even so that query heads 2i and 2i+1 share a kv head; that follows
-        # from Hkv | H (2H/Hkv = 2·(H/Hkv)), checked above.
+        # diff2's query heads 2i and 2i+1 share a kv head: 2H/Hkv is even since Hkv | H
         return self
-
-    # ----- derived quantities --------------------------------------------------------------
-    @property
-    def n_diff_heads(self) -> int:
-        """Number of output heads combined by o_proj (H/2 differential heads of width 2d for diff)."""
-        return self.n_heads // 2 if self.arch == "diff" else self.n_heads
 
     @property
     def n_query_heads(self) -> int:
         """Heads of width d produced by q_proj: H (baseline, diff) or 2H (diff2)."""
         return 2 * self.n_heads if self.arch == "diff2" else self.n_heads
 
-    # ----- construction / files -------------------------------------------------------------
     def replace(self, **updates: Any) -> ModelConfig:
         """A validated copy with `updates` applied (derived fields are kept unless updated)."""
         return ModelConfig.from_dict({**self.model_dump(), **updates})

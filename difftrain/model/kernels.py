@@ -6,35 +6,21 @@ Shapes (B batch, T queries, S keys, d = head_dim, H = n_heads, Hkv = n_kv_heads)
     diff      q (B, H, T, d)   k (B, Hkv, S, d)   v (B, Hkv/2, S, 2d)   → out (B, H/2, T, 2d)
     diff2     q (B, 2H, T, d)  k (B, Hkv, S, d)   v (B, Hkv, S, d)      → out (B, H, T, d)
 
-Every arch is one or two calls of an attention primitive, `attend(q, k, v) = softmax(QKᵀ/√d +
-mask)·V` with GQA, combined by the arch's equation (`attention_core`). The primitive is chosen
-by `attn_impl`:
+Every arch is one or two calls of `attend(q, k, v) = softmax(QKᵀ/√d + mask)·V` (GQA), combined by
+the arch's equation (`attention_core`). `attn_impl` picks the primitive:
 
-- `eager`  the reference: materialised fp32 maps. The only one that returns the maps and logits
-           (the probes) or applies a logit transform (the quantisation probe).
-- `sdpa`   torch's scaled_dot_product_attention (flash / memory-efficient kernels on CUDA, a
-           fused kernel on CPU); GQA through `enable_gqa`, so K and V are never copied.
-- `flex`   flex_attention under torch.compile, for the plain causal mask. For `diff` each map is
-           QKᵀ over d with the 2d-wide V, so diff costs 1.5× the baseline's attention FLOPs
-           (`tests/test_kernels.py` counts it); under a compiled model the λ combination and subln fuse into
-           one elementwise pass. torch has no flex backward on CPU.
+- `eager`  the reference: materialised fp32 maps; the only one that returns maps and logits or
+           applies a logit transform (the probes).
+- `sdpa`   torch's scaled_dot_product_attention (GQA through `enable_gqa`, K and V never copied).
+- `flex`   flex_attention under torch.compile, plain causal mask only; for `diff` QKᵀ over d with
+           the 2d-wide V (1.5× the baseline's FLOPs). No backward on CPU.
 
-`auto` resolves per device (`resolve_impl`), to the core with the fewest FLOPs that runs there:
-
-    device   auto    why
-    cuda     flex    fused kernel, 1.5× baseline FLOPs for diff (`sdpa` where flex cannot run:
-                     a padded or cached mask, or a GPU older than capability 8.0)
-    cpu      sdpa    flex has no CPU backward in torch; sdpa's fused CPU kernel is the fastest
-                     measured for both archs (`python benchmarks/model_step.py diff:eager`)
-    other    sdpa    mps and the rest: the portable core
-
-A mask other than the plain causal one (left padding, a KV-cache prefix) runs `sdpa` whatever
-was asked for `flex`: flex's block mask would be rebuilt for every batch and decode step.
+`auto` (`resolve_impl`): flex on CUDA of capability ≥ 8.0, sdpa elsewhere. A mask other than
+the plain causal one (left padding, a KV-cache prefix) runs `sdpa` instead of `flex`.
 
 Masking (`AttnMask`): query t sits at key slot `q_offset + t` and sees key slot s iff
 s ≤ q_offset + t and the key is a real token (`key_padding_mask[b, s]`). A query always sees its
-own slot, so the rows of left-padding tokens are never empty (no NaN); real tokens never see
-padding.
+own slot, so the rows of left-padding tokens are never empty (no NaN).
 """
 
 from __future__ import annotations
@@ -53,13 +39,8 @@ from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex
 from difftrain.errors import ConfigError, DeviceError
 
 IMPLS = ("eager", "sdpa", "flex")
-AUTO_IMPL = {"cuda": "flex", "cpu": "sdpa"}
-"""What `auto` resolves to per device type (see the module docstring); other devices: sdpa."""
-FLEX_MIN_CAPABILITY = (8, 0)
-"""CUDA GPUs below this compute capability run sdpa for `auto` (flex's Triton kernels target
-Ampere and newer)."""
-FLEX_BLOCK = 128
-"""flex computes in blocks of 128 queries × 128 keys; sequences are padded to a multiple."""
+FLEX_MIN_CAPABILITY = (8, 0)  # flex's Triton kernels target Ampere and newer
+FLEX_BLOCK = 128  # flex's block of queries and keys: sequences are padded to a multiple
 
 LogitTransform = Callable[[Tensor], Tensor]
 
@@ -120,17 +101,16 @@ class AttnMask:
 
 def pick_core(impl: str, device_type: str, capability: tuple[int, int] | None = None) -> str:
     """The core `impl` names on a device of `device_type` (a CUDA GPU of compute `capability`),
-    for the plain causal mask: the module docstring's table."""
+    for the plain causal mask."""
     if impl not in ("auto", *IMPLS):
         raise ConfigError(f"model.attn_impl={impl!r} is unknown; choose one of auto, {', '.join(IMPLS)}")
     if impl != "auto":
         return impl
-    impl = AUTO_IMPL.get(device_type, "sdpa")
-    return "sdpa" if impl == "flex" and (capability or (0, 0)) < FLEX_MIN_CAPABILITY else impl
+    return "flex" if device_type == "cuda" and (capability or (0, 0)) >= FLEX_MIN_CAPABILITY else "sdpa"
 
 
 def resolve_impl(impl: str, device: torch.device, mask: AttnMask | None = None) -> str:
-    """The primitive that runs `impl` on `device` for `mask` (see the module docstring's table)."""
+    """The primitive that runs `impl` on `device` for `mask`."""
     cuda_auto = device.type == "cuda" and impl == "auto"
     impl = pick_core(impl, device.type, torch.cuda.get_device_capability(device) if cuda_auto else None)
     if impl == "flex" and mask is not None and not mask.plain_causal:
@@ -161,10 +141,8 @@ def softmax_maps(q: Tensor, k: Tensor, mask: AttnMask, transform: LogitTransform
 
 
 def attend_sdpa(q: Tensor, k: Tensor, v: Tensor, mask: AttnMask) -> Tensor:
-    """torch's scaled_dot_product_attention. Its fused kernels (flash on CPU and CUDA) need equal
-    q, k and v widths: for diff's 2d-wide V, q and k are zero-padded to 2d, which leaves QKᵀ
-    unchanged (the scale stays 1/√d). On CPU that fused call is faster than the unfused one at
-    d-wide q, k (`python benchmarks/model_step.py`), though it costs 2× the baseline's FLOPs."""
+    """torch's scaled_dot_product_attention. Its fused kernels need equal q, k and v widths: for
+    diff's 2d-wide V, q and k are zero-padded to 2d, which leaves QKᵀ (and the 1/√d scale) unchanged."""
     d, gqa = q.shape[-1], q.shape[1] != k.shape[1]
     if v.shape[-1] != d:
         q, k = F.pad(q, (0, v.shape[-1] - d)), F.pad(k, (0, v.shape[-1] - d))
@@ -176,9 +154,8 @@ def attend_sdpa(q: Tensor, k: Tensor, v: Tensor, mask: AttnMask) -> Tensor:
 
 @functools.cache
 def _compiled_flex() -> Callable[..., Tensor]:
-    # dynamic=None: the first shape compiles static, a second one recompiles with the sizes that
-    # changed marked dynamic, so new lengths and batch sizes never reach Dynamo's recompile limit
-    # (past it, Dynamo would silently run flex unfused).
+    # dynamic=None: a second shape recompiles with the changed sizes dynamic, so new lengths never
+    # reach Dynamo's recompile limit (past it, flex would silently run unfused)
     return torch.compile(flex_attention, dynamic=None)
 
 
@@ -203,9 +180,8 @@ def attend_flex(q: Tensor, k: Tensor, v: Tensor, mask: AttnMask) -> Tensor:
         )
     T = q.shape[2]
     n = -(-T // FLEX_BLOCK) * FLEX_BLOCK
-    # Every input is a fresh contiguous tensor: inductor computes flex_attention wrongly over a view
-    # with a non-zero storage offset made inside the compiled region (torch 2.13, e.g. diff's
-    # strided halves q[:, 1::2]: logits off by 6.6), and pad/contiguous removes any such view.
+    # fresh contiguous inputs: inductor computes flex wrongly over a view with a storage offset
+    # made inside the compiled region (torch 2.13, e.g. diff's strided halves q[:, 1::2])
     q, k, v = (F.pad(t, (0, 0, 0, n - T)).contiguous() for t in (q, k, v))
     if torch.compiler.is_compiling():  # inside a compiled model: traced into its graph
         fn, block_mask = flex_attention, create_block_mask(_causal, None, None, n, n, device=str(q.device))
@@ -244,10 +220,9 @@ def attention_core(
     diff2     out_i = (A_2i − σ(λ_t,i)·A_2i+1)·V_g,  A_j = softmax(Q_j K_gᵀ/√d + mask) over 2H query
               heads, g = j // (2H/Hkv)
 
-    `eager` forms the effective maps (baseline P, diff A1 − λ·A2, diff2 A_2i − σ(λ)·A_2i+1; fp32)
-    and multiplies them into V once; with `return_maps` it returns them and the scaled scores of
-    every query head. The fused primitives compute A1·V and A2·V and combine the outputs, which is
-    the same by linearity: (A1 − λ·A2)·V = A1·V − λ·A2·V.
+    `eager` forms the effective maps (fp32) and multiplies them into V once; with `return_maps`
+    it returns them and the scaled scores of every query head. The fused primitives combine A1·V
+    and A2·V instead, the same by linearity.
     """
     if impl == "eager" or return_maps or transform is not None:
         return _eager_core(arch, q, k, v, lam, mask, transform)

@@ -1,26 +1,14 @@
 """Adapting a trained model: LoRA, 4-bit NF4 base weights (QLoRA), and vocabulary growth.
 
-LoRA (Hu et al., 2021). A frozen linear map W (out × in) gets a trainable low-rank update:
+LoRA (Hu et al., 2021): a frozen linear map W (out × in) gets a trainable low-rank update
 
     y = W x + (α / r) · B A dropout(x),     A ∈ R^{r×in} ~ kaiming-uniform,  B ∈ R^{out×r} = 0
 
-so training starts exactly at the base model (B = 0) and only r·(in + out) numbers per adapted
-layer are learned. Merging folds the update into the weight, W' = W + (α/r)·B A, after which the
-layer is a plain `nn.Linear` again (no inference cost).
-
-QLoRA (Dettmers et al., 2023). W is stored in 4-bit NormalFloat (NF4, blocks of 64 with
-double-quantised absmax scales) by bitsandbytes' `Linear4bit` and dequantised on the fly in the
-forward and backward pass; gradients flow to x (and so to A, B) but W is never updated. The model
-that QLoRA trains is therefore dequant(NF4(W)) + (α/r)·B A: merging a QLoRA adapter folds the
-update into dequant(NF4(W)) — exactly the function that was trained.
-
-Vocabulary growth. A chat template may need special tokens the base tokenizer lacks; their
-embedding and output rows are added by `grow_vocab`, initialised to the mean of the existing rows
-(Hewitt, 2021: the new tokens start as an "average" token, so the output distribution over the old
-tokens barely moves).
-
-Module names are the Transformer's (`model.layers.3.self_attn.q_proj`); a LoRA layer keeps the
-frozen layer as `.base` and adds `.lora_A`, `.lora_B` (`...q_proj.lora_A`).
+so training starts at the base model; merging folds it in, W' = W + (α/r)·B A (a plain
+`nn.Linear` again). QLoRA (Dettmers et al., 2023): W is stored in 4-bit NF4 by bitsandbytes'
+`Linear4bit` and dequantised on the fly, so merging a QLoRA adapter folds the update into
+dequant(NF4(W)), the function that was trained. A LoRA layer keeps the frozen layer as `.base`
+and adds `.lora_A`, `.lora_B` (`model.layers.3.self_attn.q_proj.lora_A`).
 """
 
 from __future__ import annotations
@@ -46,12 +34,12 @@ class LoRALinear(nn.Module):
         if rank < 1:
             raise ConfigError(f"LoRA rank must be at least 1, got {rank}")
         self.base = base
-        self.in_features, self.out_features = linear_shape(base)
+        self.in_features, self.out_features = int(base.in_features), int(base.out_features)  # type: ignore[arg-type]
         self.rank = rank
         self.alpha = alpha
         self.scaling = alpha / rank
         self.dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
-        device = _weight_device(base)
+        device = next(base.parameters()).device
         self.lora_A = nn.Parameter(torch.empty(rank, self.in_features, device=device))
         self.lora_B = nn.Parameter(torch.zeros(self.out_features, rank, device=device))
         nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5))  # as nn.Linear (and peft) do
@@ -61,16 +49,13 @@ class LoRALinear(nn.Module):
         h = F.linear(self.dropout(x).to(self.lora_A.dtype), self.lora_A)
         return y + (F.linear(h, self.lora_B) * self.scaling).to(y.dtype)
 
-    def delta_weight(self) -> Tensor:
-        """(α/r)·B A, the update of the weight (out × in), in fp32."""
-        return (self.lora_B.detach().float() @ self.lora_A.detach().float()) * self.scaling
-
     def merged(self) -> nn.Linear:
         """A plain nn.Linear with weight dense(W) + (α/r)·B A, in W's dense dtype."""
         w = dense_weight(self.base)
         out = nn.Linear(self.in_features, self.out_features, bias=False, device=w.device, dtype=w.dtype)
         with torch.no_grad():
-            out.weight.copy_((w.float() + self.delta_weight().to(w.device)).to(w.dtype))
+            delta = (self.lora_B.detach().float() @ self.lora_A.detach().float()) * self.scaling
+            out.weight.copy_((w.float() + delta.to(w.device)).to(w.dtype))
         out.weight.requires_grad_(False)
         return out
 
@@ -78,22 +63,9 @@ class LoRALinear(nn.Module):
         return f"rank={self.rank}, alpha={self.alpha:g}"
 
 
-# --------------------------------------------------------------------------------------------
-# finding and replacing modules
-
-
 def is_linear(module: nn.Module) -> bool:
     """nn.Linear or a bitsandbytes 4-bit linear (without importing bitsandbytes)."""
     return isinstance(module, nn.Linear) or type(module).__name__ in ("Linear4bit", "LinearNF4")
-
-
-def linear_shape(module: nn.Module) -> tuple[int, int]:
-    """(in_features, out_features) of a linear layer, 4-bit or not."""
-    return int(module.in_features), int(module.out_features)  # type: ignore[arg-type]
-
-
-def _weight_device(module: nn.Module) -> torch.device:
-    return next(module.parameters()).device
 
 
 def linear_names(model: nn.Module) -> list[str]:
@@ -112,23 +84,15 @@ def pattern_matches(name: str, pattern: str) -> bool:
 
 def short_names(names: Iterable[str]) -> list[str]:
     """Distinct names with the layer prefix removed (`self_attn.q_proj`, `mlp.up_proj`, `lm_head`)."""
-    out: list[str] = []
-    for n in names:
-        parts = n.split(".")
-        if len(parts) > 3 and parts[0] == "model" and parts[1] == "layers":
-            n = ".".join(parts[3:])
-        if n not in out:
-            out.append(n)
-    return out
+    layer = [n.split(".", 3)[3] if n.startswith("model.layers.") and n.count(".") > 2 else n for n in names]
+    return list(dict.fromkeys(layer))
 
 
 def match_targets(
     model: nn.Module, patterns: Sequence[str], exclude: Iterable[str] = (), where: str = "patterns"
 ) -> list[str]:
-    """Linear layers matched by any of `patterns` (minus `exclude`), in model order.
-
-    A pattern that matches nothing is a ConfigError listing the names that could be targeted.
-    """
+    """Linear layers matched by any of `patterns` (minus `exclude`), in model order; a pattern
+    that matches nothing is a ConfigError listing the names that could be targeted."""
     excluded = set(exclude)
     candidates = [n for n in linear_names(model) if n not in excluded]
     if not patterns:
@@ -152,11 +116,8 @@ def _set_module(model: nn.Module, name: str, module: nn.Module) -> None:
 def apply_lora(
     model: nn.Module, targets: Sequence[str], rank: int, alpha: float, dropout: float = 0.0
 ) -> dict[str, LoRALinear]:
-    """Wrap each named linear layer in a LoRALinear (in place); returns them by name.
-
-    The wrapped layers' own weights are frozen; the new A, B are trainable. Call after freezing
-    the rest of the model (new parameters are created with requires_grad=True).
-    """
+    """Wrap each named linear layer in a LoRALinear (in place), freezing its weight; returns them
+    by name. Call after freezing the rest of the model (A and B are created trainable)."""
     out: dict[str, LoRALinear] = {}
     for name in targets:
         base = model.get_submodule(name)
@@ -179,33 +140,15 @@ def lora_layers(model: nn.Module) -> dict[str, LoRALinear]:
 
 
 def merge_lora(model: nn.Module) -> int:
-    """Fold every LoRA layer into a plain nn.Linear (in place); returns how many were merged.
-
-    A LoRA layer over a 4-bit base becomes dequant(NF4(W)) + (α/r)·B A (what was trained).
-    """
+    """Fold every LoRA layer into a plain nn.Linear (in place); returns how many were merged."""
     layers = lora_layers(model)
     for name, layer in layers.items():
         _set_module(model, name, layer.merged())
     return len(layers)
 
 
-def lora_state_dict(model: nn.Module) -> dict[str, Tensor]:
-    """The LoRA matrices by parameter name (`model.layers.0.self_attn.q_proj.lora_A`, ...)."""
-    return {
-        f"{n}.{k}": getattr(m, k).detach()
-        for n, m in lora_layers(model).items()
-        for k in ("lora_A", "lora_B")
-    }
-
-
-# --------------------------------------------------------------------------------------------
-# 4-bit NF4 base weights (QLoRA)
-
-
 def import_bitsandbytes():
     """bitsandbytes for 4-bit base weights, or a DeviceError that says to use plain LoRA."""
-    # bitsandbytes warns at import on CPUs with AVX512-BF16 when its optional hub kernel package
-    # is absent; the pure-torch fallback it then uses is the one we want (see `quantize_4bit`).
     from difftrain.runtime import import_bitsandbytes as load
 
     return load("4-bit base weights (finetune.method=qlora)", "use finetune.method=lora")
@@ -234,10 +177,8 @@ def quantize_4bit(
 ) -> None:
     """Replace the named nn.Linear layers by frozen bitsandbytes NF4 `Linear4bit` layers on `device`.
 
-    NF4 with blocks of 64 and double quantisation (the QLoRA paper's settings). On CPU, the
-    repacking bitsandbytes applies to a layer's weight in its first no-grad eval forward is turned
-    off: it changes the stored weight into a layout whose matmul has no backward (bitsandbytes
-    0.50), which would silently stop gradients after the first validation.
+    NF4 with blocks of 64 and double quantisation (the QLoRA paper's settings). bitsandbytes'
+    CPU repacking in a first no-grad forward is turned off: its layout has no backward.
     """
     bnb = import_bitsandbytes()
     device = torch.device(device)
@@ -282,39 +223,21 @@ def nf4_round_trip_(model: nn.Module, names: Sequence[str]) -> None:
             lin.weight.copy_(dense_weight(tmp.w).to(lin.weight.device, lin.weight.dtype))
 
 
-def dense_numel(p: Tensor) -> int:
-    """Number of values a parameter stands for (a packed 4-bit weight counts its dense shape)."""
-    state = getattr(p, "quant_state", None)
-    if state is not None and getattr(state, "shape", None) is not None:
-        return math.prod(state.shape)
-    return p.numel()
-
-
 def count_params(model: nn.Module) -> tuple[int, int]:
-    """(total, trainable) unique parameters; a 4-bit weight counts as its dense size."""
-    seen: set[int] = set()
+    """(total, trainable) unique parameters; a packed 4-bit weight counts as its dense size."""
     total = trainable = 0
-    for p in model.parameters():
-        if id(p) in seen:
-            continue
-        seen.add(id(p))
-        n = dense_numel(p)
+    for p in model.parameters():  # (each tensor once: a tied head is the embedding)
+        shape = getattr(getattr(p, "quant_state", None), "shape", None)
+        n = math.prod(shape) if shape is not None else p.numel()
         total += n
-        if p.requires_grad:
-            trainable += n
+        trainable += n if p.requires_grad else 0
     return total, trainable
 
 
-# --------------------------------------------------------------------------------------------
-# vocabulary growth
-
-
 def grow_vocab(model: nn.Module, new_ids: Sequence[int], vocab_size: int, used_rows: int) -> None:
-    """Give the Transformer `vocab_size` rows (≥ the current count) and set the rows of `new_ids`
-    to the mean of the first `used_rows` rows (the tokens the base was trained on), for the
-    embedding and, if untied, the output head. Existing rows are kept bit for bit; a tied head
-    stays tied. Updates `model.config.vocab_size`.
-    """
+    """Give the Transformer's embedding and (untied) head `vocab_size` rows, the new ones and
+    those of `new_ids` set to the mean of the first `used_rows` rows (Hewitt, 2021); existing rows
+    are kept bit for bit, a tied head stays tied, `model.config.vocab_size` follows."""
     emb: nn.Embedding = model.model.embed_tokens  # type: ignore[union-attr,assignment]
     head: nn.Linear = model.lm_head  # type: ignore[assignment]
     old = emb.num_embeddings
@@ -335,19 +258,10 @@ def grow_vocab(model: nn.Module, new_ids: Sequence[int], vocab_size: int, used_r
             out[i] = mean
         return out
 
-    new_emb = nn.Embedding(vocab_size, emb.embedding_dim, device=emb.weight.device, dtype=emb.weight.dtype)
-    with torch.no_grad():
-        new_emb.weight.copy_(grown(emb.weight))
+    new_emb = nn.Embedding(vocab_size, emb.embedding_dim, _weight=grown(emb.weight))
     model.model.embed_tokens = new_emb  # type: ignore[union-attr]
-    if tied:
-        new_head = nn.Linear(head.in_features, vocab_size, bias=False, device=head.weight.device)
-        new_head.weight = new_emb.weight
-    else:
-        new_head = nn.Linear(
-            head.in_features, vocab_size, bias=False, device=head.weight.device, dtype=head.weight.dtype
-        )
-        with torch.no_grad():
-            new_head.weight.copy_(grown(head.weight))
+    new_head = nn.Linear(head.in_features, vocab_size, bias=False, device="meta")
+    new_head.weight = new_emb.weight if tied else nn.Parameter(grown(head.weight))
     model.lm_head = new_head
     cfg = getattr(model, "config", None)
     if cfg is not None and cfg.vocab_size != vocab_size:

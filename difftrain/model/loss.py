@@ -1,14 +1,10 @@
 """Next-token cross-entropy fused with the LM head, in chunks of rows.
 
-The plain loss materialises the logits (N × V), their fp32 copy, the log-softmax, and in backward
-the same again for the gradient: at the 124M recipe's micro-batch (16 × 1024 tokens, V = 32768)
-that is 2 GiB per buffer. `linear_cross_entropy` never holds more than one chunk of rows: for each
-chunk it computes the logits, the loss, and at once the gradient of the summed loss with respect
-to the chunk's logits (softmax − one-hot), which it multiplies into ∂h and accumulates into ∂W.
-Backward only scales those two by the incoming gradient. The result equals
-`F.cross_entropy(h @ Wᵀ, targets, reduction="sum")` and its gradients up to float rounding
-(tests/test_loss.py). It saves memory, not time: on CPU at V = 4096 the training step takes the
-same time within noise.
+`linear_cross_entropy` never holds more than one chunk of the logits (N × V): per chunk it
+computes the logits, the loss, and at once the gradient of the summed loss with respect to them
+(softmax − one-hot), which it multiplies into ∂h and accumulates into ∂W; backward only scales
+those. It equals `F.cross_entropy(h @ Wᵀ, targets, reduction="sum")` and its gradients up to
+float rounding, and saves memory, not time.
 """
 
 from __future__ import annotations

@@ -1,14 +1,10 @@
 """Rotary position embedding (RoPE), rotate-half convention exactly as HF Llama.
 
-For a head of width d, inverse frequencies ω_i = θ^(−2i/d), i = 0 … d/2−1. A token at position p
-gets angles p·[ω, ω] (the d/2 frequencies repeated twice, not interleaved), and a query or key x
-becomes
+Inverse frequencies ω_i = θ^(−2i/d), i = 0 … d/2−1; a query or key x at position p becomes
 
     x·cos(p·[ω, ω]) + rotate_half(x)·sin(p·[ω, ω]),   rotate_half([x1, x2]) = [−x2, x1]
 
-Angles are computed in fp32 from explicit positions (B, T), so left-padded batches and KV-cache
-decoding use each token's own position; the tables are then cast to the dtype of the q and k they
-rotate (bf16 under bf16 autocast), so the rotated heads stay in the compute dtype.
+Angles are computed in fp32 from explicit positions (B, T) (left padding, KV-cache decoding).
 """
 
 from __future__ import annotations

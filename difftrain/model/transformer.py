@@ -4,14 +4,9 @@
     for each block:  h = h + self_attn(input_layernorm(h));  h = h + mlp(post_attention_layernorm(h))
     logits = lm_head(norm(h))
 
-One forward pass serves training, evaluation and generation: with a `KVCache` the same modules
-append each chunk's keys and values and attend over everything cached.
-
-State-dict keys follow HF Llama (`model.embed_tokens.weight`, `model.layers.{i}.self_attn.q_proj.weight`,
-..., `model.norm.weight`, `lm_head.weight`). With `tie_embeddings`, `lm_head.weight` *is*
-`model.embed_tokens.weight` (one tensor); safetensors refuses shared tensors, so savers write
-`state_dict_for_safetensors()` (which drops `lm_head.weight`) and `load_state_dict` accepts a
-dict without it.
+State-dict keys follow HF Llama (`model.layers.{i}.self_attn.q_proj.weight`, `lm_head.weight`).
+With `tie_embeddings`, `lm_head.weight` is `model.embed_tokens.weight`; `load_state_dict`
+accepts a dict without it.
 """
 
 from __future__ import annotations
@@ -42,15 +37,10 @@ from difftrain.model.rope import RotaryEmbedding
 
 @dataclass
 class LMOutput:
-    """What `Transformer.forward` returns.
-
-    logits (B, T, V), None when the forward was asked for the loss only (`return_logits=False`).
-    loss: mean cross-entropy over targets != -100 (None without targets).
-    attentions: per layer the effective maps (baseline (B, H, T, S) softmax; diff (B, H/2, T, S)
-    A1 − λ·A2; diff2 (B, H, T, S) A_2i − σ(λ)·A_2i+1), fp32. attn_logits: per layer the scaled
-    scores that entered the softmax, (B, query heads, T, S), −inf where masked.
-    hidden_states: per layer the block output (after its residual, before the final norm).
-    """
+    """What `Transformer.forward` returns: logits (B, T, V) (None with `return_logits=False`);
+    loss, the mean cross-entropy over targets != -100; per layer, when asked, the effective
+    attention maps (fp32, see `kernels.attention_core`), the scaled scores that entered the
+    softmax (B, query heads, T, S), and the block outputs (before the final norm)."""
 
     logits: Tensor | None
     loss: Tensor | None = None
@@ -68,16 +58,14 @@ class KVCache:
     """Preallocated keys and values for incremental decoding (use without gradients).
 
     Per layer: keys (B, Hkv, max_len, d); values (B, Hkv, max_len, d), or for `diff`
-    (B, Hkv/2, max_len, 2d), the 2d-wide value heads the differential core reads. Buffers never
-    change shape; a forward on a chunk of T tokens writes slots [length, length+T), attends over
-    slots [0, length+T), then advances `length`. `key_padding_mask` (B, max_len) remembers which
-    slots are real tokens (left-padded prompts) and `next_position` (B,) each sequence's next
-    RoPE position, so decode steps need only the new token ids.
+    (B, Hkv/2, max_len, 2d). A forward on T tokens writes slots [length, length+T), attends over
+    [0, length+T), then advances `length`. `key_padding_mask` (B, max_len) marks real tokens
+    (left-padded prompts) and `next_position` (B,) each sequence's next RoPE position.
 
     Static steps (`start_static`, for a compiled decode step): one token per sequence is written at
     `slot` (a 0-d tensor) and attention runs over all max_len slots, masked to the real tokens up
-    to the slot, so the shapes never change and one compiled graph serves every token. The forward
-    then reads only tensors; the caller advances with `static_step_done`.
+    to the slot, so one compiled graph serves every token; the caller advances with
+    `static_step_done`.
     """
 
     def __init__(self, keys: list[Tensor], values: list[Tensor]) -> None:
@@ -97,14 +85,6 @@ class KVCache:
     @property
     def max_len(self) -> int:
         return self.keys[0].shape[2]
-
-    def require_room(self, tokens: int) -> None:
-        """ConfigError unless `tokens` more fit after the `length` cached."""
-        if self.length + tokens > self.max_len:
-            raise ConfigError(
-                f"KV cache is full: {self.length} cached + {tokens} new tokens > max_len={self.max_len}; "
-                "create the cache with a larger max_len (model.new_cache(batch_size, max_len=...))"
-            )
 
     def reset(self) -> None:
         """Forget all tokens (buffers are reused)."""
@@ -133,7 +113,11 @@ class KVCache:
                 raise ValueError("a static KV cache takes one token per sequence per step, nothing else")
             allowed = self.key_padding_mask & (torch.arange(self.max_len, device=device) <= self.slot)
             return AttnMask(1, self.max_len, allowed=allowed[:, None, None, :]), self.next_position[:, None]
-        self.require_room(T)
+        if self.length + T > self.max_len:
+            raise ConfigError(
+                f"KV cache is full: {self.length} cached + {T} new tokens > max_len={self.max_len}; "
+                "create the cache with a larger max_len (model.new_cache(batch_size, max_len=...))"
+            )
         offset, S = self.length, self.length + T
         if key_padding_mask is not None:
             self.key_padding_mask[:, :S] = key_padding_mask
@@ -214,10 +198,7 @@ class DecoderModel(nn.Module):
 
 
 class Transformer(nn.Module):
-    """Decoder-only LM for arch baseline | diff | diff2 (docs/models.md).
-
-    `attn_impl` (initialised from the config) may be changed on the instance at any time.
-    """
+    """Decoder-only LM for arch baseline | diff | diff2; `attn_impl` may be changed at any time."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -236,7 +217,6 @@ class Transformer(nn.Module):
         self._checkpointing = False
         self.reset_parameters()
 
-    # ----- initialisation -------------------------------------------------------------------
     def reset_parameters(self) -> None:
         """normal(0, init_std) for linear and embedding weights; o_proj and down_proj use
         init_std/√(2·n_layers) (GPT-2's residual scaling); norms one; λ ~ N(0, lambda_std²)."""
@@ -255,20 +235,15 @@ class Transformer(nn.Module):
         if self.config.tie_embeddings:  # the tied matrix is initialised as an embedding
             nn.init.normal_(self.model.embed_tokens.weight, mean=0.0, std=std)
 
-    # ----- runtime switches -----------------------------------------------------------------
     def set_attn_logit_transform(self, fn: AttnLogitTransform | None) -> None:
-        """Apply fn(scores, layer_idx) to every layer's scaled attention scores before softmax.
-
-        scores are (B, query heads, T, S) fp32 with −inf at masked positions (the mask is applied
-        again afterwards). Setting a transform runs the eager core. `None` removes it.
-        """
+        """Apply fn(scores, layer_idx) to every layer's scaled scores (B, query heads, T, S, fp32,
+        −inf where masked, masked again after) before softmax, on the eager core; None removes it."""
         self._logit_transform = fn
 
     def set_activation_checkpointing(self, enabled: bool) -> None:
         """Recompute each block in backward (torch.utils.checkpoint, use_reentrant=False)."""
         self._checkpointing = enabled
 
-    # ----- KV cache -------------------------------------------------------------------------
     def new_cache(
         self,
         batch_size: int,
@@ -292,7 +267,6 @@ class Transformer(nn.Module):
         ]
         return KVCache(keys, values)
 
-    # ----- forward --------------------------------------------------------------------------
     def forward(
         self,
         input_ids: Tensor,
@@ -370,7 +344,6 @@ class Transformer(nn.Module):
             hidden_states=tuple(hidden) if output_hidden_states else None,
         )
 
-    # ----- state dict -----------------------------------------------------------------------
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False):
         """As nn.Module's, but with tied embeddings `lm_head.weight` may be absent (it is the
         embedding); a present one must equal the embedding."""
@@ -396,7 +369,6 @@ class Transformer(nn.Module):
             sd.pop("lm_head.weight", None)
         return sd
 
-    # ----- bookkeeping ----------------------------------------------------------------------
     def num_params(self) -> dict[str, int]:
         """Parameter counts by group (see `config.num_params`), counted from the module."""
         counts = dict.fromkeys(("embedding", "attention", "lambda", "norms", "mlp", "head"), 0)
