@@ -2,19 +2,15 @@
 
 from __future__ import annotations
 
-import contextlib
 import os
 import re
-from collections.abc import Iterator
 from typing import Any
 
 from rich.console import Console, ConsoleDimensions
 from rich.table import Table
 
 PIPE_WIDTH = 1000
-"""Columns of output that goes to a file or a pipe (COLUMNS unset): wide enough that no table
-cell or line is cut or wrapped, where rich would lay it out for 80 columns (or the width of a
-terminal the input comes from) and crop cells with "…"."""
+"""Columns of output to a file or a pipe (COLUMNS unset): no table cell is cropped or wrapped."""
 
 
 class WideWhenPiped(Console):
@@ -32,10 +28,8 @@ class WideWhenPiped(Console):
         Console.size.fset(self, new_size)  # type: ignore[attr-defined]
 
     def on_broken_pipe(self) -> None:
-        """The reader of standard output went away (`| head`, a dead `tee` or log collector): rich
-        would exit at once, and a training run would stop without a word or a checkpoint. Output
-        goes on into /dev/null instead, after one warning on stderr: the work continues, and its
-        figures are in the run's files."""
+        """The reader of standard output went away (`| head`): output goes on into /dev/null after
+        one warning on stderr, so that the work (a training run) continues instead of exiting."""
         import sys
 
         self.quiet = True
@@ -49,16 +43,15 @@ console = WideWhenPiped(highlight=False)
 err_console = WideWhenPiped(stderr=True, highlight=False)
 
 
-def warn(text: str) -> None:
-    """A `warning:` line on stderr; the text is printed as it is (no rich markup in it)."""
+def warn(text: str, label: str = "warning", style: str = "yellow") -> None:
+    """A `label:` line on stderr; the text is printed as it is (no rich markup in it)."""
     from rich.markup import escape
 
-    err_console.print(f"[yellow]warning:[/] {escape(text)}", soft_wrap=True)
+    err_console.print(f"[{style}]{label}:[/] {escape(text)}", soft_wrap=True)
 
 
 def fmt_count(n: float) -> str:
-    """12_345_678 → '12.3M'; an int too large for a float (a recipe may ask for 10^400 steps) →
-    its order of magnitude."""
+    """12_345_678 → '12.3M'; an int too large for a float → its order of magnitude."""
     try:
         n = float(n)
     except OverflowError:
@@ -70,8 +63,7 @@ def fmt_count(n: float) -> str:
 
 
 def kv_table(title: str, rows: list[tuple[str, str]]) -> Table:
-    """A two-column table of labels and values; the values are plain text, never rich markup (a
-    run named `exp[lr=1e-3]` is printed as it is named)."""
+    """A two-column table of labels and values; the values are plain text, never rich markup."""
     from rich.text import Text
 
     table = Table(title=title, title_justify="left", show_header=False, box=None, pad_edge=False)
@@ -83,72 +75,57 @@ def kv_table(title: str, rows: list[tuple[str, str]]) -> Table:
 
 
 class DataBars:
-    """The callback `prepare_data` calls with `difftrain.data.shards.PrepareProgress` reports
-    (stage, source, documents, bytes, tokens, total_bytes): one transient bar per stage on stderr.
-    The display starts with the first report (a cache hit shows and prints nothing), only on a
-    terminal (a log file gets no frames), and `stop` ends it (training stops it as it starts)."""
+    """The `progress` callback of `prepare_data` (`PrepareProgress` reports): one transient bar per
+    stage on stderr, shown from the first report and only on a terminal; a context manager whose
+    exit (or `stop`) ends it."""
 
     LABELS = {"tokenizer": "training tokenizer", "shards": "tokenizing"}
 
     def __init__(self) -> None:
         from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeElapsedColumn
 
+        columns = (TextColumn("[bold]{task.description}"), BarColumn(), DownloadColumn())
         self.bars = Progress(
-            TextColumn("[bold]{task.description}"),
-            BarColumn(),
-            DownloadColumn(),
+            *columns,
             TextColumn("{task.fields[info]}"),
             TimeElapsedColumn(),
             console=err_console,
             transient=True,
         )
         self.tasks: dict[str, Any] = {}
-        self.live = False
 
     def __call__(self, p: Any) -> None:
         if not err_console.is_terminal:
             return
-        if not self.live:
+        if not self.bars.live.is_started:
             self.bars.start()
-            self.live = True
         info = f"{p.source} · {fmt_count(p.documents)} docs" + (
             f" · {fmt_count(p.tokens)} tokens" if p.tokens else ""
         )
         if p.stage not in self.tasks:
-            self.tasks[p.stage] = self.bars.add_task(
-                self.LABELS.get(p.stage, p.stage), total=p.total_bytes, info=info
-            )
+            self.tasks[p.stage] = self.bars.add_task(self.LABELS.get(p.stage, p.stage), info=info)
         self.bars.update(self.tasks[p.stage], completed=p.bytes, total=p.total_bytes, info=info)
 
     def stop(self) -> None:
-        if self.live:
+        if self.bars.live.is_started:
             self.bars.stop()
-            self.live = False
 
+    def __enter__(self) -> DataBars:
+        return self
 
-@contextlib.contextmanager
-def data_progress() -> Iterator[DataBars]:
-    """`DataBars` for the duration of the block."""
-    bars = DataBars()
-    try:
-        yield bars
-    finally:
-        bars.stop()
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
 
 
 def cpu_out_of_memory(e: BaseException) -> bool:
-    """Whether `e` is torch's CPU allocator failing to allocate (`DefaultCPUAllocator: can't
-    allocate memory`), which torch raises as a RuntimeError, not an OutOfMemoryError."""
+    """Whether `e` (a RuntimeError) is torch's CPU allocator failing to allocate."""
     text = str(e)
     return "can't allocate memory" in text or "DefaultCPUAllocator: not enough memory" in text
 
 
 def oom_advice(recipe: Any, *, finetune: bool = False, device: str = "GPU") -> str:
-    """The message for CUDA (or the CPU's allocator, `device` "CPU") running out of memory: the
-    changes `plan` would weigh, with this recipe's numbers (a micro-batch that divides the old one
-    so global_batch_size can stay)."""
-    import importlib.util
-
+    """The message for `device` running out of memory: the changes `plan` would weigh, with this
+    recipe's numbers, those a resume takes first."""
     from difftrain.errors import DifftrainError
     from difftrain.spec import resolve
     from difftrain.train.runcheck import resumable_change
@@ -183,15 +160,8 @@ def oom_advice(recipe: Any, *, finetune: bool = False, device: str = "GPU") -> s
         tries.append((("optim.name",), "optim.name=adamw8bit (8-bit optimizer states)"))
     if seq_len and seq_len >= 128:
         tries.append((("train.seq_len",), f"train.seq_len={seq_len // 2}"))
-    resumes = [all(map(resumable_change, keys)) for keys, _ in tries]
-    keep = [text for (_, text), ok in zip(tries, resumes, strict=True) if ok]
-    new = [text for (_, text), ok in zip(tries, resumes, strict=True) if not ok]
-    where = recipe.command_args
-    estimate = (
-        f"; `difftrain plan {where}` estimates the memory of each"
-        if importlib.util.find_spec("difftrain.cli.plan") is not None
-        else ""
-    )
+    keep = [text for keys, text in tries if all(map(resumable_change, keys))]
+    new = [text for keys, text in tries if not all(map(resumable_change, keys))]
     parts = []
     if keep:
         parts.append("; ".join(keep) + " — then run again (add --resume if a checkpoint was saved)")
@@ -202,7 +172,8 @@ def oom_advice(recipe: Any, *, finetune: bool = False, device: str = "GPU") -> s
         )
     return (
         f"out of {device} memory (micro_batch_size {micro}{f' × seq_len {seq_len}' if seq_len else ''}); "
-        "try, one at a time: " + "; or ".join(parts) + estimate
+        "try, one at a time: " + "; or ".join(parts) + f"; `difftrain plan {recipe.command_args}` estimates "
+        "the memory of each"
     )
 
 
@@ -264,11 +235,9 @@ def prepared_bad_examples(prepared: Any) -> list[str]:
 
 
 def check_files(r: Any) -> None:
-    """What a training run reads and writes, checked without torch (a second, not the 8-12 s
-    torch and Lightning take to load), reading no data and writing nothing: a fine-tune's base
-    run directory, every local data source, a pretraining run's tokenizer.path, the cache folder
-    where the data is tokenized into it (pretraining, a text fine-tune), the run directory can be
-    created."""
+    """Check, without torch and writing nothing, what a training run reads and writes: a
+    fine-tune's base run, the local data sources, tokenizer.path, the data cache where the data is
+    still to be tokenized, and that the run directory can be created."""
     from difftrain.data.sources import check_local_sources
     from difftrain.data.tokenizer import tokenizer_file
     from difftrain.io import check_run_dir_creatable
@@ -288,8 +257,7 @@ def check_files(r: Any) -> None:
 
 
 def _check_cache(r: Any) -> None:
-    """The data cache must be writable where the run still has to build its data; prepared data
-    in a read-only (e.g. shared) cache is read as it is."""
+    """The data cache must be writable unless it holds the prepared data already."""
     from difftrain.data.shards import cached_index
     from difftrain.errors import DataError
 
@@ -304,8 +272,7 @@ def _check_cache(r: Any) -> None:
 
 
 def json_as_text_row(stats: Any) -> list[tuple[str, str]]:
-    """The row saying how many `.json` files in source folders held no records and were read as
-    text (configs and the like); none when there were none. `stats` is a prepared corpus's."""
+    """The row counting the `.json` files of source folders read as text (no records in them)."""
     n = sum(src.get("json_documents", 0) for src in stats.sources)
     if not n:
         return []
@@ -318,9 +285,8 @@ def plural(n: int, word: str) -> str:
 
 
 def vocab_shortfall(tokenizer_size: int, tokenizer_cfg: Any, corpus_bytes: int | None = None) -> str:
-    """A note when the tokenizer a recipe trains came out smaller than tokenizer.train.vocab_size
-    (a small corpus, or a small tokenizer.train.max_bytes sample of it, runs out of pairs to
-    merge); "" otherwise."""
+    """A note when the tokenizer a recipe trains came out smaller than tokenizer.train.vocab_size;
+    "" otherwise."""
     if tokenizer_cfg.path is not None or tokenizer_size >= tokenizer_cfg.train.vocab_size:
         return ""
     asked = f" — {tokenizer_size:,} of the {tokenizer_cfg.train.vocab_size:,} asked for (tokenizer.train.vocab_size): "
@@ -334,10 +300,9 @@ def vocab_shortfall(tokenizer_size: int, tokenizer_cfg: Any, corpus_bytes: int |
 
 
 def check_vocab_early(r: Any, size: int) -> str | None:
-    """The run's tokenizer check, as far as it can be made before the tokenizer exists: against
-    tokenizer.path's size (refused, as the run refuses it), or against the size the recipe asks
-    of the tokenizer it trains (a warning: a small corpus gives fewer tokens, and the run only
-    stops if the trained one does not fit)."""
+    """The run's check of model.vocab_size before the tokenizer exists: a TokenizerError where
+    tokenizer.path's `size` (or the fewest tokens a trained one has) does not fit, a warning where
+    the `size` asked of the tokenizer to train may not."""
     from difftrain.errors import TokenizerError
 
     vocab = r.model.vocab_size
@@ -363,8 +328,7 @@ def check_vocab_early(r: Any, size: int) -> str | None:
 
 
 def wall_time(summary: dict[str, Any]) -> str:
-    """The end table's wall-time cell. A resumed run's tokens and tokens/s cover the whole run,
-    this process's wall time only its own part: then the cell says both."""
+    """The end table's wall-time cell; for a resumed run also the training time of the whole run."""
     wall, train = summary["wall_time_s"], summary.get("train_time_s") or 0.0
     if train > wall:
         return f"{wall:.1f} s this session · {train:.1f} s of training in all"
@@ -372,8 +336,7 @@ def wall_time(summary: dict[str, Any]) -> str:
 
 
 def peak_memory(summary: dict[str, Any]) -> str:
-    """The end table's peak-memory cell ("—" where a figure was not measured). Of several
-    processes the figures are rank 0's, one process's: the cell says so."""
+    """The end table's peak-memory cell ("—" where not measured; rank 0's of several processes)."""
     rss = summary.get("peak_rss_mb")
     gpu = summary.get("peak_gpu_mem_mb")
     text = ("RSS —" if rss is None else f"RSS {rss:.0f} MiB") + (f" · GPU {gpu:.0f} MiB" if gpu else "")
@@ -390,7 +353,7 @@ def throughput(summary: dict[str, Any]) -> str:
 
 
 def optimizer_row(optim: Any, train: Any) -> str:
-    """The start table's optimizer row: what most often differs between recipes, at a glance."""
+    """The start table's optimizer row."""
     clip = f"clip {train.grad_clip:g}" if train.grad_clip is not None else "no clip"
     return (
         f"{optim.name} · lr {optim.lr:g} · wd {optim.weight_decay:g} · {clip} · {optim.schedule} · "
@@ -399,8 +362,7 @@ def optimizer_row(optim: Any, train: Any) -> str:
 
 
 def fmt_figure(value: float, fmt: str) -> str:
-    """`format(value, fmt)`, with a value that rounds to zero printed without a minus sign
-    (-1e-6 as +0.0000, not -0.0000: eval and compare show the same text)."""
+    """`format(value, fmt)`, with a value that rounds to zero printed without a minus sign."""
     text = format(value, fmt)
     if text.startswith("-") and not text.strip("-0.,%"):
         text = format(0.0, fmt)
@@ -417,14 +379,13 @@ _PEER_LOST = (
 
 
 def lost_peer(e: BaseException) -> bool:
-    """Whether a collective failed because another process of the run went away (killed, out of
-    memory): gloo and NCCL raise a RuntimeError (DistBackendError) naming the lost connection."""
+    """Whether a collective failed because another process of the run went away."""
     text = str(e)
     return type(e).__name__ == "DistBackendError" or any(s in text for s in _PEER_LOST)
 
 
 def first_line(e: BaseException, limit: int = 160) -> str:
-    """The first line of an exception's message, cut to `limit` characters (for one-line errors)."""
+    """The first sentence of an exception's message, cut to `limit` characters."""
     line = (str(e).strip().splitlines() or [type(e).__name__])[0]
     line = re.sub(r"^\[[^\]]*\]\s*", "", line)  # gloo's "[/path/to/source.cc:123] " prefix
     line = line.split(". ", 1)[0]  # the first sentence: the advice after it is gloo's, not ours
@@ -432,12 +393,11 @@ def first_line(e: BaseException, limit: int = 160) -> str:
 
 
 def report_finished(result: Any, command: str) -> None:
-    """What a resume of a run that had already finished says: that nothing was trained, what it
-    repaired, and how to train on. The end table that follows is the run's stored summary."""
+    """What a resume of a finished run says: nothing was trained, what it repaired, how to train on."""
     from rich.markup import escape
 
     for note in result.notes:
-        err_console.print(f"[yellow]repaired:[/] {escape(note)}", soft_wrap=True)
+        warn(note, "repaired")
     console.print(
         f"{escape(str(result.run_dir))} had finished at step {result.resumed_from}: nothing to train "
         f"(to train on, resume with a larger train.max_steps, e.g. `difftrain {command} "
@@ -447,11 +407,9 @@ def report_finished(result: Any, command: str) -> None:
 
 
 def run_training(command: str, train: Any, recipe: Any, *, on_start: Any, **kwargs: Any) -> Any:
-    """Run `train(recipe, ...)` (pretrain or finetune) the way the CLI does for both commands.
-
-    A graceful stop prints the resume command on one unbroken line and exits 130 (SIGINT) or
-    143 (SIGTERM); running out of GPU memory becomes a DeviceError with this recipe's options.
-    """
+    """Run `train(recipe, ...)` (pretrain or finetune) with data progress bars. A graceful stop
+    prints the resume command and exits 130 (SIGINT) or 143 (SIGTERM); running out of memory
+    becomes a DeviceError with `oom_advice`."""
     import shlex
     import signal
 
@@ -465,17 +423,16 @@ def run_training(command: str, train: Any, recipe: Any, *, on_start: Any, **kwar
     t = recipe.train
     several = t.devices != 1 or t.num_nodes > 1  # (auto: every GPU there is)
     try:
-        with data_progress() as dp:
+        with DataBars() as dp:
 
-            def started(info: Any) -> None:  # the data bars end before the run's own output
+            def started(info: Any) -> None:
                 dp.stop()
                 if on_start is not None:
                     on_start(info)
 
             return train(recipe, console=console, on_start=started, data_progress=dp, **kwargs)
     except StopRequested as stop:
-        # one unbroken line (soft wrap) with the path quoted: it is meant to be copied and pasted
-        if stop.is_global_zero:  # (once for a run of several processes)
+        if stop.is_global_zero:  # one unbroken line, to be copied and pasted
             err_console.print(
                 f"[yellow]stopped at step {stop.step}; checkpoint saved.[/] Resume with: [bold]{escape(resume_cmd)}[/]",
                 soft_wrap=True,

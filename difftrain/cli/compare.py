@@ -8,10 +8,9 @@ from pathlib import Path
 from typing import Any
 
 import typer
-from rich.markup import escape
 from rich.table import Table
 
-from difftrain.cli.common import console, err_console, fmt_count, fmt_figure
+from difftrain.cli.common import console, fmt_count, fmt_figure, warn
 
 HELP = """Compare two or more runs side by side.
 
@@ -61,13 +60,13 @@ def render(cmp: Any) -> None:
         add(rows)
     console.print(t)
     for suite, missing in cmp.partial.items():
-        err_console.print(
-            f"[yellow]note:[/] `{suite}` is not in every run (missing in {', '.join(missing)}); "
-            f"run `{escape(cmp.commands.get(suite, f'difftrain eval RUN --suite {suite}'))}` on them to include it",
-            soft_wrap=True,
+        command = cmp.commands.get(suite, f"difftrain eval RUN --suite {suite}")
+        warn(
+            f"`{suite}` is not in every run (missing in {', '.join(missing)}); run `{command}` on them to include it",
+            "note",
         )
     for note in cmp.notes:
-        err_console.print(f"[yellow]note:[/] {escape(note)}", soft_wrap=True)
+        warn(note, "note")
 
 
 def compare_command(

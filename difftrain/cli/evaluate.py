@@ -17,7 +17,7 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
-from difftrain.cli.common import console, err_console, fmt_count, fmt_figure, kv_table
+from difftrain.cli.common import console, err_console, fmt_count, fmt_figure, kv_table, warn
 from difftrain.cli.complete import suite_names
 from difftrain.errors import ConfigError, RunDirError
 
@@ -269,7 +269,7 @@ def render(doc: dict[str, Any], run_dir: Path) -> None:
         ]
         console.print(kv_table(title, rows))
     for note in doc.get("notes", []):
-        err_console.print(f"[yellow]note:[/] {escape(note)}", soft_wrap=True)
+        warn(note, "note")
     for p in doc.get("plots", []):
         console.print(f"[dim]figure:[/] {plot_path(run_dir, p)}")
 
@@ -315,10 +315,7 @@ def show_results(run_dir: str, values: list[str] | None, as_json: bool) -> None:
                 f"[dim]{result_path(run, key)} · computed {doc.get('created', '?')}{on}[/]", soft_wrap=True
             )
         if key in stale_keys:
-            err_console.print(
-                f"[yellow]note:[/] {key} predates the run's current weights; rerun `{escape(rerun_command(run, key, doc))}`",
-                soft_wrap=True,
-            )
+            warn(f"{key} predates the run's current weights; rerun `{rerun_command(run, key, doc)}`", "note")
 
 
 _SHOW_PARAMS = {"run_dir", "suite", "as_json", "show"}
@@ -532,11 +529,7 @@ def eval_command(
         err_console.print(f"[yellow]skipped {s}: {escape(why)}[/]", soft_wrap=True)
     for path, old in replacing:
         if ec.split_key(path.stem)[0] in suites:
-            err_console.print(
-                f"[yellow]note:[/] --data-label {escape(str(opts.data_label))} replaces {escape(str(path))}, "
-                f"the result on {escape(old)}",
-                soft_wrap=True,
-            )
+            warn(f"--data-label {opts.data_label} replaces {path}, the result on {old}", "note")
     docs = {}
     for s in suites:
         doc = _run_with_progress(run, s, opts, show=not as_json and err_console.is_terminal)

@@ -1,10 +1,7 @@
 """`difftrain generate RUN_DIR` and `difftrain chat RUN_DIR`: sample from a trained run.
 
-The commands parse and check their arguments, load the run (config.json + model.safetensors +
-tokenizer.json, never a pickle), and render what a `difftrain.infer.session.Session` and the REPLs
-of `difftrain.infer.chat` yield. Completion text goes to stdout (the prompt is echoed dimmed before
-it); headers, footers and notes go to stderr, so `difftrain generate RUN --prompt x > out.txt`
-keeps only the text. torch loads only once the arguments are checked.
+Renders what a `difftrain.infer.session.Session` and the REPLs of `difftrain.infer.chat` yield:
+completion text on stdout (after the prompt, dimmed), headers, footers and notes on stderr.
 """
 
 from __future__ import annotations
@@ -83,10 +80,8 @@ _DTYPE = typer.Option(
 _COMPILE = typer.Option(False, "--compile", help=COMPILE_HELP)
 
 
-# ----- reading prompts ---------------------------------------------------------------------------
 def read_prompt_file(path: Path) -> list[Prompt]:
-    """The prompts of --prompt-file (`parse_prompts`: one per non-blank line, or for .jsonl one JSON
-    object with a "prompt" field per line); `-` reads plain lines from standard input."""
+    """The prompts of --prompt-file (`parse_prompts`); `-` reads plain lines from standard input."""
     stdin = str(path) == "-"
     try:
         text = sys.stdin.read() if stdin else path.read_text(encoding="utf-8")
@@ -105,10 +100,9 @@ def read_prompt_file(path: Path) -> list[Prompt]:
 
 
 def _read_prompt(marker: str = "» ") -> str:
-    """A message typed at the REPL (lines ending in \\ continue it). Piped input shows no prompt
-    markers (a transcript of the output holds the replies, not a "» " per line read), and a reader
-    of the output that went away (`| head`) ends the session as the end of input does."""
-    if console.quiet:  # the output's reader went away (`on_broken_pipe`): nobody reads replies
+    """A message typed at the REPL (lines ending in \\ continue it); no `marker` on piped input.
+    EOFError at the end of input, or where the output's reader went away."""
+    if console.quiet:  # (`on_broken_pipe`)
         raise EOFError
     with contextlib.suppress(ImportError):  # line editing and history (arrow keys) where there is readline
         import readline  # noqa: F401
@@ -134,7 +128,6 @@ def _read_prompt(marker: str = "» ") -> str:
         _error(f"{problem}; type it again (is the terminal's encoding UTF-8?)")
 
 
-# ----- rendering ---------------------------------------------------------------------------------
 _REASONS = {
     "eos": "end of document",
     "stop": "stop string",
@@ -144,14 +137,14 @@ _REASONS = {
 
 
 def _error(message: str) -> None:
-    err_console.print(f"[bold red]error:[/] {escape(message)}", soft_wrap=True)
+    warn(message, "error", "bold red")
 
 
 @dataclass
 class _Render:
     """Shows what a session and its REPL yield: text on stdout, the rest on stderr. Each row's
-    completion follows a rule naming it (with `rules`) and its prompt, dimmed, or `reply_label`.
-    `stop_reason`: what a footer calls a stop (chat: the reply's end marker)."""
+    completion follows a rule naming it (with `rules`) and its prompt, dimmed, or `reply_label`;
+    `stop_reason`: what a footer calls a stop string."""
 
     session: Any
     rules: bool
@@ -177,7 +170,6 @@ class _Render:
             from rich.rule import Rule
 
             title = f"[dim]{escape(row.prompt.where)} · sample {row.sample + 1}/{self.session.num_samples}"
-            # the terminal's width; piped, where the console lays out for very long lines, 80 columns
             console.print(Rule(title, align="left"), width=console.width if console.is_terminal else 80)
         if self.reply_label is not None:
             console.print(self.reply_label, end="")
@@ -215,10 +207,10 @@ class _Render:
             parts.insert(0, f"{len(results)} completions")
         err_console.print("[dim]" + " · ".join(parts), soft_wrap=True)
         if any(r.completion.finish_reason == "context" for r in results):
-            err_console.print(
-                f"[yellow]note:[/] the context is full (the model reads at most max_seq_len="
-                f"{self.session.run.config.max_seq_len} tokens); generation stops there instead of sliding the window",
-                soft_wrap=True,
+            warn(
+                f"the context is full (the model reads at most max_seq_len={self.session.run.config.max_seq_len} "
+                "tokens); generation stops there instead of sliding the window",
+                "note",
             )
 
 
@@ -235,12 +227,11 @@ def _banner(run: Any, load_s: float, seed: int, style: Any, greedy: bool = False
     )
 
 
-# ----- options -----------------------------------------------------------------------------------
 MAX_SEED = 2**62  # torch's generators take 64-bit seeds; each sample draws with seed + its number
 
 
 def _seed(seed: int | None) -> int:
-    """--seed, checked (torch's generators take 64-bit seeds), or a random one."""
+    """--seed, checked, or a random one."""
     if seed is None:
         return secrets.randbelow(2**31)
     if not 0 <= seed <= MAX_SEED:
@@ -249,9 +240,8 @@ def _seed(seed: int | None) -> int:
 
 
 def _stdin_has_data() -> bool:
-    """Whether text was piped into standard input (`echo hi | difftrain generate RUN`), which
-    generate without --prompt-file - does not read: one read that does not wait (the bytes it takes
-    are not used anyway). False on a terminal, at end of input, or where stdin is no file."""
+    """Whether text was piped into standard input, which generate does not read: one read that
+    does not wait. False on a terminal, at end of input, or where stdin is no file."""
     import select
 
     try:
@@ -265,8 +255,7 @@ def _stdin_has_data() -> bool:
 
 
 def _load(run_dir: Path, device: str, dtype: str, compile: bool) -> tuple[Any, float, Any]:
-    """(run, seconds it took to load, its `PromptStyle`); with --compile, a missing toolchain is
-    refused before the model loads."""
+    """(run, seconds it took to load, its `PromptStyle`); a missing compiler fails first."""
     from difftrain.infer.device import require_compiler, resolve_device, resolve_dtype
     from difftrain.infer.session import prompt_style
     from difftrain.rundir import load_run
@@ -280,7 +269,6 @@ def _load(run_dir: Path, device: str, dtype: str, compile: bool) -> tuple[Any, f
     return run, time.perf_counter() - t0, prompt_style(run.path)
 
 
-# ----- the commands ------------------------------------------------------------------------------
 def generate_command(
     run_dir: Path = _RUN_DIR,
     prompt: list[str] = typer.Option(
@@ -328,9 +316,7 @@ def generate_command(
 ) -> None:
     from difftrain.rundir import require_model_files
 
-    # Arguments first: a mistyped path or option fails before torch loads, a missing compiler
-    # before the model loads.
-    require_model_files(run_dir)
+    require_model_files(run_dir)  # a mistyped path or option fails before torch loads
     from difftrain.infer.settings import GenerationConfig, SamplingConfig
 
     sampling = SamplingConfig(temperature, top_k, top_p, min_p, repetition_penalty, greedy)
@@ -343,10 +329,9 @@ def generate_command(
         use_cache=cache,
         compile=compile,
     )
-    if num_samples < 1:
-        raise ConfigError(f"--num-samples {num_samples} must be ≥ 1")
-    if batch_size < 1:
-        raise ConfigError(f"--batch-size {batch_size} must be ≥ 1")
+    for name, value in (("--num-samples", num_samples), ("--batch-size", batch_size)):
+        if value < 1:
+            raise ConfigError(f"{name} {value} must be ≥ 1")
     if prompt and prompt_file is not None:
         raise ConfigError("give either --prompt or --prompt-file, not both")
     if interactive and (prompt or prompt_file is not None or as_json):
@@ -356,16 +341,16 @@ def generate_command(
     if prompt_file is not None:
         prompts = read_prompt_file(prompt_file)
     elif prompt:
-        for i, text in enumerate(prompt, start=1):
-            if text == "":
-                where = "--prompt" if len(prompt) == 1 else f"--prompt number {i}"
-                raise DataError(
-                    f"{where} is empty; give some text, or leave out --prompt to sample a document from scratch"
-                )
         prompts = [
             Prompt(unescape(t), "--prompt" if len(prompt) == 1 else f"--prompt {i}")
             for i, t in enumerate(prompt, 1)
         ]
+        empty = next((p.where for p in prompts if not p.text), None)
+        if empty is not None:
+            raise DataError(
+                f"{empty.replace(' ', ' number ')} is empty; give some text, or leave out --prompt to sample a "
+                "document from scratch"
+            )
     else:
         prompts = [Prompt("", "start of a document")]
         if not interactive and _stdin_has_data():
@@ -388,17 +373,14 @@ def generate_command(
         from difftrain.rundir import record_kinds
 
         if record_kinds(run.path) == ["messages"] and (prompt or prompt_file is not None or interactive):
-            err_console.print(
-                f"[yellow]note:[/] {escape(str(run.path))} was fine-tuned on `messages` records only: `difftrain chat "
-                f"{escape(shlex.quote(str(run.path)))}` talks to it in its chat template; here a prompt is "
-                "rendered as prompt/response records are (finetune.prompt_format), which it never saw",
-                soft_wrap=True,
+            warn(
+                f"{run.path} was fine-tuned on `messages` records only: `difftrain chat {shlex.quote(str(run.path))}` "
+                "talks to it in its chat template; here a prompt is rendered as prompt/response records are "
+                "(finetune.prompt_format), which it never saw",
+                "note",
             )
         if sampling.is_greedy and num_samples > 1:
-            err_console.print(
-                f"[yellow]warning:[/] greedy decoding gives the same completion {num_samples} times",
-                soft_wrap=True,
-            )
+            warn(f"greedy decoding gives the same completion {num_samples} times")
     render = _Render(session, rules=len(rows) > 1 or num_samples > 1)
     if interactive:
         from difftrain.infer.chat import Repl
@@ -496,17 +478,17 @@ def chat_command(
     from difftrain.rundir import record_kinds
 
     if not style.instruction:
-        err_console.print(
-            f"[yellow]note:[/] {escape(str(run.path))} is not instruction-tuned; it reads the chat template as plain "
-            "text (fine-tune it on `messages` records with `difftrain finetune` for a model that follows it)",
-            soft_wrap=True,
+        warn(
+            f"{run.path} is not instruction-tuned; it reads the chat template as plain text (fine-tune it on "
+            "`messages` records with `difftrain finetune` for a model that follows it)",
+            "note",
         )
     elif record_kinds(run.path) == ["prompt/response"]:
-        err_console.print(
-            f"[yellow]note:[/] {escape(str(run.path))} was fine-tuned on prompt/response records, not `messages`: "
-            "it never saw the chat template; `difftrain generate "
-            f"{escape(shlex.quote(str(run.path)))} -p TEXT` gives it prompts in the format it learned",
-            soft_wrap=True,
+        warn(
+            f"{run.path} was fine-tuned on prompt/response records, not `messages`: it never saw the chat "
+            f"template; `difftrain generate {shlex.quote(str(run.path))} -p TEXT` gives it prompts in the format "
+            "it learned",
+            "note",
         )
     session = Session(run, gen, style, seed)
     render = _Render(session, False, "[bold cyan]assistant »[/] ", f"end of reply ({chat.end})")

@@ -5,18 +5,18 @@ from __future__ import annotations
 from typing import Any
 
 import typer
-from rich.markup import escape
 
 from difftrain.cli.common import (
+    DataBars,
     console,
-    data_progress,
-    err_console,
     fmt_count,
     json_as_text_row,
     kv_table,
     vocab_shortfall,
+    warn,
 )
 from difftrain.cli.complete import override_items, recipe_refs
+from difftrain.errors import RecipeError
 
 
 def _bytes(n: float) -> str:
@@ -26,12 +26,11 @@ def _bytes(n: float) -> str:
     return f"{n:.0f} B"
 
 
-def prepare_table(prepared: Any, tokenizer_cfg: Any = None) -> Any:
-    """The summary table of a `PreparedData`; `tokenizer_cfg` (the recipe's) adds a note when the
-    trained tokenizer came out smaller than asked."""
+def prepare_table(prepared: Any, tokenizer_cfg: Any) -> Any:
+    """The summary table of a `PreparedData` made with the recipe's `tokenizer_cfg`."""
     s = prepared.stats
     cached = "reused from cache" if prepared.from_cache else "built now"
-    if tokenizer_cfg is not None and tokenizer_cfg.path is not None:
+    if tokenizer_cfg.path is not None:
         tok_note = f"loaded from {tokenizer_cfg.path}"
     else:
         tok_note = "cached" if prepared.tokenizer_from_cache else f"trained in {s.tokenizer_seconds:.1f} s"
@@ -52,7 +51,7 @@ def prepare_table(prepared: Any, tokenizer_cfg: Any = None) -> Any:
         (
             "vocabulary",
             f"{s.vocab_size:,} tokens ({tok_note}) · shards {prepared.index['dtype']}"
-            + (vocab_shortfall(s.vocab_size, tokenizer_cfg, s.bytes) if tokenizer_cfg is not None else ""),
+            + vocab_shortfall(s.vocab_size, tokenizer_cfg, s.bytes),
         ),
         ("time", f"{s.seconds:.1f} s ({cached})"),
         ("cache", f"{prepared.cache_dir}  ({_bytes(s.cache_bytes)})"),
@@ -86,10 +85,8 @@ def prepare_command(
     from difftrain.recipe import check_record_fields, load_recipe
 
     r = load_recipe(recipe, overrides or [])
-    if r.finetune is not None:  # its data needs the base run's tokenizer and the finetune checks
+    if r.finetune is not None:  # its data needs the base run's tokenizer
         import shlex
-
-        from difftrain.errors import RecipeError
 
         raise RecipeError(
             f"{recipe} is a fine-tuning recipe (finetune.base: {r.finetune.base}): its data is tokenized "
@@ -97,24 +94,23 @@ def prepare_command(
             f"{shlex.quote(recipe)} --dry-run` (records, bad records, truncation)"
         )
     check_record_fields(r)
-    if progress:
-        with data_progress() as update:
-            prepared = prepare_data(r.data, r.tokenizer, seed=r.seed, base_dir=r.recipe_dir, progress=update)
-    else:
-        prepared = prepare_data(r.data, r.tokenizer, seed=r.seed, base_dir=r.recipe_dir)
+    with DataBars() as bars:
+        prepared = prepare_data(
+            r.data, r.tokenizer, seed=r.seed, base_dir=r.recipe_dir, progress=bars if progress else None
+        )
     console.print(prepare_table(prepared, r.tokenizer))
     for src in prepared.stats.sources:
         examples = src.get("bad_examples", [])
         for example in examples:
-            err_console.print(f"[yellow]skipped:[/] {escape(example)}", soft_wrap=True)
+            warn(example, "skipped")
         more = src.get("bad_records", 0) - len(examples)
         if more > 0:
-            err_console.print(
-                f"[yellow]skipped:[/] … and {more:,} more in {escape(src['source'])} (the first "
-                f"{len(examples)} are listed; with data.on_bad_record=error the first stops the run)",
-                soft_wrap=True,
+            warn(
+                f"… and {more:,} more in {src['source']} (the first {len(examples)} are listed; with "
+                "data.on_bad_record=error the first stops the run)",
+                "skipped",
             )
-    vocab = getattr(r.model, "vocab_size", "auto")
+    vocab = r.model.vocab_size
     if vocab != "auto":
         from difftrain.data.tokenizer import check_vocab_fits, load_tokenizer
 

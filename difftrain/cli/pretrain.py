@@ -29,7 +29,7 @@ from difftrain.cli.complete import override_items, recipe_refs
 
 
 def _start_table(info: Any) -> None:
-    """The start table, from the run's `StartInfo`."""
+    """The start table of the run's `StartInfo`."""
     spec, data = info.spec, info.details["data"]
     rows = [
         (
@@ -55,21 +55,20 @@ def _end_table(summary: dict[str, Any], run_dir: Any) -> None:
     def f(v: Any, spec: str = ".4f") -> str:
         return "—" if v is None else format(v, spec)
 
+    loss = " · ".join(
+        f"{name} {f(summary[key])}"
+        for name, key in (
+            ("train", "final_train_loss"),
+            ("val", "final_val_loss"),
+            ("best val", "best_val_loss"),
+        )
+    )
     rows = [
         ("steps", f"{summary['steps']} ({fmt_count(summary['tokens'])} tokens)"),
         ("wall time", wall_time(summary)),
-        (
-            "throughput",
-            throughput(summary) + (f" · MFU {summary['mfu']:.1%}" if summary.get("mfu") else ""),
-        ),
-        (
-            "loss",
-            f"train {f(summary['final_train_loss'])} · val {f(summary['final_val_loss'])} · best val {f(summary['best_val_loss'])}",
-        ),
-        (
-            "peak memory",
-            peak_memory(summary),
-        ),
+        ("throughput", throughput(summary) + (f" · MFU {summary['mfu']:.1%}" if summary.get("mfu") else "")),
+        ("loss", loss),
+        ("peak memory", peak_memory(summary)),
     ]
     if summary.get("skipped_steps"):
         rows.append(("skipped steps", str(summary["skipped_steps"])))
@@ -106,15 +105,15 @@ def pretrain_command(
     if r.finetune is None:  # (a fine-tuning recipe is sent to `finetune` below)
         from difftrain.train.runcheck import early_check
 
-        check_files(r)  # a missing file or unwritable folder fails in a second, before torch loads
-        early_check(r, resume=resume, overwrite=overwrite)  # and so does the run's own command again
+        check_files(r)  # a missing file or unwritable folder fails before torch loads
+        early_check(r, resume=resume, overwrite=overwrite)
     if dry_run:
         from difftrain.spec import resolve
-        from difftrain.train.run import dry_run_warnings, preflight, require_pretraining
+        from difftrain.train.preflight import dry_run_warnings, preflight
+        from difftrain.train.run import require_pretraining
 
         require_pretraining(r)
         spec = resolve(r)
-        # what the run would do with its folder, refused where the run would refuse
         flag = spec.recipe.train.resume if resume is None else resume
         resuming, point = preflight(spec, resume=flag, overwrite=overwrite, dry_run=True)
         warnings = _check_inputs(spec.recipe, resuming) + dry_run_warnings(spec, point)
@@ -132,8 +131,7 @@ def pretrain_command(
 
 
 def _check_cached_data(spec: Any) -> str:
-    """The dry run's data row. Where the data is prepared already (the cache holds its tokenizer
-    and shards), its splits are checked against the sequence length as the run checks them."""
+    """The dry run's data row; prepared data's splits are checked against the sequence length."""
     from difftrain.data.shards import cached_index, check_split_sizes
 
     r = spec.recipe
@@ -153,10 +151,8 @@ def _check_cached_data(spec: Any) -> str:
 
 
 def _check_inputs(r: Any, resuming: bool = False) -> list[str]:
-    """The dry run's checks beyond `check_files` (which ran first): the tokenizer file loads and
-    fits model.vocab_size, and a run over several nodes has a launcher. Returns the warnings. A
-    resume's tokenizer is the run's own, trained already and fitting its model: no warning about
-    the size a tokenizer still to be trained might reach."""
+    """The dry run's checks beyond `check_files`: a run over several nodes has a launcher, and
+    (unless it resumes) the tokenizer fits model.vocab_size. Returns the warnings."""
     from difftrain.plan import tokenizer_size
     from difftrain.train.distributed import require_node_launcher
 
@@ -174,7 +170,7 @@ def _train(r: Any, *, resume: bool | None, overwrite: bool, progress: bool | Non
     result = run_training(
         "pretrain", pretrain, r, on_start=_start_table, resume=resume, overwrite=overwrite, progress=progress
     )
-    if result.is_global_zero:  # one table, not one per process
+    if result.is_global_zero:
         if result.finished_before:
             report_finished(result, "pretrain")
         _end_table(result.summary, result.run_dir)
