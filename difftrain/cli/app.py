@@ -1,12 +1,9 @@
-"""The `difftrain` command: a thin Typer app.
-
-Each command lives in its own module under `difftrain/cli/` and exposes `register(app)`. Commands
-parse arguments, call the library, and render results; they hold no training or model logic.
-Heavy imports (torch, lightning) happen inside the commands so that `difftrain --help` is instant.
-"""
+"""The `difftrain` command: a thin Typer app. Each command module under `difftrain/cli/` exposes
+`register(app)` and imports torch only inside its command, so that `difftrain --help` is instant."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import inspect
 import os
@@ -20,22 +17,10 @@ import typer
 from difftrain import __version__
 from difftrain.errors import user_message
 
-# Modules under difftrain.cli that register commands, in the order they appear in --help.
-COMMAND_MODULES = [
-    "recipes",
-    "prepare",
-    "pretrain",
-    "finetune",
-    "generate",
-    "evaluate",
-    "compare",
-    "interop",
-    "bench",
-    "plan",
-]
+# the modules under difftrain.cli that register commands, in the order of --help
+COMMAND_MODULES = "recipes prepare pretrain finetune generate evaluate compare interop bench plan".split()
 
-# Newer Typer versions vendor their own click (`typer._click`), older ones use the `click` package: take
-# the base class of usage errors from Typer itself, whichever it is.
+# the base class of click's usage errors, whichever click Typer uses (its own vendored one or `click`)
 _USAGE_ERROR: type[Exception] = next(c for c in typer.BadParameter.__mro__ if c.__name__ == "ClickException")
 
 app = typer.Typer(
@@ -66,8 +51,8 @@ def _root(
 
 
 def unwrap_help(doc: str) -> str:
-    """A docstring or help text as shown: the lines of each paragraph joined into one (the terminal
-    wraps it); a paragraph with an indented line is a table and keeps its lines."""
+    """A help text with the lines of each paragraph joined (the terminal wraps them); a paragraph
+    with an indented line is a table and keeps its lines."""
     paragraphs = re.split(r"\n\s*\n", inspect.cleandoc(doc))
     return "\n\n".join(
         p
@@ -87,27 +72,21 @@ def _unwrap_commands(group: typer.Typer) -> None:
             _unwrap_commands(sub.typer_instance)
 
 
-def _register_all() -> None:
-    for name in COMMAND_MODULES:
-        importlib.import_module(f"difftrain.cli.{name}").register(app)
-    _unwrap_commands(app)
-
-
-_register_all()
+for _name in COMMAND_MODULES:
+    importlib.import_module(f"difftrain.cli.{_name}").register(app)
+_unwrap_commands(app)
 
 
 def error_line(message: str) -> None:
-    """Print a user-facing error as one red line on stderr."""
+    """Print a user-facing error as one red line on stderr (the message is no rich markup)."""
     from rich.console import Console
     from rich.markup import escape
 
-    # escaped: messages hold text like `pip install 'difftrain[plot]'` that is not rich markup
     Console(stderr=True, highlight=False, soft_wrap=True).print(f"[bold red]error:[/] {escape(message)}")
 
 
 def usage_message(e: Exception, args: list[str] | None = None) -> str:
-    """Click's usage error as one line: the error and where the help is (the command's, from `args`
-    where click's error has no context)."""
+    """Click's usage error as one line: the error and where the command's help is."""
     message = e.format_message()  # type: ignore[attr-defined]
     message = message.replace("Input should be", "must be").replace("Value error, ", "").rstrip(".")
     ctx = getattr(e, "ctx", None)
@@ -119,8 +98,7 @@ def usage_message(e: Exception, args: list[str] | None = None) -> str:
 
 
 def _dash_file_hint(e: Exception, args: list[str]) -> str:
-    """For an unknown option that is an existing file's name (`prepare -dash.yaml`): how to name
-    that file so it is not read as options."""
+    """For an unknown option that is an existing file's name (`-dash.yaml`): how to name the file."""
     name = getattr(e, "option_name", None)
     given = next((a for a in args if name and a.startswith(name) and os.path.exists(a)), None)
     if given is None:
@@ -129,8 +107,7 @@ def _dash_file_hint(e: Exception, args: list[str]) -> str:
 
 
 def _command_path(args: list[str]) -> str | None:
-    """`difftrain CMD [SUB]` for the command named at the start of `args` (options skipped), or
-    None where none is named."""
+    """`difftrain CMD [SUB]` for the command `args` name (None where they name none)."""
     command: Any = typer.main.get_command(app)
     path = ["difftrain"]
     for arg in args:
@@ -147,13 +124,13 @@ _CTRL_C = {"seen": False}
 
 
 class Terminated(BaseException):
-    """SIGTERM outside training (which saves first): ends the command with one line, as Ctrl-C does,
-    but is no KeyboardInterrupt, which a chat's "Ctrl-C stops this reply" catches."""
+    """SIGTERM outside training: ends the command with one line, as Ctrl-C does, but is no
+    KeyboardInterrupt (which a chat catches to stop a reply)."""
 
 
-def _watch_ctrl_c() -> Callable[[], None]:
+def _watch_ctrl_c() -> Callable[[], object]:
     """Ctrl-C as KeyboardInterrupt (noted in `_CTRL_C`) and SIGTERM as `Terminated`, where their
-    handlers are the defaults; returns the undo. Training installs its own while it runs."""
+    handlers are the defaults; returns the undo."""
     import signal
     import threading
 
@@ -172,23 +149,15 @@ def _watch_ctrl_c() -> Callable[[], None]:
         if signal.getsignal(sig) is default:
             signal.signal(sig, on_signal)
             undo.append((sig, default))
-
-    def restore() -> None:
-        for sig, default in undo:
-            signal.signal(sig, default)
-
-    return restore
+    return lambda: [signal.signal(sig, default) for sig, default in undo]
 
 
 def _interrupted(message: str = "interrupted (Ctrl-C)") -> None:
-    """A stop outside training (which saves and says how to resume): one line. On a terminal a
-    newline first ends what was being streamed to stdout (a generation) on the same screen."""
-    try:
+    """A stop outside training: one line, after a newline that ends a streamed line on a terminal."""
+    with contextlib.suppress(OSError, ValueError):
         if sys.stdout.isatty():
             sys.stdout.write("\n")
         sys.stdout.flush()
-    except (OSError, ValueError):
-        pass
     error_line(message)
 
 
@@ -197,8 +166,7 @@ _SHELL_CHOICE_ENV = "_TYPER_COMPLETE_TEST_DISABLE_SHELL_DETECTION"  # Typer: the
 
 
 def _shell_named(args: list[str]) -> bool:
-    """Whether the command line names the shell for --show-completion / --install-completion
-    (`--show-completion zsh`, `--show-completion=zsh`): Typer then takes it as the option's value."""
+    """Whether `args` name the shell for --show-completion / --install-completion."""
     for i, arg in enumerate(args):
         if arg in _COMPLETION_OPTIONS:
             return i + 1 < len(args) and not args[i + 1].startswith("-")
@@ -246,8 +214,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _ending(e: BaseException, args: list[str]) -> tuple[str | None, int] | None:
-    """How the command ends on `e`: (its one red line, None for none; the exit code). None: `e` is
-    not a user's failure (a bug) and keeps its traceback."""
+    """(the one red line or None, the exit code) that end the command on `e`; None for a bug,
+    which keeps its traceback."""
     if isinstance(e, typer.Exit):
         return None, e.exit_code
     if isinstance(e, SystemExit):  # Typer's --show-completion / --install-completion exit so

@@ -27,12 +27,10 @@ or PDF, by the suffix of the file name.
 
 
 def _cell(value: Any, fmt: str) -> str:
-    if value is None:
-        return "—"
-    if fmt == "count":
+    if fmt == "count" and value is not None:
         return fmt_count(value)
-    if isinstance(value, (int, float)) and fmt:
-        return fmt_figure(value, fmt)  # (-1e-6 → +0.0000: it prints as zero)
+    if value is None or (isinstance(value, (int, float)) and fmt):
+        return fmt_figure(value, fmt)  # "—" for None; -1e-6 → +0.0000
     return str(value)
 
 

@@ -1,12 +1,6 @@
-"""Tab completion of difftrain's own values (`difftrain --install-completion` sets it up).
-
-Typer completes commands and options by itself; these functions add what only difftrain knows:
-recipe names (the shipped ones, then .yaml files and folders under the typed path), the
-key=value overrides a recipe takes (its dotted keys, then the choices of an enumerated or boolean
-key), and eval suites (each part of a comma-separated list). Each takes the word being typed and
-returns (value, help) pairs; zsh and fish show the help, bash the values. They run at every TAB
-press, so they import nothing heavy (the recipe schema, no torch).
-"""
+"""Tab completion of difftrain's own values: recipe names and files, key=value overrides, eval
+suites. Each function takes the word being typed and returns (value, help) pairs; they run at
+every TAB press, so they import nothing heavy."""
 
 from __future__ import annotations
 
@@ -23,14 +17,12 @@ def recipe_refs(incomplete: str) -> list[tuple[str, str]]:
 
     out: list[tuple[str, str]] = []
     if os.sep not in incomplete and "/" not in incomplete:
-        for name, path in sorted(shipped_recipes().items()):
-            if name.startswith(incomplete):
-                out.append((name, _first_line(recipe_summary(path))))
+        out = [
+            (name, (recipe_summary(path).strip().splitlines() or [""])[0])
+            for name, path in sorted(shipped_recipes().items())
+            if name.startswith(incomplete)
+        ]
     return out + _recipe_files(incomplete)
-
-
-def _first_line(text: str) -> str:
-    return text.strip().splitlines()[0] if text.strip() else ""
 
 
 def _recipe_files(incomplete: str) -> list[tuple[str, str]]:
@@ -61,25 +53,19 @@ def _recipe_files(incomplete: str) -> list[tuple[str, str]]:
 
 
 def _choices(type_text: str) -> list[str]:
-    """The values an `explain_rows` type allows when it is a closed set ("baseline | diff | diff2",
-    "auto | true | false", "bool"), else [] ("int | null", "str")."""
+    """The values an `explain_rows` type allows when it is a closed set ("baseline | diff", "bool"),
+    else [] ("int | null", "str")."""
     parts = [p.strip() for p in type_text.split("|")]
     if any(p.split("[")[0] in _OPEN_TYPES for p in parts):
         return []
-    values: list[str] = []
-    for p in parts:
-        values += ["true", "false"] if p == "bool" else [p]
-    return values
+    return [v for p in parts for v in (["true", "false"] if p == "bool" else [p])]
 
 
 def override_items(ctx: Any, incomplete: str) -> list[tuple[str, str]]:
     """Dotted recipe keys starting with `incomplete` (as `key=`), or after `key=` its choices.
 
-    zsh and fish pass `key=va` as one word. bash splits it at the `=` (COMP_WORDBREAKS): then
-    the overrides parsed so far (ctx.params) end [..., key, "="] and only the value is replaced; with the cursor right
-    after the `=`, the word being completed is the `=` itself, which click passes as "" after the
-    key, and readline replaces the empty text after the `=`: a bare key before an empty word
-    takes its values as they are."""
+    zsh and fish pass `key=va` as one word; bash splits it at the `=`, so that the overrides parsed
+    so far (ctx.params) end [..., key, "="], or [..., key] with an empty word right after the `=`."""
     from difftrain.recipe import explain_rows
 
     args = [str(a) for a in (getattr(ctx, "params", {}).get("overrides") or [])]
@@ -134,14 +120,12 @@ BASH_SCRIPT = r"""
 
 complete -o default -F %(complete_func)s %(prog_name)s
 """
-"""Typer's bash script, but with no space after a completed `key=` or folder (bash appended one:
-`train.max_steps= 100` is then refused) and file names quoted (a recipe named `my run.yaml` was
-split in two)."""
+"""Typer's bash script, with no space after a completed `key=` or folder, and file names quoted."""
 
 
 def use_bash_script() -> None:
-    """Make `--show-completion bash` / `--install-completion bash` write `BASH_SCRIPT`. Typer keeps
-    its scripts in a private table; where this Typer has none, its own script stays."""
+    """Make `--show-completion bash` / `--install-completion bash` write `BASH_SCRIPT` (where this
+    Typer keeps its scripts in the private table it does)."""
     try:
         from typer import _completion_shared
     except ImportError:

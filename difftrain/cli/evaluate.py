@@ -84,24 +84,12 @@ def parse_suites(values: list[str] | None) -> list[str]:
     return list(dict.fromkeys(names))
 
 
-def named_suites(values: list[str] | None) -> set[str]:
-    """The suites --suite names itself (not only through `all`): those must run; a suite that
-    only `all` brings in is skipped, with a note, where it cannot run on the model."""
-    from difftrain.evals import check_suite
-
-    return {check_suite(p) for p in _suite_parts(values) if p.lower() != "all"}
-
-
 def _suite_parts(values: list[str] | None) -> list[str]:
     """The names --suite was given (repeated, comma-separated; default ppl)."""
     return [p.strip() for v in values or ["ppl"] for p in v.split(",") if p.strip()]
 
 
 # ----- rendering -------------------------------------------------------------------------------
-def _f(v: Any, spec: str = ".4f") -> str:
-    return "—" if v is None else format(v, spec)
-
-
 def _acc_cell(v: float | None) -> str:
     if v is None:
         return "—"
@@ -138,7 +126,7 @@ def render(doc: dict[str, Any], run_dir: Path) -> None:
             ("loss", f"{res['loss']:.4f}{err} nats/token"),
             ("perplexity", f"{res['ppl']:.3f}"),
             ("bits/token", f"{res['bits_per_token']:.4f}"),
-            ("bits/byte", _f(res["bits_per_byte"])),
+            ("bits/byte", fmt_figure(res["bits_per_byte"])),
             *([("note", res["note"])] if res.get("note") else []),
         ]
         console.print(kv_table(title, rows))
@@ -196,8 +184,8 @@ def render(doc: dict[str, Any], run_dir: Path) -> None:
                 f"{row['answer']:.3f}",
                 f"{row['noise']:.3f}",
                 *([f"{row['noise_abs']:.3f}"] if signed else []),
-                _f(row.get("answer_share"), ".3f"),
-                _f(row.get("noise_share"), ".3f"),
+                fmt_figure(row.get("answer_share"), ".3f"),
+                fmt_figure(row.get("noise_share"), ".3f"),
                 style="bold" if row["depth"] is None else None,
             )
         console.print(t)
@@ -207,7 +195,7 @@ def render(doc: dict[str, Any], run_dir: Path) -> None:
                 str(row["layer"]),
                 f"{row['answer']:.3f}",
                 f"{row['noise']:.3f}",
-                _f(row.get("answer_share"), ".3f"),
+                fmt_figure(row.get("answer_share"), ".3f"),
             )
         console.print(lt)
         if signed:
@@ -230,12 +218,16 @@ def render(doc: dict[str, Any], run_dir: Path) -> None:
         t.columns[0].justify = "left"
         for name, key in (("attention logits", "attention_logits"), ("hidden states", "hidden_states")):
             s = res[key]
-            tops = [_f(s[f"top{k}"], ".2f") for k in (1, 2, 3, 10, 100)]
-            t.add_row(name, *tops, _f(s["median"], ".3f"), _f(s.get("kurtosis"), ".1f"))
+            tops = [fmt_figure(s[f"top{k}"], ".2f") for k in (1, 2, 3, 10, 100)]
+            t.add_row(name, *tops, fmt_figure(s["median"], ".3f"), fmt_figure(s.get("kurtosis"), ".1f"))
         console.print(t)
         lt = _table("per layer", "layer", "logit top-1", "logit kurtosis", "hidden top-1", "hidden kurtosis")
         for a, h in zip(res["attention_logits"]["per_layer"], res["hidden_states"]["per_layer"], strict=True):
-            cells = [c for x in (a, h) for c in (_f(x["top1"], ".2f"), _f(x.get("kurtosis"), ".1f"))]
+            cells = [
+                c
+                for x in (a, h)
+                for c in (fmt_figure(x["top1"], ".2f"), fmt_figure(x.get("kurtosis"), ".1f"))
+            ]
             lt.add_row(str(a["layer"]), *cells)
         console.print(lt)
     elif suite == "quant":
@@ -508,7 +500,7 @@ def eval_command(
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
     run = load_run(run_dir, device=dev, dtype=dt)
-    named = named_suites(suite)
+    named = set(map(str.lower, _suite_parts(suite)))  # must run; what `all` adds may be skipped
     skipped: dict[str, str] = {}
     for s in suites:
         try:

@@ -12,6 +12,7 @@ from difftrain.cli.common import (
     check_vocab_early,
     console,
     fmt_count,
+    fmt_figure,
     json_as_text_row,
     kv_table,
     peak_memory,
@@ -52,22 +53,14 @@ def _start_table(info: Any) -> None:
 
 
 def _end_table(summary: dict[str, Any], run_dir: Any) -> None:
-    def f(v: Any, spec: str = ".4f") -> str:
-        return "—" if v is None else format(v, spec)
-
-    loss = " · ".join(
-        f"{name} {f(summary[key])}"
-        for name, key in (
-            ("train", "final_train_loss"),
-            ("val", "final_val_loss"),
-            ("best val", "best_val_loss"),
-        )
-    )
     rows = [
         ("steps", f"{summary['steps']} ({fmt_count(summary['tokens'])} tokens)"),
         ("wall time", wall_time(summary)),
         ("throughput", throughput(summary) + (f" · MFU {summary['mfu']:.1%}" if summary.get("mfu") else "")),
-        ("loss", loss),
+        (
+            "loss",
+            f"train {fmt_figure(summary['final_train_loss'])} · val {fmt_figure(summary['final_val_loss'])} · best val {fmt_figure(summary['best_val_loss'])}",
+        ),
         ("peak memory", peak_memory(summary)),
     ]
     if summary.get("skipped_steps"):

@@ -94,8 +94,8 @@ def cp(
             f"cannot write {target}: {e.strerror or e}; choose a DEST in a folder you can write"
         ) from e
     typer.echo(f"copied {src.name} to {target}")
-    run_name = _recipe_name(target)
-    if run_name is not None and run_name != target.stem:  # a copy to edit, run into the original's folder
+    run_name = _own_key(target, "name", (str, int))  # a copy to edit runs into the original's folder
+    if run_name is not None and str(run_name) != target.stem:
         typer.echo(
             f"its name is still {run_name}: a run of it goes to the original's run folder (out_dir/{run_name}); "
             "change `name:` to keep the two apart"
@@ -109,40 +109,30 @@ def cp(
         )
 
 
-def _own_key(path: Path, key: str) -> Any:
-    """A top-level key of a recipe file as written (None where it has none, or the file is no
-    YAML mapping or cannot be read): the file itself, not what it extends."""
-    import yaml
+def _own_key(path: Path, key: str, types: Any = str) -> Any:
+    """A top-level key of a recipe file as written, not what it extends (None where it has none
+    of `types`, or the file does not read)."""
+    from difftrain.errors import DifftrainError
+    from difftrain.recipe import read_yaml
 
     try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, yaml.YAMLError):
+        value = read_yaml(path)[0].get(key)
+    except (DifftrainError, OSError):
         return None
-    return data.get(key) if isinstance(data, dict) else None
-
-
-def _recipe_name(path: Path) -> str | None:
-    """The `name:` a recipe file sets itself (None where it sets none or cannot be read)."""
-    name = _own_key(path, "name")
-    return str(name) if isinstance(name, (str, int)) else None
+    return value if isinstance(value, types) else None
 
 
 def _paths_read_elsewhere(src: Path, target: Path) -> list[str]:
-    """The relative paths of a recipe file that name something else once it is copied from `src`
-    to `target`: a recipe's relative paths are read against its own folder, and
-    `Recipe.with_absolute_paths` knows which they are (data sources, data_files, tokenizer.path).
-    Empty for a shipped recipe (read from the current folder) or one that does not load (the
-    copy is the user's to fix)."""
+    """The relative paths of a recipe (read against its own folder) that name something else once
+    it is copied from `src` to `target`; none for a shipped recipe or one that does not load."""
     from difftrain.errors import DifftrainError
     from difftrain.recipe import load_recipe, shipped_recipes_dir
 
     old, new = src.resolve().parent, target.resolve().parent
     if old == new or old == shipped_recipes_dir().resolve():
         return []
-    parent = _extends(src)  # `extends: ../base.yaml` is read against the recipe's folder too
+    parent = _own_key(src, "extends")  # the parent's own paths are read against its folder
     if parent is not None and _find(parent, old) != _find(parent, new):
-        # the copy reads another parent, or none: that is the path to fix (the parent's own
-        # paths are read against the parent's folder, which the copy does not change)
         return [f"extends: {parent}"]
     moved: list[str] = []
     try:
@@ -158,12 +148,6 @@ def _paths_read_elsewhere(src: Path, target: Path) -> list[str]:
     if a.tokenizer.path != b.tokenizer.path:
         moved.append(str(here.tokenizer.path))
     return moved
-
-
-def _extends(path: Path) -> str | None:
-    """The `extends:` of a recipe file as written (None where it has none or is no YAML mapping)."""
-    value = _own_key(path, "extends")
-    return value if isinstance(value, str) else None
 
 
 def _find(ref: str, folder: Path) -> Path | None:
@@ -197,15 +181,12 @@ def explain(
     if markdown:
         typer.echo(recipe_reference_markdown(section), nl=False)
         return
-    rows = explain_rows(section)
-    table = Table(
-        title=f"recipe keys{': ' + section if section else ''}", title_justify="left", show_lines=False
-    )
+    table = Table(title=f"recipe keys{': ' + section if section else ''}", title_justify="left")
     table.add_column("key", style="bold cyan", no_wrap=True)
     table.add_column("type", style="magenta")
     table.add_column("default", style="green")
     table.add_column("description")
-    for row in rows:  # escaped: `list[str]`, 'hf:<dataset>[:<config>]' are not rich markup
+    for row in explain_rows(section):  # escaped: `list[str]`, 'hf:<dataset>[:<config>]' are no markup
         table.add_row(*map(escape, row))
     console.print(table)
 
