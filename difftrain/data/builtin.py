@@ -27,9 +27,6 @@ from typing import Any, Protocol
 from difftrain.data.config import DocstringsSpec, NeedlesSpec
 from difftrain.errors import DataError
 
-# ---------------------------------------------------------------------------------------------
-# builtin:python-stdlib
-
 _EXCLUDED_DIRS = frozenset(
     {"test", "tests", "idle_test", "site-packages", "dist-packages", "__pycache__", "lib-dynload"}
 )
@@ -90,10 +87,6 @@ def python_stdlib_documents(files: Sequence[Path] | None = None) -> Iterator[str
             yield text
 
 
-# ---------------------------------------------------------------------------------------------
-# builtin:python-docstrings
-
-
 def _function_record(
     lines: list[str], node: ast.FunctionDef | ast.AsyncFunctionDef, cls: ast.ClassDef | None
 ) -> tuple[str, str] | None:
@@ -104,20 +97,18 @@ def _function_record(
     first = min([node.lineno, *(d.lineno for d in node.decorator_list)])
     doc_end = body[0].end_lineno
     indent = cls.col_offset if cls is not None else node.col_offset
-    head = [
-        ln[indent:] if ln[:indent].isspace() or not ln[:indent] else ln for ln in lines[first - 1 : doc_end]
-    ]
+
+    def text(part: list[str]) -> str:  # dedented to the top-level statement, each line ended
+        part = [ln[indent:] if ln[:indent].isspace() or not ln[:indent] else ln for ln in part]
+        return "".join(ln if ln.endswith("\n") else ln + "\n" for ln in part)
+
     tail = lines[doc_end : node.end_lineno]
     while tail and not tail[-1].strip():
         tail.pop()
-    tail = [ln[indent:] if ln[:indent].isspace() or not ln[:indent] else ln for ln in tail]
-    if not tail or not any(ln.strip() for ln in tail):
+    if not tail:
         return None
-    prompt = "".join(ln if ln.endswith("\n") else ln + "\n" for ln in head)
-    if cls is not None:
-        prompt = f"class {cls.name}:\n" + prompt
-    response = "".join(ln if ln.endswith("\n") else ln + "\n" for ln in tail)
-    return prompt, response
+    prompt = text(lines[first - 1 : doc_end])
+    return (f"class {cls.name}:\n" + prompt if cls is not None else prompt), text(tail)
 
 
 def python_docstring_records(
@@ -163,9 +154,6 @@ def python_docstring_records(
             yield {"prompt": rec[0], "response": rec[1], "source": f"{module}:{qual}"}
 
 
-# ---------------------------------------------------------------------------------------------
-# builtin:needles
-
 _CITIES = (
     "Amsterdam Athens Auckland Bangkok Barcelona Beirut Belgrade Berlin Bogota Boston Brisbane "
     "Brussels Bucharest Budapest Cairo Calgary Chicago Copenhagen Dakar Delhi Denver Dublin "
@@ -177,77 +165,27 @@ _CITIES = (
 ).split()
 
 _SUBJECTS = (
-    "The river",
-    "A quiet village",
-    "The old library",
-    "The baker",
-    "The committee",
-    "A small boat",
-    "The mountain path",
-    "Our neighbour",
-    "The orchestra",
-    "A curious child",
-    "The gardener",
-    "The lighthouse keeper",
-    "A travelling musician",
-    "The school teacher",
-    "The night train",
-    "An elderly painter",
-    "The fishing fleet",
-    "A young poet",
-    "The museum guard",
-    "The shepherd",
-)
+    "The river, A quiet village, The old library, The baker, The committee, A small boat, The "
+    "mountain path, Our neighbour, The orchestra, A curious child, The gardener, The "
+    "lighthouse keeper, A travelling musician, The school teacher, The night train, An "
+    "elderly painter, The fishing fleet, A young poet, The museum guard, The shepherd"
+).split(", ")
 _VERBS = (
-    "drifted past",
-    "waited near",
-    "spoke about",
-    "looked toward",
-    "returned to",
-    "painted",
-    "wrote about",
-    "remembered",
-    "walked along",
-    "listened to",
-    "dreamed of",
-    "searched for",
-    "sang about",
-    "slowly crossed",
-    "quietly admired",
-    "often visited",
-)
+    "drifted past, waited near, spoke about, looked toward, returned to, painted, wrote "
+    "about, remembered, walked along, listened to, dreamed of, searched for, sang about, "
+    "slowly crossed, quietly admired, often visited"
+).split(", ")
 _OBJECTS = (
-    "the green hills",
-    "a forgotten garden",
-    "the harbour at dusk",
-    "the long winter",
-    "an empty station",
-    "the autumn market",
-    "the stone bridge",
-    "a field of sunflowers",
-    "the northern coast",
-    "the narrow streets",
-    "a distant island",
-    "the frozen lake",
-    "the crowded square",
-    "an abandoned mill",
-    "the evening tide",
-    "the cedar forest",
-)
+    "the green hills, a forgotten garden, the harbour at dusk, the long winter, an empty "
+    "station, the autumn market, the stone bridge, a field of sunflowers, the northern coast, "
+    "the narrow streets, a distant island, the frozen lake, the crowded square, an abandoned "
+    "mill, the evening tide, the cedar forest"
+).split(", ")
 _TAILS = (
-    "",
-    "",
-    "",
-    " before the rain began",
-    " without saying a word",
-    " as the light faded",
-    " for most of the afternoon",
-    " once again",
-    " with great care",
-    " in the early morning",
-    " while the bells rang",
-    " under a grey sky",
-)
+    "||| before the rain began| without saying a word| as the light faded| for most of the "
+    "afternoon| once again| with great care| in the early morning| while the bells rang| "
+    "under a grey sky"
+).split("|")
 
 
 def _pick(rng: random.Random, seq: Sequence[Any]) -> Any:
@@ -363,9 +301,7 @@ def make_needle_example(
         raise ValueError(f"n_queries must be in [1, n_needles={n_needles}], got {n_queries}")
     rng = random.Random(seed)
     pool = list(_CITIES)
-    keys = []
-    for _ in range(n_needles):
-        keys.append(pool.pop(int(rng.random() * len(pool))))
+    keys = [pool.pop(int(rng.random() * len(pool))) for _ in range(n_needles)]
     values = [str(1_000_000 + int(rng.random() * 9_000_000)) for _ in range(n_needles)]
     if depths is None:
         ds = [rng.random() for _ in range(n_needles)]
@@ -378,10 +314,8 @@ def make_needle_example(
                 f"depths must be one value in [0, 1] per needle (or one for all), got {list(depths)}"
             )
     order = list(range(n_needles))
-    queried = []
-    for _ in range(n_queries):
-        queried.append(order.pop(int(rng.random() * len(order))))
-    needle_specs = [(k, v, d) for k, v, d in zip(keys, values, ds, strict=True)]
+    queried = [order.pop(int(rng.random() * len(order))) for _ in range(n_queries)]
+    needle_specs = list(zip(keys, values, ds, strict=True))
     needle_chars = sum(len(f"The magic number of {k} is {v}.") + 1 for k, v in zip(keys, values, strict=True))
 
     # An endless, seeded stream of filler sentences; the haystack takes a prefix of it.
@@ -464,18 +398,3 @@ def needle_documents(spec: NeedlesSpec | None = None) -> Iterator[str]:
 def needles_estimated_bytes(spec: NeedlesSpec | None = None) -> int:
     spec = spec or NeedlesSpec()
     return spec.num_documents * (int(spec.context_tokens * spec.chars_per_token) + 80 + 50 * spec.n_queries)
-
-
-__all__ = [
-    "Needle",
-    "NeedleExample",
-    "filler_sentence",
-    "make_needle_example",
-    "needle_documents",
-    "needle_seed",
-    "python_docstring_records",
-    "python_stdlib_documents",
-    "read_python_source",
-    "stdlib_dir",
-    "stdlib_files",
-]

@@ -36,10 +36,6 @@ from difftrain.errors import DataError
 IGNORE_INDEX = -100
 """Target value that the cross-entropy loss ignores (prompt and padding positions)."""
 
-# ---------------------------------------------------------------------------------------------
-# counter-based randomness
-
-
 _MASK64 = (1 << 64) - 1
 
 
@@ -63,10 +59,6 @@ def window_offsets(seed: int, indices: np.ndarray, n_tokens: int, window: int) -
     key = _splitmix64(np.array([seed & _MASK64], dtype=np.uint64))[0]
     h = _splitmix64(np.asarray(indices, dtype=np.uint64) ^ key)
     return (h % np.uint64(span)).astype(np.int64)
-
-
-# ---------------------------------------------------------------------------------------------
-# shared resumable machinery
 
 
 class _ResumableDataModule(L.LightningDataModule):
@@ -175,10 +167,6 @@ class _Fixed(IterableDataset):
         worker, n_workers = _worker_slice()
         for j in range(worker, len(self), n_workers):
             yield self.make(self.items[j * self.batch : (j + 1) * self.batch])
-
-
-# ---------------------------------------------------------------------------------------------
-# pretraining
 
 
 class _Memmap:
@@ -333,9 +321,6 @@ class PretrainDataModule(_ResumableDataModule):
     def state_dict(self) -> dict[str, Any]:
         return {**super().state_dict(), "seq_len": self.seq_len}
 
-
-# ---------------------------------------------------------------------------------------------
-# supervised fine-tuning
 
 Segment = tuple[str, bool]
 """A piece of an SFT example: (text, trained) — trained pieces contribute to the loss."""

@@ -186,21 +186,3 @@ def recall_records(specs: list[RecallSpec]) -> tuple[list[dict[str, object]], li
         held = held_out_examples(spec, spec.val_documents, split="val", exclude=(ex.text for ex in exs))
         val += [as_record(ex) for ex in held]
     return train, val
-
-
-__all__ = [
-    "MAX_VOCAB",
-    "RecallExample",
-    "as_record",
-    "estimated_bytes",
-    "example_seed",
-    "held_out_examples",
-    "key_symbol",
-    "make_recall_example",
-    "recall_documents",
-    "recall_records",
-    "record_segments",
-    "spec_example",
-    "train_examples",
-    "value_symbol",
-]

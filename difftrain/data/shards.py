@@ -42,8 +42,14 @@ from difftrain.data.sources import (
     resolve_sources,
     sources_fingerprint,
 )
-from difftrain.data.tokenizer import Tokenizer, load_tokenizer, train_tokenizer, word_start_pieces
-from difftrain.errors import DataError
+from difftrain.data.tokenizer import (
+    Tokenizer,
+    load_tokenizer,
+    text_batches,
+    train_tokenizer,
+    word_start_pieces,
+)
+from difftrain.errors import DataError, TokenizerError
 from difftrain.io import atomic_write_json, fsync_dir
 
 FORMAT_VERSION = 1
@@ -107,13 +113,6 @@ class PreparedData:
     def dtype(self) -> np.dtype:
         return np.dtype(self.index["dtype"])
 
-    def tokenizer(self) -> Tokenizer:
-        return load_tokenizer(self.tokenizer_path)
-
-
-# ---------------------------------------------------------------------------------------------
-# hashing helpers
-
 
 TOKENIZER_SAMPLE_PIECE = 1 << 16
 """Characters: the unit of the tokenizer's training sample (see `_training_texts`)."""
@@ -134,21 +133,15 @@ def token_dtype(vocab_size: int) -> np.dtype:
     return np.dtype(np.uint16) if vocab_size <= 1 << 16 else np.dtype(np.uint32)
 
 
-# ---------------------------------------------------------------------------------------------
-# atomic cache entries
-
-
 def _clean_stale_tmp(parent: Path) -> None:
     """Remove temporary folders left by crashed builds (their process is gone)."""
     for p in parent.glob(".tmp-*") if parent.is_dir() else []:
         try:
             os.kill(int(p.name.rsplit("-", 2)[1]), 0)
-        except (IndexError, ValueError):
-            continue
         except ProcessLookupError:
             shutil.rmtree(p, ignore_errors=True)
-        except OSError:
-            continue
+        except (IndexError, ValueError, OSError):  # not a build's folder, or its process lives
+            pass
 
 
 @contextlib.contextmanager
@@ -184,10 +177,6 @@ def _building(final: Path) -> Iterator[Path]:
 
 def _dir_bytes(path: Path) -> int:
     return sum(p.stat().st_size for p in path.iterdir() if p.is_file())
-
-
-# ---------------------------------------------------------------------------------------------
-# tokenizer stage
 
 
 def _training_texts(
@@ -263,6 +252,24 @@ def _trained_tokenizer(final: Path) -> Tokenizer | None:
     return tok if isinstance(meta, dict) and meta.get("sha256") == tok.sha256 else None
 
 
+def _tokenizer_entry(
+    data_cfg: DataConfig, tok_cfg: TokenizerConfig, base_dir: Path, sources: list[Source] | None
+) -> tuple[Path, Tokenizer | None, bool]:
+    """(cache folder, tokenizer, complete) of the tokenizer `tok_cfg` names: a copy of its
+    tokenizer.path (the tokenizer: that file), or one trained on `sources` (the tokenizer: the
+    entry's where complete, else None)."""
+    root = data_cfg.resolved_cache_dir() / "tokenizers"
+    tok_file = tok_cfg.file(base_dir)
+    if tok_file is not None:
+        tok = load_tokenizer(tok_file)
+        final = root / f"file-{tok.sha256[:20]}"
+        return final, tok, (final / "tokenizer.json").is_file()
+    sources = resolve_sources(data_cfg, base_dir) if sources is None else sources
+    final = root / _tokenizer_key(data_cfg, tok_cfg, sources)
+    tok = _trained_tokenizer(final)
+    return final, tok, tok is not None
+
+
 def prepare_tokenizer(
     data_cfg: DataConfig,
     tok_cfg: TokenizerConfig,
@@ -274,43 +281,28 @@ def prepare_tokenizer(
     """Load or train the tokenizer into the cache; returns (tokenizer.json path, from cache, seconds)."""
     t0 = time.perf_counter()
     # the cache must be writable only to build: a complete (e.g. shared, read-only) one is read
-    root = data_cfg.resolved_cache_dir() / "tokenizers"
-    tok_file = tok_cfg.file(base_dir)
-    if tok_file is not None:
-        tok = load_tokenizer(tok_file)
-        final = root / f"file-{tok.sha256[:20]}"
-        if (final / "tokenizer.json").is_file():
-            return final / "tokenizer.json", True, time.perf_counter() - t0
-        data_cfg.check_cache_dir()
-        with _building(final) as tmp:
-            tok.save(tmp / "tokenizer.json")
-        return final / "tokenizer.json", False, time.perf_counter() - t0
-
-    sources = resolve_sources(data_cfg, base_dir) if sources is None else sources
-    final = root / _tokenizer_key(data_cfg, tok_cfg, sources)
-    path = final / "tokenizer.json"
-    if _trained_tokenizer(final) is not None:
-        return path, True, time.perf_counter() - t0
+    final, tok, complete = _tokenizer_entry(data_cfg, tok_cfg, base_dir, sources)
+    if complete:
+        return final / "tokenizer.json", True, time.perf_counter() - t0
     data_cfg.check_cache_dir()
     if final.exists():  # damaged, edited or incomplete (tokenizer.json or meta.json gone): rebuild it
         shutil.rmtree(final, ignore_errors=True)
-    texts = _training_texts(sources, data_cfg, tok_cfg.train.max_bytes, progress)
-    tok = train_tokenizer(texts, tok_cfg.train)
+    trained = tok is None
+    if tok is None:
+        sources = resolve_sources(data_cfg, base_dir) if sources is None else sources
+        tok = train_tokenizer(
+            _training_texts(sources, data_cfg, tok_cfg.train.max_bytes, progress), tok_cfg.train
+        )
     with _building(final) as tmp:
         tok.save(tmp / "tokenizer.json")
-        atomic_write_json(
-            tmp / "meta.json",
-            {
+        if trained:
+            meta = {
                 "train": tok_cfg.train.model_dump(mode="json"),
                 "sha256": tok.sha256,
                 "vocab_size": tok.vocab_size,
-            },
-        )
-    return path, False, time.perf_counter() - t0
-
-
-# ---------------------------------------------------------------------------------------------
-# shard stage
+            }
+            atomic_write_json(tmp / "meta.json", meta)
+    return final / "tokenizer.json", False, time.perf_counter() - t0
 
 
 class _ShardWriter:
@@ -352,20 +344,6 @@ def training_repeats(weight: float, seed: int, source: int, doc: int) -> int:
     return whole + (1 if frac > 0 and unit_hash("weight", seed, source, doc) < frac else 0)
 
 
-def _batches(texts: Iterator[str]) -> Iterator[list[str]]:
-    """`texts` in batches of about 1 MiB (at most 4096 texts) for the tokenizer."""
-    batch: list[str] = []
-    size = 0
-    for text in texts:
-        batch.append(text)
-        size += len(text)
-        if size >= 1 << 20 or len(batch) >= 4096:
-            yield batch
-            batch, size = [], 0
-    if batch:
-        yield batch
-
-
 def _build_shards(
     out: Path,
     sources: list[Source],
@@ -385,7 +363,7 @@ def _build_shards(
     every text (Llama's <s>) starts each document with it: `<s> doc </s> <s> doc </s> …`."""
     dtype = token_dtype(tok.vocab_size)
     eos = np.array([tok.eos_id], dtype=dtype)
-    start = [tok.document_start_id] if tok.document_start_id != tok.eos_id else []
+    start = np.array([tok.document_start_id] if tok.document_start_id != tok.eos_id else [], dtype=dtype)
     train = _ShardWriter(out / "train.bin", dtype)
     val = _ShardWriter(out / "val.bin", dtype)
     estimates = [s.estimated_bytes() for s in sources]
@@ -397,12 +375,9 @@ def _build_shards(
             stats = SourceStats(s.spec.source)
             all_stats.append(stats)
             d = 0
-            for batch in _batches(s.documents(stats, data_cfg.on_bad_record)):
+            for batch in text_batches(s.documents(stats, data_cfg.on_bad_record), 4096):
                 for ids in tok.encode_arrays(batch, dtype, allow_special=s.spells_special_tokens):
-                    arr = np.empty(len(start) + len(ids) + 1, dtype=dtype)
-                    arr[: len(start)] = start
-                    arr[len(start) : -1] = ids
-                    arr[-1] = eos[0]
+                    arr = np.concatenate([start, ids, eos])
                     if tail_at is not None:  # the unweighted stream's tail is validation
                         cut = min(max(tail_at - seen_tokens, 0), len(arr))
                         copies = training_repeats(s.spec.weight, seed, s.index, d)
@@ -451,15 +426,9 @@ def _build_shards(
     if tail_at is None and data_cfg.val_fraction > 0 and val.tokens == 0:
         # Too few documents for a document split (e.g. one big text file): hold out the tail.
         n_val = max(1, math.ceil(train.tokens * data_cfg.val_fraction))
-        mm = np.memmap(train.path, dtype=dtype, mode="r")
-        tail = np.array(mm[train.tokens - n_val :])
-        del mm
-        with open(val.path, "wb") as f:
-            f.write(tail.tobytes())
-        with open(train.path, "rb+") as f:
-            f.truncate((train.tokens - n_val) * dtype.itemsize)
-        train.tokens -= n_val
-        val.tokens = n_val
+        np.fromfile(train.path, dtype=dtype, offset=(train.tokens - n_val) * dtype.itemsize).tofile(val.path)
+        os.truncate(train.path, (train.tokens - n_val) * dtype.itemsize)
+        train.tokens, val.tokens = train.tokens - n_val, n_val
         split = "tail"
     return {
         "dtype": dtype.name,
@@ -516,20 +485,12 @@ def cached_index(
     None when it would build them (or its tokenizer) first. Reads no documents, writes nothing."""
     base = Path(base_dir).expanduser().resolve()
     sources = resolve_sources(data_cfg, base)
-    root = data_cfg.resolved_cache_dir() / "tokenizers"
-    tok_file = tok_cfg.file(base)
-    tok: Tokenizer | None
-    if tok_file is not None:  # the run serves a copy of it from the cache
-        try:
-            tok = load_tokenizer(tok_file)
-        except DataError:
-            return None
-        if not (root / f"file-{tok.sha256[:20]}" / "tokenizer.json").is_file():
-            return None
-    else:  # not trained yet, damaged or edited: the run trains it (again)
-        tok = _trained_tokenizer(root / _tokenizer_key(data_cfg, tok_cfg, sources))
-        if tok is None:
-            return None
+    try:  # not copied or trained yet, damaged or edited: the run makes it (again)
+        _, tok, complete = _tokenizer_entry(data_cfg, tok_cfg, base, sources)
+    except TokenizerError:
+        return None
+    if tok is None or not complete:
+        return None
     return _valid_entry(
         data_cfg.resolved_cache_dir() / "shards" / _shards_key(sources, tok, data_cfg, seed)[2]
     )

@@ -201,7 +201,7 @@ class Source:
         }
         if any(suffix(f) == ".json" for f in self.walked):
             ident["folder_json"] = 2  # how a folder's .json files are read (2: configs as text)
-        if self._reads_records_as_text:
+        if self.spells_special_tokens:
             ident["records_as_text"] = self.records_as_text.key  # type: ignore[union-attr]
             ident["template_tokens"] = 1  # its template's markers encode as special tokens, as in training
         if self.spec.kind == "builtin":
@@ -343,16 +343,12 @@ class Source:
         """Whether the documents are records rendered through a fine-tune's template, whose
         markers (<|user|>, <|end|>, ...) are special tokens: they encode as those tokens, as the
         fine-tune's training encoded them; other text that spells one encodes it as plain text."""
-        return self._reads_records_as_text
-
-    @property
-    def _reads_records_as_text(self) -> bool:
         plain = self.spec.kind == "builtin" and self.spec.source != "builtin:python-docstrings"
         return self.records_as_text is not None and not plain
 
     def _raw_documents(self, stats: SourceStats, policy: BadRecordPolicy) -> Iterator[str]:
         src = self.spec.source
-        if self._reads_records_as_text:
+        if self.spells_special_tokens:
             render = self.records_as_text.render  # type: ignore[union-attr]
             for rec in self._record_stream(stats, policy, lambda m: render({"messages": m})):
                 yield render(rec)
@@ -400,17 +396,14 @@ class Source:
         `check_messages` (the chat template's rendering) accepts it: a DataError it raises makes
         the record a bad one, named with its file and line (and skipped under `skip`).
         """
-        limit = self.spec.max_documents
-        count = 0
-        for rec in self._record_stream(stats, policy, check_messages):
+        for count, rec in enumerate(self._record_stream(stats, policy, check_messages), 1):
             stats.documents += 1
             if "messages" in rec and "prompt" not in rec:
                 stats.bytes += sum(len(str(m.get("content", "")).encode("utf-8")) for m in rec["messages"])
             else:
                 stats.bytes += len(rec["prompt"].encode("utf-8")) + len(rec["response"].encode("utf-8"))
             yield rec
-            count += 1
-            if limit is not None and count >= limit:
+            if count == self.spec.max_documents:
                 return
 
     def _record_stream(

@@ -34,7 +34,6 @@ from difftrain.errors import DifftrainError, TokenizerError
 from difftrain.io import atomic_write_text
 
 BOS, EOS, PAD = "<|bos|>", "<|eos|>", "<|pad|>"
-CHAT_TOKENS = ("<|system|>", "<|user|>", "<|assistant|>", "<|end|>")
 
 # Names under which other tokenizers spell the same roles (first match wins).
 _EOS_NAMES = (EOS, "<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>", "<|im_end|>", "[SEP]")
@@ -390,26 +389,18 @@ def check_vocab_fits(tokenizer: Tokenizer, vocab_size: int | str) -> int:
     return vocab_size
 
 
-def new_bpe_tokenizer(cfg: TokenizerTrainConfig) -> tuple[tokenizers.Tokenizer, trainers.BpeTrainer]:
-    """An untrained byte-level BPE and its trainer, configured by `cfg`."""
-    tk = tokenizers.Tokenizer(models.BPE())
-    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    if cfg.individual_digits:
-        tk.pre_tokenizer = pre_tokenizers.Sequence(
-            [pre_tokenizers.Digits(individual_digits=True), byte_level]
-        )
-    else:
-        tk.pre_tokenizer = byte_level
-    tk.decoder = decoders.ByteLevel()
-    specials = [*SPECIAL_TOKENS, *cfg.extra_special_tokens]
-    trainer = trainers.BpeTrainer(
-        vocab_size=cfg.vocab_size,
-        min_frequency=cfg.min_frequency,
-        special_tokens=specials,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    return tk, trainer
+def text_batches(texts: Iterable[str], max_texts: int | None = None) -> Iterator[list[str]]:
+    """`texts` in batches of about 1 MiB of characters (and at most `max_texts` texts)."""
+    batch: list[str] = []
+    size = 0
+    for text in texts:
+        batch.append(text)
+        size += len(text)
+        if size >= 1 << 20 or len(batch) == max_texts:
+            yield batch
+            batch, size = [], 0
+    if batch:
+        yield batch
 
 
 def train_tokenizer(
@@ -422,24 +413,22 @@ def train_tokenizer(
     until the vocabulary holds `cfg.vocab_size` tokens (fewer if the text runs out of pairs
     occurring `min_frequency` times).
     """
-    tk, trainer = new_bpe_tokenizer(cfg)
-
-    def batches() -> Iterator[list[str]]:
-        batch: list[str] = []
-        size = 0
-        for t in texts:
-            batch.append(t)
-            size += len(t)
-            if size >= 1 << 20:
-                yield batch
-                batch, size = [], 0
-        if batch:
-            yield batch
-
+    tk = tokenizers.Tokenizer(models.BPE())
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    digits = [pre_tokenizers.Digits(individual_digits=True)] if cfg.individual_digits else []
+    tk.pre_tokenizer = pre_tokenizers.Sequence([*digits, byte_level]) if digits else byte_level
+    tk.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=cfg.vocab_size,
+        min_frequency=cfg.min_frequency,
+        special_tokens=[*SPECIAL_TOKENS, *cfg.extra_special_tokens],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     seen = {"any": False}
 
     def counted() -> Iterator[list[str]]:
-        for b in batches():
+        for b in text_batches(texts):
             seen["any"] = True
             yield b
 
