@@ -512,10 +512,6 @@ def stale(run_dir: Path | str, doc: dict[str, Any]) -> bool:
     return seen.get("sample") is None or seen["sample"] != weights_sample(w)
 
 
-# ---------------------------------------------------------------------------------------------
-# parsing grid options
-
-
 def check_positive(name: str, value: int | None, minimum: int = 1) -> None:
     if value is not None and value < minimum:
         raise ConfigError(f"{name} {value} must be ≥ {minimum}")

@@ -120,11 +120,8 @@ def _labels(paths: Sequence[Path]) -> list[str]:
 def _config(path: Path) -> dict[str, Any]:
     import json
 
-    f = path / CONFIG
-    if not f.is_file():
-        return {}
     try:
-        return json.loads(f.read_text(encoding="utf-8"))
+        return json.loads((path / CONFIG).read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return {}
 
@@ -153,20 +150,21 @@ DATA_SETTINGS = {"data", "sources", "split"}
 
 def _diff_keys(a: Any, b: Any, prefix: str = "") -> list[str]:
     if isinstance(a, dict) and isinstance(b, dict):
-        out = []
-        for k in sorted(set(a) | set(b)):
-            out += _diff_keys(a.get(k), b.get(k), f"{prefix}{k}.")
-        return out
+        return [x for k in sorted(set(a) | set(b)) for x in _diff_keys(a.get(k), b.get(k), f"{prefix}{k}.")]
     return [] if a == b else [prefix.rstrip(".")]
 
 
-def _setting(doc: dict[str, Any], key: str) -> str:
-    """The value of a dotted settings key of an eval result, short enough for a note."""
-    value: Any = doc.get("settings")
-    for part in key.split("."):
-        value = value.get(part) if isinstance(value, dict) else None
-    text = "—" if value is None else str(value)
-    return text if len(text) <= 40 else text[:37] + "..."
+def _versus(a: dict[str, Any], b: dict[str, Any], keys: Sequence[str]) -> str:
+    """`keys` (dotted settings keys) as "key a-value vs b-value, ...", values shortened for a note."""
+
+    def setting(doc: dict[str, Any], key: str) -> str:
+        value: Any = doc.get("settings")
+        for part in key.split("."):
+            value = value.get(part) if isinstance(value, dict) else None
+        text = "—" if value is None else str(value)
+        return text if len(text) <= 40 else text[:37] + "..."
+
+    return ", ".join(f"{k} {setting(a, k)} vs {setting(b, k)}" for k in keys)
 
 
 def _data_note(
@@ -233,13 +231,8 @@ def check_result(name: str) -> str:
     return result_key(check_suite(suite), label)
 
 
-def compare_runs(paths: Sequence[str | Path], suites: Sequence[str] | None = None) -> Comparison:
-    """Gather the comparison of `paths` (two or more run directories).
-
-    suites: the eval results to show, by suite or `suite@label` (each must exist in every run,
-    else a RunDirError says which run lacks it and how to make it); default: every result
-    present in all runs.
-    """
+def _run_dirs(paths: Sequence[str | Path]) -> list[Path]:
+    """The run directories `paths` name: two or more, distinct, each a difftrain run."""
     if len(paths) < 2:
         raise ConfigError("compare needs two or more run directories, e.g. `difftrain compare runs/a runs/b`")
     dirs = [require_run_dir(Path(p)) for p in paths]
@@ -256,69 +249,135 @@ def compare_runs(paths: Sequence[str | Path], suites: Sequence[str] | None = Non
                 "(`difftrain eval` shows one run's results)"
             )
         seen[d.resolve()] = d
+    return dirs
+
+
+def _training_note(r: RunRecord) -> str | None:
+    """Why a run's training figures are missing (no summary.json) or not final (unfinished)."""
+    if not r.summary:
+        source = imported_from(r.path)
+        if source:
+            return f"{r.path} was imported from {source} (`difftrain import`): it has no training figures"
+        try:  # without weights it has nothing to evaluate either: say what to do about that
+            if not is_adapter_run(r.path):
+                require_weights(r.path)
+            why = "training unfinished?"
+        except RunDirError as e:
+            why = str(e)
+        return f"{r.path} has no summary.json ({why}): its training figures are missing"
+    if r.summary.get("finished") is not False:
+        return None
+    step = r.summary.get("steps")
+    try:
+        training = RunLock(r.path).holder() is not None
+    except DifftrainError as e:  # a .lock this user cannot open: say so, compare the rest
+        return (
+            f"{r.label} stopped at step {step} or is still training (its lock file cannot be read: "
+            f"{e}): its final figures are those of step {step}"
+        )
+    if training:
+        return f"{r.label} is still training: its final figures are those of step {step}"
+    cmd = f"difftrain {training_command(r.path)} {shlex.quote(str(r.path))} --resume"
+    return (
+        f"{r.label} stopped at step {step}, before the end of its training: its final figures are "
+        f"those of that step; `{cmd}` finishes it"
+    )
+
+
+def _suite_rows(docs: Sequence[dict[str, Any]]) -> list[Row]:
+    """One row per headline figure any of the results has, in order of first appearance."""
+    meta: dict[str, dict[str, Any]] = {}
+    for d in docs:
+        for h in d["headline"]:
+            meta.setdefault(h["name"], h)
+    return [
+        Row(
+            n,
+            [next((h["value"] for h in d["headline"] if h["name"] == n), None) for d in docs],
+            h.get("better"),
+            h.get("format", ".4f"),
+        )
+        for n, h in meta.items()
+    ]
+
+
+def _settings_notes(s: str, runs: Sequence[RunRecord], docs: Sequence[dict[str, Any]]) -> list[str]:
+    """The notes where a result `s` of a run was computed otherwise than the first run's."""
+    notes: list[str | None] = []
+    first, a = runs[0], docs[0]
+    for r, d in zip(runs[1:], docs[1:], strict=True):
+        keys = _diff_keys(a.get("settings"), d.get("settings"))
+        model_keys = [k for k in keys if k in MODEL_SETTINGS]
+        keys = [k for k in keys if k not in MODEL_SETTINGS]
+        if split_key(s)[0] in DATA_SUITES:
+            keys = [k for k in keys if k.split(".")[0] not in DATA_SETTINGS]
+            notes.append(_data_note(s, first, a, r, d))
+        notes.append(_dtype_note(s, first, a, r, d))
+        if model_keys:
+            shown = _versus(a, d, model_keys)
+            notes.append(
+                f"{s}: {first.label} and {r.label} were evaluated at different context lengths "
+                f"({shown}: each model's max_seq_len), which no eval option changes; compare them "
+                "with that in mind"
+            )
+        if keys:  # every key the command below sets is named, up to five
+            shown = _versus(a, d, keys[:5]) + (f" and {len(keys) - 5} more" if len(keys) > 5 else "")
+            options = eval_options(a.get("settings") or {}, keys)
+            fix = (
+                f"`difftrain eval {shlex.quote(str(r.path))} --suite {split_key(s)[0]} {options}` evaluates "
+                f"{r.label} as {first.label} was"
+                if options
+                else "rerun `difftrain eval` with the same options"
+            )
+            notes.append(
+                f"{s}: {first.label} and {r.label} were evaluated with different settings "
+                f"({shown}); {fix}, to compare them fairly"
+            )
+    for r, d in zip(runs, docs, strict=True):
+        if stale(r.path, d):
+            notes.append(
+                f"{s}: the result of {r.label} predates its current weights; rerun `{rerun_command(r.path, s, d)}`"
+            )
+    return [n for n in notes if n]
+
+
+def compare_runs(paths: Sequence[str | Path], suites: Sequence[str] | None = None) -> Comparison:
+    """Gather the comparison of `paths` (two or more run directories).
+
+    suites: the eval results to show, by suite or `suite@label` (each must exist in every run,
+    else a RunDirError says which run lacks it and how to make it); default: every result
+    present in all runs.
+    """
+    dirs = _run_dirs(paths)
     wanted = list(dict.fromkeys(check_result(s) for s in suites)) if suites else None
-    labels = _labels(dirs)
-    runs = [RunRecord(d, lab, read_summary(d), _config(d)) for d, lab in zip(dirs, labels, strict=True)]
-    notes: list[str] = []
+    runs = [
+        RunRecord(d, lab, read_summary(d), _config(d)) for d, lab in zip(dirs, _labels(dirs), strict=True)
+    ]
+    notes = [n for r in runs if (n := _training_note(r))]
     for r in runs:
-        if not r.summary:
-            source = imported_from(r.path)
-            if source:
-                notes.append(
-                    f"{r.path} was imported from {source} (`difftrain import`): it has no training figures"
-                )
-            else:
-                try:  # without weights it has nothing to evaluate either: say what to do about that
-                    if not is_adapter_run(r.path):
-                        require_weights(r.path)
-                    why = "training unfinished?"
-                except RunDirError as e:
-                    why = str(e)
-                notes.append(f"{r.path} has no summary.json ({why}): its training figures are missing")
-        elif r.summary.get("finished") is False:
-            step = r.summary.get("steps")
-            unreadable = None
-            try:
-                training = RunLock(r.path).holder() is not None
-            except DifftrainError as e:  # a .lock this user cannot open: say so, compare the rest
-                training, unreadable = False, str(e)
-            if unreadable is not None:
-                notes.append(
-                    f"{r.label} stopped at step {step} or is still training (its lock file cannot be read: "
-                    f"{unreadable}): its final figures are those of step {step}"
-                )
-            elif training:
-                notes.append(f"{r.label} is still training: its final figures are those of step {step}")
-            else:
-                cmd = f"difftrain {training_command(r.path)} {shlex.quote(str(r.path))} --resume"
-                notes.append(
-                    f"{r.label} stopped at step {step}, before the end of its training: its final figures are "
-                    f"those of that step; `{cmd}` finishes it"
-                )
         for s in SUITES:
             for key in result_keys(r.path, s):
                 doc = load_result(r.path, key)
                 if doc is not None:
                     r.evals[key] = doc
     # every result some run holds, in the order of SUITES, each suite's own before its labels
-    held = list(dict.fromkeys(k for s in SUITES for r in runs for k in r.evals if split_key(k)[0] == s))
-    held.sort(key=lambda k: (list(SUITES).index(split_key(k)[0]), split_key(k)[1] or ""))
+    order = list(SUITES)
+    held = sorted(
+        {k for r in runs for k in r.evals},
+        key=lambda k: (order.index(split_key(k)[0]), split_key(k)[1] or ""),
+    )
 
     def example(key: str) -> dict[str, Any] | None:
         return next((r.evals[key] for r in runs if key in r.evals), None)
 
-    if wanted:
-        for s in wanted:
-            for r in runs:
-                if s not in r.evals:
-                    raise missing_result(r.path, s, example(s))
-        shown = wanted
-    else:
-        shown = [s for s in held if all(s in r.evals for r in runs)]
+    for s in wanted or []:
+        for r in runs:
+            if s not in r.evals:
+                raise missing_result(r.path, s, example(s))
+    shown = wanted or [s for s in held if all(s in r.evals for r in runs)]
     partial = (  # results that some runs have and others lack (none when --suite chose them)
         {} if wanted else {s: [r.label for r in runs if s not in r.evals] for s in held if s not in shown}
     )
-    commands = {s: rerun_command("RUN", s, example(s)) for s in partial}
 
     def get(key: str) -> list[Any]:
         return [r.summary.get(key) for r in runs]
@@ -328,8 +387,7 @@ def compare_runs(paths: Sequence[str | Path], suites: Sequence[str] | None = Non
         Row("params", [_params(r) for r in runs], None, "count"),
         Row("steps", get("steps"), None, "d"),
         Row("tokens", get("tokens"), None, "count"),
-        # all sessions of a resumed run (its wall_time_s is the last session's); older summaries
-        # have no train_time_s
+        # all sessions of a resumed run (wall_time_s: the last session's, or an older summary's)
         Row(
             "training time (s)",
             [r.summary.get("train_time_s") or r.summary.get("wall_time_s") for r in runs],
@@ -344,72 +402,28 @@ def compare_runs(paths: Sequence[str | Path], suites: Sequence[str] | None = Non
     table: dict[str, list[Row]] = {}
     for s in shown:
         docs = [r.evals[s] for r in runs]
-        names: list[str] = []
-        meta: dict[str, dict[str, Any]] = {}
-        for d in docs:
-            for h in d["headline"]:
-                if h["name"] not in meta:
-                    names.append(h["name"])
-                    meta[h["name"]] = h
-        rows = []
-        for n in names:
-            vals = [next((h["value"] for h in d["headline"] if h["name"] == n), None) for d in docs]
-            rows.append(Row(n, vals, meta[n].get("better"), meta[n].get("format", ".4f")))
-        table[s] = rows
-        for r, d in zip(runs[1:], docs[1:], strict=True):
-            keys = _diff_keys(docs[0].get("settings"), d.get("settings"))
-            model_keys = [k for k in keys if k in MODEL_SETTINGS]
-            keys = [k for k in keys if k not in MODEL_SETTINGS]
-            if split_key(s)[0] in DATA_SUITES:
-                keys = [k for k in keys if k.split(".")[0] not in DATA_SETTINGS]
-                note = _data_note(s, runs[0], docs[0], r, d)
-                if note:
-                    notes.append(note)
-            note = _dtype_note(s, runs[0], docs[0], r, d)
-            if note:
-                notes.append(note)
-            if model_keys:
-                shown_keys = ", ".join(f"{k} {_setting(docs[0], k)} vs {_setting(d, k)}" for k in model_keys)
-                notes.append(
-                    f"{s}: {runs[0].label} and {r.label} were evaluated at different context lengths "
-                    f"({shown_keys}: each model's max_seq_len), which no eval option changes; compare them "
-                    "with that in mind"
-                )
-            if keys:
-                shown_keys = ", ".join(
-                    f"{k} {_setting(docs[0], k)} vs {_setting(d, k)}" for k in keys[:5]
-                ) + (
-                    f" and {len(keys) - 5} more" if len(keys) > 5 else ""
-                )  # (every key the command below sets is named, up to five)
-                options = eval_options(docs[0].get("settings") or {}, keys)
-                fix = (
-                    f"`difftrain eval {shlex.quote(str(r.path))} --suite {split_key(s)[0]} {options}` evaluates "
-                    f"{r.label} as {runs[0].label} was"
-                    if options
-                    else "rerun `difftrain eval` with the same options"
-                )
-                notes.append(
-                    f"{s}: {runs[0].label} and {r.label} were evaluated with different settings "
-                    f"({shown_keys}); {fix}, to compare them fairly"
-                )
-        for r, d in zip(runs, docs, strict=True):
-            if stale(r.path, d):
-                notes.append(
-                    f"{s}: the result of {r.label} predates its current weights; rerun `{rerun_command(r.path, s, d)}`"
-                )
+        table[s] = _suite_rows(docs)
+        notes += _settings_notes(s, runs, docs)
     note = _tokenizer_note(runs)
     if note:  # a token is another unit in each run: per-token figures are shown, not ranked
         notes.append(note)
-        for row in training:
-            if row.name.endswith(("train loss", "val loss")):
-                row.better = None
-        for s, rows in table.items():
-            if split_key(s)[0] == "ppl":
-                for row in rows:
-                    if row.name in ("loss", "ppl"):
-                        row.better = None
+        per_token = [r for r in training if r.name.endswith(("train loss", "val loss"))]
+        per_token += [
+            r
+            for s, rows in table.items()
+            if split_key(s)[0] == "ppl"
+            for r in rows
+            if r.name in ("loss", "ppl")
+        ]
+        for row in per_token:
+            row.better = None
     return Comparison(
-        runs=runs, training=training, suites=table, partial=partial, notes=notes, commands=commands
+        runs=runs,
+        training=training,
+        suites=table,
+        partial=partial,
+        notes=notes,
+        commands={s: rerun_command("RUN", s, example(s)) for s in partial},
     )
 
 

@@ -341,44 +341,27 @@ def aggregate(
 ) -> dict:
     """Cell, per-(N, R), per-depth, per-length and overall accuracies, plus every sample."""
 
-    def acc(sel: list[int]) -> float | None:
-        vals = [sum(scored[i][1]) / len(scored[i][1]) for i in sel]
-        return mean(vals)
+    def group(**key: Any) -> dict[str, Any]:
+        """The prompts whose fields equal `key`: `key`, their accuracy and their count."""
+        sel = [
+            ok
+            for p, (_, ok) in zip(prompts, scored, strict=True)
+            if all(getattr(p, k) == v for k, v in key.items())
+        ]
+        return {**key, "accuracy": mean([sum(ok) / len(ok) for ok in sel]), "samples": len(sel)}
 
-    idx = range(len(prompts))
-    cells = []
-    for L in grid.lengths:
-        for n, r in grid.needles:
-            for d in grid.depths:
-                sel = [
-                    i
-                    for i in idx
-                    if (prompts[i].context_tokens, prompts[i].n_needles, prompts[i].n_queries) == (L, n, r)
-                    and prompts[i].depth == d
-                ]
-                cells.append(
-                    {
-                        "context_tokens": L,
-                        "depth": d,
-                        "n_needles": n,
-                        "n_queries": r,
-                        "accuracy": acc(sel),
-                        "samples": len(sel),
-                    }
-                )
-    by_needles = [
-        {
-            "n_needles": n,
-            "n_queries": r,
-            "accuracy": acc([i for i in idx if (prompts[i].n_needles, prompts[i].n_queries) == (n, r)]),
-        }
-        for n, r in grid.needles
-    ]
-    by_depth = [{"depth": d, "accuracy": acc([i for i in idx if prompts[i].depth == d])} for d in grid.depths]
-    by_length = [
-        {"context_tokens": L, "accuracy": acc([i for i in idx if prompts[i].context_tokens == L])}
+    def acc(**key: Any) -> dict[str, Any]:
+        return {k: v for k, v in group(**key).items() if k != "samples"}
+
+    cells = [
+        group(context_tokens=L, depth=d, n_needles=n, n_queries=r)
         for L in grid.lengths
+        for n, r in grid.needles
+        for d in grid.depths
     ]
+    by_needles = [acc(n_needles=n, n_queries=r) for n, r in grid.needles]
+    by_depth = [acc(depth=d) for d in grid.depths]
+    by_length = [acc(context_tokens=L) for L in grid.lengths]
     samples = [
         {
             "context_tokens": p.context_tokens,
@@ -397,7 +380,7 @@ def aggregate(
         for p, (text, ok) in zip(prompts, scored, strict=True)
     ]
     return {
-        "accuracy": acc(list(idx)),
+        "accuracy": group()["accuracy"],
         "exact_match": mean([float(all(ok)) for _, ok in scored]),
         "cells": cells,
         "by_needles": by_needles,
@@ -444,17 +427,13 @@ def run(run: Run, opts: EvalOptions, progress: Progress = _no_progress) -> Suite
             for b in res["by_needles"]
         ],
     )
-    if opts.plot is not False:
-        import difftrain.evals.plots as plots
+    import difftrain.evals.plots as plots
 
-        path = run.path / "eval" / "needle.png"
-        if opts.plot:
-            plots.require()
-        if plots.available():
-            plots.needle_heatmap(
-                res, grid_settings(grid, opts.seed), path, title=f"{run.path.name} ({run.config.arch})"
-            )  # type: ignore[attr-defined]
-            out.plots.append(str(path))
-        else:
-            out.notes.append(plots.MISSING)
+    title = f"{run.path.name} ({run.config.arch})"  # type: ignore[attr-defined]
+    plots.draw(
+        out,
+        opts.plot,
+        run.path / "eval" / "needle.png",
+        lambda path: plots.needle_heatmap(res, out.settings, path, title=title),
+    )
     return out

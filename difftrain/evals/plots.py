@@ -10,7 +10,7 @@ atomically.
 from __future__ import annotations
 
 import importlib.util
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +34,18 @@ def require() -> None:
         raise DifftrainError(
             "plotting needs matplotlib, which is not installed; install it with `pip install 'difftrain[plot]'`"
         )
+
+
+def draw(out: Any, plot: bool | None, path: Path, make: Callable[[Path], object]) -> None:
+    """A suite's figure: `make(path)`, listed in `out.plots`, unless `plot` is False. Without
+    matplotlib: a DifftrainError where `plot` is True (asked for), else a note in `out.notes`."""
+    if plot is not False and available():
+        make(path)
+        out.plots.append(str(path))
+    elif plot:
+        require()
+    elif plot is None:
+        out.notes.append(MISSING)
 
 
 def _figure(w: float, h: float) -> Any:
@@ -102,10 +114,6 @@ def _grid_shape(n: int, max_cols: int = 3) -> tuple[int, int]:
     return -(-n // cols), cols
 
 
-# ---------------------------------------------------------------------------------------------
-# needle retrieval
-
-
 def needle_heatmap(
     results: dict[str, Any], settings: dict[str, Any], path: Path | str, title: str = ""
 ) -> Path:
@@ -155,10 +163,6 @@ def needle_heatmap(
         f"Multi-needle retrieval{' — ' + title if title else ''} ({settings['samples']} samples per cell)",
     )
     return _save(fig, path)
-
-
-# ---------------------------------------------------------------------------------------------
-# attention maps
 
 
 def attention_maps(
@@ -242,10 +246,6 @@ def attention_maps(
     return _save(fig, path)
 
 
-# ---------------------------------------------------------------------------------------------
-# quantization
-
-
 def quant_curve(rows: Sequence[dict[str, Any]], path: Path | str, title: str = "") -> Path:
     """Loss (and needle accuracy, when measured) against the bits of the attention logits."""
     has_needle = any(r.get("needle_accuracy") is not None for r in rows)
@@ -278,10 +278,6 @@ def quant_curve(rows: Sequence[dict[str, Any]], path: Path | str, title: str = "
         ax.grid(alpha=0.3)
     _suptitle(fig, f"Attention-logit quantization (dynamic absmax){' — ' + title if title else ''}")
     return _save(fig, path)
-
-
-# ---------------------------------------------------------------------------------------------
-# associative recall
 
 
 def _recall_panel(ax: Any, runs: Sequence[tuple[str, dict[str, Any]]]) -> None:
@@ -321,10 +317,6 @@ def recall_curves(runs: Sequence[tuple[str, dict[str, Any]]], path: Path | str, 
     if title:
         _suptitle(fig, title)
     return _save(fig, path)
-
-
-# ---------------------------------------------------------------------------------------------
-# loss curves of several runs
 
 
 def loss_curves(

@@ -118,15 +118,10 @@ def run(run: Run, opts: EvalOptions, progress: Progress = _no_progress) -> Suite
     out = SuiteOutput(
         settings=settings, results={"source": tw.source, "rows": rows}, headline=heads, notes=list(tw.notes)
     )
-    if opts.plot is not False:
-        import difftrain.evals.plots as plots
+    import difftrain.evals.plots as plots
 
-        if plots.available():
-            path = run.path / "eval" / "quant.png"
-            plots.quant_curve(rows, path, title=f"{run.path.name} ({run.config.arch})")  # type: ignore[attr-defined]
-            out.plots.append(str(path))
-        elif opts.plot:
-            plots.require()
-        else:
-            out.notes.append(plots.MISSING)
+    title = f"{run.path.name} ({run.config.arch})"  # type: ignore[attr-defined]
+    plots.draw(
+        out, opts.plot, run.path / "eval" / "quant.png", lambda p: plots.quant_curve(rows, p, title=title)
+    )
     return out

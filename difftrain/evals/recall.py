@@ -230,15 +230,10 @@ def run(run: Any, opts: EvalOptions, progress: Progress = _no_progress) -> Suite
     out = SuiteOutput(
         settings=grid_settings(grid, opts.seed, max_len), results=res, headline=heads, notes=notes
     )
-    if opts.plot is not False:
-        import difftrain.evals.plots as plots
+    import difftrain.evals.plots as plots
 
-        path = run.path / "eval" / "recall.png"
-        if opts.plot:
-            plots.require()
-        if plots.available():
-            plots.recall_curves([(f"{run.path.name} ({run.config.arch})", res)], path)
-            out.plots.append(str(path))
-        else:
-            out.notes.append(plots.MISSING)
+    label = f"{run.path.name} ({run.config.arch})"
+    plots.draw(
+        out, opts.plot, run.path / "eval" / "recall.png", lambda p: plots.recall_curves([(label, res)], p)
+    )
     return out
