@@ -21,15 +21,8 @@ from difftrain.cli.app import main
 from difftrain.data.config import TokenizerTrainConfig
 from difftrain.data.tokenizer import Tokenizer, train_tokenizer
 from difftrain.errors import DifftrainError, InteropError, RunDirError
-from difftrain.interop.hf import (
-    SIDECAR,
-    SUBLN_EPS,
-    config_from_hf,
-    deinterleave_heads,
-    export_hf,
-    import_hf,
-    interleave_heads,
-)
+from difftrain.interop.convert import SUBLN_EPS, deinterleave_heads, interleave_heads
+from difftrain.interop.hf import SIDECAR, config_from_hf, export_hf, import_hf
 from difftrain.model import ModelConfig, Transformer
 from difftrain.rundir import load_run, save_weights
 

@@ -14,7 +14,7 @@ __all__ = ["SUPPORTED_ARCHITECTURES", "ExportResult", "ImportResult", "export_hf
 
 def __getattr__(name: str) -> Any:
     if name in __all__:
-        import difftrain.interop.hf as hf
+        from difftrain.interop import convert, hf
 
-        return getattr(hf, name)
+        return getattr(convert if name == "SUPPORTED_ARCHITECTURES" else hf, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -46,10 +46,6 @@ SUBLN_EPS = 1e-5
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # buffers some older checkpoints saved
 
 
-# --------------------------------------------------------------------------------------------
-# the head permutation
-
-
 def deinterleave_heads(w: Tensor, n_heads: int) -> Tensor:
     """Rows of `n_heads` heads in difftrain's pair order → transformers' DiffLlama order.
 
@@ -69,10 +65,6 @@ def interleave_heads(w: Tensor, n_heads: int) -> Tensor:
 def value_scale(config: ModelConfig) -> float:
     """c = √(norm_eps / 1e-5): the factor on V that turns HF's groupnorm ε into subln's 1e-5."""
     return math.sqrt(config.norm_eps / SUBLN_EPS)
-
-
-# --------------------------------------------------------------------------------------------
-# state dicts
 
 
 def hf_class_for(config: ModelConfig) -> str:
@@ -217,10 +209,6 @@ def check_hf_tensors(hf: dict[str, Tensor], config: ModelConfig, hf_dir: Path) -
             )
         if not t.is_floating_point():
             raise InteropError(f"{hf_dir}: tensor {k} has dtype {t.dtype}; expected floating-point weights")
-
-
-# --------------------------------------------------------------------------------------------
-# configs
 
 
 def hf_config_dict(
@@ -386,10 +374,6 @@ def config_from_hf(hf: dict[str, Any], where: Path) -> tuple[ModelConfig, str]:
         return ModelConfig.from_dict(fields, where=str(where)), cls
     except DifftrainError as e:
         raise InteropError(f"{e} (converted from the transformers config)") from e
-
-
-# --------------------------------------------------------------------------------------------
-# tokenizer files
 
 
 def jinja_chat_template(chat: Any) -> str:

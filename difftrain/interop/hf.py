@@ -29,16 +29,12 @@ from difftrain.interop.convert import (
     _IGNORED_SUFFIXES,
     HF_CLASS_OF_ARCH,
     MODEL_TYPES,
-    SUBLN_EPS,
-    SUPPORTED_ARCHITECTURES,
     chat_end_token_id,
     check_hf_tensors,
     config_from_hf,
-    deinterleave_heads,
     from_hf_state_dict,
     hf_config_dict,
     hf_tokenizer_files,
-    interleave_heads,
     run_chat_template,
     to_hf_state_dict,
     value_scale,
@@ -54,27 +50,10 @@ from difftrain.io import (
 from difftrain.model.config import ModelConfig
 from difftrain.rundir import CHECKPOINTS, CONFIG, METRICS, RECIPE, TOKENIZER, WEIGHTS
 
-__all__ = [
-    "SUBLN_EPS",
-    "SUPPORTED_ARCHITECTURES",
-    "ExportResult",
-    "ImportResult",
-    "config_from_hf",
-    "deinterleave_heads",
-    "export_hf",
-    "hf_config_dict",
-    "import_hf",
-    "interleave_heads",
-    "to_hf_state_dict",
-]
-
 SIDECAR = "difftrain.safetensors"
 """Exact difftrain tensors and config kept next to an export (transformers ignores the file)."""
 HF_INDEX = "model.safetensors.index.json"
 DTYPES = {name: getattr(torch, name) for name in EXPORT_DTYPES}
-
-# --------------------------------------------------------------------------------------------
-# results
 
 
 @dataclass
@@ -102,10 +81,6 @@ class ImportResult:
     exact_sidecar: bool
     """True when difftrain.safetensors restored the original difftrain tensors bit for bit."""
     notes: list[str] = field(default_factory=list)
-
-
-# --------------------------------------------------------------------------------------------
-# reading checkpoints
 
 
 def _load_safetensors(path: Path) -> tuple[dict[str, Tensor], dict[str, str]]:
@@ -201,10 +176,6 @@ def _prepare_out_dir(path: Path, overwrite: bool, flag: str, what: str, *, keep_
                 f"{path} exists and is not empty; choose a new folder or pass {flag} to write into it"
             )
     path.mkdir(parents=True, exist_ok=True)
-
-
-# --------------------------------------------------------------------------------------------
-# export
 
 
 def export_hf(
@@ -443,10 +414,6 @@ def _model_card(
             else ""
         )
     )
-
-
-# --------------------------------------------------------------------------------------------
-# import
 
 
 def _restore_sidecar(
