@@ -76,13 +76,10 @@ def render(result: dict[str, Any]) -> None:
         mem = fmt_bytes(a["peak_memory"])
         if a["rss_growth"] is not None:
             mem += f" (resident set +{fmt_bytes(a['rss_growth'])})"
-        label = arch + (" (recipe)" if arch == result["arch"] else "")
-        head.append(
-            (
-                label,
-                f"{a['tokens_per_s']:,.0f} tokens/s · {mfu} · peak memory {mem} · {fmt_count(a['params'])} params",
-            )
+        speed = (
+            f"{a['tokens_per_s']:,.0f} tokens/s · {mfu} · peak memory {mem} · {fmt_count(a['params'])} params"
         )
+        head.append((arch + (" (recipe)" if arch == result["arch"] else ""), speed))
     if result["ratio"] is not None:
         head.append((f"{result['arch']} / {result['other']}", f"{result['ratio']:.2f}× the tokens/s"))
     console.print(kv_table("difftrain bench", head))

@@ -84,14 +84,9 @@ class DataBars:
     def __init__(self) -> None:
         from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeElapsedColumn
 
-        columns = (TextColumn("[bold]{task.description}"), BarColumn(), DownloadColumn())
-        self.bars = Progress(
-            *columns,
-            TextColumn("{task.fields[info]}"),
-            TimeElapsedColumn(),
-            console=err_console,
-            transient=True,
-        )
+        desc, info = TextColumn("[bold]{task.description}"), TextColumn("{task.fields[info]}")
+        columns = (desc, BarColumn(), DownloadColumn(), info, TimeElapsedColumn())
+        self.bars = Progress(*columns, console=err_console, transient=True)
         self.tasks: dict[str, Any] = {}
 
     def __call__(self, p: Any) -> None:
@@ -139,29 +134,23 @@ def oom_advice(recipe: Any, *, finetune: bool = False, device: str = "GPU") -> s
     except DifftrainError:  # a fine-tune's model (and so its seq_len) comes from its base run
         global_bs = t.global_batch_size or micro
         accumulate, seq_len, optimizer = global_bs // micro, t.seq_len, recipe.optim.name
-    # (the keys each try changes, the try): a resume takes only `resumable_change`s
-    tries: list[tuple[tuple[str, ...], str]] = []
+    tries: list[str] = []  # overrides, each with what it costs
     if micro > 1:
         smaller = max(d for d in range(1, micro) if micro % d == 0)
         tries.append(
-            (
-                ("train.micro_batch_size", "train.global_batch_size"),
-                f"train.micro_batch_size={smaller} train.global_batch_size={global_bs} "
-                f"(accumulation {accumulate} → {accumulate * micro // smaller}, same global batch)",
-            )
+            f"train.micro_batch_size={smaller} train.global_batch_size={global_bs} "
+            f"(accumulation {accumulate} → {accumulate * micro // smaller}, same global batch)"
         )
     if not t.activation_checkpointing:
-        tries.append(
-            (("train.activation_checkpointing",), "train.activation_checkpointing=true (~30% more compute)")
-        )
+        tries.append("train.activation_checkpointing=true (~30% more compute)")
     if finetune and recipe.finetune is not None and recipe.finetune.method != "qlora":
-        tries.append((("finetune.method",), "finetune.method=qlora (4-bit frozen weights)"))
+        tries.append("finetune.method=qlora (4-bit frozen weights)")
     elif not finetune and optimizer in ("adamw", "auto") and t.strategy != "fsdp":  # fsdp refuses 8-bit
-        tries.append((("optim.name",), "optim.name=adamw8bit (8-bit optimizer states)"))
+        tries.append("optim.name=adamw8bit (8-bit optimizer states)")
     if seq_len and seq_len >= 128:
-        tries.append((("train.seq_len",), f"train.seq_len={seq_len // 2}"))
-    keep = [text for keys, text in tries if all(map(resumable_change, keys))]
-    new = [text for keys, text in tries if not all(map(resumable_change, keys))]
+        tries.append(f"train.seq_len={seq_len // 2}")
+    resumable = {x for x in tries if all(map(resumable_change, re.findall(r"([\w.]+)=", x)))}
+    keep, new = [x for x in tries if x in resumable], [x for x in tries if x not in resumable]
     parts = []
     if keep:
         parts.append("; ".join(keep) + " — then run again (add --resume if a checkpoint was saved)")
@@ -361,8 +350,11 @@ def optimizer_row(optim: Any, train: Any) -> str:
     )
 
 
-def fmt_figure(value: float, fmt: str) -> str:
-    """`format(value, fmt)`, with a value that rounds to zero printed without a minus sign."""
+def fmt_figure(value: float | None, fmt: str = ".4f") -> str:
+    """`format(value, fmt)`, with a value that rounds to zero printed without a minus sign; "—"
+    for None."""
+    if value is None:
+        return "—"
     text = format(value, fmt)
     if text.startswith("-") and not text.strip("-0.,%"):
         text = format(0.0, fmt)

@@ -125,7 +125,7 @@ def _read_prompt(marker: str = "» ") -> str:
             return text
         if piped:  # nobody to type it again: as --prompt-file - refuses it
             require_utf8(text, "standard input")
-        _error(f"{problem}; type it again (is the terminal's encoding UTF-8?)")
+        warn(f"{problem}; type it again (is the terminal's encoding UTF-8?)", "error", "bold red")
 
 
 _REASONS = {
@@ -134,10 +134,6 @@ _REASONS = {
     "length": "--max-new-tokens",
     "context": "context full",
 }
-
-
-def _error(message: str) -> None:
-    warn(message, "error", "bold red")
 
 
 @dataclass
@@ -183,7 +179,7 @@ class _Render:
 
     def note(self, ev: Any) -> None:
         if ev.kind == "error":
-            _error(ev.text)
+            warn(ev.text, "error", "bold red")
         elif ev.kind == "interrupted":
             console.file.write("\n")
             err_console.print(f"[yellow]interrupted[/]{escape(ev.text)}", soft_wrap=True)
@@ -391,28 +387,26 @@ def generate_command(
         results = [r.to_json() for r in session.batch(rows)]
         seconds = time.perf_counter() - t1
         tokens = sum(r["completion_tokens"] for r in results)
-        w = run.model.lm_head.weight
+        w, g = run.model.lm_head.weight, sampling.is_greedy
+        # greedy decoding draws nothing: the sampling settings and seeds it does not use are null
+        drawn = {k: None if g else getattr(sampling, k) for k in ("temperature", "top_k", "top_p", "min_p")}
         doc = {
             "run": str(run.path),
             "arch": run.config.arch,
             "prompt_style": "instruction" if style.instruction else "document",
             "device": str(w.device),
             "dtype": str(w.dtype).removeprefix("torch."),
-            # greedy decoding draws nothing: the sampling settings and seeds it does not use are null
             "settings": {
                 "max_new_tokens": max_new_tokens,
-                **{
-                    k: None if sampling.is_greedy else getattr(sampling, k)
-                    for k in ("temperature", "top_k", "top_p", "min_p")
-                },
+                **drawn,
                 "repetition_penalty": repetition_penalty,
-                "greedy": sampling.is_greedy,
+                "greedy": g,
                 "stop": list(gen.stop),
                 "num_samples": num_samples,
-                "seed": None if sampling.is_greedy else seed,
+                "seed": None if g else seed,
                 "cache": cache,
             },
-            "results": [{**r, "seed": None} for r in results] if sampling.is_greedy else results,
+            "results": [{**r, "seed": None} for r in results] if g else results,
             "total": {
                 "completions": len(results),
                 "completion_tokens": tokens,

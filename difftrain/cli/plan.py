@@ -45,12 +45,10 @@ def plan_command(
         )
     r = load_recipe(recipe, overrides or [])
     target = plan_target(r, gpu_mem, device)  # where train.accelerator lets it train
-    vocab_note = None
-    if r.finetune is None and r.model is not None:  # as `pretrain --dry-run` checks the vocabulary
-        vocab_note = check_vocab_early(r, tokenizer_size(r))
+    pretraining = r.finetune is None and r.model is not None  # checked as `pretrain --dry-run` does
+    vocab_note = check_vocab_early(r, tokenizer_size(r)) if pretraining else None
     rp = plan_recipe(r, target)
-    if vocab_note:
-        rp.plan.notes.append(vocab_note)
+    rp.plan.notes += [vocab_note] if vocab_note else []
     if as_json:
         print(json.dumps({"recipe": r.source or r.name, **rp.to_dict()}, indent=2))
     else:
@@ -96,10 +94,8 @@ def _render(r: Any, rp: Any) -> None:
         if v:
             table.add_row(k, fmt_bytes(v))
     table.add_row("[bold]peak of the step[/]", f"[bold]{fmt_bytes(p.peak)}[/]")
-    extra = (
-        "CUDA context and allocator slack" if t.kind == "cuda" else "the Python process and allocator slack"
-    )
-    table.add_row(f"+ {extra}", fmt_bytes(p.process_need - p.peak))
+    host = "CUDA context" if t.kind == "cuda" else "the Python process"
+    table.add_row(f"+ {host} and allocator slack", fmt_bytes(p.process_need - p.peak))
     if p.processes > 1:  # train.devices processes on this machine's CPU, each with the whole step
         table.add_row(f"× {p.processes} processes (train.devices)", fmt_bytes(p.device_need))
     verdict = "[bold green]fits[/]" if p.fits else "[bold red]does not fit[/]"
@@ -118,11 +114,8 @@ def _render(r: Any, rp: Any) -> None:
             act.add_column("+ckpt", justify="right")
         by = {(x["arch"], x["precision"], x["checkpointing"]): x["bytes"] for x in rp.activation_table}
         for arch in ("baseline", "diff", "diff2"):
-            cells = [
-                fmt_bytes(by[(arch, prec, ck)])
-                for prec in ("32-true", "bf16-mixed", "bf16-true")
-                for ck in (False, True)
-            ]
+            precisions = ("32-true", "bf16-mixed", "bf16-true")
+            cells = [fmt_bytes(by[(arch, prec, ck)]) for prec in precisions for ck in (False, True)]
             act.add_row(arch + (" ◂" if arch == c.arch else ""), *cells)
         console.print(act)
     console.print(
@@ -139,12 +132,11 @@ def _render(r: Any, rp: Any) -> None:
                 console.print(
                     f"  [cyan]{sug.overrides}[/]  → needs {fmt_bytes(sug.plan.device_need)} ({'; '.join(sug.why)})"
                 )
-        elif p.target.memory <= p.target.overhead:
+        elif t.memory <= t.overhead:
             console.print(
-                f"[yellow]the {'CUDA context' if p.target.kind == 'cuda' else 'process'} alone takes about "
-                f"{fmt_bytes(p.target.overhead)}, at least as much as the {fmt_bytes(p.target.memory)} given: no model trains "
-                "there; "
-                "give --gpu-mem the GPU's whole memory, e.g. 8GB[/]"
+                f"[yellow]the {'CUDA context' if t.kind == 'cuda' else 'process'} alone takes about "
+                f"{fmt_bytes(t.overhead)}, at least as much as the {fmt_bytes(t.memory)} given: no model trains "
+                "there; give --gpu-mem the GPU's whole memory, e.g. 8GB[/]"
             )
         else:
             console.print(
