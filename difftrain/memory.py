@@ -3,45 +3,19 @@
     weights       P · bytes(param dtype)   (fp32, or bf16 under bf16-true; QLoRA's base: 4-bit NF4)
     gradients     P_trained · bytes(param dtype)
     optimizer     per trained tensor, as the optimizer allocates it (`optimizer_bytes`, exact)
-    activations   what autograd saves for the backward pass (formulas below)
+    activations   what autograd saves for the backward pass (below)
     loss          the loss computed in chunks with the output layer (`model/loss.py`): its saved ∂h
                   and ∂W and one chunk's logits; without it (an adapted or quantised output layer)
                   the saved log-probabilities and two (B·T, V) buffers
 
 `difftrain.plan` plans a recipe with it and suggests what makes a run fit.
 
-## Activations (per decoder layer and token; exact for this code, eager mode)
+## Activations (eager mode; exact for this code)
 
-D = d_model, F = ffn_hidden, H = n_heads, Hkv = n_kv_heads, d = head_dim: the bytes of the tensors
-autograd saves (`saved_activation_bytes` measures them; the tests compare both on every arch ×
-precision). The MLP and norms cost, per layer:
-
-    32-true     (6D + 4F + 2) · 4          (block input, 2 × RMSNorm (x, x̂, out), 4 MLP tensors)
-    bf16-mixed  26D + 8F + 8               (fp32 residual and norm statistics, bf16 matmul inputs:
-                                            autocast casts the norm output once per projection)
-    bf16-true   16D + 8F + 8
-
-and attention adds (the core `auto` runs: `sdpa` on CPU, `flex` on CUDA):
-
-                          32-true (× 4 bytes)            bf16 (mixed and true)
-    baseline              2Hd + 2Hkv·d + H                4Hd + 4Hkv·d + 4H
-    diff (sdpa)           7Hd + 3Hkv·d + 1.5H             16Hd + 6Hkv·d + 6H
-    diff (flex)           6Hd + 2Hkv·d + 1.5H             14Hd + 4Hkv·d + 6H
-    diff2                 5Hd + 2Hkv·d + 3H               10Hd + 4Hkv·d + 14H (+2D mixed)
-
-(q, k, v, the core's output and log-sum-exp; diff adds its second map's output and subln's
-tensors; `sdpa` saves diff's q and k zero-padded to 2d, `flex` saves them d wide — the flex row
-is derived, not measured: torch has no flex backward on CPU; diff2 has 2H query heads and its
-gate.) bf16-mixed also keeps a bf16 copy of every projection weight (2 bytes per matmul
-parameter) until the backward pass. `attn_impl: eager` materialises the maps: + 4·H·T bytes per
-token and layer for baseline, 6·H·T for diff, 12·H·T for diff2 (fp32 maps), approximately.
-
-Outside the layers, per token: the final norm and the rotary tables, (12D + 8d + 20) bytes in
-32-true, (10D + 4d + 20) in bf16-mixed, (8D + 4d + 20) in bf16-true; with the chunked loss 8
-bytes less (the targets are not kept; its ∂h takes the place of the output layer's saved input)
-plus its ∂W (V·D, 4 bytes per element in 32-true, else 2), and without it the log-softmax
-output, 4V bytes per token. With activation checkpointing a layer keeps only its input (4D bytes
-per token; 2D in bf16-true), and one layer's activations are rebuilt at a time in the backward.
+The bytes of the tensors autograd saves for the backward pass, per token: in each decoder layer
+(`layer_bytes_per_token`) and outside them (`activations`). `saved_activation_bytes` measures
+them, and the tests compare both on every arch × precision. With activation checkpointing a
+layer keeps only its input, and one layer's activations are rebuilt at a time in the backward.
 
 ## Peak
 
@@ -186,7 +160,13 @@ def diff_kernel(device_type: str, attn_impl: str = "auto") -> str:
 def layer_bytes_per_token(
     config: ModelConfig, precision: str, kernel: str = "sdpa", seq_len: int = 0, attn_impl: str = "auto"
 ) -> float:
-    """Bytes saved per token by one decoder layer: norms, MLP and attention (see the tables)."""
+    """Bytes autograd saves per token in one decoder layer, with D = d_model, F = ffn_hidden,
+    Hd = n_heads·head_dim, Kd = n_kv_heads·head_dim: the block input, two RMSNorms (x, x̂, out) and
+    four MLP tensors (bf16-mixed: fp32 residual and norm statistics, the norm output cast to bf16
+    once per projection); attention's q, k, v, the core's output and log-sum-exp (diff adds its
+    second map's output and subln's tensors; `sdpa` saves diff's q and k zero-padded to 2d, `flex`
+    d wide, derived, not measured: torch has no flex backward on CPU; diff2 has 2H query heads and
+    its gate). `attn_impl: eager` also keeps the fp32 maps, approximately."""
     D, F, H, d, kv = config.d_model, config.ffn_hidden, config.n_heads, config.head_dim, config.n_kv_heads
     assert F is not None and d is not None and kv is not None
     Hd, Kd = H * d, kv * d
@@ -317,10 +297,12 @@ def activations(
             recompute += in_layers / L
         else:
             copies += in_layers
+    # outside the layers: the final norm, the rotary tables, and the loss's saved tensors
     assert config.head_dim is not None and isinstance(config.vocab_size, int)
     d, V = config.head_dim, config.vocab_size
     norm = {"fp32": 12 * D + 8 * d, "mixed": 10 * D + 4 * d, "true": 8 * D + 4 * d}[fam]
-    # the chunked loss: ∂h replaces the output layer's saved input, the targets are not kept
+    # the chunked loss: ∂h replaces the output layer's saved input, the targets are not kept, its ∂W
+    # is saved (below); else the targets and the log-softmax output (4V)
     outside = N * (norm + 12 if fused_loss else norm + 20 + 4 * V)
     if lora_dropout is not None:
         extra = lora_dropout_bytes_per_token(lora_dropout, precision, device_type)

@@ -107,13 +107,6 @@ def activation_table(config: ModelConfig, settings: Settings, target: Target) ->
     return rows
 
 
-def kv_cache_bytes(config: ModelConfig, dtype_bytes: int = 4) -> int:
-    """The KV cache of generating one sequence of max_seq_len tokens: keys and values of every
-    layer, (1, Hkv, L, d) each (diff keeps Hkv/2 value heads of 2d: the same bytes)."""
-    assert config.n_kv_heads is not None and config.head_dim is not None
-    return 2 * config.n_layers * config.n_kv_heads * config.max_seq_len * config.head_dim * dtype_bytes
-
-
 # ----- making it fit -----------------------------------------------------------------------------
 @dataclass
 class Suggestion:
@@ -423,7 +416,8 @@ def plan_recipe(recipe: Any, target: Target) -> RecipePlan:
     suggestions = [] if plan.fits else suggest(config, settings, target, params, method=method)
     # generation as `generate --dtype auto` runs it: bf16 on a GPU, fp32 on the CPU (logits fp32)
     dtype, width = ("bfloat16", 2) if target.kind == "cuda" else ("float32", 4)
-    kv = kv_cache_bytes(config, dtype_bytes=width)
+    assert config.n_kv_heads is not None and config.head_dim is not None  # keys and values, every layer
+    kv = 2 * config.n_layers * config.n_kv_heads * config.max_seq_len * config.head_dim * width
     gen_bytes = int(sum(p.numel for p in params) * width + kv + config.vocab_size * 4)  # type: ignore[operator]
     table = activation_table(config, settings, target) if method == "full" else []
     return RecipePlan(plan, suggestions, table, kv, gen_bytes, dtype, spec)
