@@ -8,15 +8,14 @@
                             weights file, so a changed or swapped base is detected, not silently used
       config.json, tokenizer.json, recipe.yaml, metrics.csv, summary.json, checkpoints/  (as usual)
 
-This module plans and saves an adapter (`plan_adapter`, `save_adapter`), and `merge_run` folds one
-into its base as a plain run directory. Reading one (`AdapterSpec`, `resolve_base`, `adapt_model`,
-`load_adapter_run`) is in `difftrain.rundir`, which loads every kind of run; those names are
-re-exported here. The model-side pieces (LoRALinear, 4-bit layers, vocabulary growth) are in
-`difftrain.model.lora`.
+This module plans and saves an adapter, and `merge_run` folds one into its base as a plain run
+directory. Reading one is `difftrain.rundir`'s (re-exported here); the model-side pieces (LoRALinear,
+4-bit layers, vocabulary growth) are `difftrain.model.lora`'s.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -26,7 +25,13 @@ from typing import Any
 from torch import nn
 
 from difftrain.errors import ConfigError, RunDirError
-from difftrain.io import atomic_save_safetensors, atomic_write_json, atomic_write_text, uncreatable_reason
+from difftrain.io import (
+    atomic_save_safetensors,
+    atomic_write_json,
+    atomic_write_text,
+    sha256_file,
+    uncreatable_reason,
+)
 from difftrain.layout import (
     ADAPTER_CONFIG,
     ADAPTER_WEIGHTS,
@@ -50,11 +55,9 @@ from difftrain.rundir import (  # noqa: F401 - re-exported: `from difftrain.adap
     resolve_base,
     save_weights,
     weights_file,
-    weights_sha256,
 )
 
-# Names of the differential-attention λ parameters (diff: four vectors; diff2: a projection).
-LAMBDA_SUFFIXES = (
+LAMBDA_SUFFIXES = (  # the differential-attention λ parameters (diff: four vectors; diff2: a projection)
     ".self_attn.lambda_q1",
     ".self_attn.lambda_k1",
     ".self_attn.lambda_q2",
@@ -75,78 +78,46 @@ def base_reference(base_dir: Path, run_dir: Path) -> dict[str, Any]:
         "path": rel,
         "abs_path": str(base_abs),
         "weights_file": f.name,
-        "weights_sha256": weights_sha256(base_abs),
+        "weights_sha256": sha256_file(f),
     }
 
 
-# --------------------------------------------------------------------------------------------
-# building the adapted model
+def plan_finetune_adapter(model: nn.Module, ft: Any, *, train_embeddings: bool) -> AdapterSpec:
+    """The adapter of a recipe's `finetune:` section on `model`: which layers get LoRA, which
+    parameters train in full (λ unless frozen; the embedding and an untied head when
+    `train_embeddings`) and which layers go 4-bit (QLoRA: the decoder blocks' linears but those)."""
+    from difftrain.model.lora import linear_names, match_targets
 
-
-def lambda_params(model: nn.Module) -> list[str]:
-    return [n for n, _ in model.named_parameters() if n.endswith(LAMBDA_SUFFIXES)]
-
-
-def quantizable_layers(model: nn.Module, exclude: set[str]) -> list[str]:
-    """The linear layers of the decoder blocks a QLoRA base stores in 4 bits (embeddings, the
-    output head and layers trained in full stay dense)."""
-    from difftrain.model.lora import linear_names
-
-    return [n for n in linear_names(model) if n.startswith("model.layers.") and n not in exclude]
-
-
-def plan_adapter(
-    model: nn.Module,
-    *,
-    method: str,
-    rank: int,
-    alpha: float,
-    dropout: float,
-    target_modules: list[str],
-    train_lambdas: bool,
-    train_embeddings: bool,
-) -> AdapterSpec:
-    """Decide which layers get LoRA, which parameters train in full and which layers go 4-bit."""
-    from difftrain.model.lora import match_targets
-
-    trained = lambda_params(model) if train_lambdas else []
-    if train_embeddings:
-        trained.append("model.embed_tokens.weight")
-        head = getattr(model, "lm_head", None)
-        if head is not None and head.weight is not model.model.embed_tokens.weight:  # type: ignore[union-attr]
-            trained.append("lm_head.weight")
-    full_layers = {n.rsplit(".", 1)[0] for n in trained if n.endswith(".weight")}
-    targets = match_targets(model, target_modules, exclude=full_layers, where="finetune.lora.target_modules")
+    trained = (
+        [n for n, _ in model.named_parameters() if n.endswith(LAMBDA_SUFFIXES)] if ft.train_lambdas else []
+    )
     tied = model.lm_head.weight is model.model.embed_tokens.weight  # type: ignore[union-attr]
+    if train_embeddings:
+        trained += ["model.embed_tokens.weight"] + ([] if tied else ["lm_head.weight"])
+    full_layers = {n.rsplit(".", 1)[0] for n in trained if n.endswith(".weight")}
+    lora = ft.lora
+    targets = match_targets(
+        model, lora.target_modules, exclude=full_layers, where="finetune.lora.target_modules"
+    )
     if "lm_head" in targets and tied:
         raise ConfigError(
             "finetune.lora.target_modules matches lm_head, but the base ties lm_head to the embedding: a LoRA "
             "update of the head cannot be merged into one shared matrix; drop lm_head from the patterns"
         )
-    quantized = quantizable_layers(model, full_layers) if method == "qlora" else []
+    quantized = (
+        [n for n in linear_names(model) if n.startswith("model.layers.") and n not in full_layers]
+        if ft.method == "qlora"
+        else []
+    )
     return AdapterSpec(
-        method=method,
-        rank=rank,
-        alpha=alpha,
-        dropout=dropout,
-        target_modules=list(target_modules),
+        method=ft.method,
+        rank=lora.rank,
+        alpha=lora.alpha,
+        dropout=lora.dropout,
+        target_modules=list(lora.target_modules),
         targets=targets,
         trained=trained,
         quantized=quantized,
-    )
-
-
-def plan_finetune_adapter(model: nn.Module, ft: Any, *, train_embeddings: bool) -> AdapterSpec:
-    """`plan_adapter` with a recipe's `finetune:` section (method, LoRA settings, λ)."""
-    return plan_adapter(
-        model,
-        method=ft.method,
-        rank=ft.lora.rank,
-        alpha=ft.lora.alpha,
-        dropout=ft.lora.dropout,
-        target_modules=ft.lora.target_modules,
-        train_lambdas=ft.train_lambdas,
-        train_embeddings=train_embeddings,
     )
 
 
@@ -176,15 +147,6 @@ def save_adapter(run_dir: Path, model: nn.Module, spec: AdapterSpec, step: int) 
         metadata={"format": "pt", "producer": "difftrain", "step": str(step)},
     )
     atomic_write_json(Path(run_dir) / ADAPTER_CONFIG, spec.to_json())
-
-
-# --------------------------------------------------------------------------------------------
-# merging
-
-
-def default_merge_dir(run_dir: Path) -> Path:
-    run_dir = Path(run_dir)
-    return run_dir.parent / f"{run_dir.name}-merged"
 
 
 def _runs_read_by(run_dir: Path) -> list[Path]:
@@ -217,7 +179,7 @@ def merge_run(run_dir: Path | str, out_dir: Path | str | None = None, *, overwri
             f"{run_dir} has both {ADAPTER_CONFIG} and {WEIGHTS}; it is already merged (or was overwritten): "
             "load it as a plain run"
         )
-    out = Path(out_dir) if out_dir is not None else default_merge_dir(run_dir)
+    out = Path(out_dir) if out_dir is not None else run_dir.parent / f"{run_dir.name}-merged"
     why = uncreatable_reason(out)
     if why is not None:
         raise RunDirError(f"cannot write OUT_DIR {out}: {why}; choose another OUT_DIR")
@@ -266,11 +228,8 @@ def merge_run(run_dir: Path | str, out_dir: Path | str | None = None, *, overwri
         if (run_dir / name).is_file():
             atomic_write_text(out / name, (run_dir / name).read_text(encoding="utf-8"))
     summary: dict[str, Any] = {}
-    if (run_dir / SUMMARY).is_file():
-        try:
-            summary = json.loads((run_dir / SUMMARY).read_text())
-        except (OSError, json.JSONDecodeError):
-            summary = {}
+    with contextlib.suppress(OSError, json.JSONDecodeError):  # missing or damaged: a new one
+        summary = json.loads((run_dir / SUMMARY).read_text())
     summary["merged_from"] = {
         "adapter_run": str(run_dir.resolve()),
         "base_run": spec.base.get("abs_path"),

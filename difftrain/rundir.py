@@ -1,14 +1,12 @@
-"""The run directory: the one artifact every command reads (file names: `difftrain.layout`).
-
-This module reads and writes a run's inference files and loads a run, a LoRA fine-tune's adapter
-over its base run included. It sits beside recipe.py (above model/ and data/) because train/,
-infer/, evals/ and interop/ all load runs and none of them should import another. Weights are
-verified against the config on load: missing, unexpected or mis-shaped tensors are a
-CheckpointError that says which.
+"""The run directory (file names: `difftrain.layout`): reading and writing a run's inference
+files, and loading a run, a LoRA fine-tune's adapter over its base run included (train/, infer/,
+evals/ and interop/ all load runs from here). Weights are checked against the config on load:
+missing, unexpected or mis-shaped tensors are a CheckpointError that says which.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shlex
 from dataclasses import asdict, dataclass, field
@@ -96,23 +94,14 @@ def _damaged(path: Path, e: Exception) -> CheckpointError:
     )
 
 
-def check_state_dict(
-    sd: dict[str, torch.Tensor], model: torch.nn.Module, source: Path, allow_missing: tuple[str, ...] = ()
-) -> None:
+def check_state_dict(sd: dict[str, torch.Tensor], model: torch.nn.Module, source: Path) -> None:
     """Raise a CheckpointError unless `sd` has exactly the model's tensors with the model's shapes."""
     expected = weights_state_dict(model)
-    missing = [k for k in expected if k not in sd and k not in allow_missing]
-    unexpected = [
-        k
-        for k in sd
-        if k not in expected and not (k == "lm_head.weight" and "lm_head.weight" not in expected)
-    ]
+    missing = [k for k in expected if k not in sd]
+    unexpected = [k for k in sd if k not in expected and k != "lm_head.weight"]  # (a tied head, saved)
     if missing or unexpected:
-        parts = []
-        if missing:
-            parts.append(f"missing {len(missing)} tensors (e.g. {missing[0]})")
-        if unexpected:
-            parts.append(f"{len(unexpected)} unexpected tensors (e.g. {unexpected[0]})")
+        parts = [f"missing {len(missing)} tensors (e.g. {missing[0]})"] if missing else []
+        parts += [f"{len(unexpected)} unexpected tensors (e.g. {unexpected[0]})"] if unexpected else []
         raise CheckpointError(
             f"{source} does not match its config.json: {', '.join(parts)}; were the weights copied from another run?"
         )
@@ -329,10 +318,7 @@ def load_run_tokenizer(path: Path) -> Tokenizer:
     return load_tokenizer(path / TOKENIZER, fix=restore)
 
 
-# --------------------------------------------------------------------------------------------
-# adapter runs (LoRA fine-tunes not merged; made by difftrain.adapters)
-
-
+# ----- adapter runs (LoRA fine-tunes not merged; made by difftrain.adapters) ----------------------
 FORMAT = "difftrain-lora"
 VERSION = 1
 
@@ -388,10 +374,6 @@ def weights_file(run_dir: Path) -> Path:
     return d / ADAPTER_WEIGHTS if is_adapter_run(d) else d / WEIGHTS
 
 
-def weights_sha256(run_dir: Path) -> str:
-    return sha256_file(weights_file(run_dir))
-
-
 def resolve_base(run_dir: Path, spec: AdapterSpec) -> Path:
     """The base run of an adapter run, verified to hold the weights the adapter was trained on."""
     run_dir = Path(run_dir)
@@ -416,7 +398,7 @@ def resolve_base(run_dir: Path, spec: AdapterSpec) -> Path:
             raise RunDirError(
                 f"the base run {base} of adapter {run_dir} has no {f.name}; restore the base run's weights"
             )
-        actual = weights_sha256(base)
+        actual = sha256_file(f)
         if actual != expected:
             raise CheckpointError(
                 f"the base run {base} has changed since {run_dir} was fine-tuned from it ({f.name} sha256 "
@@ -493,16 +475,7 @@ def load_adapter_run(
     model = base.model
     config = load_config(path)
     base_cfg = base.config
-    for key in (
-        "arch",
-        "d_model",
-        "n_layers",
-        "n_heads",
-        "n_kv_heads",
-        "head_dim",
-        "ffn_hidden",
-        "tie_embeddings",
-    ):
+    for key in "arch d_model n_layers n_heads n_kv_heads head_dim ffn_hidden tie_embeddings".split():
         if getattr(config, key) != getattr(base_cfg, key):
             raise RunDirError(
                 f"{path / CONFIG} has {key}={getattr(config, key)} but its base run {base_dir} has "
@@ -591,13 +564,10 @@ def prompt_settings(run_path: Path | str) -> PromptSettings:
     if not isinstance(ft, dict):
         return PromptSettings()
     chat = None
-    try:
+    with contextlib.suppress(Exception):  # an unreadable template: the default one
         from difftrain.recipe import ChatTemplateConfig
 
-        if ft.get("chat_template") is not None:
-            chat = ChatTemplateConfig(**ft["chat_template"])
-    except Exception:  # an unreadable template: fall back to the default one
-        chat = None
+        chat = None if ft.get("chat_template") is None else ChatTemplateConfig(**ft["chat_template"])
     fmt = ft.get("data_format", "auto")
     if fmt == "auto":
         try:
