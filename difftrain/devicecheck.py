@@ -1,7 +1,6 @@
-"""Recipes a machine's devices cannot run, refused with the fix — torch-free, so that where
-torch can see no GPU (`no_cuda_here`) a GPU-only option fails in a second, before torch and
-Lightning load. `difftrain.spec.resolve` calls these checks on the recipe resolved for a
-machine, this one or one described (`train.runcheck.early_check`: one without a GPU).
+"""Recipes a machine's devices cannot run, refused with the fix. Torch-free: where torch can see
+no GPU (`no_cuda_here`) a GPU-only option fails before torch loads. `difftrain.spec.resolve`
+calls these checks on the recipe resolved for a machine.
 """
 
 from __future__ import annotations
@@ -35,8 +34,7 @@ def has_tensorboard() -> bool:
 
 def check_loggers(recipe: Any) -> None:
     """Refuse a logger the recipe asks for whose package is not installed (logging.tensorboard:
-    true, logging.wandb_project), before anything is written: the TensorBoard logger failed with
-    a traceback after the first step, and wandb's refusal came after the run folder was made."""
+    true, logging.wandb_project), before anything is written."""
     import importlib.util
 
     log = recipe.logging
@@ -53,10 +51,8 @@ def check_loggers(recipe: Any) -> None:
 
 
 def check_strategy(recipe: Any, accelerator: str, world_size: int) -> None:
-    """Refuse strategy/device/optimizer combinations that cannot work, with the fix.
-
-    `recipe` has its `auto` values resolved (precision, optimizer).
-    """
+    """Refuse strategy/device/optimizer combinations that cannot work, with the fix (`recipe`
+    has its `auto` values resolved)."""
     t, strategy = recipe.train, recipe.train.strategy
     if strategy == "fsdp":
         if accelerator != "cuda":

@@ -67,9 +67,7 @@ class StopRequested(Exception):
         self.is_global_zero = is_global_zero  # (the other processes of a run say nothing)
 
 
-# --------------------------------------------------------------------------------------------
-# a pydantic ValidationError as one line
-
+# ----- a pydantic ValidationError as one line -----------------------------------------------------
 # Names users bring from other tools → our key (did-you-mean when string similarity fails).
 ALIASES = {
     "learning_rate": "lr",
@@ -219,13 +217,8 @@ def _describe(
         key = re.sub(r"\.\d+(?=\.|$)", "[]", dotted)  # as `recipes explain` names it: data.sources[].source
         return f"missing key `{dotted}`; add it (`difftrain recipes explain {key}` says what it takes)"
     if kind in ("model_type", "model_attributes_type", "dict_type"):  # `train: 5`
-        shown = (
-            "empty (null)"
-            if given is None
-            else repr(given)
-            if len(repr(given)) < 60
-            else type(given).__name__
-        )
+        shown = repr(given) if len(repr(given)) < 60 else type(given).__name__
+        shown = "empty (null)" if given is None else shown
         section = submodel(model, loc)
         example = f" such as `{dotted}.{next(iter(section.model_fields))}`" if section else ""
         return f"{what} must be a section of keys{example}, not {shown}"

@@ -1,14 +1,10 @@
 """Atomic file writes: a file difftrain writes is either the old version or the complete new one.
 
-Every write goes to a temporary file in the destination folder, is flushed and fsynced, then
-renamed over the destination with `os.replace` (atomic on POSIX), and the folder is fsynced so
-the rename itself survives a power loss. A process killed at any instant never leaves a
-half-written file under the final name. Disk-full and permission errors become DifftrainErrors
-that name the file, and the previous version stays intact.
-
-A killed write leaves its temporary file behind (`.NAME.PID.<random>.tmp`, possibly as large as
-a checkpoint); `remove_stale_temps` deletes those whose process is gone, and a run calls it on
-its folders when it starts or resumes.
+Every write goes to a temporary file in the destination folder, is fsynced, renamed over the
+destination (`os.replace`), and the folder is fsynced so the rename survives a power loss.
+Disk-full and permission errors become DifftrainErrors that name the file; the previous version
+stays intact. A killed write leaves its temporary file behind: `remove_stale_temps` deletes it.
+Also here: the run directory's creation checks and its lock.
 """
 
 from __future__ import annotations
@@ -19,34 +15,24 @@ import hashlib
 import json
 import os
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 from difftrain.errors import DifftrainError
 
-
-def _read_umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
-
-
-_UMASK = _read_umask()  # read once at import: os.umask can only be read by setting it
+_UMASK = os.umask(0)  # read once at import: os.umask can only be read by setting it
+os.umask(_UMASK)
 
 
 def fsync_dir(path: str | os.PathLike[str]) -> None:
     """fsync a directory so that renames inside it are durable (no-op where unsupported)."""
-    try:
+    with contextlib.suppress(OSError):
         fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 def _os_error_message(path: Path, e: OSError) -> str:
@@ -121,15 +107,9 @@ def remove_stale_temps(folder: str | os.PathLike[str]) -> list[str]:
     return removed
 
 
-def atomic_write(path: str | os.PathLike[str], write: Callable[[IO[bytes]], Any]) -> None:
-    """Call `write(f)` on a binary file object and atomically install the result at `path`."""
-    with atomic_path(path) as tmp, open(tmp, "wb") as f:
-        write(f)
-        f.flush()
-
-
 def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> None:
-    atomic_write(path, lambda f: f.write(data))
+    with atomic_path(path) as tmp:
+        tmp.write_bytes(data)
 
 
 def atomic_write_text(path: str | os.PathLike[str], text: str) -> None:
