@@ -8,7 +8,8 @@ In order:
 4. validate against the schema (`difftrain.recipe_schema`); an error names the file, the line,
    the key, and a did-you-mean suggestion.
 
-The schema's classes and helpers, and the reference of `difftrain.recipe_doc`, are importable from
+Also here: the recipe's values that depend on the machine (`resolve_auto`, `global_batch`,
+`train_seq_len`). The schema's classes and `difftrain.recipe_doc`'s reference are importable from
 here too.
 """
 
@@ -35,23 +36,18 @@ from difftrain.recipe_schema import (  # noqa: F401 - re-exported: `from difftra
     FinetuneConfig,
     OptimConfig,
     Recipe,
+    TrainConfig,
     check_record_fields,
-    global_batch,
     require_finetuning,
-    resolve_auto,
     resolve_data_format,
     run_dir_for,
-    train_seq_len,
 )
 
 MAX_YAML_NODES = 100_000  # guards against alias "billion laughs" bombs
 MAX_RECIPE_BYTES = 1_000_000
 
 
-# --------------------------------------------------------------------------------------------
-# shipped recipes
-
-
+# ----- shipped recipes ----------------------------------------------------------------------------
 def shipped_recipes_dir() -> Path:
     """The folder of recipes shipped with difftrain (the repo's recipes/, installed as difftrain.recipes)."""
     repo = Path(__file__).resolve().parent.parent / "recipes"
@@ -126,10 +122,7 @@ def find_recipe(ref: str | os.PathLike[str], relative_to: Path | None = None) ->
     )
 
 
-# --------------------------------------------------------------------------------------------
-# YAML with line numbers
-
-
+# ----- YAML with line numbers ---------------------------------------------------------------------
 def _count_nodes(node: yaml.Node, budget: list[int], seen_depth: int = 0) -> None:
     budget[0] -= 1
     if budget[0] < 0:
@@ -199,28 +192,24 @@ def read_yaml(path: Path) -> tuple[dict[str, Any], dict[str, int]]:
     int conversion) is a RecipeError.
     """
     text = read_recipe_text(path)
+    lines: dict[str, int] = {}
     try:
         node = yaml.compose(text, Loader=RecipeLoader)
+        if node is not None:
+            _count_nodes(node, [MAX_YAML_NODES])
+            _key_lines(node, path, "", lines)  # and refuses a key given twice
+            data = yaml.load(text, Loader=RecipeLoader)  # noqa: S506 - a SafeLoader: no tags, no code
     except yaml.YAMLError as e:
         raise RecipeError(_yaml_error(path, e)) from e
     except RecursionError as e:
         raise RecipeError(f"{path}: the recipe nests too deeply; write it out plainly") from e
+    except ValueError as e:  # an integer with more digits than Python converts (4300)
+        raise RecipeError(f"{path}: a number has too many digits ({str(e).split(';')[0]})") from e
     if node is None:
         raise RecipeError(
             f"{path} is empty; a recipe needs at least `name`, `train` (with max_steps or max_tokens) and, "
             "to pretrain, `model`"
         )
-    _count_nodes(node, [MAX_YAML_NODES])
-    lines: dict[str, int] = {}
-    _key_lines(node, path, "", lines)  # and refuses a key given twice
-    try:
-        data = yaml.load(text, Loader=RecipeLoader)  # noqa: S506 - a SafeLoader: no tags, no code
-    except yaml.YAMLError as e:
-        raise RecipeError(_yaml_error(path, e)) from e
-    except RecursionError as e:
-        raise RecipeError(f"{path}: YAML aliases refer to themselves; write the recipe out plainly") from e
-    except ValueError as e:  # an integer with more digits than Python converts (4300)
-        raise RecipeError(f"{path}: a number has too many digits ({str(e).split(';')[0]})") from e
     if not isinstance(data, dict):
         raise RecipeError(
             f"{path}: a recipe must be a mapping of keys (name:, model:, ...), not {type(data).__name__}"
@@ -323,10 +312,7 @@ def _rebase_paths(data: dict[str, Any], folder: Path) -> None:
         t["path"] = absolute_path(t["path"], folder)
 
 
-# --------------------------------------------------------------------------------------------
-# overrides
-
-
+# ----- overrides ----------------------------------------------------------------------------------
 class RecipeLoader(yaml.SafeLoader):
     """PyYAML's safe YAML 1.1, which reads numbers in exponent notation only with a dot and a
     signed exponent (1.0e+6), plus the plain 1e6, 3e-4, 1_000e3 that nanoGPT and litgpt users
@@ -439,10 +425,8 @@ def apply_overrides(data: dict[str, Any], overrides: list[str], folder: Path | N
             for k in keys[:-1]:
                 leaf = leaf.setdefault(k, {})
             leaf[keys[-1]] = value
-            _rebase_paths(tree, folder)
-            for k in keys[:-1]:
-                tree = tree[k]
-            value = tree[keys[-1]]
+            _rebase_paths(tree, folder)  # (sets the rebased value in `leaf`)
+            value = leaf[keys[-1]]
         node = out
         for i, k in enumerate(keys[:-1]):
             nxt = node.get(k)
@@ -464,10 +448,7 @@ def apply_overrides(data: dict[str, Any], overrides: list[str], folder: Path | N
     return out
 
 
-# --------------------------------------------------------------------------------------------
-# the loader
-
-
+# ----- the loader ---------------------------------------------------------------------------------
 def _non_finite(data: Any, prefix: str = "") -> str | None:
     """The dotted key of the first NaN or infinite number in a recipe tree (None if there is none)."""
     if isinstance(data, float) and not math.isfinite(data):
@@ -543,3 +524,50 @@ def _absolute_cache_dir(recipe: Recipe) -> None:
     if recipe.data.cache_dir:
         cache = absolute_path(recipe.data.cache_dir, recipe.recipe_dir)  # (an absolute one as written)
         recipe.data = recipe.data.model_copy(update={"cache_dir": cache})
+
+
+def train_seq_len(train: TrainConfig, max_seq_len: int) -> int:
+    """The sequence length `train` trains at (train.seq_len, else the model's max_seq_len);
+    RecipeError when it is longer than the model's positions."""
+    seq_len = train.seq_len or max_seq_len
+    if seq_len > max_seq_len:
+        raise RecipeError(
+            f"train.seq_len={seq_len} is longer than model.max_seq_len={max_seq_len}; lower train.seq_len "
+            "or raise model.max_seq_len"
+        )
+    return seq_len
+
+
+def global_batch(train: TrainConfig, devices: int) -> tuple[int, int]:
+    """(global batch in sequences, micro-batches accumulated per step) of `train` on `devices`
+    devices per node; RecipeError when the global batch is not a whole number of steps of
+    micro-batches (`pretrain` refuses such a recipe and `plan` plans none)."""
+    t = train
+    per_step = t.micro_batch_size * devices * t.num_nodes
+    global_bs = t.global_batch_size or per_step
+    if global_bs < per_step:
+        raise RecipeError(
+            f"train.global_batch_size={global_bs} is smaller than one step of micro-batches "
+            f"(micro_batch_size×devices×nodes = {t.micro_batch_size}×{devices}×{t.num_nodes} = {per_step}); "
+            f"raise it to {per_step} or lower train.micro_batch_size"
+        )
+    if global_bs % per_step:
+        raise RecipeError(
+            f"train.global_batch_size={global_bs} is not divisible by micro_batch_size×devices×nodes = "
+            f"{t.micro_batch_size}×{devices}×{t.num_nodes} = {per_step}; pick a multiple of {per_step}"
+        )
+    return global_bs, global_bs // per_step
+
+
+def resolve_auto(recipe: Recipe, *, cuda: bool, bf16: bool) -> Recipe:
+    """A copy with the `auto` values that depend on the machine fixed (precision, compile,
+    optimizer) for training on a CUDA device (`cuda`) that supports bf16 (`bf16`) or not."""
+    r = recipe.model_copy(deep=True)  # private attributes (folder, source, model keys) included
+    if r.train.precision == "auto":
+        r.train.precision = ("bf16-mixed" if bf16 else "16-mixed") if cuda else "32-true"
+    if r.train.compile == "auto":
+        r.train.compile = bool(cuda)
+    if r.optim.name == "auto":
+        # FSDP cannot gather bitsandbytes' quantized states into checkpoints: plain AdamW there
+        r.optim.name = "adamw8bit" if cuda and r.train.strategy != "fsdp" else "adamw"
+    return r

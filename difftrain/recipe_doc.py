@@ -68,6 +68,10 @@ def _default_repr(field: Any) -> str:
     return str(value)
 
 
+def _row(key: str, field: Any, type_name: str | None = None) -> tuple[str, str, str, str]:
+    return (key, type_name or _type_name(field.annotation), _default_repr(field), field.description or "")
+
+
 EXTENDS_ROW = (
     "extends",
     "str | null",
@@ -85,34 +89,16 @@ def explain_rows(section: str | None = None) -> list[tuple[str, str, str, str]]:
     def walk(model: type[BaseModel], prefix: str) -> None:
         for name, field in model.model_fields.items():
             sub = field_model(field.annotation)
-            if sub is not None and typing.get_origin(field.annotation) is list:
-                rows.append(
-                    (
-                        f"{prefix}{name}",
-                        f"list[{sub.__name__}]",
-                        _default_repr(field),
-                        field.description or "",
-                    )
-                )
-                walk(sub, f"{prefix}{name}[].")
-                continue
+            listed = sub is not None and typing.get_origin(field.annotation) is list
+            if sub is None or listed:  # a section's keys are listed under it, a list of sections too
+                rows.append(_row(prefix + name, field, f"list[{sub.__name__}]" if listed else None))
             if sub is not None:
-                walk(sub, f"{prefix}{name}.")
-                continue
-            rows.append(
-                (
-                    f"{prefix}{name}",
-                    _type_name(field.annotation),
-                    _default_repr(field),
-                    field.description or "",
-                )
-            )
+                walk(sub, f"{prefix}{name}{'[]' if listed else ''}.")
 
     if section is None:
         rows.append(EXTENDS_ROW)
         top = [(n, f) for n, f in Recipe.model_fields.items() if n not in SECTIONS]
-        for name, field in top:
-            rows.append((name, _type_name(field.annotation), _default_repr(field), field.description or ""))
+        rows += [_row(name, field) for name, field in top]
         for name, model in SECTIONS.items():
             field = Recipe.model_fields[name]
             if field.is_required():
@@ -129,7 +115,7 @@ def explain_rows(section: str | None = None) -> list[tuple[str, str, str, str]]:
     head = section.split(".", 1)[0]
     top = Recipe.model_fields.get(section)
     if top is not None and section not in SECTIONS:  # name, seed, out_dir, ...
-        return [(section, _type_name(top.annotation), _default_repr(top), top.description or "")]
+        return [_row(section, top)]
     if head not in SECTIONS:
         # a key named without its section (max_steps, lora.rank): the one key it ends
         owners = [k for k, *_ in explain_rows() if k.replace("[]", "").endswith("." + section)]

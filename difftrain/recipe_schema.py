@@ -1,10 +1,7 @@
-"""The recipe schema: every setting, its type, default and documentation.
-
-Each field's `description` is its documentation everywhere: `difftrain recipes explain`, the recipe
-reference of docs/recipes.md, and error messages. Extra keys are errors. `auto` values that depend
-on the machine (precision, compile, optimizer) stay `auto` here and are fixed by `resolve_auto`, so
-that the resolved recipe written to a run directory says what ran. Loading a recipe file is
-`difftrain.recipe`; the reference tables are `difftrain.recipe_doc`.
+"""The recipe schema: every setting, its type, default and documentation (a field's
+`description` is its documentation everywhere: `difftrain recipes explain`, docs/recipes.md, error
+messages). Extra keys are errors. `auto` values that depend on the machine stay `auto` here and are
+fixed by `resolve_auto`. Loading a recipe file is `difftrain.recipe`.
 """
 
 from __future__ import annotations
@@ -489,10 +486,9 @@ class Recipe(_Section):
         return run_dir_for(self.out_dir, self.name)
 
     def with_absolute_paths(self) -> Recipe:
-        """A copy whose relative local paths are absolute: data sources that are paths, hf: sources
-        that name a local folder and the data_files of hf: sources, data.cache_dir, tokenizer.path
-        (against `recipe_dir`), finetune.base (against the current folder). A run directory's recipe.yaml is
-        written this way, so the run resumes from its own recipe.yaml in any folder."""
+        """A copy whose relative local paths (data sources, data_files, data.cache_dir,
+        tokenizer.path against `recipe_dir`; finetune.base against the current folder) are
+        absolute: how a run directory's recipe.yaml is written, to resume from any folder."""
         data = self.model_dump()
         for spec, src in zip(self.data.sources, data["data"]["sources"], strict=True):
             src["source"] = absolute_source(spec.source, self.recipe_dir)
@@ -533,12 +529,8 @@ def resolve_data_format(recipe: Recipe) -> str:
     if fmt != "auto":
         return fmt
     src = recipe.data.sources[0]
-    if src.source == "builtin:python-docstrings":
-        return "instruction"
-    if src.kind == "builtin":
-        return "text"
-    if src.kind == "hf":
-        return "instruction"
+    if src.kind in ("builtin", "hf"):
+        return "instruction" if src.kind == "hf" or src.source == "builtin:python-docstrings" else "text"
     name = src.source.lower().removesuffix(".gz")
     return "instruction" if name.endswith((".jsonl", ".json", ".parquet")) else "text"
 
@@ -574,53 +566,3 @@ def require_finetuning(recipe: Recipe) -> FinetuneConfig:
             "`finetune: {base: runs/NAME}`, or train from scratch with `difftrain pretrain`"
         )
     return recipe.finetune
-
-
-def train_seq_len(train: TrainConfig, max_seq_len: int) -> int:
-    """The sequence length `train` trains at (train.seq_len, else the model's max_seq_len);
-    RecipeError when it is longer than the model's positions."""
-    seq_len = train.seq_len or max_seq_len
-    if seq_len > max_seq_len:
-        raise RecipeError(
-            f"train.seq_len={seq_len} is longer than model.max_seq_len={max_seq_len}; lower train.seq_len "
-            "or raise model.max_seq_len"
-        )
-    return seq_len
-
-
-def global_batch(train: TrainConfig, devices: int) -> tuple[int, int]:
-    """(global batch in sequences, micro-batches accumulated per step) of `train` on `devices`
-    devices per node; RecipeError when the global batch is not a whole number of steps of
-    micro-batches (`pretrain` refuses such a recipe and `plan` plans none)."""
-    t = train
-    per_step = t.micro_batch_size * devices * t.num_nodes
-    global_bs = t.global_batch_size or per_step
-    if global_bs < per_step:
-        raise RecipeError(
-            f"train.global_batch_size={global_bs} is smaller than one step of micro-batches "
-            f"(micro_batch_size×devices×nodes = {t.micro_batch_size}×{devices}×{t.num_nodes} = {per_step}); "
-            f"raise it to {per_step} or lower train.micro_batch_size"
-        )
-    if global_bs % per_step:
-        raise RecipeError(
-            f"train.global_batch_size={global_bs} is not divisible by micro_batch_size×devices×nodes = "
-            f"{t.micro_batch_size}×{devices}×{t.num_nodes} = {per_step}; pick a multiple of {per_step}"
-        )
-    return global_bs, global_bs // per_step
-
-
-def resolve_auto(recipe: Recipe, *, cuda: bool, bf16: bool) -> Recipe:
-    """Return a copy with machine-dependent `auto` values fixed (precision, compile, optimizer).
-
-    `cuda`: training runs on a CUDA device; `bf16`: that device supports bf16. The attention
-    kernel (`model.attn_impl: auto`) is resolved by the model itself at run time per device.
-    """
-    r = recipe.model_copy(deep=True)  # private attributes (folder, source, model keys) included
-    if r.train.precision == "auto":
-        r.train.precision = ("bf16-mixed" if bf16 else "16-mixed") if cuda else "32-true"
-    if r.train.compile == "auto":
-        r.train.compile = bool(cuda)
-    if r.optim.name == "auto":
-        # FSDP cannot gather bitsandbytes' quantized states into checkpoints: plain AdamW there
-        r.optim.name = "adamw8bit" if cuda and r.train.strategy != "fsdp" else "adamw"
-    return r
