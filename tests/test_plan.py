@@ -418,7 +418,7 @@ def test_planned_peak_matches_the_tensor_peak_of_a_real_training_step(arch, chec
 
 
 def test_pretrain_adds_the_plan_warning_to_its_start_up_warnings_only_when_needed():
-    from difftrain.train.run import memory_warnings
+    from difftrain.train.preflight import memory_warnings
 
     too_big = load_recipe("quickstart", ["train.micro_batch_size=65536", "train.global_batch_size=65536"])
     warnings = memory_warnings(too_big, "cpu")

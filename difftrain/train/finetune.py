@@ -34,19 +34,14 @@ from difftrain.recipe import (
 from difftrain.rundir import RECIPE, TOKENIZER, base_run_dir, load_config, resolve_model
 from difftrain.spec import RunSpec, resolve
 from difftrain.train.distributed import DistContext
-from difftrain.train.run import (
-    FitOptions,
-    Hooks,
-    TrainResult,
-    _quiet_lightning,
+from difftrain.train.preflight import (
     dry_run_warnings,
-    fit,
     memory_warnings,
     preflight,
     resumed_run_files,
-    start_processes,
     training_into,
 )
+from difftrain.train.run import FitOptions, Hooks, TrainResult, _quiet_lightning, fit, start_processes
 from difftrain.train.runcheck import check_run_dir
 
 # Model settings a fine-tune may change; everything else must equal the base run's.

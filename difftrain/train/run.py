@@ -11,14 +11,12 @@ tokenizer's fit to the model's vocabulary.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 import shlex
-import shutil
 import time
 import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -26,13 +24,19 @@ from typing import Any
 import torch
 
 from difftrain.devicecheck import has_tensorboard
-from difftrain.errors import CheckpointError, DeviceError, RecipeError, RunDirError, StopRequested
-from difftrain.io import LOCK_FILE, RunLock, atomic_write_json, atomic_write_text, remove_stale_temps
+from difftrain.errors import CheckpointError, DeviceError, RecipeError, StopRequested
+from difftrain.io import atomic_write_json
 from difftrain.recipe import Recipe
-from difftrain.rundir import CHECKPOINTS, CONFIG, METRICS, RECIPE, SUMMARY, TOKENIZER
+from difftrain.rundir import METRICS, RECIPE, SUMMARY
 from difftrain.spec import RunSpec, resolve
 from difftrain.train.distributed import DistContext
-from difftrain.train.runcheck import _global_batch, check_run_dir, in_use_message, require_not_in_use
+from difftrain.train.preflight import (
+    memory_warnings,
+    preflight,
+    resumed_run_files,
+    start_warnings,
+    training_into,
+)
 
 
 @dataclass
@@ -98,186 +102,6 @@ class StartInfo:
     total_params: int
     warnings: list[str]
     details: dict[str, Any]
-
-
-def preflight(
-    spec: RunSpec, *, resume: bool | str, overwrite: bool, dry_run: bool = False
-) -> tuple[bool, Any]:
-    """The run folder's checks, made before work starts by the run and its dry run alike: decide
-    between a fresh start and a resume, and refuse to clobber a different run, to resume past the
-    run's end, or to resume a run in use. Returns (resuming, ResumePoint | None); the point
-    carries the resume's warnings. `dry_run`: decide and refuse the same way, remove nothing.
-    """
-    from difftrain.train.checkpoint import find_resume_checkpoint
-
-    run_dir = spec.run_dir
-    require_not_in_use(run_dir)  # before anything is removed
-    # A run killed while it started (or while saving) leaves empty folders and temporary files of
-    # unfinished atomic writes: those are not a run, and must not block its restart.
-    for folder in (run_dir, run_dir / CHECKPOINTS):
-        if not dry_run:
-            remove_stale_temps(folder)
-    old = check_run_dir(spec.recipe, resume=resume, overwrite=overwrite, batch=spec.batch)
-    if old is None:
-        return False, None
-    point = find_resume_checkpoint(run_dir / CHECKPOINTS)
-    if point is None:
-        if resume is True:
-            raise RunDirError(
-                f"--resume: {run_dir} has no checkpoint to resume from (its {CHECKPOINTS}/ holds none); "
-                "start it again with --overwrite"
-            )
-        from difftrain.adapters import ADAPTER_WEIGHTS
-        from difftrain.rundir import WEIGHTS
-
-        saved = next((n for n in (WEIGHTS, ADAPTER_WEIGHTS) if (run_dir / n).is_file()), None)
-        if saved is not None:  # it trained and saved: starting over (train.resume: auto) would replace it
-            raise RunDirError(
-                f"{run_dir} holds a trained run ({saved}) but no checkpoint to resume it from (its "
-                f"{CHECKPOINTS}/ holds none), and train.resume: auto would start it over; replace it with "
-                "--overwrite, or train into another `name`"
-            )
-        if not dry_run:
-            shutil.rmtree(run_dir / CHECKPOINTS, ignore_errors=True)
-        return False, None
-    if spec.max_steps is not None and point.step > spec.max_steps:
-        raise RecipeError(
-            f"{run_dir} is at step {point.step} (its last checkpoint), past train.max_steps={spec.max_steps}: "
-            f"a resume only trains on; raise train.max_steps above {point.step}, or start again with --overwrite"
-        )
-    note = _schedule_note(old, spec, point.step, _global_batch(old))
-    if note:
-        point.warnings.append(note)
-    old_data = old.get("data") if isinstance(old, dict) else None
-    windows = old_data.get("val_windows") if isinstance(old_data, dict) else None
-    if isinstance(windows, int) and windows != spec.recipe.data.val_windows:
-        point.warnings.append(
-            f"data.val_windows changed from {windows} to {spec.recipe.data.val_windows}: validation losses "
-            f"after step {point.step} are measured on other windows than those before it"
-        )
-    return True, point
-
-
-def _schedule_note(old: dict[str, Any], spec: RunSpec, step: int, old_global: int | None) -> str | None:
-    """A resume whose length changed (train.max_steps / max_tokens) recomputes the learning-rate
-    schedule over the new length: the note says how far the lr of the next step moves from the
-    one the run's own schedule had (a finished cosine run extended warms up again)."""
-    from difftrain.train.optim import lr_multiplier
-
-    t = old.get("train") if isinstance(old, dict) else None
-    if not isinstance(t, dict) or spec.max_steps is None:
-        return None
-    try:
-        before = int(t["max_steps"]) if t.get("max_steps") else None
-        if before is None and t.get("max_tokens") and old_global:
-            before = -(-int(t["max_tokens"]) // (old_global * spec.seq_len))
-    except (TypeError, ValueError):
-        return None
-    cfg = spec.recipe.optim
-    if before is None or before == spec.max_steps or cfg.schedule == "constant":
-        return None
-    was, now = lr_multiplier(cfg, before)(step) * cfg.lr, lr_multiplier(cfg, spec.max_steps)(step) * cfg.lr
-    if abs(now - was) <= 0.05 * was:
-        return None
-    return (
-        f"the run's length changed from {before} to {spec.max_steps} steps: its {cfg.schedule} learning-rate "
-        f"schedule now spans {spec.max_steps} steps, so step {step + 1} runs at lr {now:.2e} where the run's "
-        f"own schedule had {was:.2e}"
-    )
-
-
-def _read_text(path: Path) -> str | None:
-    try:
-        return path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError):
-        return None
-
-
-def resumed_run_files(run_dir: Path, tokenizer: Any, point: Any) -> list[str]:
-    """On a resume (rank 0, before anything is written): which of config.json and tokenizer.json
-    `training_into` writes again because they are missing or unreadable (the recipe check has
-    matched the model already, and the tokenizer is the one training goes on with); each gets a
-    start-up warning in `point`. A readable tokenizer.json that is not the tokenizer training goes
-    on with is a RunDirError: the data or tokenizer settings changed since the run started, and
-    the model's token ids would change meaning."""
-    from difftrain.data.tokenizer import load_tokenizer
-    from difftrain.errors import TokenizerError
-    from difftrain.model import ModelConfig
-
-    restore = []
-    try:
-        ModelConfig.from_json(run_dir / CONFIG)
-    except Exception:  # missing, not JSON, not a model: the recipe's model is the run's
-        restore.append(CONFIG)
-    tok = run_dir / TOKENIZER
-    try:
-        theirs = load_tokenizer(tok).sha256
-    except TokenizerError:
-        restore.append(TOKENIZER)
-    else:
-        if theirs != tokenizer.sha256:
-            raise RunDirError(
-                f"{tok} is not the tokenizer this recipe trains with (the data or tokenizer settings changed "
-                "since the run started, which would change what the model's token ids mean); restore them, "
-                "or start again with --overwrite"
-            )
-    for name in restore:
-        point.warnings.append(f"{run_dir / name} was missing or damaged: written again for this run")
-    return restore
-
-
-@contextlib.contextmanager
-def training_into(
-    run_dir: Path,
-    dist: DistContext,
-    r: Recipe,
-    tokenizer: Any,
-    *,
-    fresh: bool,
-    replace: bool = False,
-    restore: Sequence[str] = (),
-) -> Iterator[None]:
-    """Around the training of a run (pretrain or finetune), after every check: rank 0 creates the
-    run directory, holds its lock (`RunLock`) until the body ends, and on a fresh start writes
-    recipe.yaml (absolute paths: resumable from any folder), config.json and tokenizer.json. The
-    other ranks of a multi-process run write nothing of their own. A resume rewrites recipe.yaml
-    where its resumable keys changed, and config.json and tokenizer.json where `restore` names
-    them (`resumed_run_files`). `replace` (--overwrite on a fresh start): what the folder held is
-    removed first, under the lock."""
-    lock = RunLock(run_dir)
-    if dist.is_global_zero:
-        holder = lock.acquire()
-        if holder is not None:
-            raise RunDirError(in_use_message(run_dir, holder))
-    try:
-        if dist.is_global_zero:
-            if fresh and replace:
-                _clear_run_dir(run_dir)
-            (run_dir / CHECKPOINTS).mkdir(exist_ok=True)
-            text = r.with_absolute_paths().to_yaml()
-            if fresh or _read_text(run_dir / RECIPE) != text:
-                # a resume may change what runcheck.RESUMABLE_CHANGES lists (train.max_steps, ...): the
-                # folder's recipe is the run as it goes on, so resuming from it continues that run
-                atomic_write_text(run_dir / RECIPE, text)
-            assert r.model is not None
-            if fresh or CONFIG in restore:
-                r.model.to_json(run_dir / CONFIG)
-            if fresh or TOKENIZER in restore:
-                tokenizer.save(run_dir / TOKENIZER)
-        yield
-    finally:
-        lock.release()
-
-
-def _clear_run_dir(run_dir: Path) -> None:
-    """Remove everything in `run_dir` except its lock file (held by this process)."""
-    for child in run_dir.iterdir():
-        if child.name == LOCK_FILE:
-            continue
-        if child.is_dir() and not child.is_symlink():
-            shutil.rmtree(child)
-        else:
-            child.unlink()
 
 
 def start_processes(spec: RunSpec) -> DistContext:
@@ -384,55 +208,6 @@ def pretrain(
         result = fit(spec, model, dm, point, opts, hooks)
     dist.join()  # the ranks this process started have finished too
     return result
-
-
-def start_warnings(spec: RunSpec, point: Any, warnings: Sequence[str] = ()) -> list[str]:
-    """The warnings a run gives at its start: the resume's (a damaged checkpoint skipped, a
-    changed schedule, ...), the caller's (`warnings`: the memory spec, ...), then, on a fresh
-    start, the warm-up against the run's length."""
-    return [
-        *(point.warnings if point else []),
-        *warnings,
-        *([] if point else _warmup_notes(spec)),
-    ]
-
-
-def dry_run_warnings(spec: RunSpec, point: Any) -> list[str]:
-    """The start-up warnings a `--dry-run` can give without the data: those of `start_warnings`
-    with the memory plan against this device."""
-    return start_warnings(spec, point, memory_warnings(spec.recipe, spec.accelerator))
-
-
-def _warmup_notes(spec: RunSpec) -> list[str]:
-    """A warm-up as long as the run (`lr_multiplier` cuts it to max_steps - 1 steps)."""
-    optim = spec.recipe.optim
-    warmup, steps, schedule = optim.warmup_steps, spec.max_steps, optim.schedule
-    if warmup < steps:
-        return []
-    if steps <= 1:
-        return [
-            f"optim.warmup_steps={warmup} with train.max_steps=1: the one step runs at the peak optim.lr "
-            f"(no warm-up, no {schedule} decay)"
-        ]
-    return [
-        f"optim.warmup_steps={warmup} is not below train.max_steps={steps}: warm-up is cut to "
-        f"{steps - 1} step{'s' if steps != 2 else ''} and the {schedule} schedule to the last step; lower "
-        "optim.warmup_steps"
-    ]
-
-
-def memory_warnings(r: Recipe, accelerator: str) -> list[str]:
-    """`difftrain plan`'s warning when the run (pretraining or fine-tuning) will not fit this
-    device (CUDA: the GPU's memory; CPU: the RAM), for the start-up warnings. The planner only
-    advises: it never stops a run."""
-    from difftrain.plan import fit_warning
-
-    try:
-        warning = fit_warning(r, accelerator)
-    except Exception as e:  # a planner failure must not cost the user a run
-        logging.getLogger(__name__).debug("memory plan skipped: %s", e)
-        return []
-    return [warning] if warning else []
 
 
 def fit(
