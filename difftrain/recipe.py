@@ -15,6 +15,7 @@ here too.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import difflib
 import math
@@ -69,12 +70,10 @@ def shipped_recipes() -> dict[str, Path]:
 def recipe_summary(path: Path) -> str:
     """The `description:` of a recipe file, or its first comment line."""
     text = path.read_text(encoding="utf-8")
-    try:
+    with contextlib.suppress(yaml.YAMLError):
         data = yaml.safe_load(text)
         if isinstance(data, dict) and data.get("description"):
             return str(data["description"])
-    except yaml.YAMLError:
-        pass
     for line in text.splitlines():
         if line.startswith("#"):
             return line.lstrip("# ").strip()
@@ -88,12 +87,8 @@ def find_recipe(ref: str | os.PathLike[str], relative_to: Path | None = None) ->
         raise RecipeError(
             "the recipe name is empty; give a recipe file or a shipped recipe name (see `difftrain recipes list`)"
         )
-    candidates = []
     p = Path(ref_s).expanduser()
-    if relative_to is not None and not p.is_absolute():
-        candidates.append(relative_to / p)
-    candidates.append(p)
-    for c in candidates:
+    for c in ([relative_to / p] if relative_to is not None and not p.is_absolute() else []) + [p]:
         if c.is_file():
             return c
         if c.is_dir():
@@ -109,7 +104,7 @@ def find_recipe(ref: str | os.PathLike[str], relative_to: Path | None = None) ->
                 "pass a .yaml file or a shipped recipe name"
             )
     shipped = shipped_recipes()
-    name = ref_s[:-5] if ref_s.endswith(".yaml") else ref_s
+    name = ref_s.removesuffix(".yaml")
     if name in shipped and os.sep not in ref_s:
         return shipped[name]
     hint = difflib.get_close_matches(name, list(shipped), n=1)

@@ -378,11 +378,8 @@ def resolve_base(run_dir: Path, spec: AdapterSpec) -> Path:
     """The base run of an adapter run, verified to hold the weights the adapter was trained on."""
     run_dir = Path(run_dir)
     ref = spec.base
-    candidates = []
-    if ref.get("path"):
-        candidates.append((run_dir / ref["path"]).resolve())
-    if ref.get("abs_path"):
-        candidates.append(Path(ref["abs_path"]))
+    candidates = [(run_dir / ref["path"]).resolve()] if ref.get("path") else []
+    candidates += [Path(ref["abs_path"])] if ref.get("abs_path") else []
     base = next((c for c in candidates if c.is_dir()), None)
     if base is None:
         shown = ", ".join(dict.fromkeys(str(c) for c in candidates)) or "(none recorded)"
