@@ -1,8 +1,5 @@
-"""Attention modules: projections, RoPE, the KV cache, the per-arch core, o_proj.
-
-Notation: x (B, T, D) the normalised residual stream, H = n_heads, Hkv = n_kv_heads,
-d = head_dim. Every arch owns `q_proj`, `k_proj`, `v_proj`, `o_proj` (no biases) with HF Llama
-names; the arithmetic of each arch is `kernels.attention_core`.
+"""Attention modules: projections, RoPE, the KV cache, the per-arch core (`kernels.attention_core`),
+o_proj. x (B, T, D) is the normalised residual stream, H = n_heads, Hkv = n_kv_heads, d = head_dim:
 
     baseline  q_proj D → H·d    k/v_proj D → Hkv·d   o_proj H·d → D
     diff      q_proj D → H·d    k/v_proj D → Hkv·d   o_proj H·d → D   + λq1, λk1, λq2, λk2 (d,), subln (2d,)

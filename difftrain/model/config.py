@@ -198,13 +198,9 @@ class ModelConfig(BaseModel):
 
 
 def num_params(config: ModelConfig) -> dict[str, int]:
-    """Parameter counts by group, computed from the config alone (no model is built).
-
-    Groups: `embedding` (V·D), `attention` (q/k/v/o projections), `lambda` (λq1, λk1, λq2, λk2
-    for diff; lambda_proj for diff2), `norms` (every RMSNorm weight, subln included), `mlp`,
-    `head` (lm_head; 0 when tied), and `total` (unique parameters). For diff:
-    total = total(baseline) + n_layers·(4d + 2d).
-    """
+    """Parameter counts by group from the config alone: `embedding`, `attention` (q/k/v/o),
+    `lambda` (diff's λ vectors, diff2's lambda_proj), `norms` (subln included), `mlp`, `head`
+    (0 when tied) and `total`. diff's total is the baseline's + n_layers·(4d + 2d)."""
     if config.vocab_size == "auto":
         raise ConfigError(
             "model.vocab_size is 'auto': resolve it from the tokenizer before counting parameters"

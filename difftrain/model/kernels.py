@@ -56,11 +56,8 @@ class AttnResult(NamedTuple):
 
 @dataclass
 class AttnMask:
-    """Causal mask with an offset and optional key padding; see the module docstring.
-
-    q_len, kv_len: T and S. q_offset: slot of the first query. key_padding_mask: (B, S) bool,
-    True = real token. `allowed` (B, 1, T, S), when given, is the whole mask (a static KV cache).
-    """
+    """Causal mask of T = q_len queries from slot `q_offset` over S = kv_len keys, with an optional
+    key_padding_mask (B, S) (True = real token); `allowed` (B, 1, T, S), if given, is the whole mask."""
 
     q_len: int
     kv_len: int

@@ -121,9 +121,7 @@ def apply_lora(
     out: dict[str, LoRALinear] = {}
     for name in targets:
         base = model.get_submodule(name)
-        if isinstance(base, LoRALinear):
-            raise ConfigError(f"{name} already has a LoRA adapter; merge it first")
-        if not is_linear(base):
+        if not is_linear(base):  # (a LoRALinear too: merge it first)
             raise ConfigError(
                 f"{name} is a {type(base).__name__}, not a linear layer; LoRA adapts linear layers"
             )

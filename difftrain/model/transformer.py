@@ -256,16 +256,12 @@ class Transformer(nn.Module):
         c = self.config
         assert c.head_dim is not None and c.n_kv_heads is not None
         w = self.model.embed_tokens.weight
-        device = w.device if device is None else torch.device(device)
-        dtype = w.dtype if dtype is None else dtype
+        kw = {"device": w.device if device is None else torch.device(device), "dtype": dtype or w.dtype}
         L = c.max_seq_len if max_len is None else max_len
         d, kv = c.head_dim, c.n_kv_heads
         n_v, v_dim = (kv // 2, 2 * d) if c.arch == "diff" else (kv, d)
-        keys = [torch.zeros(batch_size, kv, L, d, device=device, dtype=dtype) for _ in range(c.n_layers)]
-        values = [
-            torch.zeros(batch_size, n_v, L, v_dim, device=device, dtype=dtype) for _ in range(c.n_layers)
-        ]
-        return KVCache(keys, values)
+        keys = [torch.zeros(batch_size, kv, L, d, **kw) for _ in range(c.n_layers)]
+        return KVCache(keys, [torch.zeros(batch_size, n_v, L, v_dim, **kw) for _ in range(c.n_layers)])
 
     def forward(
         self,
@@ -282,13 +278,10 @@ class Transformer(nn.Module):
         """Logits for input_ids (B, T); loss when targets (B, T) are given (−100 = ignore).
 
         cache: append this chunk to the KV cache and attend to everything in it (then advance).
-        key_padding_mask: (B, S) bool, True = real token, S = T (no cache) or cache.length + T;
-            with a cache it is remembered, so later chunks may omit it.
-        positions: (B, T) RoPE positions. Default: from the padding mask (count of real tokens
-            before each slot), else the cache's next positions, else 0 … T−1.
-        output_attentions: return per-layer effective maps and logits (runs the eager core).
-        return_logits: False (with targets) computes the loss fused with the LM head in chunks
-            (`model/loss.py`): the logits are never materialised and `logits` is None.
+        key_padding_mask: (B, S) bool, True = real token, S = T or cache.length + T (a cache
+            remembers it). positions: (B, T) RoPE positions; default from the padding mask, else
+            the cache's next positions, else 0 … T−1. output_attentions: runs the eager core.
+        return_logits: False (with targets) fuses the loss with the LM head (`model/loss.py`).
         """
         B, T = input_ids.shape
         device = input_ids.device

@@ -1,19 +1,14 @@
 """Lightning callbacks: saving, graceful stops, progress, throughput/MFU and the final summary.
 
 `RunCallback` owns the run directory while training:
-- every `save_every` optimizer steps and at the end: a checkpoint (atomic, checksummed, pruned),
-  then the inference weights: `model.safetensors`, or what `export` writes instead (a LoRA
-  fine-tune writes adapter.safetensors + adapter.json);
-- SIGINT / SIGTERM: the current step finishes, a checkpoint is written, the resume command is
-  printed, and the process exits 130 / 143 (the CLI maps `StopRequested`). A second Ctrl-C exits
-  at once; since every write is atomic, nothing is corrupted;
-- metrics every `log_every` steps, and at step 1, the last step and the step a signal stops at
-  (loss, lr, tokens, tokens/s, grad norm, λ per `diff` layer): metrics.csv's last train/loss is
-  the summary's final_train_loss whatever log_every;
+- every `save_every` optimizer steps and at the end: a checkpoint, then the inference weights;
+- SIGINT / SIGTERM: the current step finishes, a checkpoint is written and `StopRequested` raised
+  (the CLI exits 130 / 143); a second signal exits at once (every write is atomic);
+- metrics every `log_every` steps, and at step 1, the last step and the step a signal stops at;
 - loss spikes (loss > spike_factor × its running mean): a warning and a `train/spike` row; with
-  `spike_rollback`, the weights and optimizer state of the last checkpoint are restored and the
-  learning rate scaled by `spike_lr_factor` (training goes on with the next batches, as PaLM did);
-- a rich progress line (step, loss, tokens/s, lr, ETA).
+  `spike_rollback`, the last checkpoint's weights and optimizer state are restored and the lr
+  scaled by `spike_lr_factor`;
+- a rich progress bar, or a plain line per log step where no terminal can redraw one.
 """
 
 from __future__ import annotations
@@ -22,9 +17,10 @@ import contextlib
 import math
 import os
 import signal
+import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -36,32 +32,21 @@ from difftrain.errors import StopRequested
 from difftrain.io import fsync_dir
 from difftrain.rundir import save_weights
 from difftrain.train.checkpoint import record_checkpoint, remove_checkpoint_path, step_file
-from difftrain.train.distributed import gather_full_weights, is_fsdp
-
-_COMPUTE_DTYPES = {
-    "bf16-mixed": torch.bfloat16,
-    "bf16-true": torch.bfloat16,
-    "16-mixed": torch.float16,
-    "16-true": torch.float16,
-}
+from difftrain.train.distributed import compute_dtype, gather_full_weights, is_fsdp
 
 
 def peak_flops(device: torch.device, precision: str = "bf16-mixed") -> float | None:
-    """Peak dense FLOP/s of a CUDA `device` in the compute dtype of `precision`, for MFU: Lightning's
-    table (`get_available_flops`, which tells an H100 PCIe from an SXM and an L4 from an L40);
-    None off CUDA, and for a GPU it does not know (it warns once)."""
+    """Peak dense FLOP/s of a CUDA `device` in the compute dtype of `precision`, for MFU, from
+    Lightning's table; None off CUDA, and for a GPU it does not know (it warns once)."""
     if device.type != "cuda":
         return None
-    flops = get_available_flops(device, _COMPUTE_DTYPES.get(precision, torch.float32))
+    flops = get_available_flops(device, compute_dtype(precision))
     return float(flops) if flops else None
 
 
 def flops_per_token(n_params_no_embedding: int, n_layers: int, d_attn: int, seq_len: int) -> float:
-    """Training FLOPs per token: 6·N (matmuls, fwd + bwd) + 12·L·d_attn·T (attention scores and values).
-
-    `diff` has the same count as `baseline`: its two maps use H heads of width d for QKᵀ and H/2
-    heads of width 2d for AV.
-    """
+    """Training FLOPs per token: 6·N (matmuls, fwd + bwd) + 12·L·d_attn·T (attention scores and
+    values); `diff` counts as `baseline` (QKᵀ over H heads of width d, AV over H/2 of width 2d)."""
     return 6 * n_params_no_embedding + 12 * n_layers * d_attn * seq_len
 
 
@@ -69,14 +54,12 @@ def flops_per_token(n_params_no_embedding: int, n_layers: int, d_attn: int, seq_
 class RunState:
     """Figures gathered while training, read by the summary."""
 
-    start_time: float = field(default_factory=time.perf_counter)
     peak_rss_mb: float = 0.0
     best_val: float = math.inf
     last_val: float = math.nan
     last_val_step: int = -1  # the global step `last_val` was measured at
     # the step of the newest complete checkpoint: saved by this process or resumed from (none: -1)
     saved_step: int = -1
-    history: list[tuple[int, float]] = field(default_factory=list)
 
 
 def save_inference_weights(
@@ -112,11 +95,9 @@ def _duration(seconds: float) -> str:
 @dataclass
 class CallbackSettings:
     """What `RunCallback` does: save every `save_every` steps keeping `keep` checkpoints, log every
-    `log_every`, validate every `val_every` (0: never), throughput and MFU from `tokens_per_step`
-    and `flops_per_token`, the progress bar on `console`, the `resume_command` a stop prints,
-    `export` for the inference weights (see `save_inference_weights`), and the loss-spike guard
-    (`spike_factor` over the loss EMA after `warmup_steps`; `spike_rollback` reloads the last
-    checkpoint with the lr × `spike_lr_factor`)."""
+    `log_every`, validate every `val_every` (0: never), MFU from `flops_per_token`, the progress
+    bar on `console`, the `resume_command` a stop prints, `export` for the inference weights (see
+    `save_inference_weights`), and the loss-spike guard (see `RunCallback._check_spike`)."""
 
     save_every: int
     keep: int
@@ -134,68 +115,56 @@ class CallbackSettings:
     val_every: int = 0
 
 
+_VAL_STATE = ("best_val", "last_val", "last_val_step")
+_SPIKE_STATE = {"loss_ema": None, "ema_updates": 0, "spikes": 0, "rollbacks": 0}
+"""The loss-spike guard's state (saved in checkpoints, so a resumed run decides alike)."""
+
+
 class RunCallback(L.Callback):
     def __init__(self, run_dir: Path, settings: CallbackSettings) -> None:
-        c = settings
-        self.val_every = c.val_every  # 0: no validation during training
-        self.spike_factor = c.spike_factor
-        self.spike_rollback = c.spike_rollback
-        self.spike_lr_factor = c.spike_lr_factor
-        self.warmup_steps = c.warmup_steps
-        # loss-spike state, saved in checkpoints (state_dict) so a resumed run decides alike
-        self.loss_ema: float | None = None
-        self.ema_updates = 0
-        self.spikes = 0
-        self.rollbacks = 0
+        self.cfg = settings
+        self.flops_per_token = settings.flops_per_token
+        self.console = settings.console
         self.run_dir = Path(run_dir)
         self.ckpt_dir = self.run_dir / "checkpoints"
-        self.save_every = c.save_every
-        self.keep = c.keep
-        self.log_every = c.log_every
-        self.tokens_per_step = c.tokens_per_step
-        self.flops_per_token = c.flops_per_token
-        self.show_progress = c.progress
-        self.console = c.console
-        self.resume_command = c.resume_command
-        self.export = c.export
         self.state = RunState()
+        self.__dict__.update(_SPIKE_STATE)  # loss_ema, ema_updates, spikes, rollbacks
         self._stop_signal: int | None = None
         self._speaks = True  # rank 0 (of several processes: the others print nothing)
         self._old_handlers: dict[int, Any] = {}
-        self._progress = None
+        self._progress: Any = None
         self._task = None
         self._window_t = time.perf_counter()
-        self._window_step = 0
-        self._window_tokens = 0
+        self._window_step = self._window_tokens = self._start_step = 0
         self.tokens_per_s = 0.0
         self.steady_tokens_per_s: float | None = None  # the last window's rate, compilation excluded
-        self._start_step = 0
         self.peak_flops: float | None = None
         self._sec_per_step: float | None = None
         self._lines = False
         self._logged_step = 0  # the newest step with a train row (a resume: the step it starts from)
 
-    # ---- signals ---------------------------------------------------------------------------
     def _on_signal(self, signum: int, frame: Any) -> None:
         if self._stop_signal is not None:  # second signal: leave now (all writes are atomic)
             saved = self.state.saved_step
             where = (
                 f"resume from its last checkpoint (step {saved})" if saved > 0 else "it has no checkpoint yet"
             )
-            how = f" with: {self.resume_command}" if saved > 0 and self.resume_command else ""
+            how = f" with: {self.cfg.resume_command}" if saved > 0 and self.cfg.resume_command else ""
             with contextlib.suppress(OSError):  # os.write: safe in a signal handler, unlike print
                 os.write(2, f"\nquit at once ({signal.Signals(signum).name} again): {where}{how}\n".encode())
             os._exit(128 + signum)
         self._stop_signal = signum
+        self._say(
+            f"[yellow]received {signal.Signals(signum).name}: finishing this step and saving… "
+            "(press Ctrl-C again to quit at once)[/]"
+        )
+
+    def _say(self, text: str) -> None:
+        """Print `text` on the console of rank 0."""
         if self.console is not None and self._speaks:
-            self.console.print(
-                f"[yellow]received {signal.Signals(signum).name}: finishing this step and saving… "
-                "(press Ctrl-C again to quit at once)[/]"
-            )
+            self.console.print(text)
 
     def _install_signals(self) -> None:
-        import threading
-
         if threading.current_thread() is not threading.main_thread():
             return
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -207,16 +176,12 @@ class RunCallback(L.Callback):
             signal.signal(sig, handler)
         self._old_handlers.clear()
 
-    # ---- lifecycle -------------------------------------------------------------------------
     def _agree_on_stop(self, trainer: L.Trainer) -> None:
-        """Of several processes, all stop at the same step when any of them got a signal: the
-        signal reaches one process alone (`kill PID`, a container runtime's SIGTERM to its PID 1)
-        or each at a different step, and a process that stopped alone left the others waiting in
-        their next collective for ever. One all-reduce of the signal number per check; every
-        process checks at the same points (the same steps, micro-batches and validations)."""
+        """Of several processes, all stop at the same step when any of them got a signal (which
+        may reach one process alone, or each at a different step): one all-reduce of the signal
+        number, at the same points on every process."""
         if trainer.world_size <= 1:
             return
-        import torch
         import torch.distributed as dist
 
         if not (dist.is_available() and dist.is_initialized()):
@@ -225,31 +190,24 @@ class RunCallback(L.Callback):
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         if self._stop_signal is None and int(flag.item()):
             self._stop_signal = int(flag.item())
-            if self.console is not None and self._speaks:  # (it reached another process only)
-                self.console.print(
-                    f"[yellow]{signal.Signals(self._stop_signal).name} reached another process of this run: "
-                    "finishing this step and saving…[/]"
-                )
+            self._say(
+                f"[yellow]{signal.Signals(self._stop_signal).name} reached another process of this run: "
+                "finishing this step and saving…[/]"
+            )
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._speaks = trainer.is_global_zero
         self._install_signals()
-        self.state.start_time = time.perf_counter()
         self._window_t = time.perf_counter()
-        self._window_step = trainer.global_step
-        self._start_step = trainer.global_step
+        self._window_step = self._start_step = self._logged_step = trainer.global_step
         self._window_tokens = pl_module.tokens_seen
-        self._logged_step = trainer.global_step
         self.state.saved_step = trainer.global_step if trainer.global_step > 0 else -1
         self.peak_flops = peak_flops(pl_module.device, str(trainer.precision))
         self._sec_per_step = None
-        # A live bar on a terminal; in a log file (or with the bar off) a plain line per log step:
-        # rich's bar writes only its last frame where it cannot redraw
-        terminal = self.console is None or self.console.is_terminal
-        self._lines = (
-            self.console is not None and trainer.is_global_zero and not (self.show_progress and terminal)
-        )
-        if self.show_progress and terminal and trainer.is_global_zero:
+        # a live bar on a terminal; elsewhere (or with the bar off) a plain line per log step
+        bar = self.cfg.progress and (self.console is None or self.console.is_terminal)
+        self._lines = self.console is not None and trainer.is_global_zero and not bar
+        if bar and trainer.is_global_zero:
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
             self._progress = Progress(
@@ -274,17 +232,18 @@ class RunCallback(L.Callback):
             return
         self._agree_on_stop(trainer)
         step = trainer.global_step
-        # step 1, every log_every-th, the last (max_steps may come from max_tokens) and the one a
-        # signal stops at: the curve in metrics.csv always reaches the loss the summary reports
+        # step 1, every log_every-th, the last and the one a signal stops at: the curve in
+        # metrics.csv always reaches the loss the summary reports
         logs = (
-            step % self.log_every == 0
+            step % self.cfg.log_every == 0
             or step == 1
             or 0 < trainer.max_steps <= step
             or self._stop_signal is not None
         )
-        # The step's figures stay on the device until a step that reports them: one that logs,
-        # saves or validates (a rollback acts on the step's own loss: every step then).
-        if logs or self.spike_rollback or self.validates(trainer, pl_module) or step % self.save_every == 0:
+        # the step's figures stay on the device until a step that logs, saves or validates (a
+        # rollback acts on the step's own loss: every step)
+        c = self.cfg
+        if logs or c.spike_rollback or self.validates(trainer, pl_module) or step % c.save_every == 0:
             for s, loss in pl_module.settle():
                 self._check_spike(trainer, pl_module, s, loss)
             if logs:
@@ -298,38 +257,34 @@ class RunCallback(L.Callback):
     def validates(self, trainer: L.Trainer, pl_module: Any) -> bool:
         """Whether the optimizer step just taken is followed by a validation."""
         return (
-            self.val_every > 0
+            self.cfg.val_every > 0
             and getattr(pl_module, "stepped", False)
-            and trainer.global_step % self.val_every == 0
+            and trainer.global_step % self.cfg.val_every == 0
         )
 
     def _save_or_stop(self, trainer: L.Trainer, pl_module: Any) -> None:
         """The checkpoint of a save_every step, and the stop a signal asked for: after the step's
-        validation where it has one, so that the metrics a checkpoint keeps include that step's
-        validation (a resume does not validate the step it resumes from again)."""
+        validation where it has one, so that the checkpoint's metrics include it."""
         step = trainer.global_step
-        if step % self.save_every == 0 and step < trainer.max_steps:
+        if step % self.cfg.save_every == 0 and step < trainer.max_steps:
             self.save(trainer, pl_module)
         if self._stop_signal is not None:
             self._stop(trainer, pl_module)
 
+    def _figures(self, trainer: L.Trainer, pl_module: Any) -> list[str]:
+        """The last step's loss, throughput (once a log step measured one) and lr."""
+        rate = [f"{self.tokens_per_s:,.0f} tok/s"] if self.tokens_per_s else []
+        return [f"loss {pl_module.last_loss:.4f}", *rate, f"lr {_step_lr(trainer, pl_module):.2e}"]
+
     def _show(self, trainer: L.Trainer, pl_module: Any) -> None:
-        """The progress bar at the current step: loss, throughput, lr and the newest val loss with
-        the step it was measured at (a run's last validation may come after the bar has stopped:
-        then the summary below it has the final one)."""
+        """The progress bar at the current step, with the newest val loss and its step."""
         if self._progress is None:
             return
-        lr = _step_lr(trainer, pl_module)
         val = self.state.last_val
-        self._progress.update(
-            self._task,
-            completed=trainer.global_step,
-            info=f"loss {pl_module.last_loss:.4f}"
-            # (no rate until a log step measured one: a short resume may have none)
-            + (f" · {self.tokens_per_s:,.0f} tok/s" if self.tokens_per_s else "")
-            + f" · lr {lr:.2e}"
-            + (f" · val {val:.4f} (step {self.state.last_val_step})" if math.isfinite(val) else ""),
-        )
+        parts = self._figures(trainer, pl_module)
+        if math.isfinite(val):
+            parts.append(f"val {val:.4f} (step {self.state.last_val_step})")
+        self._progress.update(self._task, completed=trainer.global_step, info=" · ".join(parts))
 
     def _line(self, trainer: L.Trainer, pl_module: Any, step: int, val: float | None = None) -> None:
         """The plain log line of a step (or of a validation), printed where no bar is shown."""
@@ -339,54 +294,42 @@ class RunCallback(L.Callback):
         if val is not None:
             self.console.print(f"{head} · val {val:.4f}", highlight=False, soft_wrap=True)
             return
-        lr = _step_lr(trainer, pl_module)
-        parts = [head, f"loss {pl_module.last_loss:.4f}"]
-        if self.tokens_per_s:
-            parts.append(f"{self.tokens_per_s:,.0f} tok/s")
-        parts.append(f"lr {lr:.2e}")
+        parts = [head, *self._figures(trainer, pl_module)]
         if self._sec_per_step:
             parts.append(f"eta {_duration(self._sec_per_step * (trainer.max_steps - step))}")
         self.console.print(" · ".join(parts), highlight=False, soft_wrap=True)
 
-    # ---- loss spikes -----------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
+        """The loss-spike state, and the validations so far (a resumed run's summary counts them)."""
         return {
-            "loss_ema": self.loss_ema,
-            "ema_updates": self.ema_updates,
-            "spikes": self.spikes,
-            "rollbacks": self.rollbacks,
-            # the validations so far: a resumed run's summary (best_val_loss) counts those before it
-            "best_val": self.state.best_val,
-            "last_val": self.state.last_val,
-            "last_val_step": self.state.last_val_step,
+            **{k: getattr(self, k) for k in _SPIKE_STATE},
+            **{k: getattr(self.state, k) for k in _VAL_STATE},
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.loss_ema = state.get("loss_ema")
-        self.ema_updates = int(state.get("ema_updates", 0))
-        self.spikes = int(state.get("spikes", 0))
-        self.rollbacks = int(state.get("rollbacks", 0))
-        self.state.best_val = float(state.get("best_val", math.inf))
-        self.state.last_val = float(state.get("last_val", math.nan))
-        self.state.last_val_step = int(state.get("last_val_step", -1))
+        fresh = RunState()
+        for k, default in _SPIKE_STATE.items():
+            setattr(self, k, state.get(k, default))
+        for k in _VAL_STATE:
+            setattr(self.state, k, state.get(k, getattr(fresh, k)))
 
     def _check_spike(self, trainer: L.Trainer, pl_module: Any, step: int, loss: float) -> None:
-        """A spike: loss > spike_factor · m, with m ← 0.9·m + 0.1·loss over the non-spike steps,
-        checked once m has seen 10 steps after warmup. Logged; optionally rolled back."""
-        if self.spike_factor is None or not math.isfinite(loss):
+        """A spike: loss > spike_factor · m, with m ← 0.9·m + 0.1·loss over the non-spike steps
+        after `warmup_steps`, checked once m has seen 10 steps. Logged; optionally rolled back."""
+        c = self.cfg
+        if c.spike_factor is None or not math.isfinite(loss):
             return
         ema = self.loss_ema
-        if ema is not None and self.ema_updates >= 10 and loss > self.spike_factor * ema:
+        if ema is not None and self.ema_updates >= 10 and loss > c.spike_factor * ema:
             self.spikes += 1
             for logger in trainer.loggers:
                 logger.log_metrics({"train/spike": loss, "train/loss_mean": ema}, step=step)
-            note = self._rollback(trainer, pl_module) if self.spike_rollback else ""
-            if self.console is not None and trainer.is_global_zero:
-                self.console.print(
-                    f"[yellow]loss spike at step {step}: {loss:.4f} vs a running mean of {ema:.4f}[/]{note}"
-                )
+            note = self._rollback(trainer, pl_module) if c.spike_rollback else ""
+            self._say(
+                f"[yellow]loss spike at step {step}: {loss:.4f} vs a running mean of {ema:.4f}[/]{note}"
+            )
             return
-        if step > self.warmup_steps:
+        if step > c.warmup_steps:
             self.loss_ema = loss if ema is None else 0.9 * ema + 0.1 * loss
             self.ema_updates += 1
 
@@ -406,17 +349,15 @@ class RunCallback(L.Callback):
             return " (no checkpoint yet to roll back to)"
         opt = trainer.optimizers[0]
         sched = trainer.lr_scheduler_configs[0].scheduler
-        next_lrs = [g["lr"] * self.spike_lr_factor for g in opt.param_groups]
+        factor = self.cfg.spike_lr_factor
+        next_lrs = [g["lr"] * factor for g in opt.param_groups]
         pl_module.load_state_dict(ckpt["state_dict"], strict=pl_module.strict_loading)
         opt.load_state_dict(ckpt["optimizer_states"][0])
         for g, lr in zip(opt.param_groups, next_lrs, strict=True):
             g["lr"] = lr  # the next step's lr, scaled (load_state_dict restored the old one)
-        sched.base_lrs = [b * self.spike_lr_factor for b in sched.base_lrs]  # and every later one
+        sched.base_lrs = [b * factor for b in sched.base_lrs]  # and every later one
         self.rollbacks += 1
-        return (
-            f"; rolled back to the weights of step {point.step}, learning rate × {self.spike_lr_factor:g} "
-            "from here on"
-        )
+        return f"; rolled back to the weights of step {point.step}, learning rate × {factor:g} from here on"
 
     def _log_step(self, trainer: L.Trainer, pl_module: Any, step: int) -> None:
         """The train row of optimizer step `step` in the metrics, and its plain log line."""
@@ -430,12 +371,10 @@ class RunCallback(L.Callback):
         now = time.perf_counter()
         steps = step - self._window_step
         if steps > 0 and now > self._window_t:
-            # tokens actually seen on all ranks (tokens_seen is summed over ranks each step; SFT
-            # batches vary in length; for pretraining this is steps × tokens_per_step)
+            # tokens seen on all ranks (SFT batches vary in length)
             seen = pl_module.tokens_seen - self._window_tokens
             self.tokens_per_s = seen / (now - self._window_t)
-            # the first window of a compiled run holds the compilation (tens of seconds): no ETA
-            # from it (it said 2h for a 30 s run), nor a steady rate
+            # the first window of a compiled run holds the compilation: no ETA nor steady rate
             compiling = getattr(pl_module, "_compile", False) and self._window_step == self._start_step
             self._sec_per_step = None if compiling else (now - self._window_t) / steps
             if not compiling:
@@ -452,7 +391,6 @@ class RunCallback(L.Callback):
         if self.peak_flops:
             metrics["train/mfu"] = self.tokens_per_s * self.flops_per_token / self.peak_flops
         metrics.update(pl_module.lambda_values())
-        self.state.history.append((step, pl_module.last_loss))
         self.state.peak_rss_mb = max(self.state.peak_rss_mb, peak_rss_mb())
         for logger in trainer.loggers:
             logger.log_metrics(metrics, step=step)
@@ -497,13 +435,12 @@ class RunCallback(L.Callback):
             self._progress = None
         self._restore_signals()
 
-    # ---- saving ----------------------------------------------------------------------------
     def save(self, trainer: L.Trainer, pl_module: Any) -> None:
         step = trainer.global_step
         path = self.ckpt_dir / step_file(step)
         if trainer.is_global_zero:
-            # metrics first: a kill between the two files leaves rows up to `step` and a checkpoint
-            # at or before it (a resume drops the extra rows); never a checkpoint whose rows are lost
+            # metrics first: a kill between the two leaves extra rows (a resume drops them), never
+            # a checkpoint whose rows are lost
             for logger in trainer.loggers:
                 logger.save()
         fsdp = is_fsdp(pl_module.model)  # may write a folder of shards: into a temporary name first
@@ -520,21 +457,20 @@ class RunCallback(L.Callback):
                 remove_checkpoint_path(path)
                 os.replace(target, path)
                 fsync_dir(self.ckpt_dir)
-            record_checkpoint(self.ckpt_dir, path, step, self.keep)
-            if full is not None and self.export is None:
+            record_checkpoint(self.ckpt_dir, path, step, self.cfg.keep)
+            if full is not None and self.cfg.export is None:
                 if pl_module.model.config.tie_embeddings:
                     full.pop("lm_head.weight", None)  # saved once, as the embedding
                 save_weights(self.run_dir / "model.safetensors", full, {"step": str(step)})
             else:
-                save_inference_weights(self.run_dir, pl_module.model, step, self.export)
+                save_inference_weights(self.run_dir, pl_module.model, step, self.cfg.export)
         trainer.strategy.barrier()
         self.state.saved_step = step
 
     def _stop(self, trainer: L.Trainer, pl_module: Any) -> None:
         signum = self._stop_signal or signal.SIGINT
         step = trainer.global_step
-        # a signal that came after the step's own row (during its validation, or before a skipped
-        # step) still ends the curve at the step the run stops at, which the summary reports
+        # a signal after the step's own row still ends the curve at the step the run stops at
         logged = step > self._logged_step
         if logged:
             self._log_step(trainer, pl_module, step)

@@ -6,18 +6,16 @@ Layout under `runs/<name>/checkpoints/`:
     last.ckpt            a hard link to the newest step file (always a complete checkpoint)
     index.json           [{file, step, sha256, bytes}] newest last: what `--resume` trusts
 
-Every file is written to a temporary name, fsynced and renamed (`AtomicCheckpointIO`), so a kill
-at any instant leaves the previous checkpoint intact. On resume the newest checkpoint whose
-SHA-256 matches the index is used; a damaged one (truncated, bit-flipped) is skipped with a
-warning and the previous good one is taken. Pruning keeps the newest `keep` step files up to the
-checkpoint just written (which is always kept), so it never deletes the only good one. Checkpoints are loaded with `weights_only=True`: a pickle planted in
-their place cannot run code.
+Every file is written atomically (`AtomicCheckpointIO`). A resume takes the newest checkpoint
+whose SHA-256 matches the index, skipping damaged ones with a warning. Checkpoints are loaded
+with `weights_only=True`: a pickle planted in their place cannot run code.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -61,19 +59,9 @@ def load_checkpoint_file(path: Path, map_location: Any = "cpu") -> dict[str, Any
         ) from e
 
 
-def _size(path: Path) -> int:
-    return (
-        sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
-        if path.is_dir()
-        else path.stat().st_size
-    )
-
-
 def remove_checkpoint_path(path: Path) -> None:
     """Delete a checkpoint file, or the folder of a sharded one."""
     if path.is_dir() and not path.is_symlink():
-        import shutil
-
         shutil.rmtree(path, ignore_errors=True)
     else:
         path.unlink(missing_ok=True)
@@ -100,17 +88,15 @@ def _read_index(ckpt_dir: Path) -> tuple[list[dict[str, Any]], str]:
 
 
 def record_checkpoint(ckpt_dir: Path, path: Path, step: int, keep: int) -> list[str]:
-    """Add `path` to the index, point last.ckpt at it, prune to the newest `keep` step files.
+    """Add `path` to the index, point last.ckpt at it, prune to the newest `keep` step files
+    (the new one always kept); returns the names of the files deleted.
 
-    The new checkpoint (just written and hashed) is always kept. Entries of later steps are from
-    a timeline the run abandoned (it resumed from an earlier checkpoint because they were damaged
-    or missing) and are dropped; so are step files the index never listed (a crash between a
-    checkpoint's rename and its index entry). The index is written before any file is deleted,
-    so a kill in between leaves only unlisted files, which the next save removes.
-
-    Returns the names of the files that were deleted.
-    """
-    entry = {"file": path.name, "step": step, "sha256": sha256_file(path), "bytes": _size(path)}
+    Entries of later steps (a timeline the run abandoned when it resumed from an earlier
+    checkpoint) and step files the index never listed are dropped. The index is written before
+    any file is deleted, so a kill in between leaves only unlisted files."""
+    files = path.rglob("*") if path.is_dir() else [path]
+    size = sum(f.stat().st_size for f in files if f.is_file())
+    entry = {"file": path.name, "step": step, "sha256": sha256_file(path), "bytes": size}
     entries = [
         e
         for e in read_index(ckpt_dir)
@@ -119,8 +105,7 @@ def record_checkpoint(ckpt_dir: Path, path: Path, step: int, keep: int) -> list[
     entries.append(entry)
     entries.sort(key=lambda e: e["step"])
     entries = entries[-max(keep, 1) :]
-    # last.ckpt: a hard link to the newest file (a symlink to a sharded checkpoint's folder),
-    # installed atomically (link to a temp name, rename)
+    # last.ckpt: a hard link (a symlink to a sharded folder), made under a temp name and renamed
     tmp = ckpt_dir / f".{LAST}.tmp"
     tmp.unlink(missing_ok=True)
     try:
@@ -129,8 +114,6 @@ def record_checkpoint(ckpt_dir: Path, path: Path, step: int, keep: int) -> list[
         else:
             os.link(path, tmp)
     except OSError:  # filesystems without hard links: copy
-        import shutil
-
         shutil.copyfile(path, tmp)
     os.replace(tmp, ckpt_dir / LAST)
     atomic_write_json(ckpt_dir / INDEX, {"checkpoints": entries, "last": entry["file"]})
@@ -152,25 +135,20 @@ class ResumePoint:
 
 
 def find_resume_checkpoint(ckpt_dir: Path) -> ResumePoint | None:
-    """The newest checkpoint whose contents match its recorded SHA-256 (None if there is none).
-
-    Damaged newer files are skipped, each with a warning. Without an index (a run from an older
-    version, or an index lost in a crash), step files are tried newest first and accepted if they
-    load.
-    """
+    """The newest checkpoint whose contents match its recorded SHA-256 (None if there is none);
+    damaged newer files are skipped, each with a warning. Step files the index does not list
+    are tried newest first and accepted if they load."""
     if not ckpt_dir.is_dir():
         return None
     warnings: list[str] = []
     entries, state = _read_index(ckpt_dir)
-    if entries:
-        for e in reversed(entries):
-            path = ckpt_dir / e["file"]
-            if not path.exists():
-                warnings.append(f"checkpoint {path.name} is listed but missing")
-                continue
-            if sha256_file(path) != e["sha256"]:
-                warnings.append(f"checkpoint {path.name} is damaged (checksum mismatch)")
-                continue
+    for e in reversed(entries):
+        path = ckpt_dir / e["file"]
+        if not path.exists():
+            warnings.append(f"checkpoint {path.name} is listed but missing")
+        elif sha256_file(path) != e["sha256"]:
+            warnings.append(f"checkpoint {path.name} is damaged (checksum mismatch)")
+        else:
             return ResumePoint(path, int(e["step"]), _falling_back(warnings, path))
     for path in sorted(ckpt_dir.glob("step-*.ckpt"), reverse=True):
         if any(path.name == e["file"] for e in entries) or path.is_dir():

@@ -1,36 +1,17 @@
 """The LightningModule: next-token loss, validation, and an explicit optimizer step.
 
-Optimization is manual (Lightning's `automatic_optimization = False`) so that one training step
-is exactly what the recipe says and nothing else:
+Optimization is manual (`automatic_optimization = False`):
 
     for each micro-batch:   loss_m = CE(model(x_m), y_m);  backward(loss_m / accumulate)
     every `accumulate`:     ok = loss and ‖g‖ are finite   (on the device)
                             clip ‖g‖ to grad_clip, optimizer.step() unless not ok, scheduler.step()
 
-The step never waits for the device: loss, ‖g‖, token count and the verdict `ok` stay tensors
-until the figures are reported (`settle`, called by the run callback on logging, saving and
-validation steps and at the end), so the host queues the next step while the device computes
-this one. A step that is not ok applies no update: a fused torch optimizer (AdamW, as on CUDA and
-CPU) skips it on the device (its `found_inf`, as torch's GradScaler uses it); any other one (the
-8-bit optimizers) gets a zero gradient, so the step moves the weights by their decayed momentum
-alone. A skipped step is still a step
-(the counter, schedule and data move on) and is counted; more than `nan_skip_limit` in a row stop
-training at the next report with a TrainingError that names the step, the learning rate and the
-first parameter whose gradient was not finite. The compiled forward (torch.compile) serves
-training and validation; it is kept outside the module tree so state-dict keys never carry
-compile's `_orig_mod.` prefix.
-
-Several processes (DDP, FSDP; see `difftrain.train.distributed`): gradients of the first a − 1
-micro-batches stay local (DDP's no_sync) and the last backward averages them over ranks; the
-logged loss and the token count are reduced over ranks at each step, so every rank takes the same
-skip/step decision; the validation loss is Σ loss·n / Σ n over all ranks' windows. Under FSDP the
-Transformer is wrapped in `configure_model`, and the gradient norm sums the squares of every
-rank's shard.
-
-Fine-tuning options: `save_frozen=False` keeps only trainable parameters in checkpoints (a LoRA
-run's frozen base is reloaded from its base run on resume, not copied into every checkpoint);
-`step_seed` reseeds the RNG before each micro-batch from (step_seed, micro-batches seen), so
-dropout masks are a function of the position in training and a resumed run draws the same ones.
+Loss, ‖g‖, token count and `ok` stay on the device until `settle` reads them, so the host never
+waits for a step. A step that is not ok applies no update (a fused torch optimizer skips it
+through `found_inf`; any other gets a zero gradient) but still counts; more than
+`nan_skip_limit` in a row raise a TrainingError. Over several processes, loss and token counts
+are reduced each step, so every rank decides alike. `save_frozen=False` keeps only trainable
+parameters in checkpoints (LoRA); `step_seed` reseeds the RNG per micro-batch (dropout on resume).
 """
 
 from __future__ import annotations
@@ -44,13 +25,15 @@ import torch
 from difftrain.errors import CheckpointError, TrainingError
 from difftrain.model.loss import IGNORE_INDEX
 from difftrain.recipe import OptimConfig
-from difftrain.train.distributed import clean_name, is_fsdp
+from difftrain.train.distributed import clean_name, full_params, is_fsdp
 from difftrain.train.optim import build_optimizer, lr_multiplier
 
 TOKEN_UNIT = 1024.0
-"""The scale of a token-mean step's backward (Σ loss / TOKEN_UNIT, rescaled once the step's tokens
-are known): a constant keeps a resumed run's arithmetic that of an uninterrupted one, a power of
-two divides exactly, and about a micro-batch's tokens keeps the gradients' magnitude usual."""
+"""A token-mean step's backward is of Σ loss / TOKEN_UNIT, rescaled once the step's tokens are
+known: a constant (a resume computes alike) and a power of two (it divides exactly)."""
+
+RESUME_STATE = {"micro_batches_seen": 0, "tokens_seen": 0, "skipped_steps": 0, "train_time": 0.0}
+"""Counters a checkpoint keeps (`checkpoint["difftrain"]`), with their values at the start."""
 
 
 class LitLM(L.LightningModule):
@@ -83,10 +66,8 @@ class LitLM(L.LightningModule):
         self.save_frozen = save_frozen
         self.strict_loading = save_frozen
         self.step_seed = step_seed
-        # The loss of an optimizer step as the mean over every trained token of all its
-        # micro-batches and processes (instruction fine-tuning: examples train different numbers
-        # of response tokens). A mean per micro-batch, averaged, weighs a short response's tokens
-        # more, and changes with micro_batch_size and devices, which a resume may change.
+        # the step's loss as the mean over every trained token of all its micro-batches and ranks
+        # (SFT), not a mean of per-micro-batch means, which a resume's batch split would change
         self.token_mean = token_mean
         self._count_sum: float | torch.Tensor = 0.0  # trained tokens of the step's micro-batches here
         self._compile = compile
@@ -101,7 +82,7 @@ class LitLM(L.LightningModule):
         self._bad_steps = 0
         # steps whose figures are still on the device: (step, lr, grad names, figures)
         self._pending: list[tuple[int, float, list[str], torch.Tensor]] = []
-        self.micro_batches_seen = 0  # saved in checkpoints: the data position for exact resume
+        self.micro_batches_seen = 0  # the data position for exact resume
         self.tokens_seen = 0
         self.skipped_steps = 0
         self.stepped = False  # True right after an optimizer step, skipped or not (read by the run callback)
@@ -110,16 +91,12 @@ class LitLM(L.LightningModule):
         self.last_lr = float("nan")  # the lr of the last optimizer step (the scheduler has moved on)
         self.train_time = 0.0  # seconds spent in training steps (resumed runs add to it)
         self._t0: float | None = None
-        # test hook: a callable(step, loss) -> loss, used by reliability tests to inject faults
-        self.fault_hook = None
+        self.fault_hook = None  # callable(step, loss) -> loss: the reliability tests' faults
         self.resume_path = None  # the checkpoint being resumed (named in load errors)
 
-    # ---- sharding --------------------------------------------------------------------------
     def configure_model(self) -> None:
-        """Under FSDP, make the Transformer the FSDP root (Lightning calls this inside its wrapping
-        context, which carries the recipe's FSDP settings and wraps each Block as a unit).
-        Lightning would otherwise wrap this LightningModule, and the manual backward in
-        training_step would run inside the root's forward, which FSDP cannot handle."""
+        """Under FSDP, make the Transformer the FSDP root (inside Lightning's wrapping context):
+        with the LightningModule as root, the manual backward would run inside its forward."""
         from lightning.pytorch.strategies import FSDPStrategy
 
         if not isinstance(self.trainer.strategy, FSDPStrategy) or is_fsdp(self.model):
@@ -139,7 +116,6 @@ class LitLM(L.LightningModule):
             torch.distributed.all_reduce(t)
         return t
 
-    # ---- optimizer -------------------------------------------------------------------------
     def configure_optimizers(self):
         device_type = self.device.type if isinstance(self.device, torch.device) else "cpu"
         opt = build_optimizer(self.model, self.optim_cfg, device_type, ndims=self._param_ndims)
@@ -149,15 +125,13 @@ class LitLM(L.LightningModule):
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
     def on_train_start(self) -> None:
-        # The next step's lr from this run's schedule. A resume restores the optimizer's lr as the
-        # saved schedule left it: the same value when the run's length is unchanged, but a resume
-        # that changed train.max_steps has a new schedule, which would otherwise start a step late.
+        # the next step's lr from this run's schedule (a resume that changed train.max_steps
+        # restored the saved schedule's lr)
         sched = self.lr_schedulers()
         opt = self.optimizers()
         for g, base, fn in zip(opt.param_groups, sched.base_lrs, sched.lr_lambdas, strict=True):
             g["lr"] = base * fn(sched.last_epoch)
 
-    # ---- training --------------------------------------------------------------------------
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
         if self._t0 is None:
             self._t0 = time.perf_counter()
@@ -170,10 +144,7 @@ class LitLM(L.LightningModule):
         loss = out.loss
         if self.fault_hook is not None:
             loss = self.fault_hook(self.global_step, loss)
-        if self.token_mean:
-            # backward of the micro-batch's summed loss / TOKEN_UNIT: the step's gradient is
-            # rescaled by world·TOKEN_UNIT / N once N, the trained tokens of the whole step, is
-            # known (`_to_token_mean`)
+        if self.token_mean:  # rescaled by `_to_token_mean` once the step's tokens are known
             n = (batch["targets"] != IGNORE_INDEX).sum()
             part = loss * n
             backward_loss = part / TOKEN_UNIT
@@ -193,14 +164,10 @@ class LitLM(L.LightningModule):
             return
         self._micro = 0
         # loss and tokens of this step over all ranks: every rank sees the same figures
-        stats = torch.stack(
-            [
-                torch.as_tensor(self._loss_sum, dtype=torch.float32, device=self.device),
-                torch.tensor(float(self._tokens_pending), device=self.device),
-                torch.as_tensor(self._count_sum, dtype=torch.float32, device=self.device),
-            ]
+        sums = (self._loss_sum, float(self._tokens_pending), self._count_sum)
+        stats = self._all_reduce(
+            torch.stack([torch.as_tensor(x, dtype=torch.float32, device=self.device) for x in sums])
         )
-        stats = self._all_reduce(stats)
         if self.token_mean:
             trained = stats[2]
             loss_mean = torch.where(trained > 0, stats[0] / trained.clamp(min=1.0), 0.0)
@@ -208,7 +175,8 @@ class LitLM(L.LightningModule):
         else:
             loss_mean = stats[0] / (self.accumulate * self._world())
         self._loss_sum, self._tokens_pending, self._count_sum = 0.0, 0, 0.0
-        names, params = self._with_grads()
+        named = [(clean_name(n), p) for n, p in self.model.named_parameters() if p.grad is not None]
+        names, params = [n for n, _ in named], [p for _, p in named]
         grads = [p.grad for p in params]
         if self.check_grads:
             grad_norm, bad = self._grad_norm(grads)
@@ -242,9 +210,8 @@ class LitLM(L.LightningModule):
 
     def settle(self) -> list[tuple[int, float]]:
         """Read the figures of the steps taken since the last call from the device (one copy) and
-        return their (step, loss). Updates last_loss, last_grad_norm, tokens_seen and
-        skipped_steps; raises TrainingError once more than `nan_skip_limit` steps in a row were
-        skipped. Every rank calls it at the same steps (the run callback's reporting steps)."""
+        return their (step, loss); updates last_loss, last_grad_norm, tokens_seen, skipped_steps.
+        TrainingError once more than `nan_skip_limit` steps in a row were skipped."""
         if not self._pending:
             return []
         pending, self._pending = self._pending, []
@@ -271,15 +238,9 @@ class LitLM(L.LightningModule):
                 )
         return out
 
-    def _with_grads(self) -> tuple[list[str], list[torch.nn.Parameter]]:
-        """The parameters that have a gradient, and their names."""
-        named = [(clean_name(n), p) for n, p in self.model.named_parameters() if p.grad is not None]
-        return [n for n, _ in named], [p for _, p in named]
-
     def _to_token_mean(self, trained: torch.Tensor) -> None:
-        """Scale the step's gradient from Σ_micro-batches ∇(summed loss)/unit, averaged over the
-        processes by DDP/FSDP, to ∇ of the mean over the step's `trained` tokens (all processes);
-        a step that trained no token keeps its (zero) gradient."""
+        """Scale the step's gradient (of Σ loss / TOKEN_UNIT, averaged over ranks) to that of the
+        mean over its `trained` tokens; a step that trained none keeps its (zero) gradient."""
         grads = [p.grad for p in self.model.parameters() if p.grad is not None]
         if grads:
             scale = torch.where(trained > 0, self._world() * TOKEN_UNIT / trained.clamp(min=1.0), 1.0)
@@ -299,14 +260,12 @@ class LitLM(L.LightningModule):
         first = (~torch.isfinite(norms)).int().argmax().float()
         return total, torch.where(torch.isfinite(total), none, first)
 
-    # ---- validation ------------------------------------------------------------------------
     def on_validation_epoch_start(self) -> None:
         self._val_stats = torch.zeros(2, device=self.device)
 
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
         out = self._forward(batch["input_ids"], batch["targets"], return_logits=False)
-        # weighed by the batch's trained tokens (not its sequences): the mean over every token of
-        # the split, whatever the batch size and the number of processes
+        # weighed by the batch's trained tokens: the mean over every token of the split
         n = (batch["targets"] != IGNORE_INDEX).sum().float()
         if self._val_stats is None:
             self._val_stats = torch.zeros(2, device=self.device)
@@ -320,18 +279,12 @@ class LitLM(L.LightningModule):
         if stats[1] > 0:
             self.log("val/loss", stats[0] / stats[1], on_epoch=True, logger=False, sync_dist=True)
 
-    # ---- state that must survive a resume --------------------------------------------------
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         self.settle()  # the step counts below include every step taken
         if not self.save_frozen:
             keep = self._trainable_keys()
             checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if k in keep}
-        checkpoint["difftrain"] = {
-            "micro_batches_seen": self.micro_batches_seen,
-            "tokens_seen": self.tokens_seen,
-            "skipped_steps": self.skipped_steps,
-            "train_time": self.train_time,
-        }
+        checkpoint["difftrain"] = {k: getattr(self, k) for k in RESUME_STATE}
 
     def _trainable_keys(self) -> set[str]:
         return {clean_name(n) for n, p in self.named_parameters() if p.requires_grad}
@@ -345,8 +298,7 @@ class LitLM(L.LightningModule):
                     "by a different fine-tune; start again with --overwrite"
                 )
         if not is_fsdp(self.model):
-            # a checkpoint copied in from another run passes its checksum: compare shapes here, so
-            # the user gets the file and the tensor, not load_state_dict's wall of size mismatches
+            # a checkpoint copied from another run: name the tensor, not a wall of size mismatches
             own = self.state_dict()
             wrong = [
                 (k, tuple(v.shape), tuple(own[k].shape))
@@ -362,21 +314,13 @@ class LitLM(L.LightningModule):
                 )
         self._count_micro_batches_in_steps(checkpoint)
         state = checkpoint.get("difftrain", {})
-        self.micro_batches_seen = int(state.get("micro_batches_seen", 0))
-        self.tokens_seen = int(state.get("tokens_seen", 0))
-        self.skipped_steps = int(state.get("skipped_steps", 0))
-        self.train_time = float(state.get("train_time", 0.0))
+        for k, default in RESUME_STATE.items():
+            setattr(self, k, type(default)(state.get(k, default)))
 
     def _count_micro_batches_in_steps(self, checkpoint: dict) -> None:
-        """Restate the training loop's micro-batch count as global_step × this run's accumulation.
-
-        Lightning schedules validations every `val_check_interval` micro-batches counted since the
-        run began (the run sets it to val_every × accumulate) and offers no public hook to decide
-        per optimizer step. A resume that splits the global batch into another number of
-        micro-batches would move every later validation off the val_every steps; the count it
-        restores from the checkpoint ("loops", the loops' saved progress) is restated here, in
-        the hook Lightning calls before it restores the loops. A checkpoint without that entry
-        is left as it is."""
+        """Restate the loops' saved micro-batch count as global_step × this run's accumulation:
+        Lightning validates every val_every × accumulate micro-batches, so a resume that splits
+        the global batch differently would otherwise validate off the val_every steps."""
         loop = checkpoint.get("loops", {}).get("fit_loop", {})
         progress = loop.get("epoch_loop.batch_progress")
         if not isinstance(progress, dict) or not isinstance(progress.get("total"), dict):
@@ -394,13 +338,7 @@ class LitLM(L.LightningModule):
         """λ of every `diff` layer (the scalar the paper's Figure plots), for logging."""
         out = {}
         for i, layer in enumerate(getattr(self.model.model, "layers", [])):
-            attn = layer.self_attn
-            if hasattr(attn, "lam"):
-                if is_fsdp(layer):  # λ lives in the layer's shards: gather them (every rank calls this)
-                    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-
-                    with FSDP.summon_full_params(layer, writeback=False):
-                        out[f"lambda/layer{i}"] = float(attn.lam().detach())
-                else:
-                    out[f"lambda/layer{i}"] = float(attn.lam().detach())
+            if hasattr(layer.self_attn, "lam"):
+                with full_params(layer):
+                    out[f"lambda/layer{i}"] = float(layer.self_attn.lam().detach())
         return out

@@ -1,14 +1,12 @@
 """metrics.csv: one row per logged step, rewritten atomically, continued across resumes.
 
-Lightning's CSVLogger deletes an existing metrics.csv when a run is resumed; this logger instead
-keeps the rows up to the checkpoint a run resumes from (rows logged after it are dropped: the
-resumed run logs those steps again), so the file always holds one continuous curve. The whole
-file is rewritten atomically on each flush (a few thousand rows: cheap), so a crash never leaves
-a torn line.
+Unlike Lightning's CSVLogger, a resumed run keeps the rows up to the checkpoint it resumes from
+(it logs the later steps again), so the file holds one continuous curve.
 """
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import io
 from pathlib import Path
@@ -24,23 +22,22 @@ def read_metrics(path: Path) -> list[dict[str, Any]]:
     """Rows of a metrics.csv as dicts of floats (empty cells omitted). A damaged file (binary
     bytes, a row without a whole step) yields the rows that can be read: the curves of `compare
     --plot` and the rows a resume keeps, not a traceback."""
-    if not Path(path).is_file():
-        return []
     rows = []
-    try:
-        with open(path, newline="", encoding="utf-8", errors="replace") as f:
-            for r in csv.DictReader(f):
-                row: dict[str, Any] = {}
-                for k, v in r.items():
-                    if isinstance(k, str) and k and isinstance(v, str) and v:
-                        try:
-                            row[k] = int(float(v)) if k == "step" else float(v)
-                        except (ValueError, OverflowError):
-                            row[k] = v
-                if isinstance(row.get("step"), int):
-                    rows.append(row)
-    except (OSError, csv.Error):  # unreadable from here on: the rows read so far
-        return rows
+    # (a missing file: no rows; unreadable from some row on: the rows read so far)
+    with (
+        contextlib.suppress(OSError, csv.Error),
+        open(path, newline="", encoding="utf-8", errors="replace") as f,
+    ):
+        for r in csv.DictReader(f):
+            row: dict[str, Any] = {}
+            for k, v in r.items():
+                if isinstance(k, str) and k and isinstance(v, str) and v:
+                    try:
+                        row[k] = int(float(v)) if k == "step" else float(v)
+                    except (ValueError, OverflowError):
+                        row[k] = v
+            if isinstance(row.get("step"), int):
+                rows.append(row)
     return rows
 
 
@@ -68,9 +65,7 @@ class MetricsCSV(Logger):
 
     @rank_zero_only
     def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
-        row = {"step": step}
-        row.update({k: float(v) for k, v in metrics.items() if k != "epoch"})
-        self.rows.append(row)
+        self.rows.append({"step": step, **{k: float(v) for k, v in metrics.items() if k != "epoch"}})
         self._pending += 1
         if self._pending >= self.flush_every:
             self.save()
@@ -86,7 +81,3 @@ class MetricsCSV(Logger):
         writer.writerows(self.rows)
         atomic_write_text(self.path, buf.getvalue())
         self._pending = 0
-
-    @rank_zero_only
-    def finalize(self, status: str) -> None:
-        self.save()

@@ -1,10 +1,6 @@
-"""Whether a recipe may train into its run directory — a fresh start, a resume, or a refusal that
-says what to do — decided from the folder's files and its recipe.yaml alone, without torch.
-
-`train.run.preflight` runs `check_run_dir` on the recipe resolved for this machine and goes
-on to the checkpoints. `early_check` runs it before torch and Lightning load (8-10 s on a small
-CPU), on the recipe as written, for the refusals that do not depend on the machine: rerunning
-the command of a run that is there is the usual slip, and is answered at once.
+"""Whether a recipe may train into its run directory (a fresh start, a resume, or a refusal that
+says what to do), decided from the folder's files and its recipe.yaml alone, without torch.
+`early_check` runs it before torch loads, for the refusals that do not depend on the machine.
 """
 
 from __future__ import annotations
@@ -22,10 +18,10 @@ from difftrain.recipe import Recipe, global_batch, read_yaml, recipe_from_dict
 from difftrain.rundir import CONFIG, RECIPE, TOKENIZER, holds_run, weights_metadata
 from difftrain.spec import Batch, Machine, resolve
 
-# What a run's start writes before its first step: a folder holding only these trained nothing.
+# what a run's start writes before its first step: a folder holding only these trained nothing
 STARTUP_FILES = {RECIPE, CONFIG, TOKENIZER}
 
-# Keys that may change between a run and its resume (how long, how often, where to log).
+# keys that may change between a run and its resume (how long, how often, where to log)
 RESUMABLE_CHANGES = {
     "train.max_steps",
     "train.max_tokens",
@@ -40,8 +36,7 @@ RESUMABLE_CHANGES = {
     "train.spike_lr_factor",
     "train.devices",
     "train.num_nodes",
-    # how a step's batch is split and how much memory it takes: free to change as long as the
-    # global batch stays (checked apart, `_global_batch`); the data position counts samples
+    # how a step's batch is split: free to change while the global batch stays (`_global_batch`)
     "train.micro_batch_size",
     "train.global_batch_size",
     "train.activation_checkpointing",
@@ -68,12 +63,10 @@ def resumable_change(key: str) -> bool:
 
 
 def _flatten(d: Any, prefix: str = "") -> dict[str, Any]:
+    """{dotted key: value}; a list of lists as a list of tuples (a YAML list equals a tuple field)."""
     if isinstance(d, dict):
-        out: dict[str, Any] = {}
-        for k, v in d.items():
-            out.update(_flatten(v, f"{prefix}{k}."))
-        return out
-    return {prefix[:-1]: d}
+        return {key: v for k, sub in d.items() for key, v in _flatten(sub, f"{prefix}{k}.").items()}
+    return {prefix[:-1]: [tuple(x) if isinstance(x, list) else x for x in d] if isinstance(d, list) else d}
 
 
 def recipe_differences(
@@ -84,19 +77,14 @@ def recipe_differences(
     ignore: frozenset[str] = frozenset(),
 ) -> list[str]:
     """Dotted keys whose values differ, ignoring those a resume may change and `ignore` (keys, or
-    sections: "model" ignores every model.* key).
-    `unresolved`: `new` is a recipe whose machine-dependent `auto` values are not resolved yet
-    (`early_check`), and a key set to auto there is not counted as a difference."""
+    sections). `unresolved`: `new`'s machine-dependent `auto` values are not resolved yet, and a
+    key set to auto there is no difference."""
     a, b = _flatten(old), _flatten(new)
     diffs = []
     for k in sorted(set(a) | set(b)):
         if resumable_change(k) or _within(k, ignore):
             continue
         va, vb = a.get(k), b.get(k)
-        if isinstance(va, list):
-            va = [tuple(x) if isinstance(x, list) else x for x in va]
-        if isinstance(vb, list):
-            vb = [tuple(x) if isinstance(x, list) else x for x in vb]
         if va != vb and not ((unresolved or k.startswith("model.")) and vb == "auto"):
             diffs.append(k)
     return diffs
@@ -152,11 +140,9 @@ def check_run_dir(
     """Refuse what may not train into `recipe.run_dir`; else the recipe.yaml of the run there when
     it may be resumed (`resume` True or "auto" and the same run), None for a fresh start.
 
-    `batch` is None where the global batch is not known yet (train.devices: auto before torch).
-    `early` (`early_check`): `recipe`'s auto values are not resolved, so keys set to auto are not
-    compared, and where that or an unknown batch leaves the answer open it returns None and
-    decides nothing (the full check runs later). `ignore`: keys not compared yet (a fine-tune's
-    model.vocab_size, which its data may still grow; the full check after the data compares it)."""
+    `batch` is None where the global batch is not known yet. `early` (`early_check`): auto values
+    are not resolved, and where that or an unknown batch leaves the answer open it returns None
+    (the full check runs later). `ignore`: keys not compared yet."""
     run_dir = recipe.run_dir
     existing = run_dir / RECIPE
     # how the user asked to resume: the flag, or the recipe's key (which the flag's absence leaves)
@@ -169,9 +155,7 @@ def check_run_dir(
     )
     if early:  # temporary files of unfinished writes, which the full check removes first
         files = [p for p in files if not fnmatch.fnmatch(p.name, TEMP_GLOB)]
-    # only what a start writes before its first step (recipe, config, tokenizer): a start that
-    # failed (out of memory in the first step, a bad option found late) trained nothing; the
-    # next start writes them again
+    # only what a start writes before its first step: a start that failed trained nothing
     startup_only = existing.is_file() and all(p.parent == run_dir and p.name in STARTUP_FILES for p in files)
     has_files = bool(files) and not startup_only
     if overwrite and run_dir.exists():
@@ -182,9 +166,7 @@ def check_run_dir(
                 f"{run_dir} exists and is not a difftrain run directory (no {RECIPE}): --overwrite replaces "
                 "only runs; choose another `name`/`out_dir`, or move its files away yourself"
             )
-        # removed by `training_into(replace=True)`, after every check: a mistake found on the way
-        # (a missing tokenizer, bad data) must not cost the run that is there
-        return None
+        return None  # removed after every check: a mistake found on the way must not cost the run
     if not has_files:
         if resume is True:
             raise RunDirError(f"{asked}: {run_dir} holds no run yet; start it without resuming")
@@ -233,17 +215,13 @@ def check_run_dir(
         == os.path.realpath(os.path.expanduser(str(recipe.finetune.base)))
     ):  # the same folder however it is written (a trailing /, .., a symbolic link to it)
         ignore = ignore | {"finetune.base"}
-    # out_dir (with name) only says where the run folder is, and it is this one however it was
-    # written (runs, ./runs, /abs/runs, a link to it): a resume named it another way was refused
+    # out_dir only says where the run folder is (this one, however it is written); recipe.yaml
+    # paths may be absolute or as given: the same run either way
     ignore = ignore | {"out_dir"}
-    # the run's recipe.yaml holds absolute paths (older versions wrote them as given): the same
-    # run either way
     diffs = min(
         (
-            recipe_differences(
-                old, recipe.with_absolute_paths().model_dump(mode="json"), unresolved=early, ignore=ignore
-            ),
-            recipe_differences(old, recipe.model_dump(mode="json"), unresolved=early, ignore=ignore),
+            recipe_differences(old, r.model_dump(mode="json"), unresolved=early, ignore=ignore)
+            for r in (recipe.with_absolute_paths(), recipe)
         ),
         key=len,
     )
@@ -254,22 +232,14 @@ def check_run_dir(
             f"`difftrain finetune {shlex.quote(str(run_dir))} --resume`, fine-tune the new base into another "
             "`name`, or replace the run with --overwrite"
         )
-    if diffs:  # resuming with these settings is refused: name the command that resumes the run
-        command = "finetune" if recipe.finetune is not None else "pretrain"
+    if diffs:
         raise RunDirError(
             f"{run_dir} holds a different run ({_listed(diffs)}); continue it as it was with "
             f"`difftrain {command} {shlex.quote(str(run_dir))} --resume`, replace it with --overwrite, "
             "or choose another `name`"
         )
-    if early and (batch is None or _has_auto(recipe)):
-        if recipe.finetune is None or resume is not False:
-            return None  # the same run as far as can be told before the machine is known
-        # a fine-tune's run again without --resume: said before torch loads (its global batch,
-        # if that changed too, is compared when it resumes)
-        raise RunDirError(
-            f"{run_dir} already holds a run; continue it with --resume, start again with --overwrite, "
-            "or choose another `name`"
-        )
+    if early and (batch is None or _has_auto(recipe)) and (recipe.finetune is None or resume is not False):
+        return None  # the same run as far as can be told before the machine is known
     old_global = _global_batch(old)
     if batch is not None and old_global is not None and old_global != batch[0]:
         global_bs, micro, world, accumulate = batch
@@ -294,23 +264,13 @@ def _has_auto(recipe: Recipe) -> bool:
 
 
 def early_check(recipe: Recipe, *, resume: bool | None, overwrite: bool) -> None:
-    """`check_run_dir` for a pretraining recipe before torch loads: the refusals that do not
-    depend on the machine (another run there, the run's own command run again, a run in use,
-    --resume with nothing to resume). Where torch can see no GPU (`devicecheck.no_cuda_here`)
-    the recipe is resolved as the run resolves it there (`resolve` on a `Machine()` without
-    one), so a GPU-only option is refused in the run's words, and the folder check is the full
-    one up to the checkpoints. Decides nothing else and writes nothing."""
-    if recipe.finetune is not None:  # its model and tokenizer come from the base run, read later:
-        # the folder's refusals that do not depend on them (in use, --resume with nothing to
-        # resume, a model made by import or merge, another run there, the run's own command again)
-        check_run_dir(
-            recipe,
-            resume=recipe.train.resume if resume is None else resume,
-            overwrite=overwrite,
-            batch=None,
-            early=True,
-            ignore=frozenset({"model", "tokenizer"}),
-        )
+    """`check_run_dir` before torch loads: the refusals that do not depend on the machine. Where
+    torch can see no GPU the recipe is resolved as the run resolves it there, so a GPU-only option
+    is refused in the run's words. Decides nothing else and writes nothing."""
+    resume = recipe.train.resume if resume is None else resume
+    if recipe.finetune is not None:  # its model and tokenizer come from the base run, read later
+        ignore = frozenset({"model", "tokenizer"})
+        check_run_dir(recipe, resume=resume, overwrite=overwrite, batch=None, early=True, ignore=ignore)
         return
     devicecheck.check_loggers(recipe)  # a missing logger package: as the run refuses it, before torch
     t = recipe.train
@@ -322,6 +282,4 @@ def early_check(recipe: Recipe, *, resume: bool | None, overwrite: bool) -> None
         devices = int(t.devices)
         global_bs, accumulate = global_batch(t, devices)
         batch = (global_bs, t.micro_batch_size, devices * t.num_nodes, accumulate)
-    check_run_dir(
-        recipe, resume=t.resume if resume is None else resume, overwrite=overwrite, batch=batch, early=True
-    )
+    check_run_dir(recipe, resume=resume, overwrite=overwrite, batch=batch, early=True)
