@@ -108,8 +108,8 @@ def remove_stale_temps(folder: str | os.PathLike[str]) -> list[str]:
 
 
 def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> None:
-    with atomic_path(path) as tmp:
-        tmp.write_bytes(data)
+    with atomic_path(path) as tmp, open(tmp, "wb") as f:  # (this module's `open`: tests inject a full disk)
+        f.write(data)
 
 
 def atomic_write_text(path: str | os.PathLike[str], text: str) -> None:
