@@ -1006,9 +1006,9 @@ def test_without_a_live_bar_each_log_step_prints_a_plain_line(workspace, progres
 def test_the_dry_run_vocabulary_check_names_the_tokenizer_and_its_size():
     from types import SimpleNamespace
 
-    from difftrain.cli.common import check_vocab_early as _check_vocab
     from difftrain.data.config import TokenizerTrainConfig
     from difftrain.errors import TokenizerError
+    from difftrain.train.preflight import check_vocab_early as _check_vocab
 
     model = SimpleNamespace(vocab_size=100)
     given = SimpleNamespace(model=model, tokenizer=SimpleNamespace(path="runs/a/tokenizer.json"))

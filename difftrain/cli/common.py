@@ -288,34 +288,6 @@ def vocab_shortfall(tokenizer_size: int, tokenizer_cfg: Any, corpus_bytes: int |
     return asked + "the data has no more pairs to merge"
 
 
-def check_vocab_early(r: Any, size: int) -> str | None:
-    """The run's check of model.vocab_size before the tokenizer exists: a TokenizerError where
-    tokenizer.path's `size` (or the fewest tokens a trained one has) does not fit, a warning where
-    the `size` asked of the tokenizer to train may not."""
-    from difftrain.errors import TokenizerError
-
-    vocab = r.model.vocab_size
-    if vocab == "auto" or size <= vocab:
-        return None
-    if r.tokenizer.path is not None:
-        raise TokenizerError(
-            f"model.vocab_size is {vocab} but the tokenizer {r.tokenizer.path} has {size} tokens: ids past "
-            f"{vocab - 1} would have no embedding; set model.vocab_size: auto (or at least {size})"
-        )
-    least = r.tokenizer.train.fixed_tokens  # the bytes and the special tokens
-    if vocab < least:
-        raise TokenizerError(
-            f"model.vocab_size is {vocab} but the tokenizer this recipe trains has at least {least} tokens "
-            f"(256 bytes and the special tokens; up to {size}, tokenizer.train.vocab_size): ids past "
-            f"{vocab - 1} would have no embedding; set model.vocab_size: auto (or at least {size})"
-        )
-    return (
-        f"model.vocab_size is {vocab} but the tokenizer this recipe trains may have up to {size} tokens "
-        f"(tokenizer.train.vocab_size): the run stops if it has more than {vocab}; set model.vocab_size: "
-        f"auto (or at least {size})"
-    )
-
-
 def wall_time(summary: dict[str, Any]) -> str:
     """The end table's wall-time cell; for a resumed run also the training time of the whole run."""
     wall, train = summary["wall_time_s"], summary.get("train_time_s") or 0.0

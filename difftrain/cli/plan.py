@@ -7,7 +7,7 @@ from typing import Any
 
 import typer
 
-from difftrain.cli.common import check_vocab_early, console, fmt_count, kv_table, spec_rows
+from difftrain.cli.common import console, fmt_count, kv_table, spec_rows
 from difftrain.cli.complete import override_items, recipe_refs
 
 
@@ -36,6 +36,7 @@ def plan_command(
     from difftrain.errors import ConfigError
     from difftrain.plan import plan_recipe, plan_target, tokenizer_size
     from difftrain.recipe import load_recipe
+    from difftrain.train.preflight import check_vocab_early
 
     if device not in ("auto", "cpu"):
         raise ConfigError(f"--device {device!r}: choose auto or cpu (use --gpu-mem to plan for a GPU)")

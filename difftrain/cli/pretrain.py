@@ -9,7 +9,6 @@ import typer
 
 from difftrain.cli.common import (
     check_files,
-    check_vocab_early,
     console,
     fmt_count,
     fmt_figure,
@@ -101,59 +100,35 @@ def pretrain_command(
         check_files(r)  # a missing file or unwritable folder fails before torch loads
         early_check(r, resume=resume, overwrite=overwrite)
     if dry_run:
-        from difftrain.spec import resolve
-        from difftrain.train.preflight import dry_run_warnings, preflight
-        from difftrain.train.run import require_pretraining
+        from difftrain.train.run import dry_run_pretrain
 
-        require_pretraining(r)
-        spec = resolve(r)
-        flag = spec.recipe.train.resume if resume is None else resume
-        resuming, point = preflight(spec, resume=flag, overwrite=overwrite, dry_run=True)
-        warnings = _check_inputs(spec.recipe, resuming) + dry_run_warnings(spec, point)
+        setup = dry_run_pretrain(r, resume=resume, overwrite=overwrite)
         rows = [
             ("recipe", r.source),
-            run_row(spec, resuming, point, overwrite),
-            ("data", _check_cached_data(spec)),
-            *spec_rows(spec),
+            run_row(setup.spec, setup.resuming, setup.point, overwrite),
+            ("data", _data_row(setup)),
+            *spec_rows(setup.spec),
         ]
         console.print(kv_table("dry run: the recipe is valid", rows))
-        for w in warnings:
+        for w in setup.warnings:
             warn(w)
         return
     _train(r, resume=resume, overwrite=overwrite, progress=progress)
 
 
-def _check_cached_data(spec: Any) -> str:
-    """The dry run's data row; prepared data's splits are checked against the sequence length."""
-    from difftrain.data.shards import cached_index, check_split_sizes
-
-    r = spec.recipe
-    index = cached_index(r.data, r.tokenizer, seed=r.seed, base_dir=r.recipe_dir)
+def _data_row(setup: Any) -> str:
+    """The dry run's data row: what the cache holds of the recipe's data."""
+    r, index = setup.spec.recipe, setup.index
     if index is None:
         return (
             f"not prepared yet: the run tokenizes it first (`difftrain prepare {r.command_args}` does it now "
             "and checks the splits)"
         )
-    train, val = index["train"]["tokens"], index["val"]["tokens"]
     specs = r.data.recall_specs
     if specs is not None:  # one example per sequence, validated on examples of their own seeds
         held = sum(s.val_documents for s in specs) if r.data.val_windows > 0 else 0
         return f"prepared: {sum(s.num_documents for s in specs):,} training · {held:,} validation recall examples"
-    check_split_sizes(train, val, spec.seq_len, r.data.val_windows)
-    return f"prepared: {train:,} training · {val:,} validation tokens"
-
-
-def _check_inputs(r: Any, resuming: bool = False) -> list[str]:
-    """The dry run's checks beyond `check_files`: a run over several nodes has a launcher, and
-    (unless it resumes) the tokenizer fits model.vocab_size. Returns the warnings."""
-    from difftrain.plan import tokenizer_size
-    from difftrain.train.distributed import require_node_launcher
-
-    require_node_launcher(r.train.num_nodes)
-    if resuming:
-        return []
-    warning = check_vocab_early(r, tokenizer_size(r))  # loads tokenizer.path, if the recipe names one
-    return [warning] if warning else []
+    return f"prepared: {index['train']['tokens']:,} training · {index['val']['tokens']:,} validation tokens"
 
 
 def _train(r: Any, *, resume: bool | None, overwrite: bool, progress: bool | None) -> None:

@@ -13,7 +13,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from difftrain.errors import RecipeError, RunDirError
+from difftrain.errors import RecipeError, RunDirError, TokenizerError
 from difftrain.io import LOCK_FILE, RunLock, atomic_write_text, remove_stale_temps
 from difftrain.recipe import Recipe
 from difftrain.rundir import CHECKPOINTS, CONFIG, RECIPE, TOKENIZER
@@ -249,3 +249,29 @@ def memory_warnings(r: Recipe, accelerator: str) -> list[str]:
         logging.getLogger(__name__).debug("memory plan skipped: %s", e)
         return []
     return [warning] if warning else []
+
+
+def check_vocab_early(r: Any, size: int) -> str | None:
+    """The run's check of model.vocab_size before the tokenizer exists: a TokenizerError where
+    tokenizer.path's `size` (or the fewest tokens a trained one has) does not fit, a warning where
+    the `size` asked of the tokenizer to train may not."""
+    vocab = r.model.vocab_size
+    if vocab == "auto" or size <= vocab:
+        return None
+    if r.tokenizer.path is not None:
+        raise TokenizerError(
+            f"model.vocab_size is {vocab} but the tokenizer {r.tokenizer.path} has {size} tokens: ids past "
+            f"{vocab - 1} would have no embedding; set model.vocab_size: auto (or at least {size})"
+        )
+    least = r.tokenizer.train.fixed_tokens  # the bytes and the special tokens
+    if vocab < least:
+        raise TokenizerError(
+            f"model.vocab_size is {vocab} but the tokenizer this recipe trains has at least {least} tokens "
+            f"(256 bytes and the special tokens; up to {size}, tokenizer.train.vocab_size): ids past "
+            f"{vocab - 1} would have no embedding; set model.vocab_size: auto (or at least {size})"
+        )
+    return (
+        f"model.vocab_size is {vocab} but the tokenizer this recipe trains may have up to {size} tokens "
+        f"(tokenizer.train.vocab_size): the run stops if it has more than {vocab}; set model.vocab_size: "
+        f"auto (or at least {size})"
+    )

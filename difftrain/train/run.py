@@ -31,6 +31,8 @@ from difftrain.rundir import METRICS, RECIPE, SUMMARY
 from difftrain.spec import RunSpec, resolve
 from difftrain.train.distributed import DistContext
 from difftrain.train.preflight import (
+    check_vocab_early,
+    dry_run_warnings,
     memory_warnings,
     preflight,
     resumed_run_files,
@@ -136,6 +138,94 @@ def require_pretraining(recipe: Recipe) -> None:
         )
 
 
+@dataclass
+class PretrainSetup:
+    """What a pretraining run decides before its model is built (`setup_pretrain`): the spec (its
+    vocabulary sized to the tokenizer once the data is prepared), the run folder's decision, the
+    run's processes, the prepared data (None in a dry run) or, in a dry run, the index of data
+    prepared already (None: not yet), and the start-up warnings known so far."""
+
+    spec: RunSpec
+    resuming: bool
+    point: Any
+    dist: DistContext | None = None
+    prepared: Any = None
+    tokenizer: Any = None
+    index: dict[str, Any] | None = None
+    warnings: list[str] = field(default_factory=list)
+
+
+def setup_pretrain(
+    recipe: Recipe,
+    *,
+    resume: bool | str | None,
+    overwrite: bool,
+    start: Callable[[RunSpec], DistContext] | None = None,
+    data_progress: Any = None,
+) -> PretrainSetup:
+    """Every check a pretraining run makes before its first write: the recipe against this
+    machine (`resolve`), the run folder (`preflight`), the data and the tokenizer's fit to the
+    model. `start` starts the run's processes (`start_processes`); rank 0 decides the folder and
+    prepares the data. Without it, the dry run: nothing is written, the tokenizer is checked as
+    far as it exists (tokenizer.path, or the size the recipe trains) and data prepared already
+    is checked against the sequence length."""
+    from difftrain.data.shards import cached_index, check_split_sizes, prepare_data
+    from difftrain.data.tokenizer import check_vocab_fits, load_tokenizer
+    from difftrain.plan import tokenizer_size
+    from difftrain.train.distributed import require_node_launcher
+
+    require_pretraining(recipe)
+    spec = resolve(recipe)
+    r = spec.recipe
+    flag: bool | str = r.train.resume if resume is None else resume
+    if start is None:
+        require_node_launcher(r.train.num_nodes)  # (the run's `start` refuses it there)
+        resuming, point = preflight(spec, resume=flag, overwrite=overwrite, dry_run=True)
+        warning = None if resuming else check_vocab_early(r, tokenizer_size(r))  # (a resume's fits its model)
+        index = cached_index(r.data, r.tokenizer, seed=r.seed, base_dir=r.recipe_dir)
+        if index is not None and r.data.recall_specs is None:  # (recall: one example per sequence)
+            check_split_sizes(
+                index["train"]["tokens"], index["val"]["tokens"], spec.seq_len, r.data.val_windows
+            )
+        warnings = [warning] if warning else []
+        return PretrainSetup(
+            spec, resuming, point, index=index, warnings=warnings + dry_run_warnings(spec, point)
+        )
+    dist = start(spec)
+    # rank 0 decides (and may clear the folder); the others learn the decision
+    resuming, point = dist.on_rank_zero(lambda: preflight(spec, resume=flag, overwrite=overwrite))
+    # data + tokenizer (cached: a second run reuses both); built by rank 0, cache hits elsewhere
+    prepared = dist.rank_zero_first(
+        lambda: prepare_data(
+            r.data,
+            r.tokenizer,
+            seed=r.seed,
+            base_dir=r.recipe_dir,
+            progress=data_progress if dist.is_global_zero else None,
+        )
+    )
+    tokenizer = load_tokenizer(prepared.tokenizer_path)
+    model_cfg = spec.model
+    if model_cfg.vocab_size == "auto":
+        model_cfg = model_cfg.replace(vocab_size=64 * math.ceil(tokenizer.vocab_size / 64))
+    check_vocab_fits(tokenizer, model_cfg.vocab_size)
+    spec = spec.with_model(model_cfg)  # (keeps the recipe's folder and source)
+    return PretrainSetup(
+        spec,
+        resuming,
+        point,
+        dist,
+        prepared,
+        tokenizer,
+        warnings=memory_warnings(spec.recipe, spec.accelerator),
+    )
+
+
+def dry_run_pretrain(recipe: Recipe, *, resume: bool | None = None, overwrite: bool = False) -> PretrainSetup:
+    """`pretrain --dry-run`: `setup_pretrain` with nothing written."""
+    return setup_pretrain(recipe, resume=resume, overwrite=overwrite)
+
+
 def pretrain(
     recipe: Recipe,
     *,
@@ -153,37 +243,22 @@ def pretrain(
     import lightning as L
 
     from difftrain.data.modules import PretrainDataModule
-    from difftrain.data.shards import prepare_data
-    from difftrain.data.tokenizer import check_vocab_fits, load_tokenizer
     from difftrain.model import Transformer
 
     hooks = Hooks(progress, console, on_start, [*extra_callbacks], fault_hook, data_progress)
     _quiet_lightning()
-    require_pretraining(recipe)
-    spec = resolve(recipe)
-    r = spec.recipe
-    resume_flag: bool | str = r.train.resume if resume is None else resume
-    dist = start_processes(spec)
-    # rank 0 decides (and may clear the folder); the others learn the decision
-    resuming, point = dist.on_rank_zero(lambda: preflight(spec, resume=resume_flag, overwrite=overwrite))
-
-    # data + tokenizer (cached: a second run reuses both); built by rank 0, cache hits elsewhere
-    prepared = dist.rank_zero_first(
-        lambda: prepare_data(
-            r.data,
-            r.tokenizer,
-            seed=r.seed,
-            base_dir=r.recipe_dir,
-            progress=hooks.data_progress if dist.is_global_zero else None,
-        )
+    setup = setup_pretrain(
+        recipe, resume=resume, overwrite=overwrite, start=start_processes, data_progress=data_progress
     )
-    tokenizer = load_tokenizer(prepared.tokenizer_path)
-    model_cfg = spec.model
-    if model_cfg.vocab_size == "auto":
-        model_cfg = model_cfg.replace(vocab_size=64 * math.ceil(tokenizer.vocab_size / 64))
-    check_vocab_fits(tokenizer, model_cfg.vocab_size)
-    spec = spec.with_model(model_cfg)  # (keeps the recipe's folder and source)
-    r = spec.recipe
+    spec, dist, prepared, resuming, point = (
+        setup.spec,
+        setup.dist,
+        setup.prepared,
+        setup.resuming,
+        setup.point,
+    )
+    assert dist is not None
+    r, model_cfg, tokenizer = spec.recipe, spec.model, setup.tokenizer
 
     L.seed_everything(r.seed, workers=True, verbose=False)
     model = Transformer(model_cfg)
@@ -201,7 +276,7 @@ def pretrain(
         has_val=r.data.val_windows > 0,
         resume_command=f"difftrain pretrain {shlex.quote(str(run_dir / RECIPE))} --resume",
         details={"data": prepared},
-        warnings=[*memory_warnings(r, spec.accelerator), *([dm.val_note] if dm.val_note else [])],
+        warnings=[*setup.warnings, *([dm.val_note] if dm.val_note else [])],
         tokens_per_micro_batch=r.train.micro_batch_size * spec.seq_len,
     )
     with training_into(run_dir, dist, r, tokenizer, fresh=not resuming, replace=overwrite, restore=restore):
