@@ -188,7 +188,7 @@ def test_an_instruction_fine_tunes_template_markers_are_scored_as_the_special_to
 ):
     """A chat fine-tune adds <|user|>, <|assistant|>, <|end|> as special tokens and trains on them
     as single tokens: eval's windows of its records hold those tokens, not their spelling."""
-    from difftrain.train.finetune import add_special_tokens
+    from difftrain.data.sft import add_special_tokens
 
     sft, _ = _instruction_run(runs, tmp_path)
     run = load_run(sft)

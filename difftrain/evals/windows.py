@@ -203,9 +203,9 @@ def records_as_text(recipe: Any) -> Any:
     template, prompts included, each record one document (a `RecordText`); None for other runs."""
     if recipe.finetune is None:
         return None
+    from difftrain.data.sft import SFTTemplate
     from difftrain.data.sources import RecordText
     from difftrain.recipe import resolve_data_format
-    from difftrain.train.finetune import SFTTemplate
 
     if resolve_data_format(recipe) != "instruction":
         return None

@@ -16,17 +16,16 @@ from __future__ import annotations
 
 import math
 import shlex
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from difftrain.data.sft import SFTTemplate, add_special_tokens, render_messages
 from difftrain.errors import DataError, DeviceError, RecipeError, RunDirError
 from difftrain.recipe import (
-    ChatTemplateConfig,
-    FinetuneConfig,
     Recipe,
     require_finetuning,
     resolve_data_format,
@@ -44,109 +43,8 @@ from difftrain.train.preflight import (
 from difftrain.train.run import FitOptions, Hooks, TrainResult, _quiet_lightning, fit, start_processes
 from difftrain.train.runcheck import check_run_dir
 
+
 # Model settings a fine-tune may change; everything else must equal the base run's.
-Segment = tuple[str, bool]
-
-
-# --------------------------------------------------------------------------------------------
-# templates
-
-
-def render_messages(messages: Any, chat: ChatTemplateConfig) -> list[Segment]:
-    """A `messages` list → (text, trained) segments with the chat template.
-
-    Each message becomes roles[role] with {content} filled in. For a trained role the text from
-    {content} to the end of its format (the content and its <|end|>) is trained; the header before
-    it is not. Consecutive pieces with the same flag are joined.
-    """
-    if not isinstance(messages, list) or not messages:
-        raise DataError("a `messages` record must hold a non-empty list of {role, content} objects")
-    segments: list[Segment] = []
-
-    def add(text: str, trained: bool) -> None:
-        if not text:
-            return
-        if segments and segments[-1][1] == trained:
-            segments[-1] = (segments[-1][0] + text, trained)
-        else:
-            segments.append((text, trained))
-
-    for i, m in enumerate(messages):
-        if (
-            not isinstance(m, Mapping)
-            or not isinstance(m.get("role"), str)
-            or not isinstance(m.get("content"), str)
-        ):
-            raise DataError(
-                f"message {i} of a `messages` record is {str(m)[:80]!r}; each message needs a string "
-                "`role` and a string `content`"
-            )
-        role, content = m["role"], m["content"]
-        fmt = chat.roles.get(role)
-        if fmt is None:
-            snippet = content[:40] + ("…" if len(content) > 40 else "")
-            raise DataError(
-                f"message {i} of a `messages` record has role '{role}' ({snippet!r}), which the chat template "
-                f"does not know (roles: {', '.join(chat.roles)}); fix the record or add a format for it under "
-                "finetune.chat_template.roles"
-            )
-        head, tail = fmt.split("{content}")
-        trained = role in chat.trained_roles
-        add(head, False)
-        add(content + tail, trained)
-    if not any(t for _, t in segments):
-        raise DataError(
-            f"a `messages` record has no message of a trained role ({', '.join(chat.trained_roles)}): nothing "
-            "to learn from it; add the reply, or change finetune.chat_template.trained_roles"
-        )
-    return segments
-
-
-@dataclass(frozen=True)
-class SFTTemplate:
-    """Prompt/response records through prompt_format/response_format; `messages` records through
-    the chat template. Called by the SFT data module on every record."""
-
-    prompt_format: str
-    response_format: str
-    chat: ChatTemplateConfig
-
-    @classmethod
-    def from_config(cls, ft: FinetuneConfig) -> SFTTemplate:
-        return cls(ft.prompt_format, ft.response_format, ft.chat_template)
-
-    def __call__(self, record: Mapping[str, Any]) -> list[Segment]:
-        if "messages" in record and "prompt" not in record:
-            return render_messages(record["messages"], self.chat)
-        try:
-            return [
-                (self.prompt_format.format_map(record), False),
-                (self.response_format.format_map(record), True),
-            ]
-        except KeyError as e:
-            raise DataError(
-                f"finetune.prompt_format/response_format use field {e} that a record lacks (fields: "
-                f"{', '.join(map(str, record))}); fix the format or the data"
-            ) from e
-
-
-# --------------------------------------------------------------------------------------------
-# resolving a fine-tune recipe against its base run
-
-
-def add_special_tokens(tokenizer: Any, tokens: Sequence[str]) -> tuple[Any, list[int]]:
-    """The tokenizer with `tokens` added as special tokens where missing; (tokenizer, new ids)."""
-    from difftrain.data.tokenizer import Tokenizer
-
-    missing = [t for t in tokens if tokenizer.token_to_id(t) is None]
-    if not missing:
-        return tokenizer, []
-    tk = tokenizer.tk
-    tk.add_special_tokens(missing)
-    grown = Tokenizer(tk, path=None)
-    return grown, [grown.token_to_id(t) for t in missing]
-
-
 def _check_method(method: str, spec: RunSpec) -> None:
     if method != "qlora":
         return
