@@ -30,7 +30,7 @@ from difftrain.cli.complete import override_items, recipe_refs
 
 def _start_table(info: Any) -> None:
     """The start table of the run's `StartInfo`."""
-    spec, data = info.spec, info.details["data"]
+    spec, data = info.spec, info.details.prepared
     rows = [
         (
             "run",

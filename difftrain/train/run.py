@@ -1,12 +1,7 @@
-"""Entry points for training, used by the CLI and by tests: `pretrain` runs a recipe and returns
-the figures of the run; `preflight` makes the run folder's checks (the run and its dry run call
-it alike); `fit` is the loop itself (Lightning module, callbacks, loggers, Trainer, summary),
-shared with `difftrain.train.finetune`.
-
-Everything a user can get wrong is checked before the first step: the recipe against the
-machine (`difftrain.spec.resolve`), the run directory (a different run already there is refused
-unless --overwrite; resuming a run with a different model or data is refused), and the
-tokenizer's fit to the model's vocabulary.
+"""Pretraining, used by the CLI and by tests: `setup_pretrain` makes every check before the first
+write (the run and its dry run alike), `pretrain` runs the recipe and returns the run's figures,
+and `fit` is the loop (Lightning module, callbacks, loggers, Trainer, summary) that
+`difftrain.train.finetune` shares.
 """
 
 from __future__ import annotations
@@ -75,14 +70,14 @@ class FitOptions:
     checkpoints; `step_seed` makes dropout resumable (see LitLM); `validate_first` measures the
     validation loss before the first step of a fresh run (summary `initial_val_loss`);
     `tokens_per_micro_batch=0` counts the tokens of each batch; `token_mean`: a step's loss is
-    the mean over all its trained tokens (see LitLM); `details`: the entry point's facts for the
-    start table (data, records, base)."""
+    the mean over all its trained tokens (see LitLM); `details`: the entry point's setup, for the
+    start table (`PretrainSetup`, `FinetuneSetup`)."""
 
     counts: dict[str, int]
     has_val: bool
     resume_command: str
     warnings: Sequence[str] = ()
-    details: dict[str, Any] = field(default_factory=dict)
+    details: Any = None
     export: Any = None
     save_frozen: bool = True
     step_seed: int | None = None
@@ -103,7 +98,7 @@ class StartInfo:
     trainable_params: int
     total_params: int
     warnings: list[str]
-    details: dict[str, Any]
+    details: Any
 
 
 def start_processes(spec: RunSpec) -> DistContext:
@@ -116,17 +111,20 @@ def start_processes(spec: RunSpec) -> DistContext:
 
 
 def _quiet_lightning() -> None:
+    """Lightning's info logs and the warnings that do not apply to difftrain's runs (a run with
+    data.val_fraction: 0 has no val loader on purpose)."""
     for name in ("lightning", "lightning.pytorch", "lightning.fabric", "pytorch_lightning"):
         logging.getLogger(name).setLevel(logging.ERROR)
-    warnings.filterwarnings("ignore", message=".*does not have many workers.*")
-    warnings.filterwarnings("ignore", message=".*TensorBoard.*")
-    warnings.filterwarnings("ignore", message=".*LeafSpec.*")
-    warnings.filterwarnings("ignore", message=".*`isinstance.*treespec.*")
-    warnings.filterwarnings("ignore", message=".*Checkpoint directory.*exists and is not empty.*")
-    warnings.filterwarnings("ignore", message=".*`IterableDataset` has `__len__` defined.*")
-    # a run without a validation split (data.val_fraction: 0) and `bench`'s Lightning section
-    # have no val loader on purpose
-    warnings.filterwarnings("ignore", message=".*defined a `validation_step` but have no `val_dataloader`.*")
+    for message in (
+        "does not have many workers",
+        "TensorBoard",
+        "LeafSpec",
+        "`isinstance.*treespec",
+        "Checkpoint directory.*exists and is not empty",
+        "`IterableDataset` has `__len__` defined",
+        "defined a `validation_step` but have no `val_dataloader`",
+    ):
+        warnings.filterwarnings("ignore", message=f".*{message}.*")
 
 
 def require_pretraining(recipe: Recipe) -> None:
@@ -275,7 +273,7 @@ def pretrain(
         counts=model.num_params(),
         has_val=r.data.val_windows > 0,
         resume_command=f"difftrain pretrain {shlex.quote(str(run_dir / RECIPE))} --resume",
-        details={"data": prepared},
+        details=setup,
         warnings=[*setup.warnings, *([dm.val_note] if dm.val_note else [])],
         tokens_per_micro_batch=r.train.micro_batch_size * spec.seq_len,
     )
