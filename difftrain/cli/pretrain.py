@@ -100,9 +100,9 @@ def pretrain_command(
         check_files(r)  # a missing file or unwritable folder fails before torch loads
         early_check(r, resume=resume, overwrite=overwrite)
     if dry_run:
-        from difftrain.train.run import dry_run_pretrain
+        from difftrain.train.run import setup_pretrain
 
-        setup = dry_run_pretrain(r, resume=resume, overwrite=overwrite)
+        setup = setup_pretrain(r, resume=resume, overwrite=overwrite)  # (no processes: writes nothing)
         rows = [
             ("recipe", r.source),
             run_row(setup.spec, setup.resuming, setup.point, overwrite),

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from difftrain.devicecheck import has_tensorboard
-from difftrain.errors import CheckpointError, DeviceError, RecipeError, StopRequested
+from difftrain.errors import CheckpointError, RecipeError, StopRequested
 from difftrain.io import atomic_write_json
 from difftrain.recipe import Recipe
 from difftrain.rundir import METRICS, RECIPE, SUMMARY
@@ -219,11 +219,6 @@ def setup_pretrain(
     )
 
 
-def dry_run_pretrain(recipe: Recipe, *, resume: bool | None = None, overwrite: bool = False) -> PretrainSetup:
-    """`pretrain --dry-run`: `setup_pretrain` with nothing written."""
-    return setup_pretrain(recipe, resume=resume, overwrite=overwrite)
-
-
 def pretrain(
     recipe: Recipe,
     *,
@@ -248,15 +243,9 @@ def pretrain(
     setup = setup_pretrain(
         recipe, resume=resume, overwrite=overwrite, start=start_processes, data_progress=data_progress
     )
-    spec, dist, prepared, resuming, point = (
-        setup.spec,
-        setup.dist,
-        setup.prepared,
-        setup.resuming,
-        setup.point,
-    )
+    spec, dist, point, tokenizer = setup.spec, setup.dist, setup.point, setup.tokenizer
     assert dist is not None
-    r, model_cfg, tokenizer = spec.recipe, spec.model, setup.tokenizer
+    r, model_cfg = spec.recipe, spec.model
 
     L.seed_everything(r.seed, workers=True, verbose=False)
     model = Transformer(model_cfg)
@@ -264,11 +253,13 @@ def pretrain(
         model.set_activation_checkpointing(True)
     # checks the data against the sequence length: a split too short fails before anything is written
     dm = PretrainDataModule.from_config(
-        prepared, r.data, seq_len=spec.seq_len, micro_batch_size=r.train.micro_batch_size, seed=r.seed
+        setup.prepared, r.data, seq_len=spec.seq_len, micro_batch_size=r.train.micro_batch_size, seed=r.seed
     )
 
     run_dir = spec.run_dir
-    restore = dist.on_rank_zero(lambda: resumed_run_files(run_dir, tokenizer, point)) if resuming else []
+    restore = (
+        dist.on_rank_zero(lambda: resumed_run_files(run_dir, tokenizer, point)) if setup.resuming else []
+    )
     opts = FitOptions(
         counts=model.num_params(),
         has_val=r.data.val_windows > 0,
@@ -277,7 +268,8 @@ def pretrain(
         warnings=[*setup.warnings, *([dm.val_note] if dm.val_note else [])],
         tokens_per_micro_batch=r.train.micro_batch_size * spec.seq_len,
     )
-    with training_into(run_dir, dist, r, tokenizer, fresh=not resuming, replace=overwrite, restore=restore):
+    fresh = not setup.resuming
+    with training_into(run_dir, dist, r, tokenizer, fresh=fresh, replace=overwrite, restore=restore):
         result = fit(spec, model, dm, point, opts, hooks)
     dist.join()  # the ranks this process started have finished too
     return result
@@ -366,17 +358,12 @@ def fit(
         from lightning.pytorch.loggers import TensorBoardLogger
 
         loggers.append(TensorBoardLogger(save_dir=str(run_dir), name="tensorboard", version=""))
-    if r.logging.wandb_project:
-        try:
-            from lightning.pytorch.loggers import WandbLogger
+    if r.logging.wandb_project:  # (installed: `resolve` refuses the recipe otherwise)
+        from lightning.pytorch.loggers import WandbLogger
 
-            loggers.append(
-                WandbLogger(project=r.logging.wandb_project, entity=r.logging.wandb_entity, name=r.name)
-            )
-        except (ImportError, ModuleNotFoundError) as e:
-            raise DeviceError(
-                "logging.wandb_project is set but wandb is not installed; `pip install wandb`"
-            ) from e
+        loggers.append(
+            WandbLogger(project=r.logging.wandb_project, entity=r.logging.wandb_entity, name=r.name)
+        )
     trainer = L.Trainer(
         accelerator=spec.accelerator,
         devices=spec.devices,
