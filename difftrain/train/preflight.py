@@ -62,7 +62,7 @@ def preflight(
         if not dry_run:
             shutil.rmtree(run_dir / CHECKPOINTS, ignore_errors=True)
         return False, None
-    if spec.max_steps is not None and point.step > spec.max_steps:
+    if point.step > spec.max_steps:
         raise RecipeError(
             f"{run_dir} is at step {point.step} (its last checkpoint), past train.max_steps={spec.max_steps}: "
             f"a resume only trains on; raise train.max_steps above {point.step}, or start again with --overwrite"
@@ -87,7 +87,7 @@ def _schedule_note(old: dict[str, Any], spec: RunSpec, step: int, old_global: in
     from difftrain.train.optim import lr_multiplier
 
     t = old.get("train") if isinstance(old, dict) else None
-    if not isinstance(t, dict) or spec.max_steps is None:
+    if not isinstance(t, dict):
         return None
     try:
         before = int(t["max_steps"]) if t.get("max_steps") else None
