@@ -3,8 +3,8 @@
 Both are exactly resumable: the batch at global sample index g is a pure function of (seed, g),
 and `state_dict()` holds the samples consumed, counted in `on_after_batch_transfer` (a
 LightningModule must not override it). Rank r of w reads g = c + k·w + r (c = samples consumed),
-so ranks are disjoint and together read what one process would. Rank and world size come from
-the attached Trainer unless given. IterableDatasets keep Lightning from adding a sampler.
+so ranks are disjoint and together read what one process would. IterableDatasets keep
+Lightning from adding a sampler.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from difftrain.data.config import DataConfig
+from difftrain.data.sft import PromptResponseTemplate, Template
 from difftrain.data.shards import (
     PreparedData,
     check_split_sizes,
@@ -34,13 +35,13 @@ from difftrain.data.tokenizer import Tokenizer, record_start_id
 from difftrain.errors import DataError
 
 IGNORE_INDEX = -100
-"""Target value that the cross-entropy loss ignores (prompt and padding positions)."""
+"""Target that the cross-entropy loss ignores (prompt and padding positions)."""
 
 _MASK64 = (1 << 64) - 1
 
 
 def _splitmix64(x: np.ndarray) -> np.ndarray:
-    """SplitMix64 finaliser on a uint64 array: a bijective, well-mixed hash (wraps mod 2^64)."""
+    """SplitMix64 finaliser on a uint64 array (wraps mod 2^64)."""
     with np.errstate(over="ignore"):
         z = x + np.uint64(0x9E3779B97F4A7C15)
         z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
@@ -52,8 +53,7 @@ def window_offsets(seed: int, indices: np.ndarray, n_tokens: int, window: int) -
     """Start offsets of the training windows with global sample indices `indices`.
 
     offset(g) = h(h(seed) ⊕ g) mod (N − window + 1), with h = SplitMix64 and N the number of
-    training tokens: a counter-based generator, so any sample is computed directly from (seed, g)
-    without replaying a random stream (the modulo bias is < window·2⁻⁶⁴ · N, negligible).
+    training tokens: any sample is computed directly from (seed, g), without a random stream.
     """
     span = n_tokens - window + 1
     key = _splitmix64(np.array([seed & _MASK64], dtype=np.uint64))[0]
@@ -62,7 +62,8 @@ def window_offsets(seed: int, indices: np.ndarray, n_tokens: int, window: int) -
 
 
 class _ResumableDataModule(L.LightningDataModule):
-    """Counts consumed training samples and restores the train loader's position."""
+    """Counts consumed training samples and restores the train loader's position; rank and
+    world size come from the attached Trainer unless given."""
 
     def __init__(
         self,
@@ -99,16 +100,10 @@ class _ResumableDataModule(L.LightningDataModule):
         trainer = getattr(self, "trainer", None)
         return trainer.world_size if trainer is not None else 1
 
-    def _pin(self) -> bool:
-        return torch.cuda.is_available() if self.pin_memory == "auto" else bool(self.pin_memory)
-
     def _loader(self, dataset: IterableDataset) -> DataLoader:
-        return DataLoader(
-            dataset,
-            batch_size=None,  # the datasets yield whole batches
-            num_workers=self.num_workers,
-            pin_memory=self._pin(),
-        )
+        pin = torch.cuda.is_available() if self.pin_memory == "auto" else bool(self.pin_memory)
+        # batch_size=None: the datasets yield whole batches
+        return DataLoader(dataset, batch_size=None, num_workers=self.num_workers, pin_memory=pin)
 
     def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
         trainer = getattr(self, "trainer", None)
@@ -142,7 +137,6 @@ class _Endless(IterableDataset):
         self.make, self.batch, self.start, self.rank, self.world = make, batch, start, rank, world
 
     def batch_indices(self, j: int) -> np.ndarray:
-        """Global sample indices of this rank's local batch j."""
         k = np.arange(j * self.batch, (j + 1) * self.batch, dtype=np.int64)
         return self.start + k * self.world + self.rank
 
@@ -209,9 +203,9 @@ class PretrainDataModule(_ResumableDataModule):
     """Windows of seq_len + 1 tokens from the token shards: input_ids = w[:-1], targets = w[1:].
 
     Training sample g starts at `window_offsets(seed, g)`, uniform over the training tokens and
-    across document boundaries (drawn with replacement, as nanoGPT's memmap reader). Validation:
+    across document boundaries (with replacement, as nanoGPT's memmap reader). Validation:
     `val_windows` windows evenly spaced over the validation split, split over ranks.
-    `prepared`: the `PreparedData` of `prepare_data`, or a shard folder (with index.json).
+    `prepared`: the `PreparedData` of `prepare_data`, or a shard folder.
     """
 
     def __init__(
@@ -238,22 +232,17 @@ class PretrainDataModule(_ResumableDataModule):
         self.val_windows = val_windows
         self.train_data = _Memmap(train_path, dtype, index["train"]["tokens"])
         self.val_data = _Memmap(val_path, dtype, index["val"]["tokens"])
-        window = seq_len + 1
         check_split_sizes(self.train_data.n_tokens, self.val_data.n_tokens, seq_len, val_windows)
-        distinct = self.val_data.n_tokens - window + 1  # windows with different starts
+        distinct = self.val_data.n_tokens - seq_len  # windows with different starts
         self.val_note: str | None = None
-        if val_windows > distinct:  # more would repeat windows, and cost time for nothing
+        if val_windows > distinct:
             self.val_note = (
                 f"data.val_windows={val_windows:,} is more than the {distinct:,} different windows the validation "
                 f"split holds ({self.val_data.n_tokens:,} tokens): validating on those {distinct:,}; raise "
                 "data.val_fraction for more"
             )
             val_windows = distinct
-        self.val_offsets = (
-            val_window_offsets(self.val_data.n_tokens, window, val_windows)
-            if val_windows > 0
-            else np.zeros(0, dtype=np.int64)
-        )
+        self.val_offsets = val_window_offsets(self.val_data.n_tokens, seq_len + 1, val_windows)
 
     @classmethod
     def from_config(
@@ -265,9 +254,8 @@ class PretrainDataModule(_ResumableDataModule):
         micro_batch_size: int,
         seed: int,
     ) -> PretrainDataModule | SFTDataModule:
-        """Build from the recipe's data section (workers, pinning, validation windows).
-        `builtin:recall` data gives an `SFTDataModule`: one example per sequence, trained on its
-        answers only; validation on the sources' `val_documents`."""
+        """Build from the recipe's data section. `builtin:recall` data gives an `SFTDataModule`:
+        one example per sequence, trained on its answers only."""
         specs = data_cfg.recall_specs
         if specs is not None:
             import difftrain.data.recall as recall
@@ -309,7 +297,6 @@ class PretrainDataModule(_ResumableDataModule):
         return _Endless(make, self.micro_batch_size, self.consumed_samples, self.rank, self.world_size)
 
     def train_dataloader(self) -> DataLoader:
-        """Endless loader starting at the consumed position (bound the run with max_steps)."""
         return self._loader(self.train_dataset())
 
     def val_dataloader(self) -> DataLoader | list:
@@ -322,36 +309,8 @@ class PretrainDataModule(_ResumableDataModule):
         return {**super().state_dict(), "seq_len": self.seq_len}
 
 
-Segment = tuple[str, bool]
-"""A piece of an SFT example: (text, trained) — trained pieces contribute to the loss."""
-
-Template = Callable[[Mapping[str, Any]], Sequence[Segment]]
-"""Turns a record into segments."""
-
-
-@dataclass(frozen=True)
-class PromptResponseTemplate:
-    """prompt_format.format(**record) (masked) + response_format (trained), concatenated."""
-
-    prompt_format: str = "{prompt}"
-    response_format: str = "{response}"
-
-    def __call__(self, record: Mapping[str, Any]) -> list[Segment]:
-        try:
-            return [
-                (self.prompt_format.format_map(record), False),
-                (self.response_format.format_map(record), True),
-            ]
-        except KeyError as e:
-            raise DataError(
-                f"the SFT template uses field {e} that a record lacks (fields: {', '.join(map(str, record))}); "
-                "fix the template or the data"
-            ) from e
-
-
 def _empty_response(record: Mapping[str, Any]) -> bool:
-    """Whether an instruction record has an empty (or blank) response, or a chat whose assistant
-    turns are all empty."""
+    """Whether a record's response is blank, or every assistant turn of its chat is."""
     if "messages" in record and "response" not in record:
         replies = [
             m.get("content")
@@ -384,8 +343,8 @@ def _segments_to_example(
     limit = max_seq_len + 1
     truncated = len(ids) > limit
     if truncated:
-        # Keep the end of the prompt (nearest the response) and at least half the window of
-        # response; a start token stays first (the model always saw one before a text)
+        # keep the end of the prompt and at least half the window of response; a start token
+        # stays first (the model always saw one before a text)
         head = 1 if bos_id is not None else 0
         body, flags, room = ids[head:], trained[head:], limit - head
         first = next((i for i, t in enumerate(flags) if t), len(body))
@@ -431,7 +390,7 @@ def encode_sft_record(
 def pad_sft_batch(
     examples: Sequence[tuple[Sequence[int], Sequence[int]]], pad_id: int, length: int | None = None
 ) -> dict[str, torch.Tensor]:
-    """Right-pad examples to the longest (or `length`): input pad = pad_id, target pad = -100
+    """Right-pad examples to the longest (or `length`): inputs with pad_id, targets with -100
     (causal attention: right padding needs no mask)."""
     T = length if length is not None else max(len(ids) for ids, _ in examples)
     input_ids = torch.full((len(examples), T), pad_id, dtype=torch.long)
@@ -443,8 +402,8 @@ def pad_sft_batch(
 
 
 class _SFTBatches:
-    """Padded batches of SFT examples: by slice, or (`seed` set) by training sample index, where
-    sample g is example perm_e[g mod N] of the seeded permutation of epoch e = g div N."""
+    """Padded batches of SFT examples: by slice, or (`seed` set) by training sample index g,
+    which is example perm_e[g mod N] of the seeded permutation of epoch e = g div N."""
 
     def __init__(
         self,
@@ -473,10 +432,9 @@ class _SFTBatches:
 class SFTDataModule(_ResumableDataModule):
     """Prompt/response records → right-padded batches {"input_ids", "targets"} with a loss mask.
 
-    Records are tokenized once in `setup`. Training sample g is the record at position g mod N of
-    the seeded permutation of epoch g div N. `template` turns a record into (text, trained)
-    segments (default `PromptResponseTemplate`); `add_eos` ends each example with a trained
-    end-of-sequence token; `pad_to_max_seq_len` gives static shapes (for torch.compile).
+    Records are tokenized once in `setup`. `template` turns a record into (text, trained)
+    segments; `add_eos` ends each example with a trained end-of-sequence token;
+    `pad_to_max_seq_len` gives static shapes (for torch.compile).
     """
 
     def __init__(
@@ -511,7 +469,6 @@ class SFTDataModule(_ResumableDataModule):
         self.empty_responses = 0
         """Records whose response is empty: only the end-of-sequence token is trained on them."""
         self.val_note: str | None = None
-        """A note on the validation data for the start table (none here)."""
         self._encoded = False
 
     def _encode(self, records: list[Mapping[str, Any]]) -> list[tuple[list[int], list[int]]]:

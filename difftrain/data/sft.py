@@ -1,14 +1,13 @@
-"""Supervised fine-tuning data: instruction records rendered into (text, trained) segments.
+"""Supervised fine-tuning templates: an instruction record → (text, trained) segments.
 
-Prompt/response records go through finetune.prompt_format / response_format; `messages`
-records through the chat template (`render_messages`). The SFT data module tokenizes the
-segments and trains on the `trained` ones. `add_special_tokens` grows a tokenizer by the
-template's tokens.
+Prompt/response records go through prompt_format (masked) and response_format (trained);
+`messages` records through the chat template (`render_messages`). The SFT data module
+tokenizes the segments and trains on the `trained` ones.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,6 +15,9 @@ from difftrain.data.tokenizer import Tokenizer
 from difftrain.errors import DataError
 
 Segment = tuple[str, bool]
+"""A piece of an SFT example: (text, trained); trained pieces contribute to the loss."""
+
+Template = Callable[[Mapping[str, Any]], Sequence[Segment]]
 
 
 def render_messages(messages: Any, chat: Any) -> list[Segment]:
@@ -30,18 +32,14 @@ def render_messages(messages: Any, chat: Any) -> list[Segment]:
     segments: list[Segment] = []
 
     def add(text: str, trained: bool) -> None:
-        if not text:
-            return
         if segments and segments[-1][1] == trained:
             segments[-1] = (segments[-1][0] + text, trained)
-        else:
+        elif text:
             segments.append((text, trained))
 
     for i, m in enumerate(messages):
-        if (
-            not isinstance(m, Mapping)
-            or not isinstance(m.get("role"), str)
-            or not isinstance(m.get("content"), str)
+        if not (
+            isinstance(m, Mapping) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
         ):
             raise DataError(
                 f"message {i} of a `messages` record is {str(m)[:80]!r}; each message needs a string "
@@ -57,9 +55,8 @@ def render_messages(messages: Any, chat: Any) -> list[Segment]:
                 "finetune.chat_template.roles"
             )
         head, tail = fmt.split("{content}")
-        trained = role in chat.trained_roles
         add(head, False)
-        add(content + tail, trained)
+        add(content + tail, role in chat.trained_roles)
     if not any(t for _, t in segments):
         raise DataError(
             f"a `messages` record has no message of a trained role ({', '.join(chat.trained_roles)}): nothing "
@@ -69,22 +66,13 @@ def render_messages(messages: Any, chat: Any) -> list[Segment]:
 
 
 @dataclass(frozen=True)
-class SFTTemplate:
-    """Prompt/response records through prompt_format/response_format; `messages` records through
-    the chat template. Called by the SFT data module on every record."""
+class PromptResponseTemplate:
+    """prompt_format.format_map(record) (masked) + response_format (trained)."""
 
-    prompt_format: str
-    response_format: str
-    chat: Any
-
-    @classmethod
-    def from_config(cls, ft: Any) -> SFTTemplate:
-        """From a recipe's finetune: section."""
-        return cls(ft.prompt_format, ft.response_format, ft.chat_template)
+    prompt_format: str = "{prompt}"
+    response_format: str = "{response}"
 
     def __call__(self, record: Mapping[str, Any]) -> list[Segment]:
-        if "messages" in record and "prompt" not in record:
-            return render_messages(record["messages"], self.chat)
         try:
             return [
                 (self.prompt_format.format_map(record), False),
@@ -92,9 +80,25 @@ class SFTTemplate:
             ]
         except KeyError as e:
             raise DataError(
-                f"finetune.prompt_format/response_format use field {e} that a record lacks (fields: "
-                f"{', '.join(map(str, record))}); fix the format or the data"
+                f"the SFT template uses field {e} that a record lacks (fields: {', '.join(map(str, record))}); "
+                "fix finetune.prompt_format/response_format or the data"
             ) from e
+
+
+@dataclass(frozen=True)
+class SFTTemplate(PromptResponseTemplate):
+    """A recipe's finetune: templates; `messages` records go through its chat template."""
+
+    chat: Any = None
+
+    @classmethod
+    def from_config(cls, ft: Any) -> SFTTemplate:
+        return cls(ft.prompt_format, ft.response_format, ft.chat_template)
+
+    def __call__(self, record: Mapping[str, Any]) -> list[Segment]:
+        if "messages" in record and "prompt" not in record:
+            return render_messages(record["messages"], self.chat)
+        return super().__call__(record)
 
 
 def add_special_tokens(tokenizer: Any, tokens: Sequence[str]) -> tuple[Any, list[int]]:
@@ -102,7 +106,6 @@ def add_special_tokens(tokenizer: Any, tokens: Sequence[str]) -> tuple[Any, list
     missing = [t for t in tokens if tokenizer.token_to_id(t) is None]
     if not missing:
         return tokenizer, []
-    tk = tokenizer.tk
-    tk.add_special_tokens(missing)
-    grown = Tokenizer(tk, path=None)
+    tokenizer.tk.add_special_tokens(missing)
+    grown = Tokenizer(tokenizer.tk)
     return grown, [grown.token_to_id(t) for t in missing]

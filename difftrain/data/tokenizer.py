@@ -1,17 +1,12 @@
 """Tokenizers: train a byte-level BPE, load any HF `tokenizer.json`, stream-decode.
 
-A trained tokenizer is byte-level BPE (GPT-2 style) built with the `tokenizers` library (Rust,
-parallel over all cores):
-
-- pre-tokenization: numbers split into single digits (Llama-style, optional), then GPT-2's
-  regex and the byte-to-unicode map, so every UTF-8 byte sequence is representable and
-  decode(encode(x)) == x for any string x — no normalisation, no unknown token;
-- special tokens <|bos|> <|eos|> <|pad|> <|system|> <|user|> <|assistant|> <|end|> get ids 0..6
-  (the chat tokens are reserved now for the fine-tuning templates);
-- no post-processor: `encode` adds <|bos|> / <|eos|> only when asked.
+A trained tokenizer is byte-level BPE (GPT-2 style, `tokenizers` library): numbers split into
+single digits (optional), then GPT-2's regex and byte-to-unicode map, so decode(encode(x)) == x
+for any string x (no normalisation, no unknown token); the special tokens `SPECIAL_TOKENS` get
+ids 0..6; no post-processor (`encode` adds <|bos|> / <|eos|> only when asked).
 
 Any HF tokenizer.json (GPT-2, Llama, ...) loads too; its bos/eos/pad are found by their usual
-names. `Tokenizer` is a small wrapper with the handful of operations training and sampling need.
+names.
 """
 
 from __future__ import annotations
@@ -19,6 +14,7 @@ from __future__ import annotations
 import codecs
 import functools
 import hashlib
+import itertools
 import json
 import os
 from collections.abc import Iterable, Iterator, Sequence
@@ -41,8 +37,8 @@ _BOS_NAMES = (BOS, "<s>", "<|begin_of_text|>", "<bos>", "<|startoftext|>", "[CLS
 _PAD_NAMES = (PAD, "<pad>", "[PAD]", "<|finetune_right_pad_id|>")
 
 ENCODE_PIECE = 1 << 18
-"""Characters: a longer text is encoded in pieces of about this size. `tokenizers` holds ~130
-bytes per character while it encodes a text, so one 60 MB document took 8 GB at once."""
+"""Characters: a longer text is encoded in pieces of about this size (`tokenizers` holds ~130
+bytes per character while it encodes a text)."""
 _ENCODE_GROUP = 1 << 20  # characters encoded by one call (pieces of several texts, in parallel)
 
 
@@ -68,24 +64,19 @@ def word_start_pieces(text: str, size: int) -> list[str]:
     return pieces
 
 
-def _bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's reversible map from the 256 byte values to printable unicode characters."""
-    bs = (
-        list(range(ord("!"), ord("~") + 1))
-        + list(range(ord("¡"), ord("¬") + 1))
-        + list(range(ord("®"), ord("ÿ") + 1))
-    )
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return dict(zip(bs, (chr(c) for c in cs), strict=True))
+def _unicode_to_byte() -> dict[str, int]:
+    """The inverse of GPT-2's map from the 256 byte values to printable unicode characters:
+    printable bytes map to themselves, the others in order to chr(256), chr(257), ..."""
+    printable = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("¡"), ord("¬") + 1),
+        *range(ord("®"), ord("ÿ") + 1),
+    ]
+    others = [b for b in range(256) if b not in printable]
+    return {chr(b): b for b in printable} | {chr(256 + n): b for n, b in enumerate(others)}
 
 
-_UNICODE_TO_BYTE = {c: b for b, c in _bytes_to_unicode().items()}
+_UNICODE_TO_BYTE = _unicode_to_byte()
 
 
 class Tokenizer:
@@ -126,29 +117,26 @@ class Tokenizer:
         return None
 
     # -- basic operations --------------------------------------------------------------------
+    def _ids(self) -> tuple[int, list[int]]:
+        """(max id + 1, the ids below it that stand for no token), added tokens included;
+        recomputed when tokens are added."""
+        count = self.tk.get_vocab_size(with_added_tokens=True)
+        if getattr(self, "_ids_for", None) != count:
+            used = set(self.tk.get_vocab(with_added_tokens=True).values())
+            size = max(count, max(used, default=-1) + 1)
+            self._ids_for, self._ids_of = count, (size, [i for i in range(size) if i not in used])
+        return self._ids_of
+
     @property
     def vocab_size(self) -> int:
-        """Max id + 1, added tokens included: the rows a model needs. The count of tokens where
-        the ids are contiguous (every tokenizer difftrain trains); a tokenizer.json whose ids
-        have gaps needs more rows than it has tokens. (Recomputed when tokens are added.)"""
-        count = self.tk.get_vocab_size(with_added_tokens=True)
-        if getattr(self, "_size_for", None) != count:
-            top = max(self.tk.get_vocab(with_added_tokens=True).values(), default=-1)
-            self._size_for, self._size = count, max(count, top + 1)
-        return self._size
+        """The rows a model needs: more than the count of tokens where a tokenizer.json's ids
+        have gaps (never for a tokenizer difftrain trains)."""
+        return self._ids()[0]
 
     @property
     def unused_ids(self) -> list[int]:
-        """Ids below `vocab_size` that stand for no token (a tokenizer.json whose ids have gaps);
-        empty for every tokenizer difftrain trains. (Recomputed when tokens are added.)"""
-        n = self.vocab_size
-        count = self.tk.get_vocab_size(with_added_tokens=True)
-        if count == n:
-            return []
-        if getattr(self, "_unused_for", None) != (count, n):
-            used = set(self.tk.get_vocab(with_added_tokens=True).values())
-            self._unused_for, self._unused = (count, n), [i for i in range(n) if i not in used]
-        return self._unused
+        """Ids below `vocab_size` that stand for no token (a tokenizer.json whose ids have gaps)."""
+        return self._ids()[1]
 
     def encode(self, text: str, add_bos: bool = False, add_eos: bool = False) -> list[int]:
         ids = self.tk.encode(text, add_special_tokens=False).ids
@@ -159,15 +147,11 @@ class Tokenizer:
         return ids
 
     def encode_batch(self, texts: Sequence[str], allow_special: bool = True) -> list[list[int]]:
-        """Encode many texts in parallel (Rust threads); no special tokens added.
-
-        allow_special=False encodes text that spells a special token ("<|eos|>") as ordinary
-        bytes, so raw documents can never forge a document boundary (the token shards use this).
-        """
+        """Encode many texts in parallel; no special tokens added. allow_special=False encodes
+        text that spells a special token ("<|eos|>") as ordinary bytes, so raw documents can
+        never forge a document boundary."""
         fast = getattr(self.tk, "encode_batch_fast", None) or self.tk.encode_batch
-        if allow_special:
-            return [e.ids for e in fast(list(texts), add_special_tokens=False)]
-        self.tk.encode_special_tokens = True
+        self.tk.encode_special_tokens = not allow_special
         try:
             return [e.ids for e in fast(list(texts), add_special_tokens=False)]
         finally:
@@ -176,9 +160,8 @@ class Tokenizer:
     def encode_arrays(
         self, texts: Sequence[str], dtype: np.dtype, allow_special: bool = True
     ) -> list[np.ndarray]:
-        """`encode_batch` as arrays, in bounded memory: texts longer than ENCODE_PIECE are
-        encoded in pieces where that gives the same ids (`splits_exactly`), and at most about
-        _ENCODE_GROUP characters are encoded at once."""
+        """`encode_batch` as arrays, in bounded memory: long texts are encoded in pieces where
+        that gives the same ids (`splits_exactly`), about _ENCODE_GROUP characters at a time."""
         pieces: list[tuple[int, str]] = []
         for i, text in enumerate(texts):
             parts = word_start_pieces(text, ENCODE_PIECE) if self.splits_exactly else [text]
@@ -229,10 +212,8 @@ class Tokenizer:
 
     @property
     def special_tokens(self) -> dict[str, int]:
-        """Added special tokens and their ids."""
         return {t.content: i for i, t in self.tk.get_added_tokens_decoder().items() if t.special}
 
-    # -- identity and persistence ------------------------------------------------------------
     def to_str(self) -> str:
         return self.tk.to_str()
 
@@ -242,33 +223,31 @@ class Tokenizer:
         return hashlib.sha256(self.tk.to_str().encode("utf-8")).hexdigest()
 
     def save(self, path: str | os.PathLike[str]) -> Path:
-        """Write tokenizer.json atomically."""
         path = Path(path)
         atomic_write_text(path, self.tk.to_str(pretty=True))
         return path
 
-    # -- streaming ---------------------------------------------------------------------------
     @cached_property
     def is_byte_level(self) -> bool:
         spec = json.loads(self.tk.to_str())
         dec = spec.get("decoder") or {}
-        return dec.get("type") == "ByteLevel" and (spec.get("normalizer") is None)
+        return dec.get("type") == "ByteLevel" and spec.get("normalizer") is None
 
     @cached_property
     def _id_bytes(self) -> list[bytes]:
         """For byte-level tokenizers: the raw bytes each id stands for."""
-        out: list[bytes] = []
         added = {i: t.content for i, t in self.tk.get_added_tokens_decoder().items()}
-        for i in range(self.vocab_size):
-            if i in added:
-                out.append(added[i].encode("utf-8"))
-                continue
-            tok = self.tk.id_to_token(i) or ""
+
+        def raw(tok: str) -> bytes:
             try:
-                out.append(bytes(_UNICODE_TO_BYTE[c] for c in tok))
+                return bytes(_UNICODE_TO_BYTE[c] for c in tok)
             except KeyError:
-                out.append(tok.encode("utf-8"))
-        return out
+                return tok.encode("utf-8")
+
+        return [
+            added[i].encode("utf-8") if i in added else raw(self.tk.id_to_token(i) or "")
+            for i in range(self.vocab_size)
+        ]
 
     def stream_decoder(self, skip_special_tokens: bool = False, context: Sequence[int] = ()) -> StreamDecoder:
         return StreamDecoder(self, skip_special_tokens=skip_special_tokens, context=context)
@@ -280,10 +259,9 @@ class Tokenizer:
 
 
 def record_start_id(tokenizer: Tokenizer) -> int | None:
-    """The token a fine-tuning example (and an instruction or chat prompt) starts with: a
-    tokenizer's own text-start token (an imported Llama's <s>, `document_start_id`), which its
-    model saw before every text; None for difftrain's tokenizers, whose documents follow the
-    previous one's eos."""
+    """The token a fine-tuning example (and a prompt) starts with: the tokenizer's own text-start
+    token (an imported Llama's <s>, `document_start_id`); None for difftrain's tokenizers, whose
+    documents follow the previous one's eos."""
     start = getattr(tokenizer, "document_start_id", None)
     return start if start is not None and start != tokenizer.eos_id else None
 
@@ -319,8 +297,7 @@ class StreamDecoder:
             table = self.tok._id_bytes
             return self._utf8.decode(table[token_id] if 0 <= token_id < len(table) else b"")
         self._ids.append(token_id)
-        prefix_text = self.tok.decode(self._ids[self._prefix : self._read])
-        new_text = self.tok.decode(self._ids[self._prefix :])
+        prefix_text, new_text = self._texts()
         if len(new_text) > len(prefix_text) and not new_text.endswith("\ufffd"):
             out = new_text[len(prefix_text) :]
             self._prefix, self._read = self._read, len(self._ids)
@@ -333,10 +310,15 @@ class StreamDecoder:
     def flush(self) -> str:
         if self.tok.is_byte_level:
             return self._utf8.decode(b"", final=True)
-        prefix_text = self.tok.decode(self._ids[self._prefix : self._read])
-        new_text = self.tok.decode(self._ids[self._prefix :])
+        prefix_text, new_text = self._texts()
         self._prefix = self._read = len(self._ids)
         return new_text[len(prefix_text) :]
+
+    def _texts(self) -> tuple[str, str]:
+        """The window's text before and after the ids not yet emitted (generic path)."""
+        return self.tok.decode(self._ids[self._prefix : self._read]), self.tok.decode(
+            self._ids[self._prefix :]
+        )
 
 
 def tokenizer_file(path: str | os.PathLike[str]) -> Path:
@@ -354,9 +336,8 @@ def tokenizer_file(path: str | os.PathLike[str]) -> Path:
 
 
 def load_tokenizer(path: str | os.PathLike[str], fix: str | None = None) -> Tokenizer:
-    """Load a HF tokenizer.json (or a folder holding one) into a `Tokenizer`. `fix`: what the
-    error for an invalid file advises (default: a recipe's tokenizer.path; a run folder's
-    tokenizer is restored instead)."""
+    """Load a HF tokenizer.json (or a folder holding one). `fix`: what the error for an invalid
+    file advises (default: about a recipe's tokenizer.path)."""
     p = tokenizer_file(path)
     try:
         tk = tokenizers.Tokenizer.from_file(str(p))
@@ -372,11 +353,8 @@ def load_tokenizer(path: str | os.PathLike[str], fix: str | None = None) -> Toke
 
 
 def check_vocab_fits(tokenizer: Tokenizer, vocab_size: int | str) -> int:
-    """Check that every token id has a row in the model's embedding; return the size to use.
-
-    `vocab_size="auto"` takes the tokenizer's size. A model vocabulary larger than the
-    tokenizer's is fine (unused rows, e.g. padding to a multiple of 64 for speed).
-    """
+    """The model's vocabulary size ("auto": the tokenizer's); TokenizerError where a token id
+    would have no embedding row (a larger model vocabulary is fine: unused rows)."""
     if vocab_size == "auto":
         return tokenizer.vocab_size
     if not isinstance(vocab_size, int) or vocab_size < tokenizer.vocab_size:
@@ -406,13 +384,9 @@ def text_batches(texts: Iterable[str], max_texts: int | None = None) -> Iterator
 def train_tokenizer(
     texts: Iterable[str], cfg: TokenizerTrainConfig, *, length: int | None = None
 ) -> Tokenizer:
-    """Train a byte-level BPE on `texts` (deterministic for the same texts and config).
-
-    The BPE trainer counts pre-tokenized words in parallel, then repeatedly merges the most
-    frequent adjacent pair (ties broken by the pair itself, so the result is deterministic)
-    until the vocabulary holds `cfg.vocab_size` tokens (fewer if the text runs out of pairs
-    occurring `min_frequency` times).
-    """
+    """Train a byte-level BPE on `texts`: deterministic for the same texts and config (ties
+    between pairs are broken by the pair); fewer than `cfg.vocab_size` tokens when the text runs
+    out of pairs occurring `min_frequency` times."""
     tk = tokenizers.Tokenizer(models.BPE())
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     digits = [pre_tokenizers.Digits(individual_digits=True)] if cfg.individual_digits else []
@@ -425,19 +399,14 @@ def train_tokenizer(
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    seen = {"any": False}
-
-    def counted() -> Iterator[list[str]]:
-        for b in text_batches(texts):
-            seen["any"] = True
-            yield b
-
+    batches = text_batches(texts)
+    first = next(batches, None)
+    if first is None:
+        raise TokenizerError("no text to train the tokenizer on: the data sources yielded no documents")
     try:
-        tk.train_from_iterator(counted(), trainer=trainer, length=length)
+        tk.train_from_iterator(itertools.chain([first], batches), trainer=trainer, length=length)
     except DifftrainError:
         raise  # a data error raised while reading the sources
     except Exception as e:
         raise TokenizerError(f"tokenizer training failed: {e}") from e
-    if not seen["any"]:
-        raise TokenizerError("no text to train the tokenizer on: the data sources yielded no documents")
     return Tokenizer(tk)
