@@ -38,27 +38,21 @@ def stdlib_dir() -> Path:
 
 
 def _excluded(rel: Path) -> bool:
-    for part in rel.parts[:-1]:
-        if part in _EXCLUDED_DIRS or part.startswith("config-") or part.startswith("."):
-            return True
-    name = rel.name
+    if any(part in _EXCLUDED_DIRS or part.startswith(("config-", ".")) for part in rel.parts[:-1]):
+        return True
     # machine-specific build data, and stray test modules outside test folders
-    return name.startswith("_sysconfigdata") or name.startswith("test_") or name.endswith("_test.py")
+    return rel.name.startswith(("_sysconfigdata", "test_")) or rel.name.endswith("_test.py")
 
 
-def stdlib_files(root: Path | None = None) -> list[Path]:
-    """The stdlib `.py` files, test suites excluded, sorted by relative path (deterministic).
-
-    Raises DataError when the sources are absent (some distributions ship only bytecode).
-    """
-    root = stdlib_dir() if root is None else root
-    files = []
-    if root.is_dir():
-        for p in root.rglob("*.py"):
-            rel = p.relative_to(root)
-            if not _excluded(rel) and p.is_file():
-                files.append((rel.as_posix(), p))
-    files.sort()
+def stdlib_files() -> list[Path]:
+    """The stdlib `.py` files, test suites excluded, sorted by relative path; DataError when the
+    sources are absent (some distributions ship only bytecode)."""
+    root = stdlib_dir()
+    files = sorted(
+        (p.relative_to(root).as_posix(), p)
+        for p in (root.rglob("*.py") if root.is_dir() else [])
+        if not _excluded(p.relative_to(root)) and p.is_file()
+    )
     if len(files) < 10:
         raise DataError(
             f"builtin:python-stdlib: no Python standard library sources under {root} (this Python "
@@ -79,12 +73,9 @@ def read_python_source(path: Path) -> str:
         return data.decode("utf-8", errors="replace")
 
 
-def python_stdlib_documents(files: Sequence[Path] | None = None) -> Iterator[str]:
+def python_stdlib_documents(files: Sequence[Path]) -> Iterator[str]:
     """Each stdlib source file as one document (empty files skipped)."""
-    for path in stdlib_files() if files is None else files:
-        text = read_python_source(path)
-        if text.strip():
-            yield text
+    return (text for text in map(read_python_source, files) if text.strip())
 
 
 def _function_record(
@@ -114,11 +105,11 @@ def _function_record(
 def python_docstring_records(
     spec: DocstringsSpec | None = None, files: Sequence[Path] | None = None
 ) -> Iterator[dict[str, str]]:
-    """Instruction records {"prompt", "response", "source"} from documented stdlib functions.
+    """Instruction records {"prompt", "response", "source"} from documented stdlib functions
+    (top-level functions and methods of top-level classes, in file order).
 
-    prompt: the function's decorators, signature and docstring (methods are preceded by their
-    `class Name:` line); response: the rest of the body. prompt + response is the original
-    source of the function. Top-level functions and methods of top-level classes, in file order.
+    prompt: the function's decorators, signature and docstring (a method's preceded by its
+    `class Name:` line); response: the rest of the body (prompt + response is its source).
     """
     spec = spec or DocstringsSpec()
     root = stdlib_dir()
@@ -377,7 +368,7 @@ def make_needle_example(
 
 
 def needle_seed(corpus_seed: int, index: int) -> int:
-    """Seed of document `index` of a needles corpus (a stable hash, not Python's hash())."""
+    """Seed of document `index` of a needles corpus (a stable hash)."""
     digest = hashlib.blake2b(f"needles:{corpus_seed}:{index}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little")
 

@@ -1,10 +1,5 @@
-"""Recipe schema of the `data:` and `tokenizer:` sections.
-
-These pydantic models are the single place where a data or tokenizer setting is defined; each
-field's `description` is its user documentation (`difftrain recipes explain data` prints it).
-`difftrain/recipe.py` embeds `DataConfig` and `TokenizerConfig` in the full `Recipe`; the data
-library takes them explicitly (never the whole recipe), so `difftrain/data/` does not depend on
-the recipe loader.
+"""Recipe schema of the `data:` and `tokenizer:` sections: each field's `description` is its
+documentation. The data library takes these sections, never the whole recipe.
 """
 
 from __future__ import annotations
@@ -16,7 +11,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 BUILTIN_SOURCES = ("python-stdlib", "needles", "python-docstrings", "recall")
-"""Names accepted after `builtin:` in a source."""
+_BUILTIN_PARAMS = {"needles": "needles", "docstrings": "python-docstrings", "recall": "recall"}
+"""The parameter sections of a source and the builtin each applies to."""
 
 
 class NeedlesSpec(BaseModel):
@@ -238,19 +234,16 @@ class SourceSpec(BaseModel):
             if name not in BUILTIN_SOURCES:
                 known = ", ".join(f"builtin:{n}" for n in BUILTIN_SOURCES)
                 raise ValueError(f"unknown builtin source '{src}'; known: {known}")
-        if self.needles is not None and src != "builtin:needles":
-            raise ValueError("'needles' parameters apply only to source 'builtin:needles'")
-        if self.docstrings is not None and src != "builtin:python-docstrings":
-            raise ValueError("'docstrings' parameters apply only to source 'builtin:python-docstrings'")
-        if self.recall is not None and src != "builtin:recall":
-            raise ValueError("'recall' parameters apply only to source 'builtin:recall'")
+        for params, name in _BUILTIN_PARAMS.items():
+            if getattr(self, params) is not None and src != f"builtin:{name}":
+                raise ValueError(f"'{params}' parameters apply only to source 'builtin:{name}'")
         if src.startswith("builtin:"):
-            fields = [  # (as a run's recipe.yaml spells out the defaults, only a changed one counts)
+            fields = [  # only a changed one counts: a run's recipe.yaml spells out the defaults
                 f
                 for f in ("text_field", "prompt_field", "response_field")
                 if getattr(self, f) != type(self).model_fields[f].default
             ]
-            if fields:  # a builtin corpus is text (or its own records): a field would be ignored
+            if fields:
                 verb = "applies" if len(fields) == 1 else "apply"
                 raise ValueError(f"{', '.join(fields)} {verb} to record files and datasets, not to '{src}'")
         if not src.startswith("hf:"):
@@ -265,7 +258,7 @@ class SourceSpec(BaseModel):
         return self
 
     def hf_parts(self) -> tuple[str, str | None, str]:
-        """An hf: source's (dataset, config or None, split; "train" when not given)."""
+        """An hf: source's (dataset, config or None, split: "train" when not given)."""
         rest = self.source[3:]
         split = "train"
         if "@" in rest:
@@ -276,8 +269,8 @@ class SourceSpec(BaseModel):
         return rest, config or None, split
 
     def hf_local_dir(self, base_dir: Path) -> Path | None:
-        """The local folder an hf: source names (a path starting with '.', '/' or '~', or one
-        with a separator that exists), resolved against `base_dir`; None for a hub dataset."""
+        """The local folder an hf: source names (starting with '.', '/' or '~', or an existing
+        path with a separator), resolved against `base_dir`; None for a hub dataset."""
         name = self.hf_parts()[0]
         p = resolve_path(name, base_dir)
         if name.startswith((".", "/", "~")) or (os.sep in name and p.exists()):
@@ -294,17 +287,16 @@ class SourceSpec(BaseModel):
 
 
 def absolute_path(raw: str, base_dir: Path) -> str:
-    """A recipe's local path made absolute against `base_dir` (its folder), as text; one that is
-    absolute already (~ expanded) is kept as written."""
+    """A recipe's local path made absolute against `base_dir`, as text (an absolute one, ~
+    expanded, is kept as written)."""
     p = Path(os.path.expanduser(raw))
     return raw if p.is_absolute() else str(Path(base_dir).resolve() / raw)
 
 
 def absolute_source(raw: str, base_dir: Path) -> str:
-    """A `data.sources` entry whose local path is made absolute against `base_dir`: a path (file,
-    folder, glob), or the folder of an hf: source that names one (`hf:./saved@test` →
-    `hf:/abs/saved@test`, `SourceSpec.hf_local_dir`); builtin: and hub sources, and an entry that
-    is not valid (validation names it), are kept as written."""
+    """A `data.sources` entry with its local path (file, folder, glob, or an hf: source's folder:
+    `hf:./saved@test` → `hf:/abs/saved@test`) made absolute against `base_dir`; other entries,
+    valid or not, are kept as written."""
     try:
         spec = SourceSpec(source=raw)
     except ValueError:
@@ -318,8 +310,8 @@ def absolute_source(raw: str, base_dir: Path) -> str:
 
 
 def _colon_string(item: Any) -> Any:
-    """A source YAML read as a mapping because it ends in a colon (`hf:` unquoted is {hf: None})
-    back as the string it was written as, so that its own message names the problem."""
+    """A source that YAML read as a mapping because it ends in a colon (`hf:` unquoted is
+    {hf: None}) back as the string it was written as, so that its own message names it."""
     if isinstance(item, dict) and len(item) == 1:
         ((key, value),) = item.items()
         if value is None and isinstance(key, str) and key not in SourceSpec.model_fields:
@@ -408,14 +400,11 @@ class DataConfig(BaseModel):
         return None
 
     def resolved_cache_dir(self) -> Path:
-        """The cache folder this config points to (see `cache_dir`)."""
-        if self.cache_dir:
-            return Path(self.cache_dir).expanduser()
-        return default_cache_dir()
+        return Path(self.cache_dir).expanduser() if self.cache_dir else default_cache_dir()
 
     def check_cache_dir(self) -> Path:
-        """The cache folder, refused (writing nothing) when it cannot be created or written: a
-        DataError that names the setting it came from."""
+        """The cache folder; a DataError naming the setting it came from when it cannot be created
+        or written (writing nothing)."""
         from difftrain.errors import DataError
         from difftrain.io import uncreatable_reason
 
@@ -434,18 +423,16 @@ class DataConfig(BaseModel):
 
 def default_cache_dir() -> Path:
     """$DIFFTRAIN_CACHE, else $XDG_CACHE_HOME/difftrain, else ~/.cache/difftrain."""
-    env = os.environ.get("DIFFTRAIN_CACHE")
-    if env:
+    if env := os.environ.get("DIFFTRAIN_CACHE"):
         return Path(env).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    if xdg:
+    if xdg := os.environ.get("XDG_CACHE_HOME"):
         return Path(xdg).expanduser() / "difftrain"
     return Path.home() / ".cache" / "difftrain"
 
 
 SPECIAL_TOKENS = ("<|bos|>", "<|eos|>", "<|pad|>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>")
-"""Special tokens of every trained tokenizer, with ids 0..6 in this order. The chat tokens are
-reserved now so that fine-tuning with a chat template does not change the vocabulary."""
+"""Special tokens of every trained tokenizer, with ids 0..6 in this order (the chat tokens are
+reserved so that fine-tuning with a chat template does not change the vocabulary)."""
 
 
 class TokenizerTrainConfig(BaseModel):
@@ -495,8 +482,7 @@ class TokenizerTrainConfig(BaseModel):
 
     @property
     def fixed_tokens(self) -> int:
-        """The tokens every trained vocabulary holds before its merges: the 256 bytes and the
-        special tokens (extra ones included)."""
+        """The tokens every trained vocabulary holds before its merges: bytes and special tokens."""
         return 256 + len(SPECIAL_TOKENS) + len(self.extra_special_tokens)
 
     @model_validator(mode="after")
@@ -534,7 +520,5 @@ class TokenizerConfig(BaseModel):
     )
 
     def file(self, base_dir: Path) -> Path | None:
-        """`path` resolved (~ expanded, relative to `base_dir`, the recipe's folder); None when unset."""
-        if self.path is None:
-            return None
-        return resolve_path(self.path, base_dir)
+        """`path` resolved against `base_dir` (the recipe's folder); None when unset."""
+        return None if self.path is None else resolve_path(self.path, base_dir)

@@ -45,8 +45,8 @@ def value_symbol(j: int) -> str:
 
 @dataclass(frozen=True)
 class RecallExample:
-    """One MQAR example. `context` is the symbol sequence of the pairs and distractors;
-    `queries` holds the queried pair indices in query order; `answers` their values."""
+    """One MQAR example: `context` is the symbols of the pairs and distractors, `queries` the
+    queried pair indices in query order."""
 
     keys: tuple[int, ...]
     values: tuple[int, ...]
@@ -76,11 +76,8 @@ class RecallExample:
 def make_recall_example(
     *, n_pairs: int, n_queries: int, distractor_rate: float, key_vocab: int, value_vocab: int, seed: int
 ) -> RecallExample:
-    """Build one example, deterministic for `seed` (see the module docstring).
-
-    After each pair come ⌊distractor_rate⌋ distractors, plus one more with probability
-    distractor_rate − ⌊distractor_rate⌋.
-    """
+    """One example, deterministic for `seed`: after each pair come ⌊distractor_rate⌋
+    distractors, plus one more with probability distractor_rate − ⌊distractor_rate⌋."""
     if not 1 <= n_pairs <= key_vocab <= MAX_VOCAB:
         raise ValueError(f"need 1 <= n_pairs={n_pairs} <= key_vocab={key_vocab} <= {MAX_VOCAB}")
     if not 1 <= value_vocab <= MAX_VOCAB:
@@ -113,21 +110,15 @@ def example_seed(spec: RecallSpec, split: str, index: int) -> int:
     return int.from_bytes(digest, "little")
 
 
-def spec_example(spec: RecallSpec, seed: int) -> RecallExample:
-    return make_recall_example(
-        n_pairs=spec.n_pairs,
-        n_queries=spec.n_queries,
-        distractor_rate=spec.distractor_rate,
-        key_vocab=spec.key_vocab,
-        value_vocab=spec.value_vocab,
-        seed=seed,
-    )
+def spec_example(spec: RecallSpec, split: str, index: int) -> RecallExample:
+    """Example `index` of a split of the task `spec`."""
+    shape = spec.model_dump(include={"n_pairs", "n_queries", "distractor_rate", "key_vocab", "value_vocab"})
+    return make_recall_example(**shape, seed=example_seed(spec, split, index))
 
 
 def train_examples(spec: RecallSpec) -> Iterator[RecallExample]:
     """The `num_documents` training examples of a source."""
-    for i in range(spec.num_documents):
-        yield spec_example(spec, example_seed(spec, "train", i))
+    return (spec_example(spec, "train", i) for i in range(spec.num_documents))
 
 
 def held_out_examples(
@@ -146,7 +137,7 @@ def held_out_examples(
                 f"examples (n_pairs={spec.n_pairs}, key_vocab={spec.key_vocab}, value_vocab={spec.value_vocab}): "
                 "the task has too few distinct examples; raise key_vocab or value_vocab"
             )
-        ex = spec_example(spec, example_seed(spec, split, i))
+        ex = spec_example(spec, split, i)
         i += 1
         if ex.text not in seen:
             seen.add(ex.text)
@@ -156,18 +147,12 @@ def held_out_examples(
 
 def recall_documents(spec: RecallSpec) -> Iterator[str]:
     """The documents of `builtin:recall` as plain text (what the tokenizer is trained on)."""
-    for ex in train_examples(spec):
-        yield ex.text
+    return (ex.text for ex in train_examples(spec))
 
 
 def estimated_bytes(spec: RecallSpec) -> int:
     per_pair = 6 + 3 * spec.distractor_rate
     return int(spec.num_documents * (spec.n_pairs * per_pair + 6 * spec.n_queries))
-
-
-def as_record(ex: RecallExample) -> dict[str, object]:
-    """An example as a fine-tuning record (read by `record_segments`)."""
-    return {"segments": ex.segments()}
 
 
 def record_segments(record: dict[str, object]) -> list[tuple[str, bool]]:
@@ -177,12 +162,13 @@ def record_segments(record: dict[str, object]) -> list[tuple[str, bool]]:
 
 def recall_records(specs: list[RecallSpec]) -> tuple[list[dict[str, object]], list[dict[str, object]]]:
     """(training records, validation records) of the recall sources: each source's training
-    examples, and its `val_documents` validation examples, none of which is a training text."""
+    examples, and its `val_documents` validation examples, none of which is a training text.
+    A record is {"segments": the example's segments}."""
     train: list[dict[str, object]] = []
     val: list[dict[str, object]] = []
     for spec in specs:
         exs = list(train_examples(spec))
-        train += [as_record(ex) for ex in exs]
+        train += [{"segments": ex.segments()} for ex in exs]
         held = held_out_examples(spec, spec.val_documents, split="val", exclude=(ex.text for ex in exs))
-        val += [as_record(ex) for ex in held]
+        val += [{"segments": ex.segments()} for ex in held]
     return train, val

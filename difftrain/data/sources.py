@@ -1,24 +1,22 @@
 """Data sources: turn `data.sources` entries into streams of documents (or SFT records).
 
-A source is a local path (file, directory read recursively, or glob), `builtin:NAME`
-(see builtin.py) or `hf:<dataset>[:<config>][@<split>]` (Hugging Face `datasets`). Reading is
-lazy and in a deterministic order (sorted paths). Each source has a *fingerprint* — a hash of
-its spec and of its files' paths, sizes and mtimes — that keys the token-shard cache, so a
-second `prepare` with unchanged data never re-reads the text.
+A source is a local path (file, folder read recursively, or glob), `builtin:NAME` or
+`hf:<dataset>[:<config>][@<split>]`, read lazily in a deterministic order (sorted paths). Its
+*fingerprint* (a hash of its spec and its files' paths, sizes and mtimes) keys the shard cache.
 
-File formats: `.jsonl` / `.json` / `.parquet` hold one document per record (the `text_field`
-of each record); any other file is one document (UTF-8 text). `.gz` files are decompressed.
-In a folder (or a glob matching folders) read for pretraining, a `.json` file is records only
-when it holds a list, JSON lines, or one object with the `text_field`: any other `.json` there
-(package.json, a tsconfig.json with comments: the configs of a code corpus) is one document of
-text, counted in `SourceStats.json_documents`. A `.json` file named itself is always records.
+`.jsonl` / `.json` / `.parquet` files hold one document per record (its `text_field`); any other
+file is one UTF-8 document; `.gz` files are decompressed. In a folder read for pretraining, a
+`.json` file is records only when it holds a list, JSON lines, or one object with the
+`text_field`; any other (package.json, a tsconfig.json with comments) is one document of text,
+counted in `SourceStats.json_documents`. A `.json` file named itself is always records.
 
 Malformed input raises a DataError naming the file (and line or row) and the fix; with
-`data.on_bad_record: skip` a malformed record is dropped instead and counted in `SourceStats`.
+`data.on_bad_record: skip` a malformed record is dropped and counted in `SourceStats`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import hashlib
 import json
@@ -52,8 +50,8 @@ from difftrain.errors import DataError
 @dataclass(frozen=True)
 class RecordText:
     """How a source of instruction records is read as text: each record becomes the document
-    `render(record)` (an instruction fine-tune's template: its prompt and response, or its chat
-    messages, as training saw them). `key` names the rendering in the shard cache's fingerprint."""
+    `render(record)` (a fine-tune's template, as training saw it); `key` names the rendering in
+    the fingerprint."""
 
     key: str
     render: Callable[[dict[str, Any]], str]
@@ -76,8 +74,7 @@ class Source:
         self.name = name
         """How messages name the source (default: its place in data.sources), e.g. "--data 'x.txt'"."""
         self.records_as_text = records_as_text
-        """Set: the source holds instruction records, read as text documents through it (the
-        evaluations of an instruction fine-tune); plain-text sources ignore it."""
+        """Set: instruction records are read as text through it; plain-text sources ignore it."""
         self.base_dir = base_dir
         self.hub = HubDataset(self) if spec.kind == "hf" else None
         self.files: list[Path] = []
@@ -88,7 +85,6 @@ class Source:
         elif spec.source in ("builtin:python-stdlib", "builtin:python-docstrings"):
             self.files = builtin.stdlib_files()
 
-    # -- naming ------------------------------------------------------------------------------
     @property
     def label(self) -> str:
         return self.name or f"data.sources[{self.index}] ('{self.spec.source}')"
@@ -96,16 +92,17 @@ class Source:
     def _resolve(self, raw: str) -> Path:
         return resolve_path(raw, self.base_dir)
 
-    # -- local files -------------------------------------------------------------------------
     def _walk(self, root: Path) -> list[Path]:
-        found = []
-        for p in root.rglob("*"):
-            rel = p.relative_to(root)
-            if any(part.startswith(".") for part in rel.parts) or not p.is_file():
-                continue
-            if suffix(p) in TEXT_SUFFIXES or suffix(p) in RECORD_SUFFIXES:
-                found.append(p)
-        return sorted(found)
+        """The readable files under `root` (hidden ones left out), sorted; noted as walked."""
+        found = sorted(
+            p
+            for p in root.rglob("*")
+            if not any(part.startswith(".") for part in p.relative_to(root).parts)
+            and p.is_file()
+            and (suffix(p) in TEXT_SUFFIXES or suffix(p) in RECORD_SUFFIXES)
+        )
+        self.walked.update(found)
+        return found
 
     def _expand_paths(self) -> list[Path]:
         raw = self.spec.source
@@ -117,34 +114,22 @@ class Source:
                 raise DataError(
                     f"{self.label}: the pattern matches no files (looked for {path}); fix the pattern{self._start_note(raw)}"
                 )
-            files: list[Path] = []
-            for m in matches:
-                if m.is_dir():
-                    found = self._walk(m)
-                    self.walked.update(found)
-                else:
-                    found = [m]
-                files.extend(found)
             # 'corpus/**' matches the folders and the files in them: each file is read once
-            files = list(dict.fromkeys(files))
-        elif path.is_dir():
-            files = self._walk(path)
-            self.walked.update(files)
-            if not files:
-                raise DataError(
-                    f"{self.label}: folder {path} holds no text files (.txt, .md, code, .jsonl, .json, "
-                    ".parquet); put documents there or point the source at them"
-                )
-        elif path.is_file():
-            files = [path]
-        else:
+            return list(dict.fromkeys(f for m in matches for f in (self._walk(m) if m.is_dir() else [m])))
+        if path.is_file():
+            return [path]
+        if not path.is_dir():
             raise DataError(f"{self.label}: {path} does not exist; fix the path{self._start_note(raw)}")
-        return files
+        if files := self._walk(path):
+            return files
+        raise DataError(
+            f"{self.label}: folder {path} holds no text files (.txt, .md, code, .jsonl, .json, "
+            ".parquet); put documents there or point the source at them"
+        )
 
     def _start_note(self, raw: str) -> str:
-        """Where a relative path in the recipe started, for a message (nothing for an absolute
-        one: overrides arrive absolute, made so against the folder they were typed in); and for
-        a Windows-style path, that folders are separated by /."""
+        """For a message: where a relative path started, and for a Windows-style path, that
+        folders are separated by /."""
         note = "" if Path(raw).expanduser().is_absolute() else f" (relative paths start at {self.base_dir})"
         if os.sep == "/" and any(c in raw for c in "\\\t\n\r"):
             note += (
@@ -154,15 +139,14 @@ class Source:
         return note
 
     def check_local_files(self) -> None:
-        """Raise DataError if a local file or folder this source names is missing (path sources
-        are checked when they resolve; this adds an hf: source's local folder and data_files)."""
+        """DataError where an hf: source's local folder, data_files or split is missing (path
+        sources are checked when they resolve)."""
         if self.hub is not None:
             local = self.hub.local_dir()
             self.hub.data_files()
             if local is not None:
                 self.hub.check_saved_split(local)
 
-    # -- identity ----------------------------------------------------------------------------
     def _file_stats(self, files: list[Path]) -> list[tuple[str, int, int]]:
         out = []
         for f in files:
@@ -174,11 +158,10 @@ class Source:
         return out
 
     def _identity_spec(self) -> dict[str, Any]:
-        """The spec as the cache key sees it: local paths however spelled ('c.txt', '../x/c.txt',
-        an absolute path, a symbolic link: a run's recipe.yaml records them absolute) as the one
-        real path, so the same files find the same shards."""
+        """The spec with its local paths as real paths, so the same files find the same shards
+        however they are spelled (relative, absolute, through a link)."""
         spec = self.spec.model_dump(mode="json")
-        if spec.get("recall") is None:  # (absent from the keys of the sources that have none)
+        if spec.get("recall") is None:  # absent from the keys of the sources that have none
             spec.pop("recall", None)
         if self.spec.kind == "path":
             spec["source"] = os.path.realpath(self._resolve(self.spec.source))
@@ -225,13 +208,10 @@ class Source:
             return None
         total = 0
         for f in self.files:
-            try:
+            with contextlib.suppress(OSError):
                 total += f.stat().st_size * (4 if f.suffix.lower() == ".gz" else 1)
-            except OSError:
-                pass
         return total
 
-    # -- bad records -------------------------------------------------------------------------
     def _bad(self, stats: SourceStats, policy: BadRecordPolicy, message: str) -> None:
         if policy == "error":
             raise DataError(f"{message}, or set data.on_bad_record: skip to drop such records")
@@ -257,11 +237,9 @@ class Source:
                 yield text
 
     def record_fields(self) -> set[str] | None:
-        """The field names of the source's records as its first record shows them: a dataset's
-        columns, a Parquet file's schema, the first JSON object of a .jsonl/.json file (empty when
-        it holds none); None where they cannot be told without reading the records (a streaming
-        dataset without column names, a Parquet file pyarrow cannot open: reading names the
-        problem). Sources of other files have no record fields: an empty set."""
+        """The field names of the source's records as its first record shows them (a dataset's
+        columns, a Parquet schema, a .jsonl/.json file's first object); an empty set for other
+        sources; None where they cannot be told without reading (then reading names the problem)."""
         if self.hub is not None:
             names = getattr(self.hub.dataset(), "column_names", None)
             return None if names is None else set(names)
@@ -281,8 +259,7 @@ class Source:
     def _records(
         self, columns: list[str], stats: SourceStats, policy: BadRecordPolicy
     ) -> Iterator[tuple[str, dict[str, Any]]]:
-        """(where, record) from record-shaped inputs (jsonl/json/parquet/hf): instruction records,
-        prompt/response `columns` or chat records' `messages`."""
+        """(where, record) of instruction records: prompt/response `columns` or chat `messages`."""
         if self.hub is not None:
             yield from self.hub.rows(columns, chat=True)
             return
@@ -304,27 +281,20 @@ class Source:
         stats: SourceStats,
         policy: BadRecordPolicy,
     ) -> str | None:
-        if name not in rec:
+        """Field `name` of a record (`key`: the setting that names it), or None for a bad record."""
+        value = rec.get(name)
+        if isinstance(value, str):
+            return value
+        if name in rec:
+            what = "null" if value is None else type(value).__name__
+            problem = f"field '{name}' is {what}, not a string; fix the record"
+        elif key == "text_field" and isinstance(rec.get("messages"), list):
+            problem = CHAT_RECORD_AS_TEXT
+        else:
             have = ", ".join(sorted(map(str, rec))) or "none"
-            if key == "text_field" and isinstance(rec.get("messages"), list):
-                self._bad(stats, policy, f"{where}: {CHAT_RECORD_AS_TEXT}")
-                return None
-            self._bad(
-                stats,
-                policy,
-                f"{where}: record has no field '{name}' (fields: {have}); set {key}: <field> on {self.label}",
-            )
-            return None
-        value = rec[name]
-        if not isinstance(value, str):
-            self._bad(
-                stats,
-                policy,
-                f"{where}: field '{name}' is {'null' if value is None else type(value).__name__}, not a string; "
-                "fix the record",
-            )
-            return None
-        return value
+            problem = f"record has no field '{name}' (fields: {have}); set {key}: <field> on {self.label}"
+        self._bad(stats, policy, f"{where}: {problem}")
+        return None
 
     def documents(self, stats: SourceStats, policy: BadRecordPolicy = "error") -> Iterator[str]:
         """The documents of this source, in a deterministic order; updates `stats`."""
@@ -341,8 +311,8 @@ class Source:
     @property
     def spells_special_tokens(self) -> bool:
         """Whether the documents are records rendered through a fine-tune's template, whose
-        markers (<|user|>, <|end|>, ...) are special tokens: they encode as those tokens, as the
-        fine-tune's training encoded them; other text that spells one encodes it as plain text."""
+        markers (<|user|>, ...) encode as special tokens, as in training (other text that spells
+        one encodes it as plain text)."""
         plain = self.spec.kind == "builtin" and self.spec.source != "builtin:python-docstrings"
         return self.records_as_text is not None and not plain
 
@@ -373,14 +343,12 @@ class Source:
                 data = read_bytes(self.label, path) if kind == ".json" and path in self.walked else None
                 if data is not None and json_document(data, self.spec.text_field):
                     stats.json_documents += 1
-                    yield from text_document(path, data, lambda m: self._bad(stats, policy, m))
                 elif kind in RECORD_SUFFIXES:
-                    yield from self._texts(
-                        self._rows(path, [self.spec.text_field], stats, policy), stats, policy
-                    )
-                else:
-                    data = read_bytes(self.label, path)
-                    yield from text_document(path, data, lambda m: self._bad(stats, policy, m))
+                    rows = self._rows(path, [self.spec.text_field], stats, policy)
+                    yield from self._texts(rows, stats, policy)
+                    continue
+                data = read_bytes(self.label, path) if data is None else data
+                yield from text_document(path, data, lambda m: self._bad(stats, policy, m))
 
     def records(
         self,
@@ -390,11 +358,10 @@ class Source:
     ) -> Iterator[dict[str, Any]]:
         """Instruction records {"prompt", "response", ...} of this source (fine-tuning data).
 
-        `prompt_field` / `response_field` are renamed to "prompt" / "response"; other fields of
-        jsonl/json records are kept (a chat template may use them). A .jsonl/.json record with
-        `messages` (a list of {role, content}) and no prompt field is passed on as it is, once
-        `check_messages` (the chat template's rendering) accepts it: a DataError it raises makes
-        the record a bad one, named with its file and line (and skipped under `skip`).
+        `prompt_field` / `response_field` are renamed to "prompt" / "response"; other fields are
+        kept (a template may use them). A record with `messages` and no prompt/response pair is
+        passed on as it is once `check_messages` (the chat template's rendering) accepts it: a
+        DataError it raises makes it a bad record.
         """
         for count, rec in enumerate(self._record_stream(stats, policy, check_messages), 1):
             stats.documents += 1
@@ -412,8 +379,7 @@ class Source:
         policy: BadRecordPolicy,
         check_messages: Callable[[list[Any]], object] | None,
     ) -> Iterator[dict[str, Any]]:
-        """The source's instruction records, uncounted (`records` counts them and applies
-        max_documents; `documents` does, for records read as text)."""
+        """The source's instruction records, uncounted and without max_documents applied."""
         src = self.spec.source
         if src == "builtin:python-docstrings":
             stats.files = len(self.files)
@@ -433,9 +399,8 @@ class Source:
     ) -> Iterator[dict[str, Any]]:
         pf, rf = self.spec.prompt_field, self.spec.response_field
         for where, rec in self._records([pf, rf], stats, policy):
-            # a chat record, rendered by the chat template: `messages` without a whole prompt/response
-            # pair (chat datasets often keep the first user turn as `prompt` too, e.g. UltraChat), as
-            # a table source's columns are chosen (`_columns_read`)
+            # a chat record: `messages` without a whole prompt/response pair (chat datasets often
+            # keep the first user turn as `prompt` too, e.g. UltraChat), as `columns_read` chooses
             if "messages" in rec and not (pf in rec and rf in rec):
                 rec = {k: v for k, v in rec.items() if k not in ("prompt", "response")}
                 if not (
@@ -454,14 +419,12 @@ class Source:
                 yield rec
                 continue
             prompt = self._field(where, rec, pf, "prompt_field", stats, policy)
-            if prompt is None:
-                continue
-            response = self._field(where, rec, rf, "response_field", stats, policy)
-            if response is None:
-                continue
-            out = dict(rec)  # the record's own names stay usable in prompt_format (e.g. {instruction})
-            out["prompt"], out["response"] = prompt, response
-            yield out
+            response = (
+                None if prompt is None else self._field(where, rec, rf, "response_field", stats, policy)
+            )
+            if response is not None:
+                # the record's own names stay usable in prompt_format (e.g. {instruction})
+                yield {**rec, "prompt": prompt, "response": response}
 
 
 def resolve_sources(
@@ -473,9 +436,8 @@ def resolve_sources(
 
 
 def check_local_sources(data_cfg: DataConfig, base_dir: str | os.PathLike[str]) -> None:
-    """Raise DataError for a local file or folder of `data.sources` that is missing, or read by
-    two sources (`check_distinct`), reading none of the data (the dry runs of pretrain and
-    finetune)."""
+    """DataError for a local file or folder of `data.sources` that is missing, or read by two
+    sources (`check_distinct`), reading none of the data (the dry runs)."""
     sources = resolve_sources(data_cfg, base_dir)  # path sources are checked as they resolve
     for source in sources:
         source.check_local_files()
@@ -483,14 +445,12 @@ def check_local_sources(data_cfg: DataConfig, base_dir: str | os.PathLike[str]) 
 
 
 def check_distinct(sources: list[Source]) -> None:
-    """Raise DataError where two sources read the same documents: the same file (a folder and a
-    file in it, a file and a glob that matches it) or the same dataset, read the same way. Each
-    source is split into training and validation documents on its own (by its place in the
-    list), so a document held out of one copy would be trained on through the other, and the
-    validation loss would read low; a source's weight is how to count it more than once."""
+    """DataError where two sources read the same documents (the same file however named, or the
+    same dataset) the same way: each source is split into training and validation on its own,
+    so a document held out of one copy would be trained on through the other."""
     seen: dict[tuple[Any, ...], Source] = {}
     for src in sources:
-        # how the source reads its documents (fields, a builtin's settings: nested sections too)
+        # how the source reads its documents (fields, a builtin's settings)
         how = json.dumps(
             src.spec.model_dump(
                 mode="json", exclude={"source", "weight", "data_files", "max_documents", "streaming"}
@@ -531,10 +491,7 @@ def check_distinct(sources: list[Source]) -> None:
 
 def sources_fingerprint(sources: list[Source]) -> str:
     """One hash over all sources, in order."""
-    h = hashlib.sha256()
-    for s in sources:
-        h.update(s.fingerprint().encode())
-    return h.hexdigest()
+    return hashlib.sha256("".join(s.fingerprint() for s in sources).encode()).hexdigest()
 
 
 def iter_documents(data_cfg: DataConfig, base_dir: str | os.PathLike[str]) -> Iterator[str]:
@@ -546,10 +503,10 @@ def iter_documents(data_cfg: DataConfig, base_dir: str | os.PathLike[str]) -> It
 
 
 def require_documents(src: Source, stats: SourceStats) -> None:
+    """DataError for a source that yielded no documents."""
     if stats.documents == 0 and stats.bad_records:
-        n = stats.bad_records
         raise DataError(
-            f"{src.label}: every record is malformed ({n} skipped by data.on_bad_record: skip), so the "
+            f"{src.label}: every record is malformed ({stats.bad_records} skipped by data.on_bad_record: skip), so the "
             "source yielded no documents; with data.on_bad_record=error the first one is named with "
             "its line (a wrong text_field?) — fix the records, or remove the source from data.sources"
         )
