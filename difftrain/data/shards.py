@@ -86,7 +86,6 @@ class PrepareStats:
     vocab_size: int
     seconds: float
     tokenizer_seconds: float
-    shard_seconds: float
     cache_bytes: int
     split: str
     sources: list[dict[str, Any]] = field(default_factory=list)
@@ -134,7 +133,7 @@ def token_dtype(vocab_size: int) -> np.dtype:
 
 
 def _clean_stale_tmp(parent: Path) -> None:
-    """Remove temporary folders left by crashed builds (their process is gone)."""
+    """Remove the temporary folders of crashed builds (their process is gone)."""
     for p in parent.glob(".tmp-*") if parent.is_dir() else []:
         try:
             os.kill(int(p.name.rsplit("-", 2)[1]), 0)
@@ -225,7 +224,6 @@ def _training_texts(
 
 
 def _tokenizer_key(data_cfg: DataConfig, tok_cfg: TokenizerConfig, sources: list[Source]) -> str:
-    """The cache key of the tokenizer trained on `sources` as `tok_cfg.train` says."""
     import tokenizers
 
     return _key(
@@ -241,9 +239,8 @@ def _tokenizer_key(data_cfg: DataConfig, tok_cfg: TokenizerConfig, sources: list
 
 
 def _trained_tokenizer(final: Path) -> Tokenizer | None:
-    """The tokenizer of a cache entry `prepare_tokenizer` trained, or None where it is missing,
-    damaged, or no longer the one its meta.json records (edited): the entry is then trained
-    again, never used."""
+    """The tokenizer of a trained cache entry, or None where it is missing, damaged, or not the
+    one its meta.json records (edited): such an entry is trained again."""
     try:
         tok = load_tokenizer(final / "tokenizer.json")
         meta = json.loads((final / "meta.json").read_text(encoding="utf-8"))
@@ -256,8 +253,7 @@ def _tokenizer_entry(
     data_cfg: DataConfig, tok_cfg: TokenizerConfig, base_dir: Path, sources: list[Source] | None
 ) -> tuple[Path, Tokenizer | None, bool]:
     """(cache folder, tokenizer, complete) of the tokenizer `tok_cfg` names: a copy of its
-    tokenizer.path (the tokenizer: that file), or one trained on `sources` (the tokenizer: the
-    entry's where complete, else None)."""
+    tokenizer.path, or one trained on `sources` (None until trained)."""
     root = data_cfg.resolved_cache_dir() / "tokenizers"
     tok_file = tok_cfg.file(base_dir)
     if tok_file is not None:
@@ -285,7 +281,7 @@ def prepare_tokenizer(
     if complete:
         return final / "tokenizer.json", True, time.perf_counter() - t0
     data_cfg.check_cache_dir()
-    if final.exists():  # damaged, edited or incomplete (tokenizer.json or meta.json gone): rebuild it
+    if final.exists():  # damaged, edited or incomplete: rebuild it
         shutil.rmtree(final, ignore_errors=True)
     trained = tok is None
     if tok is None:
@@ -296,12 +292,10 @@ def prepare_tokenizer(
     with _building(final) as tmp:
         tok.save(tmp / "tokenizer.json")
         if trained:
-            meta = {
-                "train": tok_cfg.train.model_dump(mode="json"),
-                "sha256": tok.sha256,
-                "vocab_size": tok.vocab_size,
-            }
-            atomic_write_json(tmp / "meta.json", meta)
+            train = tok_cfg.train.model_dump(mode="json")
+            atomic_write_json(
+                tmp / "meta.json", {"train": train, "sha256": tok.sha256, "vocab_size": tok.vocab_size}
+            )
     return final / "tokenizer.json", False, time.perf_counter() - t0
 
 
@@ -330,10 +324,9 @@ class _ShardWriter:
 
 def val_window_offsets(n_tokens: int, window: int, count: int) -> np.ndarray:
     """`count` window starts evenly spaced over [0, n_tokens − window] (fixed: no randomness)."""
-    span = n_tokens - window
     if count <= 1:
-        return np.zeros(min(count, 1), dtype=np.int64)
-    return np.floor(np.arange(count) * (span / (count - 1))).astype(np.int64)
+        return np.zeros(max(count, 0), dtype=np.int64)
+    return np.floor(np.arange(count) * ((n_tokens - window) / (count - 1))).astype(np.int64)
 
 
 def training_repeats(weight: float, seed: int, source: int, doc: int) -> int:
@@ -341,7 +334,7 @@ def training_repeats(weight: float, seed: int, source: int, doc: int) -> int:
     when u("weight", seed, source, doc) < w − ⌊w⌋."""
     whole = math.floor(weight)
     frac = weight - whole
-    return whole + (1 if frac > 0 and unit_hash("weight", seed, source, doc) < frac else 0)
+    return whole + int(frac > 0 and unit_hash("weight", seed, source, doc) < frac)
 
 
 def _build_shards(
@@ -358,9 +351,9 @@ def _build_shards(
     Validation documents are drawn by hash (`val_fraction`), each written once; training
     documents as often as their source's weight says. Where that leaves one side empty,
     validation is the tail of the data instead: `tail_at` is where it starts in the unweighted
-    stream of every document once (with every weight 1, the training stream's tail, cut in place;
-    else the data is read again with `tail_at` set). A tokenizer that puts a start token before
-    every text (Llama's <s>) starts each document with it: `<s> doc </s> <s> doc </s> …`."""
+    stream (with every weight 1, the training stream's tail, cut in place; else the data is read
+    again with `tail_at` set). A tokenizer that puts a start token before every text (Llama's
+    <s>) starts each document with it."""
     dtype = token_dtype(tok.vocab_size)
     eos = np.array([tok.eos_id], dtype=dtype)
     start = np.array([tok.document_start_id] if tok.document_start_id != tok.eos_id else [], dtype=dtype)
@@ -419,12 +412,12 @@ def _build_shards(
         return _build_shards(out, sources, tok, data_cfg, seed, progress, tail_at=max(0, seen_tokens - n_val))
     split = "document" if tail_at is None else "tail"
     if tail_at is None and data_cfg.val_fraction > 0 and train.tokens == 0:
-        # Every document (e.g. the only one) landed in validation: make it the stream to split.
+        # every document (e.g. the only one) landed in validation: make it the stream to split
         os.replace(val.path, train.path)
         train.tokens, train.documents, val.tokens, val.documents = val.tokens, val.documents, 0, 0
         val.path.touch()
     if tail_at is None and data_cfg.val_fraction > 0 and val.tokens == 0:
-        # Too few documents for a document split (e.g. one big text file): hold out the tail.
+        # too few documents for a document split (e.g. one big text file): hold out the tail
         n_val = max(1, math.ceil(train.tokens * data_cfg.val_fraction))
         np.fromfile(train.path, dtype=dtype, offset=(train.tokens - n_val) * dtype.itemsize).tofile(val.path)
         os.truncate(train.path, (train.tokens - n_val) * dtype.itemsize)
@@ -450,7 +443,7 @@ def _valid_entry(final: Path) -> dict[str, Any] | None:
         itemsize = np.dtype(index["dtype"]).itemsize
         for split in ("train", "val"):
             st = (final / index[split]["file"]).stat()
-            # a shard of another size, or changed in place after it was built (without mtime_ns: unchecked)
+            # a shard of another size, or changed in place after it was built
             if (
                 st.st_size != index[split]["tokens"] * itemsize
                 or index[split].get("mtime_ns", st.st_mtime_ns) != st.st_mtime_ns
@@ -481,8 +474,8 @@ def _shards_key(
 def cached_index(
     data_cfg: DataConfig, tok_cfg: TokenizerConfig, *, seed: int, base_dir: str | os.PathLike[str]
 ) -> dict[str, Any] | None:
-    """The index.json of the shards `prepare_data` would serve from the cache for this data, or
-    None when it would build them (or its tokenizer) first. Reads no documents, writes nothing."""
+    """The index.json of the shards `prepare_data` would serve from the cache, or None when it
+    would build them (or its tokenizer) first. Reads no documents, writes nothing."""
     base = Path(base_dir).expanduser().resolve()
     sources = resolve_sources(data_cfg, base)
     try:  # not copied or trained yet, damaged or edited: the run makes it (again)
@@ -497,7 +490,8 @@ def cached_index(
 
 
 def check_split_sizes(train_tokens: int, val_tokens: int, seq_len: int, val_windows: int) -> None:
-    """Refuse splits too short for one window of seq_len + 1 tokens (validation only if it runs)."""
+    """DataError for a split too short for one window of seq_len + 1 tokens (validation only if
+    it runs)."""
     window = seq_len + 1
     if train_tokens < window:
         raise DataError(
@@ -521,14 +515,13 @@ def prepare_data(
     sources: list[Source] | None = None,
 ) -> PreparedData:
     """Tokenizer + token shards for a recipe's data, built once and then served from the cache.
-    `base_dir`: what relative source paths (and tokenizer.path) resolve against; `progress`:
-    called with `PrepareProgress` reports; `sources`: `data_cfg.sources` already resolved."""
+    `base_dir`: what relative paths resolve against; `sources`: `data_cfg.sources` resolved."""
     t0 = time.perf_counter()
     base = Path(base_dir).expanduser().resolve()
     if sources is None:  # the recipe's: refused where two of them read the same documents
         sources = resolve_sources(data_cfg, base)
         check_distinct(sources)
-    for source in sources:  # what needs no reading, before the cache can answer for the source
+    for source in sources:  # before the cache can answer for them
         source.check_local_files()
     tok_path, tok_cached, tok_seconds = prepare_tokenizer(
         data_cfg, tok_cfg, base_dir=base, sources=sources, progress=progress
@@ -559,17 +552,12 @@ def prepare_data(
                 "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             }
             atomic_write_json(tmp / "index.json", index)
-    shard_seconds = time.perf_counter() - t1
     stats = PrepareStats(
         **{k: index[k] for k in ("documents", "bytes", "tokens", "bad_records", "split", "sources")},
-        train_tokens=index["train"]["tokens"],
-        val_tokens=index["val"]["tokens"],
-        train_documents=index["train"]["documents"],
-        val_documents=index["val"]["documents"],
+        **{f"{split}_{k}": index[split][k] for split in ("train", "val") for k in ("tokens", "documents")},
         vocab_size=tok.vocab_size,
         seconds=time.perf_counter() - t0,
         tokenizer_seconds=tok_seconds,
-        shard_seconds=shard_seconds,
         cache_bytes=_dir_bytes(final) + _dir_bytes(tok_path.parent),
     )
     return PreparedData(
