@@ -1,4 +1,4 @@
-"""Shared rendering helpers of the CLI: consoles, tables, number formatting, progress."""
+"""Shared parts of the CLI: option declarations, consoles, tables, number formatting, progress."""
 
 from __future__ import annotations
 
@@ -6,11 +6,32 @@ import os
 import re
 from typing import Any
 
+import typer
 from rich.console import Console, ConsoleDimensions
 from rich.table import Table
 
-PIPE_WIDTH = 1000
-"""Columns of output to a file or a pipe (COLUMNS unset): no table cell is cropped or wrapped."""
+from difftrain.cli.complete import override_items, recipe_refs
+
+PIPE_WIDTH = 1000  # columns of output to a file or a pipe (COLUMNS unset): no cell is cropped
+
+# options that several commands share
+RECIPE = typer.Argument(
+    ..., autocompletion=recipe_refs, help="Recipe file or shipped recipe name (see `difftrain recipes list`)."
+)
+OVERRIDES = typer.Argument(
+    None, autocompletion=override_items, help="Overrides as key.sub=value, e.g. train.max_steps=100."
+)
+RESUME = typer.Option(
+    None, "--resume/--no-resume", help="Continue from the last good checkpoint (default: train.resume)."
+)
+OVERWRITE = typer.Option(False, "--overwrite", help="Replace a run directory that holds another run.")
+PROGRESS = typer.Option(
+    None, "--progress/--no-progress", help="Show the progress bar (default: logging.progress)."
+)
+DEVICE = typer.Option("auto", "--device", help="auto | cpu | cuda | cuda:N | mps.")
+DTYPE = typer.Option(
+    "auto", "--dtype", help="auto (bf16 on GPU, fp32 on CPU) | float32 | bfloat16 | float16."
+)
 
 
 class WideWhenPiped(Console):
@@ -28,13 +49,13 @@ class WideWhenPiped(Console):
         Console.size.fset(self, new_size)  # type: ignore[attr-defined]
 
     def on_broken_pipe(self) -> None:
-        """The reader of standard output went away (`| head`): output goes on into /dev/null after
-        one warning on stderr, so that the work (a training run) continues instead of exiting."""
+        """The reader of stdout went away (`| head`): warn once and write on into /dev/null, so
+        that the work (a training run) continues."""
         import sys
 
         self.quiet = True
         devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())  # later writes (and the flush at exit) succeed
+        os.dup2(devnull, sys.stdout.fileno())  # so that the flush at exit succeeds
         os.close(devnull)
         warn("standard output was closed (its reader ended); going on without printing to it")
 
@@ -62,6 +83,13 @@ def fmt_count(n: float) -> str:
     return f"{n:.0f}"
 
 
+def print_table(title: str, rows: list[tuple[str, str]], warnings: Any = ()) -> None:
+    """Print a `kv_table`, then each of `warnings`."""
+    console.print(kv_table(title, rows))
+    for w in warnings:
+        warn(w)
+
+
 def kv_table(title: str, rows: list[tuple[str, str]]) -> Table:
     """A two-column table of labels and values; the values are plain text, never rich markup."""
     from rich.text import Text
@@ -75,9 +103,8 @@ def kv_table(title: str, rows: list[tuple[str, str]]) -> Table:
 
 
 class DataBars:
-    """The `progress` callback of `prepare_data` (`PrepareProgress` reports): one transient bar per
-    stage on stderr, shown from the first report and only on a terminal; a context manager whose
-    exit (or `stop`) ends it."""
+    """The `progress` callback of `prepare_data`: one transient bar per stage on stderr (only on a
+    terminal); a context manager whose exit (or `stop`) ends it."""
 
     LABELS = {"tokenizer": "training tokenizer", "shards": "tokenizing"}
 
@@ -210,25 +237,34 @@ def run_row(spec: Any, resuming: bool, point: Any, overwrite: bool) -> tuple[str
     return ("run", f"{spec.run_dir} ({action})")
 
 
+def started_row(spec: Any, resumed_from: int | None) -> tuple[str, str]:
+    """A start table's `run` row."""
+    return ("run", str(spec.run_dir) + (f"  (resuming from step {resumed_from})" if resumed_from else ""))
+
+
 def skipped_records_row(count: int, examples: list[str]) -> list[tuple[str, str]]:
-    """The start table's row for records `data.on_bad_record: skip` dropped (none when none were)."""
+    """The row for records `data.on_bad_record: skip` dropped (none when none were)."""
     if not count:
         return []
     first = f"; the first: {examples[0]}" if examples else ""
     return [("skipped records", f"{count:,} malformed (data.on_bad_record: skip){first}")]
 
 
-def prepared_bad_examples(prepared: Any) -> list[str]:
-    """The bad records `prepare_data` noted, over every source."""
-    return [x for src in prepared.stats.sources for x in src.get("bad_examples", [])]
+def prepared_rows(prepared: Any) -> list[tuple[str, str]]:
+    """The rows of a `prepare_data` result's skipped records and `.json` files read as text."""
+    s = prepared.stats
+    examples = [x for src in s.sources for x in src.get("bad_examples", [])]
+    return skipped_records_row(s.bad_records, examples) + json_as_text_row(s)
 
 
 def check_files(r: Any) -> None:
     """Check, without torch and writing nothing, what a training run reads and writes: a
     fine-tune's base run, the local data sources, tokenizer.path, the data cache where the data is
     still to be tokenized, and that the run directory can be created."""
+    from difftrain.data.shards import cached_index
     from difftrain.data.sources import check_local_sources
     from difftrain.data.tokenizer import tokenizer_file
+    from difftrain.errors import DataError
     from difftrain.io import check_run_dir_creatable
     from difftrain.recipe import check_record_fields, resolve_data_format
     from difftrain.rundir import base_run_dir
@@ -241,27 +277,19 @@ def check_files(r: Any) -> None:
     if tok is not None:
         tokenizer_file(tok)
     if r.finetune is None or resolve_data_format(r) == "text":
-        _check_cache(r)
+        try:  # the data cache must be writable unless it holds the prepared data already
+            r.data.check_cache_dir()
+        except DataError:
+            if (
+                r.finetune is not None
+                or cached_index(r.data, r.tokenizer, seed=r.seed, base_dir=r.recipe_dir) is None
+            ):
+                raise
     check_run_dir_creatable(r.run_dir)
 
 
-def _check_cache(r: Any) -> None:
-    """The data cache must be writable unless it holds the prepared data already."""
-    from difftrain.data.shards import cached_index
-    from difftrain.errors import DataError
-
-    try:
-        r.data.check_cache_dir()
-    except DataError:
-        if (
-            r.finetune is not None
-            or cached_index(r.data, r.tokenizer, seed=r.seed, base_dir=r.recipe_dir) is None
-        ):
-            raise
-
-
 def json_as_text_row(stats: Any) -> list[tuple[str, str]]:
-    """The row counting the `.json` files of source folders read as text (no records in them)."""
+    """The row counting the `.json` files of source folders read as text."""
     n = sum(src.get("json_documents", 0) for src in stats.sources)
     if not n:
         return []
@@ -274,8 +302,7 @@ def plural(n: int, word: str) -> str:
 
 
 def vocab_shortfall(tokenizer_size: int, tokenizer_cfg: Any, corpus_bytes: int | None = None) -> str:
-    """A note when the tokenizer a recipe trains came out smaller than tokenizer.train.vocab_size;
-    "" otherwise."""
+    """A note when the trained tokenizer came out smaller than tokenizer.train.vocab_size, else ""."""
     if tokenizer_cfg.path is not None or tokenizer_size >= tokenizer_cfg.train.vocab_size:
         return ""
     asked = f" — {tokenizer_size:,} of the {tokenizer_cfg.train.vocab_size:,} asked for (tokenizer.train.vocab_size): "
@@ -288,8 +315,19 @@ def vocab_shortfall(tokenizer_size: int, tokenizer_cfg: Any, corpus_bytes: int |
     return asked + "the data has no more pairs to merge"
 
 
+def end_rows(summary: dict[str, Any], loss: str, throughput_note: str = "") -> list[tuple[str, str]]:
+    """The rows a training run's end table opens with."""
+    return [
+        ("steps", f"{summary['steps']} ({fmt_count(summary['tokens'])} tokens)"),
+        ("wall time", wall_time(summary)),
+        ("throughput", throughput(summary) + throughput_note),
+        loss,
+        ("peak memory", peak_memory(summary)),
+    ]
+
+
 def wall_time(summary: dict[str, Any]) -> str:
-    """The end table's wall-time cell; for a resumed run also the training time of the whole run."""
+    """The wall-time cell; for a resumed run also the training time of the whole run."""
     wall, train = summary["wall_time_s"], summary.get("train_time_s") or 0.0
     if train > wall:
         return f"{wall:.1f} s this session · {train:.1f} s of training in all"
@@ -297,7 +335,7 @@ def wall_time(summary: dict[str, Any]) -> str:
 
 
 def peak_memory(summary: dict[str, Any]) -> str:
-    """The end table's peak-memory cell ("—" where not measured; rank 0's of several processes)."""
+    """The peak-memory cell ("—" where not measured; rank 0's of several processes)."""
     rss = summary.get("peak_rss_mb")
     gpu = summary.get("peak_gpu_mem_mb")
     text = ("RSS —" if rss is None else f"RSS {rss:.0f} MiB") + (f" · GPU {gpu:.0f} MiB" if gpu else "")
@@ -306,7 +344,7 @@ def peak_memory(summary: dict[str, Any]) -> str:
 
 
 def throughput(summary: dict[str, Any]) -> str:
-    """The end table's throughput: over the run, and for a compiled run also once compiled."""
+    """Tokens/s over the run, and for a compiled run also once compiled."""
     text = f"{summary['tokens_per_s']:,.0f} tokens/s"
     if summary.get("steady_tokens_per_s"):
         text += f" ({summary['steady_tokens_per_s']:,.0f} once compiled; the run's includes the compilation)"
@@ -314,7 +352,6 @@ def throughput(summary: dict[str, Any]) -> str:
 
 
 def optimizer_row(optim: Any, train: Any) -> str:
-    """The start table's optimizer row."""
     clip = f"clip {train.grad_clip:g}" if train.grad_clip is not None else "no clip"
     return (
         f"{optim.name} · lr {optim.lr:g} · wd {optim.weight_decay:g} · {clip} · {optim.schedule} · "
@@ -323,8 +360,7 @@ def optimizer_row(optim: Any, train: Any) -> str:
 
 
 def fmt_figure(value: float | None, fmt: str = ".4f") -> str:
-    """`format(value, fmt)`, with a value that rounds to zero printed without a minus sign; "—"
-    for None."""
+    """`format(value, fmt)` without the minus sign of a value that rounds to zero; "—" for None."""
     if value is None:
         return "—"
     text = format(value, fmt)
@@ -370,15 +406,14 @@ def report_finished(result: Any, command: str) -> None:
     )
 
 
-def run_training(command: str, train: Any, recipe: Any, *, on_start: Any, **kwargs: Any) -> Any:
-    """Run `train(recipe, ...)` (pretrain or finetune) with data progress bars. A graceful stop
-    prints the resume command and exits 130 (SIGINT) or 143 (SIGTERM); running out of memory
-    becomes a DeviceError with `oom_advice`."""
+def run_training(command: str, train: Any, recipe: Any, on_start: Any, on_end: Any, **kwargs: Any) -> None:
+    """Run `train(recipe, ...)` (pretrain or finetune) with data progress bars, then
+    `on_end(summary, run_dir)` on rank 0. A graceful stop prints the resume command and exits 130
+    (SIGINT) or 143 (SIGTERM); running out of memory becomes a DeviceError with `oom_advice`."""
     import shlex
     import signal
 
     import torch
-    import typer
     from rich.markup import escape
 
     from difftrain.errors import DeviceError, StopRequested, TrainingError
@@ -391,10 +426,9 @@ def run_training(command: str, train: Any, recipe: Any, *, on_start: Any, **kwar
 
             def started(info: Any) -> None:
                 dp.stop()
-                if on_start is not None:
-                    on_start(info)
+                on_start(info)
 
-            return train(recipe, console=console, on_start=started, data_progress=dp, **kwargs)
+            result = train(recipe, console=console, on_start=started, data_progress=dp, **kwargs)
     except StopRequested as stop:
         if stop.is_global_zero:  # one unbroken line, to be copied and pasted
             err_console.print(
@@ -414,3 +448,7 @@ def run_training(command: str, train: Any, recipe: Any, *, on_start: Any, **kwar
         if not cpu_out_of_memory(e):
             raise
         raise DeviceError(oom_advice(recipe, finetune=command == "finetune", device="CPU")) from e
+    if result.is_global_zero:  # one table, not one per process
+        if result.finished_before:
+            report_finished(result, command)
+        on_end(result.summary, result.run_dir)

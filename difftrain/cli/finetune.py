@@ -9,42 +9,24 @@ from typing import Any
 import typer
 
 from difftrain.cli.common import (
+    OVERRIDES,
+    OVERWRITE,
+    PROGRESS,
+    RECIPE,
+    RESUME,
     check_files,
-    console,
+    end_rows,
     fmt_count,
-    json_as_text_row,
-    kv_table,
-    peak_memory,
+    fmt_figure,
     plural,
-    prepared_bad_examples,
-    report_finished,
+    prepared_rows,
+    print_table,
     run_row,
+    run_training,
     skipped_records_row,
     spec_rows,
-    throughput,
-    wall_time,
-    warn,
+    started_row,
 )
-from difftrain.cli.complete import override_items, recipe_refs
-
-
-def _empty_note(n: int) -> str:
-    """The data row's note on records with an empty response (empty string, or an assistant turn
-    with no content): they teach only where a reply ends."""
-    if not n:
-        return ""
-    return f" · {n:,} with an empty response (only where a reply ends is trained)"
-
-
-def _no_val_note(val_records: int, val_fraction: float) -> str:
-    """The data row's note when data.val_fraction drew no validation record: the run reports no
-    validation loss (with val_fraction 0 the user asked for none: no note)."""
-    if val_records or not val_fraction:
-        return ""
-    return (
-        f" · no validation loss: data.val_fraction={val_fraction:g} drew no record (raise it, e.g. "
-        "data.val_fraction=0.2, or add records)"
-    )
 
 
 def _setup_rows(setup: Any) -> list[tuple[str, str]]:
@@ -65,16 +47,22 @@ def _setup_rows(setup: Any) -> list[tuple[str, str]]:
         data = f"instruction records: {rec['train_records']:,} train · {rec['val_records']:,} val"
         if rec["truncated"]:
             data += f" · {rec['truncated']:,} truncated to {spec.seq_len} tokens"
-        data += _empty_note(rec["empty_responses"])
-        data += _no_val_note(rec["val_records"], spec.recipe.data.val_fraction)
+        if rec["empty_responses"]:
+            data += (
+                f" · {rec['empty_responses']:,} with an empty response (only where a reply ends is trained)"
+            )
+        val_fraction = spec.recipe.data.val_fraction
+        if not rec["val_records"] and val_fraction:  # (with val_fraction 0 the user asked for none)
+            data += (
+                f" · no validation loss: data.val_fraction={val_fraction:g} drew no record (raise it, e.g. "
+                "data.val_fraction=0.2, or add records)"
+            )
         if not ft.train_on_prompt:
             data += " · loss on responses only"
         skipped = skipped_records_row(rec["bad_records"], rec["bad_examples"])
     elif setup.prepared is not None:
-        prepared = setup.prepared
-        data = f"plain text (continued pretraining) · {fmt_count(prepared.index['train']['tokens'])} train tokens"
-        skipped = skipped_records_row(prepared.stats.bad_records, prepared_bad_examples(prepared))
-        skipped += json_as_text_row(prepared.stats)
+        data = f"plain text (continued pretraining) · {fmt_count(setup.prepared.index['train']['tokens'])} train tokens"
+        skipped = prepared_rows(setup.prepared)
     else:
         data = "plain text (continued pretraining; tokenized when the run starts)"
         skipped = []
@@ -93,14 +81,10 @@ def _setup_rows(setup: Any) -> list[tuple[str, str]]:
     return rows + spec_rows(spec, padded=instruction)
 
 
-def _start_table(info: Any) -> None:
+def _show_start(info: Any) -> None:
     setup, total, trainable = info.details, info.total_params, info.trainable_params
-    spec = setup.spec
     rows = [
-        (
-            "run",
-            str(spec.run_dir) + (f"  (resuming from step {info.resumed_from})" if info.resumed_from else ""),
-        ),
+        started_row(setup.spec, info.resumed_from),
         (
             "trainable",
             f"{trainable:,} of {total:,} parameters ({100 * trainable / max(total, 1):.2f}%)"
@@ -108,72 +92,43 @@ def _start_table(info: Any) -> None:
         ),
         *_setup_rows(setup),
     ]
-    console.print(kv_table("difftrain finetune", rows))
-    for w in info.warnings:
-        warn(w)
+    print_table("difftrain finetune", rows, info.warnings)
 
 
 def next_command(summary: dict[str, Any], run_dir: Path) -> str:
     """What to run next on a fine-tuned run: `chat` for one tuned on `messages` records only (its
     chat template is how it reads a conversation), else `generate`."""
-    if summary.get("record_kinds") == ["messages"]:
-        return f"difftrain chat {shlex.quote(str(run_dir))}"
-    return f"difftrain generate {shlex.quote(str(run_dir))}"
+    command = "chat" if summary.get("record_kinds") == ["messages"] else "generate"
+    return f"difftrain {command} {shlex.quote(str(run_dir))}"
 
 
-def _end_table(summary: dict[str, Any], run_dir: Path) -> None:
-    def f(v: Any) -> str:
-        return "—" if v is None else f"{v:.4f}"
-
-    rows = [
-        ("steps", f"{summary['steps']} ({fmt_count(summary['tokens'])} tokens)"),
-        ("wall time", wall_time(summary)),
-        ("throughput", throughput(summary)),
-        (
-            "val loss",
-            f"before {f(summary.get('initial_val_loss'))} → after {f(summary['final_val_loss'])}"
-            f" · train {f(summary['final_train_loss'])}",
-        ),
-        (
-            "peak memory",
-            peak_memory(summary),
-        ),
-    ]
+def _show_end(summary: dict[str, Any], run_dir: Path) -> None:
+    f = fmt_figure
+    loss = (
+        f"before {f(summary.get('initial_val_loss'))} → after {f(summary['final_val_loss'])}"
+        f" · train {f(summary['final_train_loss'])}"
+    )
+    rows = end_rows(summary, ("val loss", loss))
     if summary.get("method") in ("lora", "qlora"):
         rows.append(("saved", f"{run_dir / 'adapter.safetensors'} (adapter; base: {summary['base']})"))
         rows.append(("merge", f"difftrain merge {shlex.quote(str(run_dir))}"))
     rows.append(("next", next_command(summary, run_dir)))
-    console.print(kv_table("done", rows))
+    print_table("done", rows)
 
 
 def finetune_command(
-    recipe: str = typer.Argument(
-        ...,
-        autocompletion=recipe_refs,
-        help="Fine-tune recipe file or shipped recipe name (see `difftrain recipes list`).",
-    ),
-    overrides: list[str] = typer.Argument(
-        None,
-        autocompletion=override_items,
-        help="Overrides as key.sub=value, e.g. finetune.method=full train.max_steps=50.",
-    ),
-    resume: bool = typer.Option(
-        None, "--resume/--no-resume", help="Continue from the last good checkpoint (default: train.resume)."
-    ),
-    overwrite: bool = typer.Option(
-        False, "--overwrite", help="Replace a run directory that holds another run."
-    ),
+    recipe: str = RECIPE,
+    overrides: list[str] = OVERRIDES,
+    resume: bool = RESUME,
+    overwrite: bool = OVERWRITE,
     dry_run: bool = typer.Option(
         False,
         "--dry-run",
         help="Check the recipe, its base run and its data, and show the plan; train nothing, write nothing.",
     ),
-    progress: bool = typer.Option(
-        None, "--progress/--no-progress", help="Show the progress bar (default: logging.progress)."
-    ),
+    progress: bool = PROGRESS,
 ) -> None:
     """Fine-tune the run named by finetune.base (full, LoRA or QLoRA) into runs/<name>/."""
-    from difftrain.cli.common import run_training
     from difftrain.recipe import load_recipe, require_finetuning
 
     r = load_recipe(recipe, overrides or [])  # before torch loads: a typo fails at once
@@ -182,32 +137,16 @@ def finetune_command(
     from difftrain.train.runcheck import early_check
 
     early_check(r, resume=resume, overwrite=overwrite)  # and the run folder's refusals
-    from difftrain.train.finetune import finetune
+    from difftrain.train.finetune import dry_run_finetune, finetune
 
     if dry_run:
-        _dry_run(r, resume=resume, overwrite=overwrite)
+        setup = dry_run_finetune(r, resume=resume, overwrite=overwrite)
+        rows = [("recipe", r.source), run_row(setup.spec, setup.resuming, setup.point, overwrite)]
+        print_table("dry run: the fine-tune is ready", rows + _setup_rows(setup), setup.warnings)
         return
-    result = run_training(
-        "finetune", finetune, r, on_start=_start_table, resume=resume, overwrite=overwrite, progress=progress
+    run_training(
+        "finetune", finetune, r, _show_start, _show_end, resume=resume, overwrite=overwrite, progress=progress
     )
-    if result.is_global_zero:  # one table, not one per process
-        if result.finished_before:
-            report_finished(result, "finetune")
-        _end_table(result.summary, result.run_dir)
-
-
-def _dry_run(r: Any, *, resume: bool | None, overwrite: bool) -> None:
-    from difftrain.train.finetune import dry_run_finetune
-
-    setup = dry_run_finetune(r, resume=resume, overwrite=overwrite)
-    rows = [
-        ("recipe", r.source),
-        run_row(setup.spec, setup.resuming, setup.point, overwrite),
-        *_setup_rows(setup),
-    ]
-    console.print(kv_table("dry run: the fine-tune is ready", rows))
-    for w in setup.warnings:
-        warn(w)
 
 
 def merge_command(
@@ -243,7 +182,7 @@ def merge_command(
     from difftrain.rundir import read_summary
 
     rows.append(("next", next_command(read_summary(out), out)))
-    console.print(kv_table("merged", rows))
+    print_table("merged", rows)
 
 
 def register(app: typer.Typer) -> None:

@@ -8,37 +8,31 @@ from typing import Any
 import typer
 
 from difftrain.cli.common import (
+    OVERRIDES,
+    OVERWRITE,
+    PROGRESS,
+    RECIPE,
+    RESUME,
     check_files,
-    console,
+    end_rows,
     fmt_count,
     fmt_figure,
-    json_as_text_row,
-    kv_table,
-    peak_memory,
-    prepared_bad_examples,
-    report_finished,
+    prepared_rows,
+    print_table,
     run_row,
-    skipped_records_row,
+    run_training,
     spec_rows,
-    throughput,
+    started_row,
     vocab_shortfall,
-    wall_time,
-    warn,
 )
-from difftrain.cli.complete import override_items, recipe_refs
 
 
-def _start_table(info: Any) -> None:
-    """The start table of the run's `StartInfo`."""
+def _show_start(info: Any) -> None:
     spec, data = info.spec, info.details.prepared
     rows = [
-        (
-            "run",
-            str(spec.run_dir) + (f"  (resuming from step {info.resumed_from})" if info.resumed_from else ""),
-        ),
+        started_row(spec, info.resumed_from),
         ("parameters", " · ".join(f"{k} {fmt_count(v)}" for k, v in info.counts.items() if v)),
-        *skipped_records_row(data.stats.bad_records, prepared_bad_examples(data)),
-        *json_as_text_row(data.stats),
+        *prepared_rows(data),
         (
             "vocabulary",
             f"{spec.model.vocab_size} (tokenizer {data.tokenizer_path.name})"
@@ -46,49 +40,29 @@ def _start_table(info: Any) -> None:
         ),
         *spec_rows(spec),
     ]
-    console.print(kv_table("difftrain pretrain", rows))
-    for w in info.warnings:
-        warn(w)
+    print_table("difftrain pretrain", rows, info.warnings)
 
 
-def _end_table(summary: dict[str, Any], run_dir: Any) -> None:
-    rows = [
-        ("steps", f"{summary['steps']} ({fmt_count(summary['tokens'])} tokens)"),
-        ("wall time", wall_time(summary)),
-        ("throughput", throughput(summary) + (f" · MFU {summary['mfu']:.1%}" if summary.get("mfu") else "")),
-        (
-            "loss",
-            f"train {fmt_figure(summary['final_train_loss'])} · val {fmt_figure(summary['final_val_loss'])} · best val {fmt_figure(summary['best_val_loss'])}",
-        ),
-        ("peak memory", peak_memory(summary)),
-    ]
+def _show_end(summary: dict[str, Any], run_dir: Any) -> None:
+    f = fmt_figure
+    loss = f"train {f(summary['final_train_loss'])} · val {f(summary['final_val_loss'])} · best val {f(summary['best_val_loss'])}"
+    mfu = f" · MFU {summary['mfu']:.1%}" if summary.get("mfu") else ""
+    rows = end_rows(summary, ("loss", loss), mfu)
     if summary.get("skipped_steps"):
         rows.append(("skipped steps", str(summary["skipped_steps"])))
     rows.append(("next", f"difftrain generate {shlex.quote(str(run_dir))}"))
-    console.print(kv_table("done", rows))
+    print_table("done", rows)
 
 
 def pretrain_command(
-    recipe: str = typer.Argument(
-        ...,
-        autocompletion=recipe_refs,
-        help="Recipe file or shipped recipe name (see `difftrain recipes list`).",
-    ),
-    overrides: list[str] = typer.Argument(
-        None, autocompletion=override_items, help="Overrides as key.sub=value, e.g. train.max_steps=100."
-    ),
-    resume: bool = typer.Option(
-        None, "--resume/--no-resume", help="Continue from the last good checkpoint (default: train.resume)."
-    ),
-    overwrite: bool = typer.Option(
-        False, "--overwrite", help="Replace a run directory that holds another run."
-    ),
+    recipe: str = RECIPE,
+    overrides: list[str] = OVERRIDES,
+    resume: bool = RESUME,
+    overwrite: bool = OVERWRITE,
     dry_run: bool = typer.Option(
         False, "--dry-run", help="Validate the recipe and show the plan; train nothing, write nothing."
     ),
-    progress: bool = typer.Option(
-        None, "--progress/--no-progress", help="Show the progress bar (default: logging.progress)."
-    ),
+    progress: bool = PROGRESS,
 ) -> None:
     """Train a model from scratch as RECIPE says; writes runs/<name>/ (docs/run-directory.md)."""
     from difftrain.recipe import load_recipe
@@ -109,11 +83,13 @@ def pretrain_command(
             ("data", _data_row(setup)),
             *spec_rows(setup.spec),
         ]
-        console.print(kv_table("dry run: the recipe is valid", rows))
-        for w in setup.warnings:
-            warn(w)
+        print_table("dry run: the recipe is valid", rows, setup.warnings)
         return
-    _train(r, resume=resume, overwrite=overwrite, progress=progress)
+    from difftrain.train.run import pretrain
+
+    run_training(
+        "pretrain", pretrain, r, _show_start, _show_end, resume=resume, overwrite=overwrite, progress=progress
+    )
 
 
 def _data_row(setup: Any) -> str:
@@ -129,19 +105,6 @@ def _data_row(setup: Any) -> str:
         held = sum(s.val_documents for s in specs) if r.data.val_windows > 0 else 0
         return f"prepared: {sum(s.num_documents for s in specs):,} training · {held:,} validation recall examples"
     return f"prepared: {index['train']['tokens']:,} training · {index['val']['tokens']:,} validation tokens"
-
-
-def _train(r: Any, *, resume: bool | None, overwrite: bool, progress: bool | None) -> None:
-    from difftrain.cli.common import run_training
-    from difftrain.train.run import pretrain
-
-    result = run_training(
-        "pretrain", pretrain, r, on_start=_start_table, resume=resume, overwrite=overwrite, progress=progress
-    )
-    if result.is_global_zero:
-        if result.finished_before:
-            report_finished(result, "pretrain")
-        _end_table(result.summary, result.run_dir)
 
 
 def register(app: typer.Typer) -> None:
