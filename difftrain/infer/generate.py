@@ -1,39 +1,28 @@
 """The generation engine: batched, KV-cached, streaming decoding for baseline, diff and diff2.
 
-`generate(model, prompts, config)` is a generator that yields a `Token` for every token a
-sequence produces and a `Finished` (with the `Completion`) when it stops; `generate_all` drains
-it. The CLI streams from it, the evaluations run greedy batches through it, the tests compare
-its two paths.
+`generate(model, prompts, config)` yields a `Token` for every token a sequence produces and a
+`Finished` (with its `Completion`) when it stops; `generate_all` drains it.
 
-How a batch runs. Prompts of lengths L_i are left-padded to P = max L_i; the padding slots are
-masked out of attention (`key_padding_mask`) and every sequence gets its own RoPE positions
-0 … L_i − 1 (counted over its real tokens), so each row computes exactly what it would alone.
+Prompts of lengths L_i are left-padded to P = max L_i; the padding is masked out of attention
+(`key_padding_mask`) and each row gets RoPE positions 0 … L_i − 1, so each row computes exactly
+what it would alone.
 
     prefill:  logits = model(ids (B, P), cache, key_padding_mask)[:, −1]   (fills the KV cache)
     decode:   v_t ~ sampler(logits);  logits = model(v_t (B, 1), cache)[:, −1]
 
-With `compile=True` the decode steps run the model's forward under torch.compile over a static
-KV cache (`KVCache.start_static`: attention over every cache slot, masked), so the shapes are
-fixed for the whole generation and one compiled graph serves every token. The first generation
-pays for the compilation (seconds to tens of seconds).
+`compile=True` runs the decode steps under torch.compile over a static KV cache
+(`KVCache.start_static`), so one compiled graph serves every token. `use_cache=False` recomputes
+the whole sequence every step: O(n²), the reference the cached path is tested against.
 
-With `use_cache=False` every step instead recomputes the whole sequence (prompt + generated
-so far) without a cache: O(n²) work, the reference the cached path is tested against.
+A sequence stops (first match wins) at `eos` (the token is not part of the text), `stop` (its
+text contains a stop string: cut before it; a possible start of one is held back while
+streaming), `length` (`max_new_tokens` tokens) or `context`. Policy: **stop, never slide**: the
+model reads at most `max_seq_len` tokens, so a prompt of L tokens gets at most max_seq_len − L + 1
+new tokens. Sliding would recompute the window every step or keep cache entries that saw tokens
+no longer in it; stopping is exact.
 
-When a sequence stops (first match wins):
-- `eos`: it produced the end-of-document token (not part of the text);
-- `stop`: its text contains one of the stop strings (the text is cut before it; text that could
-  be the start of a stop string is held back while streaming, so a stop string is never shown);
-- `length`: it produced `max_new_tokens` tokens;
-- `context`: it filled the model's context. Policy: **stop, never slide**. The model reads at
-  most `max_seq_len` tokens (the length it was trained on), so a prompt of L tokens gets at most
-  max_seq_len − L + 1 new tokens (the last one is predicted from a full window and never fed
-  back). Sliding the window would either recompute it every step (slow) or keep cache entries
-  whose hidden states saw tokens that are no longer in the window (not what the model was
-  trained for); stopping with a clear reason is exact and honest.
-
-Sampling (see `sampling.py`) draws each row from its own generator, seeded `seeds[i]`
-(default `config.seed + i`), so a sample does not depend on what else is in its batch.
+Row i samples from its own generator seeded `seeds[i]` (default `config.seed + i`), so a sample
+does not depend on its batch.
 """
 
 from __future__ import annotations
@@ -41,7 +30,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Literal, Protocol, Union
+from typing import Any, Literal
 
 import torch
 from torch import Tensor
@@ -53,21 +42,10 @@ from difftrain.infer.settings import GenerationConfig, SamplingConfig
 FinishReason = Literal["eos", "stop", "length", "context"]
 
 
-class TextTokenizer(Protocol):
-    """What the engine needs from a tokenizer (`difftrain.data.tokenizer.Tokenizer` has it)."""
-
-    eos_id: int
-    pad_id: int
-
-    def encode(self, text: str) -> list[int]: ...
-
-    def stream_decoder(self, *, context: Sequence[int] = ()) -> object: ...
-
-
 @dataclass
 class Completion:
-    """One finished sequence. `token_ids` are all tokens produced (the final eos included);
-    `text` is their text without the eos and cut before a stop string."""
+    """One finished sequence. `token_ids`: all tokens produced (a final eos included); `text`:
+    their text without the eos, cut before a stop string."""
 
     seq: int
     prompt_ids: list[int]
@@ -98,19 +76,12 @@ class Finished:
     completion: Completion
 
 
-Event = Union[Token, Finished]
-
-
-# ----- prompts ---------------------------------------------------------------------------------
-def prompt_ids(tokenizer: TextTokenizer, text: str, *, document_start: bool = True) -> list[int]:
-    """Token ids of a text prompt. With `document_start`, the prompt is preceded by the token a
-    document starts after (`Tokenizer.document_start_id`): <|eos|> for difftrain's tokenizers —
-    the pretraining stream is `doc eos doc eos …`, so eos is what a model has seen before the
-    start of every document (its bos token never occurs in pretraining) — or the bos an imported
-    tokenizer puts first (Llama's <s>). An empty text gives that token alone: sample a document
-    from scratch. Without `document_start` (an instruction or chat prompt), the ids start as the
-    fine-tuning examples did: after a tokenizer's own text-start token (`record_start_id`), else
-    with the text."""
+def prompt_ids(tokenizer: Any, text: str, *, document_start: bool = True) -> list[int]:
+    """Token ids of a text prompt. With `document_start`, preceded by the token a document starts
+    after (`Tokenizer.document_start_id`): <|eos|> for difftrain's tokenizers (pretraining streams
+    `doc eos doc eos …`), or an imported tokenizer's bos (Llama's <s>); an empty text gives that
+    token alone. Without it (an instruction or chat prompt), the ids start as fine-tuning examples
+    did: after the tokenizer's `record_start_id`, if any."""
     from difftrain.data.tokenizer import record_start_id
 
     ids = tokenizer.encode(text)
@@ -142,13 +113,11 @@ def check_prompts(prompts: Sequence[Sequence[int]], vocab_size: int, max_seq_len
             )
 
 
-# ----- streaming text with stop strings --------------------------------------------------------
 class _Text:
     """Decoded text of one sequence: emits what is final, holds back a possible stop string."""
 
-    def __init__(self, tokenizer: TextTokenizer, stops: tuple[str, ...], prompt: Sequence[int]) -> None:
-        # the prompt is the context the completion's first pieces are decoded in (a SentencePiece
-        # "▁world" after "Hello" is " world")
+    def __init__(self, tokenizer: Any, stops: tuple[str, ...], prompt: Sequence[int]) -> None:
+        # decoded in the prompt's context (a SentencePiece "▁world" after "Hello" is " world")
         self.decoder = tokenizer.stream_decoder(context=prompt)
         self.stops = stops
         self.text = ""
@@ -156,12 +125,12 @@ class _Text:
 
     def push(self, token_id: int) -> tuple[str, bool]:
         """Add a token; return (newly final text, whether a stop string was reached)."""
-        self.text += self.decoder.push(token_id)  # type: ignore[attr-defined]
+        self.text += self.decoder.push(token_id)
         return self._advance(final=False)
 
     def finish(self) -> str:
-        """Flush the decoder at the end of generation; return the rest of the text."""
-        self.text += self.decoder.flush()  # type: ignore[attr-defined]
+        """Flush the decoder; return the rest of the text."""
+        self.text += self.decoder.flush()
         return self._advance(final=True)[0]
 
     def _advance(self, final: bool) -> tuple[str, bool]:
@@ -179,16 +148,17 @@ class _Text:
 
     def _partial_stop_len(self) -> int:
         """Length of the longest suffix of the text that is a proper prefix of a stop string."""
-        best = 0
-        for s in self.stops:
-            for k in range(min(len(s) - 1, len(self.text)), best, -1):
-                if self.text.endswith(s[:k]):
-                    best = k
-                    break
-        return best
+        return max(
+            (
+                k
+                for s in self.stops
+                for k in range(1, min(len(s), len(self.text) + 1))
+                if self.text.endswith(s[:k])
+            ),
+            default=0,
+        )
 
 
-# ----- the two forward paths -------------------------------------------------------------------
 class _CachedForward:
     """Prefill once into a preallocated KV cache, then feed one token per step."""
 
@@ -197,17 +167,15 @@ class _CachedForward:
         self.cache = model.new_cache(ids.shape[0], max_len=capacity)  # type: ignore[operator]
 
     def prefill(self) -> Tensor:
-        out = self.model(self.ids, cache=self.cache, key_padding_mask=self.mask)
-        return out.logits[:, -1].float()
+        return self.model(self.ids, cache=self.cache, key_padding_mask=self.mask).logits[:, -1].float()
 
     def step(self, next_ids: Tensor) -> Tensor:
         return self.model(next_ids[:, None], cache=self.cache).logits[:, -1].float()
 
 
 class _CompiledForward(_CachedForward):
-    """`_CachedForward` whose decode steps run the compiled forward over a static cache (the
-    same modules, with shapes that do not change from token to token). The prefill runs eagerly:
-    it happens once per generation and its length varies."""
+    """`_CachedForward` whose decode steps run the compiled forward over a static cache; the
+    prefill (once per generation, of varying length) runs eagerly."""
 
     def __init__(self, model: torch.nn.Module, ids: Tensor, mask: Tensor | None, capacity: int) -> None:
         super().__init__(model, ids, mask, capacity)
@@ -231,16 +199,16 @@ class _CompiledForward(_CachedForward):
         return logits
 
 
-def compiled_forward(model: torch.nn.Module) -> Callable[..., object]:
-    """`torch.compile(model.forward)` for static decode steps, made once per model and kept on it
-    (later generations reuse the compiled code; a new batch size or cache length compiles once
-    more, then runs with symbolic sizes). On CUDA in mode "reduce-overhead": the step is replayed
-    as a CUDA graph, one launch per token instead of hundreds of small kernels."""
+def compiled_forward(model: torch.nn.Module) -> Callable[..., Any]:
+    """`torch.compile(model.forward)` for static decode steps, made once and kept on the model
+    (a new batch size or cache length compiles once more, then runs with symbolic sizes). On CUDA
+    in mode "reduce-overhead": each step replays as one CUDA graph."""
     fn = model.__dict__.get("_compiled_forward")
     if fn is None:
         cuda = model.lm_head.weight.device.type == "cuda"  # type: ignore[union-attr]
-        fn = torch.compile(model.forward, mode="reduce-overhead" if cuda else None)
-        model.__dict__["_compiled_forward"] = fn
+        fn = model.__dict__["_compiled_forward"] = torch.compile(
+            model.forward, mode="reduce-overhead" if cuda else None
+        )
     return fn
 
 
@@ -260,94 +228,81 @@ class _UncachedForward:
         return self.prefill()
 
 
-# ----- the engine ------------------------------------------------------------------------------
 def generate(
     model: torch.nn.Module,
     prompts: Sequence[Sequence[int]],
     config: GenerationConfig | None = None,
     *,
-    tokenizer: TextTokenizer | None = None,
+    tokenizer: Any = None,
     eos_id: int | None = None,
     seeds: Sequence[int] | None = None,
-) -> Iterator[Event]:
-    """Generate continuations of `prompts` (token ids) as one batch, yielding events as they happen.
+) -> Iterator[Token | Finished]:
+    """Generate continuations of `prompts` (token ids) as one batch, yielding events as they happen
+    (those of one step in sequence order).
 
-    model: a `Transformer` (eval mode; its device and dtype are used). tokenizer: needed for
-    text (`Token.text`, `Completion.text`) and stop strings; eos_id defaults to the tokenizer's.
-    seeds: one per prompt (default config.seed + i). Events of one step come in sequence order.
-    With a tokenizer smaller than the model's vocabulary (vocab_size: auto rounds the embedding up
-    to a multiple of 64), the rows past it are never drawn: they stand for no token; nor are the
-    ids of a tokenizer whose ids have gaps (`Tokenizer.unused_ids`).
+    model: a `Transformer` in eval mode (its device and dtype are used). tokenizer: a
+    `difftrain.data.tokenizer.Tokenizer`, needed for text and stop strings; eos_id defaults to its
+    eos. seeds: one per prompt. Logit rows the tokenizer has no token for (past its vocabulary,
+    which vocab_size: auto rounds up, or its `unused_ids`) are never drawn.
     """
     config = config or GenerationConfig()
     mc = model.config  # type: ignore[attr-defined]
     check_prompts(prompts, mc.vocab_size, mc.max_seq_len)
     if config.stop and tokenizer is None:
         raise ValueError("stop strings need a tokenizer to decode the generated text")
-    eos = eos_id if eos_id is not None else (tokenizer.eos_id if tokenizer is not None else None)
-    if not config.stop_at_eos:
-        eos = None
+    if eos_id is None and tokenizer is not None:
+        eos_id = tokenizer.eos_id
+    eos = eos_id if config.stop_at_eos else None
     B = len(prompts)
     seeds = [config.seed + i for i in range(B)] if seeds is None else list(seeds)
     if len(seeds) != B:
         raise ValueError(f"{len(seeds)} seeds for {B} prompts")
     device = model.lm_head.weight.device  # type: ignore[union-attr]
 
-    # Left-pad into (B, P); each sequence may produce at most `limits[i]` tokens.
+    # Left-pad into (B, P); sequence i may produce at most `limits[i]` tokens.
     lens = [len(p) for p in prompts]
     P = max(lens)
     limits = [min(config.max_new_tokens, mc.max_seq_len - L + 1) for L in lens]
     pad = tokenizer.pad_id if tokenizer is not None else 0
-    ids = torch.full((B, P), pad, dtype=torch.long)
-    mask = torch.zeros(B, P, dtype=torch.bool)
-    for i, p in enumerate(prompts):
-        ids[i, P - len(p) :] = torch.tensor([int(t) for t in p], dtype=torch.long)
-        mask[i, P - len(p) :] = True
-    ids = ids.to(device)
-    mask_arg = None if bool(mask.all()) else mask.to(device)
+    ids = torch.tensor([[pad] * (P - len(p)) + [int(t) for t in p] for p in prompts], device=device)
+    mask = torch.arange(P, device=device) >= torch.tensor([P - L for L in lens], device=device)[:, None]
+    mask_arg = None if min(lens) == P else mask
 
     sampler = Sampler(config.sampling, seeds, device)
     seen = None
     if config.sampling.repetition_penalty != 1.0:
         seen = torch.zeros(B, mc.vocab_size, dtype=torch.bool, device=device)
-        seen[mask.nonzero(as_tuple=True)[0].to(device), ids[mask.to(device)]] = True
+        seen[mask.nonzero(as_tuple=True)[0], ids[mask]] = True
+    # rows of no token (untrained, so not −inf in a young model)
+    n_tokens, unused = getattr(tokenizer, "vocab_size", None), set(getattr(tokenizer, "unused_ids", ()))
+    banned = [i for i in range(mc.vocab_size) if (n_tokens is not None and i >= n_tokens) or i in unused]
+    banned_ids = torch.tensor(banned, dtype=torch.long, device=device) if banned else None
 
     texts = [_Text(tokenizer, config.stop, p) if tokenizer is not None else None for p in prompts]
     produced: list[list[int]] = [[] for _ in range(B)]
     done = [False] * B
-
     with torch.inference_mode():
         if config.use_cache:
             cached = _CompiledForward if config.compile else _CachedForward
             run: _CachedForward | _UncachedForward = cached(model, ids, mask_arg, P + max(limits) - 1)
         else:
             run = _UncachedForward(model, ids, mask_arg)
-    n_tokens = getattr(tokenizer, "vocab_size", None)
-    padded = n_tokens if n_tokens is not None and n_tokens < mc.vocab_size else None
-    gaps = [i for i in getattr(tokenizer, "unused_ids", ()) if i < mc.vocab_size]  # ids of no token
-    gap_ids = torch.tensor(gaps, dtype=torch.long, device=device) if gaps else None
-    t0 = time.perf_counter()
-    first_token_s = 0.0
-    with torch.inference_mode():
+        t0 = time.perf_counter()
         logits = run.prefill()
+    first_token_s = 0.0
     for step in range(max(limits)):
         with torch.inference_mode():
-            if padded is not None or gap_ids is not None:  # (untrained rows: not -inf in a young model)
-                logits = logits.clone()
-                if padded is not None:
-                    logits[:, padded:] = float("-inf")
-                if gap_ids is not None:
-                    logits[:, gap_ids] = float("-inf")
+            if banned_ids is not None:
+                logits = logits.index_fill(1, banned_ids, float("-inf"))
             next_ids = sampler(logits, seen)
             if seen is not None:
                 seen.scatter_(1, next_ids[:, None], True)
         toks = next_ids.tolist()
         if step == 0:
             first_token_s = time.perf_counter() - t0
-        for i in range(B):
+        for i, tok in enumerate(toks):
             if done[i]:
                 continue
-            tok = toks[i]
             produced[i].append(tok)
             text_state = texts[i]
             reason: FinishReason | None = None
@@ -364,18 +319,16 @@ def generate(
             yield Token(i, tok, text)
             if reason is not None:
                 done[i] = True
-                yield Finished(
-                    i,
-                    Completion(
-                        seq=i,
-                        prompt_ids=[int(t) for t in prompts[i]],
-                        token_ids=produced[i],
-                        text=text_state.text if text_state is not None else "",
-                        finish_reason=reason,
-                        first_token_s=first_token_s,
-                        time_s=time.perf_counter() - t0,
-                    ),
+                completion = Completion(
+                    seq=i,
+                    prompt_ids=[int(t) for t in prompts[i]],
+                    token_ids=produced[i],
+                    text=text_state.text if text_state is not None else "",
+                    finish_reason=reason,
+                    first_token_s=first_token_s,
+                    time_s=time.perf_counter() - t0,
                 )
+                yield Finished(i, completion)
         if all(done):
             break
         with torch.inference_mode():
@@ -386,14 +339,14 @@ def generate_all(
     model: torch.nn.Module,
     prompts: Sequence[Sequence[int]],
     config: GenerationConfig | None = None,
-    **kwargs: object,
+    **kwargs: Any,
 ) -> list[Completion]:
     """Run `generate` to the end; the completions in prompt order."""
-    out: list[Completion | None] = [None] * len(prompts)
-    for ev in generate(model, prompts, config, **kwargs):  # type: ignore[arg-type]
+    out: dict[int, Completion] = {}
+    for ev in generate(model, prompts, config, **kwargs):
         if isinstance(ev, Finished):
             out[ev.seq] = ev.completion
-    return [c for c in out if c is not None]
+    return [out[i] for i in sorted(out)]
 
 
 def greedy(
@@ -401,7 +354,7 @@ def greedy(
     prompts: Sequence[Sequence[int]],
     max_new_tokens: int,
     *,
-    tokenizer: TextTokenizer | None = None,
+    tokenizer: Any = None,
     eos_id: int | None = None,
     stop: Sequence[str] = (),
     use_cache: bool = True,
