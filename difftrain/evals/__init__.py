@@ -12,8 +12,7 @@ Suites (each a module with `run(run, opts, progress) -> SuiteOutput`):
                trained on `builtin:recall`)
 
 `evaluate(run, suite, opts)` runs one suite and returns its result document; `save_result`
-writes it to RUN_DIR/eval/<suite>.json, or RUN_DIR/eval/<suite>@<label>.json for a suite run on
-another source (`--data`), which so never replaces the validation-split result.
+writes it to RUN_DIR/eval/<suite>.json (<suite>@<label>.json for a suite run on `--data`).
 """
 
 from __future__ import annotations
@@ -38,26 +37,8 @@ from difftrain.evals.common import (
     stale,
 )
 
-SUITES: dict[str, str] = {
-    "ppl": "ppl",
-    "needle": "needle",
-    "attention": "attention",
-    "outliers": "outliers",
-    "quant": "quant",
-    "icl-order": "icl",
-    "recall": "recall",
-}
-"""Suite name → module under difftrain.evals."""
-
-SUITE_HELP = {
-    "ppl": "loss, perplexity, bits per byte on the validation split (or --data)",
-    "needle": "multi-needle retrieval accuracy: context length × depth × (N, R)",
-    "attention": "attention mass on the answer span vs noise during retrieval",
-    "outliers": "top-k, median, kurtosis of attention logits and hidden states",
-    "quant": "loss (and --with-needle accuracy) with attention logits at 8/6/4 bits",
-    "icl-order": "in-context classification accuracy over orders of the demonstrations",
-    "recall": "associative recall (MQAR) exact match by N pairs × distractor rate",
-}
+SUITES = ("ppl", "needle", "attention", "outliers", "quant", "icl-order", "recall")
+"""The suites, each a module of difftrain.evals (icl-order: `icl`)."""
 
 
 def check_suite(name: str) -> str:
@@ -65,14 +46,14 @@ def check_suite(name: str) -> str:
     key = name.strip().lower()
     if key in SUITES:
         return key
-    close = difflib.get_close_matches(key, list(SUITES), n=1, cutoff=0.5)
+    close = difflib.get_close_matches(key, SUITES, n=1, cutoff=0.5)
     hint = f"did you mean `{close[0]}`? " if close else ""
     raise ConfigError(f"unknown suite `{name}`; {hint}suites: {', '.join(SUITES)}")
 
 
 def preflight(run: Any, suite: str, opts: EvalOptions) -> None:
     """Check a suite's options against the loaded run (grid fits the context, ...) without
-    running it, so that `eval --suite ppl,needle` fails at once rather than after ppl."""
+    running it, so that `eval --suite ppl,needle` fails before ppl runs."""
     suite = check_suite(suite)
     tok, max_len = run.tokenizer, run.config.max_seq_len
     if suite in DATA_SUITES and opts.data is None:
@@ -110,7 +91,7 @@ def evaluate(
 
     suite = check_suite(suite)
     opts = opts or EvalOptions()
-    module = importlib.import_module(f"difftrain.evals.{SUITES[suite]}")
+    module = importlib.import_module(f"difftrain.evals.{'icl' if suite == 'icl-order' else suite}")
     p = next(run.model.parameters())
     t0 = time.perf_counter()
     torch.manual_seed(opts.seed)
@@ -123,7 +104,6 @@ def evaluate(
 __all__ = [
     "DATA_SUITES",
     "SUITES",
-    "SUITE_HELP",
     "EvalOptions",
     "check_suite",
     "data_label",

@@ -6,21 +6,21 @@ Its result is one JSON document, written atomically to `RUN_DIR/eval/<suite>.jso
     {
       "suite": "ppl", "format": 1, "run": "runs/quickstart", "arch": "diff", "params": 4194304,
       "label": null,         set (e.g. "wiki") when the suite ran on `--data`: see below
-      "weights": {"size": ..., "mtime_ns": ..., "sample": ...},   which model.safetensors was evaluated
+      "weights": {"size": ..., "mtime_ns": ..., "sample": ..., "step": ...},   the weights evaluated
       "created": "2025-01-01T12:00:00+0000", "seconds": 12.3, "device": "cpu", "dtype": "float32",
       "settings": {...},     everything that decides the numbers (grid, seed, data, windows);
                              a suite that reads text records `data` ("validation" or --data as
                              written) and `sources`, what it was drawn from, paths made absolute
       "results": {...},      the suite's figures
       "headline": [{"name": "loss", "value": 3.2, "better": "lower", "format": ".4f"}, ...],
-      "plots": ["eval/needle.png"]   relative to the run directory
+      "plots": ["eval/needle.png"],   relative to the run directory
+      "notes": [...]
     }
 
 A suite that reads text (ppl, outliers, quant) run with `--data SOURCE` writes
 `RUN_DIR/eval/<suite>@<label>.json` (label: the source's name, e.g. `wiki` for data/wiki.txt, or
-`--data-label`); `result_key` is the file's stem. The precision is not part of the name.
-`headline` is self-describing so that `difftrain compare` can show any suite; `settings` lets it
-warn when two runs were evaluated differently.
+`--data-label`); `result_key` is the file's stem. `headline` lets `difftrain compare` show any
+suite; `settings` lets it warn when two runs were evaluated differently.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ from difftrain.errors import ConfigError, RunDirError
 from difftrain.io import atomic_write_json
 from difftrain.rundir import WEIGHTS, Run
 
-if TYPE_CHECKING:  # torch loads when a suite runs, not when the CLI checks its options
+if TYPE_CHECKING:
     import torch
 
 FORMAT = 1
@@ -58,8 +58,8 @@ def _no_progress(done: int, total: int) -> None:
 
 @dataclass
 class EvalOptions:
-    """Settings of one `difftrain eval` invocation (each suite reads the ones it uses). Unset
-    (None) grid options take the suite's default; `full` switches to the paper-sized grids."""
+    """Settings of one `difftrain eval` invocation. Unset (None) grid options take the suite's
+    default; `full` switches to the paper-sized grids."""
 
     seed: int = 0
     full: bool = False
@@ -70,9 +70,7 @@ class EvalOptions:
     depths: list[float] | None = None
     needles: list[tuple[int, int]] | None = None
     pairs: list[int] | None = None
-    """recall: the numbers of key→value pairs (N) of the grid."""
     distractors: list[float] | None = None
-    """recall: the distractor rates of the grid."""
     samples: int | None = None
     tokens: int | None = None
     bits: list[int] | None = None
@@ -81,12 +79,10 @@ class EvalOptions:
     permutations: int | None = None
     items: int | None = None
     plot: bool | None = None
-    """None: the suite's default (needle and quant draw their figure, attention does not)."""
+    """None: the suite's default (needle, quant and recall draw their figure, attention does not)."""
     data_label: str | None = None
-    """The label of a `data` result (default: `data_label(data)`)."""
     text_field: str | None = None
-    """With `data`: the field of its records read as plain text (default: an instruction
-    fine-tune renders records through its template; other runs read `text`)."""
+    """With `data`: the field of its records read as plain text."""
 
 
 @dataclass
@@ -99,7 +95,6 @@ class SuiteOutput:
     plots: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     label: str | None = None
-    """Set by `evaluate` for a result on `--data` (see the module docstring)."""
 
 
 def headline(name: str, value: float | None, better: str | None = None, fmt: str = ".4f") -> dict[str, Any]:
@@ -116,13 +111,10 @@ def stable_seed(*parts: object) -> int:
 DATA_SUITES = ("ppl", "outliers", "quant")
 """The suites that read text, and so take `--data`."""
 
-_LABEL_OK = re.compile(r"[^\W_][\w.-]{0,63}")  # letters and digits of any script
-
 
 def check_label(label: str, given: str | None = None) -> str:
-    """A `--data-label`: letters, digits, `.`, `_`, `-` (it becomes part of a file name).
-    `given`: how the user wrote it, for the message (default `--data-label LABEL`)."""
-    if not _LABEL_OK.fullmatch(label) or label.endswith(".json"):
+    """A `--data-label` (part of a file name); `given`: how the user wrote it, for the message."""
+    if not re.fullmatch(r"[^\W_][\w.-]{0,63}", label) or label.endswith(".json"):
         raise ConfigError(
             f"{given or f'--data-label {label!r}'} must be 1-64 letters, digits, '.', '_' or '-', starting with a "
             "letter or digit (it names the result file eval/<suite>@<label>.json), e.g. --data-label wiki"
@@ -178,10 +170,6 @@ def result_keys(run_dir: Path | str, suite: str) -> list[str]:
     return keys
 
 
-def model_params(model: torch.nn.Module) -> int:
-    return sum(p.numel() for p in model.parameters())
-
-
 def finish(
     run: Run, suite: str, out: SuiteOutput, *, seconds: float, device: torch.device, dtype: torch.dtype
 ) -> dict[str, Any]:
@@ -192,7 +180,7 @@ def finish(
     st = w.stat() if w.is_file() else None
     step = weights_step(w) if st else None
     pid = RunLock(run.path).holder()
-    if pid is not None:  # a run still training: the results are of the weights saved last
+    if pid is not None:
         at = f" at step {step}" if step is not None else ""
         out.notes.append(
             f"{run.path} is still training (process {pid or '?'}): these are the results of its weights{at}, "
@@ -204,7 +192,7 @@ def finish(
         "format": FORMAT,
         "run": str(run.path),
         "arch": run.config.arch,  # type: ignore[attr-defined]
-        "params": model_params(run.model),
+        "params": sum(p.numel() for p in run.model.parameters()),
         "weights": {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "sample": weights_sample(w), "step": step}
         if st
         else None,
@@ -221,8 +209,7 @@ def finish(
 
 
 def stored_plot_path(run_dir: Path, plot: str) -> str:
-    """How a result names a figure: relative to the run directory where it lies in it (the run
-    may be moved, copied or named from another folder), else absolute."""
+    """A figure as a result names it: relative to the run directory where it lies in it, else absolute."""
     p = Path(plot).resolve()
     try:
         return p.relative_to(Path(run_dir).resolve()).as_posix()
@@ -231,8 +218,8 @@ def stored_plot_path(run_dir: Path, plot: str) -> str:
 
 
 def plot_path(run_dir: Path | str, plot: str) -> Path:
-    """A result's figure as a path from here (`stored_plot_path` in reverse; results written
-    before it stored paths relative to the folder eval ran in, which are kept as they are)."""
+    """A result's figure as a path from here (`stored_plot_path` in reverse; a path relative to
+    the current folder that exists there is kept as it is)."""
     p = Path(plot)
     if p.is_absolute() or (p.exists() and not (Path(run_dir) / p).exists()):
         return p
@@ -240,16 +227,15 @@ def plot_path(run_dir: Path | str, plot: str) -> Path:
 
 
 def save_result(run_dir: Path | str, doc: dict[str, Any]) -> Path:
-    """Write `RUN_DIR/eval/<suite>.json` (`<suite>@<label>.json` for a result on `--data`)
-    atomically; returns its path."""
+    """Write the result atomically to its `result_path`; returns that path."""
     key = result_key(doc["suite"], doc.get("label"))
     path = result_path(run_dir, key)
     old: dict[str, Any] = {}
     with contextlib.suppress(RunDirError):  # a damaged result is replaced, not read
         old = load_result(run_dir, key) or {}
     atomic_write_json(path, doc)
-    # a figure of the result replaced, which this one did not draw again (a rerun with --no-plot),
-    # would show the old result next to the new one's JSON: removed (only files in eval/)
+    # a figure of the replaced result that this one did not redraw (--no-plot) would show stale
+    # figures next to the new JSON: removed (only files in eval/)
     kept = {plot_path(run_dir, p).resolve() for p in doc.get("plots", [])}
     folder = path.parent.resolve()
     for p in old.get("plots", []):
@@ -283,12 +269,11 @@ def load_result(run_dir: Path | str, key: str) -> dict[str, Any] | None:
 
 def missing_result(run_dir: Path | str, key: str, example: dict[str, Any] | None = None) -> RunDirError:
     """The error for result `key` a run lacks, with the command that makes it (`example`: another
-    run's result, whose --data source the command takes)."""
+    run's result, whose --data source and options the command takes)."""
     from difftrain.rundir import imported_from
 
     suite, label = split_key(key)
     if label is None and suite in DATA_SUITES and imported_from(Path(run_dir)) is not None:
-        # an imported run has no validation split: its results of these suites are on --data
         return RunDirError(
             f"{run_dir} has no `{key}` result: it was imported, so it has no validation split to measure; "
             f"measure the runs on one source with `difftrain eval RUN --suite {suite} --data SOURCE` and "
@@ -301,27 +286,15 @@ def missing_result(run_dir: Path | str, key: str, example: dict[str, Any] | None
 
 
 def bits_label(bits: int) -> str:
-    """How a quant row's width is shown (table and plot): 16 stands for the unquantized reference,
-    as the settings (bits 16) and the headline (loss@16) name it."""
+    """A quant width as the table and plot show it (16: the unquantized reference)."""
     return "16 = none (ref)" if bits >= 16 else str(bits)
 
 
-EVAL_OPTIONS = {
-    "windows": "--windows",
-    "lengths": "--lengths",
-    "depths": "--depths",
-    "needles": "--needles",
-    "pairs": "--pairs",
-    "distractors": "--distractors",
-    "samples": "--samples",
-    "tokens": "--tokens",
-    "bits": "--bits",
-    "demos": "--demos",
-    "permutations": "--permutations",
-    "items": "--items",
-    "seed": "--seed",
-}
-"""A result's settings that an `eval` option sets, and the option."""
+EVAL_OPTIONS = (
+    *("windows", "lengths", "depths", "needles", "pairs", "distractors", "samples", "tokens"),
+    *("bits", "demos", "permutations", "items", "seed"),
+)
+"""A result's settings that an `eval` option (`--<setting>`) sets."""
 
 
 def eval_options(settings: dict[str, Any], keys: list[str]) -> str:
@@ -337,7 +310,7 @@ def eval_options(settings: dict[str, Any], keys: list[str]) -> str:
                 "x".join(map(str, x)) if isinstance(x, list) else f"{x:g}" if isinstance(x, float) else str(x)
                 for x in v
             )
-        parts.append(f"{EVAL_OPTIONS[k]} {v}")
+        parts.append(f"--{k} {v}")
     return " ".join(parts)
 
 
@@ -345,8 +318,7 @@ def rerun_command(
     run_dir: Path | str, key: str, doc: dict[str, Any] | None = None, *, dtype: bool = True
 ) -> str:
     """The `difftrain eval` command that (re)makes result `key` of a run; given the stored result
-    `doc`, with the options that reproduce its settings (`EVAL_OPTIONS`, quant's needle grid) and
-    (`dtype`) its precision, and for a result on `--data`, with the source it was evaluated on."""
+    `doc`, with the options, --data source and (`dtype`) precision that reproduce it."""
     suite, label = split_key(key)
     cmd = f"difftrain eval {shlex.quote(str(run_dir))} --suite {suite}"
     doc = doc or {}
@@ -359,9 +331,8 @@ def rerun_command(
         cmd += f" --data {shlex.quote(str(source)) if source else 'SOURCE'}"
         if source is None or data_label(str(source)) != label:
             cmd += f" --data-label {label}"
-        if settings.get("text_field"):  # the records' field it read, or the rerun fails on them
+        if settings.get("text_field"):
             cmd += f" --text-field {shlex.quote(str(settings['text_field']))}"
-    # the grid, windows, seed... it was measured with; quant's needle grid (--with-needle); its dtype
     keys = [k for k in EVAL_OPTIONS if settings.get(k) is not None]
     parts = [eval_options(settings, keys)]
     needle = settings.get("needle")
@@ -377,9 +348,8 @@ def rerun_command(
 
 
 def evaluated_source(data: str) -> str:
-    """A `--data` source as a result records it: a local path (file, folder, glob) made absolute
-    against the current folder, so that data/a.txt and data2/a.txt, or the same text typed in
-    two folders, stay apart; builtin: and hub sources as written."""
+    """A `--data` source as a result records it: a local path made absolute against the current
+    folder; builtin: and hub sources as written."""
     from difftrain.data.config import absolute_source
 
     return absolute_source(data.strip(), Path.cwd())
@@ -387,14 +357,13 @@ def evaluated_source(data: str) -> str:
 
 def same_data(a: dict[str, Any], b: dict[str, Any]) -> bool | None:
     """Whether two results of a suite that reads text were measured on the same data: the same
-    split ("validation" or --data) of the same `sources`. A result written before `sources`
-    was recorded is judged by the text it names (`results.source`, paths as typed); None where
-    that is missing too and both read a validation split, whose data is then unknown."""
+    split ("validation" or --data) of the same `sources`. Without `sources`, judged by
+    `results.source`; None where that is missing too and both read a validation split."""
     sa, sb = a.get("settings") or {}, b.get("settings") or {}
     split_a, split_b = (s.get("data") or "validation" for s in (sa, sb))
     if isinstance(sa.get("sources"), list) and isinstance(sb.get("sources"), list):
         if "split" in sa and "split" in sb and sa["split"] != sb["split"]:
-            return False  # the same sources, split with another seed or fraction: other documents
+            return False  # another seed or val_fraction draws other documents
         return (split_a == "validation") == (split_b == "validation") and sa["sources"] == sb["sources"]
     ta, tb = ((d.get("results") or {}).get("source") for d in (a, b))
     if ta and tb:
@@ -406,7 +375,7 @@ def same_data(a: dict[str, Any], b: dict[str, Any]) -> bool | None:
 
 def describe_data(doc: dict[str, Any], with_split: bool = False) -> str:
     """What a result of a suite that reads text was measured on, for a message; `with_split`:
-    with the seed and fraction that drew a validation split (where the sources are the same)."""
+    with the seed and val_fraction that drew a validation split."""
     st = doc.get("settings") or {}
     sources = st.get("sources")
     if isinstance(sources, list) and sources:
@@ -423,9 +392,8 @@ def check_data_label(
     run_dir: Path | str, suites: Sequence[str], data: str, label: str | None
 ) -> list[tuple[Path, str]]:
     """Before `eval --data DATA [--data-label LABEL]` writes eval/<suite>@<label>.json: where such
-    a result holds another source, a label taken from the source's name raises a ConfigError
-    asking for --data-label; a label the user gave replaces it, and the (path, old source) pairs
-    returned say which."""
+    a result holds another source, a ConfigError asking for --data-label when the label is the
+    default; a label the user gave replaces it, and the (path, old source) pairs say which."""
     chosen = label or data_label(data)
     new = evaluated_source(data)
     clashes: list[tuple[Path, str]] = []
@@ -433,20 +401,17 @@ def check_data_label(
         try:
             doc = load_result(run_dir, result_key(s, chosen))
         except RunDirError:
-            continue  # a damaged file: the new result replaces it
+            continue
         if doc is None:
             continue
         st = doc.get("settings") or {}
         sources = st.get("sources")
         if isinstance(sources, list):
-            if sources == [new]:
-                continue
-            old = ", ".join(map(str, sources))
-        else:  # written before the resolved source was recorded: compare the source as typed
-            if str(st.get("data")) == data.strip():
-                continue
-            old = str(st.get("data") or "unknown data")
-        clashes.append((result_path(run_dir, result_key(s, chosen)), old))
+            same, old = sources == [new], ", ".join(map(str, sources))
+        else:
+            same, old = str(st.get("data")) == data.strip(), str(st.get("data") or "unknown data")
+        if not same:
+            clashes.append((result_path(run_dir, result_key(s, chosen)), old))
     if clashes and label is None:
         path, old = clashes[0]
         taken = {p.stem.partition("@")[2] for p in (Path(run_dir) / EVAL_DIR).glob("*@*.json")}
@@ -462,9 +427,7 @@ SAMPLE_BYTES = 1 << 16
 
 
 def trained_file(run_dir: Path) -> Path:
-    """The file training rewrites as a run goes on: model.safetensors, or a LoRA run's
-    adapter.safetensors (its base's weights do not change): what a result's `weights` records
-    and `stale` compares."""
+    """The file training rewrites: model.safetensors, or a LoRA run's adapter.safetensors."""
     from difftrain.adapters import ADAPTER_WEIGHTS
 
     w = run_dir / WEIGHTS
@@ -473,20 +436,18 @@ def trained_file(run_dir: Path) -> Path:
 
 
 def weights_step(path: Path) -> int | None:
-    """The training step a weights file was saved at (its metadata, written by training), or None
-    (an imported or merged run, or an unreadable header)."""
+    """The training step in a weights file's metadata, or None (imported, merged, unreadable)."""
     from safetensors import safe_open
 
     try:
         with safe_open(str(path), framework="pt") as f:
             return int((f.metadata() or {}).get("step", ""))
-    except Exception:  # a damaged file is named by the loader, not here
+    except Exception:  # the loader names a damaged file
         return None
 
 
 def weights_sample(path: Path) -> str:
-    """A digest of three 64 KiB stretches of a weights file (its start, with the header, its middle
-    and its end): any training step changes them, and reading them costs nothing next to an eval."""
+    """A digest of three 64 KiB stretches of a weights file: its start, middle and end."""
     h = hashlib.sha256()
     size = path.stat().st_size
     with path.open("rb") as f:
@@ -497,9 +458,8 @@ def weights_sample(path: Path) -> str:
 
 
 def stale(run_dir: Path | str, doc: dict[str, Any]) -> bool:
-    """Whether the weights changed since the result was computed (training continued). The same
-    size and modification time mean the same file; a new modification time (a copied run folder)
-    is looked into by the content sample, where the result has one."""
+    """Whether the weights changed since the result was computed: the same size and mtime mean
+    the same file; a new mtime (a copied run folder) is checked by the content sample."""
     w = trained_file(Path(run_dir))
     seen = doc.get("weights")
     if not w.is_file() or not seen:
@@ -518,13 +478,11 @@ def check_positive(name: str, value: int | None, minimum: int = 1) -> None:
 
 
 BITS = [8, 6, 4]
-"""The quant suite's default widths of the attention logits."""
 REFERENCE_BITS = 16
 
 
 def check_bits(bits: list[int] | None) -> list[int]:
-    """The quant suite's widths, the unquantized reference first; ConfigError for none or one
-    out of range."""
+    """The quant suite's widths, the unquantized reference first."""
     bits = list(BITS if bits is None else bits)
     if not bits:
         raise ConfigError("--bits is empty; give bit widths such as 8,6,4")
@@ -535,12 +493,11 @@ def check_bits(bits: list[int] | None) -> list[int]:
 
 
 def check_depths(depths: Sequence[float] | None) -> None:
-    if depths is not None:
-        if not depths:
-            raise ConfigError("--depths is empty; give fractions in [0, 1], e.g. 0,0.25,0.5,0.75,1")
-        bad = [d for d in depths if not 0.0 <= d <= 1.0]
-        if bad:
-            raise ConfigError(f"--depths {bad[0]:g} is outside [0, 1] (0 = start, 1 = end of the context)")
+    if depths is not None and not depths:
+        raise ConfigError("--depths is empty; give fractions in [0, 1], e.g. 0,0.25,0.5,0.75,1")
+    for d in depths or []:
+        if not 0.0 <= d <= 1.0:
+            raise ConfigError(f"--depths {d:g} is outside [0, 1] (0 = start, 1 = end of the context)")
 
 
 def batches(n: int, size: int) -> list[tuple[int, int]]:

@@ -1,13 +1,14 @@
 """`difftrain compare`: runs side by side — training figures, every shared eval suite, curves.
 
-Reads only what runs already hold: summary.json (params, tokens, wall time, tokens/s, losses),
-metrics.csv (curves) and eval/<suite>.json (the `headline` of each suite; eval/<suite>@<label>.json,
-a suite run on another source with `--data`, shows as its own section `suite@label`). Nothing is
-recomputed, so comparing is instant; `difftrain eval` fills in missing suites.
+Reads only what runs already hold: summary.json, metrics.csv (curves) and eval/<suite>.json (the
+`headline` of each suite; a result on `--data` shows as its own section `suite@label`). Nothing is
+recomputed; `difftrain eval` fills in missing suites.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import re
 import shlex
 from collections.abc import Sequence
@@ -64,16 +65,13 @@ class Row:
     format: str = ""
 
     def best(self) -> int | None:
-        """Index of the best run (None without a direction, or with fewer than 2 values). Values
-        are compared as the table shows them (`format`): runs that print the same figure tie,
-        and a tie has no best — 4e-7 against -1e-6 (both +0.0000) is rounding, not a winner."""
+        """Index of the best run (None without a direction, with fewer than 2 values, or a tie).
+        Values are compared as `format` prints them: 4e-7 and -1e-6 (both +0.0000) tie."""
         vals = [(self._shown(v), i) for i, v in enumerate(self.values) if isinstance(v, (int, float))]
         if self.better is None or len(vals) < 2:
             return None
         pick = min(vals) if self.better == "lower" else max(vals)
-        if sum(v == pick[0] for v, _ in vals) > 1:
-            return None  # a tie: nobody is best
-        return pick[1]
+        return None if sum(v == pick[0] for v, _ in vals) > 1 else pick[1]
 
     def _shown(self, v: float) -> float:
         """`v` rounded as its format prints it (a fixed-point format: its decimals)."""
@@ -96,7 +94,7 @@ class Comparison:
     """Results present in some runs only: suite (or suite@label) → labels of the runs that lack it."""
     notes: list[str]
     commands: dict[str, str] = field(default_factory=dict)
-    """For each result in `partial`: the `difftrain eval` command that makes it (RUN for the run)."""
+    """For each result in `partial`: the `difftrain eval RUN ...` command that makes it."""
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -118,8 +116,6 @@ def _labels(paths: Sequence[Path]) -> list[str]:
 
 
 def _config(path: Path) -> dict[str, Any]:
-    import json
-
     try:
         return json.loads((path / CONFIG).read_text(encoding="utf-8"))
     except (OSError, ValueError):
@@ -136,16 +132,14 @@ def _params(rec: RunRecord) -> int | None:
         try:
             return num_params(ModelConfig.from_dict(rec.config))["total"]
         except Exception:  # a config another version wrote: the count is informative only
-            return None
+            pass
     return None
 
 
-# Settings of an eval result that the model fixes, not an option: the windows' length is the
-# model's max_seq_len.
 MODEL_SETTINGS = {"seq_len"}
-# Settings that say what text a suite read: compared by `_data_note`, which knows a validation
-# split from a --data source and names both, not as options to repeat.
+"""Settings of a result that the model fixes (its max_seq_len), not an option."""
 DATA_SETTINGS = {"data", "sources", "split"}
+"""Settings that say what text a suite read: compared by `_data_note`, not as options."""
 
 
 def _diff_keys(a: Any, b: Any, prefix: str = "") -> list[str]:
@@ -170,8 +164,8 @@ def _versus(a: dict[str, Any], b: dict[str, Any], keys: Sequence[str]) -> str:
 def _data_note(
     key: str, first: RunRecord, a: dict[str, Any], other: RunRecord, b: dict[str, Any]
 ) -> str | None:
-    """The note for two results of a suite that reads text measured on different (or, for
-    results an older difftrain wrote, unknown) data, with a way to measure both on the same."""
+    """The note for two results of a suite that reads text measured on different (or unknown)
+    data, with a way to measure both on the same."""
     suite, label = split_key(key)
     same = same_data(a, b)
     if same:
@@ -210,8 +204,8 @@ def _data_note(
 def _dtype_note(
     key: str, first: RunRecord, a: dict[str, Any], other: RunRecord, b: dict[str, Any]
 ) -> str | None:
-    """The note for two results computed at different precisions (`eval --dtype`), with the
-    command that evaluates one of them at the other's (float32 where one of them is)."""
+    """The note for two results computed at different precisions, with the command that
+    evaluates one at the other's (float32 where one of them is)."""
     da, db = a.get("dtype"), b.get("dtype")
     if not da or not db or da == db:
         return None
@@ -243,12 +237,11 @@ def _run_dirs(paths: Sequence[str | Path]) -> list[Path]:
             )
     seen: dict[Path, Path] = {}
     for d in dirs:
-        if d.resolve() in seen:
+        if (other := seen.setdefault(d.resolve(), d)) is not d:
             raise ConfigError(
-                f"{d} and {seen[d.resolve()]} are the same run; compare different runs "
+                f"{d} and {other} are the same run; compare different runs "
                 "(`difftrain eval` shows one run's results)"
             )
-        seen[d.resolve()] = d
     return dirs
 
 
@@ -342,12 +335,9 @@ def _settings_notes(s: str, runs: Sequence[RunRecord], docs: Sequence[dict[str, 
 
 
 def compare_runs(paths: Sequence[str | Path], suites: Sequence[str] | None = None) -> Comparison:
-    """Gather the comparison of `paths` (two or more run directories).
-
-    suites: the eval results to show, by suite or `suite@label` (each must exist in every run,
-    else a RunDirError says which run lacks it and how to make it); default: every result
-    present in all runs.
-    """
+    """Gather the comparison of `paths` (two or more run directories). `suites`: the results to
+    show, by suite or `suite@label` (a RunDirError names a run that lacks one); default: every
+    result present in all runs."""
     dirs = _run_dirs(paths)
     wanted = list(dict.fromkeys(check_result(s) for s in suites)) if suites else None
     runs = [
@@ -355,16 +345,13 @@ def compare_runs(paths: Sequence[str | Path], suites: Sequence[str] | None = Non
     ]
     notes = [n for r in runs if (n := _training_note(r))]
     for r in runs:
-        for s in SUITES:
-            for key in result_keys(r.path, s):
-                doc = load_result(r.path, key)
-                if doc is not None:
-                    r.evals[key] = doc
+        for key in (k for s in SUITES for k in result_keys(r.path, s)):
+            if (doc := load_result(r.path, key)) is not None:
+                r.evals[key] = doc
     # every result some run holds, in the order of SUITES, each suite's own before its labels
-    order = list(SUITES)
     held = sorted(
         {k for r in runs for k in r.evals},
-        key=lambda k: (order.index(split_key(k)[0]), split_key(k)[1] or ""),
+        key=lambda k: (SUITES.index(split_key(k)[0]), split_key(k)[1] or ""),
     )
 
     def example(key: str) -> dict[str, Any] | None:
@@ -375,7 +362,7 @@ def compare_runs(paths: Sequence[str | Path], suites: Sequence[str] | None = Non
             if s not in r.evals:
                 raise missing_result(r.path, s, example(s))
     shown = wanted or [s for s in held if all(s in r.evals for r in runs)]
-    partial = (  # results that some runs have and others lack (none when --suite chose them)
+    partial = (
         {} if wanted else {s: [r.label for r in runs if s not in r.evals] for s in held if s not in shown}
     )
 
@@ -404,8 +391,7 @@ def compare_runs(paths: Sequence[str | Path], suites: Sequence[str] | None = Non
         docs = [r.evals[s] for r in runs]
         table[s] = _suite_rows(docs)
         notes += _settings_notes(s, runs, docs)
-    note = _tokenizer_note(runs)
-    if note:  # a token is another unit in each run: per-token figures are shown, not ranked
+    if note := _tokenizer_note(runs):  # per-token figures are shown, not ranked
         notes.append(note)
         per_token = [r for r in training if r.name.endswith(("train loss", "val loss"))]
         per_token += [
@@ -428,11 +414,8 @@ def compare_runs(paths: Sequence[str | Path], suites: Sequence[str] | None = Non
 
 
 def _tokenizer_note(runs: Sequence[RunRecord]) -> str | None:
-    """A note where the runs tokenize differently (their tokenizer.json files differ): their
-    losses and perplexities are per token, and a token is another unit in each, so only figures
-    per byte rank them. None where they share one (or the files are missing)."""
-    import hashlib
-
+    """A note where the runs' tokenizer.json files differ: a token is another unit in each, so
+    only figures per byte rank them."""
     held: dict[str, tuple[str, Any]] = {}
     for r in runs:
         f = r.path / TOKENIZER
@@ -452,8 +435,8 @@ def _tokenizer_note(runs: Sequence[RunRecord]) -> str | None:
 
 
 def plot_curves(comparison: Comparison, path: str | Path) -> Path:
-    """The loss curves of the compared runs (train and val, vs tokens and vs time) as a PNG, and
-    recall accuracy against N for the runs that have a recall result."""
+    """The loss curves of the compared runs, and recall accuracy against N for the runs that
+    have a recall result, as a figure."""
     import difftrain.evals.plots as plots
     from difftrain.train.metrics import read_metrics
 

@@ -134,13 +134,9 @@ def build_prompt(
         ids = [tokenizer.document_start_id, *tokenizer.encode(ex.prompt)]
         answer_tokens = len(tokenizer.encode(ex.answer))
         overflow = len(ids) + answer_tokens + 1 - max_seq_len
-        if overflow <= 0:
+        if overflow <= 0 or budget - overflow < MIN_CONTEXT:
             break
         budget -= overflow
-        if budget < MIN_CONTEXT:
-            break
-    else:  # pragma: no cover - the loop converges in one or two steps
-        overflow = 1
     if overflow > 0:
         raise ConfigError(
             f"a needle prompt of {context_tokens} context tokens with {n} needles and {r} queried does not fit "
@@ -165,8 +161,7 @@ def build_prompt(
 
 
 def filler_depth(ex: Any, needle: Any) -> float:
-    """Where a needle sits: the fraction of the haystack's filler text that precedes it (what
-    the requested depth asks for; 1.0 = after all the filler)."""
+    """The fraction of the haystack's filler text that precedes a needle (what depth asks for)."""
     needle_chars = sum(len(nd.sentence) + 1 for nd in ex.needles)
     before = sum(len(nd.sentence) + 1 for nd in ex.needles if nd.char_offset < needle.char_offset)
     filler = len(ex.haystack) + 1 - needle_chars
@@ -271,25 +266,23 @@ def _too_short(tokenizer: Any, max_seq_len: int, n: int, low: int) -> str:
 
 def dropped_note(grid: NeedleGrid, opts: EvalOptions, max_seq_len: int) -> list[str]:
     """A note naming the default (N, R) configurations too large for the model's context."""
-    if opts.needles is not None:
-        return []
-    default = NEEDLES_FULL if opts.full else NEEDLES_QUICK
+    default = [] if opts.needles is not None else NEEDLES_FULL if opts.full else NEEDLES_QUICK
     gone = [f"{n}x{r}" for n, r in default if (n, r) not in grid.needles]
-    if not gone:
-        return []
-    return [f"needle configurations {', '.join(gone)} do not fit max_seq_len={max_seq_len} and were left out"]
+    note = f"needle configurations {', '.join(gone)} do not fit max_seq_len={max_seq_len} and were left out"
+    return [note] if gone else []
 
 
 def grid_prompts(tokenizer: Any, max_seq_len: int, grid: NeedleGrid, seed: int) -> list[NeedlePrompt]:
     """Every prompt of the grid, in cell order (length, N×R, depth, sample)."""
-    out = []
-    for L in grid.lengths:
-        for n, r in grid.needles:
-            for d in grid.depths:
-                for k in range(grid.samples):
-                    s = stable_seed("needle-eval", seed, L, n, r, f"{d:.6f}", k)
-                    out.append(build_prompt(tokenizer, max_seq_len, L, n, r, d, s, k))
-    return out
+    return [
+        build_prompt(
+            tokenizer, max_seq_len, L, n, r, d, stable_seed("needle-eval", seed, L, n, r, f"{d:.6f}", k), k
+        )
+        for L in grid.lengths
+        for n, r in grid.needles
+        for d in grid.depths
+        for k in range(grid.samples)
+    ]
 
 
 _NUMBER = re.compile(r"\d+")

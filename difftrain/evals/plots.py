@@ -1,10 +1,8 @@
-"""Figures of the evaluations and of `difftrain compare`, as PNG files (compare: SVG or PDF too,
-by the suffix of the path it is given).
+"""Figures of the evaluations and of `difftrain compare` (PNG; compare: SVG or PDF too, by suffix).
 
-matplotlib is an optional dependency (`pip install 'difftrain[plot]'`); every function here
-imports it lazily and raises a DifftrainError that says how to install it when it is missing.
-Figures use matplotlib's object API (no pyplot global state, no GUI backend) and are written
-atomically.
+matplotlib is optional (`pip install 'difftrain[plot]'`): imported lazily, a DifftrainError
+says how to install it. Figures use matplotlib's object API (no pyplot state, no GUI backend)
+and are written atomically.
 """
 
 from __future__ import annotations
@@ -56,8 +54,7 @@ def _figure(w: float, h: float) -> Any:
 
 
 def _suptitle(fig: Any, text: str, fontsize: float = 12.0) -> None:
-    """`fig.suptitle(text)`, each line wrapped to the figure's width: a long run name must not run
-    off both edges of a narrow figure."""
+    """`fig.suptitle(text)`, each line wrapped to the figure's width."""
     import textwrap
 
     per_line = max(20, int(fig.get_figwidth() * 72 / (0.6 * fontsize)))  # ~0.6 em per character
@@ -69,12 +66,10 @@ def _suptitle(fig: Any, text: str, fontsize: float = 12.0) -> None:
 
 
 FORMATS = {".png": "png", ".svg": "svg", ".pdf": "pdf"}
-"""Figure file formats, by the name's suffix (case ignored)."""
 
 
 def figure_format(path: Path | str) -> str:
-    """The format a figure at `path` is written in, from its suffix; a DifftrainError naming the
-    suffixes there are when it has none of them (checked before anything is computed)."""
+    """The format of a figure at `path`, from its suffix (case ignored)."""
     suffix = Path(path).suffix.lower()
     if suffix not in FORMATS:
         what = f"ends in {suffix!r}" if suffix else "has no suffix"
@@ -86,8 +81,7 @@ def figure_format(path: Path | str) -> str:
 
 
 def check_target(path: Path | str) -> None:
-    """A figure path the user gave (compare --plot): its format known, and a file that can be
-    written there — checked before anything is computed, so the table is not lost to it."""
+    """Check a figure path the user gave (compare --plot) before anything is computed."""
     from difftrain.io import unwritable_file_reason
 
     figure_format(path)
@@ -99,6 +93,12 @@ def check_target(path: Path | str) -> None:
     why = unwritable_file_reason(path)
     if why is not None:
         raise DifftrainError(f"cannot write the figure {str(path)!r}: {why}; choose another path")
+
+
+def _label(ax: Any, xlabel: str, ylabel: str, title: str) -> None:
+    ax.set(xlabel=xlabel, ylabel=ylabel)
+    ax.set_title(title, fontsize=10)
+    ax.grid(alpha=0.3)
 
 
 def _save(fig: Any, path: Path | str) -> Path:
@@ -132,18 +132,9 @@ def needle_heatmap(
     for ax, (n, r) in zip(axes, needles, strict=False):
         grid = np.array([[cells.get((L, d, n, r)) or 0.0 for d in depths] for L in lengths])
         image = ax.imshow(grid, vmin=0.0, vmax=1.0, cmap="RdYlGn", aspect="auto", origin="lower")
-        for i in range(len(lengths)):
-            for j in range(len(depths)):
-                v = grid[i, j]
-                ax.text(
-                    j,
-                    i,
-                    f"{v:.2f}",
-                    ha="center",
-                    va="center",
-                    fontsize=8,
-                    color="black" if 0.25 < v < 0.8 else "white",
-                )
+        for (i, j), v in np.ndenumerate(grid):
+            color = "black" if 0.25 < v < 0.8 else "white"
+            ax.text(j, i, f"{v:.2f}", ha="center", va="center", fontsize=8, color=color)
         ax.set_xticks(range(len(depths)), [f"{d:.0%}" for d in depths])
         ax.set_yticks(range(len(lengths)), [str(L) for L in lengths])
         ax.set_xlabel("depth of the queried needle")
@@ -193,14 +184,8 @@ def attention_maps(
     # wash out every other row, so the scale comes from the rows after them (beyond it: clipped).
     skip = min(8, maps[0].shape[1] // 4)
     lim = max(float(np.abs(m[:, skip:]).max()) for m in maps) or 1.0
-
-    def fwd(x: np.ndarray) -> np.ndarray:
-        return np.sign(x) * np.sqrt(np.abs(x))
-
-    def inv(y: np.ndarray) -> np.ndarray:
-        return np.sign(y) * y * y
-
-    norm = FuncNorm((fwd, inv), vmin=-lim if signed else 0.0, vmax=lim)
+    sqrt_stretch = (lambda x: np.sign(x) * np.sqrt(np.abs(x)), lambda y: np.sign(y) * y * y)
+    norm = FuncNorm(sqrt_stretch, vmin=-lim if signed else 0.0, vmax=lim)
     cmap = "RdBu_r" if signed else "magma"
     image = None
     for li, m in enumerate(maps):
@@ -221,25 +206,21 @@ def attention_maps(
                 ax.set_ylabel(f"layer {li}\nquery position", fontsize=8)
             if li == n_layers - 1:
                 ax.set_xlabel("key position", fontsize=8)
+    kind, label = {
+        "baseline": ("softmax maps", "attention probability"),
+        "diff": ("differential maps A1 − λA2", "A1 − λ·A2"),
+    }.get(arch, ("combined maps A2i − σ(λ)A2i+1", "A2i − σ(λ)·A2i+1"))
     if image is not None:
-        label = (
-            "A1 − λ·A2 (√ scale)"
-            if arch == "diff"
-            else "A2i − σ(λ)·A2i+1 (√ scale)"
-            if signed
-            else "attention probability (√ scale)"
-        )
         fig.colorbar(
-            image, ax=axes.ravel().tolist(), label=label, shrink=0.7, extend="both" if signed else "max"
+            image,
+            ax=axes.ravel().tolist(),
+            label=f"{label} (√ scale)",
+            shrink=0.7,
+            extend="both" if signed else "max",
         )
-    kind = {
-        "baseline": "softmax maps",
-        "diff": "differential maps A1 − λA2",
-        "diff2": "combined maps A2i − σ(λ)A2i+1",
-    }
     _suptitle(
         fig,
-        f"Attention {kind.get(arch, 'maps')}{' — ' + title if title else ''}\n"
+        f"Attention {kind}{' — ' + title if title else ''}\n"
         "blue box: answer span (keys) · black ticks: query rows predicting the value",
         fontsize=10,
     )
@@ -263,19 +244,13 @@ def quant_curve(rows: Sequence[dict[str, Any]], path: Path | str, title: str = "
     from difftrain.evals.common import bits_label
 
     ax.set_xticks(x, [bits_label(b) for b in bits])
-    ax.set_xlabel("bits of the attention logits")
-    ax.set_ylabel("loss (nats/token)")
-    ax.set_title("loss", fontsize=10)
-    ax.grid(alpha=0.3)
+    _label(ax, "bits of the attention logits", "loss (nats/token)", "loss")
     if has_needle:
         ax = axes[1]
         ax.plot(x, [r.get("needle_accuracy") for r in rows], marker="o", color="tab:green")
         ax.set_xticks(x, [str(b) for b in bits])
         ax.set_ylim(-0.02, 1.02)
-        ax.set_xlabel("bits of the attention logits")
-        ax.set_ylabel("needle retrieval accuracy")
-        ax.set_title("retrieval", fontsize=10)
-        ax.grid(alpha=0.3)
+        _label(ax, "bits of the attention logits", "needle retrieval accuracy", "retrieval")
     _suptitle(fig, f"Attention-logit quantization (dynamic absmax){' — ' + title if title else ''}")
     return _save(fig, path)
 
@@ -302,11 +277,10 @@ def _recall_panel(ax: Any, runs: Sequence[tuple[str, dict[str, Any]]]) -> None:
                 )
     ax.set_xscale("log", base=2)
     ax.xaxis.set_major_formatter("{x:g}")
-    ax.set_xlabel("N (key→value pairs in the context)")
-    ax.set_ylabel("exact-match accuracy")
     ax.set_ylim(-0.03, 1.03)
-    ax.set_title("associative recall: accuracy vs N", fontsize=10)
-    ax.grid(alpha=0.3)
+    _label(
+        ax, "N (key→value pairs in the context)", "exact-match accuracy", "associative recall: accuracy vs N"
+    )
     ax.legend(fontsize=7)
 
 
@@ -325,7 +299,7 @@ def loss_curves(
     recall: Sequence[tuple[str, dict[str, Any]]] = (),
 ) -> Path:
     """Train and validation loss of each run against tokens seen and against training time;
-    with `recall` (label, recall results of each run), a third panel of recall accuracy vs N."""
+    with `recall` (label, recall results), a third panel of recall accuracy vs N."""
     fig = _figure(18.0 if recall else 12.0, 4.4)
     axes = fig.subplots(1, 3 if recall else 2)
     if recall:
@@ -339,12 +313,10 @@ def loss_curves(
                 if pts:
                     xs, ys = [r[key] for r in pts], [r[f"{split}/loss"] for r in pts]
                     ax.plot(xs, ys, color=color, label=f"{label} {split}", **style)
-    axes[0].set_xlabel("tokens seen")
-    axes[1].set_xlabel("training time (s)")
-    for ax, what in zip(axes[:2], ("tokens", "training time"), strict=True):
-        ax.set_ylabel("loss (nats/token)")
-        ax.set_title(f"loss vs {what}", fontsize=10)
-        ax.grid(alpha=0.3)
+    for ax, xlabel, what in zip(
+        axes[:2], ("tokens seen", "training time (s)"), ("tokens", "training time"), strict=True
+    ):
+        _label(ax, xlabel, "loss (nats/token)", f"loss vs {what}")
         ax.legend(fontsize=7)
     _suptitle(fig, "Training curves (thin: train loss, dots: validation loss)")
     return _save(fig, path)

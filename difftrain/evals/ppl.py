@@ -26,7 +26,6 @@ from difftrain.evals.common import (
     SuiteOutput,
     _no_progress,
     batches,
-    check_positive,
     headline,
 )
 from difftrain.evals.windows import TokenWindows, data_settings, option_windows
@@ -71,7 +70,6 @@ def summarize(nll: np.ndarray, tw: TokenWindows) -> dict[str, Any]:
 
 
 def run(run: Run, opts: EvalOptions, progress: Progress = _no_progress) -> SuiteOutput:
-    check_positive("--windows", opts.windows)
     tw = option_windows(run, opts)
     nll = window_nll(run.model, tw.windows, batch_size=opts.batch_size, progress=progress)
     res = summarize(nll, tw)

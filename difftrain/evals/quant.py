@@ -26,7 +26,6 @@ from difftrain.evals.common import (
     SuiteOutput,
     _no_progress,
     check_bits,
-    check_positive,
     headline,
 )
 from difftrain.evals.ppl import summarize, window_nll
@@ -55,7 +54,6 @@ def quantizer(bits: int) -> Callable[[torch.Tensor, int], torch.Tensor]:
 def run(run: Run, opts: EvalOptions, progress: Progress = _no_progress) -> SuiteOutput:
     import difftrain.evals.needle as needle_suite
 
-    check_positive("--windows", opts.windows)
     widths = check_bits(opts.bits)
     model = run.model
     tw = option_windows(run, opts)

@@ -4,6 +4,7 @@ split rebuilt through the shard cache, or a `--data` source, tokenized with the 
 
 from __future__ import annotations
 
+import contextlib
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -12,19 +13,20 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from difftrain.errors import ConfigError, DataError, RecipeError, RunDirError
-from difftrain.evals.common import evaluated_source
+from difftrain.evals.common import check_positive, evaluated_source
 from difftrain.rundir import RECIPE, TOKENIZER, Run
 
-if TYPE_CHECKING:  # torch loads when a suite runs, not when the CLI checks its options
+if TYPE_CHECKING:
     import torch
+
+DEFAULT_WINDOWS = 32
 
 
 @dataclass
 class TokenWindows:
     """Fixed windows of seq_len + 1 tokens: input = w[:-1], targets = w[1:]. `source`: where they
-    come from, for people; `sources`: what they were drawn from, paths absolute; `target_bytes`:
-    the UTF-8 bytes each window's targets stand for; `notes`: what a suite tells the user;
-    `split_drawn`: for a validation split, its {seed, val_fraction}."""
+    come from, for people; `sources`: paths absolute; `target_bytes`: the UTF-8 bytes of each
+    window's targets; `split_drawn`: for a validation split, its {seed, val_fraction}."""
 
     windows: torch.Tensor
     source: str
@@ -62,7 +64,7 @@ def _run_recipe(run_dir: Path):
 
 
 def _sources_base(data_cfg: Any, run_dir: Path) -> Path:
-    """Folder that the run's relative source paths resolve against: the first of the current
+    """The folder the run's relative source paths resolve against: the first of the current
     folder, the folder above `out_dir` and the run's own where they all exist; else the current."""
     rel = [
         s.source
@@ -77,9 +79,9 @@ def _sources_base(data_cfg: Any, run_dir: Path) -> Path:
 
 
 def window_target_bytes(tokenizer: Any, windows: np.ndarray) -> np.ndarray:
-    """UTF-8 bytes of the text each window's targets (w[1:]) stand for: (n,) int64. Byte-level
-    tokenizers: a table of per-token lengths; others (whose pieces decode differently alone):
-    the window's decoded text less that of its first token, special tokens standing for none."""
+    """UTF-8 bytes of the text each window's targets (w[1:]) stand for: (n,) int64. Tokenizers
+    that are not byte-level decode pieces differently alone: the window's decoded text less that
+    of its first token."""
     if getattr(tokenizer, "is_byte_level", False):
         table = token_byte_lengths(tokenizer)
         return table[np.clip(windows[:, 1:], 0, len(table) - 1)].sum(axis=1)
@@ -94,23 +96,18 @@ def window_target_bytes(tokenizer: Any, windows: np.ndarray) -> np.ndarray:
 def token_byte_lengths(tokenizer: Any) -> np.ndarray:
     """UTF-8 bytes of the text each token id stands for (special tokens: 0)."""
     n = tokenizer.vocab_size
-    special = set(tokenizer.special_tokens.values())
     if getattr(tokenizer, "is_byte_level", False):
         table = [len(b) for b in tokenizer._id_bytes]
     else:
         table = [len(tokenizer.decode([i]).encode("utf-8")) for i in range(n)]
     out = np.asarray(table, dtype=np.int64)
-    for i in special:
-        if i < n:
-            out[i] = 0
+    out[[i for i in set(tokenizer.special_tokens.values()) if i < n]] = 0
     return out
 
 
 def data_source(data: str, text_field: str | None = None, **fields: Any) -> Any:
-    """The `--data` source resolved against the current folder, named as the option in messages
-    (a missing file fails here, before a model loads); a `difftrain.data.sources.Source`.
-    `text_field`: `--text-field`; `fields`: more SourceSpec fields (an instruction run's
-    prompt_field and response_field)."""
+    """The `--data` source (a `Source`) resolved against the current folder, named as the option
+    in messages; a missing file fails here. `fields`: more SourceSpec fields."""
     from difftrain.data.config import SourceSpec
     from difftrain.data.sources import Source
 
@@ -129,9 +126,7 @@ def data_source(data: str, text_field: str | None = None, **fields: Any) -> Any:
 
 def holds_records(source: Any) -> bool:
     """Whether a `--data` source holds instruction records (`messages`, or a prompt field) for
-    an instruction fine-tune's template to render, judged by its first record (a file's first
-    object, a Parquet file's or dataset's columns); plain text, and records with only a text
-    field, are read as text."""
+    an instruction fine-tune's template to render, judged by its first record or its columns."""
     from difftrain.data.files import RECORD_SUFFIXES, suffix
 
     spec = source.spec
@@ -142,15 +137,13 @@ def holds_records(source: Any) -> bool:
     ):
         return False
     names = source.record_fields()
-    if names is None:  # not known before reading: read as records, whose reader names any problem
+    if names is None:  # unknown before reading: the record reader names any problem
         return True
-    # (a dataset's `messages` column too: a chat dataset was read as text and refused)
     return spec.prompt_field in names or ("messages" in names and spec.text_field not in names)
 
 
 def _data_advice(e: DataError, label: str) -> DataError:
-    """A DataError from reading the `--data` source called `label`, its advice (recipe settings
-    of data.sources) put in eval's terms."""
+    """A DataError from reading the `--data` source `label`, its advice put in eval's options."""
     from difftrain.data.hub import CHAT_RECORD_AS_TEXT
 
     field_hint = "; name the field to read with --text-field FIELD"
@@ -183,9 +176,7 @@ def _data_advice(e: DataError, label: str) -> DataError:
 
 
 def require_own_split(run_dir: Path, suite: str | None = None) -> None:
-    """ConfigError for an imported run (`difftrain import`): it was trained elsewhere, on data
-    difftrain never saw, and its recipe.yaml holds only default data, so it has no validation
-    split to measure; --data names what to measure instead."""
+    """ConfigError for an imported run: its recipe.yaml holds default data it never trained on."""
     from difftrain.rundir import imported_from
 
     origin = imported_from(run_dir)
@@ -199,8 +190,8 @@ def require_own_split(run_dir: Path, suite: str | None = None) -> None:
 
 
 def records_as_text(recipe: Any) -> Any:
-    """For an instruction fine-tune's recipe: how its records read as text — through its own
-    template, prompts included, each record one document (a `RecordText`); None for other runs."""
+    """For an instruction fine-tune's recipe: its records as text through its template, prompts
+    included (a `RecordText`); None for other runs."""
     if recipe.finetune is None:
         return None
     from difftrain.data.sft import SFTTemplate
@@ -218,8 +209,8 @@ def records_as_text(recipe: Any) -> Any:
 
 
 def option_windows(run: Any, opts: Any) -> TokenWindows:
-    """The windows ppl and quant score, as eval's options say (--data, --windows, --full,
-    --text-field)."""
+    """The windows ppl and quant score, as eval's options say."""
+    check_positive("--windows", opts.windows)
     return eval_windows(
         run,
         data=opts.data,
@@ -236,8 +227,6 @@ def eval_windows(
     data: str | None,
     count: int | None,
     full: bool,
-    default_count: int = 32,
-    max_tokens: int | None = None,
     text_field: str | None = None,
     asked: str | None = None,
     error_bar: bool = True,
@@ -253,22 +242,14 @@ def eval_windows(
     is scored as one window of all its tokens, with a note.
     """
     from difftrain.data.config import DataConfig, TokenizerConfig, absolute_source
-    from difftrain.data.shards import (
-        prepare_data,
-        val_window_offsets,  # (data.modules would load Lightning)
-    )
+    from difftrain.data.shards import prepare_data, val_window_offsets  # (data.modules loads Lightning)
 
+    window = int(run.config.max_seq_len) + 1  # type: ignore[attr-defined]
+    sources = as_text = source_label = None
     if data is None:
         require_own_split(run.path)
-    recipe = _run_recipe(run.path) if data is None else None
-    sources = as_text = None
-    seq_len = int(run.config.max_seq_len)  # type: ignore[attr-defined]
-    window = seq_len + 1
-    tok_cfg = TokenizerConfig(path=str((run.path / TOKENIZER).resolve()))
-    source_label = None
-    if recipe is not None:
-        data_cfg = recipe.data
-        seed = recipe.seed
+        recipe = _run_recipe(run.path)
+        data_cfg, seed = recipe.data, recipe.seed
         base = _sources_base(data_cfg, run.path)
         as_text = records_as_text(recipe)
         if as_text is not None:  # an instruction fine-tune: its records, as training rendered them
@@ -276,29 +257,30 @@ def eval_windows(
 
             sources = resolve_sources(data_cfg, base, as_text)
         if count is None and not full:
-            count = data_cfg.val_windows or default_count
+            count = data_cfg.val_windows or DEFAULT_WINDOWS
             asked = asked or (
                 f"data.val_windows={data_cfg.val_windows:,} (the windows of training's validation loss)"
                 if data_cfg.val_windows
-                else f"the default {default_count} windows"
+                else f"the default {DEFAULT_WINDOWS} windows"
             )
+        named = where = f"validation split of {', '.join(s.source for s in data_cfg.sources)}"
+        drawn_from = [absolute_source(s.source, base) for s in data_cfg.sources]
+        hint = (
+            "raise data.val_fraction when fine-tuning, or evaluate on more records with "
+            "--data FILE.jsonl (rendered through the run's template)"
+            if as_text is not None
+            else "raise data.val_fraction when training, or evaluate on another source with --data SOURCE"
+        )
     else:
         own = None
-        try:
+        with contextlib.suppress(RunDirError):
             own = _run_recipe(run.path)
-        except RunDirError:
-            pass
         template = records_as_text(own) if own is not None and text_field is None else None
         fields: dict[str, Any] = {}
-        if (
-            template is not None
-            and own is not None
-            and own.data.sources
-            and not str(data).startswith("builtin:")
-        ):
-            first = own.data.sources[0]  # the record fields the run was fine-tuned with (a builtin has none)
+        if template is not None and own.data.sources and not data.startswith("builtin:"):
+            first = own.data.sources[0]  # the record fields the run was fine-tuned with
             fields = {"prompt_field": first.prompt_field, "response_field": first.response_field}
-        source = data_source(str(data), text_field, **fields)
+        source = data_source(data, text_field, **fields)
         source_label = source.label
         if template is not None:
             try:
@@ -307,40 +289,23 @@ def eval_windows(
             except DataError as e:
                 raise _data_advice(e, source.label) from e
         sources = [source]
-        data_cfg = DataConfig(
-            sources=[source.spec],
-            val_fraction=0.0,
-            val_windows=0,
-            cache_dir=own.data.cache_dir if own else None,
-        )
-        seed = 0
-        base = Path.cwd()
+        cache_dir = own.data.cache_dir if own else None
+        data_cfg = DataConfig(sources=[source.spec], val_fraction=0.0, val_windows=0, cache_dir=cache_dir)
+        seed, base = 0, Path.cwd()
+        where = source.spec.source
+        named = f"--data source {where}"
+        drawn_from = [evaluated_source(data)]
+        hint = "give a larger --data source"
+    tok_cfg = TokenizerConfig(path=str((run.path / TOKENIZER).resolve()))
     try:
         prepared = prepare_data(data_cfg, tok_cfg, seed=seed, base_dir=base, sources=sources)
     except DataError as e:
         if source_label is None:
             raise
         raise _data_advice(e, source_label) from e
-    split = "val" if recipe is not None else "train"
-    path = prepared.val_path if split == "val" else prepared.train_path
+    split = "val" if data is None else "train"
+    path = prepared.val_path if data is None else prepared.train_path
     n_tokens = int(prepared.index[split]["tokens"])
-    label = ", ".join(s.source for s in data_cfg.sources)
-    drawn_from = (
-        [absolute_source(s.source, base) for s in data_cfg.sources]
-        if recipe is not None
-        else [evaluated_source(str(data))]
-    )
-    where = f"validation split of {label}" if recipe is not None else label
-    named = where if recipe is not None else f"--data source {label}"  # as the notes name it
-    if recipe is None:
-        hint = "give a larger --data source"
-    elif as_text is not None:
-        hint = (
-            "raise data.val_fraction when fine-tuning, or evaluate on more records with "
-            "--data FILE.jsonl (rendered through the run's template)"
-        )
-    else:
-        hint = "raise data.val_fraction when training, or evaluate on another source with --data SOURCE"
     notes: list[str] = []
     if n_tokens < 2:
         raise DataError(
@@ -354,9 +319,7 @@ def eval_windows(
         window = n_tokens
     fit = n_tokens // window  # non-overlapping windows
     if count is None:  # --full without an explicit --windows: every non-overlapping window
-        count = fit if full else default_count
-    if max_tokens is not None:
-        count = min(count, max(1, max_tokens // seq_len))
+        count = fit if full else DEFAULT_WINDOWS
     count = max(1, count)
     if count > fit and not notes:  # (a split shorter than one window is noted already)
         notes.append(
@@ -382,5 +345,5 @@ def eval_windows(
         records_as_text=as_text is not None,
         sources=drawn_from,
         notes=notes,
-        split_drawn={"seed": seed, "val_fraction": data_cfg.val_fraction} if recipe is not None else None,
+        split_drawn={"seed": seed, "val_fraction": data_cfg.val_fraction} if data is None else None,
     )
