@@ -11,7 +11,7 @@ import json
 import re
 import zlib
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, Literal
 
@@ -46,9 +46,6 @@ class SourceStats:
     json_documents: int = 0
     """`.json` files of a folder read as text (configs, not records: `json_document`)."""
 
-    def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
 
 def suffix(path: Path) -> str:
     """The format suffix of a file, looking through a trailing .gz."""
@@ -80,8 +77,8 @@ def _encodes(obj: Any) -> bool:
 
 def _lone_surrogate(obj: Any) -> str | None:
     """Where a parsed JSON value holds a lone surrogate (which no tokenizer can encode): "field
-    'meta' " for a record's top-level field, "" for the value itself; None where it holds none.
-    The whole record is refused: a template may read any of its fields."""
+    'meta' " for a record's top-level field, "" for the value itself; None where it holds none
+    (the whole record is refused: a template may read any of its fields)."""
     if _encodes(obj):
         return None
     if isinstance(obj, dict):
@@ -127,8 +124,8 @@ def text_document(path: Path, data: bytes, bad: Bad) -> Iterator[str]:
 
 def json_document(data: bytes, text_field: str) -> bool:
     """Whether a `.json` file found in a folder is a document rather than records: not a list,
-    not JSON lines, not an object with the text field (a config such as package.json, or not
-    JSON at all, such as a tsconfig.json with comments)."""
+    not JSON lines, not an object with the text field (package.json, a tsconfig.json with
+    comments)."""
     if data.lstrip(b"\xef\xbb\xbf \t\r\n").startswith(b"["):
         return False  # a list of records: not parsed twice
     try:
@@ -194,8 +191,7 @@ def json_objects(path: Path, label: str, text_field: str, bad: Bad) -> Iterator[
 def parquet_rows(
     path: Path, columns: list[str], label: str, chat: bool = False
 ) -> Iterator[tuple[str, dict[str, Any]]]:
-    """(where, row) of the Parquet file's `columns`; `chat`: instruction records, whose rows
-    may instead hold a `messages` column (chat records)."""
+    """(where, row) of the Parquet file's `columns` (`chat`: see `columns_read`)."""
     try:
         import pyarrow.parquet as pq
     except ImportError as e:

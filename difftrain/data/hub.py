@@ -23,16 +23,14 @@ CHAT_RECORD_AS_TEXT = (
     "a chat record (`messages`), in data read as plain text documents: chat turns are read through a "
     "chat template by `difftrain finetune` (finetune.base: the pretrained run); pretrain on text documents"
 )
-SAVED_MARKERS = ("state.json", "dataset_dict.json", "dataset_info.json")
-"""Files by which a folder written by save_to_disk is known."""
+SAVED_MARKERS = ("state.json", "dataset_dict.json", "dataset_info.json")  # a save_to_disk folder's files
 _SAVE_FOR_OFFLINE = "save it with dataset.save_to_disk(DIR) and use source 'hf:DIR'"
 _LOCAL_FILES = "; for local files use e.g. source 'hf:json' with data_files"
 
 
 def columns_read(columns: list[str], names: list[str], chat: bool, what: str, where: str) -> list[str]:
     """The columns to read of a table whose columns are `names`: `columns`, or, for instruction
-    records (`chat`), ["messages"] where the table holds chat records instead; else a DataError
-    saying which option names the right ones."""
+    records (`chat`), ["messages"] where the table holds chat records; else a DataError."""
     missing = [c for c in columns if c not in names]
     if not missing:
         return columns
@@ -53,14 +51,9 @@ def missing_split(label: str, local: Path, split: str, splits: list[str]) -> str
     return f"{label}: no split '{split}' in {local} (splits: {', '.join(splits)}); choose one with hf:<path>@<split>"
 
 
-def one_dataset(label: str, local: Path, split: str, saved_split: Any) -> str:
-    saved = f" (saved from split '{saved_split}')" if saved_split else ""
-    return f"{label}: {local} holds one dataset{saved}, not a DatasetDict of splits; leave out @{split} to read all of it"
-
-
 class HubDataset:
-    """The `datasets` side of an hf: source (`source`: its `Source`, which names it in messages);
-    its data_files and dataset are resolved and loaded once."""
+    """The `datasets` side of an hf: source (`source`: its `Source`); its data_files and dataset
+    are resolved and loaded once."""
 
     def __init__(self, source: Any) -> None:
         self.source = source
@@ -80,7 +73,7 @@ class HubDataset:
         return p
 
     def data_files(self) -> list[Path] | None:
-        """The files data_files name, globs expanded (None without data_files). A file that exists
+        """The files data_files name, globs expanded (None without data_files); a file that exists
         as written is that file (its name may hold [ ] * ?)."""
         if not self.spec.data_files or self._files is not None:
             return self._files
@@ -108,7 +101,7 @@ class HubDataset:
 
     def check_saved_split(self, local: Path) -> None:
         """DataError for a split a save_to_disk folder does not hold, read from its metadata (so a
-        source whose shards are cached, and is not loaded, is refused as a loaded one is)."""
+        source whose shards are cached is refused as a loaded one is)."""
         _, _, split = self.spec.hf_parts()
         try:
             if (local / "dataset_dict.json").is_file():
@@ -118,7 +111,11 @@ class HubDataset:
             elif (local / "state.json").is_file() and "@" in self.spec.source[3:]:
                 saved = json.loads((local / "state.json").read_text()).get("_split")
                 if str(saved or "") != split:
-                    raise DataError(one_dataset(self.label, local, split, saved))
+                    note = f" (saved from split '{saved}')" if saved else ""
+                    raise DataError(
+                        f"{self.label}: {local} holds one dataset{note}, not a DatasetDict of splits; leave out "
+                        f"@{split} to read all of it"
+                    )
         except (OSError, ValueError, KeyError, TypeError, AttributeError):
             return  # unreadable metadata: loading the folder names the problem
 
@@ -128,8 +125,7 @@ class HubDataset:
         return self._ds
 
     def rows(self, columns: list[str], chat: bool = False) -> Iterator[tuple[str, dict[str, Any]]]:
-        """(where, row) of the dataset's `columns`; `chat`: instruction records, whose rows may
-        instead hold a `messages` column."""
+        """(where, row) of the dataset's `columns` (`chat`: see `columns_read`)."""
         ds = self.dataset()
         names = getattr(ds, "column_names", None)
         if names is not None:
@@ -197,7 +193,7 @@ class HubDataset:
     def _failure(
         self, e: Exception, name: str, local: Path | None, builder: bool, unreachable: str | None
     ) -> str:
-        """What a failed load means, and the fix, by what the source names."""
+        """What a failed load means, and the fix."""
         text = f"{type(e).__name__}: {_first_line(e)}"
         if "split" in str(e).lower() and isinstance(e, (ValueError, KeyError)):
             hint = "choose an existing split with hf:<dataset>[:<config>]@<split>"
@@ -240,8 +236,8 @@ def _first_line(e: BaseException) -> str:
 
 
 def _unreachable_hub() -> str | None:
-    """The Hub's host when its name does not resolve (an offline machine), else None; None too
-    where HF_HUB_OFFLINE / HF_DATASETS_OFFLINE is set already."""
+    """The Hub's host when its name does not resolve (an offline machine); None where it does or
+    HF_HUB_OFFLINE / HF_DATASETS_OFFLINE is set."""
     if any(
         os.environ.get(v, "").upper() in ("1", "ON", "YES", "TRUE")
         for v in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")
@@ -258,7 +254,7 @@ def _unreachable_hub() -> str | None:
 
 
 def _packaged_builder(name: str) -> bool:
-    """Whether `name` is one of `datasets`' own builders (json, csv, parquet, text, ...)."""
+    """Whether `name` is one of `datasets`' own builders (json, csv, parquet, ...)."""
     try:
         from datasets.packaged_modules import _PACKAGED_DATASETS_MODULES
     except ImportError:  # a layout of a future datasets: ask the Hub, as for any name
@@ -268,7 +264,7 @@ def _packaged_builder(name: str) -> bool:
 
 @contextmanager
 def _quiet_datasets(quiet: bool) -> Iterator[None]:
-    """Without `datasets`' progress bars and log lines while `quiet` (reading local files)."""
+    """Without `datasets`' progress bars and log lines while `quiet`."""
     if not quiet:
         yield
         return

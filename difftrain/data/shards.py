@@ -27,7 +27,7 @@ import os
 import shutil
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -432,7 +432,7 @@ def _build_shards(
         "tokens": seen_tokens,
         "bad_records": sum(st.bad_records for st in all_stats),
         "split": split,
-        "sources": [st.as_dict() for st in all_stats],
+        "sources": [asdict(st) for st in all_stats],
     }
 
 

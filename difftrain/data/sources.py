@@ -256,22 +256,6 @@ class Source:
         record = next(self._rows(first, [], SourceStats(self.spec.source), "skip"), None)
         return set(record[1]) if record else set()
 
-    def _records(
-        self, columns: list[str], stats: SourceStats, policy: BadRecordPolicy
-    ) -> Iterator[tuple[str, dict[str, Any]]]:
-        """(where, record) of instruction records: prompt/response `columns` or chat `messages`."""
-        if self.hub is not None:
-            yield from self.hub.rows(columns, chat=True)
-            return
-        for path in self.files:
-            stats.files += 1
-            if suffix(path) not in RECORD_SUFFIXES:
-                raise DataError(
-                    f"{path}: plain text files hold documents, not prompt/response records; use a .jsonl, "
-                    ".json or .parquet file for fine-tuning data"
-                )
-            yield from self._rows(path, columns, stats, policy, chat=True)
-
     def _field(
         self,
         where: str,
@@ -383,39 +367,30 @@ class Source:
         src = self.spec.source
         if src == "builtin:python-docstrings":
             stats.files = len(self.files)
-            return builtin.python_docstring_records(self.spec.docstrings, self.files)
+            yield from builtin.python_docstring_records(self.spec.docstrings, self.files)
+            return
         if self.spec.kind == "builtin":
             raise DataError(
                 f"{self.label}: '{src}' holds plain documents, not prompt/response records; fine-tune on "
                 "builtin:python-docstrings or on a .jsonl of records"
             )
-        return self._checked_records(stats, policy, check_messages)
-
-    def _checked_records(
-        self,
-        stats: SourceStats,
-        policy: BadRecordPolicy,
-        check_messages: Callable[[list[Any]], object] | None,
-    ) -> Iterator[dict[str, Any]]:
         pf, rf = self.spec.prompt_field, self.spec.response_field
-        for where, rec in self._records([pf, rf], stats, policy):
+        for where, rec in self._record_rows([pf, rf], stats, policy):
             # a chat record: `messages` without a whole prompt/response pair (chat datasets often
             # keep the first user turn as `prompt` too, e.g. UltraChat), as `columns_read` chooses
             if "messages" in rec and not (pf in rec and rf in rec):
                 rec = {k: v for k, v in rec.items() if k not in ("prompt", "response")}
-                if not (
-                    isinstance(rec["messages"], list) and all(isinstance(m, dict) for m in rec["messages"])
-                ):
-                    self._bad(
-                        stats, policy, f"{where}: 'messages' must be a list of {{role, content}} objects"
-                    )
-                    continue
-                if check_messages is not None:
-                    try:
+                try:
+                    if not (
+                        isinstance(rec["messages"], list)
+                        and all(isinstance(m, dict) for m in rec["messages"])
+                    ):
+                        raise DataError("'messages' must be a list of {role, content} objects")
+                    if check_messages is not None:
                         check_messages(rec["messages"])
-                    except DataError as e:
-                        self._bad(stats, policy, f"{where}: {e}")
-                        continue
+                except DataError as e:
+                    self._bad(stats, policy, f"{where}: {e}")
+                    continue
                 yield rec
                 continue
             prompt = self._field(where, rec, pf, "prompt_field", stats, policy)
@@ -425,6 +400,22 @@ class Source:
             if response is not None:
                 # the record's own names stay usable in prompt_format (e.g. {instruction})
                 yield {**rec, "prompt": prompt, "response": response}
+
+    def _record_rows(
+        self, columns: list[str], stats: SourceStats, policy: BadRecordPolicy
+    ) -> Iterator[tuple[str, dict[str, Any]]]:
+        """(where, record) of instruction records: prompt/response `columns` or chat `messages`."""
+        if self.hub is not None:
+            yield from self.hub.rows(columns, chat=True)
+            return
+        for path in self.files:
+            stats.files += 1
+            if suffix(path) not in RECORD_SUFFIXES:
+                raise DataError(
+                    f"{path}: plain text files hold documents, not prompt/response records; use a .jsonl, "
+                    ".json or .parquet file for fine-tuning data"
+                )
+            yield from self._rows(path, columns, stats, policy, chat=True)
 
 
 def resolve_sources(
