@@ -79,36 +79,25 @@ def probe(model: Any, tokenizer: Any, p: NeedlePrompt) -> tuple[np.ndarray, list
             noise_abs = R[..., ~in_span].abs().sum(-1)
             ok = total > 1e-6  # a row's shares need a positive total (λ < 1)
             share = (ans[ok] / total[ok]).mean().item() if bool(ok.any()) else float("nan")
-            acc.append(
-                [
-                    ans.mean().item(),
-                    (total - ans).mean().item(),
-                    noise_abs.mean().item(),
-                    total.mean().item(),
-                    share,
-                    1.0 - share,
-                ]
-            )
+            acc.append([t.mean().item() for t in (ans, total - ans, noise_abs, total)] + [share, 1.0 - share])
         stats[li] = np.mean(acc, axis=0)
     return stats, [a[0].float().cpu().numpy() for a in out.attentions]
 
 
 def attention_grid(tok: Any, max_len: int, opts: EvalOptions) -> tuple[Any, list[str]]:
     """The needle grid the suite probes, with its notes: the options' needles, or the default 4;
-    where 4 do not fit the context, 1 with a note (as the needle suite leaves out what does not
-    fit). A ConfigError names the suite. `evaluate`'s preflight runs it before the model loads."""
+    where 4 do not fit the context, 1 with a note. A ConfigError names the suite."""
     try:
-        grid = default_grid(
+        return default_grid(
             tok, max_len, replace(opts, needles=opts.needles or NEEDLES_DEFAULT), quick_lengths=1
-        )
-        return grid, []
+        ), []
     except ConfigError as e:
         if opts.needles is not None:
             raise ConfigError(f"attention: {e}") from e
     try:  # the default 4 needles do not fit this context: one needle
         grid = default_grid(tok, max_len, replace(opts, needles=[(1, 1)]), quick_lengths=1)
-    except ConfigError as e1:
-        raise ConfigError(f"attention: {e1}") from e1
+    except ConfigError as e:
+        raise ConfigError(f"attention: {e}") from e
     note = f"probed with 1 needle, not the default {NEEDLES_DEFAULT[0][0]}: they do not fit max_seq_len={max_len}"
     return grid, [note]
 

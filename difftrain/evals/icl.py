@@ -123,7 +123,7 @@ def fitting_demos(tokenizer: Any, max_len: int, want: int, seed: int) -> int:
 @dataclass
 class Prompts:
     """The token ids the suite scores: one prefix (demonstrations) per order, one suffix per
-    test item (its label index in `gold`), one candidate per label; `longest` is the longest
+    test item (its label index in `gold`), one candidate per label; `longest`: the longest
     prefix + suffix + candidate."""
 
     demos: int
@@ -166,12 +166,10 @@ def prompts(tok: Any, max_len: int, opts: EvalOptions) -> Prompts:
     """The prompts the options ask for, checked against the model's context (a ConfigError
     naming an option that fits, or the context the suite needs, when they do not fit)."""
     base = FULL if opts.full else QUICK
-    D = base["demos"] if opts.demos is None else opts.demos  # 0 is refused below, not "the default"
-    P = base["permutations"] if opts.permutations is None else opts.permutations
-    M = base["items"] if opts.items is None else opts.items
-    check_positive("--demos", D, 2)
-    check_positive("--permutations", P, 2)
-    check_positive("--items", M, 2)
+    # an option set to 0 is refused below, not taken for the default
+    D, P, M = (base[k] if getattr(opts, k) is None else getattr(opts, k) for k in base)
+    for k, v in zip(base, (D, P, M), strict=True):
+        check_positive(f"--{k}", v, 2)
     if opts.demos is None:  # the default shrinks (in pairs) to what the model's context holds
         D = fitting_demos(tok, max_len, D, opts.seed)
     out = _prompts(tok, D, P, M, opts.seed)

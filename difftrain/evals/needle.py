@@ -357,11 +357,7 @@ def aggregate(
     by_length = [acc(context_tokens=L) for L in grid.lengths]
     samples = [
         {
-            "context_tokens": p.context_tokens,
-            "depth": p.depth,
-            "n_needles": p.n_needles,
-            "n_queries": p.n_queries,
-            "sample": p.sample,
+            **{k: getattr(p, k) for k in ("context_tokens", "depth", "n_needles", "n_queries", "sample")},
             "haystack_tokens": p.haystack_tokens,
             "prompt_tokens": len(p.ids),
             "measured_depths": [round(x, 4) for x in p.measured_depths],
@@ -422,11 +418,7 @@ def run(run: Run, opts: EvalOptions, progress: Progress = _no_progress) -> Suite
     )
     import difftrain.evals.plots as plots
 
-    title = f"{run.path.name} ({run.config.arch})"  # type: ignore[attr-defined]
     plots.draw(
-        out,
-        opts.plot,
-        run.path / "eval" / "needle.png",
-        lambda path: plots.needle_heatmap(res, out.settings, path, title=title),
+        out, opts.plot, run, "needle", lambda p, title: plots.needle_heatmap(res, out.settings, p, title)
     )
     return out

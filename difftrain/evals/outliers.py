@@ -164,15 +164,8 @@ def run(run: Run, opts: EvalOptions, progress: Progress = _no_progress) -> Suite
             "per_layer": [{"layer": i, **s.result()} for i, s in enumerate(got[kind])],
         }
     al, hs = res["attention_logits"], res["hidden_states"]
-    settings: dict[str, Any] = {
-        **data_settings(opts, tw),
-        "tokens": res["tokens"],
-        "seq_len": seq_len,
-    }
-    if opts.text_field is not None:
-        settings["text_field"] = opts.text_field
     return SuiteOutput(
-        settings=settings,
+        settings={**data_settings(opts, tw), "tokens": res["tokens"], "seq_len": seq_len},
         notes=list(tw.notes),
         results=res,
         headline=[

@@ -34,11 +34,13 @@ def require() -> None:
         )
 
 
-def draw(out: Any, plot: bool | None, path: Path, make: Callable[[Path], object]) -> None:
-    """A suite's figure: `make(path)`, listed in `out.plots`, unless `plot` is False. Without
-    matplotlib: a DifftrainError where `plot` is True (asked for), else a note in `out.notes`."""
+def draw(out: Any, plot: bool | None, run: Any, suite: str, make: Callable[[Path, str], object]) -> None:
+    """A suite's figure: `make(path, title)` to RUN_DIR/eval/<suite>.png, listed in `out.plots`,
+    unless `plot` is False. Without matplotlib: a DifftrainError where `plot` is True (asked
+    for), else a note in `out.notes`."""
+    path = run.path / "eval" / f"{suite}.png"
     if plot is not False and available():
-        make(path)
+        make(path, f"{run.path.name} ({run.config.arch})")
         out.plots.append(str(path))
     elif plot:
         require()

@@ -87,8 +87,6 @@ def run(run: Run, opts: EvalOptions, progress: Progress = _no_progress) -> Suite
         "seq_len": tw.windows.shape[1] - 1,
         "full": opts.full,
     }
-    if opts.text_field is not None:
-        settings["text_field"] = opts.text_field
     return SuiteOutput(
         notes=list(tw.notes),
         settings=settings,

@@ -14,7 +14,6 @@ needle accuracy at each width.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -46,11 +45,6 @@ def fake_quantize(scores: torch.Tensor, bits: int) -> torch.Tensor:
     return q.masked_fill(~finite, float("-inf"))
 
 
-def quantizer(bits: int) -> Callable[[torch.Tensor, int], torch.Tensor]:
-    """An attention-logit transform for `Transformer.set_attn_logit_transform`."""
-    return lambda scores, layer: fake_quantize(scores, bits)
-
-
 def run(run: Run, opts: EvalOptions, progress: Progress = _no_progress) -> SuiteOutput:
     import difftrain.evals.needle as needle_suite
 
@@ -61,9 +55,7 @@ def run(run: Run, opts: EvalOptions, progress: Progress = _no_progress) -> Suite
     if opts.with_needle:
         grid = needle_suite.default_grid(run.tokenizer, run.config.max_seq_len, opts, quick_lengths=1)  # type: ignore[attr-defined]
     n_ppl = -(-len(tw.windows) // opts.batch_size)
-    n_needle = 0
-    if grid is not None:
-        n_needle = len(grid.lengths) * len(grid.needles) * len(grid.depths) * grid.samples
+    n_needle = 0 if grid is None else len(grid.lengths) * len(grid.needles) * len(grid.depths) * grid.samples
     total = len(widths) * (n_ppl + n_needle)
     rows: list[dict[str, Any]] = []
     done = 0
@@ -73,7 +65,8 @@ def run(run: Run, opts: EvalOptions, progress: Progress = _no_progress) -> Suite
 
     try:
         for b in widths:
-            model.set_attn_logit_transform(quantizer(b))  # 16: identity, but the same eager path
+            # 16: identity, but through the same eager path
+            model.set_attn_logit_transform(lambda scores, layer, b=b: fake_quantize(scores, b))
             nll = window_nll(model, tw.windows, batch_size=opts.batch_size, progress=step(done))
             done += n_ppl
             row: dict[str, Any] = {"bits": b, **summarize(nll, tw)}
@@ -104,8 +97,6 @@ def run(run: Run, opts: EvalOptions, progress: Progress = _no_progress) -> Suite
         "seq_len": tw.windows.shape[1] - 1,
         "granularity": "per (sequence, head)",
     }
-    if opts.text_field is not None:
-        settings["text_field"] = opts.text_field
     if grid is not None:
         settings["needle"] = needle_suite.grid_settings(grid, opts.seed)
     heads = [headline("loss@16", ref["loss"], "lower", ".4f")]
@@ -118,8 +109,5 @@ def run(run: Run, opts: EvalOptions, progress: Progress = _no_progress) -> Suite
     )
     import difftrain.evals.plots as plots
 
-    title = f"{run.path.name} ({run.config.arch})"  # type: ignore[attr-defined]
-    plots.draw(
-        out, opts.plot, run.path / "eval" / "quant.png", lambda p: plots.quant_curve(rows, p, title=title)
-    )
+    plots.draw(out, opts.plot, run, "quant", lambda p, title: plots.quant_curve(rows, p, title))
     return out

@@ -45,7 +45,7 @@ class RecallGrid:
 class Encoded:
     ids: list[int]
     answers: list[tuple[int, list[int]]]
-    """Per query: (position of its first answer token in `ids`, the answer's tokens)."""
+    """Per query: (position of its first answer token in `ids`, its tokens)."""
 
 
 def run_task(run: Any) -> RecallSpec:
@@ -131,10 +131,10 @@ def score(model: Any, batch: list[Encoded], pad_id: int) -> list[list[bool]]:
     for b, e in enumerate(batch):
         x[b, : len(e.ids) - 1] = torch.tensor(e.ids[:-1], dtype=torch.long)
     pred = model(x.to(device)).logits.argmax(-1).cpu()
-    out = []
-    for b, e in enumerate(batch):
-        out.append([pred[b, pos - 1 : pos - 1 + len(t)].tolist() == t for pos, t in e.answers])
-    return out
+    return [
+        [pred[b, pos - 1 : pos - 1 + len(t)].tolist() == t for pos, t in e.answers]
+        for b, e in enumerate(batch)
+    ]
 
 
 def evaluate_grid(
@@ -180,14 +180,10 @@ def evaluate_grid(
         {"distractor_rate": r, "accuracy": mean([c["accuracy"] for c in cells if c["distractor_rate"] == r])}
         for r in grid.distractors
     ]
-    at = [
-        c
-        for c in cells
-        if c["n_pairs"] == grid.task.n_pairs and c["distractor_rate"] == grid.task.distractor_rate
-    ]
+    recipe_cell = (grid.task.n_pairs, grid.task.distractor_rate)
     return {
         "accuracy": mean([c["accuracy"] for c in cells]),
-        "at_recipe": at[0] if at else None,
+        "at_recipe": next((c for c in cells if (c["n_pairs"], c["distractor_rate"]) == recipe_cell), None),
         "cells": cells,
         "by_pairs": by_pairs,
         "by_rate": by_rate,
@@ -232,8 +228,5 @@ def run(run: Any, opts: EvalOptions, progress: Progress = _no_progress) -> Suite
     )
     import difftrain.evals.plots as plots
 
-    label = f"{run.path.name} ({run.config.arch})"
-    plots.draw(
-        out, opts.plot, run.path / "eval" / "recall.png", lambda p: plots.recall_curves([(label, res)], p)
-    )
+    plots.draw(out, opts.plot, run, "recall", lambda p, label: plots.recall_curves([(label, res)], p))
     return out

@@ -44,6 +44,8 @@ def data_settings(opts: Any, tw: TokenWindows) -> dict[str, Any]:
     out: dict[str, Any] = {"data": opts.data or "validation", "sources": tw.sources}
     if tw.split_drawn is not None:
         out["split"] = tw.split_drawn
+    if opts.text_field is not None:
+        out["text_field"] = opts.text_field
     return out
 
 
