@@ -16,6 +16,7 @@ from __future__ import annotations
 import ast
 import hashlib
 import io
+import itertools
 import random
 import sysconfig
 import tokenize
@@ -30,6 +31,13 @@ from difftrain.errors import DataError
 _EXCLUDED_DIRS = frozenset(
     {"test", "tests", "idle_test", "site-packages", "dist-packages", "__pycache__", "lib-dynload"}
 )
+
+
+def stable_seed(*parts: object) -> int:
+    """A 64-bit seed from the parts (blake2b: stable across runs and machines, unlike hash())."""
+    return int.from_bytes(
+        hashlib.blake2b(":".join(map(str, parts)).encode(), digest_size=8).digest(), "little"
+    )
 
 
 def stdlib_dir() -> Path:
@@ -225,6 +233,10 @@ class NeedleExample:
     """Tokens of the haystack, when a tokenizer was given."""
 
 
+def _needle_sentence(key: str, value: str) -> str:
+    return f"The magic number of {key} is {value}."
+
+
 def _question(keys: list[str]) -> str:
     if len(keys) == 1:
         return f"What is the magic number of {keys[0]}?"
@@ -238,9 +250,7 @@ def _assemble(
 
     Returns the haystack and, per needle, (char offset, sentence).
     """
-    starts = [0]
-    for s in sentences:
-        starts.append(starts[-1] + len(s) + 1)
+    starts = [0, *itertools.accumulate(len(s) + 1 for s in sentences)]
     total = max(starts[-1] - 1, 0)
     at: dict[int, list[int]] = {}
     for i, (_, _, depth) in enumerate(needles):
@@ -252,8 +262,7 @@ def _assemble(
     pos = 0
     for b in range(len(sentences) + 1):
         for i in at.get(b, []):
-            key, value, _ = needles[i]
-            s = f"The magic number of {key} is {value}."
+            s = _needle_sentence(*needles[i][:2])
             offsets[i] = (pos, s)
             parts.append(s)
             pos += len(s) + 1
@@ -307,9 +316,9 @@ def make_needle_example(
     order = list(range(n_needles))
     queried = [order.pop(int(rng.random() * len(order))) for _ in range(n_queries)]
     needle_specs = list(zip(keys, values, ds, strict=True))
-    needle_chars = sum(len(f"The magic number of {k} is {v}.") + 1 for k, v in zip(keys, values, strict=True))
+    needle_chars = sum(len(_needle_sentence(k, v)) + 1 for k, v in zip(keys, values, strict=True))
 
-    # An endless, seeded stream of filler sentences; the haystack takes a prefix of it.
+    # an endless, seeded stream of filler sentences; the haystack takes a prefix of it
     filler_rng = random.Random(rng.getrandbits(64))
     stream: list[str] = []
 
@@ -327,7 +336,7 @@ def make_needle_example(
     haystack, offsets = _assemble(sentences, needle_specs)
     n_tokens = None
     if tokenizer is not None and context_tokens is not None:
-        # Rescale the character budget to the measured chars/token, then trim to the token budget.
+        # rescale the character budget to the measured chars/token, then trim to the token budget
         for _ in range(4):
             n_tokens = len(tokenizer.encode(haystack))
             if 0.97 * context_tokens <= n_tokens <= context_tokens:
@@ -346,9 +355,7 @@ def make_needle_example(
     expected = [values[i] for i in queried]
     question = _question(query_keys)
     prompt = f"{haystack}\n\nQuestion: {question}\nAnswer:"
-    answer = " " + " ".join(
-        f"The magic number of {k} is {v}." for k, v in zip(query_keys, expected, strict=True)
-    )
+    answer = " " + " ".join(map(_needle_sentence, query_keys, expected))
     n = max(len(haystack), 1)
     needles = [
         Needle(key=k, value=v, sentence=s, char_offset=off, depth=off / n, requested_depth=d)
@@ -367,12 +374,6 @@ def make_needle_example(
     )
 
 
-def needle_seed(corpus_seed: int, index: int) -> int:
-    """Seed of document `index` of a needles corpus (a stable hash)."""
-    digest = hashlib.blake2b(f"needles:{corpus_seed}:{index}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little")
-
-
 def needle_documents(spec: NeedlesSpec | None = None) -> Iterator[str]:
     """The documents of `builtin:needles` (each a full example: haystack, question, answer)."""
     spec = spec or NeedlesSpec()
@@ -382,7 +383,7 @@ def needle_documents(spec: NeedlesSpec | None = None) -> Iterator[str]:
             n_needles=spec.n_needles,
             n_queries=spec.n_queries,
             depths=spec.depths,
-            seed=needle_seed(spec.seed, i),
+            seed=stable_seed("needles", spec.seed, i),
         ).text
 
 

@@ -25,9 +25,9 @@ from difftrain.data.sft import PromptResponseTemplate, Template
 from difftrain.data.shards import (
     PreparedData,
     check_split_sizes,
+    held_out,
     open_shards,
     training_repeats,
-    unit_hash,
     val_window_offsets,
 )
 from difftrain.data.sources import SourceStats, check_distinct, require_documents, resolve_sources
@@ -530,7 +530,7 @@ def load_sft_records(
         stats = SourceStats(src.spec.source)
         all_stats.append(stats)
         for d, rec in enumerate(src.records(stats, data_cfg.on_bad_record, check_messages)):
-            if data_cfg.val_fraction > 0 and unit_hash("val", seed, src.index, d) < data_cfg.val_fraction:
+            if held_out(data_cfg.val_fraction, seed, src.index, d):
                 val.append(rec)
             else:
                 train.extend([rec] * training_repeats(src.spec.weight, seed, src.index, d))

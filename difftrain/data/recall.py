@@ -17,11 +17,11 @@ evaluation examples skip any whose text is a training example's.
 
 from __future__ import annotations
 
-import hashlib
 import random
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
+from difftrain.data.builtin import stable_seed
 from difftrain.data.config import RecallSpec
 from difftrain.errors import DataError
 
@@ -102,12 +102,10 @@ def make_recall_example(
 
 
 def example_seed(spec: RecallSpec, split: str, index: int) -> int:
-    """Seed of example `index` of a split ("train", "val" or "eval"): a stable hash of the split,
-    the spec's seed and the index (not Python's hash())."""
+    """Seed of example `index` of a split ("train", "val" or "eval")."""
     if split not in SPLITS:
         raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
-    digest = hashlib.blake2b(f"recall:{split}:{spec.seed}:{index}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little")
+    return stable_seed("recall", split, spec.seed, index)
 
 
 def spec_example(spec: RecallSpec, split: str, index: int) -> RecallExample:

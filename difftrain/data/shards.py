@@ -33,6 +33,7 @@ from typing import Any
 
 import numpy as np
 
+from difftrain.data.builtin import stable_seed
 from difftrain.data.config import DataConfig, TokenizerConfig
 from difftrain.data.sources import (
     Source,
@@ -118,13 +119,18 @@ TOKENIZER_SAMPLE_PIECE = 1 << 16
 
 
 def unit_hash(*parts: object) -> float:
-    """A deterministic u ∈ [0, 1) from the parts (blake2b; stable across runs and machines)."""
-    digest = hashlib.blake2b(":".join(map(str, parts)).encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") / 2.0**64
+    """A deterministic u ∈ [0, 1) from the parts (`stable_seed` / 2⁶⁴)."""
+    return stable_seed(*parts) / 2.0**64
 
 
 def _key(obj: Any) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:20]
+
+
+def held_out(val_fraction: float, seed: int, source: int, doc: int) -> bool:
+    """Whether document `doc` of a source is a validation document: u("val", seed, source, doc)
+    < val_fraction."""
+    return val_fraction > 0 and unit_hash("val", seed, source, doc) < val_fraction
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
@@ -378,10 +384,7 @@ def _build_shards(
                             train.write(arr[:cut], copies)
                         if cut < len(arr):
                             val.write(arr[cut:])
-                    elif (
-                        data_cfg.val_fraction > 0
-                        and unit_hash("val", seed, s.index, d) < data_cfg.val_fraction
-                    ):
+                    elif held_out(data_cfg.val_fraction, seed, s.index, d):
                         val.write(arr)
                     elif copies := training_repeats(s.spec.weight, seed, s.index, d):
                         train.write(arr, copies)

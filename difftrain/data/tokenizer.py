@@ -110,13 +110,8 @@ class Tokenizer:
         return self.eos_id
 
     def _find(self, names: Sequence[str]) -> int | None:
-        for name in names:
-            i = self.tk.token_to_id(name)
-            if i is not None:
-                return i
-        return None
+        return next((i for i in map(self.tk.token_to_id, names) if i is not None), None)
 
-    # -- basic operations --------------------------------------------------------------------
     def _ids(self) -> tuple[int, list[int]]:
         """(max id + 1, the ids below it that stand for no token), added tokens included;
         recomputed when tokens are added."""
