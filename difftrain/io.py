@@ -1,10 +1,8 @@
-"""Atomic file writes: a file difftrain writes is either the old version or the complete new one.
-
-Every write goes to a temporary file in the destination folder, is fsynced, renamed over the
-destination (`os.replace`), and the folder is fsynced so the rename survives a power loss.
-Disk-full and permission errors become DifftrainErrors that name the file; the previous version
-stays intact. A killed write leaves its temporary file behind: `remove_stale_temps` deletes it.
-Also here: the run directory's creation checks and its lock.
+"""Atomic file writes: a file difftrain writes is either the old version or the complete new one
+(a temporary file in the same folder, fsynced, renamed over the destination, the folder fsynced).
+Disk-full and permission errors become DifftrainErrors that name the file. A killed write leaves
+its temporary file behind: `remove_stale_temps` deletes it. Also the run directory's creation
+checks and its lock.
 """
 
 from __future__ import annotations
@@ -45,11 +43,8 @@ def _os_error_message(path: Path, e: OSError) -> str:
 
 @contextlib.contextmanager
 def atomic_path(path: str | os.PathLike[str]) -> Iterator[Path]:
-    """Yield a temporary path next to `path`; on success it is fsynced and renamed onto `path`.
-
-    For writers that want a file name (torch.save, safetensors, numpy). On any exception the
-    temporary file is removed and `path` is untouched.
-    """
+    """Yield a temporary path next to `path`, fsynced and renamed onto `path` on success (for
+    writers that want a file name); on any exception it is removed and `path` is untouched."""
     dest = Path(path)
     dest.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp_name = tempfile.mkstemp(prefix=f".{dest.name}.{os.getpid()}.", suffix=".tmp", dir=dest.parent)
@@ -83,20 +78,14 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-TEMP_GLOB = ".*.tmp"
-"""The names of `atomic_path`'s temporary files (`.NAME.PID.<random>.tmp`)."""
+TEMP_GLOB = ".*.tmp"  # `atomic_path`'s temporary files: .NAME.PID.<random>.tmp
 
 
 def remove_stale_temps(folder: str | os.PathLike[str]) -> list[str]:
-    """Delete the temporary files of atomic writes in `folder` whose writer process is gone.
-
-    Returns the names removed. Files of live processes (a write in progress) are left alone.
-    """
-    removed = []
-    d = Path(folder)
-    if not d.is_dir():
-        return removed
-    for p in d.glob(TEMP_GLOB):
+    """Delete the temporary files of atomic writes in `folder` whose writer process is gone;
+    return their names."""
+    removed: list[str] = []
+    for p in Path(folder).glob(TEMP_GLOB):
         try:
             pid = int(p.name.rsplit(".", 3)[1])
         except (IndexError, ValueError):
@@ -131,14 +120,11 @@ def atomic_save_safetensors(
         save_file(tensors, str(tmp), metadata=metadata)
 
 
-LOCK_FILE = ".lock"
-"""The file a training process holds an exclusive lock on (flock) in its run directory."""
+LOCK_FILE = ".lock"  # in a run directory: flocked by the process that trains into it
 
 
 def _nearest_existing(path: Path) -> Path:
-    """`path` or its nearest ancestor that exists, or a symbolic link on the way that leads
-    nowhere (a loop, a missing target: it exists as a link only). A name the filesystem refuses
-    (longer than it allows) counts as missing."""
+    """`path` or its nearest ancestor that exists (a dangling link included)."""
     p = path.absolute()
     while p != p.parent:
         with contextlib.suppress(OSError):  # ENAMETOOLONG: no such file can exist either
@@ -155,16 +141,15 @@ def _uncreatable(run_dir: Path, why: str) -> DifftrainError:
 
 
 def check_run_dir_creatable(run_dir: str | os.PathLike[str]) -> None:
-    """Refuse, writing nothing, a run directory that cannot be created or written (`pretrain
-    --dry-run` checks what `make_run_dir` would find)."""
+    """Refuse, writing nothing, a run directory that cannot be created or written."""
     why = uncreatable_reason(Path(run_dir))
     if why is not None:
         raise _uncreatable(Path(run_dir), why)
 
 
 def uncreatable_reason(folder: Path) -> str | None:
-    """Why `folder` (and its missing parents) cannot be created and written, judged by its
-    nearest existing ancestor without writing anything; None when it can."""
+    """Why `folder` (and its missing parents) cannot be created and written, judged without
+    writing anything; None when it can."""
     long = next((part for part in Path(folder).absolute().parts if len(part.encode("utf-8")) > 255), None)
     if long is not None:
         return f"the folder name {long[:20]}… is {len(long.encode('utf-8'))} bytes long, more than a folder name may be (255)"
@@ -182,9 +167,7 @@ def uncreatable_reason(folder: Path) -> str | None:
 
 
 def unwritable_file_reason(path: Path) -> str | None:
-    """Why a file at `path` (a path the user named for a result) cannot be written, judged without
-    writing anything: a folder is there, its folder cannot be made or written, or the file is
-    read-only; None when it can."""
+    """Why a file at `path` cannot be written, judged without writing anything; None when it can."""
     path = Path(path)
     if path.is_dir():
         return f"{path} is a folder"
@@ -194,18 +177,17 @@ def unwritable_file_reason(path: Path) -> str | None:
     return why
 
 
+# Linux filesystems of the kernel's own objects: nothing can be created there, whatever
+# `os.access` says to root
 PSEUDO_FILESYSTEMS = frozenset(
     "proc sysfs cgroup cgroup2 devpts debugfs tracefs securityfs pstore bpf configfs fusectl "
     "mqueue binfmt_misc efivarfs autofs".split()
 )
-"""Linux filesystems of the kernel's own objects: nothing can be created there but what they
-define, whatever `os.access` says to root."""
 
 
 def pseudo_filesystem(path: Path) -> str | None:
-    """The type of the kernel filesystem `path` lies on (proc, sysfs, ...), or None: another
-    filesystem, or not Linux. Read from /proc/self/mountinfo (the mount with the longest mount
-    point that is a prefix of the resolved path)."""
+    """The type of the kernel filesystem `path` lies on (proc, sysfs, ...), else None, from
+    /proc/self/mountinfo."""
     try:
         lines = Path("/proc/self/mountinfo").read_text(encoding="utf-8").splitlines()
         target = str(Path(path).resolve())
@@ -226,7 +208,6 @@ def pseudo_filesystem(path: Path) -> str | None:
 
 
 def make_run_dir(run_dir: str | os.PathLike[str]) -> None:
-    """Create a run directory (and its parents); a failure names the folder and the fix."""
     run_dir = Path(run_dir)
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -238,18 +219,15 @@ def make_run_dir(run_dir: str | os.PathLike[str]) -> None:
 
 class RunLock:
     """An exclusive, advisory lock on a run directory (flock on `<run_dir>/.lock`), held by the
-    process that trains into it, so that a second `pretrain`/`finetune` of the same run (another
-    terminal, a resubmitted job) is refused instead of writing into the same files. The operating
-    system drops the lock when the process ends, however it ends, so a killed run never leaves a
-    stale one. Where flock is missing (Windows) runs are not locked."""
+    process that trains into it, so that a second run into it is refused. The OS drops it when
+    the process ends, however it ends. Where flock is missing (Windows) runs are not locked."""
 
     def __init__(self, run_dir: str | os.PathLike[str]) -> None:
         self.path = Path(run_dir) / LOCK_FILE
         self._fd: int | None = None
 
     def holder(self) -> int | None:
-        """The pid that holds the lock now (0 if unknown), or None when nobody does. Writes
-        nothing (a dry run calls it)."""
+        """The pid that holds the lock now (0 if unknown), or None; writes nothing."""
         if self._fd is not None or not self.path.is_file():
             return None
         fd, holder = self._lock(create=False)
@@ -259,7 +237,7 @@ class RunLock:
 
     def acquire(self) -> int | None:
         """Take the lock, creating the run directory if need be; None when taken, else the
-        holder's pid (0 if unknown). A folder that cannot be written is a DifftrainError."""
+        holder's pid (0 if unknown)."""
         fd, holder = self._lock(create=True)
         if fd is not None:
             os.ftruncate(fd, 0)
@@ -297,14 +275,12 @@ class RunLock:
 
 
 def json_error_reason(e: json.JSONDecodeError) -> str:
-    """json's message with the column it leaves out of e.msg ("Unterminated string starting at
-    column 10"); the line is for the caller to name."""
+    """json's message with the column it leaves out of e.msg; the caller names the line."""
     return f"{e.msg.removesuffix(' at')} at column {e.colno}"
 
 
 def lazy_getattr(package: str, table: dict[str, str]) -> Any:
-    """A package's module `__getattr__` that imports `package.<table[name]>` on the first use of
-    `name` (the packages that re-export torch code stay cheap to import)."""
+    """A module `__getattr__` that imports `package.<table[name]>` on the first use of `name`."""
     import importlib
 
     def __getattr__(name: str) -> Any:
@@ -316,8 +292,8 @@ def lazy_getattr(package: str, table: dict[str, str]) -> Any:
 
 
 def sha256_file(path: Path) -> str:
-    """SHA-256 of a file; of a folder (an FSDP sharded checkpoint): over its files' relative names
-    and contents, in name order."""
+    """SHA-256 of a file; of a folder (an FSDP sharded checkpoint) over its files' relative names
+    and contents."""
     h = hashlib.sha256()
     files = sorted(f for f in path.rglob("*") if f.is_file()) if path.is_dir() else [path]
     for file in files:

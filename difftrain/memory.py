@@ -3,30 +3,21 @@
     weights       P · bytes(param dtype)   (fp32, or bf16 under bf16-true; QLoRA's base: 4-bit NF4)
     gradients     P_trained · bytes(param dtype)
     optimizer     per trained tensor, as the optimizer allocates it (`optimizer_bytes`, exact)
-    activations   what autograd saves for the backward pass (below)
-    loss          the loss computed in chunks with the output layer (`model/loss.py`): its saved ∂h
-                  and ∂W and one chunk's logits; without it (an adapted or quantised output layer)
-                  the saved log-probabilities and two (B·T, V) buffers
+    activations   what autograd saves for the backward pass, per token in each decoder layer
+                  (`layer_bytes_per_token`) and outside them (`activations`): exact for eager
+                  execution, compared with `saved_activation_bytes` by the tests. Checkpointing
+                  keeps each layer's input and rebuilds one layer at a time in the backward.
+    loss          the chunked loss (`model/loss.py`): its saved ∂h and ∂W and one chunk's logits;
+                  without it (an adapted or quantised output layer) the saved log-probabilities
+                  and two (B·T, V) buffers
 
-`difftrain.plan` plans a recipe with it and suggests what makes a run fit.
-
-## Activations (eager mode; exact for this code)
-
-The bytes of the tensors autograd saves for the backward pass, per token: in each decoder layer
-(`layer_bytes_per_token`) and outside them (`activations`). `saved_activation_bytes` measures
-them, and the tests compare both on every arch × precision. With activation checkpointing a
-layer keeps only its input, and one layer's activations are rebuilt at a time in the backward.
-
-## Peak
-
-The larger of the backward pass (weights, optimizer state, saved activations, and either the
-accumulated gradients plus the loss's buffers at its start, or later a checkpointed layer rebuilt
-with its gradient buffers beside the parameter gradients) and the optimizer step (weights,
-gradients, state and the fused/foreach AdamW temporaries, ≈ one fp32 copy of the parameters).
-Gradients count in full when micro-batches accumulate, else only the output layer's. A process
-needs the peak with allocator slack plus the CUDA context or the process itself (the constants
-below). The estimates are for eager execution; `benchmarks/memory.py` (CPU) finds the peak within
-±4 % of the tensors' own peak up to d_model 512 / seq 512. FSDP: see `Sharding`.
+The peak is the larger of the backward pass (weights, optimizer state, saved activations, and
+either the accumulated gradients plus the loss's buffers, or a rebuilt checkpointed layer with
+its gradient buffers beside the parameter gradients) and the optimizer step (weights, gradients,
+state, AdamW's temporaries ≈ one fp32 copy of the parameters). Gradients count in full when
+micro-batches accumulate, else only the output layer's. A process needs the peak with allocator
+slack plus the CUDA context or the process itself (constants below); `benchmarks/memory.py` (CPU)
+finds it within ±4 % up to d_model 512 / seq 512. FSDP: see `Sharding`.
 """
 
 from __future__ import annotations
@@ -57,8 +48,7 @@ OPTIMIZERS = ("adamw", "adamw8bit", "paged_adamw8bit", "lion8bit")
 # ----- parameters --------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Param:
-    """One parameter tensor: its name, element count, whether a matmul reads it (autocast makes
-    a bf16 copy of those), and whether it is trained."""
+    """One parameter tensor; `matmul`: a matmul reads it (autocast makes a bf16 copy of it)."""
 
     name: str
     numel: int
@@ -69,9 +59,8 @@ class Param:
 
 
 def model_params(config: ModelConfig) -> list[Param]:
-    """The model's parameter tensors (a tied head counted once), from a model built on the meta
-    device. Only one decoder layer is built and its tensors are repeated for the others (in the
-    model's order): building every layer made a 1,000-layer plan take seconds."""
+    """The model's parameter tensors (a tied head once), in the model's order: one decoder layer
+    is built on the meta device and its tensors repeated for the others (fast for 1,000 layers)."""
     import torch
 
     from difftrain.model.transformer import Transformer
@@ -100,22 +89,17 @@ def _params_of(model: Any, trained: set[str] | None = None, quantized: set[str] 
         id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Linear) and hasattr(m, "weight")
     }
     head = getattr(getattr(model, "lm_head", None), "weight", None)
-    out, seen = [], set()
-    for name, p in model.named_parameters(remove_duplicate=False):
-        if id(p) in seen:
-            continue
-        seen.add(id(p))
-        out.append(
-            Param(
-                name,
-                p.numel(),
-                id(p) in matmul_weights or p is head,
-                trained=trained is None or name in trained,
-                quantized=quantized is not None and name.rsplit(".", 1)[0] in quantized,
-                head=p is head,
-            )
+    return [
+        Param(
+            name,
+            p.numel(),
+            id(p) in matmul_weights or p is head,
+            trained=trained is None or name in trained,
+            quantized=quantized is not None and name.rsplit(".", 1)[0] in quantized,
+            head=p is head,
         )
-    return out
+        for name, p in model.named_parameters()  # (a tied weight once, under its first name)
+    ]
 
 
 def optimizer_bytes(params: Iterable[Param], name: str, param_bytes: int = 4) -> int:
@@ -130,18 +114,15 @@ def optimizer_bytes(params: Iterable[Param], name: str, param_bytes: int = 4) ->
             f"optimizer {name!r} is unknown to the planner; choose one of {', '.join(OPTIMIZERS)}"
         )
     moments = 1 if name == "lion8bit" else 2
-    total = 0
-    for p in params:
-        n = p.numel
-        if not p.trained:
-            continue
+
+    def state(n: int) -> int:
         if name == "adamw":
-            total += 2 * n * param_bytes + 4
-        elif n < BNB_MIN_8BIT_SIZE:
-            total += moments * 4 * n
-        else:
-            total += moments * (n + 4 * math.ceil(n / BNB_BLOCK) + 4 * 256)
-    return total
+            return 2 * n * param_bytes + 4
+        if n < BNB_MIN_8BIT_SIZE:
+            return moments * 4 * n
+        return moments * (n + 4 * math.ceil(n / BNB_BLOCK) + 4 * 256)
+
+    return sum(state(p.numel) for p in params if p.trained)
 
 
 # ----- activations -------------------------------------------------------------------------------
@@ -152,8 +133,7 @@ def _dtype_family(precision: str) -> str:
 
 
 def diff_kernel(device_type: str, attn_impl: str = "auto") -> str:
-    """The attention core training runs on a device type (`model.kernels.resolve_impl`'s table):
-    `flex` on CUDA for auto and flex, else `sdpa` (eager keeps its maps on top of sdpa's row)."""
+    """The attention core training runs on `device_type` (as `model.kernels.resolve_impl`)."""
     return "flex" if device_type == "cuda" and attn_impl in ("auto", "flex") else "sdpa"
 
 
@@ -396,8 +376,7 @@ class MemoryPlan:
 
     @property
     def processes(self) -> int:
-        """Training processes whose memory the target holds: each GPU its own; the CPU's RAM all
-        of one machine's (train.devices processes, each with the whole step)."""
+        """Training processes the target's memory holds: a GPU one, the RAM all of train.devices."""
         return self.settings.devices if self.target.kind == "cpu" else 1
 
     @property
@@ -524,10 +503,7 @@ def plan_memory(
             + ("; its dropout's masks and dropped inputs are" if s.lora_dropout is not None else "")
         )
     if s.fsdp is not None:
-        offload = (
-            "; train.fsdp.cpu_offload moves the shards and the optimizer step to host RAM, counted here "
-            "on the GPU (an upper bound)"
-        )
+        offload = "; train.fsdp.cpu_offload moves the shards and the optimizer step to host RAM, counted here on the GPU (an upper bound)"
         notes.append(
             f"train.strategy=fsdp ({s.fsdp.strategy} over {shards} device{'s' if shards > 1 else ''}): weights, "
             f"gradients and optimizer state are 1/{shards} per device, plus the full weights gathered for the "

@@ -1,12 +1,8 @@
 """Memory planning of a recipe: will its training run fit the device, and if not, what makes it fit.
 
-`plan_recipe(recipe, target)` resolves the recipe for the target as training would
-(`difftrain.spec.resolve`: what training refuses there, the plan refuses), estimates its memory
-(`difftrain.memory.plan_memory`), and, when it does not fit, lists the cheapest changes that do
-(`suggest`: 8-bit optimizer, activation checkpointing, a smaller micro-batch at the same global
-batch, bf16-true, shorter sequences). `pretrain` and `finetune` run the same check and warn
-(`fit_warning`). A fine-tune is planned with its base run's model, or, before that run exists,
-with the model of the shipped recipe that writes it.
+`plan_recipe` resolves the recipe for the target as training would (what training refuses there,
+the plan refuses), estimates its memory (`difftrain.memory`) and, when it does not fit, lists the
+cheapest changes that do (`suggest`). `pretrain` and `finetune` warn with `fit_warning`.
 """
 
 from __future__ import annotations
@@ -41,9 +37,7 @@ from difftrain.memory import (  # noqa: F401 - optimizer_bytes, saved_activation
 from difftrain.model.config import ModelConfig
 from difftrain.spec import Machine, RunSpec, resolve
 
-MAX_GPU_MEMORY = 4 * 2**40
-"""The largest --gpu-mem taken: above any one GPU's memory, so that a slip of the finger (8000GB
-for 80GB) is refused instead of planned for."""
+MAX_GPU_MEMORY = 4 * 2**40  # above any one GPU: a slip of the finger (8000GB for 80GB) is refused
 _UNITS = {"b": 1} | {
     u + s: size for u, size in (("k", KiB), ("m", MiB), ("g", GiB), ("t", 2**40)) for s in ("", "b", "ib")
 }
@@ -64,13 +58,9 @@ def parse_memory(text: str) -> int:
             f"--gpu-mem {text!r}: give a size with a unit, e.g. 8GB, 11.5GiB or 24000MB (GB = GiB = 2^30 bytes)"
         )
     size = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
-    if size < MiB:
-        raise ConfigError(f"--gpu-mem {text!r} is less than 1 MiB; give the GPU's memory, e.g. 8GB")
-    if size > MAX_GPU_MEMORY:
-        raise ConfigError(
-            f"--gpu-mem {text!r} is more than one GPU holds (the limit taken is 4 TiB); give one GPU's "
-            "memory, e.g. 80GB"
-        )
+    if not MiB <= size <= MAX_GPU_MEMORY:
+        what = "less than 1 MiB" if size < MiB else "more than one GPU holds (the limit taken is 4 TiB)"
+        raise ConfigError(f"--gpu-mem {text!r} is {what}; give one GPU's memory, e.g. 8GB")
     return size
 
 
@@ -83,8 +73,7 @@ def fmt_bytes(n: float) -> str:
 
 
 def activation_table(config: ModelConfig, settings: Settings, target: Target) -> list[dict[str, Any]]:
-    """Activations of one micro-batch for every arch × precision × checkpointing, at this shape
-    (the other archs built with the same fields)."""
+    """Activations of one micro-batch for every arch × precision × checkpointing at this shape."""
     rows = []
     for arch in ("baseline", "diff", "diff2"):
         cfg = config.replace(arch=arch)
@@ -124,10 +113,9 @@ class Suggestion:
         )
 
 
-# Relative cost of each change (≈ slowdown or change to the training, made up but ordered):
-# the 8-bit optimizer costs nearly nothing; halving the micro-batch (same global batch, more
-# accumulation) a little GPU efficiency per halving; checkpointing ≈ 30 % more compute; bf16-true
-# drops fp32 master weights (a numerics change); shorter sequences change what the model learns.
+# Relative cost of each change (made up but ordered): halving the micro-batch costs a little GPU
+# efficiency per halving, checkpointing ≈ 30 % compute, bf16-true a numerics change, shorter
+# sequences change what the model learns.
 COSTS = {"optimizer": 1.0, "micro_halving": 1.5, "checkpointing": 3.0, "bf16_true": 5.0, "seq_halving": 10.0}
 
 
@@ -201,9 +189,8 @@ def _dominates(a: dict[str, Any], b: dict[str, Any]) -> bool:
 
 # ----- recipes -----------------------------------------------------------------------------------
 def plan_target(recipe: Any, gpu_mem: str | None = None, device: str = "auto") -> Target:
-    """The target `difftrain plan` plans for: `detect_target`'s, where train.accelerator allows it.
-    A recipe pinned to the CPU (or MPS) is planned against the RAM, and --gpu-mem for it is
-    refused; one pinned to CUDA needs --gpu-mem or a GPU here (training refuses it without)."""
+    """`detect_target`'s target where train.accelerator allows it: a recipe pinned to the CPU (or
+    MPS) is planned against the RAM, one pinned to CUDA needs --gpu-mem or a GPU here."""
     from difftrain.devicecheck import NO_CUDA
 
     acc = recipe.train.accelerator
@@ -224,8 +211,7 @@ def plan_target(recipe: Any, gpu_mem: str | None = None, device: str = "auto") -
 
 
 def detect_target(gpu_mem: str | None = None, device: str = "auto") -> Target:
-    """The target of a plan: `--gpu-mem` → a CUDA GPU of that size; otherwise this machine's
-    first CUDA GPU, or its RAM when it has none (or device == 'cpu')."""
+    """A CUDA GPU of `gpu_mem`; else this machine's first GPU, or its RAM (none, or device cpu)."""
     if gpu_mem is not None:
         return Target("cuda", parse_memory(gpu_mem), f"GPU with {gpu_mem}")
     import torch
@@ -238,7 +224,6 @@ def detect_target(gpu_mem: str | None = None, device: str = "auto") -> Target:
 
 
 def available_ram() -> int:
-    """Total RAM of this machine (bytes): /proc/meminfo, else os.sysconf."""
     import os
 
     try:
@@ -258,8 +243,7 @@ def _vocab_size(recipe: Any) -> int:
 
 
 def tokenizer_size(recipe: Any) -> int:
-    """Tokens of the run's tokenizer, known before training: the size of tokenizer.path's, or the
-    size of the one the recipe trains (tokenizer.train.vocab_size)."""
+    """Tokens of the run's tokenizer before training: tokenizer.path's, or tokenizer.train.vocab_size."""
     tok_file = recipe.tokenizer.file(recipe.recipe_dir)
     if tok_file is None:
         return int(recipe.tokenizer.train.vocab_size)
@@ -270,8 +254,6 @@ def tokenizer_size(recipe: Any) -> int:
 
 @dataclass
 class RecipePlan:
-    """`plan_recipe`'s answer: the plan, the suggestions if it does not fit, and the context."""
-
     plan: MemoryPlan
     suggestions: list[Suggestion]
     activation_table: list[dict[str, Any]]
@@ -344,8 +326,7 @@ def recipe_settings(recipe: Any, target: Target) -> tuple[RunSpec, Settings, lis
 
 
 def _machine(target: Target, recipe: Any) -> Machine:
-    """The machine a recipe is resolved on for `target`: this one, or one described with as many
-    GPUs as the recipe asks for (`plan --gpu-mem`, a target made by hand)."""
+    """This machine, or (`plan --gpu-mem`) one with as many GPUs as the recipe asks for."""
     if target.machine is not None:
         return target.machine
     if target.kind == "cuda":
@@ -356,7 +337,7 @@ def _machine(target: Target, recipe: Any) -> Machine:
 
 def _finetune_model(r: Any) -> tuple[ModelConfig, str | None]:
     """The model a fine-tune trains: its base run's, or, before that run exists, the model of the
-    shipped recipe that writes it (with a note saying so), so a fine-tune can be planned first."""
+    shipped recipe that writes it (with a note saying so)."""
     from difftrain.rundir import apply_model_keys, base_run_dir, resolve_model
 
     ft = r.finetune
@@ -373,15 +354,12 @@ def _finetune_model(r: Any) -> tuple[ModelConfig, str | None]:
 
 
 def _recipe_writing(run_dir: Path) -> Any:
-    """The shipped pretraining recipe whose run directory is `run_dir` (runs/NAME from the current
-    folder), or None."""
+    """The shipped pretraining recipe whose run directory is `run_dir`, or None."""
     from difftrain.recipe import load_recipe, shipped_recipes
 
     path = shipped_recipes().get(run_dir.name)
-    if path is None:
-        return None
-    recipe = load_recipe(path)
-    if recipe.finetune is not None or recipe.model is None:
+    recipe = None if path is None else load_recipe(path)
+    if recipe is None or recipe.finetune is not None or recipe.model is None:
         return None
     return recipe if recipe.run_dir.absolute() == run_dir.absolute() else None
 
@@ -424,8 +402,7 @@ def plan_recipe(recipe: Any, target: Target) -> RecipePlan:
 
 
 def fit_warning(recipe: Any, accelerator: str) -> str | None:
-    """One line for `pretrain` and `finetune` when the plan says the run will not fit the device it is about to
-    use (CUDA: the GPU's memory; CPU: the RAM), with the cheapest fix; None when it fits."""
+    """A warning, with the cheapest fix, when the run will not fit the device it is about to use."""
     target = detect_target(device="cpu" if accelerator != "cuda" else "auto")
     rp = plan_recipe(recipe, target)
     p = rp.plan

@@ -1,16 +1,7 @@
-"""Loading a recipe: the YAML file, `extends:`, command-line overrides, validation.
-
-In order:
-1. read the YAML with a safe loader (no tags, no code), remembering the line of every key;
-2. follow `extends:` (a path relative to the recipe, or a shipped recipe's name): mappings merge
-   key by key, lists and scalars replace;
-3. apply command-line overrides `key.sub=value` (values parsed as YAML, typed by the schema);
-4. validate against the schema (`difftrain.recipe_schema`); an error names the file, the line,
-   the key, and a did-you-mean suggestion.
-
-Also here: the recipe's values that depend on the machine (`resolve_auto`, `global_batch`,
-`train_seq_len`). The schema's classes and `difftrain.recipe_doc`'s reference are importable from
-here too.
+"""Loading a recipe: read the YAML safely (no tags, no code) with the line of every key, follow
+`extends:` (mappings merge key by key, lists and scalars replace), apply `key.sub=value`
+overrides, validate against `difftrain.recipe_schema` (an error names file, line and key).
+Also the values that depend on the machine (`resolve_auto`, `global_batch`, `train_seq_len`).
 """
 
 from __future__ import annotations
@@ -28,7 +19,7 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
-from difftrain.data.config import absolute_path, absolute_source
+from difftrain.data.config import absolute_path
 from difftrain.errors import RecipeError, submodel, validation_message
 from difftrain.layout import is_run_recipe
 from difftrain.recipe_doc import explain_rows, recipe_reference_markdown  # noqa: F401 - re-exported
@@ -39,6 +30,7 @@ from difftrain.recipe_schema import (  # noqa: F401 - re-exported: `from difftra
     Recipe,
     TrainConfig,
     check_record_fields,
+    rebase_paths,
     require_finetuning,
     resolve_data_format,
     run_dir_for,
@@ -50,7 +42,7 @@ MAX_RECIPE_BYTES = 1_000_000
 
 # ----- shipped recipes ----------------------------------------------------------------------------
 def shipped_recipes_dir() -> Path:
-    """The folder of recipes shipped with difftrain (the repo's recipes/, installed as difftrain.recipes)."""
+    """The repo's recipes/ folder, installed as difftrain.recipes."""
     repo = Path(__file__).resolve().parent.parent / "recipes"
     if repo.is_dir():
         return repo
@@ -135,8 +127,7 @@ def _count_nodes(node: yaml.Node, budget: list[int], seen_depth: int = 0) -> Non
 
 def _key_lines(node: yaml.Node, path: Path, prefix: str, out: dict[str, int]) -> None:
     """Record the line of every dotted key under `node` in `out`. A key given twice in one mapping
-    is a RecipeError: YAML loaders keep the last silently, so the recipe would not train what its
-    first line says (a copy-paste slip, a merge conflict). YAML merge keys (`<<:`) may repeat."""
+    (not a `<<:` merge key) is a RecipeError: YAML loaders would keep the last silently."""
     if isinstance(node, yaml.MappingNode):
         seen: dict[str, int] = {}
         for k, v in node.value:
@@ -157,7 +148,6 @@ def _key_lines(node: yaml.Node, path: Path, prefix: str, out: dict[str, int]) ->
 
 
 def _yaml_error(path: Path, e: yaml.YAMLError) -> str:
-    """One line: file, line and column when known, and the parser's complaint."""
     mark = getattr(e, "problem_mark", None)
     where = f", line {mark.line + 1}, column {mark.column + 1}" if mark else ""
     problem = getattr(e, "problem", None) or str(e)
@@ -180,12 +170,9 @@ def read_recipe_text(path: Path) -> str:
 
 
 def read_yaml(path: Path) -> tuple[dict[str, Any], dict[str, int]]:
-    """Parse a recipe file safely; return its mapping and the line of every dotted key.
-
-    Every way a file can be bad (too big, not UTF-8, not YAML, a python/* tag, nesting deep
-    enough to exhaust the parser's recursion, an alias bomb, a number too long for Python's
-    int conversion) is a RecipeError.
-    """
+    """Parse a recipe file safely: its mapping and the line of every dotted key. Every way a file
+    can be bad (too big, not UTF-8, not YAML, a tag, too deep, an alias bomb, a huge number) is a
+    RecipeError."""
     text = read_recipe_text(path)
     lines: dict[str, int] = {}
     try:
@@ -216,9 +203,8 @@ LENGTH_KEYS = ("max_steps", "max_tokens")
 
 
 def one_length(merged: dict[str, Any], setter: Any) -> None:
-    """Where a recipe or the command line (`setter`: its train: keys) sets one of
-    train.max_steps / max_tokens and not the other, the other one, inherited from a parent
-    recipe or the file, is dropped: the run's length is the one asked last."""
+    """Where `setter` (a recipe's or the command line's train: keys) sets one of max_steps /
+    max_tokens and not the other, drop the inherited other: the length is the one asked last."""
     train = merged.get("train")
     if not isinstance(setter, dict) or not isinstance(train, dict):
         return
@@ -269,49 +255,16 @@ def _load_tree(
         raise RecipeError(f"{path}, line {lines.get('extends', '?')}: `extends: {parent}`: {e}") from e
     base, base_where = _load_tree(parent_path, (*chain, resolved))
     if parent_path.resolve().parent != resolved.parent:
-        _rebase_paths(base, parent_path.resolve().parent)
+        rebase_paths(base, parent_path.resolve().parent)
     base_where.update(where)
     merged = deep_merge(base, data)
     one_length(merged, data.get("train"))
     return merged, base_where
 
 
-def _rebase_paths(data: dict[str, Any], folder: Path) -> None:
-    """Make the paths a recipe resolves against its own folder (data sources, data_files,
-    data.cache_dir, tokenizer.path) absolute, in the tree of an extended recipe in another folder: a child in
-    another folder would otherwise resolve the parent's `corpus/` against its own folder."""
-    d = data.get("data")
-    if isinstance(d, dict):
-        sources = d.get("sources")
-        if isinstance(sources, (str, list)):
-            items = [sources] if isinstance(sources, str) else sources
-            out = []
-            for item in items:
-                if isinstance(item, dict):
-                    item = dict(item)
-                    if isinstance(item.get("source"), str):
-                        item["source"] = absolute_source(item["source"], folder)
-                    if isinstance(item.get("data_files"), list):
-                        item["data_files"] = [
-                            absolute_path(f, folder) if isinstance(f, str) and f else f
-                            for f in item["data_files"]
-                        ]
-                    out.append(item)
-                else:
-                    out.append(absolute_source(item, folder) if isinstance(item, str) else item)
-            d["sources"] = out[0] if isinstance(sources, str) else out
-        if isinstance(d.get("cache_dir"), str) and d["cache_dir"]:
-            d["cache_dir"] = absolute_path(d["cache_dir"], folder)
-    t = data.get("tokenizer")
-    if isinstance(t, dict) and isinstance(t.get("path"), str) and t["path"]:
-        t["path"] = absolute_path(t["path"], folder)
-
-
 # ----- overrides ----------------------------------------------------------------------------------
 class RecipeLoader(yaml.SafeLoader):
-    """PyYAML's safe YAML 1.1, which reads numbers in exponent notation only with a dot and a
-    signed exponent (1.0e+6), plus the plain 1e6, 3e-4, 1_000e3 that nanoGPT and litgpt users
-    write: floats, which an integer key takes when they are whole."""
+    """PyYAML's safe loader that also reads 1e6, 3e-4, 1_000e3 as floats (YAML 1.1 wants 1.0e+6)."""
 
 
 RecipeLoader.add_implicit_resolver(
@@ -370,9 +323,8 @@ def _text_key(keys: list[str]) -> str | None:
 
 
 def apply_overrides(data: dict[str, Any], overrides: list[str], folder: Path | None = None) -> dict[str, Any]:
-    """`data` with the command line's `key.sub=value` overrides set. `folder`: where relative data
-    and tokenizer paths in them start (the current folder, where the user typed them), made
-    absolute so that the recipe's own folder does not apply to them."""
+    """`data` with the `key.sub=value` overrides set; relative data and tokenizer paths in them
+    are made absolute against `folder` (the current folder, where the user typed them)."""
     for i, text in enumerate(overrides):  # `train.max_steps = 3`: the shell made three words of it
         prev = overrides[i - 1] if i > 0 else None
         nxt = overrides[i + 1] if i + 1 < len(overrides) else None
@@ -420,7 +372,7 @@ def apply_overrides(data: dict[str, Any], overrides: list[str], folder: Path | N
             for k in keys[:-1]:
                 leaf = leaf.setdefault(k, {})
             leaf[keys[-1]] = value
-            _rebase_paths(tree, folder)  # (sets the rebased value in `leaf`)
+            rebase_paths(tree, folder)  # (sets the rebased value in `leaf`)
             value = leaf[keys[-1]]
         node = out
         for i, k in enumerate(keys[:-1]):
@@ -445,7 +397,7 @@ def apply_overrides(data: dict[str, Any], overrides: list[str], folder: Path | N
 
 # ----- the loader ---------------------------------------------------------------------------------
 def _non_finite(data: Any, prefix: str = "") -> str | None:
-    """The dotted key of the first NaN or infinite number in a recipe tree (None if there is none)."""
+    """The dotted key of the first NaN or infinite number in a recipe tree, or None."""
     if isinstance(data, float) and not math.isfinite(data):
         return prefix or "recipe"
     items = data.items() if isinstance(data, dict) else enumerate(data) if isinstance(data, list) else ()
@@ -462,8 +414,8 @@ def _check_finite(
     source: str,
     overrides: dict[str, str] | None = None,
 ) -> None:
-    """.nan / .inf (and 1e400) are valid YAML but no setting means them (lr=inf trains into NaN):
-    refuse them, naming the override (`overrides`: dotted key → its text) or the file's line."""
+    """Refuse .nan / .inf / 1e400 (valid YAML, meant by no setting), naming the override
+    (`overrides`: dotted key → its text) or the file's line."""
     key = _non_finite(data)
     if key:
         if overrides and key in overrides:
@@ -513,17 +465,14 @@ def recipe_from_dict(data: dict[str, Any], recipe_dir: Path | None = None) -> Re
 
 
 def _absolute_cache_dir(recipe: Recipe) -> None:
-    """A relative data.cache_dir made absolute against the recipe's folder, as its data paths are
-    read, for recipes loaded from a file or built in memory: `DataConfig.resolved_cache_dir`
-    knows no recipe folder (`with_absolute_paths` then writes it as it is)."""
+    """A relative data.cache_dir made absolute against the recipe's folder, as its data paths are."""
     if recipe.data.cache_dir:
         cache = absolute_path(recipe.data.cache_dir, recipe.recipe_dir)  # (an absolute one as written)
         recipe.data = recipe.data.model_copy(update={"cache_dir": cache})
 
 
 def train_seq_len(train: TrainConfig, max_seq_len: int) -> int:
-    """The sequence length `train` trains at (train.seq_len, else the model's max_seq_len);
-    RecipeError when it is longer than the model's positions."""
+    """train.seq_len, else the model's max_seq_len; RecipeError when longer than max_seq_len."""
     seq_len = train.seq_len or max_seq_len
     if seq_len > max_seq_len:
         raise RecipeError(
@@ -534,9 +483,8 @@ def train_seq_len(train: TrainConfig, max_seq_len: int) -> int:
 
 
 def global_batch(train: TrainConfig, devices: int) -> tuple[int, int]:
-    """(global batch in sequences, micro-batches accumulated per step) of `train` on `devices`
-    devices per node; RecipeError when the global batch is not a whole number of steps of
-    micro-batches (`pretrain` refuses such a recipe and `plan` plans none)."""
+    """(global batch in sequences, micro-batches accumulated per step) on `devices` devices per
+    node; RecipeError when the global batch is not a whole number of steps of micro-batches."""
     t = train
     per_step = t.micro_batch_size * devices * t.num_nodes
     global_bs = t.global_batch_size or per_step
@@ -555,8 +503,7 @@ def global_batch(train: TrainConfig, devices: int) -> tuple[int, int]:
 
 
 def resolve_auto(recipe: Recipe, *, cuda: bool, bf16: bool) -> Recipe:
-    """A copy with the `auto` values that depend on the machine fixed (precision, compile,
-    optimizer) for training on a CUDA device (`cuda`) that supports bf16 (`bf16`) or not."""
+    """A copy with the machine's `auto` values (precision, compile, optimizer) fixed."""
     r = recipe.model_copy(deep=True)  # private attributes (folder, source, model keys) included
     if r.train.precision == "auto":
         r.train.precision = ("bf16-mixed" if bf16 else "16-mixed") if cuda else "32-true"

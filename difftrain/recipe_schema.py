@@ -1,7 +1,6 @@
-"""The recipe schema: every setting, its type, default and documentation (a field's
-`description` is its documentation everywhere: `difftrain recipes explain`, docs/recipes.md, error
-messages). Extra keys are errors. `auto` values that depend on the machine stay `auto` here and are
-fixed by `resolve_auto`. Loading a recipe file is `difftrain.recipe`.
+"""The recipe schema: every setting, its type, default and documentation (a field's `description`
+is its documentation everywhere). Extra keys are errors; machine-dependent `auto` values stay
+`auto` here (`difftrain.recipe.resolve_auto` fixes them).
 """
 
 from __future__ import annotations
@@ -357,8 +356,7 @@ class FinetuneConfig(_Section):
 
 
 class Recipe(_Section):
-    """A whole recipe. `name`, `train` (with its length) and, to pretrain, `model` are required;
-    everything else has a default."""
+    """A whole recipe: `name`, `train` and, to pretrain, `model` are required."""
 
     name: str = Field(description="Run name; the run directory is out_dir/name.")
     description: str = Field(
@@ -408,8 +406,7 @@ class Recipe(_Section):
     @model_validator(mode="wrap")
     @classmethod
     def _model_section(cls, data: Any, handler: Any) -> Recipe:
-        """A recipe without `model:` must be a fine-tune; remember which model keys were given
-        (a fine-tune applies only those to the base run's config)."""
+        """A recipe without `model:` must be a fine-tune; remember which model keys were given."""
         if isinstance(data, dict) and data.get("model") is None:
             ft = data.get("finetune")
             if not (isinstance(ft, dict) and "base" in ft):  # (an empty base is its own message)
@@ -454,13 +451,12 @@ class Recipe(_Section):
 
     @property
     def source(self) -> str:
-        """Where the recipe came from (a file path or `shipped:NAME`)."""
+        """A file path or `shipped:NAME`."""
         return self._source
 
     @property
     def command_arg(self) -> str:
-        """The recipe as a command line names it: a shipped recipe's name, a file's path (quoted
-        for the shell where it needs it); RECIPE when it came from neither."""
+        """The recipe as a command line names it (a shipped name, a quoted path, else RECIPE)."""
         import shlex
 
         if not self._source:
@@ -471,34 +467,25 @@ class Recipe(_Section):
 
     @property
     def command_args(self) -> str:
-        """`command_arg` and the command line's overrides (quoted for the shell): what another
-        command needs to see the same recipe, e.g. `difftrain plan {command_args}`."""
+        """`command_arg` and the overrides, quoted: e.g. `difftrain plan {command_args}`."""
         import shlex
 
         return " ".join([self.command_arg, *(shlex.quote(o) for o in self._overrides)])
 
     @property
     def run_dir(self) -> Path:
-        """out_dir/name; for the recipe.yaml of a run directory (loaded from it, `name` and
-        `out_dir` not overridden), that directory, wherever it is and from whichever folder."""
-        if self._own_run_dir is not None:
-            return self._own_run_dir
-        return run_dir_for(self.out_dir, self.name)
+        """out_dir/name; for a run directory's own recipe.yaml (name and out_dir not overridden),
+        that directory."""
+        return self._own_run_dir or run_dir_for(self.out_dir, self.name)
 
     def with_absolute_paths(self) -> Recipe:
-        """A copy whose relative local paths (data sources, data_files, data.cache_dir,
-        tokenizer.path against `recipe_dir`; finetune.base against the current folder) are
-        absolute: how a run directory's recipe.yaml is written, to resume from any folder."""
+        """A copy with its relative local paths absolute (against `recipe_dir`; finetune.base
+        against the current folder): a run's recipe.yaml, resumable from any folder."""
         data = self.model_dump()
-        for spec, src in zip(self.data.sources, data["data"]["sources"], strict=True):
-            src["source"] = absolute_source(spec.source, self.recipe_dir)
-            if spec.data_files:
-                src["data_files"] = [absolute_path(f, self.recipe_dir) for f in spec.data_files]
+        rebase_paths(data, self.recipe_dir)
         tok_file = self.tokenizer.file(self.recipe_dir)
-        if tok_file is not None:
+        if tok_file is not None:  # (~ expanded)
             data["tokenizer"]["path"] = str(tok_file.absolute())
-        if self.data.cache_dir:
-            data["data"]["cache_dir"] = absolute_path(self.data.cache_dir, self.recipe_dir)
         if data.get("finetune") and data["finetune"].get("base"):
             data["finetune"]["base"] = absolute_path(data["finetune"]["base"], Path.cwd())
         out = type(self).model_validate(data)
@@ -522,6 +509,36 @@ def run_dir_for(out_dir: str, name: str) -> Path:
     return out / name
 
 
+def rebase_paths(data: dict[str, Any], folder: Path) -> None:
+    """Make the paths a recipe resolves against its own folder (data sources, data_files,
+    data.cache_dir, tokenizer.path) absolute against `folder` (an extended recipe's, or the
+    current folder for overrides)."""
+    d = data.get("data")
+    sources = d.get("sources") if isinstance(d, dict) else None
+    if isinstance(sources, (str, list)):
+        out = [_rebase_source(s, folder) for s in ([sources] if isinstance(sources, str) else sources)]
+        d["sources"] = out[0] if isinstance(sources, str) else out  # type: ignore[index]
+    for section, key in (("data", "cache_dir"), ("tokenizer", "path")):
+        m = data.get(section)
+        if isinstance(m, dict) and isinstance(m.get(key), str) and m[key]:
+            m[key] = absolute_path(m[key], folder)
+
+
+def _rebase_source(item: Any, folder: Path) -> Any:
+    if isinstance(item, str):
+        return absolute_source(item, folder)
+    if not isinstance(item, dict):
+        return item
+    item = dict(item)
+    if isinstance(item.get("source"), str):
+        item["source"] = absolute_source(item["source"], folder)
+    if isinstance(item.get("data_files"), list):
+        item["data_files"] = [
+            absolute_path(f, folder) if isinstance(f, str) and f else f for f in item["data_files"]
+        ]
+    return item
+
+
 def resolve_data_format(recipe: Recipe) -> str:
     """finetune.data_format with `auto` decided by the first source."""
     assert recipe.finetune is not None
@@ -536,10 +553,8 @@ def resolve_data_format(recipe: Recipe) -> str:
 
 
 def check_record_fields(recipe: Recipe) -> None:
-    """RecipeError for a source's prompt_field/response_field where the data is read as text
-    (pretraining, a `text` fine-tune): they would be ignored, and the run would read text_field."""
-    as_text = recipe.finetune is None or resolve_data_format(recipe) == "text"
-    if not as_text:
+    """RecipeError for a source's prompt_field/response_field where the data is read as text."""
+    if recipe.finetune is not None and resolve_data_format(recipe) != "text":
         return
     reads = "pretraining" if recipe.finetune is None else "a text fine-tune (finetune.data_format: text)"
     for i, src in enumerate(recipe.data.sources):
@@ -558,8 +573,7 @@ def check_record_fields(recipe: Recipe) -> None:
 
 
 def require_finetuning(recipe: Recipe) -> FinetuneConfig:
-    """The recipe's finetune: section; RecipeError saying what to add (or which command trains
-    it) when it has none (checked by `difftrain finetune` before torch loads)."""
+    """The recipe's finetune: section; RecipeError saying what to add when it has none."""
     if recipe.finetune is None:
         raise RecipeError(
             f"{recipe.source or recipe.name} has no finetune: section; add one with at least "

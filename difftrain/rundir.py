@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import json
 import shlex
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -59,39 +60,37 @@ def save_weights(
     full weights gathered from FSDP shards)."""
     import torch
 
-    meta = {"format": "pt", "producer": "difftrain"}
-    meta.update(metadata or {})
+    meta = {"format": "pt", "producer": "difftrain", **(metadata or {})}
     sd = weights_state_dict(model) if isinstance(model, torch.nn.Module) else model
     atomic_save_safetensors(path, sd, metadata=meta)
 
 
-def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
+@contextlib.contextmanager
+def _safetensors_errors(path: Path) -> Iterator[None]:
     from safetensors import SafetensorError
-    from safetensors.torch import load_file
 
     try:
-        return load_file(str(path))
+        yield
     except (SafetensorError, OSError, ValueError, RuntimeError) as e:
-        raise _damaged(path, e) from e
+        raise CheckpointError(
+            f"{path} is damaged or not a safetensors file ({e}); restore it, or rewrite it from the last "
+            f"checkpoint with {resume_command(path.parent)}"
+        ) from e
+
+
+def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    with _safetensors_errors(path):
+        return load_file(str(path))
 
 
 def check_safetensors(path: Path) -> None:
-    """The CheckpointError `read_safetensors` would raise for `path`, from its header alone (the
-    dry runs refuse what the run refuses without reading a tensor)."""
-    from safetensors import SafetensorError, safe_open
+    """The CheckpointError `read_safetensors` would raise for `path`, from its header alone."""
+    from safetensors import safe_open
 
-    try:
-        with safe_open(str(path), framework="pt") as f:
-            f.keys()
-    except (SafetensorError, OSError, ValueError, RuntimeError) as e:
-        raise _damaged(path, e) from e
-
-
-def _damaged(path: Path, e: Exception) -> CheckpointError:
-    return CheckpointError(
-        f"{path} is damaged or not a safetensors file ({e}); restore it, or rewrite it from the last checkpoint "
-        f"with {resume_command(path.parent)}"
-    )
+    with _safetensors_errors(path), safe_open(str(path), framework="pt") as f:
+        f.keys()
 
 
 def check_state_dict(sd: dict[str, torch.Tensor], model: torch.nn.Module, source: Path) -> None:
@@ -138,8 +137,6 @@ def require_run_dir(path: Path) -> Path:
 
 
 def resolve_model(recipe: Recipe, base: Path) -> ModelConfig:
-    """The base run's ModelConfig with the recipe's own `model:` keys applied; a key that would
-    change the architecture is a RecipeError."""
     return apply_model_keys(recipe, load_config(base), f"the base run {base}")
 
 
@@ -164,8 +161,7 @@ def apply_model_keys(recipe: Recipe, base_cfg: ModelConfig, base: str) -> ModelC
 
 
 def base_run_dir(ft: FinetuneConfig) -> Path:
-    """The run directory `finetune.base` names, checked to hold a run (its config.json); reads
-    nothing else, so a fine-tune without its base fails before torch loads."""
+    """The run directory `finetune.base` names, checked to hold a config.json (before torch loads)."""
     base = Path(ft.base).expanduser()
     if not base.exists():
         from difftrain.recipe import shipped_recipes
@@ -191,7 +187,6 @@ def training_command(path: Path) -> str:
 
 
 def _run_recipe(path: Path) -> dict:
-    """The mapping in a run's recipe.yaml ({} where it cannot be read)."""
     import yaml
 
     try:
@@ -202,14 +197,12 @@ def _run_recipe(path: Path) -> dict:
 
 
 def resume_command(path: Path) -> str:
-    """The command that resumes the run in `path` from its own recipe.yaml, in backquotes (the
-    way out of a damaged or missing file that resuming writes again)."""
+    """The command that resumes the run in `path` from its own recipe.yaml, in backquotes."""
     return f"`difftrain {training_command(path)} {shlex.quote(str(path / RECIPE))} --resume`"
 
 
 def require_model_files(path: Path) -> Path:
-    """`require_run_dir`, and the weights `load_run` reads there (model.safetensors, or a LoRA run's
-    adapter); loads no torch."""
+    """`require_run_dir`, and the weights `load_run` reads there (without torch)."""
     path = require_run_dir(path)
     if not is_adapter_run(path):
         require_weights(path)
@@ -266,8 +259,7 @@ def load_config(path: Path):
 
 
 def _rewrite_hint(path: Path) -> str:
-    """How to write a run's config.json again: resuming rewrites it from the run's recipe.yaml
-    (where the run has one and checkpoints to resume); else nothing to add."""
+    """How to write a run's config.json again."""
     if (path / RECIPE).is_file() and (path / CHECKPOINTS).is_dir():
         return f"; write it again from the run's recipe by resuming: {resume_command(path)}"
     return "; restore it from a copy of the run"
@@ -297,17 +289,14 @@ def load_run(path: Path | str, device: str | torch.device = "cpu", dtype: torch.
 
 
 def _ready(path: Path, model: nn.Module, config: Any, tokenizer: Any, device: Any, dtype: Any) -> Run:
-    """The loaded run: `model` moved to `device` (and cast to `dtype`), in eval mode."""
     model.to(device)
     if dtype is not None:
         model = model.to(dtype=dtype)
-    model.eval()
-    return Run(path=path, model=model, config=config, tokenizer=tokenizer)
+    return Run(path=path, model=model.eval(), config=config, tokenizer=tokenizer)
 
 
 def load_run_tokenizer(path: Path) -> Tokenizer:
-    """A run folder's tokenizer.json; missing or damaged, an error that says to restore the one
-    the run was trained with (resuming rewrites it from the data cache)."""
+    """A run folder's tokenizer.json; missing or damaged, an error that says how to restore it."""
     from difftrain.data.tokenizer import load_tokenizer
 
     restore = "copy the tokenizer the run was trained with into it"
@@ -414,10 +403,8 @@ def adapt_model(
 ) -> None:
     """Freeze `model`, put LoRA on `spec.targets`, and make `spec.trained` trainable (in place).
 
-    quantize_on: a device to hold `spec.quantized` in 4-bit NF4 (training a QLoRA run). None
-    instead rounds those weights through NF4 and keeps them dense (loading a QLoRA adapter: the
-    same function without 4-bit kernels). compute_dtype: that of the 4-bit layers (default fp32).
-    """
+    quantize_on: a device to hold `spec.quantized` in 4-bit NF4 (training QLoRA); None rounds them
+    through NF4 and keeps them dense (loading a QLoRA adapter without 4-bit kernels)."""
     import torch
 
     from difftrain.model.lora import apply_lora, nf4_round_trip_, quantize_4bit
@@ -450,11 +437,8 @@ def load_adapter_run(
     *,
     merge: bool = True,
 ) -> Run:
-    """Rebuild a LoRA fine-tune from its base run + adapter files.
-
-    merge=True folds the adapter into the weights (in fp32, before any cast to `dtype`): plain
-    linear layers, full speed. merge=False keeps the LoRA layers (base + B·A at every call).
-    """
+    """Rebuild a LoRA fine-tune from its base run + adapter files; `merge` folds the adapter into
+    the weights (in fp32, before any cast to `dtype`), else the LoRA layers stay."""
     import torch
 
     from difftrain.model.lora import grow_vocab, merge_lora
@@ -512,8 +496,8 @@ def load_adapter_run(
 
 
 def weights_metadata(path: Path) -> dict[str, str]:
-    """The metadata of a run's model.safetensors ({} where it has none or cannot be read), read
-    from the file's JSON header without torch."""
+    """The metadata of a run's model.safetensors ({} where it has none or cannot be read), from
+    its JSON header without torch."""
     try:
         with open(Path(path) / WEIGHTS, "rb") as f:
             size = int.from_bytes(f.read(8), "little")
@@ -544,9 +528,8 @@ def read_summary(path: Path) -> dict:
 
 @dataclass(frozen=True)
 class PromptSettings:
-    """How a run reads a prompt, from its recipe.yaml: `instruction` (fine-tuned on instruction
-    records, else documents), the `prompt_format` they were written in, and its chat template
-    (a `ChatTemplateConfig`; None: the default one)."""
+    """How a run reads a prompt: as an instruction (else a document), its `prompt_format`, and
+    its chat template (a `ChatTemplateConfig`; None: the default one)."""
 
     instruction: bool = False
     prompt_format: str = "{prompt}"
@@ -554,8 +537,7 @@ class PromptSettings:
 
 
 def prompt_settings(run_path: Path | str) -> PromptSettings:
-    """How the run reads a prompt, from its recipe.yaml: an instruction fine-tune's formats;
-    documents for anything else (pretraining, a text fine-tune, no readable recipe)."""
+    """From its recipe.yaml: an instruction fine-tune's formats; documents for anything else."""
     data = _run_recipe(Path(run_path))
     ft = data.get("finetune")
     if not isinstance(ft, dict):
