@@ -1,7 +1,6 @@
-"""Interactive sessions: `Repl` reads prompts and streams their continuations (`difftrain generate
---interactive`); `ChatRepl` keeps a conversation (`Chat`) rendered with the run's chat template and
-streams the assistant's replies (`difftrain chat`). They read through a `read_line` callable and
-show what happens through a `write` callable (`ReplEvent`s); they print nothing themselves."""
+"""The REPLs: `Repl` streams continuations of typed prompts (`difftrain generate --interactive`);
+`ChatRepl` keeps a `Chat` rendered with the run's chat template (`difftrain chat`). Both read
+through `read_line` and show `ReplEvent`s through `write`; they print nothing themselves."""
 
 from __future__ import annotations
 
@@ -16,7 +15,6 @@ from difftrain.infer.prompts import Prompt, unescape
 from difftrain.infer.session import Result, Row, Session
 
 
-# ----- a conversation ----------------------------------------------------------------------------
 class Chat:
     """A conversation rendered with a chat template: roles[role] = head + {content} + tail."""
 
@@ -24,16 +22,13 @@ class Chat:
         self.roles: dict[str, str] = dict(template.roles)
         for role in ("user", "assistant"):
             if role not in self.roles:
-                raise ConfigError(
-                    f"the run's finetune.chat_template has no `{role}` role; chat needs user and assistant"
-                )
+                raise ConfigError(f"the run's finetune.chat_template has no `{role}` role; chat needs it")
         if system and "system" not in self.roles:
             raise ConfigError("--system given but the run's finetune.chat_template has no `system` role")
         self.system = system
         self.messages: list[dict[str, str]] = []
-        self.unseen = 0  # messages dropped from the conversation so far (the model no longer sees them)
-        head, tail = self.roles["assistant"].split("{content}")
-        self.reply_head = head
+        self.unseen = 0  # messages dropped so far (the model no longer sees them)
+        self.reply_head, tail = self.roles["assistant"].split("{content}")
         self.end = tail.strip()  # "<|end|>": the stop string of a reply
 
     def render(self, messages: list[dict[str, str]] | None = None) -> str:
@@ -46,40 +41,35 @@ class Chat:
         )
 
     def fit(self, tokenizer: Any, limit: int, room: int = 1) -> tuple[str, list[int], int]:
-        """(rendered text, ids, messages dropped): the oldest exchanges are dropped, a user turn
-        with the replies after it at a time (the system message stays), until the rendering
-        leaves `room` new tokens for the reply in `limit`, or only the newest message is left
-        (which needs room for one); `unseen` counts the dropped messages. A DataError when the
-        newest message alone does not fit: it is taken back and the conversation is as it was."""
-        dropped = 0
+        """(rendered text, ids, messages dropped): drop the oldest exchanges (a user turn with the
+        replies after it; the system message stays) until the rendering leaves `room` new tokens
+        in `limit`, or only the newest message is left (which needs room for one). A DataError
+        when that message alone does not fit: it is taken back, the conversation kept as it was."""
         messages = list(self.messages)
-        text = self.render(messages)
-        ids = prompt_ids(tokenizer, text, document_start=False)
-        while len(ids) > limit - max(1, room) and len(messages) > 1:
-            messages.pop(0)
-            dropped += 1
-            while len(messages) > 1 and messages[0]["role"] != "user":
-                messages.pop(0)
-                dropped += 1
+        while True:
             text = self.render(messages)
             ids = prompt_ids(tokenizer, text, document_start=False)
+            if len(ids) <= limit - max(1, room) or len(messages) <= 1:
+                break
+            messages.pop(0)
+            while len(messages) > 1 and messages[0]["role"] != "user":
+                messages.pop(0)
         if len(ids) > limit - 1:
             self.messages.pop()
             raise DataError(
                 f"the message is {len(ids)} tokens with the template; the context is {limit}: shorten it "
                 "(the conversation before it is kept)"
             )
+        dropped = len(self.messages) - len(messages)
         self.messages = messages
         self.unseen += dropped
         return text, ids, dropped
 
 
-# ----- what a REPL shows ----------------------------------------------------------------------
 @dataclass(frozen=True)
 class Note:
-    """Text for the user. `kind` "note": help, settings, what became of the conversation; "error":
-    a line or command refused (the session goes on); "interrupted": Ctrl-C stopped a generation
-    (`text` says what became of it)."""
+    """Text for the user: a "note", an "error" (a line or command refused; the session goes on), or
+    "interrupted" (Ctrl-C stopped a generation; `text` says what became of it)."""
 
     text: str
     kind: Literal["note", "error", "interrupted"] = "note"
@@ -108,7 +98,6 @@ _SETTABLE: dict[str, Callable[[str], Any]] = {  # /set KEY VALUE: how VALUE is r
 }
 
 _INPUT_HELP = "  a line ending in \\ continues on the next line; \\n and \\t are a newline and a tab\n"
-# the commands of both REPLs, one line each
 _COMMANDS_HELP = f"""  /set KEY VALUE   changes a setting: {", ".join(_SETTABLE)}
   /show            prints the settings
   /help            prints this
@@ -130,12 +119,10 @@ CHAT_REPL_HELP = (
 )
 
 
-# ----- the loops ---------------------------------------------------------------------------------
 @dataclass
 class Repl:
-    """Read prompts until the end of input and stream each one's continuation. `read_line(marker)`
-    returns the next line typed (EOFError ends the session, KeyboardInterrupt abandons the line);
-    `write` shows an event."""
+    """Stream the continuation of each line read. `read_line(marker)` returns the next line
+    (EOFError ends the session, KeyboardInterrupt abandons the line)."""
 
     session: Session
     read_line: Callable[[str], str]
@@ -145,7 +132,6 @@ class Repl:
     interrupted: ClassVar[Note] = Note("", "interrupted")
 
     def run(self) -> None:
-        """Read lines until the end of input or /quit; Ctrl-C stops a generation without quitting."""
         self.write(Note(self.help))
         while True:
             try:
@@ -230,8 +216,7 @@ class Repl:
 
 @dataclass
 class ChatRepl(Repl):
-    """Read user turns until the end of input; stream each reply (until the template's end marker);
-    drop the oldest turns when the context is full."""
+    """Stream a reply to each user turn; drop the oldest turns when the context is full."""
 
     chat: Chat
     marker: ClassVar[str] = "you » "

@@ -8,14 +8,8 @@ import torch
 
 from difftrain.errors import DeviceError
 
-DTYPES = {
-    "float32": torch.float32,
-    "fp32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-    "float16": torch.float16,
-    "fp16": torch.float16,
-}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES |= {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def _mps_available() -> bool:
@@ -30,21 +24,18 @@ def resolve_device(name: str = "auto") -> torch.device:
             return torch.device("cuda")
         return torch.device("mps") if _mps_available() else torch.device("cpu")
     try:
-        device = torch.device(name)
+        device: torch.device | None = torch.device(name)
     except RuntimeError:
-        raise DeviceError(f"--device {name!r} is not a device; use auto, cpu, cuda, cuda:N or mps") from None
-    if device.type == "cuda":
-        if not torch.cuda.is_available():
-            raise DeviceError(f"--device {name} but no CUDA GPU is visible here; use --device auto or cpu")
-        if device.index is not None and device.index >= torch.cuda.device_count():
-            raise DeviceError(
-                f"--device {name} but only {torch.cuda.device_count()} CUDA GPU(s) are visible; "
-                f"use cuda:0 … cuda:{torch.cuda.device_count() - 1}"
-            )
-    elif device.type == "mps" and not _mps_available():
+        device = None
+    if device is None or device.type not in ("cpu", "cuda", "mps"):
+        raise DeviceError(f"--device {name!r} is not supported; use auto, cpu, cuda, cuda:N or mps")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise DeviceError(f"--device {name} but no CUDA GPU is visible here; use --device auto or cpu")
+    if device.type == "mps" and not _mps_available():
         raise DeviceError(f"--device {name} but Apple MPS is not available here; use --device auto or cpu")
-    elif device.type not in ("cpu", "cuda", "mps"):
-        raise DeviceError(f"--device {name} is not supported; use auto, cpu, cuda, cuda:N or mps")
+    n = torch.cuda.device_count()
+    if device.type == "cuda" and device.index is not None and device.index >= n:
+        raise DeviceError(f"--device {name} but only {n} CUDA GPU(s) are visible; use cuda:0 … cuda:{n - 1}")
     return device
 
 
@@ -65,10 +56,8 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 
 def require_compiler(device: torch.device, option: str = "--compile") -> None:
-    """DeviceError unless torch.compile can build kernels for `device`: on CPU inductor compiles
-    C++ (it needs a compiler: $CXX, g++, clang++ or c++ on PATH), on CUDA it needs Triton.
-    Checked before anything loads, so a missing toolchain is one line, not a traceback from
-    the first compiled call."""
+    """DeviceError unless torch.compile can build kernels for `device` (C++ on CPU, Triton on
+    CUDA), checked before anything loads."""
     import shutil
 
     if device.type == "cuda":
@@ -82,9 +71,8 @@ def require_compiler(device: torch.device, option: str = "--compile") -> None:
     elif device.type == "cpu":
         import logging
 
-        # torch's C++ build helpers warn "No CUDA runtime is found, using CUDA_HOME=..." where a CUDA
-        # toolkit is installed without a GPU: nothing to do with CPU kernels, and it lands in the
-        # middle of streamed text
+        # torch's C++ build helpers warn "No CUDA runtime is found" where a CUDA toolkit is
+        # installed without a GPU: irrelevant to CPU kernels, and it lands in streamed text
         logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
         names = [os.environ["CXX"]] if os.environ.get("CXX") else ["g++", "clang++", "c++"]
         if not any(shutil.which(n) for n in names):

@@ -30,7 +30,6 @@ from torch import Tensor
 from difftrain.infer.settings import SamplingConfig
 
 
-# ----- the steps ---------------------------------------------------------------------------------
 def apply_repetition_penalty(logits: Tensor, seen: Tensor, penalty: float) -> Tensor:
     """z_v / θ for seen tokens with z_v > 0, z_v · θ for seen tokens with z_v ≤ 0; seen (B, V) bool."""
     if penalty == 1.0:
@@ -102,12 +101,8 @@ class Sampler:
 
     def __init__(self, cfg: SamplingConfig, seeds: Sequence[int], device: torch.device) -> None:
         self.cfg = cfg
-        self.generators: list[torch.Generator] = []
-        if not cfg.is_greedy:
-            for s in seeds:
-                g = torch.Generator(device=device)
-                g.manual_seed(int(s))
-                self.generators.append(g)
+        gens = [] if cfg.is_greedy else seeds
+        self.generators = [torch.Generator(device=device).manual_seed(int(s)) for s in gens]
 
     def __call__(self, logits: Tensor, seen: Tensor | None = None) -> Tensor:
         """logits (B, V) → token ids (B,) long."""

@@ -1,7 +1,6 @@
-"""A generation session (`Session`): a loaded run, how it reads prompts (`PromptStyle`) and the
-generation settings, turning prompts into completions. Every prompt × sample is a `Row` with its
-own seed: row k of a session draws with seed + k, counting the rows of earlier turns, so a sample
-does not depend on its batch."""
+"""A generation `Session`: a loaded run, how it reads prompts (`PromptStyle`) and the generation
+settings. Every prompt × sample is a `Row` with its own seed: row k of a session (counting earlier
+turns) draws with seed + k, so a sample does not depend on its batch."""
 
 from __future__ import annotations
 
@@ -19,10 +18,8 @@ from difftrain.rundir import PromptSettings, prompt_settings
 
 @dataclass(frozen=True)
 class PromptStyle(PromptSettings):
-    """How a run reads a prompt (`rundir.PromptSettings`): a pretrained run reads documents, so the
-    prompt follows <|eos|> (the separator before every document of its training stream); an
-    instruction-tuned run reads its SFT format, so the prompt is `finetune.prompt_format` filled
-    in, with no token before it (as in fine-tuning)."""
+    """How a run reads a prompt: a pretrained run as a document (after <|eos|>); an
+    instruction-tuned run as its `finetune.prompt_format` filled in, started as in fine-tuning."""
 
     def render(self, prompt: Prompt) -> str:
         if not self.instruction:
@@ -40,14 +37,11 @@ class PromptStyle(PromptSettings):
             ) from None
 
     def ids(self, tokenizer: Any, text: str) -> list[int]:
-        """Token ids of rendered text: a document's after the token documents start after
-        (<|eos|>, or an imported tokenizer's <s>); an instruction's as fine-tuning examples
-        start (`prompt_ids` without document_start); an empty prompt starts from the document start."""
+        """Token ids of rendered text (`prompt_ids`); an empty prompt starts a document."""
         return prompt_ids(tokenizer, text, document_start=not (self.instruction and text))
 
 
 def prompt_style(run_path: Path) -> PromptStyle:
-    """The run's `PromptStyle`, from its recipe.yaml (`rundir.prompt_settings`)."""
     return PromptStyle(**vars(prompt_settings(run_path)))
 
 
@@ -72,7 +66,7 @@ class Result:
     def to_json(self) -> dict[str, Any]:
         """The fields of `difftrain generate --json`'s results."""
         c, row = self.completion, self.row
-        # a .jsonl prompt's other fields (an id, a reference answer): results keep their inputs
+        # a .jsonl prompt's other fields (an id, a reference answer) go along
         extra = {k: v for k, v in row.prompt.record.items() if k != "prompt"}
         return {
             "prompt": row.prompt.text,
@@ -102,8 +96,8 @@ def compiled_graphs() -> int:
 
 @dataclass
 class Session:
-    """A loaded run (`rundir.load_run`) plus the generation settings; turns prompts into completions.
-    `rows_done` counts the rows generated (or interrupted) so far: seeds keep advancing across turns."""
+    """A loaded run (`rundir.load_run`) and the generation settings. `rows_done` counts the rows
+    generated (or interrupted) so far: seeds keep advancing across turns."""
 
     run: Any
     gen: GenerationConfig
@@ -131,22 +125,17 @@ class Session:
 
     def rows(self, prompts: list[Prompt]) -> list[Row]:
         """Every prompt × sample, in order; row k gets seed + k (counting earlier turns)."""
-        out: list[Row] = []
-        for p in prompts:
-            text, ids = self.encode(p)
-            for s in range(self.num_samples):
-                out.append(Row(self.seed + self.rows_done + len(out), s, p, text, ids))
-        return out
+        encoded = [(p, *self.encode(p)) for p in prompts]
+        flat = [(s, *e) for e in encoded for s in range(self.num_samples)]  # (sample, prompt, text, ids)
+        return [Row(self.seed + self.rows_done + k, *f) for k, f in enumerate(flat)]
 
     def stream(self, rows: list[Row]) -> Iterator[Row | Token | Result]:
         """Generate row by row, yielding each `Row` as it starts, its `Token`s as they come and its
         `Result` (Ctrl-C propagates to the caller)."""
         for row in rows:
             yield row
-            events = generate(
-                self.run.model, [row.ids], self.gen, tokenizer=self.run.tokenizer, seeds=[row.seed]
-            )
-            for ev in events:
+            tok = self.run.tokenizer
+            for ev in generate(self.run.model, [row.ids], self.gen, tokenizer=tok, seeds=[row.seed]):
                 yield Result(row, ev.completion) if isinstance(ev, Finished) else ev
             self.rows_done += 1
 
@@ -154,12 +143,9 @@ class Session:
         """Generate in batches of `batch_size` rows; each batch's results come when it is done."""
         for start in range(0, len(rows), self.batch_size):
             chunk = rows[start : start + self.batch_size]
+            ids, seeds = [r.ids for r in chunk], [r.seed for r in chunk]
             completions = generate_all(
-                self.run.model,
-                [r.ids for r in chunk],
-                self.gen,
-                tokenizer=self.run.tokenizer,
-                seeds=[r.seed for r in chunk],
+                self.run.model, ids, self.gen, tokenizer=self.run.tokenizer, seeds=seeds
             )
             self.rows_done += len(chunk)
             yield from (Result(row, c) for row, c in zip(chunk, completions, strict=True))

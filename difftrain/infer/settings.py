@@ -1,7 +1,5 @@
-"""What `generate` is asked to do — `SamplingConfig` (how the next token is chosen) and
-`GenerationConfig` (how many tokens, when to stop, which path) — checked on construction. Kept free
-of torch so that `difftrain generate` and `chat` refuse a bad option before torch loads; the
-sampling itself is `difftrain.infer.sampling`, the loop `difftrain.infer.generate`."""
+"""The settings of `generate`, checked on construction; free of torch, so that `difftrain generate`
+and `chat` refuse a bad option before torch loads."""
 
 from __future__ import annotations
 
@@ -13,7 +11,7 @@ from difftrain.errors import ConfigError
 
 @dataclass(frozen=True)
 class SamplingConfig:
-    """How the next token is chosen from the logits (see the module docstring for the math)."""
+    """How the next token is chosen from the logits (the math: `difftrain.infer.sampling`)."""
 
     temperature: float = 0.8
     top_k: int = 50
@@ -50,8 +48,6 @@ class SamplingConfig:
 
 @dataclass(frozen=True)
 class GenerationConfig:
-    """What to generate: how many tokens, how to sample, when to stop, which path to use."""
-
     max_new_tokens: int = 256
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     stop: tuple[str, ...] = ()
