@@ -7,19 +7,14 @@ from typing import Any
 
 import typer
 
-from difftrain.cli.common import console, fmt_count, kv_table
-from difftrain.cli.complete import override_items, recipe_refs
+from difftrain.cli.common import OVERRIDES, RECIPE, console, fmt_count, kv_table
 
 
 def bench_command(
-    recipe: str = typer.Argument(..., autocompletion=recipe_refs, help="Recipe file or shipped recipe name."),
-    overrides: list[str] = typer.Argument(
-        None, autocompletion=override_items, help="Overrides as key.sub=value, e.g. train.micro_batch_size=4."
-    ),
+    recipe: str = RECIPE,
+    overrides: list[str] = OVERRIDES,
     steps: int = typer.Option(3, "--steps", min=1, help="Timed training steps per arch and repetition."),
-    reps: int = typer.Option(
-        3, "--reps", min=1, help="Repetitions (the archs take turns); the median counts."
-    ),
+    reps: int = typer.Option(3, "--reps", min=1, help="Repetitions (archs take turns); the median counts."),
     warmup: int = typer.Option(
         2, "--warmup", min=1, help="Untimed steps per arch first (compilation, peak memory)."
     ),

@@ -25,13 +25,9 @@ RESUME = typer.Option(
     None, "--resume/--no-resume", help="Continue from the last good checkpoint (default: train.resume)."
 )
 OVERWRITE = typer.Option(False, "--overwrite", help="Replace a run directory that holds another run.")
-PROGRESS = typer.Option(
-    None, "--progress/--no-progress", help="Show the progress bar (default: logging.progress)."
-)
+PROGRESS = typer.Option(None, "--progress/--no-progress", help="Progress bar (default: logging.progress).")
 DEVICE = typer.Option("auto", "--device", help="auto | cpu | cuda | cuda:N | mps.")
-DTYPE = typer.Option(
-    "auto", "--dtype", help="auto (bf16 on GPU, fp32 on CPU) | float32 | bfloat16 | float16."
-)
+DTYPE = typer.Option("auto", "--dtype", help="auto (GPU bf16, CPU fp32) | float32 | bfloat16 | float16.")
 
 
 class WideWhenPiped(Console):

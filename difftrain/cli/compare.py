@@ -69,9 +69,7 @@ def render(cmp: Any) -> None:
 
 def compare_command(
     run_dirs: list[str] = typer.Argument(..., help="Two or more run directories."),
-    plot: str = typer.Option(
-        None, "--plot", help="Write the loss curves to this figure: .png, .svg or .pdf (e.g. compare.png)."
-    ),
+    plot: str = typer.Option(None, "--plot", help="Write the loss curves to this .png, .svg or .pdf file."),
     suite: list[str] = typer.Option(
         None,
         "--suite",

@@ -1,9 +1,5 @@
-"""`difftrain eval RUN_DIR --suite SUITE`: measure a run — perplexity, retrieval, probes.
-
-Checks the options (a typo fails before the model loads), loads the run, runs each suite through
-`difftrain.evals.evaluate`, writes RUN_DIR/eval/<suite>.json and renders a table per suite (or
-prints the JSON with --json).
-"""
+"""`difftrain eval RUN_DIR --suite SUITE`: check the options (before the model loads), run each
+suite through `difftrain.evals.evaluate`, save RUN_DIR/eval/<suite>.json and render it."""
 
 from __future__ import annotations
 
@@ -17,12 +13,12 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
-from difftrain.cli.common import console, err_console, fmt_count, fmt_figure, kv_table, warn
+from difftrain.cli.common import DEVICE, DTYPE, console, err_console, fmt_count, fmt_figure, kv_table, warn
 from difftrain.cli.complete import suite_names
 from difftrain.errors import ConfigError, RunDirError
 
-HELP = """Evaluate a run: perplexity, needle retrieval, attention and outlier probes,
-quantization.
+HELP = """Evaluate a run: perplexity, needle retrieval, associative recall, attention and outlier
+probes, quantization.
 
 Suites (--suite, repeatable or comma-separated; `all` runs every one):
 
@@ -31,6 +27,7 @@ Suites (--suite, repeatable or comma-separated; `all` runs every one):
   needle     multi-needle retrieval: accuracy over context length × depth ×
              (N needles, R queried), greedy decoding; heat map
              eval/needle.png
+  recall     associative recall: accuracy over N key→value pairs × distractors
   attention  attention mass on the answer span vs the rest of the context
              during retrieval, per layer and depth (--plot draws the maps:
              eval/attention.png)
@@ -42,13 +39,10 @@ Suites (--suite, repeatable or comma-separated; `all` runs every one):
   icl-order  in-context classification accuracy over orders of the
              demonstrations
 
-Results go to RUN_DIR/eval/<suite>.json (on --data: eval/<suite>@<label>.json, the label
-named after the source or given by --data-label, so the validation-split result stays; a
-label named after the source never replaces another source's result: give --data-label);
-a rerun replaces the result, whatever its --dtype (recorded in it). `--show` prints a run's
-stored results again; `difftrain compare` puts them side by side. Defaults take about a
-minute per suite on a 2-core CPU for the quickstart model; --full runs the paper-sized grids,
-and the grid options set any part explicitly.
+Results go to RUN_DIR/eval/<suite>.json (with --data: eval/<suite>@<label>.json, see --data-label);
+a rerun replaces the result, whatever its --dtype. `--show` prints a run's stored results again;
+`difftrain compare` puts runs side by side. Defaults take about a minute per suite on a 2-core CPU
+for the quickstart model; --full runs the paper-sized grids.
 """
 
 
@@ -321,20 +315,15 @@ def eval_command(
         "--suite",
         "-s",
         autocompletion=suite_names,
-        help="Suite(s) to run: ppl, needle, attention, outliers, quant, icl-order, all (default ppl).",
+        help="Suite(s) to run: ppl, needle, recall, attention, outliers, quant, icl-order, all (default ppl).",
     ),
-    as_json: bool = typer.Option(
-        False, "--json", help="Print the result documents as JSON on stdout (no tables)."
-    ),
-    show: bool = typer.Option(
-        False,
-        "--show",
-        help="Print the run's stored results (all, or --suite's, e.g. ppl,ppl@wiki) without running anything.",
-    ),
+    as_json: bool = typer.Option(False, "--json", help="Print the results as JSON on stdout (no tables)."),
+    show: bool = typer.Option(False, "--show", help="Print stored results (all or --suite's); run nothing."),
     data: str = typer.Option(
         None,
         "--data",
-        help="ppl/outliers/quant: evaluate on this source (path, glob, builtin:NAME, hf:NAME) instead of the validation split; saved as eval/<suite>@<label>.json.",
+        help="ppl/outliers/quant: evaluate on this source (path, glob, builtin:NAME, hf:NAME) instead of the "
+        "validation split; saved as eval/<suite>@<label>.json.",
     ),
     data_label: str = typer.Option(
         None,
@@ -349,16 +338,10 @@ def eval_command(
         "(default text; an instruction fine-tune renders records with messages, or prompt and response, "
         "through its template).",
     ),
-    full: bool = typer.Option(
-        False, "--full", help="Paper-sized grids (much slower); explicit options still win."
-    ),
-    seed: int = typer.Option(
-        0, "--seed", help="Seed of the generated prompts (needle, attention, icl-order)."
-    ),
-    device: str = typer.Option("auto", "--device", help="auto | cpu | cuda | cuda:N | mps."),
-    dtype: str = typer.Option(
-        "auto", "--dtype", help="auto (bf16 on GPU, fp32 on CPU) | float32 | bfloat16 | float16."
-    ),
+    full: bool = typer.Option(False, "--full", help="Paper-sized grids (much slower); explicit options win."),
+    seed: int = typer.Option(0, "--seed", help="Seed of generated prompts (needle, attention, icl-order)."),
+    device: str = DEVICE,
+    dtype: str = DTYPE,
     batch_size: int = typer.Option(8, "--batch-size", help="Sequences per forward pass."),
     windows: int = typer.Option(
         None,
@@ -366,18 +349,14 @@ def eval_command(
         help="ppl/quant: number of windows (default: the run's data.val_windows, or 32 where that is 0); "
         "at most the non-overlapping windows the text holds, with a note.",
     ),
-    lengths: str = typer.Option(
-        None, "--lengths", help="needle/attention: context lengths in tokens, e.g. 64,128,192."
-    ),
+    lengths: str = typer.Option(None, "--lengths", help="needle/attention: context lengths, e.g. 64,128."),
     depths: str = typer.Option(
         None, "--depths", help="needle/attention: needle depths in [0, 1] (default 0,0.25,0.5,0.75,1)."
     ),
     needles: str = typer.Option(
-        None, "--needles", help="needle/attention: N×R pairs (N needles, R queried), e.g. 1x1,4x2."
+        None, "--needles", help="needle/attention: N×R (N needles, R queried), e.g. 4x2."
     ),
-    pairs: str = typer.Option(
-        None, "--pairs", help="recall: numbers of key→value pairs N, e.g. 4,8,16,32,64 (default)."
-    ),
+    pairs: str = typer.Option(None, "--pairs", help="recall: key→value pair counts (default 4,8,16,32,64)."),
     distractors: str = typer.Option(
         None, "--distractors", help="recall: distractor rates, e.g. 0,1 (default: 0 and the recipe's)."
     ),
@@ -386,18 +365,10 @@ def eval_command(
         "--samples",
         help="needle/attention: samples per grid cell (default 4; --full 20); recall: examples per cell (64; 256).",
     ),
-    tokens: int = typer.Option(
-        None, "--tokens", help="outliers: tokens to collect (default 8192; --full 131072)."
-    ),
-    bits: str = typer.Option(
-        None, "--bits", help="quant: bit widths of the attention logits (default 8,6,4; 16 is the reference)."
-    ),
-    with_needle: bool = typer.Option(
-        False, "--with-needle", help="quant: also measure needle accuracy at each width."
-    ),
-    demos: int = typer.Option(
-        None, "--demos", help="icl-order: demonstrations per prompt (default 8; --full 16)."
-    ),
+    tokens: int = typer.Option(None, "--tokens", help="outliers: tokens (default 8192; --full 131072)."),
+    bits: str = typer.Option(None, "--bits", help="quant: bit widths (default 8,6,4; 16 is the reference)."),
+    with_needle: bool = typer.Option(False, "--with-needle", help="quant: also measure needle accuracy."),
+    demos: int = typer.Option(None, "--demos", help="icl-order: demos per prompt (default 8; --full 16)."),
     permutations: int = typer.Option(
         None, "--permutations", help="icl-order: orders of the demonstrations (default 8; --full 24)."
     ),

@@ -20,44 +20,14 @@ from typing import Any
 import typer
 from rich.markup import escape
 
-from difftrain.cli.common import console, err_console, fmt_count, warn
+from difftrain.cli.common import DEVICE, DTYPE, console, err_console, fmt_count, warn
 from difftrain.errors import ConfigError, DataError
 from difftrain.infer.prompts import Prompt, parse_prompts, require_utf8, unescape, utf8_problem
 
-HELP = (
-    "Sample text from a trained run.\n\n"
-    "Streams each completion as it is produced and ends with a footer (tokens, time, tokens/s). Several "
-    "prompts (--prompt repeated, or --prompt-file) and --num-samples run as batches of left-padded "
-    "sequences with --no-stream or --json; with --stream they are shown one after another.\n\n"
-    "A pretrained run reads each prompt as the start of a document: it is preceded by the token the model "
-    "saw before every document (<|eos|>, the separator, or an imported tokenizer's own start token such as "
-    "Llama's <s>); without --prompt a document is sampled from scratch. "
-    "An instruction-tuned run (difftrain finetune) reads the prompt in its finetune.prompt_format, filled "
-    "from the record's fields (a .jsonl --prompt-file may carry more fields than `prompt`). In --prompt "
-    "and in interactive input, \\n and \\t are a newline and a tab.\n\n"
-    "A sequence stops at <|eos|>, at any --stop string (cut from the text), after --max-new-tokens, or when "
-    "the context is full: the model reads at most max_seq_len tokens, and generation then stops with a "
-    "note. It never slides the window (the model would read a context it was not trained on).\n\n"
-    "Sampling applies the repetition penalty, then temperature, top-k, top-p and min-p; --greedy (or "
-    "--temperature 0) takes the most probable token. A seed makes samples reproducible: the i-th "
-    "completion of the command (prompts × --num-samples, in order) uses seed + i, whatever the batch "
-    "(--json shows each one's seed). Without --seed a random one is drawn and printed."
-)
-
-CHAT_HELP = (
-    "Talk to a chat fine-tuned run (a REPL with history).\n\n"
-    "Each turn renders the conversation with the run's finetune.chat_template (the default template for "
-    "runs not fine-tuned on messages), adds the assistant header, and streams the reply until the "
-    "template's end marker (<|end|>) or <|eos|>. When the conversation outgrows max_seq_len, the oldest "
-    "exchanges are dropped, with a note (the system message is kept); a reply stops when it fills the "
-    "context. Ctrl-C stops a reply; /reset starts over; /help lists the commands (/set and /show change "
-    "and print the sampling settings); Ctrl-D or /quit exits."
-)
-
 COMPILE_HELP = (
-    "Run the decode step under torch.compile: each new prompt length (or batch shape) waits for a compilation "
-    "(seconds to tens of seconds; its footer says so), then tokens come faster: worth it for long or many "
-    "same-length generations. Needs a C++ compiler on CPU, Triton on CUDA."
+    "Run the decode step under torch.compile: each new prompt length (or batch shape) first waits for a "
+    "compilation (seconds to tens of seconds; its footer says so), then tokens come faster. Needs a C++ "
+    "compiler on CPU, Triton on CUDA."
 )
 
 # the options generate and chat share
@@ -68,15 +38,9 @@ _TOP_P = typer.Option(
     0.95, "--top-p", help="Nucleus: smallest set of tokens with this much probability, in (0, 1] (1 = off)."
 )
 _MIN_P = typer.Option(0.0, "--min-p", help="Drop tokens below min_p × the top probability (0 = off).")
-_REPETITION_PENALTY = typer.Option(
-    1.0, "--repetition-penalty", help="Penalise tokens already present (1 = off, e.g. 1.2)."
-)
+_REPETITION_PENALTY = typer.Option(1.0, "--repetition-penalty", help="Penalise repeated tokens (1 = off).")
 _SEED = typer.Option(None, "--seed", help="Seed for sampling (default: a random seed, printed).")
 _GREEDY = typer.Option(False, "--greedy", help="Always take the most probable token.")
-_DEVICE = typer.Option("auto", "--device", help="auto | cpu | cuda | cuda:N | mps.")
-_DTYPE = typer.Option(
-    "auto", "--dtype", help="auto (bf16 on GPU, fp32 on CPU) | float32 | bfloat16 | float16."
-)
 _COMPILE = typer.Option(False, "--compile", help=COMPILE_HELP)
 
 
@@ -267,17 +231,13 @@ def _load(run_dir: Path, device: str, dtype: str, compile: bool) -> tuple[Any, f
 
 def generate_command(
     run_dir: Path = _RUN_DIR,
-    prompt: list[str] = typer.Option(
-        None, "--prompt", "-p", help="Prompt text (repeat for several). \\n is a newline."
-    ),
+    prompt: list[str] = typer.Option(None, "--prompt", "-p", help="Prompt (repeatable); \\n is a newline."),
     prompt_file: Path = typer.Option(
         None,
         "--prompt-file",
         help='One prompt per line, or a .jsonl with a "prompt" field per line; - reads lines from stdin.',
     ),
-    max_new_tokens: int = typer.Option(
-        256, "--max-new-tokens", "-n", help="Most tokens to generate per completion."
-    ),
+    max_new_tokens: int = typer.Option(256, "--max-new-tokens", "-n", help="Most new tokens per completion."),
     temperature: float = _TEMPERATURE,
     top_k: int = _TOP_K,
     top_p: float = _TOP_P,
@@ -289,20 +249,12 @@ def generate_command(
     num_samples: int = typer.Option(1, "--num-samples", help="Completions per prompt."),
     seed: int = _SEED,
     greedy: bool = _GREEDY,
-    device: str = _DEVICE,
-    dtype: str = _DTYPE,
-    stream: bool = typer.Option(
-        True, "--stream/--no-stream", help="Print tokens as they come (else batch and print at the end)."
-    ),
-    as_json: bool = typer.Option(
-        False, "--json", help="Print machine-readable results (JSON on stdout) instead of text."
-    ),
-    interactive: bool = typer.Option(
-        False, "--interactive", "-i", help="Read prompts from the keyboard (a REPL with history)."
-    ),
-    batch_size: int = typer.Option(
-        16, "--batch-size", help="Sequences generated together with --no-stream / --json."
-    ),
+    device: str = DEVICE,
+    dtype: str = DTYPE,
+    stream: bool = typer.Option(True, "--stream/--no-stream", help="Print tokens as they come, or batch."),
+    as_json: bool = typer.Option(False, "--json", help="Print the results as JSON on stdout."),
+    interactive: bool = typer.Option(False, "--interactive", "-i", help="Type prompts in a REPL."),
+    batch_size: int = typer.Option(16, "--batch-size", help="Sequences per batch (--no-stream, --json)."),
     cache: bool = typer.Option(
         True,
         "--cache/--no-cache",
@@ -310,6 +262,24 @@ def generate_command(
     ),
     compile: bool = _COMPILE,
 ) -> None:
+    r"""Sample text from a trained run.
+
+    Streams each completion, then a footer (tokens, time, tokens/s). With --no-stream or --json,
+    several prompts (--prompt repeated, --prompt-file) and --num-samples run as batches of
+    left-padded sequences.
+
+    A pretrained run reads a prompt as the start of a document (after the token it saw before every
+    document: <|eos|>, or an imported tokenizer's start token such as Llama's <s>); without --prompt
+    it samples a document from scratch. An instruction-tuned run reads the prompt in its
+    finetune.prompt_format (a .jsonl --prompt-file may fill more fields than `prompt`). In --prompt
+    and interactive input, \n and \t are a newline and a tab.
+
+    A sequence stops at <|eos|>, at a --stop string (cut from the text), after --max-new-tokens, or,
+    with a note, when the context (max_seq_len) is full: the window never slides.
+
+    Sampling applies the repetition penalty, then temperature, top-k, top-p and min-p; --greedy (or
+    --temperature 0) takes the most probable token. The i-th completion (prompts × --num-samples, in
+    order) uses seed + i, whatever the batch; without --seed a random seed is drawn and printed."""
     from difftrain.rundir import require_model_files
 
     require_model_files(run_dir)  # a mistyped path or option fails before torch loads
@@ -440,10 +410,18 @@ def chat_command(
     repetition_penalty: float = _REPETITION_PENALTY,
     seed: int = _SEED,
     greedy: bool = _GREEDY,
-    device: str = _DEVICE,
-    dtype: str = _DTYPE,
+    device: str = DEVICE,
+    dtype: str = DTYPE,
     compile: bool = _COMPILE,
 ) -> None:
+    """Talk to a chat fine-tuned run (a REPL with history).
+
+    Each turn renders the conversation with the run's finetune.chat_template (the default template
+    for runs not fine-tuned on messages) and streams the reply until the template's end marker
+    (<|end|>) or <|eos|>. When the conversation outgrows max_seq_len, the oldest exchanges are
+    dropped, with a note (the system message is kept). Ctrl-C stops a reply; /reset starts over;
+    /help lists the commands (/set and /show change and print the sampling settings); Ctrl-D or
+    /quit exits."""
     from difftrain.rundir import require_model_files
 
     require_model_files(run_dir)  # a mistyped path or option fails before torch loads
@@ -490,5 +468,5 @@ def chat_command(
 
 
 def register(app: typer.Typer) -> None:
-    app.command("generate", help=HELP)(generate_command)
-    app.command("chat", help=CHAT_HELP)(chat_command)
+    app.command("generate")(generate_command)
+    app.command("chat")(chat_command)

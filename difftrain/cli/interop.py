@@ -13,13 +13,9 @@ FORMATS = ("hf",)
 
 
 def export_command(
-    run_dir: Path = typer.Argument(
-        ..., help="Run directory to export (holds config.json, model.safetensors, tokenizer.json)."
-    ),
+    run_dir: Path = typer.Argument(..., help="Run directory to export."),
     out_dir: Path = typer.Argument(..., help="Folder to write the exported model to."),
-    format: str = typer.Option(
-        "hf", "--format", help="Target format. hf: Hugging Face transformers (Llama / DiffLlama)."
-    ),
+    format: str = typer.Option("hf", "--format", help="hf: Hugging Face transformers (Llama / DiffLlama)."),
     dtype: str = typer.Option(
         "float32", "--dtype", help="Weight dtype: float32 (exact), bfloat16 or float16 (half the size)."
     ),

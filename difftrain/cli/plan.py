@@ -7,24 +7,19 @@ from typing import Any
 
 import typer
 
-from difftrain.cli.common import console, fmt_count, kv_table, spec_rows
-from difftrain.cli.complete import override_items, recipe_refs
+from difftrain.cli.common import OVERRIDES, RECIPE, console, fmt_count, kv_table, spec_rows
 
 
 def plan_command(
-    recipe: str = typer.Argument(..., autocompletion=recipe_refs, help="Recipe file or shipped recipe name."),
-    overrides: list[str] = typer.Argument(
-        None, autocompletion=override_items, help="Overrides as key.sub=value, e.g. train.micro_batch_size=4."
-    ),
+    recipe: str = RECIPE,
+    overrides: list[str] = OVERRIDES,
     gpu_mem: str = typer.Option(
         None,
         "--gpu-mem",
         help="Plan for a CUDA GPU with this much memory (8GB, 11.5GiB, 24000MB; GB = GiB). "
         "Default: this machine's GPU, else its RAM.",
     ),
-    device: str = typer.Option(
-        "auto", "--device", help="auto | cpu: plan for this machine's GPU or its RAM."
-    ),
+    device: str = typer.Option("auto", "--device", help="auto | cpu: plan for this machine's GPU or RAM."),
     as_json: bool = typer.Option(False, "--json", help="Print the plan as JSON instead of tables."),
 ) -> None:
     """Estimate a training run's memory before it starts: does it fit, and what would make it fit.

@@ -7,15 +7,17 @@ from typing import Any
 import typer
 
 from difftrain.cli.common import (
+    OVERRIDES,
+    RECIPE,
     DataBars,
     console,
     fmt_count,
     json_as_text_row,
     kv_table,
+    skipped_records_row,
     vocab_shortfall,
     warn,
 )
-from difftrain.cli.complete import override_items, recipe_refs
 from difftrain.errors import RecipeError
 
 
@@ -57,24 +59,14 @@ def prepare_table(prepared: Any, tokenizer_cfg: Any) -> Any:
         ("cache", f"{prepared.cache_dir}  ({_bytes(s.cache_bytes)})"),
         ("tokenizer", str(prepared.tokenizer_path)),
     ]
-    if s.bad_records:
-        rows.insert(1, ("skipped records", f"{s.bad_records:,} malformed (data.on_bad_record: skip)"))
-    rows[1:1] = json_as_text_row(s)
+    rows[1:1] = json_as_text_row(s) + skipped_records_row(s.bad_records, [])
     return kv_table("difftrain prepare", rows)
 
 
 def prepare_command(
-    recipe: str = typer.Argument(
-        ...,
-        autocompletion=recipe_refs,
-        help="Recipe file or shipped recipe name (see `difftrain recipes list`).",
-    ),
-    overrides: list[str] = typer.Argument(
-        None, autocompletion=override_items, help="Overrides as key.sub=value, e.g. data.val_fraction=0.02."
-    ),
-    progress: bool = typer.Option(
-        True, "--progress/--no-progress", help="Show progress bars while preparing."
-    ),
+    recipe: str = RECIPE,
+    overrides: list[str] = OVERRIDES,
+    progress: bool = typer.Option(True, "--progress/--no-progress", help="Show progress bars."),
 ) -> None:
     """Train (or load) the tokenizer and tokenize RECIPE's data into cached shards; print a summary.
 

@@ -70,9 +70,7 @@ def show(
 @recipes_app.command("cp")
 def cp(
     name: str = typer.Argument(..., autocompletion=recipe_refs, help="Shipped recipe name or recipe path."),
-    dest: str = typer.Argument(
-        ..., help="Destination file, or folder (an existing one, or a name ending in /)."
-    ),
+    dest: str = typer.Argument(..., help="Destination file, or folder (existing, or a name ending in /)."),
     force: bool = typer.Option(False, "--force", help="Overwrite an existing file."),
 ) -> None:
     """Copy a shipped recipe (or any recipe file) to DEST so you can edit it (like `tune cp`)."""
@@ -167,9 +165,7 @@ def explain(
         None,
         help="A section (model, data, tokenizer, train, optim, logging, ...) or a key (train.max_steps).",
     ),
-    markdown: bool = typer.Option(
-        False, "--markdown", help="Print the reference as a Markdown table (that of docs/recipes.md)."
-    ),
+    markdown: bool = typer.Option(False, "--markdown", help="Print the Markdown table of docs/recipes.md."),
 ) -> None:
     """Print every recipe key (of a section, or one key) with its type, default and description."""
     from rich.markup import escape
