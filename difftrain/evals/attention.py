@@ -31,6 +31,7 @@ from difftrain.rundir import Run
 
 NEEDLES_DEFAULT = [(4, 1)]
 NAMES = ("answer", "noise", "noise_abs", "total", "answer_share", "noise_share")
+MAPS = {"baseline": "softmax", "diff": "A1 - lambda*A2", "diff2": "A_2i - sigmoid(lambda)*A_2i+1"}
 
 
 def spans(
@@ -108,8 +109,7 @@ def run(run: Run, opts: EvalOptions, progress: Progress = _no_progress) -> Suite
     prompts = grid_prompts(tok, run.config.max_seq_len, grid, opts.seed)  # type: ignore[attr-defined]
     all_stats = []
     for i, p in enumerate(prompts):
-        s, _ = probe(model, tok, p)
-        all_stats.append(s)
+        all_stats.append(probe(model, tok, p)[0])
         progress(i + 1, len(prompts))
     stats = np.stack(all_stats)  # (prompts, layers, 6)
 
@@ -132,11 +132,8 @@ def run(run: Run, opts: EvalOptions, progress: Progress = _no_progress) -> Suite
     ]
     overall = summary(list(range(len(prompts))))
     res = {
-        "map": {"baseline": "softmax", "diff": "A1 - lambda*A2", "diff2": "A_2i - sigmoid(lambda)*A_2i+1"}[
-            run.config.arch
-        ],  # type: ignore[attr-defined]
-        **{n: overall[n] for n in NAMES},
-        "per_layer": overall["per_layer"],
+        "map": MAPS[run.config.arch],  # type: ignore[attr-defined]
+        **overall,
         "by_depth": by_depth,
         "prompts": len(prompts),
         "measured_depths": [mean(p.measured_depths) for p in prompts],

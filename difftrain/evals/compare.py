@@ -369,18 +369,14 @@ def compare_runs(paths: Sequence[str | Path], suites: Sequence[str] | None = Non
     def get(key: str) -> list[Any]:
         return [r.summary.get(key) for r in runs]
 
+    # all sessions of a resumed run (wall_time_s: the last session's, or an older summary's)
+    train_time = [r.summary.get("train_time_s") or r.summary.get("wall_time_s") for r in runs]
     training = [
         Row("arch", [r.config.get("arch") or r.summary.get("arch") for r in runs]),
         Row("params", [_params(r) for r in runs], None, "count"),
         Row("steps", get("steps"), None, "d"),
         Row("tokens", get("tokens"), None, "count"),
-        # all sessions of a resumed run (wall_time_s: the last session's, or an older summary's)
-        Row(
-            "training time (s)",
-            [r.summary.get("train_time_s") or r.summary.get("wall_time_s") for r in runs],
-            "lower",
-            ".1f",
-        ),
+        Row("training time (s)", train_time, "lower", ".1f"),
         Row("tokens/s", get("tokens_per_s"), "higher", ",.0f"),
         Row("final train loss", get("final_train_loss"), "lower", ".4f"),
         Row("final val loss", get("final_val_loss"), "lower", ".4f"),
@@ -393,16 +389,10 @@ def compare_runs(paths: Sequence[str | Path], suites: Sequence[str] | None = Non
         notes += _settings_notes(s, runs, docs)
     if note := _tokenizer_note(runs):  # per-token figures are shown, not ranked
         notes.append(note)
-        per_token = [r for r in training if r.name.endswith(("train loss", "val loss"))]
-        per_token += [
-            r
-            for s, rows in table.items()
-            if split_key(s)[0] == "ppl"
-            for r in rows
-            if r.name in ("loss", "ppl")
-        ]
-        for row in per_token:
-            row.better = None
+        ppl_rows = [r for s, rows in table.items() if split_key(s)[0] == "ppl" for r in rows]
+        for row in training + ppl_rows:
+            if row.name in ("final train loss", "final val loss", "best val loss", "loss", "ppl"):
+                row.better = None
     return Comparison(
         runs=runs,
         training=training,

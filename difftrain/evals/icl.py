@@ -1,18 +1,9 @@
 """`icl-order`: in-context classification and its sensitivity to the order of demonstrations.
 
 A small binary task from the needle generator's facts (paper §3.6): each item is a needle
-sentence "The magic number of <city> is <7 digits>." labelled `high` when the
-number is at least 5000000 and `low` otherwise. A prompt is D labelled demonstrations (half of
-each label) followed by an unlabelled test item:
-
-    The magic number of Oslo is 7120345.
-    Label: high
-
-    ...
-
-    The magic number of Lima is 2038871.
-    Label:
-
+sentence "The magic number of <city> is <7 digits>." labelled `high` when the number is at
+least 5000000 and `low` otherwise. A prompt is D labelled demonstrations (half of each label),
+each "<sentence>\nLabel: <label>\n\n", followed by an unlabelled "<sentence>\nLabel:".
 The prediction is the label with the larger log-likelihood of its tokens. The same D
 demonstrations are presented in P different orders (seeded permutations), each scored on the
 same M test items (half of each label). Reported: accuracy per order, their mean, and the

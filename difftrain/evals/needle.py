@@ -9,10 +9,8 @@ value:
 
     accuracy(L, d, N, R) = 1/(K·R) · Σ_samples Σ_j [numbers_j(completion) = value_j]
 
-over K samples per cell (each a fresh haystack, cities and values, seeded). The grid of context
-lengths × depths is drawn as a heat map per (N, R), like the paper's Figure 5.
-
-Examples come from `make_needle_example` seeded by ("needle-eval", seed, cell, sample).
+over K samples per cell, each a fresh haystack from `make_needle_example` seeded by
+("needle-eval", seed, cell, sample). The grid is drawn as a heat map per (N, R) (paper Fig. 5).
 """
 
 from __future__ import annotations

@@ -6,10 +6,9 @@ Over a fixed number of validation tokens, collect
   positions, for every query head (both maps of each differential head for `diff`);
 - hidden states: every layer's block output (after its residual), all features;
 
-and report for the magnitudes |x| the top-1, -2, -3, -10 and -100 values and the median, plus
-the kurtosis of x, κ = E[(x − μ)⁴] / σ⁴ (3 for a Gaussian), pooled over layers and per layer.
-The median is exact up to `MEDIAN_SAMPLE` values per kind, else over an evenly strided
-subsample (recorded as `median_over`).
+and report for the magnitudes |x| the top-1, -2, -3, -10 and -100 values and the median (over
+a strided subsample beyond `MEDIAN_SAMPLE` values: `median_over`), plus the kurtosis of x,
+κ = E[(x − μ)⁴] / σ⁴ (3 for a Gaussian), pooled over layers and per layer.
 """
 
 from __future__ import annotations
@@ -157,8 +156,7 @@ def run(run: Run, opts: EvalOptions, progress: Progress = _no_progress) -> Suite
     seq_len = tw.windows.shape[1] - 1  # shorter than the context for a split shorter than one window
     got = collect(run.model, tw.windows, batch_size=opts.batch_size, progress=progress)
     res: dict[str, Any] = {"source": tw.source, "tokens": int(len(tw.windows) * seq_len)}
-    for kind in ("logits", "hidden"):
-        name = "attention_logits" if kind == "logits" else "hidden_states"
+    for kind, name in (("logits", "attention_logits"), ("hidden", "hidden_states")):
         res[name] = {
             **_pool(got[kind]),
             "per_layer": [{"layer": i, **s.result()} for i, s in enumerate(got[kind])],

@@ -111,11 +111,6 @@ def _save(fig: Any, path: Path | str) -> Path:
     return path
 
 
-def _grid_shape(n: int, max_cols: int = 3) -> tuple[int, int]:
-    cols = min(n, max_cols)
-    return -(-n // cols), cols
-
-
 def needle_heatmap(
     results: dict[str, Any], settings: dict[str, Any], path: Path | str, title: str = ""
 ) -> Path:
@@ -123,7 +118,8 @@ def needle_heatmap(
     lengths = settings["lengths"]
     depths = settings["depths"]
     needles = [tuple(x) for x in settings["needles"]]
-    rows, cols = _grid_shape(len(needles))
+    cols = min(len(needles), 3)
+    rows = -(-len(needles) // cols)
     fig = _figure(1.0 + 4.2 * cols, 0.9 + (0.45 * len(lengths) + 1.4) * rows)
     axes = np.atleast_1d(fig.subplots(rows, cols, squeeze=False)).ravel()
     cells = {

@@ -7,8 +7,8 @@ For windows w of max_seq_len + 1 tokens (inputs w[:-1], targets w[1:]):
     bits per token = loss / ln 2
     bits per byte  = Σ −log₂ p(...) / N_bytes             (N_bytes = UTF-8 bytes of the targets)
 
-By default the windows are the run's validation windows (`eval_windows`), so `loss` reproduces
-training's final validation loss where the split holds that many non-overlapping windows.
+By default the windows are training's validation windows (`eval_windows`), so `loss` reproduces
+its final validation loss.
 """
 
 from __future__ import annotations

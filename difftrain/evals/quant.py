@@ -8,8 +8,7 @@ absmax quantization to b bits (symmetric, round to nearest):
     Ŝ     = clamp(round(S / Δ), −(2^(b−1) − 1), 2^(b−1) − 1) · Δ
 
 16 bits is the reference: the unquantized model through the same eager attention path.
-Reported: the `ppl` figures at each width, Δloss = loss_b − loss_16, and with --with-needle the
-needle accuracy at each width.
+Reported: the `ppl` figures and Δloss = loss_b − loss_16 at each width (--with-needle: needle accuracy).
 """
 
 from __future__ import annotations

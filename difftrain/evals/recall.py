@@ -1,15 +1,10 @@
 """`recall` suite: exact-match accuracy on multi-query associative recall (`builtin:recall`).
 
 Fresh held-out examples (the task's "eval" seeds, none equal to a training example of the run)
-for each N (pairs in the context) of a grid and each distractor rate, with the key and value
-vocabularies and the number of queries of the run's recipe (its first `builtin:recall` source;
-a run trained on other data is refused). The model reads each example once,
+for each N (pairs in the context) and distractor rate of a grid, with the task settings of the
+run's recipe (its first `builtin:recall` source). The model reads each example once,
 teacher-forced, and a query counts as answered when the greedy prediction at every token of its
 value is right (exact match); `exact_match` is the fraction of examples with every query right.
-
-Grid: N in 4, 8, 16, 32, 64 plus the recipe's N (--pairs), at most key_vocab and only where
-the examples fit the model's max_seq_len (a note names those left out); distractor rates 0 and
-the recipe's (--distractors). Examples per cell: 64 (--samples; --full 256).
 """
 
 from __future__ import annotations
