@@ -190,10 +190,8 @@ def oom_advice(recipe: Any, *, finetune: bool = False, device: str = "GPU") -> s
 
 
 def spec_rows(spec: Any, padded: bool = False) -> list[tuple[str, str]]:
-    """A run's resolved settings (`difftrain.spec.RunSpec`), as `plan`, `--dry-run` and the start
-    table all show them: model, batch, steps, optimizer, precision, device, and why each `auto`
-    chose what it did. `padded`: sequences are padded to the longest of a batch (instruction
-    records), so a step holds at most the tokens it says."""
+    """A `RunSpec`'s resolved settings as `plan`, `--dry-run` and the start table show them.
+    `padded`: sequences are padded to the longest of a batch, so a step holds at most its tokens."""
     m, t = spec.model, spec.recipe.train
     at_most = "≤" if padded else ""
     rows = [
@@ -254,9 +252,8 @@ def prepared_rows(prepared: Any) -> list[tuple[str, str]]:
 
 
 def check_files(r: Any) -> None:
-    """Check, without torch and writing nothing, what a training run reads and writes: a
-    fine-tune's base run, the local data sources, tokenizer.path, the data cache where the data is
-    still to be tokenized, and that the run directory can be created."""
+    """Check, without torch and writing nothing, the files and folders a training run reads and
+    writes: base run, local data, tokenizer, data cache (where still to fill), run directory."""
     from difftrain.data.shards import cached_index
     from difftrain.data.sources import check_local_sources
     from difftrain.data.tokenizer import tokenizer_file

@@ -92,8 +92,7 @@ def _acc_cell(v: float | None) -> str:
 
 
 def _table(heading: str | None, *columns: str, bold: tuple[int, ...] = ()) -> Table:
-    """A table of right-aligned `columns` (those at the indices `bold` in bold), after a bold
-    heading line."""
+    """A table of right-aligned `columns` (those at the indices `bold` in bold) after a heading."""
     if heading is not None:
         console.print(f"[bold]{heading}[/]", soft_wrap=True)
     t = Table()
@@ -103,8 +102,7 @@ def _table(heading: str | None, *columns: str, bold: tuple[int, ...] = ()) -> Ta
 
 
 def render(doc: dict[str, Any], run_dir: Path) -> None:
-    """Print one suite's result as rich tables; `run_dir`: the run as the user named it now (the
-    result's `run` is where it was evaluated from, and its plots lie in the run directory)."""
+    """Print one suite's result; `run_dir`: the run as named now (where its plots lie)."""
     from difftrain.evals.common import bits_label, plot_path
 
     suite, res, st = doc["suite"], doc["results"], doc["settings"]
@@ -161,35 +159,18 @@ def render(doc: dict[str, Any], run_dir: Path) -> None:
         console.print(f"[bold]accuracy[/] {res['accuracy']:.3f}{tail}")
     elif suite == "attention":
         signed = doc["arch"] != "baseline"
-        # the shares are scale-free: comparable across archs
-        columns = [
-            "needle depth",
-            "answer",
-            "noise",
-            *(["|noise|"] if signed else []),
-            "answer share",
-            "noise share",
-        ]
-        t = _table(f"{title} · map {res['map']} · {res['prompts']} prompts", *columns)
-        keys = ("answer", "noise", "noise_abs", "answer_share", "noise_share")
+        columns = ["answer", "noise", *(["|noise|"] if signed else []), "answer share", "noise share"]
+        t = _table(f"{title} · map {res['map']} · {res['prompts']} prompts", "needle depth", *columns)
+        keys = ["answer", "noise", *(["noise_abs"] if signed else []), "answer_share", "noise_share"]
         for row in res["by_depth"] + [{"depth": None, **{k: res.get(k) for k in keys}}]:
-            t.add_row(
-                "mean" if row["depth"] is None else f"{row['depth']:.0%}",
-                f"{row['answer']:.3f}",
-                f"{row['noise']:.3f}",
-                *([f"{row['noise_abs']:.3f}"] if signed else []),
-                fmt_figure(row.get("answer_share"), ".3f"),
-                fmt_figure(row.get("noise_share"), ".3f"),
-                style="bold" if row["depth"] is None else None,
-            )
+            depth = "mean" if row["depth"] is None else f"{row['depth']:.0%}"
+            cells = [fmt_figure(row.get(k), ".3f") for k in keys]
+            t.add_row(depth, *cells, style="bold" if row["depth"] is None else None)
         console.print(t)
         lt = _table("per layer (mean over depths)", "layer", "answer", "noise", "answer share")
         for row in res["per_layer"]:
             lt.add_row(
-                str(row["layer"]),
-                f"{row['answer']:.3f}",
-                f"{row['noise']:.3f}",
-                fmt_figure(row.get("answer_share"), ".3f"),
+                str(row["layer"]), *[fmt_figure(row.get(k), ".3f") for k in keys[:2] + ["answer_share"]]
             )
         console.print(lt)
         if signed:

@@ -1,8 +1,5 @@
-"""`difftrain generate RUN_DIR` and `difftrain chat RUN_DIR`: sample from a trained run.
-
-Renders what a `difftrain.infer.session.Session` and the REPLs of `difftrain.infer.chat` yield:
-completion text on stdout (after the prompt, dimmed), headers, footers and notes on stderr.
-"""
+"""`difftrain generate RUN_DIR` and `difftrain chat RUN_DIR`: render what a `Session` and the REPLs
+of `difftrain.infer.chat` yield: completions on stdout, headers, footers and notes on stderr."""
 
 from __future__ import annotations
 
@@ -200,8 +197,7 @@ def _seed(seed: int | None) -> int:
 
 
 def _stdin_has_data() -> bool:
-    """Whether text was piped into standard input, which generate does not read: one read that
-    does not wait. False on a terminal, at end of input, or where stdin is no file."""
+    """Whether text was piped into standard input (which generate does not read), without waiting."""
     import select
 
     try:

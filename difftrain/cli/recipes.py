@@ -107,56 +107,52 @@ def cp(
         )
 
 
+def _or_none(f: Any, *args: Any, **kwargs: Any) -> Any:
+    """`f(*args, **kwargs)`, or None where it raises a DifftrainError or an OSError."""
+    from difftrain.errors import DifftrainError
+
+    try:
+        return f(*args, **kwargs)
+    except (DifftrainError, OSError):
+        return None
+
+
 def _own_key(path: Path, key: str, types: Any = str) -> Any:
     """A top-level key of a recipe file as written, not what it extends (None where it has none
     of `types`, or the file does not read)."""
-    from difftrain.errors import DifftrainError
     from difftrain.recipe import read_yaml
 
-    try:
-        value = read_yaml(path)[0].get(key)
-    except (DifftrainError, OSError):
-        return None
+    doc = _or_none(read_yaml, path)
+    value = doc[0].get(key) if doc is not None else None
     return value if isinstance(value, types) else None
 
 
 def _paths_read_elsewhere(src: Path, target: Path) -> list[str]:
     """The relative paths of a recipe (read against its own folder) that name something else once
     it is copied from `src` to `target`; none for a shipped recipe or one that does not load."""
-    from difftrain.errors import DifftrainError
-    from difftrain.recipe import load_recipe, shipped_recipes_dir
+    from difftrain.recipe import find_recipe, load_recipe, shipped_recipes_dir
 
     old, new = src.resolve().parent, target.resolve().parent
     if old == new or old == shipped_recipes_dir().resolve():
         return []
     parent = _own_key(src, "extends")  # the parent's own paths are read against its folder
-    if parent is not None and _find(parent, old) != _find(parent, new):
-        return [f"extends: {parent}"]
-    moved: list[str] = []
-    try:
-        here = load_recipe(src)
-    except DifftrainError:
-        return moved
+    if parent is not None:
+        found = [_or_none(lambda d: find_recipe(parent, relative_to=d).resolve(), d) for d in (old, new)]
+        if found[0] != found[1]:
+            return [f"extends: {parent}"]
+    here = _or_none(load_recipe, src)
+    if here is None:
+        return []
     there = here.model_copy()
     there._recipe_dir = new
     a, b = here.with_absolute_paths(), there.with_absolute_paths()
+    moved: list[str] = []
     for spec, x, y in zip(here.data.sources, a.data.sources, b.data.sources, strict=True):
         files = zip(spec.data_files or (), x.data_files or (), y.data_files or (), strict=True)
         moved += [raw for raw, p, q in [(spec.source, x.source, y.source), *files] if p != q]
     if a.tokenizer.path != b.tokenizer.path:
         moved.append(str(here.tokenizer.path))
     return moved
-
-
-def _find(ref: str, folder: Path) -> Path | None:
-    """The recipe `extends: ref` names from a recipe in `folder` (None where it names none)."""
-    from difftrain.errors import DifftrainError
-    from difftrain.recipe import find_recipe
-
-    try:
-        return find_recipe(ref, relative_to=folder).resolve()
-    except DifftrainError:
-        return None
 
 
 @recipes_app.command("explain")
