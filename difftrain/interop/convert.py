@@ -47,11 +47,8 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # buffers some older checkpoints s
 
 
 def deinterleave_heads(w: Tensor, n_heads: int) -> Tensor:
-    """Rows of `n_heads` heads in difftrain's pair order → transformers' DiffLlama order.
-
-    Head j of the result is head P(j) = 2·(j mod n/2) + ⌊j/(n/2)⌋ of `w`: rows viewed as
-    (n/2, 2, d, cols) are transposed to (2, n/2, d, cols).
-    """
+    """Rows of `n_heads` heads in difftrain's pair order → DiffLlama's: head j of the result is
+    head P(j) of `w` (the module doc)."""
     rows, cols = w.shape
     return w.reshape(n_heads // 2, 2, rows // n_heads, cols).transpose(0, 1).reshape(rows, cols)
 
@@ -82,11 +79,8 @@ def hf_class_for(config: ModelConfig) -> str:
 def to_hf_state_dict(
     sd: dict[str, Tensor], config: ModelConfig, dtype: torch.dtype = torch.float32
 ) -> dict[str, Tensor]:
-    """difftrain tensors → the tensors of the matching transformers class (see the module doc).
-
-    The conversion is computed in fp32 and cast to `dtype`. A tied lm_head is dropped (HF ties it
-    to the embedding through `tie_word_embeddings`).
-    """
+    """difftrain tensors → the matching transformers class's (the module doc), computed in fp32 and
+    cast to `dtype`. A tied lm_head is dropped (HF ties it through `tie_word_embeddings`)."""
     hf_class_for(config)
     out = {k: t for k, t in sd.items() if not (k == "lm_head.weight" and config.tie_embeddings)}
     if config.arch == "diff":
@@ -105,12 +99,8 @@ def to_hf_state_dict(
 
 
 def from_hf_state_dict(hf: dict[str, Tensor], config: ModelConfig, where: str = CONFIG) -> dict[str, Tensor]:
-    """Tensors of a (checked) Llama / DiffLlama checkpoint → difftrain's state dict, in fp32.
-
-    Keys must already match `expected_hf_shapes` (see `check_hf_tensors`). DiffLlama: q/k/v rows
-    re-interleaved, V divided by `value_scale`, subln = ones unless the checkpoint carries one.
-    `where`: the config.json its messages name.
-    """
+    """Tensors of a Llama / DiffLlama checkpoint (checked by `check_hf_tensors`) → difftrain's, in
+    fp32 (the inverse of `to_hf_state_dict`). `where`: the config.json its messages name."""
     sd = {k: t.float() for k, t in hf.items() if not k.endswith(_IGNORED_SUFFIXES)}
     if config.tie_embeddings:
         head = sd.pop("lm_head.weight", None)
@@ -178,10 +168,13 @@ def check_hf_tensors(hf: dict[str, Tensor], config: ModelConfig, hf_dir: Path) -
     unexpected = [
         k for k in hf if k not in expected and k not in optional and not k.endswith(_IGNORED_SUFFIXES)
     ]
+
+    def first(names: list[str]) -> str:
+        return names[0] + (f" (and {len(names) - 1} more)" if len(names) > 1 else "")
+
     if missing:
-        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
         raise InteropError(
-            f"{hf_dir}: tensor {missing[0]}{more} is missing from the weights but {cfg} implies it; "
+            f"{hf_dir}: tensor {first(missing)} is missing from the weights but {cfg} implies it; "
             "the config and the weights come from different models, or the download is incomplete"
         )
     extra_layers = sorted(
@@ -194,9 +187,8 @@ def check_hf_tensors(hf: dict[str, Tensor], config: ModelConfig, hf_dir: Path) -
             "and the weights disagree)"
         )
     if unexpected:
-        more = f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else ""
         raise InteropError(
-            f"{hf_dir}: unexpected tensor {unexpected[0]}{more} for a {HF_CLASS_OF_ARCH[config.arch]} "
+            f"{hf_dir}: unexpected tensor {first(unexpected)} for a {HF_CLASS_OF_ARCH[config.arch]} "
             f"with this {cfg}; difftrain imports only the plain Llama/DiffLlama layout (no biases, no extra modules)"
         )
     for k, t in hf.items():
@@ -249,26 +241,12 @@ def hf_config_dict(
     return out
 
 
-def _num(
-    hf: dict[str, Any],
-    key: str,
-    where: Path,
-    *,
-    default: Any = None,
-    integer: bool = True,
-    positive: bool = True,
-) -> Any:
+def _num(hf: dict[str, Any], key: str, where: Path, *, default: Any = None, integer: bool = True) -> Any:
     v = hf.get(key, default)
     if v is None:
         raise InteropError(f"{where}: missing `{key}`; a Llama/DiffLlama config.json needs it")
-    ok = (
-        isinstance(v, int) and not isinstance(v, bool)
-        if integer
-        else isinstance(v, (int, float)) and not isinstance(v, bool)
-    )
-    if not ok or (positive and v <= 0):
-        kind = "a positive integer" if integer else "a positive number"
-        raise InteropError(f"{where}: `{key}`={v!r} must be {kind}")
+    if isinstance(v, bool) or not isinstance(v, int if integer else (int, float)) or v <= 0:
+        raise InteropError(f"{where}: `{key}`={v!r} must be a positive {'integer' if integer else 'number'}")
     return v
 
 
@@ -291,11 +269,8 @@ def hf_class_of(hf: dict[str, Any], where: Path) -> str:
 
 
 def config_from_hf(hf: dict[str, Any], where: Path) -> tuple[ModelConfig, str]:
-    """A transformers config.json (as a dict) → (ModelConfig, transformers class).
-
-    Refuses (InteropError naming the key) what difftrain's model cannot compute exactly: biases,
-    activations other than SiLU, RoPE scaling, odd head counts for DiffLlama.
-    """
+    """A transformers config.json (as a dict) → (ModelConfig, transformers class); an InteropError
+    naming the key for what difftrain's model cannot compute exactly."""
     cls = hf_class_of(hf, where)
     D = _num(hf, "hidden_size", where)
     L = _num(hf, "num_hidden_layers", where)
@@ -333,12 +308,7 @@ def config_from_hf(hf: dict[str, Any], where: Path) -> tuple[ModelConfig, str]:
     rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
     if not isinstance(rope, dict):
         raise InteropError(f"{where}: rope_parameters must be a mapping, got {rope!r}")
-    if (
-        "rope_type" not in rope
-        and "type" not in rope
-        and rope
-        and all(isinstance(v, dict) for v in rope.values())
-    ):
+    if rope and not {"rope_type", "type"} & rope.keys() and all(isinstance(v, dict) for v in rope.values()):
         raise InteropError(f"{where}: per-layer-type rope_parameters are not supported")
     rope_type = rope.get("rope_type", rope.get("type")) or "default"
     if rope_type != "default":
@@ -352,7 +322,6 @@ def config_from_hf(hf: dict[str, Any], where: Path) -> tuple[ModelConfig, str]:
             f"{where}: partial_rotary_factor is not supported; difftrain rotates the whole head"
         )
     init_std = hf.get("initializer_range") or 0.02
-    lam_std = hf.get("lambda_std_dev")
     fields: dict[str, Any] = {
         "arch": SUPPORTED_ARCHITECTURES[cls],
         "vocab_size": V,
@@ -368,8 +337,8 @@ def config_from_hf(hf: dict[str, Any], where: Path) -> tuple[ModelConfig, str]:
         "tie_embeddings": bool(hf.get("tie_word_embeddings", False)),
         "init_std": init_std if init_std > 0 else 0.02,
     }
-    if cls == DIFFLLAMA and lam_std is not None:
-        fields["lambda_std"] = lam_std
+    if cls == DIFFLLAMA and hf.get("lambda_std_dev") is not None:
+        fields["lambda_std"] = hf["lambda_std_dev"]
     try:
         return ModelConfig.from_dict(fields, where=str(where)), cls
     except DifftrainError as e:
@@ -377,11 +346,9 @@ def config_from_hf(hf: dict[str, Any], where: Path) -> tuple[ModelConfig, str]:
 
 
 def jinja_chat_template(chat: Any) -> str:
-    """A chat template (finetune.chat_template) as the Jinja template transformers'
-    `apply_chat_template` renders: each message as roles[role] with its content, in order, then the
-    assistant's header with add_generation_prompt — the text `difftrain chat` gives the model. The
-    formats' text goes in as string literals, which neither Jinja's delimiters nor the
-    trim_blocks transformers sets can change."""
+    """A finetune.chat_template as the Jinja template of transformers' `apply_chat_template`,
+    rendering the text `difftrain chat` gives the model. The formats' text goes in as string
+    literals, which neither Jinja's delimiters nor transformers' trim_blocks can change."""
 
     def literal(text: str) -> str:
         return "{{ " + json.dumps(text, ensure_ascii=False) + " }}" if text else ""
@@ -406,16 +373,15 @@ def jinja_chat_template(chat: Any) -> str:
 
 
 def chat_end_token_id(chat: Any, tok: Any) -> int | None:
-    """The token that ends an assistant turn of a chat template (the stripped text after its
-    {content}, as `difftrain chat` stops at it), where that is one token; else None."""
+    """The token that ends an assistant turn (the stripped text after {content}, where `difftrain
+    chat` stops), where that is one token; else None."""
     tail = str(chat.roles.get("assistant", "")).split("{content}")[-1].strip()
     return tok.token_to_id(tail) if tail else None
 
 
 def run_chat_template(run_path: Path, settings: Any) -> Any:
-    """The chat template (a ChatTemplateConfig) of a run fine-tuned on `messages` records, as its
-    summary.json and its prompt `settings` (`rundir.prompt_settings`) record them; None for any
-    other run."""
+    """The ChatTemplateConfig of a run fine-tuned on `messages` records (`settings`:
+    `rundir.prompt_settings`); None for any other run."""
     from difftrain.recipe import ChatTemplateConfig
     from difftrain.rundir import record_kinds
 
@@ -425,10 +391,9 @@ def run_chat_template(run_path: Path, settings: Any) -> Any:
 
 
 def hf_tokenizer_files(tokenizer: Any, model_max_length: int, chat: Any = None) -> dict[str, str]:
-    """tokenizer_config.json and special_tokens_map.json for `PreTrainedTokenizerFast` (the
-    tokenizer.json itself is copied verbatim). No post-processor: like difftrain's own `encode`,
-    `tokenizer(text)` adds no special tokens (pretraining separates documents with eos only).
-    `chat`: a chat fine-tune's template, written as `chat_template` (`jinja_chat_template`)."""
+    """tokenizer_config.json and special_tokens_map.json for `PreTrainedTokenizerFast`. Like
+    difftrain's `encode`, `tokenizer(text)` adds no special tokens. `chat`: a chat fine-tune's
+    template, written as `chat_template`."""
     special = {
         "bos_token": tokenizer.id_to_token(tokenizer.bos_id),
         "eos_token": tokenizer.id_to_token(tokenizer.eos_id),
@@ -449,9 +414,10 @@ def hf_tokenizer_files(tokenizer: Any, model_max_length: int, chat: Any = None) 
     if chat is not None:
         cfg["chat_template"] = jinja_chat_template(chat)
     return {
-        "tokenizer_config.json": json.dumps(cfg, indent=2, ensure_ascii=False) + "\n",
-        "special_tokens_map.json": json.dumps(
-            {**special, "additional_special_tokens": extra}, indent=2, ensure_ascii=False
-        )
-        + "\n",
+        "tokenizer_config.json": json_text(cfg),
+        "special_tokens_map.json": json_text({**special, "additional_special_tokens": extra}),
     }
+
+
+def json_text(data: dict[str, Any]) -> str:
+    return json.dumps(data, indent=2, ensure_ascii=False) + "\n"

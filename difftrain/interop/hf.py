@@ -1,12 +1,10 @@
 """Export runs to Hugging Face transformers (Llama, DiffLlama) and import them back, exactly.
 
-Neither direction needs transformers: config.json, model.safetensors and the tokenizer files are
-written and read directly (`difftrain.interop.convert` holds the layout conversion). Folding
-subln into o_proj (and scaling V) rounds, so an export also writes `difftrain.safetensors`
+Neither direction needs transformers (`difftrain.interop.convert` holds the layout conversion).
+Folding subln into o_proj (and scaling V) rounds, so an export also writes `difftrain.safetensors`
 (ignored by transformers): the run's ModelConfig and the original value of every tensor whose
 conversion does not invert exactly. Import uses it only when re-exporting the restored tensors
-reproduces model.safetensors bit for bit; otherwise it imports the transformers weights as they
-are — the same function either way.
+reproduces model.safetensors bit for bit; otherwise it imports the transformers weights as they are.
 """
 
 from __future__ import annotations
@@ -35,6 +33,7 @@ from difftrain.interop.convert import (
     from_hf_state_dict,
     hf_config_dict,
     hf_tokenizer_files,
+    json_text,
     run_chat_template,
     to_hf_state_dict,
     value_scale,
@@ -43,7 +42,6 @@ from difftrain.interop.paths import EXPORT_DTYPES, check_export_paths, check_imp
 from difftrain.io import (
     atomic_save_safetensors,
     atomic_write_bytes,
-    atomic_write_json,
     atomic_write_text,
     json_error_reason,
 )
@@ -93,32 +91,36 @@ def _load_safetensors(path: Path) -> tuple[dict[str, Tensor], dict[str, str]]:
         raise InteropError(f"{path} is damaged or not a safetensors file ({e}); download it again") from e
 
 
+def _weight_map(index: Path) -> dict[str, str]:
+    """tensor name → shard file, from a model.safetensors.index.json."""
+    weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+    if not isinstance(weight_map, dict):
+        raise TypeError("weight_map is not a mapping")
+    return weight_map
+
+
 def read_hf_weights(hf_dir: Path) -> tuple[dict[str, Tensor], list[Path]]:
     """All tensors of a transformers checkpoint folder: model.safetensors, or the shards listed in
-    model.safetensors.index.json — in that order, as transformers' from_pretrained looks for them.
-    Pickle files (pytorch_model.bin) are refused."""
+    model.safetensors.index.json (as from_pretrained looks for them). Pickles are refused."""
     index, single = hf_dir / HF_INDEX, hf_dir / WEIGHTS
     if single.is_file():
         return _load_safetensors(single)[0], [single]
     if index.is_file():
         try:
-            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
-            if not isinstance(weight_map, dict):
-                raise TypeError("weight_map is not a mapping")
+            weight_map = _weight_map(index)
         except (OSError, ValueError, KeyError, TypeError) as e:
             raise InteropError(f"{index} is not a valid safetensors index ({e}); download it again") from e
         tensors: dict[str, Tensor] = {}
         files = []
-        for name in dict.fromkeys(weight_map.values()):
-            shard = hf_dir / str(name)
-            if Path(str(name)).is_absolute() or ".." in Path(str(name)).parts:
+        for name in dict.fromkeys(map(str, weight_map.values())):
+            shard = hf_dir / name
+            if Path(name).is_absolute() or ".." in Path(name).parts:
                 raise InteropError(f"{index} lists shard {name!r} outside {hf_dir}")
             if not shard.is_file():
                 raise InteropError(
                     f"{index} lists shard {name} but {shard} does not exist; the download is incomplete"
                 )
-            part, _ = _load_safetensors(shard)
-            tensors.update(part)
+            tensors.update(_load_safetensors(shard)[0])
             files.append(shard)
         absent = [k for k in weight_map if k not in tensors]
         if absent:
@@ -126,9 +128,7 @@ def read_hf_weights(hf_dir: Path) -> tuple[dict[str, Tensor], list[Path]]:
                 f"{index} maps {absent[0]} to {weight_map[absent[0]]} but that shard does not hold it"
             )
         return tensors, files
-    pickles = [
-        p.name for p in (hf_dir / "pytorch_model.bin", hf_dir / "pytorch_model.bin.index.json") if p.exists()
-    ]
+    pickles = [n for n in ("pytorch_model.bin", "pytorch_model.bin.index.json") if (hf_dir / n).exists()]
     if pickles:
         raise InteropError(
             f"{hf_dir} has only {pickles[0]} (a pickle); difftrain reads safetensors only. Convert it with "
@@ -156,24 +156,22 @@ def _read_json(path: Path, what: str) -> dict[str, Any]:
     return data
 
 
-def _prepare_out_dir(path: Path, overwrite: bool, flag: str, what: str, *, keep_runs: str) -> None:
-    """`keep_runs`: "any" refuses --overwrite into any difftrain run directory (an export would
-    replace its config.json and weights), "trained" only into one that training wrote (checkpoints,
-    metrics, an adapter); an earlier import may be imported over."""
+def _prepare_out_dir(path: Path, overwrite: bool, what: str, *, any_run: bool) -> None:
+    """Create the folder to write. Never over a run that training wrote (checkpoints, metrics, an
+    adapter), nor with `any_run` over any run directory (an earlier import may be imported over)."""
     if path.exists() and not path.is_dir():
         raise InteropError(f"{path} is a file; choose a folder for the {what}")
     if path.is_dir() and any(path.iterdir()):
-        # a run is refused first, with or without the flag: suggesting it there would only lead
-        # to this refusal
+        # a run is refused with or without --overwrite: suggesting the flag would only lead here
         trained = [n for n in (CHECKPOINTS, METRICS, ADAPTER_CONFIG) if (path / n).exists()]
-        if trained or (keep_runs == "any" and (path / RECIPE).is_file()):
+        if trained or (any_run and (path / RECIPE).is_file()):
             raise InteropError(
-                f"{path} holds a difftrain run ({(trained or [RECIPE])[0]}); {flag} writes into a folder but never "
-                "over a run: choose a new folder, or remove that run first"
+                f"{path} holds a difftrain run ({(trained or [RECIPE])[0]}); --overwrite writes into a folder but "
+                "never over a run: choose a new folder, or remove that run first"
             )
         if not overwrite:
             raise InteropError(
-                f"{path} exists and is not empty; choose a new folder or pass {flag} to write into it"
+                f"{path} exists and is not empty; choose a new folder or pass --overwrite to write into it"
             )
     path.mkdir(parents=True, exist_ok=True)
 
@@ -185,12 +183,11 @@ def export_hf(
     dtype: str = "float32",
     overwrite: bool = False,
 ) -> ExportResult:
-    """Write a run directory as a transformers checkpoint folder that
-    `AutoModelForCausalLM.from_pretrained(out_dir)` and `AutoTokenizer.from_pretrained(out_dir)`
-    load offline: config.json, model.safetensors, generation_config.json, tokenizer.json,
-    tokenizer_config.json, special_tokens_map.json, README.md, and difftrain.safetensors (exact
-    round trips, see the module doc). `dtype`: float32 (exact), bfloat16 or float16."""
-    from difftrain.rundir import load_run, weights_state_dict
+    """Write a run directory as a transformers checkpoint folder that `AutoModelForCausalLM` and
+    `AutoTokenizer.from_pretrained(out_dir)` load offline: config.json, model.safetensors,
+    generation_config.json, the tokenizer files, README.md and difftrain.safetensors (the module
+    doc). `dtype`: float32 (exact), bfloat16 or float16."""
+    from difftrain.rundir import load_run, prompt_settings, weights_state_dict
 
     run_path, out = Path(run_dir), Path(out_dir)
     check_export_paths(run_path, out, dtype)
@@ -200,48 +197,40 @@ def export_hf(
     ours = {k: t.detach().float().clone() for k, t in weights_state_dict(run.model).items()}
     hf_sd = to_hf_state_dict(ours, config, DTYPES[dtype])  # raises for diff2 before anything is written
     cls = HF_CLASS_OF_ARCH[config.arch]
-    _prepare_out_dir(out, overwrite, "--overwrite", "export", keep_runs="any")
+    _prepare_out_dir(out, overwrite, "export", any_run=True)
 
-    # Tensors whose conversion does not invert bit for bit are kept in the sidecar (fp32 only:
-    # a bf16/fp16 export is rounded anyway).
-    exact: dict[str, Tensor] = {}
     notes: list[str] = []
     if (run_path / ADAPTER_CONFIG).is_file():
         notes.append(
             "a LoRA run: exported as its base with the adapter merged in (as `difftrain merge` makes it)"
         )
-    if dtype == "float32":
-        back = from_hf_state_dict(hf_sd, config)
-        exact = {k: t for k, t in ours.items() if k in back and not torch.equal(back[k], t)}
     if config.arch == "diff":
         notes.append("q/k/v rows permuted to DiffLlama's head order; subln weight folded into o_proj columns")
         if value_scale(config) != 1.0:
             notes.append(
                 f"V scaled by √(norm_eps/1e-5) = {value_scale(config):.6g} (DiffLlama's groupnorm uses rms_norm_eps)"
             )
+    # the tensors whose conversion does not invert bit for bit (fp32 only: bf16/fp16 rounds anyway)
+    exact: dict[str, Tensor] = {}
+    if dtype == "float32":
+        back = from_hf_state_dict(hf_sd, config)
+        exact = {k: t for k, t in ours.items() if k in back and not torch.equal(back[k], t)}
     if exact:
         notes.append(f"{len(exact)} exact difftrain tensors kept in {SIDECAR} for bit-identical re-import")
-
     stale = _stale_shards(out)
     if stale:
         notes.append(
             f"removed {len(stale)} files of the folder's earlier sharded weights ({HF_INDEX} and its shards), "
             "which would shadow this export's for a reader that looks for shards first"
         )
-    stale_tokenizer = [out / n for n in STALE_TOKENIZER_FILES if (out / n).is_file()]
-    stale_tokenizer += [
-        out / n for n in STALE_TOKENIZER_FOLDERS if (out / n).is_dir() and not (out / n).is_symlink()
-    ]
+    stale_tokenizer = [p for n in STALE_TOKENIZER_FILES if (p := out / n).is_file()]
+    stale_tokenizer += [p for n in STALE_TOKENIZER_FOLDERS if (p := out / n).is_dir() and not p.is_symlink()]
     if stale_tokenizer:
         notes.append(
             f"removed the folder's earlier {', '.join(p.name for p in stale_tokenizer)}, which transformers "
             "would read instead of (or on top of) this export's tokenizer"
         )
-        stale += stale_tokenizer
-    bos, eos, pad = tok.bos_id, tok.eos_id, tok.pad_id
     # everything the export writes is made before the first write (a failure leaves the folder as it was)
-    from difftrain.rundir import prompt_settings
-
     style = prompt_settings(run_path)
     chat = run_chat_template(run_path, style)
     tokenizer_files = hf_tokenizer_files(tok, config.max_seq_len, chat)
@@ -249,51 +238,42 @@ def export_hf(
         notes.append(
             "a chat fine-tune: its chat template is written as tokenizer_config.json's chat_template"
         )
-    own_start = tok.document_start_id != tok.eos_id  # an imported tokenizer that puts its bos first
     card = _model_card(
-        config,
-        cls,
-        run_path,
-        out,
-        own_start=own_start,
-        chat=chat is not None,
-        prompt_format=style.prompt_format if style.instruction else None,
-        start_token="tok.bos_token_id" if tok.document_start_id == bos else str(tok.document_start_id),
+        config, cls, run_path, out, tok, style.prompt_format if style.instruction else None, chat is not None
     )
+    bos, eos, pad = tok.bos_id, tok.eos_id, tok.pad_id
+    # a chat reply ends at its template's end of turn, where `difftrain chat` stops: so does
+    # transformers' generate when that token is one of the eos ids
+    end_id = chat_end_token_id(chat, tok) if chat is not None else None
+    stop_ids: int | list[int] = eos if end_id is None or end_id == eos else [eos, end_id]
+
     atomic_save_safetensors(out / WEIGHTS, hf_sd, metadata={"format": "pt"})
-    for path in stale:
+    for path in stale + stale_tokenizer:
         if path.is_dir() and not path.is_symlink():
             shutil.rmtree(path, ignore_errors=True)
         else:
             path.unlink(missing_ok=True)
-    atomic_save_safetensors(
-        out / SIDECAR,
-        exact,
-        metadata={
-            "format": "pt",
-            "producer": "difftrain",
-            "difftrain_config": json.dumps(config.model_dump(mode="json")),
-            "about": "difftrain's exact tensors for `difftrain import` (transformers ignores this file)",
-        },
-    )
+    sidecar_meta = {
+        "format": "pt",
+        "producer": "difftrain",
+        "difftrain_config": json.dumps(config.model_dump(mode="json")),
+        "about": "difftrain's exact tensors for `difftrain import` (transformers ignores this file)",
+    }
+    atomic_save_safetensors(out / SIDECAR, exact, metadata=sidecar_meta)
     atomic_write_bytes(
         out / TOKENIZER, tok.to_str().encode("utf-8") if tok.path is None else Path(tok.path).read_bytes()
     )
-    for name, text in tokenizer_files.items():
+    texts = {
+        **tokenizer_files,
+        "README.md": card,
+        "generation_config.json": json_text(
+            {"bos_token_id": bos, "eos_token_id": stop_ids, "pad_token_id": pad}
+        ),
+        CONFIG: json_text(hf_config_dict(config, bos_id=bos, eos_id=eos, pad_id=pad, dtype=dtype)),
+    }
+    for name, text in texts.items():
         atomic_write_text(out / name, text)
-    # a chat fine-tune's reply ends at its template's end of turn (<|end|>), where `difftrain chat`
-    # stops: transformers' generate stops there too when it is one of the eos ids
-    end_id = chat_end_token_id(chat, tok) if chat is not None else None
-    stop_ids: int | list[int] = eos if end_id is None or end_id == eos else [eos, end_id]
-    atomic_write_json(
-        out / "generation_config.json", {"bos_token_id": bos, "eos_token_id": stop_ids, "pad_token_id": pad}
-    )
-    atomic_write_text(out / "README.md", card)
-    atomic_write_json(out / CONFIG, hf_config_dict(config, bos_id=bos, eos_id=eos, pad_id=pad, dtype=dtype))
-    # what this export wrote (an --overwrite keeps other files of the folder; they are not listed)
-    files = sorted(
-        {WEIGHTS, SIDECAR, TOKENIZER, *tokenizer_files, "generation_config.json", "README.md", CONFIG}
-    )
+    files = sorted({WEIGHTS, SIDECAR, TOKENIZER, *texts})  # (an --overwrite keeps other files: not listed)
     n = sum(t.numel() for t in ours.values())  # the model's count, as pretrain and import print it
     return ExportResult(out, cls, config.arch, dtype, files, n, notes)
 
@@ -308,24 +288,18 @@ STALE_TOKENIZER_FILES = (
 )
 """Tokenizer files an export does not write that transformers reads when a folder has them (a
 chat template, added tokens, a slow tokenizer's files): an --overwrite export removes them."""
-
-STALE_TOKENIZER_FOLDERS = ("additional_chat_templates",)
-"""Folders of the same kind (named chat templates)."""
-
-SHARD_NAME = re.compile(r"model-\d+-of-\d+\.safetensors")
-"""How transformers names the shards of a sharded checkpoint (model-00001-of-00003.safetensors)."""
+STALE_TOKENIZER_FOLDERS = ("additional_chat_templates",)  # (named chat templates)
+SHARD_NAME = re.compile(r"model-\d+-of-\d+\.safetensors")  # transformers' shard names
 
 
 def _stale_shards(out: Path) -> list[Path]:
-    """In a folder an --overwrite export writes into: an earlier sharded checkpoint's index and the
-    shards it lists (inside the folder), which this export's model.safetensors replaces. Where the
-    index cannot be read, its shards are the files named as transformers names shards."""
+    """An earlier sharded checkpoint's index and the shards it lists in `out` (or, where the index
+    cannot be read, the files named as transformers names shards): model.safetensors replaces them."""
     index = out / HF_INDEX
     if not index.is_file():
         return []
     try:
-        weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
-        names = {str(n) for n in weight_map.values()}
+        names = {str(n) for n in _weight_map(index).values()}
     except (OSError, ValueError, KeyError, TypeError, AttributeError):  # a damaged index
         names = {p.name for p in out.iterdir() if SHARD_NAME.fullmatch(p.name)}
     shards = [out / n for n in sorted(names) if Path(n).name == n and n != WEIGHTS and (out / n).is_file()]
@@ -333,57 +307,64 @@ def _stale_shards(out: Path) -> list[Path]:
 
 
 def _model_card(
-    config: ModelConfig,
-    cls: str,
-    run_path: Path,
-    out: Path,
-    *,
-    own_start: bool = False,
-    chat: bool = False,
-    prompt_format: str | None = None,
-    start_token: str = "tok.bos_token_id",
+    config: ModelConfig, cls: str, run_path: Path, out: Path, tok: Any, prompt_format: str | None, chat: bool
 ) -> str:
     """The exported README.md, whose snippets give the model the tokens `difftrain generate` and
-    `difftrain chat` give it. `own_start`: the tokenizer puts its start token (`start_token`, as
-    the snippet writes it) before a text itself; else a document starts after eos.
-    `prompt_format`: an instruction fine-tune's finetune.prompt_format. `chat`: a chat fine-tune,
-    whose template the tokenizer carries."""
-    first = ", 1:"  # the snippet prints the text after the start token (eos, or the tokenizer's own)
-    if prompt_format is None:
-        text = "def fibonacci(n):"
-        start = (
-            ""
-            if own_start
-            else "ids = torch.cat([torch.tensor([[tok.eos_token_id]]), ids], dim=1)  # a document starts after eos\n"
-        )
-        about = (
-            "The tokenizer puts its start token before a text, as the model was trained; `difftrain generate` "
-            "samples with the same prompt tokens (the same greedy tokens). "
-            if own_start
-            else "The tokenizer adds no special tokens; documents were separated by the eos token in training, "
-            "so a prompt starts after one, as `difftrain generate` samples it (the same greedy tokens). "
-        )
-    else:  # an instruction fine-tune: its examples start with the prompt in its format
+    `difftrain chat` give it. `prompt_format`: an instruction fine-tune's finetune.prompt_format;
+    `chat`: a chat fine-tune, whose template the tokenizer carries."""
+    own_start = tok.document_start_id != tok.eos_id  # the tokenizer puts its start token (bos) first
+    text = "def fibonacci(n):"
+    if (
+        prompt_format is not None
+    ):  # an instruction fine-tune: its examples start with the prompt in its format
         try:  # a record's other fields shown as ...; a format that needs more ({meta[lang]}, {id:03d}) as it is
-            text = prompt_format.format_map(
-                collections.defaultdict(lambda: "...", prompt="def fibonacci(n):")
-            )
+            text = prompt_format.format_map(collections.defaultdict(lambda: "...", prompt=text))
         except (KeyError, IndexError, TypeError, ValueError, AttributeError):
             text = prompt_format
-        start = ""
-        first = ", 1:" if own_start else ""  # no start token before its prompt: all of it is text
         about = (
             "Fine-tuned on instruction records: the prompt is written in the run's finetune.prompt_format "
             f"({prompt_format!r}) and starts as its examples did, as `difftrain generate` samples it (the same "
             "greedy tokens). "
         )
+    elif own_start:
+        about = (
+            "The tokenizer puts its start token before a text, as the model was trained; `difftrain generate` "
+            "samples with the same prompt tokens (the same greedy tokens). "
+        )
+    else:
+        about = (
+            "The tokenizer adds no special tokens; documents were separated by the eos token in training, "
+            "so a prompt starts after one, as `difftrain generate` samples it (the same greedy tokens). "
+        )
+    after_eos = prompt_format is None and not own_start
+    start = (
+        "ids = torch.cat([torch.tensor([[tok.eos_token_id]]), ids], dim=1)  # a document starts after eos\n"
+    )
+    first = ", 1:" if own_start or prompt_format is None else ""  # the text after a start token
     kind = {
         "baseline": "A Llama-style Transformer",
         "diff": "A Differential Transformer (Ye et al., ICLR 2025)",
-    }[config.arch]
+    }
+    start_token = "tok.bos_token_id" if tok.document_start_id == tok.bos_id else str(tok.document_start_id)
+    chat_snippet = (
+        "\nFine-tuned on chat records: the template is in tokenizer_config.json, and "
+        "generation_config.json ends a reply at the template's end of turn, as `difftrain chat` does:\n\n"
+        "```python\n"
+        'messages = [{"role": "user", "content": "Hello!"}]\n'
+        "ids = tok.apply_chat_template(\n"
+        '    messages, add_generation_prompt=True, return_tensors="pt", return_dict=True\n'
+        ").input_ids\n"
+        + (
+            f"ids = torch.cat([torch.tensor([[{start_token}]]), ids], dim=1)  # as the examples started\n"
+            if own_start
+            else ""
+        )
+        + f"out = model.generate(ids, max_new_tokens={min(128, config.max_seq_len // 2)}, do_sample=False)\n"
+        "print(tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True))\n```\n"
+    )
     return (
         f"---\nlibrary_name: transformers\npipeline_tag: text-generation\ntags: [difftrain, {MODEL_TYPES[cls]}]\n---\n\n"
-        f"# {run_path.name}\n\n{kind} trained with difftrain and exported as `{cls}`: "
+        f"# {run_path.name}\n\n{kind[config.arch]} trained with difftrain and exported as `{cls}`: "
         f"d_model {config.d_model}, {config.n_layers} layer{'s' * (config.n_layers != 1)}, {config.n_heads} heads "
         f"({config.n_kv_heads} key/value heads), head_dim {config.head_dim}, vocabulary {config.vocab_size}, "
         f"context {config.max_seq_len}.\n\n"
@@ -391,35 +372,18 @@ def _model_card(
         f'tok = AutoTokenizer.from_pretrained("{out}")\n'
         f'model = AutoModelForCausalLM.from_pretrained("{out}")\n'
         f'ids = tok({text!r}, return_tensors="pt").input_ids\n'
-        + start
+        + (start if after_eos else "")
         + f"print(tok.decode(model.generate(ids, max_new_tokens=64, do_sample=False)[0{first}]))\n```\n\n"
         + about
         + f"`{SIDECAR}` holds difftrain's exact tensors for `difftrain import` and is ignored by transformers.\n"
-        + (
-            "\nFine-tuned on chat records: the template is in tokenizer_config.json, and "
-            "generation_config.json ends a reply at the template's end of turn, as `difftrain chat` does:\n\n"
-            "```python\n"
-            'messages = [{"role": "user", "content": "Hello!"}]\n'
-            "ids = tok.apply_chat_template(\n"
-            '    messages, add_generation_prompt=True, return_tensors="pt", return_dict=True\n'
-            ").input_ids\n"
-            + (
-                f"ids = torch.cat([torch.tensor([[{start_token}]]), ids], dim=1)  # as the examples started\n"
-                if own_start
-                else ""
-            )
-            + f"out = model.generate(ids, max_new_tokens={min(128, config.max_seq_len // 2)}, do_sample=False)\n"
-            "print(tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True))\n```\n"
-            if chat
-            else ""
-        )
+        + (chat_snippet if chat else "")
     )
 
 
 def _restore_sidecar(
     hf_dir: Path, hf: dict[str, Tensor], sd: dict[str, Tensor], config: ModelConfig
 ) -> tuple[ModelConfig, dict[str, Tensor], bool, list[str]]:
-    """Use difftrain.safetensors when it belongs to these exact weights (see the module doc)."""
+    """Use difftrain.safetensors when it belongs to these exact weights (the module doc)."""
     path = hf_dir / SIDECAR
     if not path.is_file():
         return config, sd, False, []
@@ -457,9 +421,8 @@ def _json_or_empty(path: Path) -> dict[str, Any]:
 
 
 def _tokenizer_notes(src: Path, tok: Any) -> list[str]:
-    """What of the checkpoint's tokenizer settings the run does not keep: its chat template
-    (difftrain's chat and fine-tunes use finetune.chat_template) and an end-of-text token it
-    declares that is not the one difftrain finds by name (documents and replies end at that)."""
+    """What of the checkpoint's tokenizer settings the run does not keep: its chat template and an
+    end-of-text token it declares that is not the one difftrain finds by name."""
     notes = []
     cfg = _json_or_empty(src / "tokenizer_config.json")
     if cfg.get("chat_template") or any(
@@ -497,8 +460,7 @@ def import_hf(
     hf_dir: str | os.PathLike[str], run_dir: str | os.PathLike[str], *, overwrite: bool = False
 ) -> ImportResult:
     """Turn a transformers Llama / DiffLlama checkpoint folder (config.json, safetensors, sharded
-    or not, tokenizer.json) into a run directory: config.json, model.safetensors (fp32),
-    tokenizer.json and a recipe.yaml to fine-tune or continue pretraining from."""
+    or not, tokenizer.json) into a run directory (weights in fp32, a recipe.yaml to start from)."""
     from difftrain.data.tokenizer import load_tokenizer
     from difftrain.recipe import recipe_from_dict
 
@@ -507,17 +469,14 @@ def import_hf(
     hf_cfg = _read_json(src / CONFIG, "checkpoint")
     config, cls = config_from_hf(hf_cfg, src / CONFIG)
     tok_path = src / TOKENIZER
+    resave = (
+        '`python -c "from transformers import AutoTokenizer; '
+        f"AutoTokenizer.from_pretrained('{src}').save_pretrained('{src}')\"`"
+    )
     if not tok_path.is_file():
-        raise InteropError(
-            f'{src} has no {TOKENIZER}; write one with `python -c "from transformers import AutoTokenizer; '
-            f"AutoTokenizer.from_pretrained('{src}').save_pretrained('{src}')\"` and import again"
-        )
+        raise InteropError(f"{src} has no {TOKENIZER}; write one with {resave} and import again")
     try:
-        tok = load_tokenizer(
-            tok_path,
-            fix='write it again with `python -c "from transformers import AutoTokenizer; '
-            f"AutoTokenizer.from_pretrained('{src}').save_pretrained('{src}')\"`, or download it again",
-        )
+        tok = load_tokenizer(tok_path, fix=f"write it again with {resave}, or download it again")
     except DifftrainError as e:
         raise InteropError(f"cannot import the tokenizer of {src}: {e}") from e
     assert isinstance(config.vocab_size, int)
@@ -545,7 +504,7 @@ def import_hf(
     ):
         notes.append("the checkpoint has no subln weights (DiffLlama's groupnorm has none): set to ones")
 
-    _prepare_out_dir(dst, overwrite, "--overwrite", "run directory", keep_runs="trained")
+    _prepare_out_dir(dst, overwrite, "run directory", any_run=False)
     origin = src.resolve()  # recorded absolute: it names the checkpoint from any folder
     meta = {"format": "pt", "producer": "difftrain", "imported_from": str(origin), "hf_class": cls}
     atomic_save_safetensors(dst / WEIGHTS, sd, metadata=meta)

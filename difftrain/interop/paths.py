@@ -1,5 +1,5 @@
-"""The folder checks of `export` and `import` that need no torch, so that a mistyped path is
-answered before torch loads (seconds on a small CPU)."""
+"""The folder checks of `export` and `import`, free of torch: a mistyped path is answered before
+torch loads."""
 
 from __future__ import annotations
 
@@ -10,8 +10,7 @@ from difftrain.errors import InteropError
 from difftrain.io import uncreatable_reason
 from difftrain.rundir import RECIPE
 
-EXPORT_DTYPES = ("float32", "bfloat16", "float16")
-"""Weight dtypes `export` writes."""
+EXPORT_DTYPES = ("float32", "bfloat16", "float16")  # the weight dtypes `export` writes
 
 
 def same_dir(a: Path, b: Path) -> bool:
