@@ -68,11 +68,9 @@ def label_scores(
 ) -> np.ndarray:
     """Σ log p(candidate tokens | prefix + suffix) for every suffix × candidate: (suffixes, candidates).
 
-    The demonstrations (`prefix`) are shared by every test item, so they are run once into a KV
-    cache whose entries are then copied to each row of a batch; each row reads only its test
-    item and one candidate (right-padded: a causal row never attends to the padding after it).
-    Equal to scoring every full sequence separately, at a fraction of the cost.
-    """
+    The shared `prefix` runs once into a KV cache copied to each row of a batch; each row reads
+    only its test item and one candidate (right-padded: a causal row never attends to the
+    padding after it)."""
     device = next(model.parameters()).device
     rows = [(i, j) for i in range(len(suffixes)) for j in range(len(cands))]
     longest = max(len(s) + len(c) for s in suffixes for c in cands)

@@ -163,14 +163,10 @@ def attention_maps(
     query_rows: Sequence[int] = (),
     title: str = "",
 ) -> Path:
-    """A grid of layers (rows) × heads (columns) of one prompt's effective attention maps.
-
-    maps[l] is (heads, T, S). All panels share one colour scale with a square-root stretch
-    (most mass sits on a few keys, and √ keeps the rest visible): sequential for softmax maps
-    (baseline), diverging around 0 for the signed differential maps (A1 − λA2, A_2i − σ(λ)A_2i+1).
-    The answer span's key columns are outlined in blue; the query rows that the `attention`
-    suite probes are marked with black ticks on the left edge.
-    """
+    """A grid of layers (rows) × heads (columns) of one prompt's effective attention maps
+    (maps[l]: (heads, T, S)), on one colour scale with a √ stretch (most mass sits on a few
+    keys): sequential for softmax maps, diverging around 0 for the signed differential maps.
+    The answer span's key columns are outlined in blue, the probed query rows ticked."""
     from matplotlib.colors import FuncNorm
 
     n_layers, n_heads = len(maps), maps[0].shape[0]
