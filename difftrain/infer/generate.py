@@ -3,23 +3,20 @@
 `generate(model, prompts, config)` yields a `Token` for every token a sequence produces and a
 `Finished` (with its `Completion`) when it stops; `generate_all` drains it.
 
-Prompts of lengths L_i are left-padded to P = max L_i; the padding is masked out of attention
-(`key_padding_mask`) and each row gets RoPE positions 0 … L_i − 1, so each row computes exactly
-what it would alone.
+Prompts of lengths L_i are left-padded to P = max L_i; the padding is masked out of attention and
+each row gets RoPE positions 0 … L_i − 1, so each row computes exactly what it would alone.
 
     prefill:  logits = model(ids (B, P), cache, key_padding_mask)[:, −1]   (fills the KV cache)
     decode:   v_t ~ sampler(logits);  logits = model(v_t (B, 1), cache)[:, −1]
 
-`compile=True` runs the decode steps under torch.compile over a static KV cache
-(`KVCache.start_static`), so one compiled graph serves every token. `use_cache=False` recomputes
-the whole sequence every step: O(n²), the reference the cached path is tested against.
+`compile=True` runs the decode steps compiled over a static KV cache (`KVCache.start_static`);
+`use_cache=False` recomputes the whole sequence every step, the reference for the cached path.
 
-A sequence stops (first match wins) at `eos` (the token is not part of the text), `stop` (its
-text contains a stop string: cut before it; a possible start of one is held back while
-streaming), `length` (`max_new_tokens` tokens) or `context`. Policy: **stop, never slide**: the
-model reads at most `max_seq_len` tokens, so a prompt of L tokens gets at most max_seq_len − L + 1
-new tokens. Sliding would recompute the window every step or keep cache entries that saw tokens
-no longer in it; stopping is exact.
+A sequence stops (first match wins) at `eos` (not part of the text), `stop` (a stop string: the
+text is cut before it, and a possible start of one is held back while streaming), `length`
+(`max_new_tokens`) or `context`: the model reads at most `max_seq_len` tokens, so a prompt of L
+tokens gets at most max_seq_len − L + 1 new ones. It stops rather than slides the window, which
+would recompute it every step or keep cache entries that saw tokens no longer in it.
 
 Row i samples from its own generator seeded `seeds[i]` (default `config.seed + i`), so a sample
 does not depend on its batch.
@@ -28,7 +25,7 @@ does not depend on its batch.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -179,8 +176,13 @@ class _CompiledForward(_CachedForward):
 
     def __init__(self, model: torch.nn.Module, ids: Tensor, mask: Tensor | None, capacity: int) -> None:
         super().__init__(model, ids, mask, capacity)
-        self.decode = compiled_forward(model)
         self.graphs = ids.device.type == "cuda"
+        # compiled once and kept on the model (a new batch size or cache length compiles once more,
+        # then runs with symbolic sizes); on CUDA each step replays as one CUDA graph
+        if "_compiled_forward" not in model.__dict__:
+            mode = "reduce-overhead" if self.graphs else None
+            model.__dict__["_compiled_forward"] = torch.compile(model.forward, mode=mode)
+        self.decode = model.__dict__["_compiled_forward"]
 
     def prefill(self) -> Tensor:
         logits = super().prefill()
@@ -197,19 +199,6 @@ class _CompiledForward(_CachedForward):
         logits = self.decode(next_ids[:, None], cache=self.cache).logits[:, -1].float()
         self.cache.static_step_done()
         return logits
-
-
-def compiled_forward(model: torch.nn.Module) -> Callable[..., Any]:
-    """`torch.compile(model.forward)` for static decode steps, made once and kept on the model
-    (a new batch size or cache length compiles once more, then runs with symbolic sizes). On CUDA
-    in mode "reduce-overhead": each step replays as one CUDA graph."""
-    fn = model.__dict__.get("_compiled_forward")
-    if fn is None:
-        cuda = model.lm_head.weight.device.type == "cuda"  # type: ignore[union-attr]
-        fn = model.__dict__["_compiled_forward"] = torch.compile(
-            model.forward, mode="reduce-overhead" if cuda else None
-        )
-    return fn
 
 
 class _UncachedForward:

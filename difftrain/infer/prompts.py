@@ -28,9 +28,8 @@ class Prompt:
 
 
 def utf8_problem(text: str) -> str | None:
-    """Why `text` is no UTF-8 text (None when it is): bytes that are not UTF-8 reach Python as
-    lone surrogates (a command-line argument, standard input), and so does a JSON escape of half
-    an emoji ("\\ud83d"); no tokenizer can encode them."""
+    """Why `text` is no UTF-8 text (None when it is): bytes that are not UTF-8 (in argv, stdin) and
+    JSON escapes of half an emoji reach Python as lone surrogates, which no tokenizer encodes."""
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as e:
@@ -41,7 +40,7 @@ def utf8_problem(text: str) -> str | None:
 
 
 def require_utf8(text: str, where: str) -> None:
-    """A DataError naming `where` the text came from when it is no UTF-8 text (`utf8_problem`)."""
+    """A DataError naming `where` when `text` is no UTF-8 text."""
     problem = utf8_problem(text)
     if problem is not None:
         raise DataError(f"{where}: {problem}; give UTF-8 text")
@@ -50,8 +49,7 @@ def require_utf8(text: str, where: str) -> None:
 def parse_prompts(text: str, name: str, *, jsonl: bool) -> list[Prompt]:
     """The prompts of a prompt file's `text`: one per non-blank line, or with `jsonl` one JSON
     object with a "prompt" field per line (its other fields kept in `Prompt.record`). A leading
-    byte-order mark (which editors on Windows write) is no part of the first prompt; `name` is
-    what each prompt's `where` calls the file."""
+    byte-order mark is dropped; `name` is what each prompt's `where` calls the file."""
     prompts = []
     for n, line in enumerate(text.removeprefix("\ufeff").splitlines(), start=1):
         if not line.strip():
@@ -70,9 +68,7 @@ def parse_prompts(text: str, name: str, *, jsonl: bool) -> list[Prompt]:
             raise DataError(
                 f'{where}: no "prompt" field; each line must be an object like {{"prompt": "..."}}'
             )
-        if not isinstance(record["prompt"], str):
-            raise DataError(f'{where}: "prompt" must be a string, got {type(record["prompt"]).__name__}')
-        if record["prompt"] == "":
-            raise DataError(f'{where}: "prompt" is empty; remove the line or give some text')
+        if not isinstance(record["prompt"], str) or not record["prompt"]:
+            raise DataError(f'{where}: "prompt" must be some text, got {record["prompt"]!r}')
         prompts.append(Prompt(record["prompt"], where, record))
     return prompts

@@ -31,7 +31,7 @@ from difftrain.infer.settings import SamplingConfig
 
 
 def apply_repetition_penalty(logits: Tensor, seen: Tensor, penalty: float) -> Tensor:
-    """z_v / θ for seen tokens with z_v > 0, z_v · θ for seen tokens with z_v ≤ 0; seen (B, V) bool."""
+    """Step 1; seen (B, V) bool."""
     if penalty == 1.0:
         return logits
     penalized = torch.where(logits > 0, logits / penalty, logits * penalty)
@@ -39,7 +39,7 @@ def apply_repetition_penalty(logits: Tensor, seen: Tensor, penalty: float) -> Te
 
 
 def top_k_filter(logits: Tensor, k: int) -> Tensor:
-    """Set every logit below the k-th largest of its row to −inf (k = 0 or k ≥ V: unchanged)."""
+    """Step 4 (k ≥ V: unchanged)."""
     if k <= 0 or k >= logits.shape[-1]:
         return logits
     kth = torch.topk(logits, k, dim=-1).values[..., -1:]
@@ -47,7 +47,7 @@ def top_k_filter(logits: Tensor, k: int) -> Tensor:
 
 
 def top_p_filter(logits: Tensor, p: float) -> Tensor:
-    """Keep the smallest set of most probable tokens whose probability sums to ≥ p."""
+    """Step 5."""
     if p >= 1.0:
         return logits
     sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
@@ -59,7 +59,7 @@ def top_p_filter(logits: Tensor, p: float) -> Tensor:
 
 
 def min_p_filter(logits: Tensor, min_p: float) -> Tensor:
-    """Drop tokens whose probability is below min_p times the row's largest probability."""
+    """Step 6."""
     if min_p <= 0.0:
         return logits
     probs = torch.softmax(logits, dim=-1)
