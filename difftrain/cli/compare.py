@@ -71,10 +71,7 @@ def compare_command(
     run_dirs: list[str] = typer.Argument(..., help="Two or more run directories."),
     plot: str = typer.Option(None, "--plot", help="Write the loss curves to this .png, .svg or .pdf file."),
     suite: list[str] = typer.Option(
-        None,
-        "--suite",
-        "-s",
-        help="Show these eval suites (must exist in every run); a result on `eval --data` is suite@label, e.g. ppl@wiki.",
+        None, "--suite", "-s", help="Eval suites to show (each run must have them), e.g. ppl,ppl@wiki."
     ),
     as_json: bool = typer.Option(False, "--json", help="Print the comparison as JSON on stdout."),
 ) -> None:

@@ -355,9 +355,7 @@ def eval_command(
     ),
     items: int = typer.Option(None, "--items", help="icl-order: test items (default 32; --full 100)."),
     plot: bool = typer.Option(
-        None,
-        "--plot/--no-plot",
-        help="Draw figures (default: needle and quant yes, attention maps only with --plot).",
+        None, "--plot/--no-plot", help="Draw figures (default: needle and quant; attention maps with --plot)."
     ),
 ) -> None:
     if show:

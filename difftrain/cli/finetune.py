@@ -122,9 +122,7 @@ def finetune_command(
     resume: bool = RESUME,
     overwrite: bool = OVERWRITE,
     dry_run: bool = typer.Option(
-        False,
-        "--dry-run",
-        help="Check the recipe, its base run and its data, and show the plan; train nothing, write nothing.",
+        False, "--dry-run", help="Check the recipe, base run and data, show the plan; write nothing."
     ),
     progress: bool = PROGRESS,
 ) -> None:
@@ -153,9 +151,7 @@ def merge_command(
     run_dir: Path = typer.Argument(..., help="A LoRA/QLoRA fine-tune's run directory."),
     out_dir: Path = typer.Argument(None, help="Where to write the merged run (default: RUN_DIR-merged)."),
     overwrite: bool = typer.Option(
-        False,
-        "--overwrite",
-        help="Replace an earlier merge or import at OUT_DIR (never a trained run, never other files).",
+        False, "--overwrite", help="Replace a merge/import at OUT_DIR (never a trained run or other files)."
     ),
 ) -> None:
     """Fold a LoRA adapter into its base run's weights and write a plain run directory."""

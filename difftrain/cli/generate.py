@@ -229,9 +229,7 @@ def generate_command(
     run_dir: Path = _RUN_DIR,
     prompt: list[str] = typer.Option(None, "--prompt", "-p", help="Prompt (repeatable); \\n is a newline."),
     prompt_file: Path = typer.Option(
-        None,
-        "--prompt-file",
-        help='One prompt per line, or a .jsonl with a "prompt" field per line; - reads lines from stdin.',
+        None, "--prompt-file", help='Prompts, one per line (or .jsonl with a "prompt" field); - is stdin.'
     ),
     max_new_tokens: int = typer.Option(256, "--max-new-tokens", "-n", help="Most new tokens per completion."),
     temperature: float = _TEMPERATURE,
@@ -239,9 +237,7 @@ def generate_command(
     top_p: float = _TOP_P,
     min_p: float = _MIN_P,
     repetition_penalty: float = _REPETITION_PENALTY,
-    stop: list[str] = typer.Option(
-        None, "--stop", help="Stop when the completion contains this string (repeatable). \\n is a newline."
-    ),
+    stop: list[str] = typer.Option(None, "--stop", help="Stop string (repeatable); \\n is a newline."),
     num_samples: int = typer.Option(1, "--num-samples", help="Completions per prompt."),
     seed: int = _SEED,
     greedy: bool = _GREEDY,
@@ -252,9 +248,7 @@ def generate_command(
     interactive: bool = typer.Option(False, "--interactive", "-i", help="Type prompts in a REPL."),
     batch_size: int = typer.Option(16, "--batch-size", help="Sequences per batch (--no-stream, --json)."),
     cache: bool = typer.Option(
-        True,
-        "--cache/--no-cache",
-        help="Use the KV cache (--no-cache recomputes the prefix each step: the slow reference).",
+        True, "--cache/--no-cache", help="Use the KV cache (--no-cache: recompute the prefix, slowly)."
     ),
     compile: bool = _COMPILE,
 ) -> None:

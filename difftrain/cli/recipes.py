@@ -35,14 +35,10 @@ def list_recipes() -> None:
 def show(
     name: str = typer.Argument(..., autocompletion=recipe_refs, help="Shipped recipe name or recipe path."),
     overrides: list[str] = typer.Argument(
-        None,
-        autocompletion=override_items,
-        help="With --resolved: overrides as key.sub=value, as a run would take them.",
+        None, autocompletion=override_items, help="With --resolved: overrides as key.sub=value."
     ),
     resolved: bool = typer.Option(
-        False,
-        "--resolved",
-        help="Print the recipe a run would use: extends merged, overrides applied, every default filled in.",
+        False, "--resolved", help="Print the recipe as a run uses it: extends, overrides, defaults applied."
     ),
 ) -> None:
     """Print a recipe file as written (comments included; colored on a terminal, the exact text
@@ -158,8 +154,7 @@ def _paths_read_elsewhere(src: Path, target: Path) -> list[str]:
 @recipes_app.command("explain")
 def explain(
     section: str = typer.Argument(
-        None,
-        help="A section (model, data, tokenizer, train, optim, logging, ...) or a key (train.max_steps).",
+        None, help="A section (model, data, tokenizer, train, optim, ...) or a key (train.max_steps)."
     ),
     markdown: bool = typer.Option(False, "--markdown", help="Print the Markdown table of docs/recipes.md."),
 ) -> None:
