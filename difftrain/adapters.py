@@ -9,8 +9,7 @@
       config.json, tokenizer.json, recipe.yaml, metrics.csv, summary.json, checkpoints/  (as usual)
 
 This module plans and saves an adapter, and `merge_run` folds one into its base as a plain run
-directory. Reading one is `difftrain.rundir`'s (re-exported here); the model-side pieces (LoRALinear,
-4-bit layers, vocabulary growth) are `difftrain.model.lora`'s.
+directory; reading one is `difftrain.rundir`'s.
 """
 
 from __future__ import annotations
@@ -57,13 +56,8 @@ from difftrain.rundir import (  # noqa: F401 - re-exported: `from difftrain.adap
     weights_file,
 )
 
-LAMBDA_SUFFIXES = (  # the differential-attention λ parameters (diff: four vectors; diff2: a projection)
-    ".self_attn.lambda_q1",
-    ".self_attn.lambda_k1",
-    ".self_attn.lambda_q2",
-    ".self_attn.lambda_k2",
-    ".self_attn.lambda_proj.weight",
-)
+# the differential-attention λ parameters (diff: four vectors; diff2: a projection)
+LAMBDA_SUFFIXES = tuple(f".self_attn.lambda_{n}" for n in ("q1", "k1", "q2", "k2", "proj.weight"))
 
 
 def base_reference(base_dir: Path, run_dir: Path) -> dict[str, Any]:
@@ -74,12 +68,7 @@ def base_reference(base_dir: Path, run_dir: Path) -> dict[str, Any]:
     except ValueError:  # different drives (Windows)
         rel = str(base_abs)
     f = weights_file(base_abs)
-    return {
-        "path": rel,
-        "abs_path": str(base_abs),
-        "weights_file": f.name,
-        "weights_sha256": sha256_file(f),
-    }
+    return {"path": rel, "abs_path": str(base_abs), "weights_file": f.name, "weights_sha256": sha256_file(f)}
 
 
 def plan_finetune_adapter(model: nn.Module, ft: Any, *, train_embeddings: bool) -> AdapterSpec:
@@ -122,8 +111,7 @@ def plan_finetune_adapter(model: nn.Module, ft: Any, *, train_embeddings: bool) 
 
 
 def rank_warning(model: nn.Module, spec: AdapterSpec) -> str | None:
-    """A warning when the LoRA rank is above the smallest dimension of an adapted layer: a rank
-    of min(in, out) already spans every update of that layer, so the rest only costs parameters."""
+    """A warning when the LoRA rank is above the smallest dimension of an adapted layer."""
     modules = dict(model.named_modules())
     dims = {t: min(modules[t].in_features, modules[t].out_features) for t in spec.targets if t in modules}
     if not dims:
@@ -162,10 +150,8 @@ def _runs_read_by(run_dir: Path) -> list[Path]:
 
 
 def merge_run(run_dir: Path | str, out_dir: Path | str | None = None, *, overwrite: bool = False) -> Path:
-    """Fold a LoRA adapter into its base and write a plain run directory (no adapter, no checkpoints).
-
-    out_dir defaults to `<run_dir>-merged`. Returns it.
-    """
+    """Fold a LoRA adapter into its base and write a plain run directory (no adapter, no
+    checkpoints) to `out_dir` (default `<run_dir>-merged`); return it."""
     run_dir = require_run_dir(Path(run_dir))
     if not (run_dir / ADAPTER_CONFIG).is_file():
         if (run_dir / ADAPTER_WEIGHTS).is_file() and not (run_dir / WEIGHTS).is_file():

@@ -1,17 +1,14 @@
 """`difftrain bench RECIPE`: a recipe's training speed and memory on this machine.
 
-The recipe's model (random weights) and the other arch at its shape (`baseline` for `diff` and
-`diff2`, `diff` for `baseline`) take training steps on random batches of the recipe's micro-batch
-and sequence length, in its precision, optimizer and `train.compile`. Each arch takes `warmup`
-steps first (compilation included), then the archs take turns, `steps` steps each per repetition,
-so that a change of load hits both alike: tokens/s is the median over repetitions, the ratio the
-median of per-repetition ratios. MFU needs a CUDA GPU whose peak FLOP/s Lightning knows.
+The recipe's model and the other arch at its shape (`baseline` for `diff` and `diff2`, `diff` for
+`baseline`) train on random batches as the recipe trains. After `warmup` steps each, the archs
+take turns, `steps` steps per repetition, so that a change of load hits both alike: tokens/s is
+the median over repetitions, the ratio the median of per-repetition ratios.
 
-Peak memory is what the tensors hold at the peak of a step: on CUDA, max_memory_allocated above
-what was allocated before the arch was built; on a CPU, weights, optimizer state and batch plus
-the peak of one more step under the profiler. On Linux CPUs `rss_growth` is the growth of the
-peak resident set while the arch was built and warmed up: allocator slack and the libraries
-loaded on first use included, which the arch measured first carries.
+Peak memory: on CUDA, max_memory_allocated above what was allocated before the arch was built;
+on a CPU, weights, optimizer state and batch plus the profiled peak of one more step.
+`rss_growth` (Linux CPUs): the growth of the peak resident set while the arch was built and
+warmed up (allocator slack and libraries loaded on first use, carried by the arch measured first).
 """
 
 from __future__ import annotations
@@ -19,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import gc
+import itertools
 import math
 import os
 import platform
@@ -92,10 +90,7 @@ def cpu_tensor_peak(step: Callable[[], None], model: Any, opt: Any, *batch: torc
     events = sorted(
         (e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"
     )
-    current = top = 0
-    for _, nbytes in events:
-        current += nbytes
-        top = max(top, current)
+    top = max(itertools.accumulate((nbytes for _, nbytes in events), initial=0))
     tensors = [*model.parameters(), *batch]
     return sum(t.numel() * t.element_size() for t in tensors) + optimizer_state_bytes(opt) + top
 
@@ -128,7 +123,7 @@ def bench_recipe(
     progress: Progress | None = None,
 ) -> dict[str, Any]:
     """Tokens/s, MFU and peak memory of `recipe`'s training step and of the other arch at its
-    shape (see the module's docstring); a JSON-ready document."""
+    shape; a JSON-ready document."""
     from difftrain.model import Transformer
     from difftrain.plan import tokenizer_size
     from difftrain.train.callbacks import flops_per_token, peak_flops
@@ -252,8 +247,8 @@ def _device(device: torch.device) -> dict[str, Any]:
 # ----- the planner's check ----------------------------------------------------------------------------
 def measure_training_peak(spec: dict[str, Any]) -> dict[str, Any]:
     """The peak memory that 3 training steps of `spec` (device, config, batch, seq_len, optimizer,
-    checkpointing, precision) add (`measured_peak`, see `memory_mark`: call it in a fresh process)
-    and, on a CPU, `tensor_peak` (see `cpu_tensor_peak`)."""
+    checkpointing, precision) add (`measured_peak`: call it in a fresh process) and, on a CPU,
+    `tensor_peak` (`cpu_tensor_peak`)."""
     from types import SimpleNamespace
 
     from difftrain.model import ModelConfig, Transformer

@@ -1,6 +1,5 @@
-"""Recipes a machine's devices cannot run, refused with the fix. Torch-free: where torch can see
-no GPU (`no_cuda_here`) a GPU-only option fails before torch loads. `difftrain.spec.resolve`
-calls these checks on the recipe resolved for a machine.
+"""Recipes a machine's devices cannot run, refused with the fix (torch-free: called by
+`difftrain.spec.resolve` on the recipe resolved for a machine).
 """
 
 from __future__ import annotations
@@ -15,9 +14,8 @@ BNB_NAMES = ("adamw8bit", "paged_adamw8bit", "lion8bit")
 
 
 def no_cuda_here() -> bool:
-    """True where torch cannot see a CUDA (or ROCm) GPU whatever it finds: macOS, or Linux
-    without the device files of the NVIDIA, AMD (ROCm) and WSL GPU drivers. False where it may
-    (then only torch can tell)."""
+    """True where torch cannot see a CUDA (or ROCm) GPU: macOS, or Linux without the NVIDIA, AMD
+    (ROCm) and WSL GPU device files. False where it may (then only torch can tell)."""
     if sys.platform == "darwin":
         return True
     if sys.platform.startswith("linux"):
@@ -26,15 +24,14 @@ def no_cuda_here() -> bool:
 
 
 def has_tensorboard() -> bool:
-    """Whether a TensorBoard writer (tensorboard or tensorboardX) is installed; imports neither."""
+    """Whether tensorboard or tensorboardX is installed (imports neither)."""
     import importlib.util
 
     return any(importlib.util.find_spec(n) is not None for n in ("tensorboard", "tensorboardX"))
 
 
 def check_loggers(recipe: Any) -> None:
-    """Refuse a logger the recipe asks for whose package is not installed (logging.tensorboard:
-    true, logging.wandb_project), before anything is written."""
+    """Refuse a logger the recipe asks for whose package is not installed."""
     import importlib.util
 
     log = recipe.logging
@@ -51,8 +48,7 @@ def check_loggers(recipe: Any) -> None:
 
 
 def check_strategy(recipe: Any, accelerator: str, world_size: int) -> None:
-    """Refuse strategy/device/optimizer combinations that cannot work, with the fix (`recipe`
-    has its `auto` values resolved)."""
+    """Refuse strategy/device/optimizer combinations that cannot work (`auto` values resolved)."""
     t, strategy = recipe.train, recipe.train.strategy
     if strategy == "fsdp":
         if accelerator != "cuda":
@@ -91,8 +87,7 @@ NO_CUDA = "train.accelerator=cuda but no CUDA GPU is visible here; use train.acc
 
 
 def check_off_cuda(resolved: Any, accelerator: str) -> None:
-    """The options that need a CUDA GPU, refused when training runs on `accelerator` (cpu, mps);
-    `resolved` has its auto values fixed for that device."""
+    """Refuse the options that need a CUDA GPU when training runs on `accelerator` (cpu, mps)."""
     if accelerator == "cuda":
         return
     t = resolved.train
@@ -105,7 +100,6 @@ def check_off_cuda(resolved: Any, accelerator: str) -> None:
 
 
 def check_flex(model: Any, accelerator: str) -> None:
-    """flex attention trains on CUDA only (no CPU backward in this torch)."""
     if model.attn_impl == "flex" and accelerator != "cuda":
         raise DeviceError(
             "model.attn_impl=flex has no backward pass on CPU in this torch; train on CPU with "

@@ -1,8 +1,5 @@
-"""Every failure a user can cause is a DifftrainError.
-
-The CLI turns a DifftrainError into one red line (what is wrong, where, how to fix it) and exit
-code 2; it never shows a traceback for one unless `--debug` is given. Library code raises the most
-specific subclass so callers (and tests) can tell the causes apart.
+"""Every failure a user can cause is a DifftrainError: the CLI prints it as one red line (what
+is wrong, where, how to fix it) and exits 2, with no traceback unless `--debug`.
 """
 
 from __future__ import annotations
@@ -15,8 +12,6 @@ from typing import Any
 
 
 class DifftrainError(Exception):
-    """A user-facing error: the message names the cause and the fix."""
-
     exit_code = 2
 
 
@@ -57,8 +52,8 @@ class TrainingError(DifftrainError):
 
 
 class StopRequested(Exception):
-    """Raised after a graceful stop (signal) once the checkpoint is written (not a mistake: the
-    CLI prints the resume command and exits 130 / 143)."""
+    """A graceful stop (signal) after the checkpoint is written: the CLI prints the resume command
+    and exits 130 / 143."""
 
     def __init__(self, signum: int, step: int, is_global_zero: bool = True) -> None:
         super().__init__(f"stopped by signal {signum} at step {step}")
@@ -123,12 +118,10 @@ def validation_message(
     source: str = "",
     overridden: set[str] | frozenset[str] = frozenset(),
 ) -> str:
-    """One line for pydantic ValidationError `e` of `model` (three errors at most, then a count).
-
-    Each error says where it is (the file and line of its key or section from `lines`, dotted key →
-    (file, line); the command-line override in `overridden` that set it; else `source`; else the
-    key leads the line), the dotted key (under `prefix`), and what is wrong in YAML's terms, with a
-    did-you-mean for an unknown key."""
+    """One line for pydantic ValidationError `e` of `model` (three errors at most, then a count):
+    each error's place (its file and line from `lines`, dotted key → (file, line); the override in
+    `overridden` that set it; else `source`), its dotted key under `prefix`, and what is wrong in
+    YAML's terms, with a did-you-mean for an unknown key."""
     msgs: list[str] = []
     for err in e.errors():
         loc = tuple(p for p in err["loc"] if p not in ("function-after", "function-before"))
@@ -144,7 +137,7 @@ def validation_message(
 def _place(
     loc: tuple[Any, ...], dotted: str, msg: str, lines: dict, source: str, overridden: Any
 ) -> tuple[str, str]:
-    """(where the error is, how its key is named after that): see `validation_message`."""
+    """(where the error is, how its key is named after that)."""
     keys = [".".join(str(p) for p in loc[:n]) for n in range(len(loc), 0, -1)]  # the key, its sections
     place = next((f"{lines[k][0]}, line {lines[k][1]}" for k in keys if k in lines), source)
     what = f"`{dotted}`" if dotted else "recipe"
@@ -249,8 +242,7 @@ def _describe(
 
 
 def _list_example(model: Any, loc: tuple[Any, ...], dotted: str) -> str:
-    """The example a list's message ends with (`optim.betas=[0.9,0.95]`), from the field's default;
-    empty when it has none."""
+    """The example a list's message ends with (`optim.betas=[0.9,0.95]`), from the field's default."""
     parent = submodel(model, loc[:-1])
     field = parent.model_fields.get(str(loc[-1])) if parent else None
     default = getattr(field, "default", None)
@@ -260,9 +252,8 @@ def _list_example(model: Any, loc: tuple[Any, ...], dotted: str) -> str:
 
 
 def user_message(e: BaseException) -> str | None:
-    """The one line a command ends with for an exception a user can cause or fix: a DifftrainError,
-    a pydantic ValidationError, a YAML error, a full disk or a denied permission. None for any
-    other exception: a bug, which keeps its traceback."""
+    """The one line a command ends with for an exception a user can cause or fix (DifftrainError,
+    ValidationError, YAML error, full disk, denied permission); None for a bug."""
     import errno
 
     if isinstance(e, DifftrainError):

@@ -1,16 +1,5 @@
-"""The files of a run directory (docs/run-directory.md), and what tells a run's folder apart.
-
-    runs/<name>/
-      recipe.yaml          the fully resolved recipe
-      config.json          ModelConfig
-      tokenizer.json       HF `tokenizers` format
-      model.safetensors    latest weights (no pickle)
-      adapter.safetensors  a LoRA fine-tune's weights instead (with adapter.json)
-      checkpoints/         Lightning checkpoints for resuming (last.ckpt, step-N.ckpt, index.json)
-      metrics.csv          per-step metrics
-      summary.json         final figures
-
-A leaf: it imports nothing from difftrain.
+"""The file names of a run directory (docs/run-directory.md), and what tells a run's folder
+apart. A leaf: it imports nothing from difftrain.
 """
 
 from __future__ import annotations
@@ -30,8 +19,7 @@ RUN_FILES = (CONFIG, TOKENIZER, WEIGHTS, METRICS, SUMMARY, ADAPTER_CONFIG)  # fi
 
 
 def holds_run(folder: Path) -> bool:
-    """Whether `folder` holds a difftrain run (its recipe.yaml or config.json): the only kind of
-    folder an --overwrite may replace."""
+    """Whether `folder` holds a difftrain run (recipe.yaml or config.json): what --overwrite may replace."""
     return (folder / RECIPE).is_file() or (folder / CONFIG).is_file()
 
 
@@ -42,9 +30,8 @@ def is_adapter_run(run_dir: Path) -> bool:
 
 
 def is_run_recipe(path: Path) -> bool:
-    """Whether `path` is the recipe.yaml a run directory holds: next to at least two of what a
-    run writes (RUN_FILES, checkpoints/). One may be lost (a resume repairs it) and the folder is
-    still the run's; a user's own recipe.yaml in a project folder is not taken for one."""
+    """Whether `path` is a run directory's recipe.yaml: next to at least two of what a run writes
+    (one may be lost; a user's own recipe.yaml in a project folder is not taken for one)."""
     folder = path.parent
     if path.name != RECIPE or not path.is_file():
         return False

@@ -116,13 +116,9 @@ def _count_nodes(node: yaml.Node, budget: list[int], seen_depth: int = 0) -> Non
         raise RecipeError("recipe is too large or expands too many YAML aliases; write it out plainly")
     if seen_depth > 50:
         raise RecipeError("recipe nests deeper than 50 levels; write it out plainly")
-    if isinstance(node, yaml.MappingNode):
-        for k, v in node.value:
-            _count_nodes(k, budget, seen_depth + 1)
-            _count_nodes(v, budget, seen_depth + 1)
-    elif isinstance(node, yaml.SequenceNode):
-        for v in node.value:
-            _count_nodes(v, budget, seen_depth + 1)
+    children = [c for kv in node.value for c in kv] if isinstance(node, yaml.MappingNode) else node.value
+    for child in children if isinstance(node, (yaml.MappingNode, yaml.SequenceNode)) else ():
+        _count_nodes(child, budget, seen_depth + 1)
 
 
 def _key_lines(node: yaml.Node, path: Path, prefix: str, out: dict[str, int]) -> None:

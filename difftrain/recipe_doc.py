@@ -1,5 +1,4 @@
-"""The recipe reference, generated from the schema: `difftrain recipes explain` and the table
-of docs/recipes.md."""
+"""The recipe reference generated from the schema: `difftrain recipes explain`, docs/recipes.md."""
 
 from __future__ import annotations
 
@@ -101,12 +100,8 @@ def explain_rows(section: str | None = None) -> list[tuple[str, str, str, str]]:
         rows += [_row(name, field) for name, field in top]
         for name, model in SECTIONS.items():
             field = Recipe.model_fields[name]
-            if field.is_required():
-                default = "required"
-            elif name == "model":
-                default = "required to pretrain"
-            else:
-                default = "defaults below" if name != "finetune" else "null"
+            default = {"model": "required to pretrain", "finetune": "null"}.get(name, "defaults below")
+            default = "required" if field.is_required() else default
             rows.append((name, "section", default, field.description or ""))
             walk(model, f"{name}.")
         return rows

@@ -93,22 +93,24 @@ def check_safetensors(path: Path) -> None:
         f.keys()
 
 
-def check_state_dict(sd: dict[str, torch.Tensor], model: torch.nn.Module, source: Path) -> None:
-    """Raise a CheckpointError unless `sd` has exactly the model's tensors with the model's shapes."""
-    expected = weights_state_dict(model)
+def check_state_dict(
+    sd: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], source: Path, against: str
+) -> None:
+    """Raise a CheckpointError unless `sd` has exactly the `expected` tensors with their shapes
+    (`against`: the file that implies them)."""
     missing = [k for k in expected if k not in sd]
     unexpected = [k for k in sd if k not in expected and k != "lm_head.weight"]  # (a tied head, saved)
     if missing or unexpected:
         parts = [f"missing {len(missing)} tensors (e.g. {missing[0]})"] if missing else []
         parts += [f"{len(unexpected)} unexpected tensors (e.g. {unexpected[0]})"] if unexpected else []
         raise CheckpointError(
-            f"{source} does not match its config.json: {', '.join(parts)}; were the weights copied from another run?"
+            f"{source} does not match its {against}: {', '.join(parts)}; the two files come from different runs"
         )
     for k, t in expected.items():
-        if k in sd and tuple(sd[k].shape) != tuple(t.shape):
+        if tuple(sd[k].shape) != tuple(t.shape):
             raise CheckpointError(
-                f"{source}: tensor {k} has shape {tuple(sd[k].shape)} but config.json implies {tuple(t.shape)}; "
-                "the config and the weights come from different models"
+                f"{source}: tensor {k} has shape {tuple(sd[k].shape)} but {against} implies {tuple(t.shape)}; "
+                "the two files come from different runs"
             )
 
 
@@ -283,7 +285,7 @@ def load_run(path: Path | str, device: str | torch.device = "cpu", dtype: torch.
         )
     model = Transformer(config)
     sd = read_safetensors(weights)
-    check_state_dict(sd, model, weights)
+    check_state_dict(sd, weights_state_dict(model), weights, CONFIG)
     model.load_state_dict(sd, strict=False)
     return _ready(path, model, config, tokenizer, device, dtype)
 
@@ -474,21 +476,10 @@ def load_adapter_run(
     adapt_model(model, spec)
     sd = read_safetensors(weights)
     expected = adapter_tensors(model)
-    missing = [k for k in expected if k not in sd]
-    unexpected = [k for k in sd if k not in expected]
-    if missing or unexpected:
-        what = f"missing {missing[0]}" if missing else f"unexpected {unexpected[0]}"
-        raise CheckpointError(
-            f"{weights} does not match {ADAPTER_CONFIG} ({what}); the two files come from different fine-tunes"
-        )
-    params = dict(model.named_parameters())
+    check_state_dict(sd, expected, weights, ADAPTER_CONFIG)
     with torch.no_grad():
-        for k, v in sd.items():
-            if tuple(v.shape) != tuple(params[k].shape):
-                raise CheckpointError(
-                    f"{weights}: tensor {k} has shape {tuple(v.shape)}, expected {tuple(params[k].shape)}"
-                )
-            params[k].copy_(v.to(params[k].dtype))
+        for k, p in expected.items():
+            p.copy_(sd[k].to(p.dtype))
     model.requires_grad_(False)
     if merge:
         merge_lora(model)
