@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from difftrain.model.config import ModelConfig, lambda_init
-from difftrain.model.kernels import AttnMask, AttnResult, LogitTransform, attention_core
+from difftrain.model.kernels import AttnMask, AttnResult, attention_core
 from difftrain.model.rope import apply_rotary
 
 AttnLogitTransform = Callable[[Tensor, int], Tensor]
@@ -82,10 +82,8 @@ class Attention(nn.Module):
         q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
         if cache is not None:
             k, v = cache.update(self.layer_idx, k, v)
-        transform: LogitTransform | None = None
-        if opts.logit_transform is not None:
-            fn, layer = opts.logit_transform, self.layer_idx
-            transform = lambda s: fn(s, layer)  # noqa: E731
+        fn, layer = opts.logit_transform, self.layer_idx
+        transform = None if fn is None else lambda s: fn(s, layer)
         r = attention_core(
             self.arch, q, k, v, self.second_map_weight(x), mask, opts.impl,
             return_maps=opts.output_attentions, transform=transform,

@@ -123,20 +123,6 @@ def repeat_kv(x: Tensor, n_rep: int) -> Tensor:
     return x[:, :, None].expand(B, h, n_rep, S, e).reshape(B, h * n_rep, S, e)
 
 
-# ----- the primitives: attend(q, k, v) = softmax(QKᵀ/√d + mask)·V ---------------------------------
-def softmax_maps(q: Tensor, k: Tensor, mask: AttnMask, transform: LogitTransform | None = None):
-    """(P, logits): P = softmax(QKᵀ/√d + mask) in fp32 (B, h, T, S) for q (B, h, T, d) and k
-    (B, h_kv, S, d) (GQA), logits the scaled scores after the optional transform, −inf where
-    masked (the transform cannot unmask them)."""
-    k = repeat_kv(k, q.shape[1] // k.shape[1])
-    scores = (q @ k.transpose(-2, -1)).float() * (1.0 / math.sqrt(q.shape[-1]))
-    allowed = mask.dense(q.device)
-    scores = scores.masked_fill(~allowed, float("-inf"))
-    if transform is not None:
-        scores = transform(scores).masked_fill(~allowed, float("-inf"))
-    return torch.softmax(scores, dim=-1), scores
-
-
 def attend_sdpa(q: Tensor, k: Tensor, v: Tensor, mask: AttnMask) -> Tensor:
     """torch's scaled_dot_product_attention. Its fused kernels need equal q, k and v widths: for
     diff's 2d-wide V, q and k are zero-padded to 2d, which leaves QKᵀ (and the 1/√d scale) unchanged."""
@@ -188,7 +174,6 @@ def attend_flex(q: Tensor, k: Tensor, v: Tensor, mask: AttnMask) -> Tensor:
     return out[:, :, :T]
 
 
-# ----- the cores -------------------------------------------------------------------------------
 def _pairwise(arch: str, a: Tensor, b: Tensor, lam: Tensor) -> Tensor:
     """The differential combination of two maps or two outputs (the same equation for both):
     diff  a − λ·b  (λ a 0-d fp32 scalar);  diff2  a − σ(λ_t,i)·b  (λ (B, H, T), per token and head)."""
@@ -236,11 +221,17 @@ def attention_core(
 
 
 def _eager_core(arch, q, k, v, lam, mask, transform) -> AttnResult:
+    """P = softmax(QKᵀ/√d + mask) in fp32 for every query head (the scores after the optional
+    transform, −inf where masked: it cannot unmask them), then the arch's effective maps into V."""
     if arch == "diff":  # both maps in one softmax call: query head 2i + c reads key head 2g + c
-        B, H, T, d = q.shape
-        n_rep = H // k.shape[1]
+        n_rep = q.shape[1] // k.shape[1]
         k = torch.stack((repeat_kv(k[:, 0::2], n_rep), repeat_kv(k[:, 1::2], n_rep)), dim=2).flatten(1, 2)
-    P, logits = softmax_maps(q, k, mask, transform)
+    k = repeat_kv(k, q.shape[1] // k.shape[1])
+    scores = (q @ k.transpose(-2, -1)).float() * (1.0 / math.sqrt(q.shape[-1]))
+    allowed = mask.dense(q.device)
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    if transform is not None:
+        scores = transform(scores).masked_fill(~allowed, float("-inf"))
+    P = torch.softmax(scores, dim=-1)
     A = P if arch == "baseline" else _pairwise(arch, P[:, 0::2], P[:, 1::2], lam.float())
-    n_rep = A.shape[1] // v.shape[1]
-    return AttnResult(A.to(v.dtype) @ repeat_kv(v, n_rep), A, logits)
+    return AttnResult(A.to(v.dtype) @ repeat_kv(v, A.shape[1] // v.shape[1]), A, scores)

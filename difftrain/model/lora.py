@@ -52,11 +52,9 @@ class LoRALinear(nn.Module):
     def merged(self) -> nn.Linear:
         """A plain nn.Linear with weight dense(W) + (α/r)·B A, in W's dense dtype."""
         w = dense_weight(self.base)
-        out = nn.Linear(self.in_features, self.out_features, bias=False, device=w.device, dtype=w.dtype)
-        with torch.no_grad():
-            delta = (self.lora_B.detach().float() @ self.lora_A.detach().float()) * self.scaling
-            out.weight.copy_((w.float() + delta.to(w.device)).to(w.dtype))
-        out.weight.requires_grad_(False)
+        delta = (self.lora_B.detach().float() @ self.lora_A.detach().float()) * self.scaling
+        out = nn.Linear(self.in_features, self.out_features, bias=False, device="meta")
+        out.weight = nn.Parameter((w.float() + delta.to(w.device)).to(w.dtype), requires_grad=False)
         return out
 
     def extra_repr(self) -> str:

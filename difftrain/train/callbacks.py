@@ -28,10 +28,10 @@ import lightning as L
 import torch
 from lightning.fabric.utilities.throughput import get_available_flops
 
-from difftrain.errors import StopRequested
+from difftrain.errors import CheckpointError, StopRequested
 from difftrain.io import fsync_dir
 from difftrain.rundir import save_weights
-from difftrain.train.checkpoint import record_checkpoint, remove_checkpoint_path, step_file
+from difftrain.train import checkpoint
 from difftrain.train.distributed import compute_dtype, gather_full_weights, is_fsdp
 
 
@@ -182,8 +182,7 @@ class RunCallback(L.Callback):
         number, at the same points on every process."""
         if trainer.world_size <= 1:
             return
-        import torch.distributed as dist
-
+        dist = torch.distributed
         if not (dist.is_available() and dist.is_initialized()):
             return
         flag = torch.tensor([self._stop_signal or 0], device=trainer.strategy.root_device)
@@ -335,14 +334,11 @@ class RunCallback(L.Callback):
 
     def _rollback(self, trainer: L.Trainer, pl_module: Any) -> str:
         """Restore weights and optimizer state of the newest good checkpoint; scale the lr."""
-        from difftrain.errors import CheckpointError
-        from difftrain.train.checkpoint import find_resume_checkpoint, load_checkpoint_file
-
         if is_fsdp(pl_module.model):
             return " (no rollback under FSDP: its optimizer state is sharded)"
         try:
-            point = find_resume_checkpoint(self.ckpt_dir)
-            ckpt = load_checkpoint_file(point.path) if point is not None else None
+            point = checkpoint.find_resume_checkpoint(self.ckpt_dir)
+            ckpt = checkpoint.load_checkpoint_file(point.path) if point is not None else None
         except CheckpointError as e:
             return f" (no rollback: {e})"
         if ckpt is None:
@@ -437,7 +433,7 @@ class RunCallback(L.Callback):
 
     def save(self, trainer: L.Trainer, pl_module: Any) -> None:
         step = trainer.global_step
-        path = self.ckpt_dir / step_file(step)
+        path = self.ckpt_dir / checkpoint.step_file(step)
         if trainer.is_global_zero:
             # metrics first: a kill between the two leaves extra rows (a resume drops them), never
             # a checkpoint whose rows are lost
@@ -448,16 +444,16 @@ class RunCallback(L.Callback):
         if fsdp:
             if trainer.is_global_zero:
                 for stale in self.ckpt_dir.glob(".*.partial"):  # left by a kill while saving
-                    remove_checkpoint_path(stale)
+                    checkpoint.remove_checkpoint_path(stale)
             trainer.strategy.barrier()
         trainer.save_checkpoint(target)
         full = gather_full_weights(pl_module.model)  # FSDP: every rank sends its shards to rank 0
         if trainer.is_global_zero:
             if fsdp:
-                remove_checkpoint_path(path)
+                checkpoint.remove_checkpoint_path(path)
                 os.replace(target, path)
                 fsync_dir(self.ckpt_dir)
-            record_checkpoint(self.ckpt_dir, path, step, self.cfg.keep)
+            checkpoint.record_checkpoint(self.ckpt_dir, path, step, self.cfg.keep)
             if full is not None and self.cfg.export is None:
                 if pl_module.model.config.tie_embeddings:
                     full.pop("lm_head.weight", None)  # saved once, as the embedding

@@ -102,9 +102,7 @@ def record_checkpoint(ckpt_dir: Path, path: Path, step: int, keep: int) -> list[
         for e in read_index(ckpt_dir)
         if e["file"] != path.name and int(e.get("step", -1)) < step and (ckpt_dir / e["file"]).exists()
     ]
-    entries.append(entry)
-    entries.sort(key=lambda e: e["step"])
-    entries = entries[-max(keep, 1) :]
+    entries = sorted([*entries, entry], key=lambda e: e["step"])[-max(keep, 1) :]
     # last.ckpt: a hard link (a symlink to a sharded folder), made under a temp name and renamed
     tmp = ckpt_dir / f".{LAST}.tmp"
     tmp.unlink(missing_ok=True)
@@ -118,11 +116,9 @@ def record_checkpoint(ckpt_dir: Path, path: Path, step: int, keep: int) -> list[
     os.replace(tmp, ckpt_dir / LAST)
     atomic_write_json(ckpt_dir / INDEX, {"checkpoints": entries, "last": entry["file"]})
     keep_names = {e["file"] for e in entries}
-    removed = []
-    for old in sorted(ckpt_dir.glob("step-*.ckpt")):
-        if old.name not in keep_names:
-            remove_checkpoint_path(old)
-            removed.append(old.name)
+    removed = [old.name for old in sorted(ckpt_dir.glob("step-*.ckpt")) if old.name not in keep_names]
+    for name in removed:
+        remove_checkpoint_path(ckpt_dir / name)
     fsync_dir(ckpt_dir)
     return removed
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import subprocess
 import sys
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
@@ -132,14 +133,12 @@ class DistContext:
         return self.rank == 0
 
     def _raise_first(self, errors: list[Any], mine: BaseException | None) -> None:
+        """Where any rank failed: this rank's own error, else the first one another rank sent."""
         for rank, err in enumerate(errors):
-            if err is None:
-                continue
-            if mine is not None:
-                raise mine
-            if isinstance(err, DifftrainError):
-                raise err
-            raise TrainingError(f"rank {rank} failed: {err}")
+            if err is not None:
+                raise mine or (
+                    err if isinstance(err, DifftrainError) else TrainingError(f"rank {rank} failed: {err}")
+                )
 
     @staticmethod
     def _attempt(fn: Callable[[], T]) -> tuple[T | None, BaseException | None]:
@@ -183,8 +182,6 @@ class DistContext:
 
     def join(self, timeout: float = 120.0) -> None:
         """Wait for the ranks this process started (rank 0 on a single machine) to exit."""
-        import subprocess
-
         for p in self.children:
             try:
                 p.wait(timeout=timeout)

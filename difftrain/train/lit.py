@@ -107,8 +107,7 @@ class LitLM(L.LightningModule):
         object.__setattr__(self, "_forward", torch.compile(self.model) if self._compile else self.model)
 
     def _world(self) -> int:
-        trainer = self._trainer
-        return trainer.world_size if trainer is not None else 1
+        return self._trainer.world_size if self._trainer is not None else 1
 
     def _all_reduce(self, t: torch.Tensor) -> torch.Tensor:
         """Sum over ranks (in place); a no-op in a single process."""
@@ -127,8 +126,7 @@ class LitLM(L.LightningModule):
     def on_train_start(self) -> None:
         # the next step's lr from this run's schedule (a resume that changed train.max_steps
         # restored the saved schedule's lr)
-        sched = self.lr_schedulers()
-        opt = self.optimizers()
+        sched, opt = self.lr_schedulers(), self.optimizers()
         for g, base, fn in zip(opt.param_groups, sched.base_lrs, sched.lr_lambdas, strict=True):
             g["lr"] = base * fn(sched.last_epoch)
 

@@ -92,17 +92,12 @@ def recipe_differences(
 
 def _global_batch(recipe: dict[str, Any]) -> int | None:
     """The sequences per optimizer step of a run's recipe.yaml (None where it cannot be read)."""
-    t = recipe.get("train") if isinstance(recipe, dict) else None
-    if not isinstance(t, dict):
-        return None
-    try:
+    try:  # (devices: auto, never in a run's own recipe.yaml: None)
+        t = recipe["train"]
         if t.get("global_batch_size"):
             return int(t["global_batch_size"])
-        devices = t.get("devices", 1)
-        if devices == "auto":  # a run's recipe.yaml holds the resolved count; older ones may not
-            return None
-        return int(t["micro_batch_size"]) * int(devices) * int(t.get("num_nodes", 1))
-    except (KeyError, TypeError, ValueError):
+        return int(t["micro_batch_size"]) * int(t.get("devices", 1)) * int(t.get("num_nodes", 1))
+    except (KeyError, TypeError, ValueError, AttributeError):
         return None
 
 
