@@ -233,12 +233,9 @@ def hf_config_dict(
         "use_cache": True,
         "dtype": dtype,
     }
-    if cls == LLAMA:
-        out["mlp_bias"] = False
-        out["pretraining_tp"] = 1
-    else:
-        out["lambda_std_dev"] = config.lambda_std
-    return out
+    return out | (
+        {"mlp_bias": False, "pretraining_tp": 1} if cls == LLAMA else {"lambda_std_dev": config.lambda_std}
+    )
 
 
 def _num(hf: dict[str, Any], key: str, where: Path, *, default: Any = None, integer: bool = True) -> Any:
@@ -395,9 +392,7 @@ def hf_tokenizer_files(tokenizer: Any, model_max_length: int, chat: Any = None) 
     difftrain's `encode`, `tokenizer(text)` adds no special tokens. `chat`: a chat fine-tune's
     template, written as `chat_template`."""
     special = {
-        "bos_token": tokenizer.id_to_token(tokenizer.bos_id),
-        "eos_token": tokenizer.id_to_token(tokenizer.eos_id),
-        "pad_token": tokenizer.id_to_token(tokenizer.pad_id),
+        f"{n}_token": tokenizer.id_to_token(getattr(tokenizer, f"{n}_id")) for n in ("bos", "eos", "pad")
     }
     extra = sorted(
         (t for t in tokenizer.special_tokens if t not in special.values()), key=tokenizer.special_tokens.get

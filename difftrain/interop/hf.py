@@ -99,19 +99,18 @@ def _weight_map(index: Path) -> dict[str, str]:
     return weight_map
 
 
-def read_hf_weights(hf_dir: Path) -> tuple[dict[str, Tensor], list[Path]]:
+def read_hf_weights(hf_dir: Path) -> dict[str, Tensor]:
     """All tensors of a transformers checkpoint folder: model.safetensors, or the shards listed in
     model.safetensors.index.json (as from_pretrained looks for them). Pickles are refused."""
     index, single = hf_dir / HF_INDEX, hf_dir / WEIGHTS
     if single.is_file():
-        return _load_safetensors(single)[0], [single]
+        return _load_safetensors(single)[0]
     if index.is_file():
         try:
             weight_map = _weight_map(index)
         except (OSError, ValueError, KeyError, TypeError) as e:
             raise InteropError(f"{index} is not a valid safetensors index ({e}); download it again") from e
         tensors: dict[str, Tensor] = {}
-        files = []
         for name in dict.fromkeys(map(str, weight_map.values())):
             shard = hf_dir / name
             if Path(name).is_absolute() or ".." in Path(name).parts:
@@ -121,13 +120,12 @@ def read_hf_weights(hf_dir: Path) -> tuple[dict[str, Tensor], list[Path]]:
                     f"{index} lists shard {name} but {shard} does not exist; the download is incomplete"
                 )
             tensors.update(_load_safetensors(shard)[0])
-            files.append(shard)
         absent = [k for k in weight_map if k not in tensors]
         if absent:
             raise InteropError(
                 f"{index} maps {absent[0]} to {weight_map[absent[0]]} but that shard does not hold it"
             )
-        return tensors, files
+        return tensors
     pickles = [n for n in ("pytorch_model.bin", "pytorch_model.bin.index.json") if (hf_dir / n).exists()]
     if pickles:
         raise InteropError(
@@ -140,12 +138,12 @@ def read_hf_weights(hf_dir: Path) -> tuple[dict[str, Tensor], list[Path]]:
     )
 
 
-def _read_json(path: Path, what: str) -> dict[str, Any]:
+def _read_config(path: Path) -> dict[str, Any]:
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise InteropError(
-            f"{path.parent} has no {path.name}; it is not a transformers {what} folder"
+            f"{path.parent} has no {path.name}; it is not a transformers checkpoint folder"
         ) from None
     except (OSError, UnicodeDecodeError) as e:
         raise InteropError(f"cannot read {path}: {e}") from e
@@ -201,9 +199,7 @@ def export_hf(
 
     notes: list[str] = []
     if (run_path / ADAPTER_CONFIG).is_file():
-        notes.append(
-            "a LoRA run: exported as its base with the adapter merged in (as `difftrain merge` makes it)"
-        )
+        notes.append("a LoRA run: exported as its base with the adapter merged in (as `difftrain merge`)")
     if config.arch == "diff":
         notes.append("q/k/v rows permuted to DiffLlama's head order; subln weight folded into o_proj columns")
         if value_scale(config) != 1.0:
@@ -235,9 +231,7 @@ def export_hf(
     chat = run_chat_template(run_path, style)
     tokenizer_files = hf_tokenizer_files(tok, config.max_seq_len, chat)
     if chat is not None:
-        notes.append(
-            "a chat fine-tune: its chat template is written as tokenizer_config.json's chat_template"
-        )
+        notes.append("a chat fine-tune: its chat template is written into tokenizer_config.json")
     card = _model_card(
         config, cls, run_path, out, tok, style.prompt_format if style.instruction else None, chat is not None
     )
@@ -314,9 +308,7 @@ def _model_card(
     `chat`: a chat fine-tune, whose template the tokenizer carries."""
     own_start = tok.document_start_id != tok.eos_id  # the tokenizer puts its start token (bos) first
     text = "def fibonacci(n):"
-    if (
-        prompt_format is not None
-    ):  # an instruction fine-tune: its examples start with the prompt in its format
+    if prompt_format is not None:  # an instruction fine-tune: its examples start in its format
         try:  # a record's other fields shown as ...; a format that needs more ({meta[lang]}, {id:03d}) as it is
             text = prompt_format.format_map(collections.defaultdict(lambda: "...", prompt=text))
         except (KeyError, IndexError, TypeError, ValueError, AttributeError):
@@ -336,10 +328,10 @@ def _model_card(
             "The tokenizer adds no special tokens; documents were separated by the eos token in training, "
             "so a prompt starts after one, as `difftrain generate` samples it (the same greedy tokens). "
         )
-    after_eos = prompt_format is None and not own_start
-    start = (
+    after_eos = (
         "ids = torch.cat([torch.tensor([[tok.eos_token_id]]), ids], dim=1)  # a document starts after eos\n"
     )
+    after_eos = after_eos if prompt_format is None and not own_start else ""
     first = ", 1:" if own_start or prompt_format is None else ""  # the text after a start token
     kind = {
         "baseline": "A Llama-style Transformer",
@@ -372,7 +364,7 @@ def _model_card(
         f'tok = AutoTokenizer.from_pretrained("{out}")\n'
         f'model = AutoModelForCausalLM.from_pretrained("{out}")\n'
         f'ids = tok({text!r}, return_tensors="pt").input_ids\n'
-        + (start if after_eos else "")
+        + after_eos
         + f"print(tok.decode(model.generate(ids, max_new_tokens=64, do_sample=False)[0{first}]))\n```\n\n"
         + about
         + f"`{SIDECAR}` holds difftrain's exact tensors for `difftrain import` and is ignored by transformers.\n"
@@ -394,9 +386,7 @@ def _restore_sidecar(
         return config, sd, False, [f"{SIDECAR} ignored: it has no valid difftrain config"]
     # fields config.json does not carry may differ; everything else must agree
     free = {"attn_impl"} | ({"lambda_std"} if config.arch == "baseline" else set())
-    if {k: v for k, v in saved.model_dump().items() if k not in free} != {
-        k: v for k, v in config.model_dump().items() if k not in free
-    }:
+    if saved.model_dump(exclude=free) != config.model_dump(exclude=free):
         return config, sd, False, [f"{SIDECAR} ignored: config.json was changed after the export"]
     if not tensors:  # the conversion was exact (or the export was rounded to bf16/fp16)
         return saved, sd, False, [f"restored difftrain's config from {SIDECAR}"]
@@ -466,8 +456,7 @@ def import_hf(
 
     src, dst = Path(hf_dir), Path(run_dir)
     check_import_paths(src, dst)
-    hf_cfg = _read_json(src / CONFIG, "checkpoint")
-    config, cls = config_from_hf(hf_cfg, src / CONFIG)
+    config, cls = config_from_hf(_read_config(src / CONFIG), src / CONFIG)
     tok_path = src / TOKENIZER
     resave = (
         '`python -c "from transformers import AutoTokenizer; '
@@ -485,7 +474,7 @@ def import_hf(
             f"{tok_path} has {tok.vocab_size} tokens but {src / CONFIG} says vocab_size={config.vocab_size}; "
             "the tokenizer belongs to another model"
         )
-    hf, _ = read_hf_weights(src)
+    hf = read_hf_weights(src)
     if not hf:
         raise InteropError(f"{src}: the weights file holds no tensors")
     check_hf_tensors(hf, config, src)
