@@ -252,9 +252,8 @@ def hf_class_of(hf: dict[str, Any], where: Path) -> str:
     archs = hf.get("architectures") or []
     if isinstance(archs, str):
         archs = [archs]
-    for a in archs:
-        if a in SUPPORTED_ARCHITECTURES:
-            return a
+    if supported := [a for a in archs if a in SUPPORTED_ARCHITECTURES]:
+        return supported[0]
     by_type = {t: c for c, t in MODEL_TYPES.items()}
     if not archs and hf.get("model_type") in by_type:
         return by_type[hf["model_type"]]

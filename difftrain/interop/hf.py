@@ -424,11 +424,9 @@ def _tokenizer_notes(src: Path, tok: Any) -> list[str]:
         )
     declared: dict[int, str] = {}  # id → where it is declared as eos (or as a stop token)
     for name in ("tokenizer_config.json", "special_tokens_map.json"):
-        data = cfg if name == "tokenizer_config.json" else _json_or_empty(src / name)
-        token = data.get("eos_token")
+        token = _json_or_empty(src / name).get("eos_token")
         token = token.get("content") if isinstance(token, dict) else token
-        i = tok.token_to_id(token) if isinstance(token, str) and token else None
-        if i is not None:
+        if isinstance(token, str) and token and (i := tok.token_to_id(token)) is not None:
             declared.setdefault(i, name)
     for name in ("generation_config.json", CONFIG):
         ids = _json_or_empty(src / name).get("eos_token_id")
