@@ -453,19 +453,7 @@ def plan_memory(
         shards = s.fsdp.shards
         weights, grads, opt, temps = weights / shards, grads / shards, opt / shards, temps / shards
         gathered = _fsdp_gathered(params, s.fsdp, s.precision, pbytes)
-    act = activations(
-        config,
-        params,
-        micro_batch_size=s.micro_batch_size,
-        seq_len=s.seq_len,
-        precision=s.precision,
-        checkpointing=s.checkpointing,
-        kernel=diff_kernel(target.kind, s.attn_impl),
-        attn_impl=s.attn_impl,
-        fused_loss=fused_loss,
-        device_type=target.kind,
-        lora_dropout=s.lora_dropout,
-    )
+    act = step_activations(config, params, s, target, fused_loss)
     assert isinstance(config.vocab_size, int) and config.ffn_hidden is not None
     N, V, D = s.micro_batch_size * s.seq_len, config.vocab_size, config.d_model
     if fused_loss:
@@ -526,6 +514,25 @@ def plan_memory(
         peak_step=weights + grads + opt + temps,
         method=method,
         notes=notes,
+    )
+
+
+def step_activations(
+    config: ModelConfig, params: list[Param], s: Settings, target: Target, fused_loss: bool = True
+) -> Activations:
+    """`activations` of one micro-batch of `s` on `target`."""
+    return activations(
+        config,
+        params,
+        micro_batch_size=s.micro_batch_size,
+        seq_len=s.seq_len,
+        precision=s.precision,
+        checkpointing=s.checkpointing,
+        kernel=diff_kernel(target.kind, s.attn_impl),
+        attn_impl=s.attn_impl,
+        fused_loss=fused_loss,
+        device_type=target.kind,
+        lora_dropout=s.lora_dropout,
     )
 
 

@@ -33,6 +33,7 @@ from difftrain.memory import (  # noqa: F401 - optimizer_bytes, saved_activation
     optimizer_bytes,
     plan_memory,
     saved_activation_bytes,
+    step_activations,
 )
 from difftrain.model.config import ModelConfig
 from difftrain.spec import Machine, RunSpec, resolve
@@ -79,17 +80,8 @@ def activation_table(config: ModelConfig, settings: Settings, target: Target) ->
         cfg = config.replace(arch=arch)
         params = model_params(cfg)
         for precision, ckpt in itertools.product(("32-true", "bf16-mixed", "bf16-true"), (False, True)):
-            a = activations(
-                cfg,
-                params,
-                micro_batch_size=settings.micro_batch_size,
-                seq_len=settings.seq_len,
-                precision=precision,
-                checkpointing=ckpt,
-                kernel=diff_kernel(target.kind, settings.attn_impl),
-                attn_impl=settings.attn_impl,
-                device_type=target.kind,
-            )
+            s = replace(settings, precision=precision, checkpointing=ckpt, lora_dropout=None)
+            a = step_activations(cfg, params, s, target)
             rows.append(
                 {"arch": arch, "precision": precision, "checkpointing": ckpt, "bytes": round(a.total)}
             )
