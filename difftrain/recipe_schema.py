@@ -5,6 +5,7 @@ is its documentation everywhere). Extra keys are errors; machine-dependent `auto
 
 from __future__ import annotations
 
+import shlex
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -457,8 +458,6 @@ class Recipe(_Section):
     @property
     def command_arg(self) -> str:
         """The recipe as a command line names it (a shipped name, a quoted path, else RECIPE)."""
-        import shlex
-
         if not self._source:
             return "RECIPE"
         if self._source.startswith("shipped:"):
@@ -468,8 +467,6 @@ class Recipe(_Section):
     @property
     def command_args(self) -> str:
         """`command_arg` and the overrides, quoted: e.g. `difftrain plan {command_args}`."""
-        import shlex
-
         return " ".join([self.command_arg, *(shlex.quote(o) for o in self._overrides)])
 
     @property
