@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 from typing import Any
@@ -98,7 +99,7 @@ def kv_table(title: str, rows: list[tuple[str, str]]) -> Table:
     return table
 
 
-class DataBars:
+class DataBars(contextlib.AbstractContextManager):
     """The `progress` callback of `prepare_data`: one transient bar per stage on stderr (only on a
     terminal); a context manager whose exit (or `stop`) ends it."""
 
@@ -127,9 +128,6 @@ class DataBars:
     def stop(self) -> None:
         if self.bars.live.is_started:
             self.bars.stop()
-
-    def __enter__(self) -> DataBars:
-        return self
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
