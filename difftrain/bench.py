@@ -96,8 +96,18 @@ def cpu_tensor_peak(step: Callable[[], None], model: Any, opt: Any, *batch: torc
 
 
 # ----- one training step -----------------------------------------------------------------------------
-def train_step(model: Any, opt: Any, x: torch.Tensor, y: torch.Tensor, train: Any, forward: Any) -> Callable:
-    """One step as training takes it: forward, backward, clip, optimizer step (no loss scaling)."""
+def training(cfg: Any, train: Any, optim: Any, x: torch.Tensor, y: torch.Tensor) -> tuple[Any, Any, Callable]:
+    """A model of `cfg` on x's device, its optimizer, and one step as training takes it: forward,
+    backward, clip, optimizer step (no loss scaling)."""
+    from difftrain.model import Transformer
+    from difftrain.train.optim import build_optimizer
+
+    model = Transformer(cfg).to(x.device)
+    if train.precision == "bf16-true":
+        model = model.to(torch.bfloat16)
+    model.set_activation_checkpointing(train.activation_checkpointing)
+    opt = build_optimizer(model, optim, x.device.type)
+    forward = torch.compile(model) if train.compile else model
     params = [p for p in model.parameters() if p.requires_grad]
     amp = train.precision in ("bf16-mixed", "16-mixed")
     dtype = torch.bfloat16 if train.precision.startswith("bf16") else torch.float16
@@ -111,7 +121,7 @@ def train_step(model: Any, opt: Any, x: torch.Tensor, y: torch.Tensor, train: An
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    return step
+    return model, opt, step
 
 
 def bench_recipe(
@@ -124,10 +134,8 @@ def bench_recipe(
 ) -> dict[str, Any]:
     """Tokens/s, MFU and peak memory of `recipe`'s training step and of the other arch at its
     shape; a JSON-ready document."""
-    from difftrain.model import Transformer
     from difftrain.plan import tokenizer_size
     from difftrain.train.callbacks import flops_per_token, peak_flops
-    from difftrain.train.optim import build_optimizer
 
     say = progress or (lambda msg: None)
     if recipe.model is None:
@@ -161,13 +169,7 @@ def bench_recipe(
         say(f"building {arch} and taking {warmup} warm-up steps")
         before = memory_mark(device)
         torch.manual_seed(r.seed)
-        model = Transformer(cfg.replace(arch=arch)).to(device)
-        if t.precision == "bf16-true":
-            model = model.to(torch.bfloat16)
-        model.set_activation_checkpointing(t.activation_checkpointing)
-        opt = build_optimizer(model, r.optim, device.type)
-        forward = torch.compile(model) if t.compile else model
-        fns[arch] = train_step(model, opt, x, y, t, forward)
+        model, opt, fns[arch] = training(cfg.replace(arch=arch), t, r.optim, x, y)
         t0 = time.perf_counter()
         for _ in range(warmup):
             fns[arch]()
@@ -249,11 +251,8 @@ def measure_training_peak(spec: dict[str, Any]) -> dict[str, Any]:
     """The peak memory that 3 training steps of `spec` (device, config, batch, seq_len, optimizer,
     checkpointing, precision) add (`measured_peak`: call it in a fresh process) and, on a CPU,
     `tensor_peak` (`cpu_tensor_peak`)."""
-    from types import SimpleNamespace
-
-    from difftrain.model import ModelConfig, Transformer
-    from difftrain.recipe import OptimConfig
-    from difftrain.train.optim import build_optimizer
+    from difftrain.model import ModelConfig
+    from difftrain.recipe import OptimConfig, TrainConfig
 
     device = torch.device(spec["device"])
     cfg = ModelConfig(**spec["config"])
@@ -261,10 +260,13 @@ def measure_training_peak(spec: dict[str, Any]) -> dict[str, Any]:
     ids = torch.randint(0, cfg.vocab_size, (B, T + 1), generator=torch.Generator().manual_seed(0))  # type: ignore[arg-type]
     x, y = ids[:, :-1].to(device), ids[:, 1:].to(device)
     before = memory_mark(device)
-    model = Transformer(cfg).to(device)
-    model.set_activation_checkpointing(spec["checkpointing"])
-    opt = build_optimizer(model, OptimConfig(name=spec["optimizer"], lr=1e-4), device.type)
-    step = train_step(model, opt, x, y, SimpleNamespace(precision=spec["precision"], grad_clip=1.0), model)
+    train = TrainConfig(
+        max_steps=3,
+        precision=spec["precision"],
+        activation_checkpointing=spec["checkpointing"],
+        compile=False,
+    )
+    model, opt, step = training(cfg, train, OptimConfig(name=spec["optimizer"], lr=1e-4), x, y)
     for _ in range(3):
         step()
     out: dict[str, Any] = {"measured_peak": memory_peak(device, before)}
