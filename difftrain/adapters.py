@@ -203,10 +203,8 @@ def merge_run(run_dir: Path | str, out_dir: Path | str | None = None, *, overwri
             )
     run = load_adapter_run(run_dir, merge=True)
     spec = read_adapter_spec(run_dir)
-    if out.is_dir():  # removed once the merged model is in memory
+    if out.is_dir():  # removed once the merged model is in memory (a file there was refused)
         shutil.rmtree(out)
-    elif out.exists():
-        out.unlink()
     out.mkdir(parents=True, exist_ok=True)
     run.config.to_json(out / CONFIG)  # type: ignore[attr-defined]
     run.tokenizer.save(out / TOKENIZER)  # type: ignore[attr-defined]

@@ -426,24 +426,14 @@ def load_recipe(ref: str | os.PathLike[str], overrides: list[str] | tuple[str, .
     data, where = _load_tree(path)
     data = apply_overrides(data, list(overrides), Path.cwd().resolve())
     given = {".".join(parse_override(o)[0]): o.partition("=")[2] for o in overrides}
-    overridden = set(given)
-    source = str(path)
-    _check_finite(data, where, source, given)
-    try:
-        recipe = Recipe.model_validate(data)
-    except ValidationError as e:
-        raise RecipeError(
-            validation_message(e, Recipe, lines=where, source=source, overridden=overridden)
-        ) from e
-    shipped_dir = shipped_recipes_dir().resolve()
-    is_shipped = path.resolve().parent == shipped_dir
-    # Relative data paths in a shipped recipe mean the user's current folder; in a user's recipe,
-    # the recipe's own folder.
-    recipe._recipe_dir = Path.cwd() if is_shipped else path.resolve().parent
-    _absolute_cache_dir(recipe)
+    _check_finite(data, where, str(path), given)
+    # relative data paths in a shipped recipe mean the user's current folder, else the recipe's own
+    is_shipped = path.resolve().parent == shipped_recipes_dir().resolve()
+    folder = Path.cwd() if is_shipped else path.resolve().parent
+    recipe = _validated(data, folder, lines=where, source=str(path), overridden=set(given))
     recipe._source = f"shipped:{path.stem}" if is_shipped else str(path)
     recipe._overrides = tuple(overrides)
-    if is_run_recipe(path) and not overridden & {"name", "out_dir"}:
+    if is_run_recipe(path) and not given.keys() & {"name", "out_dir"}:
         recipe._own_run_dir = path.parent
     return recipe
 
@@ -451,20 +441,21 @@ def load_recipe(ref: str | os.PathLike[str], overrides: list[str] | tuple[str, .
 def recipe_from_dict(data: dict[str, Any], recipe_dir: Path | None = None) -> Recipe:
     """Validate an in-memory recipe (tests, programmatic use)."""
     _check_finite(data, {}, "recipe")
+    return _validated(data, recipe_dir or Path.cwd())
+
+
+def _validated(data: dict[str, Any], recipe_dir: Path, **place: Any) -> Recipe:
+    """`data` as a Recipe whose relative paths start in `recipe_dir` (data.cache_dir made absolute
+    against it, as the data paths are read); `place`: where `validation_message` says errors are."""
     try:
         recipe = Recipe.model_validate(data)
     except ValidationError as e:
-        raise RecipeError(validation_message(e, Recipe)) from e
-    recipe._recipe_dir = recipe_dir or Path.cwd()
-    _absolute_cache_dir(recipe)
-    return recipe
-
-
-def _absolute_cache_dir(recipe: Recipe) -> None:
-    """A relative data.cache_dir made absolute against the recipe's folder, as its data paths are."""
+        raise RecipeError(validation_message(e, Recipe, **place)) from e
+    recipe._recipe_dir = recipe_dir
     if recipe.data.cache_dir:
-        cache = absolute_path(recipe.data.cache_dir, recipe.recipe_dir)  # (an absolute one as written)
+        cache = absolute_path(recipe.data.cache_dir, recipe_dir)  # (an absolute one as written)
         recipe.data = recipe.data.model_copy(update={"cache_dir": cache})
+    return recipe
 
 
 def train_seq_len(train: TrainConfig, max_seq_len: int) -> int:
