@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import logging
 import os
+import shutil
 
 import torch
 
@@ -58,8 +60,6 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 def require_compiler(device: torch.device, option: str = "--compile") -> None:
     """DeviceError unless torch.compile can build kernels for `device` (C++ on CPU, Triton on
     CUDA), checked before anything loads."""
-    import shutil
-
     if device.type == "cuda":
         from torch.utils._triton import has_triton
 
@@ -69,8 +69,6 @@ def require_compiler(device: torch.device, option: str = "--compile") -> None:
                 "pip install triton (it ships with Linux CUDA builds of torch) or leave out the option"
             )
     elif device.type == "cpu":
-        import logging
-
         # torch's C++ build helpers warn "No CUDA runtime is found" where a CUDA toolkit is
         # installed without a GPU: irrelevant to CPU kernels, and it lands in streamed text
         logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
