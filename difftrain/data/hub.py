@@ -176,7 +176,7 @@ class HubDataset:
                     ds = ds[split]
                 return ds
             files = self.data_files()
-            with _hub_offline(unreachable is not None), _quiet_datasets(local is not None or builder):
+            with _datasets_mode(unreachable is not None, local is not None or builder):
                 return datasets.load_dataset(
                     str(local) if local is not None else name,
                     config,
@@ -263,37 +263,25 @@ def _packaged_builder(name: str) -> bool:
 
 
 @contextmanager
-def _quiet_datasets(quiet: bool) -> Iterator[None]:
-    """Without `datasets`' progress bars and log lines while `quiet`."""
-    if not quiet:
-        yield
-        return
+def _datasets_mode(offline: bool, quiet: bool) -> Iterator[None]:
+    """`datasets` in offline mode (it reads its local cache only) while `offline`, without its
+    progress bars and log lines while `quiet`."""
+    import datasets.config
     import datasets.utils as ds_utils
+    import huggingface_hub.constants as hub
     from datasets.utils import logging as ds_logging
 
-    bars_off, level = ds_utils.are_progress_bars_disabled(), ds_logging.get_verbosity()
-    ds_utils.disable_progress_bars()
-    ds_logging.set_verbosity(ds_logging.CRITICAL)  # a bad file is logged as an error, then raised
-    try:
-        yield
-    finally:
-        ds_logging.set_verbosity(level)
-        if not bars_off:
-            ds_utils.enable_progress_bars()
-
-
-@contextmanager
-def _hub_offline(offline: bool) -> Iterator[None]:
-    """Run `datasets` in offline mode (it reads its local cache only) while `offline`."""
-    if not offline:
-        yield
-        return
-    import datasets.config
-    import huggingface_hub.constants as hub
-
     saved = datasets.config.HF_HUB_OFFLINE, hub.HF_HUB_OFFLINE
-    datasets.config.HF_HUB_OFFLINE = hub.HF_HUB_OFFLINE = True
+    bars_off, level = ds_utils.are_progress_bars_disabled(), ds_logging.get_verbosity()
+    if offline:
+        datasets.config.HF_HUB_OFFLINE = hub.HF_HUB_OFFLINE = True
+    if quiet:
+        ds_utils.disable_progress_bars()
+        ds_logging.set_verbosity(ds_logging.CRITICAL)  # a bad file is logged as an error, then raised
     try:
         yield
     finally:
         datasets.config.HF_HUB_OFFLINE, hub.HF_HUB_OFFLINE = saved
+        ds_logging.set_verbosity(level)
+        if quiet and not bars_off:
+            ds_utils.enable_progress_bars()

@@ -88,17 +88,13 @@ class _ResumableDataModule(L.LightningDataModule):
 
     @property
     def rank(self) -> int:
-        if self._rank is not None:
-            return self._rank
         trainer = getattr(self, "trainer", None)
-        return trainer.global_rank if trainer is not None else 0
+        return self._rank if self._rank is not None else trainer.global_rank if trainer else 0
 
     @property
     def world_size(self) -> int:
-        if self._world_size is not None:
-            return self._world_size
         trainer = getattr(self, "trainer", None)
-        return trainer.world_size if trainer is not None else 1
+        return self._world_size if self._world_size is not None else trainer.world_size if trainer else 1
 
     def _loader(self, dataset: IterableDataset) -> DataLoader:
         pin = torch.cuda.is_available() if self.pin_memory == "auto" else bool(self.pin_memory)

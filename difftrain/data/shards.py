@@ -128,8 +128,7 @@ def _key(obj: Any) -> str:
 
 
 def held_out(val_fraction: float, seed: int, source: int, doc: int) -> bool:
-    """Whether document `doc` of a source is a validation document: u("val", seed, source, doc)
-    < val_fraction."""
+    """Whether document `doc` of a source is a validation document (see the module docstring)."""
     return val_fraction > 0 and unit_hash("val", seed, source, doc) < val_fraction
 
 
@@ -151,8 +150,10 @@ def _clean_stale_tmp(parent: Path) -> None:
 
 @contextlib.contextmanager
 def _building(final: Path) -> Iterator[Path]:
-    """Yield a temp folder next to `final`; rename it to `final` if the block completes."""
+    """Yield a temp folder next to `final`; rename it to `final` (replacing a damaged, edited or
+    incomplete entry) if the block completes."""
     tmp2 = final.parent / f".tmp-{final.name}-{os.getpid()}-{os.urandom(4).hex()}"
+    shutil.rmtree(final, ignore_errors=True)
     try:
         final.parent.mkdir(parents=True, exist_ok=True)
         _clean_stale_tmp(final.parent)
@@ -287,8 +288,6 @@ def prepare_tokenizer(
     if complete:
         return final / "tokenizer.json", True, time.perf_counter() - t0
     data_cfg.check_cache_dir()
-    if final.exists():  # damaged, edited or incomplete: rebuild it
-        shutil.rmtree(final, ignore_errors=True)
     trained = tok is None
     if tok is None:
         sources = resolve_sources(data_cfg, base_dir) if sources is None else sources
@@ -336,11 +335,9 @@ def val_window_offsets(n_tokens: int, window: int, count: int) -> np.ndarray:
 
 
 def training_repeats(weight: float, seed: int, source: int, doc: int) -> int:
-    """How often training document `doc` of a source with weight w is written: ⌊w⌋, plus one
-    when u("weight", seed, source, doc) < w − ⌊w⌋."""
+    """How often training document `doc` of a source is written (see the module docstring)."""
     whole = math.floor(weight)
-    frac = weight - whole
-    return whole + int(frac > 0 and unit_hash("weight", seed, source, doc) < frac)
+    return whole + int(weight > whole and unit_hash("weight", seed, source, doc) < weight - whole)
 
 
 def _build_shards(
@@ -403,27 +400,23 @@ def _build_shards(
         train.close()
         val.close()
 
-    if (
-        tail_at is None
-        and data_cfg.val_fraction > 0
-        and (train.tokens == 0 or val.tokens == 0)
-        and any(s.spec.weight != 1 for s in sources)
-    ):
-        # a weighted stream's tail would hold copies of training text (or none of a document a
-        # weight below 1 left out): cut the tail from the documents as they are, read again
-        n_val = max(1, math.ceil(seen_tokens * data_cfg.val_fraction))
-        return _build_shards(out, sources, tok, data_cfg, seed, progress, tail_at=max(0, seen_tokens - n_val))
     split = "document" if tail_at is None else "tail"
-    if tail_at is None and data_cfg.val_fraction > 0 and train.tokens == 0:
-        # every document (e.g. the only one) landed in validation: make it the stream to split
-        os.replace(val.path, train.path)
-        train.tokens, train.documents, val.tokens, val.documents = val.tokens, val.documents, 0, 0
-        val.path.touch()
-    if tail_at is None and data_cfg.val_fraction > 0 and val.tokens == 0:
+    if tail_at is None and data_cfg.val_fraction > 0 and (train.tokens == 0 or val.tokens == 0):
+        if any(s.spec.weight != 1 for s in sources):
+            # a weighted stream's tail would hold copies of training text (or none of a document
+            # a weight below 1 left out): cut the tail from the documents as they are, read again
+            n_val = max(1, math.ceil(seen_tokens * data_cfg.val_fraction))
+            return _build_shards(out, sources, tok, data_cfg, seed, progress, max(0, seen_tokens - n_val))
+        if train.tokens == 0:
+            # every document (e.g. the only one) landed in validation: make it the stream to split
+            os.replace(val.path, train.path)
+            train.tokens, train.documents, val.tokens, val.documents = val.tokens, val.documents, 0, 0
+            val.path.touch()
         # too few documents for a document split (e.g. one big text file): hold out the tail
         n_val = max(1, math.ceil(train.tokens * data_cfg.val_fraction))
-        np.fromfile(train.path, dtype=dtype, offset=(train.tokens - n_val) * dtype.itemsize).tofile(val.path)
-        os.truncate(train.path, (train.tokens - n_val) * dtype.itemsize)
+        cut = (train.tokens - n_val) * dtype.itemsize
+        np.fromfile(train.path, dtype=dtype, offset=cut).tofile(val.path)
+        os.truncate(train.path, cut)
         train.tokens, val.tokens = train.tokens - n_val, n_val
         split = "tail"
     return {
@@ -537,8 +530,6 @@ def prepare_data(
     t1 = time.perf_counter()
     if index is None:
         data_cfg.check_cache_dir()
-        if final.exists():
-            shutil.rmtree(final, ignore_errors=True)  # damaged entry: rebuild it
         with _building(final) as tmp:
             built = _build_shards(tmp, sources, tok, data_cfg, seed, progress)
             for split in ("train", "val"):  # written once: a later change to a shard is damage

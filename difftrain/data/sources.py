@@ -5,10 +5,8 @@ A source is a local path (file, folder read recursively, or glob), `builtin:NAME
 *fingerprint* (a hash of its spec and its files' paths, sizes and mtimes) keys the shard cache.
 
 `.jsonl` / `.json` / `.parquet` files hold one document per record (its `text_field`); any other
-file is one UTF-8 document; `.gz` files are decompressed. In a folder read for pretraining, a
-`.json` file is records only when it holds a list, JSON lines, or one object with the
-`text_field`; any other (package.json, a tsconfig.json with comments) is one document of text,
-counted in `SourceStats.json_documents`. A `.json` file named itself is always records.
+file is one UTF-8 document; `.gz` files are decompressed. A `.json` file found in a folder may be
+one document of text instead (`files.json_document`); one named itself is always records.
 
 Malformed input raises a DataError naming the file (and line or row) and the fix; with
 `data.on_bad_record: skip` a malformed record is dropped and counted in `SourceStats`.
@@ -301,23 +299,12 @@ class Source:
         return self.records_as_text is not None and not plain
 
     def _raw_documents(self, stats: SourceStats, policy: BadRecordPolicy) -> Iterator[str]:
-        src = self.spec.source
         if self.spells_special_tokens:
             render = self.records_as_text.render  # type: ignore[union-attr]
-            for rec in self._record_stream(stats, policy, lambda m: render({"messages": m})):
-                yield render(rec)
-            return
-        if src == "builtin:python-stdlib":
+            yield from map(render, self._record_stream(stats, policy, lambda m: render({"messages": m})))
+        elif self.spec.kind == "builtin":
             stats.files = len(self.files)
-            yield from builtin.python_stdlib_documents(self.files)
-        elif src == "builtin:python-docstrings":
-            stats.files = len(self.files)
-            for rec in builtin.python_docstring_records(self.spec.docstrings, self.files):
-                yield rec["prompt"] + rec["response"]
-        elif src == "builtin:needles":
-            yield from builtin.needle_documents(self.spec.needles)
-        elif src == "builtin:recall":
-            yield from recall.recall_documents(self.spec.recall or RecallSpec())
+            yield from _BUILTIN_DOCUMENTS[self.spec.source](self)
         elif self.hub is not None:
             yield from self._texts(self.hub.rows([self.spec.text_field]), stats, policy)
         else:
@@ -418,6 +405,16 @@ class Source:
             yield from self._rows(path, columns, stats, policy, chat=True)
 
 
+_BUILTIN_DOCUMENTS: dict[str, Callable[[Source], Iterator[str]]] = {
+    "builtin:python-stdlib": lambda s: builtin.python_stdlib_documents(s.files),
+    "builtin:python-docstrings": lambda s: (
+        r["prompt"] + r["response"] for r in builtin.python_docstring_records(s.spec.docstrings, s.files)
+    ),
+    "builtin:needles": lambda s: builtin.needle_documents(s.spec.needles),
+    "builtin:recall": lambda s: recall.recall_documents(s.spec.recall or RecallSpec()),
+}
+
+
 def resolve_sources(
     data_cfg: DataConfig, base_dir: str | os.PathLike[str], records_as_text: RecordText | None = None
 ) -> list[Source]:
@@ -497,12 +494,10 @@ def require_documents(src: Source, stats: SourceStats) -> None:
     """DataError for a source that yielded no documents."""
     if stats.documents == 0 and stats.bad_records:
         raise DataError(
-            f"{src.label}: every record is malformed ({stats.bad_records} skipped by data.on_bad_record: skip), so the "
-            "source yielded no documents; with data.on_bad_record=error the first one is named with "
-            "its line (a wrong text_field?) — fix the records, or remove the source from data.sources"
+            f"{src.label}: every record is malformed ({stats.bad_records} skipped by data.on_bad_record: "
+            "skip); set data.on_bad_record: error to see the first with its line (a wrong text_field?)"
         )
     if stats.documents == 0:
         raise DataError(
-            f"{src.label}: the source yielded no documents; it is empty — point it at text, or "
-            "remove it from data.sources"
+            f"{src.label}: the source yielded no documents; point it at text, or remove it from data.sources"
         )

@@ -39,7 +39,6 @@ _PAD_NAMES = (PAD, "<pad>", "[PAD]", "<|finetune_right_pad_id|>")
 ENCODE_PIECE = 1 << 18
 """Characters: a longer text is encoded in pieces of about this size (`tokenizers` holds ~130
 bytes per character while it encodes a text)."""
-_ENCODE_GROUP = 1 << 20  # characters encoded by one call (pieces of several texts, in parallel)
 
 
 def word_start_pieces(text: str, size: int) -> list[str]:
@@ -92,10 +91,8 @@ class Tokenizer:
                 f"{where}tokenizer has no end-of-document token (looked for {', '.join(_EOS_NAMES)}); "
                 "add one as a special token, or let difftrain train a tokenizer (unset tokenizer.path)"
             )
-        bos = self._find(_BOS_NAMES)
-        pad = self._find(_PAD_NAMES)
-        self.bos_id: int = self.eos_id if bos is None else bos
-        self.pad_id: int = self.eos_id if pad is None else pad
+        self.bos_id: int = self._find(_BOS_NAMES, self.eos_id)
+        self.pad_id: int = self._find(_PAD_NAMES, self.eos_id)
 
     @functools.cached_property
     def document_start_id(self) -> int:
@@ -109,8 +106,8 @@ class Tokenizer:
                 return full[0]  # one token before the text (any after it is not a start)
         return self.eos_id
 
-    def _find(self, names: Sequence[str]) -> int | None:
-        return next((i for i in map(self.tk.token_to_id, names) if i is not None), None)
+    def _find(self, names: Sequence[str], default: int | None = None) -> int | None:
+        return next((i for i in map(self.tk.token_to_id, names) if i is not None), default)
 
     def _ids(self) -> tuple[int, list[int]]:
         """(max id + 1, the ids below it that stand for no token), added tokens included;
@@ -156,23 +153,17 @@ class Tokenizer:
         self, texts: Sequence[str], dtype: np.dtype, allow_special: bool = True
     ) -> list[np.ndarray]:
         """`encode_batch` as arrays, in bounded memory: long texts are encoded in pieces where
-        that gives the same ids (`splits_exactly`), about _ENCODE_GROUP characters at a time."""
-        pieces: list[tuple[int, str]] = []
-        for i, text in enumerate(texts):
-            parts = word_start_pieces(text, ENCODE_PIECE) if self.splits_exactly else [text]
-            pieces.extend((i, p) for p in parts)
+        that gives the same ids (`splits_exactly`), a `text_batches` batch at a time."""
+        pieces = [
+            (i, p)
+            for i, text in enumerate(texts)
+            for p in (word_start_pieces(text, ENCODE_PIECE) if self.splits_exactly else [text])
+        ]
         out: list[list[np.ndarray]] = [[] for _ in texts]
-        group: list[tuple[int, str]] = []
-        size = 0
-        for k, (i, p) in enumerate(pieces):
-            group.append((i, p))
-            size += len(p)
-            if size >= _ENCODE_GROUP or k == len(pieces) - 1:
-                for (owner, _), ids in zip(
-                    group, self.encode_batch([t for _, t in group], allow_special), strict=True
-                ):
-                    out[owner].append(np.asarray(ids, dtype=dtype))
-                group, size = [], 0
+        owners = iter(i for i, _ in pieces)
+        for group in text_batches(p for _, p in pieces):
+            for ids in self.encode_batch(group, allow_special):
+                out[next(owners)].append(np.asarray(ids, dtype=dtype))
         return [
             parts[0] if len(parts) == 1 else np.concatenate(parts) if parts else np.empty(0, dtype)
             for parts in out
