@@ -1,18 +1,9 @@
 """Evaluations that check the paper's claims on any run (`difftrain eval`, `difftrain compare`).
 
-Suites (each a module with `run(run, opts, progress) -> SuiteOutput`):
-
-- `ppl`        loss, perplexity and bits per byte on held-out text
-- `needle`     multi-needle retrieval grid (context length × depth × N/R), heat map
-- `attention`  attention mass on the answer span vs the noise during retrieval (Table 3)
-- `outliers`   top activations and kurtosis of attention logits and hidden states (Table 5)
-- `quant`      degradation under attention-logit quantization to 8/6/4 bits (Figure 8)
-- `icl-order`  in-context classification accuracy across orders of the demonstrations
-- `recall`     multi-query associative recall accuracy by N pairs and distractor rate (runs
-               trained on `builtin:recall`)
-
-`evaluate(run, suite, opts)` runs one suite and returns its result document; `save_result`
-writes it to RUN_DIR/eval/<suite>.json (<suite>@<label>.json for a suite run on `--data`).
+Each suite of `SUITES` is a module with `run(run, opts, progress) -> SuiteOutput`; its docstring
+says what it measures. `evaluate(run, suite, opts)` runs one suite and returns its result
+document; `save_result` writes it to RUN_DIR/eval/<suite>.json (<suite>@<label>.json for a suite
+run on `--data`).
 """
 
 from __future__ import annotations
@@ -32,9 +23,7 @@ from difftrain.evals.common import (
     data_label,
     finish,
     load_result,
-    result_path,
     save_result,
-    stale,
 )
 
 SUITES = ("ppl", "needle", "attention", "outliers", "quant", "icl-order", "recall")
@@ -101,16 +90,4 @@ def evaluate(
     return finish(run, suite, out, seconds=time.perf_counter() - t0, device=p.device, dtype=p.dtype)
 
 
-__all__ = [
-    "DATA_SUITES",
-    "SUITES",
-    "EvalOptions",
-    "check_suite",
-    "data_label",
-    "evaluate",
-    "preflight",
-    "load_result",
-    "result_path",
-    "save_result",
-    "stale",
-]
+__all__ = ["SUITES", "EvalOptions", "check_suite", "evaluate", "load_result", "preflight", "save_result"]

@@ -103,9 +103,10 @@ def headline(name: str, value: float | None, better: str | None = None, fmt: str
 
 
 def stable_seed(*parts: object) -> int:
-    """A 63-bit seed from any parts (a stable hash, not Python's randomised hash())."""
-    digest = hashlib.blake2b(":".join(map(str, parts)).encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") >> 1
+    """A 63-bit seed from any parts: `data.builtin.stable_seed` less its lowest bit."""
+    from difftrain.data.builtin import stable_seed as seed64
+
+    return seed64(*parts) >> 1
 
 
 DATA_SUITES = ("ppl", "outliers", "quant")
@@ -430,8 +431,7 @@ def trained_file(run_dir: Path) -> Path:
     """The file training rewrites: model.safetensors, or a LoRA run's adapter.safetensors."""
     from difftrain.adapters import ADAPTER_WEIGHTS
 
-    w = run_dir / WEIGHTS
-    adapter = run_dir / ADAPTER_WEIGHTS
+    w, adapter = run_dir / WEIGHTS, run_dir / ADAPTER_WEIGHTS
     return adapter if not w.is_file() and adapter.is_file() else w
 
 
@@ -486,8 +486,7 @@ def check_bits(bits: list[int] | None) -> list[int]:
     bits = list(BITS if bits is None else bits)
     if not bits:
         raise ConfigError("--bits is empty; give bit widths such as 8,6,4")
-    bad = [b for b in bits if not 2 <= b <= 16]
-    if bad:
+    if bad := [b for b in bits if not 2 <= b <= 16]:
         raise ConfigError(f"--bits {bad[0]} is out of range; widths go from 2 to 16 (16 = no quantization)")
     return [REFERENCE_BITS] + sorted({b for b in bits if b < REFERENCE_BITS}, reverse=True)
 

@@ -7,12 +7,13 @@ recomputed; `difftrain eval` fills in missing suites.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import re
 import shlex
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -81,9 +82,6 @@ class Row:
         digits = int(m.group(1)) + (2 if self.format.endswith("%") else 0)
         return round(float(v), digits) + 0.0  # (+0.0: -0.0 and 0.0 are one figure)
 
-    def as_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "values": self.values, "better": self.better, "format": self.format}
-
 
 @dataclass
 class Comparison:
@@ -101,8 +99,8 @@ class Comparison:
             "runs": [
                 {"path": str(r.path), "label": r.label, "arch": r.config.get("arch")} for r in self.runs
             ],
-            "training": [r.as_dict() for r in self.training],
-            "suites": {s: [r.as_dict() for r in rows] for s, rows in self.suites.items()},
+            "training": [asdict(r) for r in self.training],
+            "suites": {s: [asdict(r) for r in rows] for s, rows in self.suites.items()},
             "partial": self.partial,
             "commands": self.commands,
             "notes": self.notes,
@@ -125,14 +123,11 @@ def _config(path: Path) -> dict[str, Any]:
 def _params(rec: RunRecord) -> int | None:
     if rec.summary.get("params") is not None:
         return int(rec.summary["params"])
-    if rec.config:
-        from difftrain.model import ModelConfig
-        from difftrain.model.config import num_params
+    from difftrain.model import ModelConfig
+    from difftrain.model.config import num_params
 
-        try:
-            return num_params(ModelConfig.from_dict(rec.config))["total"]
-        except Exception:  # a config another version wrote: the count is informative only
-            pass
+    with contextlib.suppress(Exception):  # a config another version wrote: the count is informative only
+        return num_params(ModelConfig.from_dict(rec.config))["total"] if rec.config else None
     return None
 
 
@@ -190,13 +185,9 @@ def _data_note(
             f"`difftrain eval RUN --suite {suite} --data PATH`, and compare the `{suite}@<label>` results"
         )
     else:
-        st = a.get("settings") or {}
-        sources = st.get("sources")
-        source = sources[0] if isinstance(sources, list) and len(sources) == 1 else st.get("data")
         fix = (
             f"evaluate {other.label} on the source of {first.label}: "
-            f"`difftrain eval {shlex.quote(str(other.path))} --suite {suite} --data {shlex.quote(str(source))} "
-            f"--data-label {label}`"
+            f"`{rerun_command(other.path, key, a, dtype=False)}`"
         )
     return f"{key}: {first.label} and {other.label} were measured on different data ({differs}); {fix}"
 
@@ -230,13 +221,12 @@ def _run_dirs(paths: Sequence[str | Path]) -> list[Path]:
     if len(paths) < 2:
         raise ConfigError("compare needs two or more run directories, e.g. `difftrain compare runs/a runs/b`")
     dirs = [require_run_dir(Path(p)) for p in paths]
+    seen: dict[Path, Path] = {}
     for d in dirs:
         if not ((d / CONFIG).is_file() or (d / "summary.json").is_file() or (d / METRICS).is_file()):
             raise RunDirError(
                 f"{d} is not a difftrain run directory (no config.json, summary.json or metrics.csv)"
             )
-    seen: dict[Path, Path] = {}
-    for d in dirs:
         if (other := seen.setdefault(d.resolve(), d)) is not d:
             raise ConfigError(
                 f"{d} and {other} are the same run; compare different runs "

@@ -12,6 +12,7 @@ best − worst margin (the order sensitivity); chance is 0.5.
 
 from __future__ import annotations
 
+import itertools
 import math
 import random
 from dataclasses import dataclass
@@ -21,6 +22,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from difftrain.data.builtin import make_needle_example
 from difftrain.errors import ConfigError
 from difftrain.evals.common import (
     EvalOptions,
@@ -40,22 +42,16 @@ FULL = {"demos": 16, "permutations": 24, "items": 100}
 
 def items(seed: int, count: int, tag: str) -> list[tuple[str, int]]:
     """`count` facts (sentence, label index), half of each label, in a seeded order."""
-    from difftrain.data.builtin import make_needle_example
-
     want = [i % 2 for i in range(count)]
     random.Random(stable_seed("icl-order", tag, seed)).shuffle(want)
-    out: list[tuple[str, int]] = []
-    k = 0
-    for label in want:
-        while True:
-            nd = make_needle_example(
-                context_chars=1, n_needles=1, seed=stable_seed("icl-fact", tag, seed, k)
-            ).needles[0]
-            k += 1
-            if int(int(nd.value) >= 5_000_000) == label:
-                out.append((nd.sentence, label))
-                break
-    return out
+    facts = (
+        make_needle_example(context_chars=1, n_needles=1, seed=stable_seed("icl-fact", tag, seed, k)).needles[
+            0
+        ]
+        for k in itertools.count()
+    )
+    labelled = ((nd.sentence, int(int(nd.value) >= 5_000_000)) for nd in facts)
+    return [next(f for f in labelled if f[1] == label) for label in want]
 
 
 def demo_block(sentence: str, label: str | None) -> str:
@@ -130,16 +126,14 @@ def _prompts(tok: Any, D: int, P: int, M: int, seed: int) -> Prompts:
     demos = items(seed, D, "demos")
     tests = items(seed, M, "tests")
     rng = random.Random(stable_seed("icl-order", "orders", seed))
-    orders: list[list[int]] = []
-    seen: set[tuple[int, ...]] = set()
+    seen: dict[tuple[int, ...], None] = {}  # the distinct orders, in the order drawn
     for _ in range(100 * P):
         o = list(range(D))
         rng.shuffle(o)
-        if tuple(o) not in seen:
-            seen.add(tuple(o))
-            orders.append(o)
-        if len(orders) == P:
+        seen.setdefault(tuple(o))
+        if len(seen) == P:
             break
+    orders = [list(o) for o in seen]
     cands = [tok.encode(f" {lab}") for lab in LABELS]
     suffixes = [tok.encode(demo_block(sentence, None)) for sentence, _ in tests]
     prefixes = [

@@ -21,6 +21,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from difftrain.data.builtin import make_needle_example
 from difftrain.errors import ConfigError
 from difftrain.evals.common import (
     EvalOptions,
@@ -100,8 +101,6 @@ def parse_needles(text: str) -> list[tuple[int, int]]:
 
 def _example(tokenizer: Any, context_tokens: int, n: int, r: int, depth: float, seed: int) -> Any:
     """A needle example whose queried needles sit at `depth` and the others at random depths."""
-    from difftrain.data.builtin import make_needle_example
-
     # The generator draws keys, values and the queried needles from `seed` before it reads the
     # depths, so a tiny probe tells which needles will be queried.
     probe = make_needle_example(context_chars=1, n_needles=n, n_queries=r, depths=[0.0] * n, seed=seed)
@@ -166,30 +165,18 @@ def filler_depth(ex: Any, needle: Any) -> float:
     return (needle.char_offset - before) / filler if filler > 0 else 0.0
 
 
-def needle_tokens(tokenizer: Any, n: int) -> int:
-    """Tokens that N needle sentences take (the longest of a few probes)."""
-    from difftrain.data.builtin import make_needle_example
-
-    return max(
-        len(
-            tokenizer.encode(
-                make_needle_example(context_chars=1, n_needles=n, seed=stable_seed("probe", s)).haystack
-            )
-        )
-        for s in range(6)
-    )
-
-
 def min_context(tokenizer: Any, n: int) -> int:
-    """The shortest haystack worth testing with N needles: at least half of it filler."""
-    return max(MIN_CONTEXT, 2 * needle_tokens(tokenizer, n))
+    """The shortest haystack worth testing with N needles: at least half of it filler (the needles
+    take the tokens of the longest of a few probes)."""
+    probes = (
+        make_needle_example(context_chars=1, n_needles=n, seed=stable_seed("probe", s)) for s in range(6)
+    )
+    return max(MIN_CONTEXT, 2 * max(len(tokenizer.encode(ex.haystack)) for ex in probes))
 
 
 def max_context(tokenizer: Any, max_seq_len: int, n: int, r: int) -> int:
     """The longest haystack (tokens) whose prompt + answer fit `max_seq_len`, with a margin for
     longer city names than the probes happen to draw."""
-    from difftrain.data.builtin import make_needle_example
-
     overhead = 0
     for s in range(6):
         ex = make_needle_example(context_chars=200, n_needles=n, n_queries=r, seed=stable_seed("probe", s))
@@ -350,9 +337,6 @@ def aggregate(
         for n, r in grid.needles
         for d in grid.depths
     ]
-    by_needles = [acc(n_needles=n, n_queries=r) for n, r in grid.needles]
-    by_depth = [acc(depth=d) for d in grid.depths]
-    by_length = [acc(context_tokens=L) for L in grid.lengths]
     samples = [
         {
             **{k: getattr(p, k) for k in ("context_tokens", "depth", "n_needles", "n_queries", "sample")},
@@ -370,9 +354,9 @@ def aggregate(
         "accuracy": group()["accuracy"],
         "exact_match": mean([float(all(ok)) for _, ok in scored]),
         "cells": cells,
-        "by_needles": by_needles,
-        "by_depth": by_depth,
-        "by_length": by_length,
+        "by_needles": [acc(n_needles=n, n_queries=r) for n, r in grid.needles],
+        "by_depth": [acc(depth=d) for d in grid.depths],
+        "by_length": [acc(context_tokens=L) for L in grid.lengths],
         "samples": samples,
     }
 
@@ -393,10 +377,7 @@ def evaluate_grid(
 
 
 def grid_settings(grid: NeedleGrid, seed: int) -> dict[str, Any]:
-    d = asdict(grid)
-    d["needles"] = [list(x) for x in grid.needles]
-    d["seed"] = seed
-    return d
+    return {**asdict(grid), "needles": [list(x) for x in grid.needles], "seed": seed}
 
 
 def run(run: Run, opts: EvalOptions, progress: Progress = _no_progress) -> SuiteOutput:
