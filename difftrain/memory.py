@@ -104,11 +104,8 @@ def _params_of(model: Any, trained: set[str] | None = None, quantized: set[str] 
 
 def optimizer_bytes(params: Iterable[Param], name: str, param_bytes: int = 4) -> int:
     """Bytes of optimizer state for the trained tensors. AdamW: two moments in the parameter's
-    dtype and a 0-d fp32 step per tensor. bitsandbytes' 8-bit optimizers keep tensors of fewer
-    than 4096 elements in fp32; a larger one of n elements holds one uint8 per moment and element,
-    an fp32 absmax per moment and block of 256, and a 256-entry fp32 map per moment:
-    2n + 8·⌈n/256⌉ + 2048 bytes (adamw8bit, paged_adamw8bit, counted on the GPU), n + 4·⌈n/256⌉ +
-    1024 (lion8bit)."""
+    dtype and a 0-d fp32 step per tensor. bitsandbytes (8-bit): fp32 state below 4096 elements;
+    else per moment one uint8 per element, an fp32 absmax per block of 256 and a 256-entry map."""
     if name not in OPTIMIZERS:
         raise ConfigError(
             f"optimizer {name!r} is unknown to the planner; choose one of {', '.join(OPTIMIZERS)}"
@@ -313,12 +310,9 @@ class Target:
 
 @dataclass(frozen=True)
 class Sharding:
-    """How FSDP divides a run over its devices (`train.fsdp`): `shards` devices each hold
-    1/shards of the weights, their gradients and the optimizer state (full_shard, shard_grad_op;
-    hybrid_shard: the devices of one node; no_shard: 1). Forward and backward gather full weights
-    in the gather dtype: the units in flight (the root with the embeddings and the output layer,
-    and about two blocks) with full_shard/hybrid_shard and one unit per block (auto_wrap), else
-    the whole model."""
+    """How FSDP divides a run over its devices (`train.fsdp`): each holds 1/shards of the weights,
+    gradients and optimizer state. The passes gather full weights in the gather dtype: the units
+    in flight (root and about two blocks) with full/hybrid_shard and auto_wrap, else the model."""
 
     strategy: str = "full_shard"
     shards: int = 1
