@@ -64,31 +64,17 @@ class StopRequested(Exception):
 
 # ----- a pydantic ValidationError as one line -----------------------------------------------------
 # Names users bring from other tools → our key (did-you-mean when string similarity fails).
-ALIASES = {
-    "learning_rate": "lr",
-    "lr_schedule": "schedule",
-    "scheduler": "schedule",
-    "optimizer": "name",
-    "batch_size": "micro_batch_size",
-    "gradient_accumulation_steps": "global_batch_size",
-    "steps": "max_steps",
-    "num_steps": "max_steps",
-    "warmup": "warmup_steps",
-    "clip_grad": "grad_clip",
-    "gradient_clip_val": "grad_clip",
-    "block_size": "max_seq_len",
-    "context_length": "max_seq_len",
-    "n_layer": "n_layers",
-    "n_head": "n_heads",
-    "n_embd": "d_model",
-    "hidden_size": "d_model",
-    "num_hidden_layers": "n_layers",
-    "num_attention_heads": "n_heads",
-    "num_key_value_heads": "n_kv_heads",
-    "intermediate_size": "ffn_hidden",
-    "dataset": "sources",
-    "source": "sources",
-}
+ALIASES: dict[str, str] = dict(
+    pair.split("=")
+    for pair in """
+    learning_rate=lr lr_schedule=schedule scheduler=schedule optimizer=name
+    batch_size=micro_batch_size gradient_accumulation_steps=global_batch_size steps=max_steps
+    num_steps=max_steps warmup=warmup_steps clip_grad=grad_clip gradient_clip_val=grad_clip
+    block_size=max_seq_len context_length=max_seq_len n_layer=n_layers n_head=n_heads
+    n_embd=d_model hidden_size=d_model num_hidden_layers=n_layers num_attention_heads=n_heads
+    num_key_value_heads=n_kv_heads intermediate_size=ffn_hidden dataset=sources source=sources
+    """.split()
+)
 
 
 def field_model(annotation: Any) -> Any:
