@@ -81,13 +81,12 @@ def evaluate(
     suite = check_suite(suite)
     opts = opts or EvalOptions()
     module = importlib.import_module(f"difftrain.evals.{'icl' if suite == 'icl-order' else suite}")
-    p = next(run.model.parameters())
     t0 = time.perf_counter()
     torch.manual_seed(opts.seed)
     out: SuiteOutput = module.run(run, opts, progress)
     if opts.data is not None and suite in DATA_SUITES:
         out.label = opts.data_label or data_label(opts.data)
-    return finish(run, suite, out, seconds=time.perf_counter() - t0, device=p.device, dtype=p.dtype)
+    return finish(run, suite, out, time.perf_counter() - t0)
 
 
 __all__ = ["SUITES", "EvalOptions", "check_suite", "evaluate", "load_result", "preflight", "save_result"]

@@ -36,14 +36,11 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from difftrain.errors import ConfigError, RunDirError
-from difftrain.io import atomic_write_json
+from difftrain.io import RunLock, atomic_write_json
 from difftrain.rundir import WEIGHTS, Run
-
-if TYPE_CHECKING:
-    import torch
 
 FORMAT = 1
 EVAL_DIR = "eval"
@@ -166,17 +163,12 @@ def result_keys(run_dir: Path | str, suite: str) -> list[str]:
     """The results of `suite` a run holds: its own (if any), then those on `--data` by label."""
     folder = Path(run_dir) / EVAL_DIR
     keys = [suite] if (folder / f"{suite}.json").is_file() else []
-    if folder.is_dir():
-        keys += sorted(p.stem for p in folder.glob(f"{glob.escape(suite)}@*.json") if p.is_file())
-    return keys
+    return keys + sorted(p.stem for p in folder.glob(f"{glob.escape(suite)}@*.json") if p.is_file())
 
 
-def finish(
-    run: Run, suite: str, out: SuiteOutput, *, seconds: float, device: torch.device, dtype: torch.dtype
-) -> dict[str, Any]:
+def finish(run: Run, suite: str, out: SuiteOutput, seconds: float) -> dict[str, Any]:
     """The result document of a suite run (see the module docstring)."""
-    from difftrain.io import RunLock
-
+    p = next(run.model.parameters())
     w = trained_file(run.path)
     st = w.stat() if w.is_file() else None
     step = weights_step(w) if st else None
@@ -199,8 +191,8 @@ def finish(
         else None,
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "seconds": round(seconds, 3),
-        "device": str(device),
-        "dtype": str(dtype).removeprefix("torch."),
+        "device": str(p.device),
+        "dtype": str(p.dtype).removeprefix("torch."),
         "settings": out.settings,
         "results": out.results,
         "headline": out.headline,

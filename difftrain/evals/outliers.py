@@ -90,11 +90,10 @@ def collect(
     cfg = model.config
     n, T = windows.shape[0], windows.shape[1] - 1
     heads = 2 * cfg.n_heads if cfg.arch == "diff2" else cfg.n_heads
-    per_layer_logits = n * heads * T * (T + 1) // 2
-    per_layer_hidden = n * T * cfg.d_model
     L = cfg.n_layers
-    stride_l = max(1, math.ceil(per_layer_logits * L / MEDIAN_SAMPLE))
-    stride_h = max(1, math.ceil(per_layer_hidden * L / MEDIAN_SAMPLE))
+    # per layer: n·heads·T(T+1)/2 unmasked logits, n·T·d_model hidden values
+    stride_l = max(1, math.ceil(n * heads * T * (T + 1) // 2 * L / MEDIAN_SAMPLE))
+    stride_h = max(1, math.ceil(n * T * cfg.d_model * L / MEDIAN_SAMPLE))
     logits = [Stats(stride_l) for _ in range(L)]
     hidden = [Stats(stride_h) for _ in range(L)]
     spans = batches(n, batch_size)
@@ -142,12 +141,10 @@ def _pool(stats: list[Stats]) -> dict[str, Any]:
 def run(run: Run, opts: EvalOptions, progress: Progress = _no_progress) -> SuiteOutput:
     check_positive("--tokens", opts.tokens)
     tokens = opts.tokens or (TOKENS_FULL if opts.full else TOKENS_QUICK)
-    seq_len = run.config.max_seq_len  # type: ignore[attr-defined]
-    count = max(1, tokens // seq_len)
     tw = eval_windows(
         run,
         data=opts.data,
-        count=count,
+        count=max(1, tokens // run.config.max_seq_len),  # type: ignore[attr-defined]
         full=False,
         text_field=opts.text_field,
         asked=f"--tokens {tokens:,}" if opts.tokens is not None else f"the default --tokens {tokens:,}",
@@ -163,7 +160,7 @@ def run(run: Run, opts: EvalOptions, progress: Progress = _no_progress) -> Suite
         }
     al, hs = res["attention_logits"], res["hidden_states"]
     return SuiteOutput(
-        settings={**data_settings(opts, tw), "tokens": res["tokens"], "seq_len": seq_len},
+        settings={**data_settings(opts, tw), "tokens": res["tokens"]},
         notes=list(tw.notes),
         results=res,
         headline=[

@@ -115,8 +115,7 @@ def needle_heatmap(
     results: dict[str, Any], settings: dict[str, Any], path: Path | str, title: str = ""
 ) -> Path:
     """Accuracy per context length (rows) × needle depth (columns), one panel per (N, R)."""
-    lengths = settings["lengths"]
-    depths = settings["depths"]
+    lengths, depths = settings["lengths"], settings["depths"]
     needles = [tuple(x) for x in settings["needles"]]
     cols = min(len(needles), 3)
     rows = -(-len(needles) // cols)
@@ -135,8 +134,7 @@ def needle_heatmap(
             ax.text(j, i, f"{v:.2f}", ha="center", va="center", fontsize=8, color=color)
         ax.set_xticks(range(len(depths)), [f"{d:.0%}" for d in depths])
         ax.set_yticks(range(len(lengths)), [str(L) for L in lengths])
-        ax.set_xlabel("depth of the queried needle")
-        ax.set_ylabel("context length (tokens)")
+        ax.set(xlabel="depth of the queried needle", ylabel="context length (tokens)")
         acc = next(
             (b["accuracy"] for b in results["by_needles"] if (b["n_needles"], b["n_queries"]) == (n, r)), None
         )
@@ -192,8 +190,7 @@ def attention_maps(
                 )
             for q in query_rows:
                 ax.plot([-0.5], [q], marker="_", color="black", markersize=5, clip_on=False)
-            ax.set_xticks([])
-            ax.set_yticks([])
+            ax.set(xticks=[], yticks=[])
             if li == 0:
                 ax.set_title(f"head {h}", fontsize=9)
             if h == 0:

@@ -20,14 +20,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from difftrain.evals.common import (
-    EvalOptions,
-    Progress,
-    SuiteOutput,
-    _no_progress,
-    batches,
-    headline,
-)
+from difftrain.evals.common import EvalOptions, Progress, SuiteOutput, _no_progress, batches, headline
 from difftrain.evals.windows import TokenWindows, data_settings, option_windows
 from difftrain.rundir import Run
 
@@ -72,24 +65,16 @@ def summarize(nll: np.ndarray, tw: TokenWindows) -> dict[str, Any]:
 def run(run: Run, opts: EvalOptions, progress: Progress = _no_progress) -> SuiteOutput:
     tw = option_windows(run, opts)
     nll = window_nll(run.model, tw.windows, batch_size=opts.batch_size, progress=progress)
-    res = summarize(nll, tw)
-    res["source"] = tw.source
-    res["split_tokens"] = tw.split_tokens
+    res = {**summarize(nll, tw), "source": tw.source, "split_tokens": tw.split_tokens}
     if tw.records_as_text:
         records = "its validation records" if tw.split == "val" else "the --data records"
         res["note"] = (
             f"an instruction fine-tune: every token of {records} is scored, as plain text "
             "through its template (prompts too); its training val loss scored the responses only"
         )
-    settings = {
-        **data_settings(opts, tw),
-        "windows": len(tw.windows),
-        "seq_len": tw.windows.shape[1] - 1,
-        "full": opts.full,
-    }
     return SuiteOutput(
         notes=list(tw.notes),
-        settings=settings,
+        settings={**data_settings(opts, tw), "windows": len(tw.windows), "full": opts.full},
         results=res,
         headline=[
             headline("loss", res["loss"], "lower", ".4f"),

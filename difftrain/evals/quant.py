@@ -93,7 +93,6 @@ def run(run: Run, opts: EvalOptions, progress: Progress = _no_progress) -> Suite
         "bits": widths,
         **data_settings(opts, tw),
         "windows": len(tw.windows),
-        "seq_len": tw.windows.shape[1] - 1,
         "granularity": "per (sequence, head)",
     }
     if grid is not None:

@@ -40,13 +40,11 @@ class TokenWindows:
 
 
 def data_settings(opts: Any, tw: TokenWindows) -> dict[str, Any]:
-    """The settings of a result that say what text it measured (`same_data` compares them)."""
-    out: dict[str, Any] = {"data": opts.data or "validation", "sources": tw.sources}
-    if tw.split_drawn is not None:
-        out["split"] = tw.split_drawn
-    if opts.text_field is not None:
-        out["text_field"] = opts.text_field
-    return out
+    """The settings of a result that say what text it measured (`same_data` compares them) and the
+    length of its windows."""
+    out = {"data": opts.data or "validation", "sources": tw.sources, "split": tw.split_drawn}
+    out |= {"text_field": opts.text_field, "seq_len": tw.windows.shape[1] - 1}
+    return {k: v for k, v in out.items() if v is not None}
 
 
 def _run_recipe(run_dir: Path):
@@ -73,8 +71,7 @@ def _sources_base(data_cfg: Any, run_dir: Path) -> Path:
         for s in data_cfg.sources
         if s.kind == "path" and not Path(s.source).expanduser().is_absolute()
     ]
-    candidates = [Path.cwd(), run_dir.resolve().parent.parent, run_dir.resolve()]
-    for base in candidates:
+    for base in (Path.cwd(), run_dir.resolve().parent.parent, run_dir.resolve()):
         if all(any(base.glob(p)) if any(c in p for c in "*?[") else (base / p).exists() for p in rel):
             return base
     return Path.cwd()
@@ -87,12 +84,11 @@ def window_target_bytes(tokenizer: Any, windows: np.ndarray) -> np.ndarray:
     if getattr(tokenizer, "is_byte_level", False):
         table = token_byte_lengths(tokenizer)
         return table[np.clip(windows[:, 1:], 0, len(table) - 1)].sum(axis=1)
-    out = np.zeros(len(windows), dtype=np.int64)
-    for i, w in enumerate(windows.tolist()):
-        whole = tokenizer.decode(w, skip_special_tokens=True).encode("utf-8")
-        first = tokenizer.decode(w[:1], skip_special_tokens=True).encode("utf-8")
-        out[i] = max(0, len(whole) - len(first))
-    return out
+
+    def size(ids: list[int]) -> int:
+        return len(tokenizer.decode(ids, skip_special_tokens=True).encode("utf-8"))
+
+    return np.array([max(0, size(w) - size(w[:1])) for w in windows.tolist()], dtype=np.int64)
 
 
 def token_byte_lengths(tokenizer: Any) -> np.ndarray:
@@ -335,7 +331,6 @@ def eval_windows(
     mm = np.memmap(path, dtype=prepared.dtype, mode="r", shape=(n_tokens,))
     arr = np.stack([np.asarray(mm[o : o + window], dtype=np.int64) for o in offsets])
     del mm
-    target_bytes = window_target_bytes(run.tokenizer, arr)
     import torch
 
     return TokenWindows(
@@ -343,7 +338,7 @@ def eval_windows(
         source=where,
         split=split,
         split_tokens=n_tokens,
-        target_bytes=target_bytes,
+        target_bytes=window_target_bytes(run.tokenizer, arr),
         records_as_text=as_text is not None,
         sources=drawn_from,
         notes=notes,
