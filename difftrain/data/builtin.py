@@ -132,16 +132,12 @@ def python_docstring_records(
             module = path.relative_to(root).with_suffix("").as_posix().replace("/", ".")
         except ValueError:
             module = path.stem
-        candidates: list[tuple[ast.FunctionDef | ast.AsyncFunctionDef, ast.ClassDef | None]] = []
-        for node in tree.body:
-            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                candidates.append((node, None))
-            elif isinstance(node, ast.ClassDef):
-                candidates.extend(
-                    (sub, node)
-                    for sub in node.body
-                    if isinstance(sub, (ast.FunctionDef, ast.AsyncFunctionDef))
-                )
+        candidates = [
+            (node, top if isinstance(top, ast.ClassDef) else None)
+            for top in tree.body
+            for node in (top.body if isinstance(top, ast.ClassDef) else [top])
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+        ]
         for node, cls in candidates:
             doc = ast.get_docstring(node)
             if doc is None or len(doc) < spec.min_docstring_chars:
@@ -246,16 +242,13 @@ def _question(keys: list[str]) -> str:
 def _assemble(
     sentences: list[str], needles: list[tuple[str, str, float]]
 ) -> tuple[str, list[tuple[int, str]]]:
-    """Insert needle sentences at the sentence boundaries nearest their depths.
-
-    Returns the haystack and, per needle, (char offset, sentence).
-    """
+    """(haystack, per needle (char offset, sentence)): the needle sentences inserted at the
+    sentence boundaries nearest their depths."""
     starts = [0, *itertools.accumulate(len(s) + 1 for s in sentences)]
     total = max(starts[-1] - 1, 0)
     at: dict[int, list[int]] = {}
     for i, (_, _, depth) in enumerate(needles):
-        target = depth * total
-        b = min(range(len(starts)), key=lambda j: (abs(starts[j] - target), j))
+        b = min(range(len(starts)), key=lambda j: (abs(starts[j] - depth * total), j))
         at.setdefault(b, []).append(i)
     parts: list[str] = []
     offsets: list[tuple[int, str]] = [(0, "")] * len(needles)

@@ -229,15 +229,10 @@ class SourceSpec(BaseModel):
     @model_validator(mode="after")
     def _check(self) -> SourceSpec:
         src = self.source
-        if src.startswith("builtin:"):
-            name = src.removeprefix("builtin:")
-            if name not in BUILTIN_SOURCES:
+        if self.kind == "builtin":
+            if src.removeprefix("builtin:") not in BUILTIN_SOURCES:
                 known = ", ".join(f"builtin:{n}" for n in BUILTIN_SOURCES)
                 raise ValueError(f"unknown builtin source '{src}'; known: {known}")
-        for params, name in _BUILTIN_PARAMS.items():
-            if getattr(self, params) is not None and src != f"builtin:{name}":
-                raise ValueError(f"'{params}' parameters apply only to source 'builtin:{name}'")
-        if src.startswith("builtin:"):
             fields = [  # only a changed one counts: a run's recipe.yaml spells out the defaults
                 f
                 for f in ("text_field", "prompt_field", "response_field")
@@ -246,7 +241,10 @@ class SourceSpec(BaseModel):
             if fields:
                 verb = "applies" if len(fields) == 1 else "apply"
                 raise ValueError(f"{', '.join(fields)} {verb} to record files and datasets, not to '{src}'")
-        if not src.startswith("hf:"):
+        for params, name in _BUILTIN_PARAMS.items():
+            if getattr(self, params) is not None and src != f"builtin:{name}":
+                raise ValueError(f"'{params}' parameters apply only to source 'builtin:{name}'")
+        if self.kind != "hf":
             if self.data_files is not None:
                 raise ValueError("'data_files' applies only to hf: sources (e.g. source: 'hf:json')")
             if self.streaming:
@@ -259,14 +257,9 @@ class SourceSpec(BaseModel):
 
     def hf_parts(self) -> tuple[str, str | None, str]:
         """An hf: source's (dataset, config or None, split: "train" when not given)."""
-        rest = self.source[3:]
-        split = "train"
-        if "@" in rest:
-            rest, split = rest.rsplit("@", 1)
-        config = None
-        if ":" in rest:
-            rest, config = rest.split(":", 1)
-        return rest, config or None, split
+        rest, at, split = self.source[3:].rpartition("@")
+        name, _, config = (rest if at else split).partition(":")
+        return name, config or None, split if at else "train"
 
     def hf_local_dir(self, base_dir: Path) -> Path | None:
         """The local folder an hf: source names (starting with '.', '/' or '~', or an existing
@@ -279,11 +272,7 @@ class SourceSpec(BaseModel):
 
     @property
     def kind(self) -> Literal["builtin", "hf", "path"]:
-        if self.source.startswith("builtin:"):
-            return "builtin"
-        if self.source.startswith("hf:"):
-            return "hf"
-        return "path"
+        return next((k for k in ("builtin", "hf") if self.source.startswith(f"{k}:")), "path")  # type: ignore[return-value]
 
 
 def absolute_path(raw: str, base_dir: Path) -> str:

@@ -222,10 +222,8 @@ class PretrainDataModule(_ResumableDataModule):
             index, train_path, val_path = prepared.index, prepared.train_path, prepared.val_path
         else:
             index, train_path, val_path = open_shards(prepared)
-        self.index = index
         dtype = np.dtype(index["dtype"])
         self.seq_len = seq_len
-        self.val_windows = val_windows
         self.train_data = _Memmap(train_path, dtype, index["train"]["tokens"])
         self.val_data = _Memmap(val_path, dtype, index["val"]["tokens"])
         check_split_sizes(self.train_data.n_tokens, self.val_data.n_tokens, seq_len, val_windows)
@@ -465,7 +463,6 @@ class SFTDataModule(_ResumableDataModule):
         self.empty_responses = 0
         """Records whose response is empty: only the end-of-sequence token is trained on them."""
         self.val_note: str | None = None
-        self._encoded = False
 
     def _encode(self, records: list[Mapping[str, Any]]) -> list[tuple[list[int], list[int]]]:
         segs = [self.template(r) for r in records]
@@ -486,10 +483,9 @@ class SFTDataModule(_ResumableDataModule):
         return out
 
     def setup(self, stage: str | None = None) -> None:
-        if not self._encoded:
+        if not self.train_examples:  # encoded once (there is at least one training record)
             self.train_examples = self._encode(self._records[0])
             self.val_examples = self._encode(self._records[1])
-            self._encoded = True
 
     def train_dataloader(self) -> DataLoader:
         self.setup()

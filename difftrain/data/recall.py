@@ -101,17 +101,12 @@ def make_recall_example(
     return RecallExample(keys=keys, values=values, context=tuple(context), queries=queries)
 
 
-def example_seed(spec: RecallSpec, split: str, index: int) -> int:
-    """Seed of example `index` of a split ("train", "val" or "eval")."""
+def spec_example(spec: RecallSpec, split: str, index: int) -> RecallExample:
+    """Example `index` of a split ("train", "val" or "eval") of the task `spec`."""
     if split not in SPLITS:
         raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
-    return stable_seed("recall", split, spec.seed, index)
-
-
-def spec_example(spec: RecallSpec, split: str, index: int) -> RecallExample:
-    """Example `index` of a split of the task `spec`."""
     shape = spec.model_dump(include={"n_pairs", "n_queries", "distractor_rate", "key_vocab", "value_vocab"})
-    return make_recall_example(**shape, seed=example_seed(spec, split, index))
+    return make_recall_example(**shape, seed=stable_seed("recall", split, spec.seed, index))
 
 
 def train_examples(spec: RecallSpec) -> Iterator[RecallExample]:
@@ -162,11 +157,10 @@ def recall_records(specs: list[RecallSpec]) -> tuple[list[dict[str, object]], li
     """(training records, validation records) of the recall sources: each source's training
     examples, and its `val_documents` validation examples, none of which is a training text.
     A record is {"segments": the example's segments}."""
-    train: list[dict[str, object]] = []
-    val: list[dict[str, object]] = []
+    train: list[RecallExample] = []
+    val: list[RecallExample] = []
     for spec in specs:
         exs = list(train_examples(spec))
-        train += [{"segments": ex.segments()} for ex in exs]
-        held = held_out_examples(spec, spec.val_documents, split="val", exclude=(ex.text for ex in exs))
-        val += [{"segments": ex.segments()} for ex in held]
-    return train, val
+        train += exs
+        val += held_out_examples(spec, spec.val_documents, split="val", exclude=(ex.text for ex in exs))
+    return [{"segments": ex.segments()} for ex in train], [{"segments": ex.segments()} for ex in val]

@@ -351,12 +351,10 @@ def _build_shards(
 ) -> dict[str, Any]:
     """Tokenize `sources` into out/train.bin and out/val.bin; the index's counts.
 
-    Validation documents are drawn by hash (`val_fraction`), each written once; training
-    documents as often as their source's weight says. Where that leaves one side empty,
-    validation is the tail of the data instead: `tail_at` is where it starts in the unweighted
-    stream (with every weight 1, the training stream's tail, cut in place; else the data is read
-    again with `tail_at` set). A tokenizer that puts a start token before every text (Llama's
-    <s>) starts each document with it."""
+    Where the document split leaves one side empty, validation is the tail of the data instead:
+    `tail_at` is where it starts in the unweighted stream (with every weight 1, the training
+    stream's tail, cut in place; else the data is read again with `tail_at` set). A tokenizer
+    that puts a start token before every text (Llama's <s>) starts each document with it."""
     dtype = token_dtype(tok.vocab_size)
     eos = np.array([tok.eos_id], dtype=dtype)
     start = np.array([tok.document_start_id] if tok.document_start_id != tok.eos_id else [], dtype=dtype)
