@@ -54,10 +54,9 @@ def preflight(run: Any, suite: str, opts: EvalOptions) -> None:
 
         default_grid(tok, max_len, opts)
     elif suite == "recall":
-        from difftrain.evals.recall import default_grid as recall_grid
-        from difftrain.evals.recall import run_task
+        from difftrain.evals import recall
 
-        recall_grid(tok, max_len, opts, run_task(run))
+        recall.default_grid(tok, max_len, opts, recall.run_task(run))
     elif suite == "attention":
         from difftrain.evals.attention import attention_grid
 

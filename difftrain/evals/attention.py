@@ -52,8 +52,7 @@ def spans(
         cols = [i + 1 for i, (s, e) in enumerate(offs) if s < b and e > a]
         stem = f"{key} is "
         vs = text.index(stem + value, start) + len(stem)
-        ve = vs + len(value)
-        start = ve
+        start = ve = vs + len(value)
         # token i of the text sits at sequence position i + 1 and is predicted at position i
         rows = [i for i, (s, e) in enumerate(offs) if s < ve and e > vs and i + 1 < len(ids)]
         out.append((cols, rows))

@@ -238,8 +238,7 @@ def _run_dirs(paths: Sequence[str | Path]) -> list[Path]:
 def _training_note(r: RunRecord) -> str | None:
     """Why a run's training figures are missing (no summary.json) or not final (unfinished)."""
     if not r.summary:
-        source = imported_from(r.path)
-        if source:
+        if source := imported_from(r.path):
             return f"{r.path} was imported from {source} (`difftrain import`): it has no training figures"
         try:  # without weights it has nothing to evaluate either: say what to do about that
             if not is_adapter_run(r.path):

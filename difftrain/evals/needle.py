@@ -140,7 +140,6 @@ def build_prompt(
             f"max_seq_len={max_seq_len}; use shorter --lengths (at most "
             f"{max_context(tokenizer, max_seq_len, n, r)})"
         )
-    measured = [filler_depth(ex, nd) for nd in ex.needles if nd.key in ex.query_keys]
     return NeedlePrompt(
         context_tokens=context_tokens,
         depth=depth,
@@ -152,7 +151,7 @@ def build_prompt(
         answer_tokens=answer_tokens,
         expected=list(ex.expected),
         query_keys=list(ex.query_keys),
-        measured_depths=measured,
+        measured_depths=[filler_depth(ex, nd) for nd in ex.needles if nd.key in ex.query_keys],
         example=ex,
     )
 
@@ -234,8 +233,7 @@ def default_grid(
 
 
 def _too_short(tokenizer: Any, max_seq_len: int, n: int, low: int) -> str:
-    """Why no haystack fits: with fewer needles when one needle would fit, else the context the
-    test needs."""
+    """Why no haystack fits: what to ask for instead (fewer needles, or a longer context)."""
     one = max_context(tokenizer, max_seq_len, 1, 1)
     if n > 1 and min_context(tokenizer, 1) <= one:
         return (

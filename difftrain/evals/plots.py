@@ -92,8 +92,7 @@ def check_target(path: Path | str) -> None:
         raise DifftrainError(
             f"the figure path {str(path)!r} is a folder; name a file in it, e.g. {path / 'compare.png'}"
         )
-    why = unwritable_file_reason(path)
-    if why is not None:
+    if (why := unwritable_file_reason(path)) is not None:
         raise DifftrainError(f"cannot write the figure {str(path)!r}: {why}; choose another path")
 
 
@@ -295,18 +294,17 @@ def loss_curves(
     axes = fig.subplots(1, 3 if recall else 2)
     if recall:
         _recall_panel(axes[2], recall)
-    colors = [f"C{i % 10}" for i in range(len(runs))]
     styles = {"train": {"lw": 1.0, "alpha": 0.55}, "val": {"lw": 1.8, "marker": "o", "markersize": 3.5}}
-    for (label, rows), color in zip(runs, colors, strict=True):
-        for ax, key in zip(axes[:2], ("train/tokens", "train/time_s"), strict=True):
+    panels = (
+        ("train/tokens", "tokens seen", "tokens"),
+        ("train/time_s", "training time (s)", "training time"),
+    )
+    for ax, (key, xlabel, what) in zip(axes[:2], panels, strict=True):
+        for i, (label, rows) in enumerate(runs):
             for split, style in styles.items():
-                pts = [r for r in rows if f"{split}/loss" in r and key in r]
-                if pts:
+                if pts := [r for r in rows if f"{split}/loss" in r and key in r]:
                     xs, ys = [r[key] for r in pts], [r[f"{split}/loss"] for r in pts]
-                    ax.plot(xs, ys, color=color, label=f"{label} {split}", **style)
-    for ax, xlabel, what in zip(
-        axes[:2], ("tokens seen", "training time (s)"), ("tokens", "training time"), strict=True
-    ):
+                    ax.plot(xs, ys, color=f"C{i % 10}", label=f"{label} {split}", **style)
         _label(ax, xlabel, "loss (nats/token)", f"loss vs {what}")
         ax.legend(fontsize=7)
     _suptitle(fig, "Training curves (thin: train loss, dots: validation loss)")

@@ -45,14 +45,14 @@ def fake_quantize(scores: torch.Tensor, bits: int) -> torch.Tensor:
 
 
 def run(run: Run, opts: EvalOptions, progress: Progress = _no_progress) -> SuiteOutput:
-    import difftrain.evals.needle as needle_suite
+    import difftrain.evals.needle as needle
 
     widths = check_bits(opts.bits)
-    model = run.model
+    model, tok = run.model, run.tokenizer
     tw = option_windows(run, opts)
     grid = None
     if opts.with_needle:
-        grid = needle_suite.default_grid(run.tokenizer, run.config.max_seq_len, opts, quick_lengths=1)  # type: ignore[attr-defined]
+        grid = needle.default_grid(tok, run.config.max_seq_len, opts, quick_lengths=1)  # type: ignore[attr-defined]
     n_ppl = -(-len(tw.windows) // opts.batch_size)
     n_needle = 0 if grid is None else len(grid.lengths) * len(grid.needles) * len(grid.depths) * grid.samples
     total = len(widths) * (n_ppl + n_needle)
@@ -70,16 +70,10 @@ def run(run: Run, opts: EvalOptions, progress: Progress = _no_progress) -> Suite
             done += n_ppl
             row: dict[str, Any] = {"bits": b, **summarize(nll, tw)}
             if grid is not None:
-                res = needle_suite.evaluate_grid(
-                    model,
-                    run.tokenizer,
-                    grid,
-                    seed=opts.seed,
-                    batch_size=opts.batch_size,
-                    progress=step(done),
-                )
+                row["needle_accuracy"] = needle.evaluate_grid(
+                    model, tok, grid, seed=opts.seed, batch_size=opts.batch_size, progress=step(done)
+                )["accuracy"]
                 done += n_needle
-                row["needle_accuracy"] = res["accuracy"]
             rows.append(row)
     finally:
         model.set_attn_logit_transform(None)
@@ -96,7 +90,7 @@ def run(run: Run, opts: EvalOptions, progress: Progress = _no_progress) -> Suite
         "granularity": "per (sequence, head)",
     }
     if grid is not None:
-        settings["needle"] = needle_suite.grid_settings(grid, opts.seed)
+        settings["needle"] = needle.grid_settings(grid, opts.seed)
     heads = [headline("loss@16", ref["loss"], "lower", ".4f")]
     for r in rows[1:]:
         heads.append(headline(f"Δloss@{r['bits']}", r["delta_loss"], "lower", "+.4f"))

@@ -85,8 +85,7 @@ def _cell_spec(task: RecallSpec, n: int, rate: float) -> RecallSpec:
 def _longest(tokenizer: Any, spec: RecallSpec) -> int:
     """Tokens of the longest example the cell can have: every gap holding ⌈rate⌉ distractors."""
     full = spec.model_copy(update={"distractor_rate": float(-(-spec.distractor_rate // 1))})
-    ex = held_out_examples(full, 1, split="eval")[0]
-    return len(encode(tokenizer, ex).ids)
+    return len(encode(tokenizer, held_out_examples(full, 1, split="eval")[0]).ids)
 
 
 def default_grid(tokenizer: Any, max_seq_len: int, opts: EvalOptions, task: RecallSpec) -> RecallGrid:
@@ -167,21 +166,17 @@ def evaluate_grid(
                     "tokens": mean([float(len(e.ids)) for e in encoded]),
                 }
             )
-    by_pairs = [
-        {"n_pairs": n, "accuracy": mean([c["accuracy"] for c in cells if c["n_pairs"] == n])}
-        for n in grid.pairs
-    ]
-    by_rate = [
-        {"distractor_rate": r, "accuracy": mean([c["accuracy"] for c in cells if c["distractor_rate"] == r])}
-        for r in grid.distractors
-    ]
+
+    def by(key: str, values: list[Any]) -> list[dict[str, Any]]:
+        return [{key: v, "accuracy": mean([c["accuracy"] for c in cells if c[key] == v])} for v in values]
+
     recipe_cell = (grid.task.n_pairs, grid.task.distractor_rate)
     return {
         "accuracy": mean([c["accuracy"] for c in cells]),
         "at_recipe": next((c for c in cells if (c["n_pairs"], c["distractor_rate"]) == recipe_cell), None),
         "cells": cells,
-        "by_pairs": by_pairs,
-        "by_rate": by_rate,
+        "by_pairs": by("n_pairs", grid.pairs),
+        "by_rate": by("distractor_rate", grid.distractors),
     }
 
 

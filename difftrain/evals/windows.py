@@ -177,8 +177,7 @@ def require_own_split(run_dir: Path, suite: str | None = None) -> None:
     """ConfigError for an imported run: its recipe.yaml holds default data it never trained on."""
     from difftrain.rundir import imported_from
 
-    origin = imported_from(run_dir)
-    if origin is not None:
+    if (origin := imported_from(run_dir)) is not None:
         reader = f"`{suite}`" if suite else "eval"
         raise ConfigError(
             f"{run_dir} was imported (from {origin}), so it has no validation split of its own for {reader} to "
