@@ -32,19 +32,12 @@ from difftrain.recipe import (
 )
 from difftrain.rundir import RECIPE, TOKENIZER, base_run_dir, load_config, resolve_model
 from difftrain.spec import RunSpec, resolve
-from difftrain.train.distributed import DistContext
-from difftrain.train.preflight import (
-    dry_run_warnings,
-    memory_warnings,
-    preflight,
-    resumed_run_files,
-    training_into,
-)
+from difftrain.train.distributed import DistContext, compute_dtype
+from difftrain.train.preflight import dry_run_warnings, memory_warnings, preflight, training_into
 from difftrain.train.run import FitOptions, Hooks, TrainResult, _quiet_lightning, fit, start_processes
 from difftrain.train.runcheck import check_run_dir
 
 
-# Model settings a fine-tune may change; everything else must equal the base run's.
 def _check_method(method: str, spec: RunSpec) -> None:
     if method != "qlora":
         return
@@ -68,24 +61,10 @@ def _check_method(method: str, spec: RunSpec) -> None:
         )
 
 
-def _compute_dtype(precision: str) -> torch.dtype:
-    if precision.startswith("bf16"):
-        return torch.bfloat16
-    if precision.startswith("16"):
-        return torch.float16
-    return torch.float32
-
-
-# --------------------------------------------------------------------------------------------
-# the stages a run and its dry run share
-
-
 def plan_finetune(recipe: Recipe) -> tuple[RunSpec, Path]:
-    """Check the recipe against its base run and this machine: (spec, base run directory).
-
-    The spec's recipe has the base run's model (with the recipe's own changeable `model:` keys)
-    and the base's tokenizer. Reads the base's config.json; loads no weights, writes nothing.
-    """
+    """Check the recipe against its base run and this machine: (spec, base run directory). The
+    spec's recipe has the base's model (with the recipe's changeable `model:` keys) and tokenizer.
+    Reads the base's config.json; loads no weights, writes nothing."""
     from difftrain.data.config import TokenizerConfig
 
     ft = require_finetuning(recipe)
@@ -178,39 +157,12 @@ def instruction_data(spec: RunSpec, tokenizer: Any) -> tuple[Any, list[int], Any
     return tokenizer, new_ids, dm, records
 
 
-def _grown_model(spec: RunSpec, tokenizer: Any) -> RunSpec:
-    """The model config with a row for every id of `tokenizer`: its rows as they are while they
-    hold every id (an imported base may have 500), else grown to a multiple of 64; sets it as
-    the spec's model, which is what the run's recipe.yaml records. (Rounding a base of
-    500 rows up to 512 with no token added wrote a config of 512 over weights of 500 that
-    nothing could load.)"""
-    model_cfg = spec.model
-    if tokenizer.vocab_size > int(model_cfg.vocab_size):
-        model_cfg = model_cfg.replace(vocab_size=64 * math.ceil(tokenizer.vocab_size / 64))
-    return spec.with_model(model_cfg)
-
-
-def _refuse_run_dir_early(spec: RunSpec, *, resume: bool | str, overwrite: bool) -> None:
-    """The run folder's refusals (the run's own command again, another run there, --resume with
-    nothing to resume, a run in use) before the data is read: tokenizing instruction records
-    takes tens of seconds. The vocabulary may still grow by the chat template's tokens, so
-    model.vocab_size is compared by `preflight` after the data, which decides the rest."""
-    check_run_dir(
-        spec.recipe,
-        resume=resume,
-        overwrite=overwrite,
-        batch=spec.batch,
-        ignore=frozenset({"model.vocab_size"}),
-    )
-
-
 DATA_STATE_KEY = "DataFingerprint"
 
 
 def data_fingerprint_callback(key: str) -> Any:
-    """A callback whose state in every checkpoint is `key`, the fingerprint of the fine-tune's data
-    (`_data_key`): a resume on other data would continue another run, which `_check_resumed_data`
-    refuses."""
+    """A callback that saves `key`, the fine-tune's data fingerprint (`_data_key`), in every
+    checkpoint, for `_check_resumed_data`."""
     import lightning as L
 
     class DataFingerprint(L.Callback):
@@ -222,22 +174,20 @@ def data_fingerprint_callback(key: str) -> Any:
             return {"data": key}
 
         def load_state_dict(self, state: dict[str, Any]) -> None:
-            """Nothing to restore: a resume compares the saved key before it starts
-            (`_check_resumed_data`)."""
+            """Nothing to restore: `_check_resumed_data` compared the key before the start."""
 
     return DataFingerprint()
 
 
 def _data_key(dm: Any, prepared: Any) -> str:
     """What a fine-tune trains on, as one hash: the token ids and loss targets of every
-    instruction example (so records edited and put back as they were match again), or a plain
-    text fine-tune's shards, by their cache key (its sources' paths, sizes and mtimes)."""
+    instruction example, or a plain-text fine-tune's shards' sources fingerprint."""
     import hashlib
 
     import numpy as np
 
-    if prepared is not None:
-        return _text_data_key(prepared.index)
+    if prepared is not None:  # its shards' sources fingerprint (the dry run reads it alike)
+        return str(prepared.index.get("fingerprint", ""))
     h = hashlib.sha256()
     for examples in (dm.train_examples, dm.val_examples):
         for ids, targets in examples:
@@ -245,12 +195,6 @@ def _data_key(dm: Any, prepared: Any) -> str:
             h.update(np.asarray(targets, dtype=np.int64).tobytes())
         h.update(b"|")
     return h.hexdigest()
-
-
-def _text_data_key(index: dict[str, Any]) -> str:
-    """A plain-text fine-tune's data key: its shards' sources fingerprint, from their index.json
-    (the run and its dry run read it alike)."""
-    return str(index.get("fingerprint", ""))
 
 
 def _check_resumed_data(checkpoint: Path, key: str, run_dir: Path) -> None:
@@ -268,35 +212,13 @@ def _check_resumed_data(checkpoint: Path, key: str, run_dir: Path) -> None:
         )
 
 
-def _check_resumed_adapter(spec: RunSpec) -> None:
-    """A LoRA run being resumed must find the base it was trained on (same weights' SHA-256)."""
-    from difftrain.adapters import ADAPTER_CONFIG, read_adapter_spec, resolve_base
-
-    ft = spec.recipe.finetune
-    if ft is not None and ft.method != "full" and (spec.run_dir / ADAPTER_CONFIG).is_file():
-        resolve_base(spec.run_dir, read_adapter_spec(spec.run_dir))
-
-
-def _read_first_documents(recipe: Recipe) -> None:
-    """The first document of each plain-text source, read as the run reads it: a record without
-    the text field (prompt/response records fine-tuned as text), or a source with no document at
-    all, fails here as it would there."""
-    from difftrain.data.sources import SourceStats, require_documents, resolve_sources
-
-    for source in resolve_sources(recipe.data, recipe.recipe_dir):
-        stats = SourceStats(source.spec.source)
-        if next(iter(source.documents(stats, recipe.data.on_bad_record)), None) is None:
-            require_documents(source, stats)  # no document at all: refused as the run refuses it
-
-
 @dataclass
 class FinetuneSetup:
-    """What a fine-tune does before its model is built, decided by `setup_finetune` for the run
-    and its dry run alike: the spec (the base's model, grown by the chat template's tokens), the
-    base run, the data (`dm`; `prepared` text shards, None in a dry run, which tokenizes no text),
-    the record counts of instruction data, the run folder's decision (`resuming`, `point`) and
-    the data's fingerprint. `lora_targets`, `trained_in_full` and `warnings` are filled in once
-    the adapter is planned."""
+    """What a fine-tune decides before its model is built (`setup_finetune`, for the run and its
+    dry run alike): the spec (the base's model, grown by the chat template's tokens), the base run,
+    the data (`prepared` text shards: None in a dry run), the instruction records' counts, the run
+    folder's decision and the data's fingerprint; `lora_targets`, `trained_in_full` and `warnings`
+    once the adapter is planned."""
 
     spec: RunSpec
     base: Path
@@ -332,70 +254,66 @@ def setup_finetune(
     """Every check a fine-tune makes before its first write, in order: the base run, the recipe
     against this machine, the run folder's refusals, the data, the vocabulary, the run folder's
     decision, the resume's data and adapter base. `start` starts the run's processes
-    (`train.run.start_processes`) once the recipe is checked; then rank 0 prepares the text and
-    decides the folder. Without it, the dry run: nothing is written (the base weights are
-    checked instead of loaded, local text sources read instead of tokenized into the cache,
-    nothing removed from the run folder)."""
+    (`start_processes`); then rank 0 prepares the text and decides the folder. Without it, the
+    dry run: nothing is written (the base weights checked instead of loaded, local text sources
+    read instead of tokenized)."""
+    from difftrain.adapters import ADAPTER_CONFIG, read_adapter_spec, resolve_base
     from difftrain.data.modules import PretrainDataModule
-    from difftrain.data.shards import cached_index, prepare_data
-    from difftrain.data.sources import check_local_sources
+    from difftrain.data.shards import cached_index
+    from difftrain.data.sources import SourceStats, check_local_sources, require_documents, resolve_sources
     from difftrain.io import check_run_dir_creatable
     from difftrain.rundir import ADAPTER_WEIGHTS, WEIGHTS, check_safetensors, load_run_tokenizer
+    from difftrain.train.run import prepare_text
 
     dry = start is None
     spec, base = plan_finetune(recipe)
     r = spec.recipe
     flag: bool | str = r.train.resume if resume is None else resume
-    _refuse_run_dir_early(spec, resume=flag, overwrite=overwrite)
+    # the run folder's refusals before the data is read (tokenizing records takes tens of seconds);
+    # model.vocab_size may still grow by the chat template's tokens: `preflight` compares it after
+    check_run_dir(
+        r, resume=flag, overwrite=overwrite, batch=spec.batch, ignore=frozenset({"model.vocab_size"})
+    )
     dist = None if start is None else start(spec)  # every rank runs what follows; writes on rank 0
     data_format = resolve_data_format(r)
     tokenizer = load_run_tokenizer(base)  # (restore advice for a run folder's tokenizer)
     base_vocab_rows = tokenizer.vocab_size
-    if dry:
-        for weights in (
-            base / WEIGHTS,
-            base / ADAPTER_WEIGHTS,
-        ):  # an empty or cut file, as the run refuses it
-            if weights.is_file():
-                check_safetensors(weights)
+    for weights in (base / WEIGHTS, base / ADAPTER_WEIGHTS) if dry else ():
+        if weights.is_file():  # an empty or cut file, as the run refuses it
+            check_safetensors(weights)
     records: dict[str, Any] = {}
     new_ids: list[int] = []
     dm = prepared = None
     if data_format == "instruction":
         tokenizer, new_ids, dm, records = instruction_data(spec, tokenizer)
-    elif dry:
+    elif dry:  # the first document of each source, read as the run reads it
         check_local_sources(r.data, r.recipe_dir)
-        _read_first_documents(r)
+        for source in resolve_sources(r.data, r.recipe_dir):
+            stats = SourceStats(source.spec.source)
+            if next(iter(source.documents(stats, r.data.on_bad_record)), None) is None:
+                require_documents(source, stats)  # no document at all: refused as the run refuses it
     else:
         assert dist is not None
-        prepared = dist.rank_zero_first(
-            lambda: prepare_data(
-                r.data,
-                r.tokenizer,
-                seed=r.seed,
-                base_dir=r.recipe_dir,
-                progress=data_progress if dist.is_global_zero else None,
-            )
-        )
+        prepared = prepare_text(spec, dist, data_progress)
         dm = PretrainDataModule.from_config(
             prepared, r.data, seq_len=spec.seq_len, micro_batch_size=r.train.micro_batch_size, seed=r.seed
         )
-    spec = _grown_model(spec, tokenizer)
+    if tokenizer.vocab_size > int(spec.model.vocab_size):  # (rows kept while they hold every id)
+        spec = spec.with_model(spec.model.replace(vocab_size=64 * math.ceil(tokenizer.vocab_size / 64)))
     base_vocab_size = int(load_config(base).vocab_size)  # (the spec's model has the grown vocabulary)
 
-    def decide() -> tuple[bool, Any]:
-        return preflight(spec, resume=flag, overwrite=overwrite, dry_run=dry)
-
-    resuming, point = decide() if dist is None else dist.on_rank_zero(decide)
+    resuming, point = (dist or DistContext()).on_rank_zero(  # (a dry run: one process)
+        lambda: preflight(spec, resume=flag, overwrite=overwrite, dry_run=dry)
+    )
     if dm is not None:
         data_key: str | None = _data_key(dm, prepared)
     else:  # a dry run's text: the shards the resume would read, where they are prepared already
         index = cached_index(r.data, r.tokenizer, seed=r.seed, base_dir=r.recipe_dir)
-        data_key = _text_data_key(index) if index is not None else None
-    if resuming:
-        if data_key is not None:
-            _check_resumed_data(point.path, data_key, spec.run_dir)
-        _check_resumed_adapter(spec)
+        data_key = str(index.get("fingerprint", "")) if index is not None else None
+    if resuming and data_key is not None:
+        _check_resumed_data(point.path, data_key, spec.run_dir)
+    if resuming and r.finetune.method != "full" and (spec.run_dir / ADAPTER_CONFIG).is_file():
+        resolve_base(spec.run_dir, read_adapter_spec(spec.run_dir))  # the base it trained on (SHA-256)
     if dry:
         check_run_dir_creatable(spec.run_dir)
     return FinetuneSetup(
@@ -423,10 +341,6 @@ def dry_run_finetune(recipe: Recipe, *, resume: bool | None = None, overwrite: b
     return setup
 
 
-# --------------------------------------------------------------------------------------------
-# the entry point
-
-
 def finetune(
     recipe: Recipe,
     *,
@@ -439,11 +353,8 @@ def finetune(
     fault_hook: Any = None,
     data_progress: Any = None,
 ) -> TrainResult:
-    """Fine-tune `recipe.finetune.base` as the recipe says into a new run directory.
-
-    Same keyword arguments and result as `pretrain`; `StartInfo.details` is the run's
-    `FinetuneSetup`.
-    """
+    """Fine-tune `recipe.finetune.base` into a new run directory; keyword arguments and result as
+    `pretrain` (`StartInfo.details`: the run's `FinetuneSetup`)."""
     import lightning as L
 
     from difftrain.adapters import (
@@ -460,15 +371,11 @@ def finetune(
     setup = setup_finetune(
         recipe, resume=resume, overwrite=overwrite, start=start_processes, data_progress=data_progress
     )
-    spec, base, tokenizer, new_ids, dist = setup.spec, setup.base, setup.tokenizer, setup.new_ids, setup.dist
-    assert dist is not None
+    spec, base, new_ids = setup.spec, setup.base, setup.new_ids
     r, ft, t, run_dir = spec.recipe, spec.recipe.finetune, spec.recipe.train, spec.run_dir
     assert ft is not None
-    model_cfg, point, instruction = spec.model, setup.point, setup.data_format == "instruction"
+    model_cfg, instruction = spec.model, setup.data_format == "instruction"
     vocab_size = model_cfg.vocab_size
-    restore = (
-        dist.on_rank_zero(lambda: resumed_run_files(run_dir, tokenizer, point)) if setup.resuming else []
-    )
 
     # the model: base weights, grown vocabulary, then LoRA (and 4-bit) or all weights trainable
     L.seed_everything(r.seed, workers=True, verbose=False)
@@ -491,7 +398,7 @@ def finetune(
             model,
             adapter,
             quantize_on=device if ft.method == "qlora" else None,
-            compute_dtype=_compute_dtype(t.precision),
+            compute_dtype=compute_dtype(t.precision),
         )
         if ft.method == "qlora" and not adapter.quantized:
             raise RecipeError(
@@ -536,8 +443,5 @@ def finetune(
     hooks = Hooks(
         progress, console, on_start, [*extra_callbacks, data_fingerprint_callback(setup.data_key)], fault_hook
     )
-    fresh = not setup.resuming
-    with training_into(run_dir, dist, r, tokenizer, fresh=fresh, replace=overwrite, restore=restore):
-        result = fit(spec, model, setup.dm, point, opts, hooks)
-    dist.join()
-    return result
+    with training_into(setup, replace=overwrite):
+        return fit(spec, model, setup.dm, setup.point, opts, hooks)

@@ -258,9 +258,6 @@ class LitLM(L.LightningModule):
         first = (~torch.isfinite(norms)).int().argmax().float()
         return total, torch.where(torch.isfinite(total), none, first)
 
-    def on_validation_epoch_start(self) -> None:
-        self._val_stats = torch.zeros(2, device=self.device)
-
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
         out = self._forward(batch["input_ids"], batch["targets"], return_logits=False)
         # weighed by the batch's trained tokens: the mean over every token of the split

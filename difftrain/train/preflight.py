@@ -18,7 +18,6 @@ from difftrain.io import LOCK_FILE, RunLock, atomic_write_text, remove_stale_tem
 from difftrain.recipe import Recipe
 from difftrain.rundir import CHECKPOINTS, CONFIG, RECIPE, TOKENIZER
 from difftrain.spec import RunSpec
-from difftrain.train.distributed import DistContext
 from difftrain.train.runcheck import _global_batch, check_run_dir, in_use_message, require_not_in_use
 
 
@@ -117,11 +116,9 @@ def _read_text(path: Path) -> str | None:
 
 def resumed_run_files(run_dir: Path, tokenizer: Any, point: Any) -> list[str]:
     """On a resume (rank 0, before anything is written): which of config.json and tokenizer.json
-    `training_into` writes again because they are missing or unreadable (the recipe check has
-    matched the model already, and the tokenizer is the one training goes on with); each gets a
-    start-up warning in `point`. A readable tokenizer.json that is not the tokenizer training goes
-    on with is a RunDirError: the data or tokenizer settings changed since the run started, and
-    the model's token ids would change meaning."""
+    `training_into` writes again because they are missing or unreadable, each with a start-up
+    warning in `point`. RunDirError where tokenizer.json is readable but not `tokenizer` (the
+    model's token ids would change meaning)."""
     from difftrain.data.tokenizer import load_tokenizer
     from difftrain.errors import TokenizerError
     from difftrain.model import ModelConfig
@@ -149,23 +146,18 @@ def resumed_run_files(run_dir: Path, tokenizer: Any, point: Any) -> list[str]:
 
 
 @contextlib.contextmanager
-def training_into(
-    run_dir: Path,
-    dist: DistContext,
-    r: Recipe,
-    tokenizer: Any,
-    *,
-    fresh: bool,
-    replace: bool = False,
-    restore: Sequence[str] = (),
-) -> Iterator[None]:
-    """Around the training of a run (pretrain or finetune), after every check: rank 0 creates the
-    run directory, holds its lock (`RunLock`) until the body ends, and on a fresh start writes
-    recipe.yaml (absolute paths: resumable from any folder), config.json and tokenizer.json. The
-    other ranks of a multi-process run write nothing of their own. A resume rewrites recipe.yaml
-    where its resumable keys changed, and config.json and tokenizer.json where `restore` names
-    them (`resumed_run_files`). `replace` (--overwrite on a fresh start): what the folder held is
-    removed first, under the lock."""
+def training_into(setup: Any, *, replace: bool = False) -> Iterator[None]:
+    """Around the training of a run set up by `setup_pretrain` or `setup_finetune`, after every
+    check: rank 0 creates the run directory, holds its lock (`RunLock`) until the body ends, and on
+    a fresh start writes recipe.yaml (absolute paths: resumable from any folder), config.json and
+    tokenizer.json. The other ranks of a multi-process run write nothing of their own. A resume
+    rewrites recipe.yaml where its resumable keys changed, and config.json and tokenizer.json where
+    they are missing or damaged (`resumed_run_files`). `replace` (--overwrite on a fresh start):
+    what the folder held is removed first, under the lock. Then waits for the ranks this process
+    started."""
+    spec, dist, tokenizer, fresh = setup.spec, setup.dist, setup.tokenizer, not setup.resuming
+    run_dir, r = spec.run_dir, spec.recipe
+    restore = [] if fresh else dist.on_rank_zero(lambda: resumed_run_files(run_dir, tokenizer, setup.point))
     lock = RunLock(run_dir)
     if dist.is_global_zero:
         holder = lock.acquire()
@@ -189,6 +181,7 @@ def training_into(
         yield
     finally:
         lock.release()
+    dist.join()
 
 
 def _clear_run_dir(run_dir: Path) -> None:

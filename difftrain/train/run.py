@@ -30,7 +30,6 @@ from difftrain.train.preflight import (
     dry_run_warnings,
     memory_warnings,
     preflight,
-    resumed_run_files,
     start_warnings,
     training_into,
 )
@@ -64,14 +63,11 @@ class Hooks:
 
 @dataclass
 class FitOptions:
-    """How `fit` trains what the entry point (pretrain, finetune) set up. `counts`: parameter
-    counts to report; `export(run_dir, model, step)` replaces the model.safetensors written at
-    each save (LoRA: the adapter files); `save_frozen=False` keeps frozen parameters out of
-    checkpoints; `step_seed` makes dropout resumable (see LitLM); `validate_first` measures the
-    validation loss before the first step of a fresh run (summary `initial_val_loss`);
-    `tokens_per_micro_batch=0` counts the tokens of each batch; `token_mean`: a step's loss is
-    the mean over all its trained tokens (see LitLM); `details`: the entry point's setup, for the
-    start table (`PretrainSetup`, `FinetuneSetup`)."""
+    """How `fit` trains what the entry point (pretrain, finetune) set up: `counts` to report;
+    `export(run_dir, model, step)` writes instead of model.safetensors (LoRA: the adapter files);
+    `save_frozen`, `step_seed`, `token_mean`: see LitLM; `validate_first` measures the val loss
+    before a fresh run's first step (summary `initial_val_loss`); `tokens_per_micro_batch=0`
+    counts each batch's tokens; `details`: the `PretrainSetup` / `FinetuneSetup`, for the start table."""
 
     counts: dict[str, int]
     has_val: bool
@@ -111,7 +107,7 @@ def start_processes(spec: RunSpec) -> DistContext:
 
 
 def _quiet_lightning() -> None:
-    """Lightning's info logs and the warnings that do not apply to difftrain's runs (a run with
+    """Silence Lightning's info logs and the warnings that do not apply (a run with
     data.val_fraction: 0 has no val loader on purpose)."""
     for name in ("lightning", "lightning.pytorch", "lightning.fabric", "pytorch_lightning"):
         logging.getLogger(name).setLevel(logging.ERROR)
@@ -127,13 +123,14 @@ def _quiet_lightning() -> None:
         warnings.filterwarnings("ignore", message=f".*{message}.*")
 
 
-def require_pretraining(recipe: Recipe) -> None:
-    """A fine-tuning recipe given to `pretrain` says which command runs it."""
-    if recipe.finetune is not None:
-        raise RecipeError(
-            f"{recipe.source or recipe.name} is a fine-tuning recipe (finetune.base: {recipe.finetune.base}); "
-            f"run it with `difftrain finetune {recipe.command_arg}`"
-        )
+def prepare_text(spec: RunSpec, dist: DistContext, progress: Any) -> Any:
+    """The recipe's text tokenized into cached shards, by rank 0 first (the others hit its cache)."""
+    from difftrain.data.shards import prepare_data
+
+    r, progress = spec.recipe, progress if dist.is_global_zero else None
+    return dist.rank_zero_first(
+        lambda: prepare_data(r.data, r.tokenizer, seed=r.seed, base_dir=r.recipe_dir, progress=progress)
+    )
 
 
 @dataclass
@@ -167,12 +164,16 @@ def setup_pretrain(
     prepares the data. Without it, the dry run: nothing is written, the tokenizer is checked as
     far as it exists (tokenizer.path, or the size the recipe trains) and data prepared already
     is checked against the sequence length."""
-    from difftrain.data.shards import cached_index, check_split_sizes, prepare_data
+    from difftrain.data.shards import cached_index, check_split_sizes
     from difftrain.data.tokenizer import check_vocab_fits, load_tokenizer
     from difftrain.plan import tokenizer_size
     from difftrain.train.distributed import require_node_launcher
 
-    require_pretraining(recipe)
+    if recipe.finetune is not None:
+        raise RecipeError(
+            f"{recipe.source or recipe.name} is a fine-tuning recipe (finetune.base: {recipe.finetune.base}); "
+            f"run it with `difftrain finetune {recipe.command_arg}`"
+        )
     spec = resolve(recipe)
     r = spec.recipe
     flag: bool | str = r.train.resume if resume is None else resume
@@ -192,31 +193,15 @@ def setup_pretrain(
     dist = start(spec)
     # rank 0 decides (and may clear the folder); the others learn the decision
     resuming, point = dist.on_rank_zero(lambda: preflight(spec, resume=flag, overwrite=overwrite))
-    # data + tokenizer (cached: a second run reuses both); built by rank 0, cache hits elsewhere
-    prepared = dist.rank_zero_first(
-        lambda: prepare_data(
-            r.data,
-            r.tokenizer,
-            seed=r.seed,
-            base_dir=r.recipe_dir,
-            progress=data_progress if dist.is_global_zero else None,
-        )
-    )
+    prepared = prepare_text(spec, dist, data_progress)  # data + tokenizer (a second run reuses both)
     tokenizer = load_tokenizer(prepared.tokenizer_path)
     model_cfg = spec.model
     if model_cfg.vocab_size == "auto":
         model_cfg = model_cfg.replace(vocab_size=64 * math.ceil(tokenizer.vocab_size / 64))
     check_vocab_fits(tokenizer, model_cfg.vocab_size)
     spec = spec.with_model(model_cfg)  # (keeps the recipe's folder and source)
-    return PretrainSetup(
-        spec,
-        resuming,
-        point,
-        dist,
-        prepared,
-        tokenizer,
-        warnings=memory_warnings(spec.recipe, spec.accelerator),
-    )
+    warned = memory_warnings(spec.recipe, spec.accelerator)
+    return PretrainSetup(spec, resuming, point, dist, prepared, tokenizer, warnings=warned)
 
 
 def pretrain(
@@ -243,9 +228,7 @@ def pretrain(
     setup = setup_pretrain(
         recipe, resume=resume, overwrite=overwrite, start=start_processes, data_progress=data_progress
     )
-    spec, dist, point, tokenizer = setup.spec, setup.dist, setup.point, setup.tokenizer
-    assert dist is not None
-    r, model_cfg = spec.recipe, spec.model
+    spec, r, model_cfg = setup.spec, setup.spec.recipe, setup.spec.model
 
     L.seed_everything(r.seed, workers=True, verbose=False)
     model = Transformer(model_cfg)
@@ -255,11 +238,7 @@ def pretrain(
     dm = PretrainDataModule.from_config(
         setup.prepared, r.data, seq_len=spec.seq_len, micro_batch_size=r.train.micro_batch_size, seed=r.seed
     )
-
     run_dir = spec.run_dir
-    restore = (
-        dist.on_rank_zero(lambda: resumed_run_files(run_dir, tokenizer, point)) if setup.resuming else []
-    )
     opts = FitOptions(
         counts=model.num_params(),
         has_val=r.data.val_windows > 0,
@@ -268,11 +247,8 @@ def pretrain(
         warnings=[*setup.warnings, *([dm.val_note] if dm.val_note else [])],
         tokens_per_micro_batch=r.train.micro_batch_size * spec.seq_len,
     )
-    fresh = not setup.resuming
-    with training_into(run_dir, dist, r, tokenizer, fresh=fresh, replace=overwrite, restore=restore):
-        result = fit(spec, model, dm, point, opts, hooks)
-    dist.join()  # the ranks this process started have finished too
-    return result
+    with training_into(setup, replace=overwrite):
+        return fit(spec, model, dm, setup.point, opts, hooks)
 
 
 def fit(
@@ -280,10 +256,7 @@ def fit(
 ) -> TrainResult:
     """The training loop shared by `pretrain` and `finetune`: Lightning module, callbacks, loggers,
     Trainer, fit (resuming from `point`, a ResumePoint or None), final validation, summary.json.
-
-    `spec.recipe` has its `model` resolved, and the run directory holds recipe.yaml, config.json
-    and tokenizer.json.
-    """
+    The run directory holds recipe.yaml, config.json and tokenizer.json (`training_into`)."""
     import lightning as L
 
     from difftrain.model.lora import count_params
@@ -324,14 +297,10 @@ def fit(
     # backward to their inputs, no weight gradient), embeddings excluded.
     n_total, n_trainable = count_params(model)
     emb = model.model.embed_tokens.weight  # type: ignore[union-attr]
-    n_emb = emb.numel()
-    n_train_body = n_trainable - (n_emb if emb.requires_grad else 0)
-    n_frozen_body = n_total - n_emb - n_train_body
-    fpt = (
-        flops_per_token(
-            n_train_body, model_cfg.n_layers, model_cfg.n_heads * model_cfg.head_dim, spec.seq_len
-        )
-        + 4 * n_frozen_body
+    n_train = n_trainable - (emb.numel() if emb.requires_grad else 0)
+    d_attn = model_cfg.n_heads * model_cfg.head_dim  # type: ignore[operator]
+    fpt = flops_per_token(n_train, model_cfg.n_layers, d_attn, spec.seq_len) + 4 * (
+        n_total - emb.numel() - n_train
     )
     show = r.logging.progress if hooks.progress is None else hooks.progress
     has_val = opts.has_val
@@ -397,13 +366,6 @@ def fit(
             initial_val = cb.state.last_val
         cb.state.last_val, cb.state.best_val, cb.state.last_val_step = math.nan, math.inf, -1
     t0 = time.perf_counter()
-
-    def summary_of(wall: float, *, finished: bool) -> dict[str, Any]:
-        summary = _summary(spec, lit, cb, wall, opts.counts, trainer)
-        summary.update(trainable_params=n_trainable, finished=finished)
-        summary.update(opts.summary_extra)
-        return summary
-
     try:
         trainer.fit(
             lit, datamodule=datamodule, ckpt_path=str(point.path) if point else None, weights_only=True
@@ -411,17 +373,15 @@ def fit(
     except StopRequested:
         # stopped (and saved): summary.json says where the run stands, not what an earlier end said
         if trainer.is_global_zero and trainer.global_step > 0:
-            atomic_write_json(run_dir / SUMMARY, summary_of(time.perf_counter() - t0, finished=False))
+            wall = time.perf_counter() - t0
+            summary = _summary(spec, lit, cb, opts, n_trainable, wall, finished=False)
+            atomic_write_json(run_dir / SUMMARY, summary)
         raise
     wall = time.perf_counter() - t0
     if trainer.global_step > 0 and has_val and cb.state.last_val_step != trainer.global_step:
-        # (a run whose last step was a val_every step has its final loss already)
+        # (a run whose last step was a val_every step has its final loss already; `cb` records it)
         trainer.validate(lit, datamodule=datamodule, verbose=False)
-        val = trainer.callback_metrics.get("val/loss")
-        if val is not None:
-            cb.state.last_val = float(val)
-            cb.state.best_val = min(cb.state.best_val, float(val))
-    summary = summary_of(wall, finished=True)
+    summary = _summary(spec, lit, cb, opts, n_trainable, wall, finished=True)
     if opts.validate_first:
         if initial_val is None and point is not None:  # a resumed run: logged at step 0
             rows = [x for x in read_metrics(run_dir / METRICS) if x.get("step") == 0 and "val/loss" in x]
@@ -439,17 +399,14 @@ def fit(
 
 
 def _resume_finished(spec: RunSpec, lit: Any, point: Any, export: Any) -> TrainResult | None:
-    """A resume of a run whose last checkpoint is at train.max_steps (past it, `preflight`
-    refused the resume): nothing to train. The run's inference weights are checked against the
-    last checkpoint and rewritten from it when they are missing, damaged or of an older step (a
-    kill between the two saves, a truncated copy); the summary.json of the run is kept as it is
-    and returned. Without a summary (a kill after the last checkpoint, before the summary) returns
-    None, and `fit` measures the final validation loss and writes one."""
+    """A resume of a run whose last checkpoint is at train.max_steps: nothing to train. Rewrites
+    the inference weights from that checkpoint where they are missing, damaged or of an older
+    step, and returns the run's summary.json as it is; None without a final summary (`fit` then
+    measures the final validation loss and writes one)."""
     from difftrain.rundir import read_summary
     from difftrain.train.distributed import is_global_zero
 
     run_dir, step = spec.run_dir, point.step
-
     notes = []
     problem = _final_weights_problem(run_dir, step, adapter=export is not None)
     if problem is not None:
@@ -511,16 +468,12 @@ def _final_weights_problem(run_dir: Path, step: int, *, adapter: bool) -> str | 
     return None
 
 
-def _summary(spec: RunSpec, lit: Any, cb: Any, wall: float, counts: Any, trainer: Any) -> dict[str, Any]:
+def _summary(
+    spec: RunSpec, lit: Any, cb: Any, opts: FitOptions, trainable: int, wall: float, finished: bool
+) -> dict[str, Any]:
     r = spec.recipe
-    steps = trainer.global_step
-    tokens = lit.tokens_seen
     train_time = lit.train_time or wall
-    tps = tokens / train_time if train_time > 0 else 0.0
-    peak_mem = None
-    if spec.accelerator == "cuda":
-        peak_mem = torch.cuda.max_memory_allocated() / 2**20
-    mfu = tps * cb.flops_per_token / cb.peak_flops if cb.peak_flops else None
+    tps = lit.tokens_seen / train_time if train_time > 0 else 0.0
     last_loss: float | None = lit.last_loss
     if not math.isfinite(lit.last_loss):  # no step ran in this process (a finished run's resume)
         from difftrain.train.metrics import read_metrics
@@ -530,9 +483,9 @@ def _summary(spec: RunSpec, lit: Any, cb: Any, wall: float, counts: Any, trainer
     return {
         "name": r.name,
         "arch": r.model.arch,
-        "params": counts["total"] if isinstance(counts, dict) else int(counts),
-        "steps": steps,
-        "tokens": tokens,
+        "params": opts.counts["total"],
+        "steps": lit.global_step,
+        "tokens": lit.tokens_seen,
         "wall_time_s": round(wall, 2),
         "train_time_s": round(train_time, 2),
         "tokens_per_s": round(tps, 1),
@@ -541,9 +494,9 @@ def _summary(spec: RunSpec, lit: Any, cb: Any, wall: float, counts: Any, trainer
         "steady_tokens_per_s": round(cb.steady_tokens_per_s, 1)
         if r.train.compile and cb.steady_tokens_per_s
         else None,
-        "mfu": mfu,
+        "mfu": tps * cb.flops_per_token / cb.peak_flops if cb.peak_flops else None,
         "peak_rss_mb": round(cb.state.peak_rss_mb, 1) if cb.state.peak_rss_mb > 0 else None,
-        "peak_gpu_mem_mb": peak_mem,
+        "peak_gpu_mem_mb": torch.cuda.max_memory_allocated() / 2**20 if spec.accelerator == "cuda" else None,
         "final_train_loss": last_loss,
         "final_val_loss": cb.state.last_val if math.isfinite(cb.state.last_val) else None,
         "best_val_loss": cb.state.best_val if math.isfinite(cb.state.best_val) else None,
@@ -556,4 +509,7 @@ def _summary(spec: RunSpec, lit: Any, cb: Any, wall: float, counts: Any, trainer
         "attention": spec.attention,
         "devices": spec.world_size,
         "torch": torch.__version__,
+        "trainable_params": trainable,
+        "finished": finished,
+        **opts.summary_extra,
     }
