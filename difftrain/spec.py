@@ -1,15 +1,12 @@
 """From a recipe to a run: `resolve(recipe, machine) -> RunSpec`.
 
 A `RunSpec` is everything a run will do on one machine: the recipe with its `auto` values fixed
-(accelerator, devices, precision, compile, optimizer, attention core) and the reason for each,
-the processes, the batch arithmetic, the number of steps and the run folder. `difftrain plan`,
-`--dry-run`, the start table and the run itself all read one spec (`spec_rows` in the CLI
-renders it), and `resolve` makes every check that the recipe and the machine alone decide. The
-run folder's checks come after it (`train.run.preflight`).
-
-`resolve` imports torch only to detect this machine (`Machine.detect`); with a `Machine` given
-it is torch-free, which is how a recipe is checked before torch loads (`Machine()` describes a
-machine without a GPU) and how `plan --gpu-mem` plans for a GPU that is not here.
+(and the reason for each), the processes, the batch arithmetic, the number of steps and the run
+folder. `difftrain plan`, `--dry-run`, the start table and the run itself all read one spec, and
+`resolve` makes every check that the recipe and the machine alone decide (the run folder's come
+after it, in `train.preflight`). With a `Machine` given `resolve` is torch-free: that is how a
+recipe is checked before torch loads (`Machine()`: no GPU) and how `plan --gpu-mem` plans for a
+GPU that is not here.
 """
 
 from __future__ import annotations

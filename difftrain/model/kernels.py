@@ -15,9 +15,6 @@ the arch's equation (`attention_core`). `attn_impl` picks the primitive:
 - `flex`   flex_attention under torch.compile, plain causal mask only; for `diff` QKᵀ over d with
            the 2d-wide V (1.5× the baseline's FLOPs). No backward on CPU.
 
-`auto` (`resolve_impl`): flex on CUDA of capability ≥ 8.0, sdpa elsewhere. A mask other than
-the plain causal one (left padding, a KV-cache prefix) runs `sdpa` instead of `flex`.
-
 Masking (`AttnMask`): query t sits at key slot `q_offset + t` and sees key slot s iff
 s ≤ q_offset + t and the key is a real token (`key_padding_mask[b, s]`). A query always sees its
 own slot, so the rows of left-padding tokens are never empty (no NaN).
@@ -107,7 +104,8 @@ def pick_core(impl: str, device_type: str, capability: tuple[int, int] | None = 
 
 
 def resolve_impl(impl: str, device: torch.device, mask: AttnMask | None = None) -> str:
-    """The primitive that runs `impl` on `device` for `mask`."""
+    """The primitive that runs `impl` on `device` for `mask`: `auto` is flex on CUDA of capability
+    ≥ 8.0, else sdpa; a mask other than the plain causal one (left padding, a cache prefix) runs sdpa."""
     cuda_auto = device.type == "cuda" and impl == "auto"
     impl = pick_core(impl, device.type, torch.cuda.get_device_capability(device) if cuda_auto else None)
     if impl == "flex" and mask is not None and not mask.plain_causal:

@@ -1,14 +1,10 @@
-"""Lightning callbacks: saving, graceful stops, progress, throughput/MFU and the final summary.
+"""`RunCallback`: saving, graceful stops, progress, metrics, throughput/MFU and loss spikes.
 
-`RunCallback` owns the run directory while training:
-- every `save_every` optimizer steps and at the end: a checkpoint, then the inference weights;
-- SIGINT / SIGTERM: the current step finishes, a checkpoint is written and `StopRequested` raised
-  (the CLI exits 130 / 143); a second signal exits at once (every write is atomic);
-- metrics every `log_every` steps, and at step 1, the last step and the step a signal stops at;
-- loss spikes (loss > spike_factor × its running mean): a warning and a `train/spike` row; with
-  `spike_rollback`, the last checkpoint's weights and optimizer state are restored and the lr
-  scaled by `spike_lr_factor`;
-- a rich progress bar, or a plain line per log step where no terminal can redraw one.
+It saves and draws progress itself instead of through Lightning's ModelCheckpoint and progress
+bar: each save (every `save_every` steps and at the end) writes the checkpoint and then the
+inference weights of the same step atomically and records them; a SIGINT/SIGTERM finishes the
+step and saves before the process ends (`StopRequested`: the CLI exits 130 / 143; a second signal
+exits at once); and the progress degrades to a plain line per log step without a terminal.
 """
 
 from __future__ import annotations
@@ -52,7 +48,7 @@ def flops_per_token(n_params_no_embedding: int, n_layers: int, d_attn: int, seq_
 
 @dataclass
 class RunState:
-    """Figures gathered while training, read by the summary."""
+    """Figures gathered while training, for the summary."""
 
     peak_rss_mb: float = 0.0
     best_val: float = math.inf

@@ -1,16 +1,14 @@
 """Training on several devices and machines through Lightning's DDP and FSDP strategies.
 
 One machine (`train.devices=4`): the process you started is rank 0 and, before it writes
-anything, starts ranks 1..3 by running the same command line with LOCAL_RANK=1..3 (Lightning's
-subprocess launcher). Several machines: a launcher (torchrun, SLURM `srun`, or NODE_RANK with
-MASTER_ADDR/MASTER_PORT) starts every process. Every rank then joins the process group, and the
-work that must happen once runs on rank 0 while the others wait (`DistContext`), over a gloo group
-with a long timeout (`PREPARE_TIMEOUT`); an error on any rank is raised on every rank.
+anything, starts ranks 1..3 by running the same command line with LOCAL_RANK=1..3. Several
+machines: a launcher (torchrun, SLURM `srun`, or NODE_RANK with MASTER_ADDR/MASTER_PORT) starts
+every process. The work that must happen once runs on rank 0 while the others wait (`DistContext`,
+over a gloo group); an error on any rank is raised on every rank.
 
 Global batch B = micro-batch × accumulation × devices × nodes; rank r of w reads the global
-sample indices c + k·w + r, so a step sees the same B samples for any w. Under FSDP the
-Transformer is the root (`LitLM.configure_model`), each `Block` a unit with `train.fsdp.auto_wrap`;
-FSDP needs CUDA.
+sample indices c + k·w + r, so a step sees the same B samples for any w. Under FSDP (CUDA only)
+the Transformer is the root (`LitLM.configure_model`), each `Block` a unit with `train.fsdp.auto_wrap`.
 """
 
 from __future__ import annotations
