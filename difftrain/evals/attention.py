@@ -112,27 +112,22 @@ def run(run: Run, opts: EvalOptions, progress: Progress = _no_progress) -> Suite
         progress(i + 1, len(prompts))
     stats = np.stack(all_stats)  # (prompts, layers, 6)
 
-    def value(x: float) -> float | None:  # a share no row could give (every total ≤ 0): null
-        return float(x) if np.isfinite(x) else None
+    def named(row: np.ndarray) -> dict[str, float | None]:  # a share no row could give: null
+        return {n: float(x) if np.isfinite(x) else None for n, x in zip(NAMES, row, strict=True)}
 
     def summary(sel: list[int]) -> dict[str, Any]:
         per_layer = stats[sel].mean(axis=0)  # (layers, 6)
-        avg = per_layer.mean(axis=0)
         return {
-            **{n: value(avg[k]) for k, n in enumerate(NAMES)},
-            "per_layer": [
-                {"layer": li, **{n: value(per_layer[li, k]) for k, n in enumerate(NAMES)}}
-                for li in range(len(per_layer))
-            ],
+            **named(per_layer.mean(axis=0)),
+            "per_layer": [{"layer": li, **named(row)} for li, row in enumerate(per_layer)],
         }
 
     by_depth = [
         {"depth": d, **summary([i for i, p in enumerate(prompts) if p.depth == d])} for d in grid.depths
     ]
-    overall = summary(list(range(len(prompts))))
     res = {
         "map": MAPS[run.config.arch],  # type: ignore[attr-defined]
-        **overall,
+        **summary(list(range(len(prompts)))),
         "by_depth": by_depth,
         "prompts": len(prompts),
         "measured_depths": [mean(p.measured_depths) for p in prompts],

@@ -336,8 +336,7 @@ def rerun_command(
         ]
     if dtype and doc.get("dtype"):
         parts.append(f"--dtype {doc['dtype']}")
-    options = " ".join(p for p in parts if p)
-    return f"{cmd} {options}" if options else cmd
+    return " ".join(p for p in (cmd, *parts) if p)
 
 
 def evaluated_source(data: str) -> str:

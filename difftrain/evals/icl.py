@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 import torch
 import torch.nn.functional as F
+from torch.nn.utils.rnn import pad_sequence
 
 from difftrain.data.builtin import make_needle_example
 from difftrain.errors import ConfigError
@@ -76,12 +77,8 @@ def label_scores(
     out = np.zeros((len(suffixes), len(cands)))
     for a in range(0, len(rows), batch_size):
         chunk = rows[a : a + batch_size]
-        seqs = [suffixes[i] + cands[j] for i, j in chunk]
-        T = max(len(x) for x in seqs)
-        ids = torch.zeros(len(chunk), T, dtype=torch.long)
-        for r, x in enumerate(seqs):
-            ids[r, : len(x)] = torch.tensor(x)
-        cache = model.new_cache(len(chunk), max_len=P + T)
+        ids = pad_sequence([torch.tensor(suffixes[i] + cands[j]) for i, j in chunk], batch_first=True)
+        cache = model.new_cache(len(chunk), max_len=P + ids.shape[1])
         for layer in range(len(cache.keys)):
             cache.keys[layer][:, :, :P] = base.keys[layer][:, :, :P]
             cache.values[layer][:, :, :P] = base.values[layer][:, :, :P]

@@ -176,13 +176,12 @@ def min_context(tokenizer: Any, n: int) -> int:
 def max_context(tokenizer: Any, max_seq_len: int, n: int, r: int) -> int:
     """The longest haystack (tokens) whose prompt + answer fit `max_seq_len`, with a margin for
     longer city names than the probes happen to draw."""
-    overhead = 0
-    for s in range(6):
-        ex = make_needle_example(context_chars=200, n_needles=n, n_queries=r, seed=stable_seed("probe", s))
-        hay = len(tokenizer.encode(ex.haystack))
-        extra = 1 + len(tokenizer.encode(ex.prompt)) - hay + len(tokenizer.encode(ex.answer)) + 1
-        overhead = max(overhead, extra)
-    return max_seq_len - overhead - 2 * r - 2
+    probes = [
+        make_needle_example(context_chars=200, n_needles=n, n_queries=r, seed=stable_seed("probe", s))
+        for s in range(6)
+    ]
+    sizes = [[len(tokenizer.encode(t)) for t in (ex.prompt, ex.haystack, ex.answer)] for ex in probes]
+    return max_seq_len - max(2 + p - h + a for p, h, a in sizes) - 2 * r - 2
 
 
 def default_grid(
@@ -268,12 +267,9 @@ def grid_prompts(tokenizer: Any, max_seq_len: int, grid: NeedleGrid, seed: int) 
     ]
 
 
-_NUMBER = re.compile(r"\d+")
-
-
 def score(completion: str, expected: Sequence[str]) -> list[bool]:
     """Per queried value: is the j-th number in the completion exactly the j-th expected value?"""
-    numbers = _NUMBER.findall(completion)
+    numbers = re.findall(r"\d+", completion)
     return [j < len(numbers) and numbers[j] == v for j, v in enumerate(expected)]
 
 

@@ -132,9 +132,7 @@ def _pool(stats: list[Stats]) -> dict[str, Any]:
             ]
         )
     pooled.sums, pooled.shift = total, shift
-    pooled.sample = (
-        [torch.cat([torch.cat(s.sample) for s in stats if s.sample])] if any(s.sample for s in stats) else []
-    )
+    pooled.sample = [t for s in stats for t in s.sample]
     return pooled.result()
 
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.nn.utils.rnn import pad_sequence
 
 from difftrain.data.config import RecallSpec
 from difftrain.data.recall import RecallExample, held_out_examples, train_examples
@@ -120,10 +121,7 @@ def default_grid(tokenizer: Any, max_seq_len: int, opts: EvalOptions, task: Reca
 def score(model: Any, batch: list[Encoded], pad_id: int) -> list[list[bool]]:
     """Per example, per query: whether the greedy prediction of every answer token is right."""
     device = next(model.parameters()).device
-    T = max(len(e.ids) for e in batch) - 1
-    x = torch.full((len(batch), T), pad_id, dtype=torch.long)
-    for b, e in enumerate(batch):
-        x[b, : len(e.ids) - 1] = torch.tensor(e.ids[:-1], dtype=torch.long)
+    x = pad_sequence([torch.tensor(e.ids[:-1]) for e in batch], batch_first=True, padding_value=pad_id)
     pred = model(x.to(device)).logits.argmax(-1).cpu()
     return [
         [pred[b, pos - 1 : pos - 1 + len(t)].tolist() == t for pos, t in e.answers]
@@ -181,17 +179,12 @@ def evaluate_grid(
 
 
 def grid_settings(grid: RecallGrid, seed: int, max_seq_len: int) -> dict[str, Any]:
-    t = grid.task
     return {
         "pairs": grid.pairs,
         "distractors": grid.distractors,
         "samples": grid.samples,
-        "n_queries": t.n_queries,
-        "key_vocab": t.key_vocab,
-        "value_vocab": t.value_vocab,
-        "task_n_pairs": t.n_pairs,
-        "task_distractor_rate": t.distractor_rate,
-        "task_seed": t.seed,
+        **{k: getattr(grid.task, k) for k in ("n_queries", "key_vocab", "value_vocab")},
+        **{f"task_{k}": getattr(grid.task, k) for k in ("n_pairs", "distractor_rate", "seed")},
         "seed": seed,
         "seq_len": max_seq_len,
     }
