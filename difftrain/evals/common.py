@@ -172,8 +172,7 @@ def finish(run: Run, suite: str, out: SuiteOutput, seconds: float) -> dict[str, 
     w = trained_file(run.path)
     st = w.stat() if w.is_file() else None
     step = weights_step(w) if st else None
-    pid = RunLock(run.path).holder()
-    if pid is not None:
+    if (pid := RunLock(run.path).holder()) is not None:
         at = f" at step {step}" if step is not None else ""
         out.notes.append(
             f"{run.path} is still training (process {pid or '?'}): these are the results of its weights{at}, "

@@ -159,8 +159,7 @@ def _versus(a: dict[str, Any], b: dict[str, Any], keys: Sequence[str]) -> str:
 def _data_note(
     key: str, first: RunRecord, a: dict[str, Any], other: RunRecord, b: dict[str, Any]
 ) -> str | None:
-    """The note for two results of a suite that reads text measured on different (or unknown)
-    data, with a way to measure both on the same."""
+    """The note where two results of a suite that reads text used different (or unknown) data."""
     suite, label = split_key(key)
     same = same_data(a, b)
     if same:
@@ -195,8 +194,7 @@ def _data_note(
 def _dtype_note(
     key: str, first: RunRecord, a: dict[str, Any], other: RunRecord, b: dict[str, Any]
 ) -> str | None:
-    """The note for two results computed at different precisions, with the command that
-    evaluates one at the other's (float32 where one of them is)."""
+    """The note where two results used different precisions: rerun one (in float32 where one is)."""
     da, db = a.get("dtype"), b.get("dtype")
     if not da or not db or da == db:
         return None
@@ -296,10 +294,9 @@ def _settings_notes(s: str, runs: Sequence[RunRecord], docs: Sequence[dict[str, 
             notes.append(_data_note(s, first, a, r, d))
         notes.append(_dtype_note(s, first, a, r, d))
         if model_keys:
-            shown = _versus(a, d, model_keys)
             notes.append(
                 f"{s}: {first.label} and {r.label} were evaluated at different context lengths "
-                f"({shown}: each model's max_seq_len), which no eval option changes; compare them "
+                f"({_versus(a, d, model_keys)}: each model's max_seq_len), which no eval option changes; compare them "
                 "with that in mind"
             )
         if keys:  # every key the command below sets is named, up to five
@@ -393,8 +390,7 @@ def compare_runs(paths: Sequence[str | Path], suites: Sequence[str] | None = Non
 
 
 def _tokenizer_note(runs: Sequence[RunRecord]) -> str | None:
-    """A note where the runs' tokenizer.json files differ: a token is another unit in each, so
-    only figures per byte rank them."""
+    """A note where the runs' tokenizer.json files differ: only figures per byte rank them."""
     held: dict[str, tuple[str, Any]] = {}
     for r in runs:
         f = r.path / TOKENIZER

@@ -73,11 +73,9 @@ class NeedlePrompt:
 
 
 def check_needles(needles: Sequence[tuple[int, int]] | None) -> None:
-    if needles is None:
-        return
-    if not needles:
+    if needles is not None and not needles:
         raise ConfigError("--needles is empty; give N×R pairs, e.g. 1x1,4x2")
-    for n, r in needles:
+    for n, r in needles or []:
         if not 1 <= n <= 64:
             raise ConfigError(f"--needles {n}x{r}: N (needles) must be in 1 … 64")
         if not 1 <= r <= n:
@@ -104,9 +102,8 @@ def _example(tokenizer: Any, context_tokens: int, n: int, r: int, depth: float, 
     # The generator draws keys, values and the queried needles from `seed` before it reads the
     # depths, so a tiny probe tells which needles will be queried.
     probe = make_needle_example(context_chars=1, n_needles=n, n_queries=r, depths=[0.0] * n, seed=seed)
-    queried = {nd.key for nd in probe.needles if nd.key in probe.query_keys}
     rng = random.Random(stable_seed("distractors", seed))
-    depths = [depth if nd.key in queried else rng.random() for nd in probe.needles]
+    depths = [depth if nd.key in probe.query_keys else rng.random() for nd in probe.needles]
     ex = make_needle_example(
         context_tokens=context_tokens, n_needles=n, n_queries=r, depths=depths, seed=seed, tokenizer=tokenizer
     )
@@ -165,8 +162,7 @@ def filler_depth(ex: Any, needle: Any) -> float:
 
 
 def min_context(tokenizer: Any, n: int) -> int:
-    """The shortest haystack worth testing with N needles: at least half of it filler (the needles
-    take the tokens of the longest of a few probes)."""
+    """The shortest haystack worth testing with N needles: at least half of it filler (probed)."""
     probes = (
         make_needle_example(context_chars=1, n_needles=n, seed=stable_seed("probe", s)) for s in range(6)
     )

@@ -148,9 +148,8 @@ def run(run: Run, opts: EvalOptions, progress: Progress = _no_progress) -> Suite
         asked=f"--tokens {tokens:,}" if opts.tokens is not None else f"the default --tokens {tokens:,}",
         error_bar=False,
     )
-    seq_len = tw.windows.shape[1] - 1  # shorter than the context for a split shorter than one window
     got = collect(run.model, tw.windows, batch_size=opts.batch_size, progress=progress)
-    res: dict[str, Any] = {"source": tw.source, "tokens": int(len(tw.windows) * seq_len)}
+    res: dict[str, Any] = {"source": tw.source, "tokens": tw.windows[:, 1:].numel()}
     for kind, name in (("logits", "attention_logits"), ("hidden", "hidden_states")):
         res[name] = {
             **_pool(got[kind]),

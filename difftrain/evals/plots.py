@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from difftrain.errors import DifftrainError
+from difftrain.evals.common import bits_label
 from difftrain.io import atomic_path
 
 MISSING = (
@@ -231,8 +232,6 @@ def quant_curve(rows: Sequence[dict[str, Any]], path: Path | str, title: str = "
     pad = max(0.01, 0.1 * (max(losses) - min(losses)))
     ax.set_ylim(min(losses) - pad, max(losses) + pad)
     ax.ticklabel_format(axis="y", useOffset=False)
-    from difftrain.evals.common import bits_label
-
     ax.set_xticks(x, [bits_label(b) for b in bits])
     _label(ax, "bits of the attention logits", "loss (nats/token)", "loss")
     if has_needle:

@@ -48,8 +48,7 @@ def summarize(nll: np.ndarray, tw: TokenWindows) -> dict[str, Any]:
     n_tokens = int(len(nll) * tokens_per_window)
     n_bytes = int(tw.target_bytes.sum())
     loss = float(nll.sum() / n_tokens)
-    per_window = nll / tokens_per_window
-    stderr = float(per_window.std(ddof=1) / math.sqrt(len(nll))) if len(nll) > 1 else None
+    stderr = float((nll / tokens_per_window).std(ddof=1) / math.sqrt(len(nll))) if len(nll) > 1 else None
     return {
         "loss": loss,
         "ppl": math.exp(min(loss, 700.0)),

@@ -202,8 +202,7 @@ def run(run: Any, opts: EvalOptions, progress: Progress = _no_progress) -> Suite
     )
     notes = [f"left out: {'; '.join(grid.dropped)}"] if grid.dropped else []
     heads = [headline("accuracy", res["accuracy"], "higher", ".3f")]
-    if res["at_recipe"] is not None:
-        c = res["at_recipe"]
+    if (c := res["at_recipe"]) is not None:
         heads.append(headline(f"acc at recipe N={c['n_pairs']}", c["accuracy"], "higher", ".3f"))
     heads += [headline(f"acc N={b['n_pairs']}", b["accuracy"], "higher", ".3f") for b in res["by_pairs"]]
     out = SuiteOutput(

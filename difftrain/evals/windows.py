@@ -40,8 +40,7 @@ class TokenWindows:
 
 
 def data_settings(opts: Any, tw: TokenWindows) -> dict[str, Any]:
-    """The settings of a result that say what text it measured (`same_data` compares them) and the
-    length of its windows."""
+    """The settings that say what text a result measured (`same_data` compares them), and seq_len."""
     out = {"data": opts.data or "validation", "sources": tw.sources, "split": tw.split_drawn}
     out |= {"text_field": opts.text_field, "seq_len": tw.windows.shape[1] - 1}
     return {k: v for k, v in out.items() if v is not None}
@@ -157,8 +156,7 @@ def _data_advice(e: DataError, label: str) -> DataError:
             "(`difftrain finetune` on this file), or read one field as plain text with --text-field FIELD",
         ),
         (f"; set text_field: <field> on {label}", field_hint),
-        (f"; set prompt_field: <field> on {label}", record_hint),
-        (f"; set response_field: <field> on {label}", record_hint),
+        *((f"; set {name}: <field> on {label}", record_hint) for name in ("prompt_field", "response_field")),
         (f"; set text_field (or prompt_field/response_field) on {label}", field_hint),
         ("; set text_field (or prompt_field/response_field) on this source", field_hint),
         (", or set data.on_bad_record: skip to drop such records", ""),
