@@ -1,12 +1,8 @@
 """Embedded corpora: the Python standard library, a multi-needle retrieval task, docstring SFT.
 
-- `builtin:python-stdlib`: the stdlib's own `.py` files (found via `sysconfig`), test suites
-  excluded, in sorted order — about 14 MB of real, varied text.
-- `builtin:needles`: the multi-needle retrieval test of the Differential Transformer paper
-  (§3.4): a haystack of filler sentences with N needles "The magic number of <city> is
-  <7 digits>." inserted at chosen depths, and R of them asked for at the end.
-- `builtin:python-docstrings`: instruction records derived with `ast`: prompt = a function's
-  signature and docstring, response = its body.
+- `builtin:python-stdlib`: the stdlib's own `.py` files, about 14 MB of real, varied text.
+- `builtin:needles`: the multi-needle retrieval test of the Differential Transformer paper (§3.4).
+- `builtin:python-docstrings`: instruction records (a function's signature and docstring → body).
 
 A corpus is a pure function of its parameters (`random.Random(seed)` streams only).
 """

@@ -366,8 +366,7 @@ class DataConfig(BaseModel):
         if isinstance(v, (str, dict)):
             v = [v]
         if isinstance(v, list):
-            v = [_colon_string(s) for s in v]
-            return [{"source": s} if isinstance(s, str) else s for s in v]
+            return [{"source": s} if isinstance(s, str) else s for s in map(_colon_string, v)]
         return v
 
     @model_validator(mode="after")

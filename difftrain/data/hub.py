@@ -43,7 +43,7 @@ def columns_read(columns: list[str], names: list[str], chat: bool, what: str, wh
         if chat
         else f"set text_field on {where}"
     )
-    wanted = ", ".join(repr(c) for c in missing)
+    wanted = ", ".join(map(repr, missing))
     raise DataError(f"{what} has no column {wanted} (columns: {', '.join(names)}); {fix}")
 
 

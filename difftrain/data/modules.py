@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
@@ -21,6 +21,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from difftrain.data.config import DataConfig
+from difftrain.data.recall import recall_records, record_segments
 from difftrain.data.sft import PromptResponseTemplate, Template
 from difftrain.data.shards import (
     PreparedData,
@@ -31,7 +32,7 @@ from difftrain.data.shards import (
     val_window_offsets,
 )
 from difftrain.data.sources import SourceStats, check_distinct, require_documents, resolve_sources
-from difftrain.data.tokenizer import Tokenizer, record_start_id
+from difftrain.data.tokenizer import Tokenizer, load_tokenizer, record_start_id
 from difftrain.errors import DataError
 
 IGNORE_INDEX = -100
@@ -159,15 +160,15 @@ class _Fixed(IterableDataset):
             yield self.make(self.items[j * self.batch : (j + 1) * self.batch])
 
 
+@dataclass
 class _Memmap:
     """A token file opened lazily in each process (picklable for DataLoader workers)."""
 
-    def __init__(self, path: Path, dtype: np.dtype, n_tokens: int) -> None:
-        self.path = str(path)
-        self.dtype = np.dtype(dtype)
-        self.n_tokens = n_tokens
-        self._mm: np.memmap | None = None
-        self._pid = -1
+    path: Path
+    dtype: np.dtype
+    n_tokens: int
+    _mm: np.memmap | None = None
+    _pid: int = -1
 
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "_mm": None, "_pid": -1}
@@ -252,10 +253,7 @@ class PretrainDataModule(_ResumableDataModule):
         one example per sequence, trained on its answers only."""
         specs = data_cfg.recall_specs
         if specs is not None:
-            import difftrain.data.recall as recall
-            from difftrain.data.tokenizer import load_tokenizer
-
-            train, val = recall.recall_records(specs)
+            train, val = recall_records(specs)
             dm = SFTDataModule(
                 train,
                 val if data_cfg.val_windows > 0 else [],
@@ -263,7 +261,7 @@ class PretrainDataModule(_ResumableDataModule):
                 max_seq_len=seq_len,
                 micro_batch_size=micro_batch_size,
                 seed=seed,
-                template=recall.record_segments,
+                template=record_segments,
                 add_eos=False,
                 num_workers=data_cfg.num_workers,
                 pin_memory=data_cfg.pin_memory,
@@ -323,29 +321,22 @@ def _segments_to_example(
     eos_id: int | None,
     train_on_prompt: bool,
 ) -> tuple[list[int], list[int], bool]:
-    ids: list[int] = []
-    trained: list[bool] = []
-    if bos_id is not None:
-        ids.append(bos_id)
-        trained.append(False)
-    for toks, t in pieces:
-        ids.extend(toks)
-        trained.extend([t or train_on_prompt] * len(toks))
-    if eos_id is not None:
-        ids.append(eos_id)
-        trained.append(True)
+    bos = [] if bos_id is None else [bos_id]
+    eos = [] if eos_id is None else [eos_id]
+    ids = bos + [i for toks, _ in pieces for i in toks] + eos
+    trained = (
+        [False] * len(bos) + [t or train_on_prompt for toks, t in pieces for _ in toks] + [True] * len(eos)
+    )
     limit = max_seq_len + 1
     truncated = len(ids) > limit
     if truncated:
         # keep the end of the prompt and at least half the window of response; a start token
         # stays first (the model always saw one before a text)
-        head = 1 if bos_id is not None else 0
+        head = len(bos)
         body, flags, room = ids[head:], trained[head:], limit - head
         first = next((i for i, t in enumerate(flags) if t), len(body))
-        n_resp = len(body) - first
-        keep_resp = min(n_resp, max(room - first, room // 2))
-        keep_prompt = room - keep_resp
-        sl = slice(first - keep_prompt, first + keep_resp)
+        keep_resp = min(len(body) - first, max(room - first, room // 2))
+        sl = slice(first - (room - keep_resp), first + keep_resp)
         ids, trained = ids[:head] + body[sl], trained[:head] + flags[sl]
     targets = [ids[i + 1] if trained[i + 1] else IGNORE_INDEX for i in range(len(ids) - 1)]
     return ids[:-1], targets, truncated
@@ -395,19 +386,16 @@ def pad_sft_batch(
     return {"input_ids": input_ids, "targets": targets}
 
 
+@dataclass
 class _SFTBatches:
     """Padded batches of SFT examples: by slice, or (`seed` set) by training sample index g,
     which is example perm_e[g mod N] of the seeded permutation of epoch e = g div N."""
 
-    def __init__(
-        self,
-        examples: list[tuple[list[int], list[int]]],
-        pad_id: int,
-        length: int | None,
-        seed: int | None = None,
-    ) -> None:
-        self.examples, self.pad_id, self.length, self.seed = examples, pad_id, length, seed
-        self._perms: dict[int, np.ndarray] = {}
+    examples: list[tuple[list[int], list[int]]]
+    pad_id: int
+    length: int | None
+    seed: int | None = None
+    _perms: dict[int, np.ndarray] = field(default_factory=dict)
 
     def record_index(self, g: int) -> int:
         epoch, pos = divmod(g, len(self.examples))

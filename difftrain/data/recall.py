@@ -119,22 +119,20 @@ def held_out_examples(
 ) -> list[RecallExample]:
     """`count` examples of the held-out `split`, none of whose texts is in `exclude` (the training
     texts) or repeated. A DataError when the task has too few distinct examples to give them."""
-    seen = set(exclude)
-    out: list[RecallExample] = []
-    i = 0
-    limit = 20 * count + 1000
-    while len(out) < count:
-        if i >= limit:
-            raise DataError(
-                f"builtin:recall: only {len(out)} of {count} held-out examples differ from the training "
-                f"examples (n_pairs={spec.n_pairs}, key_vocab={spec.key_vocab}, value_vocab={spec.value_vocab}): "
-                "the task has too few distinct examples; raise key_vocab or value_vocab"
-            )
+    seen, out = set(exclude), []
+    for i in range(20 * count + 1000):
+        if len(out) == count:
+            break
         ex = spec_example(spec, split, i)
-        i += 1
         if ex.text not in seen:
             seen.add(ex.text)
             out.append(ex)
+    if len(out) < count:
+        raise DataError(
+            f"builtin:recall: only {len(out)} of {count} held-out examples differ from the training "
+            f"examples (n_pairs={spec.n_pairs}, key_vocab={spec.key_vocab}, value_vocab={spec.value_vocab}): "
+            "the task has too few distinct examples; raise key_vocab or value_vocab"
+        )
     return out
 
 

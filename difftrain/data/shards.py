@@ -305,26 +305,15 @@ def prepare_tokenizer(
 
 
 class _ShardWriter:
-    """Appends token arrays to a flat binary file."""
+    """Appends token arrays to a flat binary file (fsynced by `_building`)."""
 
-    def __init__(self, path: Path, dtype: np.dtype) -> None:
-        self.path = path
-        self.dtype = dtype
-        self.f = open(path, "wb")
-        self.tokens = 0
-        self.documents = 0
+    def __init__(self, path: Path) -> None:
+        self.path, self.f, self.tokens, self.documents = path, open(path, "wb"), 0, 0
 
     def write(self, ids: np.ndarray, copies: int = 1) -> None:
-        data = ids.tobytes()
-        for _ in range(copies):
-            self.f.write(data)
+        self.f.write(ids.tobytes() * copies)
         self.tokens += len(ids) * copies
         self.documents += copies
-
-    def close(self) -> None:
-        self.f.flush()
-        os.fsync(self.f.fileno())
-        self.f.close()
 
 
 def val_window_offsets(n_tokens: int, window: int, count: int) -> np.ndarray:
@@ -358,8 +347,7 @@ def _build_shards(
     dtype = token_dtype(tok.vocab_size)
     eos = np.array([tok.eos_id], dtype=dtype)
     start = np.array([tok.document_start_id] if tok.document_start_id != tok.eos_id else [], dtype=dtype)
-    train = _ShardWriter(out / "train.bin", dtype)
-    val = _ShardWriter(out / "val.bin", dtype)
+    train, val = _ShardWriter(out / "train.bin"), _ShardWriter(out / "val.bin")
     estimates = [s.estimated_bytes() for s in sources]
     total_est = sum(e for e in estimates if e) if None not in estimates else None
     all_stats: list[SourceStats] = []
@@ -395,8 +383,8 @@ def _build_shards(
                     )
             require_documents(s, stats)
     finally:
-        train.close()
-        val.close()
+        train.f.close()
+        val.f.close()
 
     split = "document" if tail_at is None else "tail"
     if tail_at is None and data_cfg.val_fraction > 0 and (train.tokens == 0 or val.tokens == 0):

@@ -394,8 +394,7 @@ class Source:
         """(where, record) of instruction records: prompt/response `columns` or chat `messages`."""
         if self.hub is not None:
             yield from self.hub.rows(columns, chat=True)
-            return
-        for path in self.files:
+        for path in self.files:  # (none for an hf: source)
             stats.files += 1
             if suffix(path) not in RECORD_SUFFIXES:
                 raise DataError(

@@ -132,11 +132,7 @@ class Tokenizer:
 
     def encode(self, text: str, add_bos: bool = False, add_eos: bool = False) -> list[int]:
         ids = self.tk.encode(text, add_special_tokens=False).ids
-        if add_bos:
-            ids.insert(0, self.bos_id)
-        if add_eos:
-            ids.append(self.eos_id)
-        return ids
+        return [self.bos_id] * add_bos + ids + [self.eos_id] * add_eos
 
     def encode_batch(self, texts: Sequence[str], allow_special: bool = True) -> list[list[int]]:
         """Encode many texts in parallel; no special tokens added. allow_special=False encodes
@@ -209,15 +205,13 @@ class Tokenizer:
         return hashlib.sha256(self.tk.to_str().encode("utf-8")).hexdigest()
 
     def save(self, path: str | os.PathLike[str]) -> Path:
-        path = Path(path)
-        atomic_write_text(path, self.tk.to_str(pretty=True))
-        return path
+        atomic_write_text(Path(path), self.tk.to_str(pretty=True))
+        return Path(path)
 
     @cached_property
     def is_byte_level(self) -> bool:
         spec = json.loads(self.tk.to_str())
-        dec = spec.get("decoder") or {}
-        return dec.get("type") == "ByteLevel" and spec.get("normalizer") is None
+        return (spec.get("decoder") or {}).get("type") == "ByteLevel" and spec.get("normalizer") is None
 
     @cached_property
     def _id_bytes(self) -> list[bytes]:
