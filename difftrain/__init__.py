@@ -25,20 +25,16 @@ __version__ = "0.1.0"
 
 # name -> module that defines it (imported lazily: the CLI's startup stays free of torch)
 _EXPORTS = {
-    "load_run": "difftrain.rundir",
-    "Run": "difftrain.rundir",
-    "Transformer": "difftrain.model",
-    "ModelConfig": "difftrain.model",
-    "load_tokenizer": "difftrain.data.tokenizer",
-    "Tokenizer": "difftrain.data.tokenizer",
-    "prompt_ids": "difftrain.infer.generate",
-    "generate": "difftrain.infer.generate",
-    "generate_all": "difftrain.infer.generate",
-    "Completion": "difftrain.infer.generate",
-    "GenerationConfig": "difftrain.infer.settings",
-    "SamplingConfig": "difftrain.infer.settings",
-    "load_recipe": "difftrain.recipe",
-    "Recipe": "difftrain.recipe",
+    name: f"difftrain.{module}"
+    for module, names in {
+        "rundir": "load_run Run",
+        "model": "Transformer ModelConfig",
+        "data.tokenizer": "load_tokenizer Tokenizer",
+        "infer.generate": "prompt_ids generate generate_all Completion",
+        "infer.settings": "GenerationConfig SamplingConfig",
+        "recipe": "load_recipe Recipe",
+    }.items()
+    for name in names.split()
 }
 
 __all__ = [  # (spelled out for linters and editors; the same names as _EXPORTS)
