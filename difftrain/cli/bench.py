@@ -78,13 +78,12 @@ def render(result: dict[str, Any]) -> None:
     if result["ratio"] is not None:
         head.append((f"{result['arch']} / {result['other']}", f"{result['ratio']:.2f}× the tokens/s"))
     console.print(kv_table("difftrain bench", head))
-    if dev["type"] == "cuda":
-        what = "torch.cuda.max_memory_allocated over building the model and its warm-up steps"
-    else:
-        what = (
-            "the tensors' peak in a step (the profiler's); the resident set's growth adds allocator "
-            "slack and the libraries loaded on first use, which the arch measured first carries"
-        )
+    what = (
+        "torch.cuda.max_memory_allocated over building the model and its warm-up steps"
+        if dev["type"] == "cuda"
+        else "the tensors' peak in a step (the profiler's); the resident set's growth adds allocator "
+        "slack and the libraries loaded on first use, which the arch measured first carries"
+    )
     console.print(f"[dim]peak memory: {what}[/]", soft_wrap=True)
     for note in result["notes"]:
         console.print(f"[dim]note: {note}[/]")

@@ -5,10 +5,12 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import sys
 from typing import Any
 
 import typer
 from rich.console import Console, ConsoleDimensions
+from rich.markup import escape
 from rich.table import Table
 
 from difftrain.cli.complete import override_items, recipe_refs
@@ -46,10 +48,7 @@ class WideWhenPiped(Console):
         Console.size.fset(self, new_size)  # type: ignore[attr-defined]
 
     def on_broken_pipe(self) -> None:
-        """The reader of stdout went away (`| head`): warn once and write on into /dev/null, so
-        that the work (a training run) continues."""
-        import sys
-
+        """The reader of stdout went away (`| head`): warn once and write on into /dev/null."""
         self.quiet = True
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())  # so that the flush at exit succeeds
@@ -63,9 +62,15 @@ err_console = WideWhenPiped(stderr=True, highlight=False)
 
 def warn(text: str, label: str = "warning", style: str = "yellow") -> None:
     """A `label:` line on stderr; the text is printed as it is (no rich markup in it)."""
-    from rich.markup import escape
-
     err_console.print(f"[{style}]{label}:[/] {escape(text)}", soft_wrap=True)
+
+
+def run_banner(run: Any, *parts: str, kind: str | None = None) -> None:
+    """A loaded run's dim line on stderr: path, arch, `kind`, size, context, device, dtype, `parts`."""
+    w, n = run.model.lm_head.weight, sum(p.numel() for p in run.model.parameters())
+    about = [str(run.path), run.config.arch, *([kind] if kind else []), f"{fmt_count(n)} parameters"]
+    about += [f"max_seq_len {run.config.max_seq_len}", f"{w.device} {str(w.dtype).removeprefix('torch.')}"]
+    err_console.print(f"[dim]{escape(' · '.join(about + list(parts)))}", soft_wrap=True)
 
 
 def fmt_count(n: float) -> str:
@@ -133,12 +138,6 @@ class DataBars(contextlib.AbstractContextManager):
         self.stop()
 
 
-def cpu_out_of_memory(e: BaseException) -> bool:
-    """Whether `e` (a RuntimeError) is torch's CPU allocator failing to allocate."""
-    text = str(e)
-    return "can't allocate memory" in text or "DefaultCPUAllocator: not enough memory" in text
-
-
 def oom_advice(recipe: Any, *, finetune: bool = False, device: str = "GPU") -> str:
     """The message for `device` running out of memory: the changes `plan` would weigh, with this
     recipe's numbers, those a resume takes first."""
@@ -170,11 +169,9 @@ def oom_advice(recipe: Any, *, finetune: bool = False, device: str = "GPU") -> s
         tries.append("optim.name=adamw8bit (8-bit optimizer states)")
     if seq_len and seq_len >= 128:
         tries.append(f"train.seq_len={seq_len // 2}")
-    resumable = {x for x in tries if all(map(resumable_change, re.findall(r"([\w.]+)=", x)))}
-    keep, new = [x for x in tries if x in resumable], [x for x in tries if x not in resumable]
-    parts = []
-    if keep:
-        parts.append("; ".join(keep) + " — then run again (add --resume if a checkpoint was saved)")
+    keep = [x for x in tries if all(map(resumable_change, re.findall(r"([\w.]+)=", x)))]
+    new = [x for x in tries if x not in keep]
+    parts = ["; ".join(keep) + " — then run again (add --resume if a checkpoint was saved)"] if keep else []
     if new:
         parts.append(
             "; ".join(new) + " — these make a different run, which --resume refuses: start it with "
@@ -190,7 +187,7 @@ def oom_advice(recipe: Any, *, finetune: bool = False, device: str = "GPU") -> s
 def spec_rows(spec: Any, padded: bool = False) -> list[tuple[str, str]]:
     """A `RunSpec`'s resolved settings as `plan`, `--dry-run` and the start table show them.
     `padded`: sequences are padded to the longest of a batch, so a step holds at most its tokens."""
-    m, t = spec.model, spec.recipe.train
+    m, t, o = spec.model, spec.recipe.train, spec.recipe.optim
     at_most = "≤" if padded else ""
     rows = [
         (
@@ -205,7 +202,12 @@ def spec_rows(spec: Any, padded: bool = False) -> list[tuple[str, str]]:
             f"tok/step (micro {t.micro_batch_size} × accum {spec.accumulate} × devices {spec.world_size})",
         ),
         ("steps", f"{spec.max_steps} ({at_most}{fmt_count(spec.max_steps * spec.tokens_per_step)} tokens)"),
-        ("optimizer", optimizer_row(spec.recipe.optim, t)),
+        (
+            "optimizer",
+            f"{o.name} · lr {o.lr:g} · wd {o.weight_decay:g} · "
+            + (f"clip {t.grad_clip:g}" if t.grad_clip is not None else "no clip")
+            + f" · {o.schedule} · warmup {o.warmup_steps}",
+        ),
         (
             "precision",
             f"{t.precision} · compile {'on' if t.compile else 'off'} · attention {spec.attention}"
@@ -242,11 +244,14 @@ def skipped_records_row(count: int, examples: list[str]) -> list[tuple[str, str]
     return [("skipped records", f"{count:,} malformed (data.on_bad_record: skip){first}")]
 
 
-def prepared_rows(prepared: Any) -> list[tuple[str, str]]:
-    """The rows of a `prepare_data` result's skipped records and `.json` files read as text."""
+def prepared_rows(prepared: Any, first: bool = True) -> list[tuple[str, str]]:
+    """The rows of a `prepare_data` result's skipped records (`first`: with the first one) and
+    `.json` files read as text."""
     s = prepared.stats
-    examples = [x for src in s.sources for x in src.get("bad_examples", [])]
-    return skipped_records_row(s.bad_records, examples) + json_as_text_row(s)
+    examples = [x for src in s.sources for x in src.get("bad_examples", [])] if first else []
+    n = sum(src.get("json_documents", 0) for src in s.sources)
+    json_row = ("json as text", f"{n:,} .json files in folders hold no records (configs): read as text")
+    return skipped_records_row(s.bad_records, examples) + ([json_row] if n else [])
 
 
 def check_files(r: Any) -> None:
@@ -279,14 +284,6 @@ def check_files(r: Any) -> None:
     check_run_dir_creatable(r.run_dir)
 
 
-def json_as_text_row(stats: Any) -> list[tuple[str, str]]:
-    """The row counting the `.json` files of source folders read as text."""
-    n = sum(src.get("json_documents", 0) for src in stats.sources)
-    if not n:
-        return []
-    return [("json as text", f"{n:,} .json files in folders hold no records (configs): read as text")]
-
-
 def plural(n: int, word: str) -> str:
     """1 → '1 layer', 4 → '4 layers'."""
     return f"{n} {word}{'' if n == 1 else 's'}"
@@ -306,23 +303,26 @@ def vocab_shortfall(tokenizer_size: int, tokenizer_cfg: Any, corpus_bytes: int |
     return asked + "the data has no more pairs to merge"
 
 
-def end_rows(summary: dict[str, Any], loss: str, throughput_note: str = "") -> list[tuple[str, str]]:
-    """The rows a training run's end table opens with."""
+def end_rows(summary: dict[str, Any], loss: Any, throughput_note: str = "") -> list[tuple[str, str]]:
+    """The rows a training run's end table opens with; a resumed run's wall time adds the training
+    time of the whole run, a compiled run's throughput the tokens/s once compiled."""
+    wall, train = summary["wall_time_s"], summary.get("train_time_s") or 0.0
+    steady = summary.get("steady_tokens_per_s")
     return [
         ("steps", f"{summary['steps']} ({fmt_count(summary['tokens'])} tokens)"),
-        ("wall time", wall_time(summary)),
-        ("throughput", throughput(summary) + throughput_note),
+        (
+            "wall time",
+            f"{wall:.1f} s" + (f" this session · {train:.1f} s of training in all" if train > wall else ""),
+        ),
+        (
+            "throughput",
+            f"{summary['tokens_per_s']:,.0f} tokens/s"
+            + (f" ({steady:,.0f} once compiled; the run's includes the compilation)" if steady else "")
+            + throughput_note,
+        ),
         loss,
         ("peak memory", peak_memory(summary)),
     ]
-
-
-def wall_time(summary: dict[str, Any]) -> str:
-    """The wall-time cell; for a resumed run also the training time of the whole run."""
-    wall, train = summary["wall_time_s"], summary.get("train_time_s") or 0.0
-    if train > wall:
-        return f"{wall:.1f} s this session · {train:.1f} s of training in all"
-    return f"{wall:.1f} s"
 
 
 def peak_memory(summary: dict[str, Any]) -> str:
@@ -332,22 +332,6 @@ def peak_memory(summary: dict[str, Any]) -> str:
     text = ("RSS —" if rss is None else f"RSS {rss:.0f} MiB") + (f" · GPU {gpu:.0f} MiB" if gpu else "")
     n = summary.get("devices") or 1
     return f"{text} (rank 0 of {n} processes)" if isinstance(n, int) and n > 1 and (rss or gpu) else text
-
-
-def throughput(summary: dict[str, Any]) -> str:
-    """Tokens/s over the run, and for a compiled run also once compiled."""
-    text = f"{summary['tokens_per_s']:,.0f} tokens/s"
-    if summary.get("steady_tokens_per_s"):
-        text += f" ({summary['steady_tokens_per_s']:,.0f} once compiled; the run's includes the compilation)"
-    return text
-
-
-def optimizer_row(optim: Any, train: Any) -> str:
-    clip = f"clip {train.grad_clip:g}" if train.grad_clip is not None else "no clip"
-    return (
-        f"{optim.name} · lr {optim.lr:g} · wd {optim.weight_decay:g} · {clip} · {optim.schedule} · "
-        f"warmup {optim.warmup_steps}"
-    )
 
 
 def fmt_figure(value: float | None, fmt: str = ".4f") -> str:
@@ -367,12 +351,6 @@ _PEER_LOST = (
     "remote process exited",
     "NCCL communicator was aborted",
 )
-
-
-def lost_peer(e: BaseException) -> bool:
-    """Whether a collective failed because another process of the run went away."""
-    text = str(e)
-    return type(e).__name__ == "DistBackendError" or any(s in text for s in _PEER_LOST)
 
 
 def first_line(e: BaseException, limit: int = 160) -> str:
@@ -430,13 +408,14 @@ def run_training(command: str, train: Any, recipe: Any, on_start: Any, on_end: A
     except torch.OutOfMemoryError as e:
         raise DeviceError(oom_advice(recipe, finetune=command == "finetune")) from e
     except RuntimeError as e:  # the CPU allocator's failure is a plain RuntimeError
-        if several and lost_peer(e):
+        # a collective failed because another process of the run went away
+        if several and (type(e).__name__ == "DistBackendError" or any(s in str(e) for s in _PEER_LOST)):
             raise TrainingError(
                 f"another process of this run ended while this one waited for it ({first_line(e)}): killed, "
                 f"or out of memory (see its output or the system log); the checkpoints saved so far are kept: "
                 f"resume with `{resume_cmd}`"
             ) from e
-        if not cpu_out_of_memory(e):
+        if "can't allocate memory" not in str(e) and "DefaultCPUAllocator: not enough memory" not in str(e):
             raise
         raise DeviceError(oom_advice(recipe, finetune=command == "finetune", device="CPU")) from e
     if result.is_global_zero:  # one table, not one per process

@@ -3,6 +3,7 @@ suite through `difftrain.evals.evaluate`, save RUN_DIR/eval/<suite>.json and ren
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import json
 import sys
@@ -22,22 +23,18 @@ probes, quantization.
 
 Suites (--suite, repeatable or comma-separated; `all` runs every one):
 
-  ppl        loss, perplexity and bits per byte on the validation windows
-             (or --data)
+  ppl        loss, perplexity, bits/byte on the validation windows or --data
   needle     multi-needle retrieval: accuracy over context length × depth ×
-             (N needles, R queried), greedy decoding; heat map
-             eval/needle.png
+             (N needles, R queried), greedy decoding; heat map eval/needle.png
   recall     associative recall: accuracy over N key→value pairs × distractors
   attention  attention mass on the answer span vs the rest of the context
-             during retrieval, per layer and depth (--plot draws the maps:
-             eval/attention.png)
+             during retrieval, per layer and depth; --plot: eval/attention.png
   outliers   top-1/2/3/10/100, median and kurtosis of attention logits and
              hidden states
   quant      the ppl figures with attention logits fake-quantized to --bits
              (default 8,6,4), needle accuracy too with --with-needle; plot
              eval/quant.png
-  icl-order  in-context classification accuracy over orders of the
-             demonstrations
+  icl-order  in-context classification accuracy over demonstration orders
 
 Results go to RUN_DIR/eval/<suite>.json (with --data: eval/<suite>@<label>.json, see --data-label);
 a rerun replaces the result, whatever its --dtype. `--show` prints a run's stored results again;
@@ -54,9 +51,7 @@ def _split(text: str | None, what: str, cast: Any) -> list[Any] | None:
         try:
             out.append(cast(part))
         except ValueError:
-            raise ConfigError(
-                f"{what} {part!r} is not a number; give a comma-separated list of numbers"
-            ) from None
+            raise ConfigError(f"{what} {part!r} is not a number; give comma-separated numbers") from None
     if not out:
         raise ConfigError(f"{what} is empty; give a comma-separated list")
     return out
@@ -140,13 +135,11 @@ def render(doc: dict[str, Any], run_dir: Path) -> None:
             f"[bold]accuracy[/] {res['accuracy']:.3f} · exact match (all queries) {res['exact_match']:.3f}"
         )
     elif suite == "recall":
-        heading = (
+        head = (
             f"{title} · {st['samples']} examples per cell, {st['n_queries']} queries each, "
             f"keys {st['key_vocab']}, values {st['value_vocab']} (exact match per query)"
         )
-        t = _table(
-            heading, "N pairs", *[f"distractors {r:g}" for r in st["distractors"]], "mean", bold=(0, -1)
-        )
+        t = _table(head, "N pairs", *[f"distractors {r:g}" for r in st["distractors"]], "mean", bold=(0, -1))
         for row in res["by_pairs"]:
             by_r = {
                 c["distractor_rate"]: c["accuracy"] for c in res["cells"] if c["n_pairs"] == row["n_pairs"]
@@ -174,22 +167,17 @@ def render(doc: dict[str, Any], run_dir: Path) -> None:
             )
         console.print(lt)
         if signed:
-            console.print(
-                "[dim]"
-                + (
-                    "The combined map's rows sum to 1 − σ(λ) (not 1; λ per token and head), and with no subln "
-                    "that scale reaches the output: compare the shares across archs, not the masses."
-                    if doc["arch"] == "diff2"
-                    else "The differential map's rows sum to its 1 − λ (not 1) and its scale does not reach the "
-                    "output (subln normalises each head): compare the shares across archs, not the masses."
-                ),
-                soft_wrap=True,
+            why = (
+                "The combined map's rows sum to 1 − σ(λ) (not 1; λ per token and head), and with no subln "
+                "that scale reaches the output"
+                if doc["arch"] == "diff2"
+                else "The differential map's rows sum to its 1 − λ (not 1) and its scale does not reach the "
+                "output (subln normalises each head)"
             )
+            console.print(f"[dim]{why}: compare the shares across archs, not the masses.", soft_wrap=True)
     elif suite == "outliers":
-        heading = f"{title} · {fmt_count(res['tokens'])} tokens of the {res['source']}"
-        t = _table(
-            heading, "", "top-1", "top-2", "top-3", "top-10", "top-100", "median", "kurtosis", bold=(0,)
-        )
+        head = f"{title} · {fmt_count(res['tokens'])} tokens of the {res['source']}"
+        t = _table(head, "", *(f"top-{k}" for k in (1, 2, 3, 10, 100)), "median", "kurtosis", bold=(0,))
         t.columns[0].justify = "left"
         for name, key in (("attention logits", "attention_logits"), ("hidden states", "hidden_states")):
             s = res[key]
@@ -285,8 +273,7 @@ def show_results(run_dir: str, values: list[str] | None, as_json: bool) -> None:
             warn(f"{key} predates the run's current weights; rerun `{rerun_command(run, key, doc)}`", "note")
 
 
-_SHOW_PARAMS = {"run_dir", "suite", "as_json", "show"}
-"""eval_command's parameters that `--show` uses; every other option changes what a run computes."""
+_SHOW_PARAMS = {"run_dir", "suite", "as_json", "show"}  # every other option changes what a run computes
 
 
 def eval_command(
@@ -375,7 +362,7 @@ def eval_command(
     from difftrain.rundir import require_model_files
 
     require_model_files(Path(run_dir))  # a mistyped name fails before torch loads
-    from difftrain.evals import EvalOptions, preflight, save_result
+    from difftrain.evals import EvalOptions, load_result, preflight, save_result
     from difftrain.evals import common as ec
     from difftrain.evals.needle import parse_needles
     from difftrain.evals.windows import data_source
@@ -422,14 +409,10 @@ def eval_command(
         data_source(data, text_field)  # a missing file fails before the model loads
         # a result on another source under the same label: refused, or replaced with a note
         replacing = ec.check_data_label(run_dir, data_suites, data, opts.data_label)
-    for name, v in (
-        ("--batch-size", batch_size),
-        ("--windows", windows),
-        ("--samples", samples),
-        ("--tokens", tokens),
-    ):
+    positive = {"--batch-size": batch_size, "--windows": windows, "--samples": samples, "--tokens": tokens}
+    for name, v in positive.items():
         ec.check_positive(name, v)
-    for name, v in (("--demos", demos), ("--permutations", permutations), ("--items", items)):
+    for name, v in {"--demos": demos, "--permutations": permutations, "--items": items}.items():
         ec.check_positive(name, v, 2)  # icl-order compares orders of at least two demonstrations
     ec.check_depths(opts.depths)
     ec.check_bits(opts.bits)
@@ -437,6 +420,7 @@ def eval_command(
         from difftrain.evals import plots
 
         plots.require()
+    from difftrain.cli.common import run_banner
     from difftrain.infer.device import resolve_device, resolve_dtype
     from difftrain.io import uncreatable_reason
     from difftrain.rundir import load_run
@@ -448,8 +432,7 @@ def eval_command(
             "copy the run to a folder you can write and evaluate the copy"
         )
     dev = resolve_device(device)
-    dt = resolve_dtype(dtype, dev)
-    run = load_run(run_dir, device=dev, dtype=dt)
+    run = load_run(run_dir, device=dev, dtype=resolve_dtype(dtype, dev))
     named = set(map(str.lower, _suite_parts(suite)))  # must run; what `all` adds may be skipped
     skipped: dict[str, str] = {}
     for s in suites:
@@ -461,12 +444,7 @@ def eval_command(
             skipped[s] = str(e).removeprefix(f"{s}: ")  # (said once: "skipped attention: ...")
     suites = [s for s in suites if s not in skipped]
     if not as_json:
-        n = sum(p.numel() for p in run.model.parameters())
-        err_console.print(
-            f"[dim]{escape(str(run.path))} · {run.config.arch} · {fmt_count(n)} parameters · max_seq_len {run.config.max_seq_len}"
-            f" · {dev} {str(dt).removeprefix('torch.')}",
-            soft_wrap=True,
-        )
+        run_banner(run)
     for s, why in skipped.items():
         err_console.print(f"[yellow]skipped {s}: {escape(why)}[/]", soft_wrap=True)
     for path, old in replacing:
@@ -475,7 +453,9 @@ def eval_command(
     docs = {}
     for s in suites:
         doc = _run_with_progress(run, s, opts, show=not as_json and err_console.is_terminal)
-        before = _stored_dtype(run.path, ec.result_key(s, doc.get("label")))
+        before = None  # the precision of the stored result this one replaces
+        with contextlib.suppress(RunDirError):
+            before = (load_result(run.path, ec.result_key(s, doc.get("label"))) or {}).get("dtype")
         try:
             path = save_result(run.path, doc)
         except OSError as e:  # (disk full, a folder made read-only meanwhile): show what was measured
@@ -494,17 +474,6 @@ def eval_command(
     if as_json:
         sys.stdout.write(json.dumps(docs, indent=2) + "\n")
         sys.stdout.flush()
-
-
-def _stored_dtype(run_dir: Path, key: str) -> str | None:
-    """The precision of the stored result `key`, which a new one is about to replace (None: none)."""
-    from difftrain.evals import load_result
-
-    try:
-        doc = load_result(run_dir, key)
-    except RunDirError:
-        return None
-    return doc.get("dtype") if doc else None
 
 
 def _run_with_progress(run: Any, suite: str, opts: Any, show: bool) -> dict[str, Any]:

@@ -17,7 +17,7 @@ from typing import Any
 import typer
 from rich.markup import escape
 
-from difftrain.cli.common import DEVICE, DTYPE, console, err_console, fmt_count, warn
+from difftrain.cli.common import DEVICE, DTYPE, console, err_console, run_banner, warn
 from difftrain.errors import ConfigError, DataError
 from difftrain.infer.prompts import Prompt, parse_prompts, require_utf8, unescape, utf8_problem
 
@@ -89,12 +89,7 @@ def _read_prompt(marker: str = "» ") -> str:
         warn(f"{problem}; type it again (is the terminal's encoding UTF-8?)", "error", "bold red")
 
 
-_REASONS = {
-    "eos": "end of document",
-    "stop": "stop string",
-    "length": "--max-new-tokens",
-    "context": "context full",
-}
+_REASONS = dict(eos="end of document", stop="stop string", length="--max-new-tokens", context="context full")
 
 
 @dataclass
@@ -173,15 +168,8 @@ class _Render:
 
 def _banner(run: Any, load_s: float, seed: int, style: Any, greedy: bool = False) -> None:
     """The run's one-line description; `greedy`: decoding draws nothing, so no seed is shown."""
-    w = run.model.lm_head.weight
-    n_params = sum(p.numel() for p in run.model.parameters())
     kind = "instruction-tuned" if style.instruction else "pretrained"
-    err_console.print(
-        f"[dim]{escape(str(run.path))} · {run.config.arch} · {kind} · {fmt_count(n_params)} parameters · "
-        f"max_seq_len {run.config.max_seq_len} · {w.device} {str(w.dtype).removeprefix('torch.')} · "
-        f"loaded in {load_s:.1f} s · " + ("greedy" if greedy else f"seed {seed}"),
-        soft_wrap=True,
-    )
+    run_banner(run, f"loaded in {load_s:.1f} s", "greedy" if greedy else f"seed {seed}", kind=kind)
 
 
 MAX_SEED = 2**62  # torch's generators take 64-bit seeds; each sample draws with seed + its number
@@ -270,7 +258,7 @@ def generate_command(
     Sampling applies the repetition penalty, then temperature, top-k, top-p and min-p; --greedy (or
     --temperature 0) takes the most probable token. The i-th completion (prompts × --num-samples, in
     order) uses seed + i, whatever the batch; without --seed a random seed is drawn and printed."""
-    from difftrain.rundir import require_model_files
+    from difftrain.rundir import record_kinds, require_model_files
 
     require_model_files(run_dir)  # a mistyped path or option fails before torch loads
     from difftrain.infer.settings import GenerationConfig, SamplingConfig
@@ -292,7 +280,7 @@ def generate_command(
         raise ConfigError("give either --prompt or --prompt-file, not both")
     if interactive and (prompt or prompt_file is not None or as_json):
         raise ConfigError(
-            "--interactive reads prompts from the keyboard; leave out --prompt, --prompt-file and --json"
+            "--interactive reads prompts from the keyboard; drop --prompt, --prompt-file, --json"
         )
     if prompt_file is not None:
         prompts = read_prompt_file(prompt_file)
@@ -326,8 +314,6 @@ def generate_command(
 
     if not as_json:
         _banner(run, load_s, seed, style, greedy=sampling.is_greedy and not interactive)
-        from difftrain.rundir import record_kinds
-
         if record_kinds(run.path) == ["messages"] and (prompt or prompt_file is not None or interactive):
             warn(
                 f"{run.path} was fine-tuned on `messages` records only: `difftrain chat {shlex.quote(str(run.path))}` "
@@ -412,7 +398,7 @@ def chat_command(
     dropped, with a note (the system message is kept). Ctrl-C stops a reply; /reset starts over;
     /help lists the commands (/set and /show change and print the sampling settings); Ctrl-D or
     /quit exits."""
-    from difftrain.rundir import require_model_files
+    from difftrain.rundir import record_kinds, require_model_files
 
     require_model_files(run_dir)  # a mistyped path or option fails before torch loads
     from difftrain.infer.settings import GenerationConfig, SamplingConfig
@@ -437,8 +423,6 @@ def chat_command(
     if chat.end:
         gen = replace(gen, stop=(chat.end,))
     _banner(run, load_s, seed, style)
-    from difftrain.rundir import record_kinds
-
     if not style.instruction:
         warn(
             f"{run.path} is not instruction-tuned; it reads the chat template as plain text (fine-tune it on "

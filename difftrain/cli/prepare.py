@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shlex
 from typing import Any
 
 import typer
@@ -12,9 +13,8 @@ from difftrain.cli.common import (
     DataBars,
     console,
     fmt_count,
-    json_as_text_row,
     kv_table,
-    skipped_records_row,
+    prepared_rows,
     vocab_shortfall,
     warn,
 )
@@ -59,7 +59,7 @@ def prepare_table(prepared: Any, tokenizer_cfg: Any) -> Any:
         ("cache", f"{prepared.cache_dir}  ({_bytes(s.cache_bytes)})"),
         ("tokenizer", str(prepared.tokenizer_path)),
     ]
-    rows[1:1] = json_as_text_row(s) + skipped_records_row(s.bad_records, [])
+    rows[1:1] = prepared_rows(prepared, first=False)  # (prepare_command lists the skipped records)
     return kv_table("difftrain prepare", rows)
 
 
@@ -78,8 +78,6 @@ def prepare_command(
 
     r = load_recipe(recipe, overrides or [])
     if r.finetune is not None:  # its data needs the base run's tokenizer
-        import shlex
-
         raise RecipeError(
             f"{recipe} is a fine-tuning recipe (finetune.base: {r.finetune.base}): its data is tokenized "
             f"with the base run's tokenizer when the fine-tune starts; check it with `difftrain finetune "
