@@ -51,8 +51,8 @@ def _root(
 
 
 def unwrap_help(doc: str) -> str:
-    """A help text with the lines of each paragraph joined (the terminal wraps them); a paragraph
-    with an indented line is a table and keeps its lines."""
+    """`doc` with each paragraph's lines joined (the terminal wraps them); a table (a paragraph
+    with an indented line) keeps its lines."""
     paragraphs = re.split(r"\n\s*\n", inspect.cleandoc(doc))
     return "\n\n".join(
         p
@@ -124,8 +124,8 @@ _CTRL_C = {"seen": False}
 
 
 class Terminated(BaseException):
-    """SIGTERM outside training: ends the command with one line, as Ctrl-C does, but is no
-    KeyboardInterrupt (which a chat catches to stop a reply)."""
+    """SIGTERM outside training: ends the command as Ctrl-C does, but is no KeyboardInterrupt
+    (which a chat catches to stop a reply)."""
 
 
 def _watch_ctrl_c() -> Callable[[], object]:
@@ -214,8 +214,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _ending(e: BaseException, args: list[str]) -> tuple[str | None, int] | None:
-    """(the one red line or None, the exit code) that end the command on `e`; None for a bug,
-    which keeps its traceback."""
+    """(the red line or None, the exit code) that end the command on `e`; None for a bug."""
     if isinstance(e, typer.Exit):
         return None, e.exit_code
     if isinstance(e, SystemExit):  # Typer's --show-completion / --install-completion exit so

@@ -46,10 +46,7 @@ def render(cmp: Any) -> None:
             cells = [_cell(v, row.format) for v in row.values]
             if best is not None:
                 cells[best] = f"[bold green]{cells[best]}[/]"
-            t.add_row(
-                row.name + ("  ↓" if row.better == "lower" else "  ↑" if row.better == "higher" else ""),
-                *cells,
-            )
+            t.add_row(row.name + {"lower": "  ↓", "higher": "  ↑"}.get(row.better, ""), *cells)
 
     add(cmp.training)
     for suite, rows in cmp.suites.items():

@@ -1,6 +1,5 @@
-"""Tab completion of difftrain's own values: recipe names and files, key=value overrides, eval
-suites. Each function takes the word being typed and returns (value, help) pairs; they run at
-every TAB press, so they import nothing heavy."""
+"""Tab completion of recipe names and files, key=value overrides and eval suites: each function maps
+the word being typed to (value, help) pairs at every TAB press, so it imports nothing heavy."""
 
 from __future__ import annotations
 
@@ -29,8 +28,7 @@ def _recipe_files(incomplete: str) -> list[tuple[str, str]]:
     """.yaml/.yml files and folders whose path starts with `incomplete` (hidden ones only when
     the typed name starts with a dot)."""
     folder, slash, stem = incomplete.rpartition("/")
-    if slash and not folder:  # "/x": in the root folder
-        folder = "/"
+    folder = folder or slash  # "/x": in the root folder
     base = Path(os.path.expanduser(folder)) if folder else Path(".")
     try:
         entries = sorted(base.iterdir(), key=lambda p: p.name)
@@ -89,11 +87,9 @@ def suite_names(incomplete: str) -> list[tuple[str, str]]:
     """Eval suites (and `all`) for the last part of a comma-separated --suite value."""
     from difftrain.evals import SUITES
 
-    done, _, last = incomplete.rpartition(",")
-    prefix = f"{done}," if done else ""
-    taken = set(done.split(",")) if done else set()
-    names = [*SUITES, "all"] if not done else list(SUITES)
-    return [(prefix + n, "") for n in names if n.startswith(last) and n not in taken]
+    done, comma, last = incomplete.rpartition(",")
+    names = SUITES if done else [*SUITES, "all"]
+    return [(done + comma + n, "") for n in names if n.startswith(last) and n not in done.split(",")]
 
 
 BASH_SCRIPT = r"""

@@ -155,7 +155,7 @@ def merge_command(
     ),
 ) -> None:
     """Fold a LoRA adapter into its base run's weights and write a plain run directory."""
-    from difftrain.rundir import require_run_dir
+    from difftrain.rundir import read_summary, require_run_dir
 
     require_run_dir(run_dir)  # before torch loads
     from difftrain.adapters import merge_run, read_adapter_spec
@@ -173,10 +173,8 @@ def merge_command(
     ]
     if spec.method == "qlora":
         rows.append(
-            ("note", "4-bit base layers were dequantized: the merged weights are the model QLoRA trained")
+            ("note", "the 4-bit base was dequantized: the merged weights are the model QLoRA trained")
         )
-    from difftrain.rundir import read_summary
-
     rows.append(("next", next_command(read_summary(out), out)))
     print_table("merged", rows)
 

@@ -36,9 +36,7 @@ def plan_command(
     if device not in ("auto", "cpu"):
         raise ConfigError(f"--device {device!r}: choose auto or cpu (use --gpu-mem to plan for a GPU)")
     if device == "cpu" and gpu_mem is not None:
-        raise ConfigError(
-            "--device cpu plans for this machine's RAM and --gpu-mem for a GPU; give one of them"
-        )
+        raise ConfigError("--device cpu plans for this machine's RAM, --gpu-mem for a GPU; give one of them")
     r = load_recipe(recipe, overrides or [])
     target = plan_target(r, gpu_mem, device)  # where train.accelerator lets it train
     pretraining = r.finetune is None and r.model is not None  # checked as `pretrain --dry-run` does

@@ -50,13 +50,8 @@ def show(
     from difftrain.recipe import find_recipe, load_recipe, read_recipe_text
 
     if overrides and not resolved:
-        raise RecipeError(
-            "overrides are applied with --resolved only: `difftrain recipes show NAME --resolved k=v`"
-        )
-    if resolved:
-        text = load_recipe(name, overrides or []).to_yaml()
-    else:
-        text = read_recipe_text(find_recipe(name))  # (not UTF-8, unreadable: one line)
+        raise RecipeError("overrides work with --resolved only: `difftrain recipes show NAME --resolved k=v`")
+    text = load_recipe(name, overrides or []).to_yaml() if resolved else read_recipe_text(find_recipe(name))
     if not console.is_terminal:
         typer.echo(text, nl=False)
         return
@@ -84,9 +79,7 @@ def cp(
         target.parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(src, target)
     except OSError as e:
-        raise RecipeError(
-            f"cannot write {target}: {e.strerror or e}; choose a DEST in a folder you can write"
-        ) from e
+        raise RecipeError(f"cannot write {target}: {e.strerror or e}; choose a writable DEST") from e
     typer.echo(f"copied {src.name} to {target}")
     run_name = _own_key(target, "name", (str, int))  # a copy to edit runs into the original's folder
     if run_name is not None and str(run_name) != target.stem:
