@@ -129,11 +129,6 @@ def _dtype_family(precision: str) -> str:
     )
 
 
-def diff_kernel(device_type: str, attn_impl: str = "auto") -> str:
-    """The attention core training runs on `device_type` (as `model.kernels.resolve_impl`)."""
-    return "flex" if device_type == "cuda" and attn_impl in ("auto", "flex") else "sdpa"
-
-
 def layer_bytes_per_token(
     config: ModelConfig, precision: str, kernel: str = "sdpa", seq_len: int = 0, attn_impl: str = "auto"
 ) -> float:
@@ -514,7 +509,9 @@ def plan_memory(
 def step_activations(
     config: ModelConfig, params: list[Param], s: Settings, target: Target, fused_loss: bool = True
 ) -> Activations:
-    """`activations` of one micro-batch of `s` on `target`."""
+    """`activations` of one micro-batch of `s` on `target`, with the attention core training runs
+    there (as `model.kernels.resolve_impl`)."""
+    flex = target.kind == "cuda" and s.attn_impl in ("auto", "flex")
     return activations(
         config,
         params,
@@ -522,7 +519,7 @@ def step_activations(
         seq_len=s.seq_len,
         precision=s.precision,
         checkpointing=s.checkpointing,
-        kernel=diff_kernel(target.kind, s.attn_impl),
+        kernel="flex" if flex else "sdpa",
         attn_impl=s.attn_impl,
         fused_loss=fused_loss,
         device_type=target.kind,

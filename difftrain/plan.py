@@ -27,7 +27,6 @@ from difftrain.memory import (  # noqa: F401 - optimizer_bytes, saved_activation
     Target,
     _params_of,
     activations,
-    diff_kernel,
     lora_dropout_of,
     model_params,
     optimizer_bytes,
@@ -219,18 +218,15 @@ def available_ram() -> int:
     import os
 
     try:
-        text = Path("/proc/meminfo").read_text()
-        kib = int(re.search(r"MemTotal:\s+(\d+)", text).group(1))  # type: ignore[union-attr]
-        return kib * KiB
+        return int(re.search(r"MemTotal:\s+(\d+)", Path("/proc/meminfo").read_text()).group(1)) * KiB  # type: ignore[union-attr]
     except (OSError, AttributeError, ValueError):
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 def _vocab_size(recipe: Any) -> int:
     """model.vocab_size, resolving 'auto' as pretrain does: the tokenizer's size rounded up to 64."""
-    m = recipe.model
-    if isinstance(m.vocab_size, int):
-        return m.vocab_size
+    if isinstance(recipe.model.vocab_size, int):
+        return recipe.model.vocab_size
     return 64 * math.ceil(tokenizer_size(recipe) / 64)
 
 

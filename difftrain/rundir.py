@@ -235,9 +235,7 @@ def require_weights(path: Path) -> Path:
             f"{path} has no {WEIGHTS} but has checkpoints ({ckpts[-1].name}); rewrite the weights from the "
             f"last checkpoint by resuming: {resume}"
         )
-    if (path / RECIPE).is_file():  # no checkpoint either: nothing to resume, start it again
-        # --overwrite: the folder holds the logs of the steps it took, and a plain start refuses
-        # to train over them (there is nothing for --resume to continue)
+    if (path / RECIPE).is_file():  # nothing to resume; --overwrite: a plain start refuses its logs
         start = f"`difftrain {training_command(path)} {shlex.quote(str(path / RECIPE))} --overwrite`"
         raise RunDirError(
             f"{path} has no {WEIGHTS} and no checkpoint (it stopped before its first save, every "
