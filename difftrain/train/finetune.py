@@ -25,11 +25,7 @@ import torch
 
 from difftrain.data.sft import SFTTemplate, add_special_tokens, render_messages
 from difftrain.errors import DataError, DeviceError, RecipeError, RunDirError
-from difftrain.recipe import (
-    Recipe,
-    require_finetuning,
-    resolve_data_format,
-)
+from difftrain.recipe import Recipe, require_finetuning, resolve_data_format
 from difftrain.rundir import RECIPE, TOKENIZER, base_run_dir, load_config, resolve_model
 from difftrain.spec import RunSpec, resolve
 from difftrain.train.distributed import DistContext, compute_dtype
@@ -104,8 +100,7 @@ def instruction_data(spec: RunSpec, tokenizer: Any) -> tuple[Any, list[int], Any
     set-up SFTDataModule, record counts for the start table)."""
     from difftrain.data.modules import SFTDataModule, load_sft_records
 
-    r = spec.recipe
-    ft, t = r.finetune, r.train
+    r, ft, t = spec.recipe, spec.recipe.finetune, spec.recipe.train
     assert ft is not None
     try:
         train_records, val_records, stats = load_sft_records(
@@ -382,12 +377,10 @@ def finetune(
     model = load_run(base).model
     if new_ids or vocab_size != model.config.vocab_size:
         grow_vocab(model, new_ids, vocab_size, used_rows=setup.base_vocab_rows)
-    model.config = model_cfg
-    model.attn_impl = model_cfg.attn_impl
+    model.config, model.attn_impl = model_cfg, model_cfg.attn_impl
     counts = model.num_params()
     model.train()
-    export = None
-    rank_note = None
+    export = rank_note = None
     if ft.method == "full":
         model.requires_grad_(True)
     else:
@@ -416,9 +409,7 @@ def finetune(
         def export(run_dir: Path, m: torch.nn.Module, step: int, adapter: Any = adapter) -> None:
             save_adapter(run_dir, m, adapter, step)
 
-    if t.activation_checkpointing:
-        model.set_activation_checkpointing(True)
-
+    model.set_activation_checkpointing(t.activation_checkpointing)
     opts = FitOptions(
         counts=counts,
         has_val=setup.records["val_records"] > 0 if instruction else r.data.val_windows > 0,

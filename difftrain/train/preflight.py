@@ -33,11 +33,9 @@ def preflight(
 
     run_dir = spec.run_dir
     require_not_in_use(run_dir)  # before anything is removed
-    # A run killed while it started (or while saving) leaves empty folders and temporary files of
-    # unfinished atomic writes: those are not a run, and must not block its restart.
-    for folder in (run_dir, run_dir / CHECKPOINTS):
-        if not dry_run:
-            remove_stale_temps(folder)
+    # a run killed while it started (or saved) leaves temporary files, which must not block its restart
+    for folder in () if dry_run else (run_dir, run_dir / CHECKPOINTS):
+        remove_stale_temps(folder)
     old = check_run_dir(spec.recipe, resume=resume, overwrite=overwrite, batch=spec.batch)
     if old is None:
         return False, None
@@ -66,10 +64,9 @@ def preflight(
             f"{run_dir} is at step {point.step} (its last checkpoint), past train.max_steps={spec.max_steps}: "
             f"a resume only trains on; raise train.max_steps above {point.step}, or start again with --overwrite"
         )
-    note = _schedule_note(old, spec, point.step, _global_batch(old))
-    if note:
+    if note := _schedule_note(old, spec, point.step, _global_batch(old)):
         point.warnings.append(note)
-    old_data = old.get("data") if isinstance(old, dict) else None
+    old_data = old.get("data")
     windows = old_data.get("val_windows") if isinstance(old_data, dict) else None
     if isinstance(windows, int) and windows != spec.recipe.data.val_windows:
         point.warnings.append(
@@ -120,7 +117,6 @@ def resumed_run_files(run_dir: Path, tokenizer: Any, point: Any) -> list[str]:
     warning in `point`. RunDirError where tokenizer.json is readable but not `tokenizer` (the
     model's token ids would change meaning)."""
     from difftrain.data.tokenizer import load_tokenizer
-    from difftrain.errors import TokenizerError
     from difftrain.model import ModelConfig
 
     restore = []
@@ -199,11 +195,7 @@ def start_warnings(spec: RunSpec, point: Any, warnings: Sequence[str] = ()) -> l
     """The warnings a run gives at its start: the resume's (a damaged checkpoint skipped, a
     changed schedule, ...), the caller's (`warnings`: the memory spec, ...), then, on a fresh
     start, the warm-up against the run's length."""
-    return [
-        *(point.warnings if point else []),
-        *warnings,
-        *([] if point else _warmup_notes(spec)),
-    ]
+    return [*point.warnings, *warnings] if point else [*warnings, *_warmup_notes(spec)]
 
 
 def dry_run_warnings(spec: RunSpec, point: Any) -> list[str]:
@@ -231,9 +223,8 @@ def _warmup_notes(spec: RunSpec) -> list[str]:
 
 
 def memory_warnings(r: Recipe, accelerator: str) -> list[str]:
-    """`difftrain plan`'s warning when the run (pretraining or fine-tuning) will not fit this
-    device (CUDA: the GPU's memory; CPU: the RAM), for the start-up warnings. The planner only
-    advises: it never stops a run."""
+    """`difftrain plan`'s warning when the run will not fit this device (the GPU's memory, or the
+    RAM), for the start-up warnings: the planner only advises, it never stops a run."""
     from difftrain.plan import fit_warning
 
     try:

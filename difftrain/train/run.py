@@ -98,17 +98,15 @@ class StartInfo:
 
 
 def start_processes(spec: RunSpec) -> DistContext:
-    """Start or join the run's processes (one per device; see `difftrain.train.distributed`).
-    Everything after this runs on every rank; what must happen once goes through the context."""
+    """Start or join the run's processes (one per device; see `difftrain.train.distributed`)."""
     from difftrain.train.distributed import start
 
-    t = spec.recipe.train
-    return start(spec.recipe, accelerator=spec.accelerator, devices=spec.devices, num_nodes=t.num_nodes)
+    n = spec.recipe.train.num_nodes
+    return start(spec.recipe, accelerator=spec.accelerator, devices=spec.devices, num_nodes=n)
 
 
 def _quiet_lightning() -> None:
-    """Silence Lightning's info logs and the warnings that do not apply (a run with
-    data.val_fraction: 0 has no val loader on purpose)."""
+    """Silence Lightning's info logs and the warnings that do not apply to difftrain's runs."""
     for name in ("lightning", "lightning.pytorch", "lightning.fabric", "pytorch_lightning"):
         logging.getLogger(name).setLevel(logging.ERROR)
     for message in (
@@ -180,26 +178,22 @@ def setup_pretrain(
     if start is None:
         require_node_launcher(r.train.num_nodes)  # (the run's `start` refuses it there)
         resuming, point = preflight(spec, resume=flag, overwrite=overwrite, dry_run=True)
-        warning = None if resuming else check_vocab_early(r, tokenizer_size(r))  # (a resume's fits its model)
+        warnings = [] if resuming else [check_vocab_early(r, tokenizer_size(r))]  # (a resume's fits)
         index = cached_index(r.data, r.tokenizer, seed=r.seed, base_dir=r.recipe_dir)
         if index is not None and r.data.recall_specs is None:  # (recall: one example per sequence)
             check_split_sizes(
                 index["train"]["tokens"], index["val"]["tokens"], spec.seq_len, r.data.val_windows
             )
-        warnings = [warning] if warning else []
-        return PretrainSetup(
-            spec, resuming, point, index=index, warnings=warnings + dry_run_warnings(spec, point)
-        )
+        warnings = [w for w in warnings if w] + dry_run_warnings(spec, point)
+        return PretrainSetup(spec, resuming, point, index=index, warnings=warnings)
     dist = start(spec)
     # rank 0 decides (and may clear the folder); the others learn the decision
     resuming, point = dist.on_rank_zero(lambda: preflight(spec, resume=flag, overwrite=overwrite))
     prepared = prepare_text(spec, dist, data_progress)  # data + tokenizer (a second run reuses both)
     tokenizer = load_tokenizer(prepared.tokenizer_path)
-    model_cfg = spec.model
-    if model_cfg.vocab_size == "auto":
-        model_cfg = model_cfg.replace(vocab_size=64 * math.ceil(tokenizer.vocab_size / 64))
-    check_vocab_fits(tokenizer, model_cfg.vocab_size)
-    spec = spec.with_model(model_cfg)  # (keeps the recipe's folder and source)
+    if spec.model.vocab_size == "auto":  # (with_model keeps the recipe's folder and source)
+        spec = spec.with_model(spec.model.replace(vocab_size=64 * math.ceil(tokenizer.vocab_size / 64)))
+    check_vocab_fits(tokenizer, spec.model.vocab_size)
     warned = memory_warnings(spec.recipe, spec.accelerator)
     return PretrainSetup(spec, resuming, point, dist, prepared, tokenizer, warnings=warned)
 
@@ -228,21 +222,19 @@ def pretrain(
     setup = setup_pretrain(
         recipe, resume=resume, overwrite=overwrite, start=start_processes, data_progress=data_progress
     )
-    spec, r, model_cfg = setup.spec, setup.spec.recipe, setup.spec.model
+    spec, r = setup.spec, setup.spec.recipe
 
     L.seed_everything(r.seed, workers=True, verbose=False)
-    model = Transformer(model_cfg)
-    if r.train.activation_checkpointing:
-        model.set_activation_checkpointing(True)
+    model = Transformer(spec.model)
+    model.set_activation_checkpointing(r.train.activation_checkpointing)
     # checks the data against the sequence length: a split too short fails before anything is written
     dm = PretrainDataModule.from_config(
         setup.prepared, r.data, seq_len=spec.seq_len, micro_batch_size=r.train.micro_batch_size, seed=r.seed
     )
-    run_dir = spec.run_dir
     opts = FitOptions(
         counts=model.num_params(),
         has_val=r.data.val_windows > 0,
-        resume_command=f"difftrain pretrain {shlex.quote(str(run_dir / RECIPE))} --resume",
+        resume_command=f"difftrain pretrain {shlex.quote(str(spec.run_dir / RECIPE))} --resume",
         details=setup,
         warnings=[*setup.warnings, *([dm.val_note] if dm.val_note else [])],
         tokens_per_micro_batch=r.train.micro_batch_size * spec.seq_len,
@@ -266,8 +258,8 @@ def fit(
     from difftrain.train.lit import LitLM
     from difftrain.train.metrics import MetricsCSV, read_metrics
 
-    r = spec.recipe
-    t, model_cfg, run_dir = r.train, spec.model, spec.run_dir
+    r, model_cfg, run_dir = spec.recipe, spec.model, spec.run_dir
+    t = r.train
     if point is not None and point.path.is_dir() and t.strategy != "fsdp":
         raise CheckpointError(
             f"{point.path} is a sharded FSDP checkpoint (train.fsdp.checkpoint=sharded), which only FSDP "
@@ -302,7 +294,6 @@ def fit(
     fpt = flops_per_token(n_train, model_cfg.n_layers, d_attn, spec.seq_len) + 4 * (
         n_total - emb.numel() - n_train
     )
-    show = r.logging.progress if hooks.progress is None else hooks.progress
     has_val = opts.has_val
     settings = CallbackSettings(
         save_every=t.save_every,
@@ -310,7 +301,7 @@ def fit(
         log_every=t.log_every,
         tokens_per_step=spec.tokens_per_step,
         flops_per_token=fpt,
-        progress=show,
+        progress=r.logging.progress if hooks.progress is None else hooks.progress,
         console=hooks.console,
         resume_command=opts.resume_command,
         export=opts.export,
@@ -362,8 +353,7 @@ def fit(
     initial_val = None
     if opts.validate_first and point is None and has_val:
         trainer.validate(lit, datamodule=datamodule, verbose=False)
-        if math.isfinite(cb.state.last_val):
-            initial_val = cb.state.last_val
+        initial_val = cb.state.last_val if math.isfinite(cb.state.last_val) else None
         cb.state.last_val, cb.state.best_val, cb.state.last_val_step = math.nan, math.inf, -1
     t0 = time.perf_counter()
     try:
@@ -374,8 +364,7 @@ def fit(
         # stopped (and saved): summary.json says where the run stands, not what an earlier end said
         if trainer.is_global_zero and trainer.global_step > 0:
             wall = time.perf_counter() - t0
-            summary = _summary(spec, lit, cb, opts, n_trainable, wall, finished=False)
-            atomic_write_json(run_dir / SUMMARY, summary)
+            atomic_write_json(run_dir / SUMMARY, _summary(spec, lit, cb, opts, n_trainable, wall, False))
         raise
     wall = time.perf_counter() - t0
     if trainer.global_step > 0 and has_val and cb.state.last_val_step != trainer.global_step:
@@ -389,13 +378,8 @@ def fit(
         summary["initial_val_loss"] = initial_val
     if trainer.is_global_zero:
         atomic_write_json(run_dir / SUMMARY, summary)
-    return TrainResult(
-        run_dir=run_dir,
-        summary=summary,
-        resumed_from=point.step if point else None,
-        warnings=point.warnings if point else [],
-        is_global_zero=trainer.is_global_zero,
-    )
+    resumed, warned = (point.step, point.warnings) if point else (None, [])
+    return TrainResult(run_dir, summary, resumed, warned, is_global_zero=trainer.is_global_zero)
 
 
 def _resume_finished(spec: RunSpec, lit: Any, point: Any, export: Any) -> TrainResult | None:
@@ -406,8 +390,7 @@ def _resume_finished(spec: RunSpec, lit: Any, point: Any, export: Any) -> TrainR
     from difftrain.rundir import read_summary
     from difftrain.train.distributed import is_global_zero
 
-    run_dir, step = spec.run_dir, point.step
-    notes = []
+    run_dir, step, notes = spec.run_dir, point.step, []
     problem = _final_weights_problem(run_dir, step, adapter=export is not None)
     if problem is not None:
         if point.path.is_dir():
@@ -428,13 +411,7 @@ def _resume_finished(spec: RunSpec, lit: Any, point: Any, export: Any) -> TrainR
     if not summary or summary.get("finished") is False or summary.get("steps") != step:
         return None  # none, or one of a stop before the end: the fit below writes the final one
     return TrainResult(
-        run_dir=run_dir,
-        summary=summary,
-        resumed_from=step,
-        warnings=point.warnings,
-        is_global_zero=is_global_zero(),
-        finished_before=True,
-        notes=notes,
+        run_dir, summary, step, point.warnings, is_global_zero(), finished_before=True, notes=notes
     )
 
 
