@@ -278,8 +278,7 @@ class SourceSpec(BaseModel):
 def absolute_path(raw: str, base_dir: Path) -> str:
     """A recipe's local path made absolute against `base_dir`, as text (an absolute one, ~
     expanded, is kept as written)."""
-    p = Path(os.path.expanduser(raw))
-    return raw if p.is_absolute() else str(Path(base_dir).resolve() / raw)
+    return raw if Path(os.path.expanduser(raw)).is_absolute() else str(Path(base_dir).resolve() / raw)
 
 
 def absolute_source(raw: str, base_dir: Path) -> str:

@@ -49,10 +49,7 @@ class SourceStats:
 
 def suffix(path: Path) -> str:
     """The format suffix of a file, looking through a trailing .gz."""
-    suffixes = [s.lower() for s in path.suffixes]
-    if suffixes and suffixes[-1] == ".gz":
-        suffixes = suffixes[:-1]
-    return suffixes[-1] if suffixes else ""
+    return Path(path.name.lower().removesuffix(".gz")).suffix
 
 
 def _open(path: Path) -> IO[bytes]:

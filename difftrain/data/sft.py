@@ -7,6 +7,7 @@ tokenizes the segments and trains on the `trained` ones.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -29,14 +30,7 @@ def render_messages(messages: Any, chat: Any) -> list[Segment]:
     """
     if not isinstance(messages, list) or not messages:
         raise DataError("a `messages` record must hold a non-empty list of {role, content} objects")
-    segments: list[Segment] = []
-
-    def add(text: str, trained: bool) -> None:
-        if segments and segments[-1][1] == trained:
-            segments[-1] = (segments[-1][0] + text, trained)
-        elif text:
-            segments.append((text, trained))
-
+    pieces: list[Segment] = []
     for i, m in enumerate(messages):
         if not (
             isinstance(m, Mapping) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
@@ -55,8 +49,11 @@ def render_messages(messages: Any, chat: Any) -> list[Segment]:
                 "finetune.chat_template.roles"
             )
         head, tail = fmt.split("{content}")
-        add(head, False)
-        add(content + tail, role in chat.trained_roles)
+        pieces += [(head, False), (content + tail, role in chat.trained_roles)]
+    segments = [
+        ("".join(t for t, _ in group), trained)
+        for trained, group in itertools.groupby((p for p in pieces if p[0]), key=lambda p: p[1])
+    ]
     if not any(t for _, t in segments):
         raise DataError(
             f"a `messages` record has no message of a trained role ({', '.join(chat.trained_roles)}): nothing "

@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import tokenizers
 
 from difftrain.data.builtin import stable_seed
 from difftrain.data.config import DataConfig, TokenizerConfig
@@ -41,7 +42,6 @@ from difftrain.data.sources import (
     check_distinct,
     require_documents,
     resolve_sources,
-    sources_fingerprint,
 )
 from difftrain.data.tokenizer import (
     Tokenizer,
@@ -130,11 +130,6 @@ def _key(obj: Any) -> str:
 def held_out(val_fraction: float, seed: int, source: int, doc: int) -> bool:
     """Whether document `doc` of a source is a validation document (see the module docstring)."""
     return val_fraction > 0 and unit_hash("val", seed, source, doc) < val_fraction
-
-
-def token_dtype(vocab_size: int) -> np.dtype:
-    """uint16 when every id fits in 16 bits, else uint32."""
-    return np.dtype(np.uint16) if vocab_size <= 1 << 16 else np.dtype(np.uint32)
 
 
 def _clean_stale_tmp(parent: Path) -> None:
@@ -231,8 +226,6 @@ def _training_texts(
 
 
 def _tokenizer_key(data_cfg: DataConfig, tok_cfg: TokenizerConfig, sources: list[Source]) -> str:
-    import tokenizers
-
     return _key(
         {
             "format": FORMAT_VERSION,
@@ -344,7 +337,7 @@ def _build_shards(
     `tail_at` is where it starts in the unweighted stream (with every weight 1, the training
     stream's tail, cut in place; else the data is read again with `tail_at` set). A tokenizer
     that puts a start token before every text (Llama's <s>) starts each document with it."""
-    dtype = token_dtype(tok.vocab_size)
+    dtype = np.dtype(np.uint16 if tok.vocab_size <= 1 << 16 else np.uint32)
     eos = np.array([tok.eos_id], dtype=dtype)
     start = np.array([tok.document_start_id] if tok.document_start_id != tok.eos_id else [], dtype=dtype)
     train, val = _ShardWriter(out / "train.bin"), _ShardWriter(out / "val.bin")
@@ -440,7 +433,7 @@ def _shards_key(
     sources: list[Source], tok: Tokenizer, data_cfg: DataConfig, seed: int
 ) -> tuple[str, dict[str, Any], str]:
     """(sources' fingerprint, the split settings, the cache key) of the shards `prepare_data` builds."""
-    fingerprint = sources_fingerprint(sources)
+    fingerprint = hashlib.sha256("".join(s.fingerprint() for s in sources).encode()).hexdigest()
     settings = {
         "val_fraction": data_cfg.val_fraction,
         "on_bad_record": data_cfg.on_bad_record,

@@ -75,13 +75,10 @@ class Source:
         """Set: instruction records are read as text through it; plain-text sources ignore it."""
         self.base_dir = base_dir
         self.hub = HubDataset(self) if spec.kind == "hf" else None
-        self.files: list[Path] = []
         self.walked: set[Path] = set()
         """The files found by walking a folder (not named by the source itself)."""
-        if spec.kind == "path":
-            self.files = self._expand_paths()
-        elif spec.source in ("builtin:python-stdlib", "builtin:python-docstrings"):
-            self.files = builtin.stdlib_files()
+        stdlib = spec.source in ("builtin:python-stdlib", "builtin:python-docstrings")
+        self.files = self._expand_paths() if spec.kind == "path" else builtin.stdlib_files() if stdlib else []
 
     @property
     def label(self) -> str:
@@ -158,9 +155,8 @@ class Source:
     def _identity_spec(self) -> dict[str, Any]:
         """The spec with its local paths as real paths, so the same files find the same shards
         however they are spelled (relative, absolute, through a link)."""
-        spec = self.spec.model_dump(mode="json")
-        if spec.get("recall") is None:  # absent from the keys of the sources that have none
-            spec.pop("recall", None)
+        # recall: absent from the keys of the sources that have none
+        spec = self.spec.model_dump(mode="json", exclude={"recall"} if self.spec.recall is None else None)
         if self.spec.kind == "path":
             spec["source"] = os.path.realpath(self._resolve(self.spec.source))
         elif self.spec.kind == "hf":
@@ -193,8 +189,7 @@ class Source:
             local = self.hub.local_dir()
             if local is not None:
                 ident["local"] = self._file_stats(sorted(p for p in local.rglob("*") if p.is_file()))
-        blob = json.dumps(ident, sort_keys=True).encode("utf-8")
-        return hashlib.sha256(blob).hexdigest()
+        return hashlib.sha256(json.dumps(ident, sort_keys=True).encode("utf-8")).hexdigest()
 
     def estimated_bytes(self) -> int | None:
         """Rough size of the text, for progress bars (None when unknown)."""
@@ -474,11 +469,6 @@ def check_distinct(sources: list[Source]) -> None:
                     "validation on its own, so validation documents would be trained on; read it "
                     "through one source (to count a source more, give it a weight, e.g. weight: 2)"
                 )
-
-
-def sources_fingerprint(sources: list[Source]) -> str:
-    """One hash over all sources, in order."""
-    return hashlib.sha256("".join(s.fingerprint() for s in sources).encode()).hexdigest()
 
 
 def iter_documents(data_cfg: DataConfig, base_dir: str | os.PathLike[str]) -> Iterator[str]:
