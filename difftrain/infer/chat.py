@@ -78,13 +78,13 @@ class Note:
 ReplEvent = Union[Note, Row, Token, Result]  # a note, or what `Session.stream` yields
 
 
+_SWITCH = dict.fromkeys(("1", "true", "on", "yes"), True) | dict.fromkeys(("0", "false", "off", "no"), False)
+
+
 def _switch(value: str) -> bool:
-    v = value.lower()
-    if v in ("1", "true", "on", "yes"):
-        return True
-    if v in ("0", "false", "off", "no"):
-        return False
-    raise ConfigError(f"greedy: {value!r} is not on or off; use /set greedy on (or off)")
+    if (on := _SWITCH.get(value.lower())) is None:
+        raise ConfigError(f"greedy: {value!r} is not on or off; use /set greedy on (or off)")
+    return on
 
 
 _SETTABLE: dict[str, Callable[[str], Any]] = {  # /set KEY VALUE: how VALUE is read
@@ -103,21 +103,6 @@ _COMMANDS_HELP = f"""  /set KEY VALUE   changes a setting: {", ".join(_SETTABLE)
   /help            prints this
   /quit            exits (so do /exit and Ctrl-D)"""
 
-REPL_HELP = (
-    "Type a prompt and press Enter; its continuation streams below it.\n"
-    + _INPUT_HELP
-    + "  Ctrl-C stops a generation (and clears the line at the prompt)\n"
-    + _COMMANDS_HELP
-)
-
-CHAT_REPL_HELP = (
-    "Type a message and press Enter; the assistant's reply streams below it.\n"
-    + _INPUT_HELP
-    + "  Ctrl-C stops a reply (and clears the line at the prompt)\n"
-    + "  /reset           forgets the conversation (a --system message stays)\n"
-    + _COMMANDS_HELP
-)
-
 
 @dataclass
 class Repl:
@@ -128,7 +113,12 @@ class Repl:
     read_line: Callable[[str], str]
     write: Callable[[ReplEvent], None]
     marker: ClassVar[str] = "» "
-    help: ClassVar[str] = REPL_HELP
+    help: ClassVar[str] = (
+        "Type a prompt and press Enter; its continuation streams below it.\n"
+        + _INPUT_HELP
+        + "  Ctrl-C stops a generation (and clears the line at the prompt)\n"
+        + _COMMANDS_HELP
+    )
     interrupted: ClassVar[Note] = Note("", "interrupted")
 
     def run(self) -> None:
@@ -220,7 +210,13 @@ class ChatRepl(Repl):
 
     chat: Chat
     marker: ClassVar[str] = "you » "
-    help: ClassVar[str] = CHAT_REPL_HELP
+    help: ClassVar[str] = (
+        "Type a message and press Enter; the assistant's reply streams below it.\n"
+        + _INPUT_HELP
+        + "  Ctrl-C stops a reply (and clears the line at the prompt)\n"
+        + "  /reset           forgets the conversation (a --system message stays)\n"
+        + _COMMANDS_HELP
+    )
     interrupted: ClassVar[Note] = Note(" (the partial reply is dropped)", "interrupted")
 
     def command(self, cmd: str) -> bool:

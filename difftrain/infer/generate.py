@@ -102,8 +102,7 @@ def check_prompts(prompts: Sequence[Sequence[int]], vocab_size: int, max_seq_len
                 f"prompt {i} is {len(p)} tokens but the model's context is max_seq_len={max_seq_len} tokens; "
                 f"shorten it by at least {len(p) - max_seq_len} tokens"
             )
-        bad = [t for t in p if not 0 <= int(t) < vocab_size]
-        if bad:
+        if bad := [t for t in p if not 0 <= int(t) < vocab_size]:
             raise DataError(
                 f"prompt {i} has token id {bad[0]} outside the model's vocabulary (0 … {vocab_size - 1}); "
                 "was it encoded with another tokenizer?"
@@ -133,45 +132,47 @@ class _Text:
     def _advance(self, final: bool) -> tuple[str, bool]:
         # A stop string cannot start before `emitted`: the longest suffix that is a prefix of a
         # stop string is always held back, and any earlier start would be a longer such suffix.
-        hits = [j for s in self.stops if (j := self.text.find(s, self.emitted)) >= 0]
-        if hits:
+        if hits := [j for s in self.stops if (j := self.text.find(s, self.emitted)) >= 0]:
             cut = min(hits)
             out, self.text, self.emitted = self.text[self.emitted : cut], self.text[:cut], cut
             return out, True
-        keep = 0 if final else self._partial_stop_len()
+        # held back: the longest suffix of the text that is a proper prefix of a stop string
+        stop_prefixes = (
+            k
+            for s in self.stops
+            for k in range(1, min(len(s), len(self.text) + 1))
+            if self.text.endswith(s[:k])
+        )
+        keep = 0 if final else max(stop_prefixes, default=0)
         end = max(self.emitted, len(self.text) - keep)
         out, self.emitted = self.text[self.emitted : end], end
         return out, False
 
-    def _partial_stop_len(self) -> int:
-        """Length of the longest suffix of the text that is a proper prefix of a stop string."""
-        return max(
-            (
-                k
-                for s in self.stops
-                for k in range(1, min(len(s), len(self.text) + 1))
-                if self.text.endswith(s[:k])
-            ),
-            default=0,
-        )
 
+class _Forward:
+    """Prefill once, then feed one token per step into a preallocated KV cache of `capacity`;
+    with `capacity=None` (the reference path) recompute the whole sequence every step instead."""
 
-class _CachedForward:
-    """Prefill once into a preallocated KV cache, then feed one token per step."""
-
-    def __init__(self, model: torch.nn.Module, ids: Tensor, mask: Tensor | None, capacity: int) -> None:
+    def __init__(
+        self, model: torch.nn.Module, ids: Tensor, mask: Tensor | None, capacity: int | None
+    ) -> None:
         self.model, self.ids, self.mask = model, ids, mask
-        self.cache = model.new_cache(ids.shape[0], max_len=capacity)  # type: ignore[operator]
+        self.cache = None if capacity is None else model.new_cache(ids.shape[0], max_len=capacity)  # type: ignore[operator]
 
     def prefill(self) -> Tensor:
         return self.model(self.ids, cache=self.cache, key_padding_mask=self.mask).logits[:, -1].float()
 
     def step(self, next_ids: Tensor) -> Tensor:
-        return self.model(next_ids[:, None], cache=self.cache).logits[:, -1].float()
+        if self.cache is not None:
+            return self.model(next_ids[:, None], cache=self.cache).logits[:, -1].float()
+        self.ids = torch.cat((self.ids, next_ids[:, None]), dim=1)
+        if self.mask is not None:
+            self.mask = torch.cat((self.mask, self.mask.new_ones(self.mask.shape[0], 1)), dim=1)
+        return self.prefill()
 
 
-class _CompiledForward(_CachedForward):
-    """`_CachedForward` whose decode steps run the compiled forward over a static cache; the
+class _CompiledForward(_Forward):
+    """A cached `_Forward` whose decode steps run the compiled forward over a static cache; the
     prefill (once per generation, of varying length) runs eagerly."""
 
     def __init__(self, model: torch.nn.Module, ids: Tensor, mask: Tensor | None, capacity: int) -> None:
@@ -199,22 +200,6 @@ class _CompiledForward(_CachedForward):
         logits = self.decode(next_ids[:, None], cache=self.cache).logits[:, -1].float()
         self.cache.static_step_done()
         return logits
-
-
-class _UncachedForward:
-    """Reference path: recompute the whole sequence every step (no cache)."""
-
-    def __init__(self, model: torch.nn.Module, ids: Tensor, mask: Tensor | None) -> None:
-        self.model, self.ids, self.mask = model, ids, mask
-
-    def prefill(self) -> Tensor:
-        return self.model(self.ids, key_padding_mask=self.mask).logits[:, -1].float()
-
-    def step(self, next_ids: Tensor) -> Tensor:
-        self.ids = torch.cat((self.ids, next_ids[:, None]), dim=1)
-        if self.mask is not None:
-            self.mask = torch.cat((self.mask, self.mask.new_ones(self.mask.shape[0], 1)), dim=1)
-        return self.prefill()
 
 
 def generate(
@@ -271,14 +256,10 @@ def generate(
     produced: list[list[int]] = [[] for _ in range(B)]
     done = [False] * B
     with torch.inference_mode():
-        if config.use_cache:
-            cached = _CompiledForward if config.compile else _CachedForward
-            run: _CachedForward | _UncachedForward = cached(model, ids, mask_arg, P + max(limits) - 1)
-        else:
-            run = _UncachedForward(model, ids, mask_arg)
+        capacity = P + max(limits) - 1 if config.use_cache else None
+        run = (_CompiledForward if config.compile else _Forward)(model, ids, mask_arg, capacity)
         t0 = time.perf_counter()
         logits = run.prefill()
-    first_token_s = 0.0
     for step in range(max(limits)):
         with torch.inference_mode():
             if banned_ids is not None:
@@ -286,10 +267,9 @@ def generate(
             next_ids = sampler(logits, seen)
             if seen is not None:
                 seen.scatter_(1, next_ids[:, None], True)
-        toks = next_ids.tolist()
         if step == 0:
             first_token_s = time.perf_counter() - t0
-        for i, tok in enumerate(toks):
+        for i, tok in enumerate(next_ids.tolist()):
             if done[i]:
                 continue
             produced[i].append(tok)
@@ -331,10 +311,9 @@ def generate_all(
     **kwargs: Any,
 ) -> list[Completion]:
     """Run `generate` to the end; the completions in prompt order."""
-    out: dict[int, Completion] = {}
-    for ev in generate(model, prompts, config, **kwargs):
-        if isinstance(ev, Finished):
-            out[ev.seq] = ev.completion
+    out = {
+        ev.seq: ev.completion for ev in generate(model, prompts, config, **kwargs) if isinstance(ev, Finished)
+    }
     return [out[i] for i in sorted(out)]
 
 
@@ -349,10 +328,5 @@ def greedy(
     use_cache: bool = True,
 ) -> list[Completion]:
     """Greedy completions of a batch (what the evaluations use)."""
-    cfg = GenerationConfig(
-        max_new_tokens=max_new_tokens,
-        sampling=SamplingConfig(greedy=True),
-        stop=tuple(stop),
-        use_cache=use_cache,
-    )
+    cfg = GenerationConfig(max_new_tokens, SamplingConfig(greedy=True), tuple(stop), use_cache=use_cache)
     return generate_all(model, prompts, cfg, tokenizer=tokenizer, eos_id=eos_id)

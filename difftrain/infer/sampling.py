@@ -30,54 +30,27 @@ from torch import Tensor
 from difftrain.infer.settings import SamplingConfig
 
 
-def apply_repetition_penalty(logits: Tensor, seen: Tensor, penalty: float) -> Tensor:
-    """Step 1; seen (B, V) bool."""
-    if penalty == 1.0:
-        return logits
-    penalized = torch.where(logits > 0, logits / penalty, logits * penalty)
-    return torch.where(seen, penalized, logits)
-
-
-def top_k_filter(logits: Tensor, k: int) -> Tensor:
-    """Step 4 (k ≥ V: unchanged)."""
-    if k <= 0 or k >= logits.shape[-1]:
-        return logits
-    kth = torch.topk(logits, k, dim=-1).values[..., -1:]
-    return logits.masked_fill(logits < kth, float("-inf"))
-
-
-def top_p_filter(logits: Tensor, p: float) -> Tensor:
-    """Step 5."""
-    if p >= 1.0:
-        return logits
-    sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
-    probs = torch.softmax(sorted_logits, dim=-1)
-    mass_before = torch.cumsum(probs, dim=-1) - probs
-    drop_sorted = mass_before >= p
-    drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
-    return logits.masked_fill(drop, float("-inf"))
-
-
-def min_p_filter(logits: Tensor, min_p: float) -> Tensor:
-    """Step 6."""
-    if min_p <= 0.0:
-        return logits
-    probs = torch.softmax(logits, dim=-1)
-    threshold = min_p * probs.max(dim=-1, keepdim=True).values
-    return logits.masked_fill(probs < threshold, float("-inf"))
-
-
 def filtered_logits(logits: Tensor, cfg: SamplingConfig, seen: Tensor | None = None) -> Tensor:
-    """Steps 1 and 3-6 of the pipeline on fp32 logits (B, V); −inf marks removed tokens."""
-    z = logits.float()
-    if seen is not None:
-        z = apply_repetition_penalty(z, seen, cfg.repetition_penalty)
+    """Steps 1 and 3-6 of the pipeline on fp32 logits (B, V); seen (B, V) bool; −inf marks removed
+    tokens."""
+    z, inf = logits.float(), float("-inf")
+    if seen is not None and cfg.repetition_penalty != 1.0:  # 1
+        r = cfg.repetition_penalty
+        z = torch.where(seen, torch.where(z > 0, z / r, z * r), z)
     if cfg.is_greedy:
         return z
-    z = z / cfg.temperature
-    z = top_k_filter(z, cfg.top_k)
-    z = top_p_filter(z, cfg.top_p)
-    return min_p_filter(z, cfg.min_p)
+    z = z / cfg.temperature  # 3
+    if 0 < cfg.top_k < z.shape[-1]:  # 4
+        z = z.masked_fill(z < torch.topk(z, cfg.top_k, dim=-1).values[..., -1:], inf)
+    if cfg.top_p < 1.0:  # 5
+        sorted_z, order = torch.sort(z, dim=-1, descending=True)
+        probs = torch.softmax(sorted_z, dim=-1)
+        drop_sorted = torch.cumsum(probs, dim=-1) - probs >= cfg.top_p
+        z = z.masked_fill(torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted), inf)
+    if cfg.min_p > 0.0:  # 6
+        probs = torch.softmax(z, dim=-1)
+        z = z.masked_fill(probs < cfg.min_p * probs.max(dim=-1, keepdim=True).values, inf)
+    return z
 
 
 def next_token_probs(logits: Tensor, cfg: SamplingConfig, seen: Tensor | None = None) -> Tensor:

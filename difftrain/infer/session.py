@@ -58,8 +58,6 @@ class Row:
 
 @dataclass
 class Result:
-    """A row and its completion."""
-
     row: Row
     completion: Completion
 
