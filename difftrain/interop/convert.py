@@ -90,10 +90,9 @@ def to_hf_state_dict(
         for i in range(config.n_layers):
             p = f"model.layers.{i}.self_attn."
             w = out.pop(p + "subln.weight").float()
-            v = out[p + "v_proj.weight"].float()
             out[p + "q_proj.weight"] = deinterleave_heads(out[p + "q_proj.weight"], H)
             out[p + "k_proj.weight"] = deinterleave_heads(out[p + "k_proj.weight"], Hk)
-            out[p + "v_proj.weight"] = deinterleave_heads(v * c if c != 1.0 else v, Hk)
+            out[p + "v_proj.weight"] = deinterleave_heads(out[p + "v_proj.weight"].float() * c, Hk)
             out[p + "o_proj.weight"] = out[p + "o_proj.weight"].float() * w.repeat(H // 2)[None, :]
     return {k: t.detach().to(dtype).contiguous() for k, t in out.items()}
 
@@ -117,8 +116,7 @@ def from_hf_state_dict(hf: dict[str, Tensor], config: ModelConfig, where: str = 
             p = f"model.layers.{i}.self_attn."
             sd[p + "q_proj.weight"] = interleave_heads(sd[p + "q_proj.weight"], H)
             sd[p + "k_proj.weight"] = interleave_heads(sd[p + "k_proj.weight"], Hk)
-            v = interleave_heads(sd[p + "v_proj.weight"], Hk)
-            sd[p + "v_proj.weight"] = v / c if c != 1.0 else v
+            sd[p + "v_proj.weight"] = interleave_heads(sd[p + "v_proj.weight"], Hk) / c
             w = sd.pop(p + "groupnorm.weight", None)
             w = sd.pop(p + "subln.weight", w)
             sd[p + "subln.weight"] = torch.ones(2 * d) if w is None else w
@@ -130,22 +128,22 @@ def expected_hf_shapes(config: ModelConfig) -> dict[str, tuple[tuple[int, ...], 
     V, D, F, L = config.vocab_size, config.d_model, config.ffn_hidden, config.n_layers
     H, Hk, d = config.n_heads, config.n_kv_heads, config.head_dim
     assert isinstance(V, int) and F is not None and Hk is not None and d is not None
-    vd = "vocab_size × hidden_size"
+    vd, qd, kd = "vocab_size × hidden_size", "num_attention_heads·head_dim", "num_key_value_heads·head_dim"
+    layer = {
+        "input_layernorm.weight": ((D,), "hidden_size"),
+        "post_attention_layernorm.weight": ((D,), "hidden_size"),
+        "self_attn.q_proj.weight": ((H * d, D), f"{qd} × hidden_size"),
+        "self_attn.k_proj.weight": ((Hk * d, D), f"{kd} × hidden_size"),
+        "self_attn.v_proj.weight": ((Hk * d, D), f"{kd} × hidden_size"),
+        "self_attn.o_proj.weight": ((D, H * d), f"hidden_size × {qd}"),
+        "mlp.gate_proj.weight": ((F, D), "intermediate_size × hidden_size"),
+        "mlp.up_proj.weight": ((F, D), "intermediate_size × hidden_size"),
+        "mlp.down_proj.weight": ((D, F), "hidden_size × intermediate_size"),
+    }
+    if config.arch == "diff":
+        layer |= {f"self_attn.lambda_{n}": ((d,), "head_dim") for n in ("q1", "k1", "q2", "k2")}
     out: dict[str, tuple[tuple[int, ...], str]] = {"model.embed_tokens.weight": ((V, D), vd)}
-    for i in range(L):
-        p = f"model.layers.{i}."
-        out[p + "input_layernorm.weight"] = ((D,), "hidden_size")
-        out[p + "post_attention_layernorm.weight"] = ((D,), "hidden_size")
-        out[p + "self_attn.q_proj.weight"] = ((H * d, D), "num_attention_heads·head_dim × hidden_size")
-        out[p + "self_attn.k_proj.weight"] = ((Hk * d, D), "num_key_value_heads·head_dim × hidden_size")
-        out[p + "self_attn.v_proj.weight"] = ((Hk * d, D), "num_key_value_heads·head_dim × hidden_size")
-        out[p + "self_attn.o_proj.weight"] = ((D, H * d), "hidden_size × num_attention_heads·head_dim")
-        out[p + "mlp.gate_proj.weight"] = ((F, D), "intermediate_size × hidden_size")
-        out[p + "mlp.up_proj.weight"] = ((F, D), "intermediate_size × hidden_size")
-        out[p + "mlp.down_proj.weight"] = ((D, F), "hidden_size × intermediate_size")
-        if config.arch == "diff":
-            for n in ("q1", "k1", "q2", "k2"):
-                out[p + f"self_attn.lambda_{n}"] = ((d,), "head_dim")
+    out |= {f"model.layers.{i}.{k}": v for i in range(L) for k, v in layer.items()}
     out["model.norm.weight"] = ((D,), "hidden_size")
     if not config.tie_embeddings:
         out["lm_head.weight"] = ((V, D), vd)
@@ -208,7 +206,7 @@ def hf_config_dict(
 ) -> dict[str, Any]:
     """config.json of the transformers class for `config` (readable by transformers 4.48+ and 5.x)."""
     cls = hf_class_for(config)
-    out: dict[str, Any] = {
+    return {
         "architectures": [cls],
         "model_type": MODEL_TYPES[cls],
         "vocab_size": config.vocab_size,
@@ -232,10 +230,7 @@ def hf_config_dict(
         "pad_token_id": pad_id,
         "use_cache": True,
         "dtype": dtype,
-    }
-    return out | (
-        {"mlp_bias": False, "pretraining_tp": 1} if cls == LLAMA else {"lambda_std_dev": config.lambda_std}
-    )
+    } | ({"mlp_bias": False, "pretraining_tp": 1} if cls == LLAMA else {"lambda_std_dev": config.lambda_std})
 
 
 def _num(hf: dict[str, Any], key: str, where: Path, *, default: Any = None, integer: bool = True) -> Any:
@@ -268,11 +263,8 @@ def config_from_hf(hf: dict[str, Any], where: Path) -> tuple[ModelConfig, str]:
     """A transformers config.json (as a dict) → (ModelConfig, transformers class); an InteropError
     naming the key for what difftrain's model cannot compute exactly."""
     cls = hf_class_of(hf, where)
-    D = _num(hf, "hidden_size", where)
-    L = _num(hf, "num_hidden_layers", where)
-    H = _num(hf, "num_attention_heads", where)
-    V = _num(hf, "vocab_size", where)
-    F = _num(hf, "intermediate_size", where)
+    sizes = ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size", "intermediate_size")
+    D, L, H, V, F = (_num(hf, key, where) for key in sizes)
     Hk = _num(hf, "num_key_value_heads", where, default=H)
     d = hf.get("head_dim")
     if d is None:

@@ -56,8 +56,6 @@ DTYPES = {name: getattr(torch, name) for name in EXPORT_DTYPES}
 
 @dataclass
 class ExportResult:
-    """What `export_hf` wrote."""
-
     out_dir: Path
     hf_class: str
     arch: str
@@ -69,8 +67,6 @@ class ExportResult:
 
 @dataclass
 class ImportResult:
-    """What `import_hf` wrote."""
-
     run_dir: Path
     hf_class: str
     config: ModelConfig
@@ -120,14 +116,12 @@ def read_hf_weights(hf_dir: Path) -> dict[str, Tensor]:
                     f"{index} lists shard {name} but {shard} does not exist; the download is incomplete"
                 )
             tensors.update(_load_safetensors(shard)[0])
-        absent = [k for k in weight_map if k not in tensors]
-        if absent:
+        if absent := [k for k in weight_map if k not in tensors]:
             raise InteropError(
                 f"{index} maps {absent[0]} to {weight_map[absent[0]]} but that shard does not hold it"
             )
         return tensors
-    pickles = [n for n in ("pytorch_model.bin", "pytorch_model.bin.index.json") if (hf_dir / n).exists()]
-    if pickles:
+    if pickles := [n for n in ("pytorch_model.bin", "pytorch_model.bin.index.json") if (hf_dir / n).exists()]:
         raise InteropError(
             f"{hf_dir} has only {pickles[0]} (a pickle); difftrain reads safetensors only. Convert it with "
             '`python -c "from transformers import AutoModelForCausalLM as M; '
@@ -330,13 +324,15 @@ def _model_card(
         )
     after_eos = (
         "ids = torch.cat([torch.tensor([[tok.eos_token_id]]), ids], dim=1)  # a document starts after eos\n"
+        if prompt_format is None and not own_start
+        else ""
     )
-    after_eos = after_eos if prompt_format is None and not own_start else ""
     first = ", 1:" if own_start or prompt_format is None else ""  # the text after a start token
-    kind = {
-        "baseline": "A Llama-style Transformer",
-        "diff": "A Differential Transformer (Ye et al., ICLR 2025)",
-    }
+    kind = (
+        "A Differential Transformer (Ye et al., ICLR 2025)"
+        if config.arch == "diff"
+        else "A Llama-style Transformer"
+    )
     start_token = "tok.bos_token_id" if tok.document_start_id == tok.bos_id else str(tok.document_start_id)
     chat_snippet = (
         "\nFine-tuned on chat records: the template is in tokenizer_config.json, and "
@@ -356,7 +352,7 @@ def _model_card(
     )
     return (
         f"---\nlibrary_name: transformers\npipeline_tag: text-generation\ntags: [difftrain, {MODEL_TYPES[cls]}]\n---\n\n"
-        f"# {run_path.name}\n\n{kind[config.arch]} trained with difftrain and exported as `{cls}`: "
+        f"# {run_path.name}\n\n{kind} trained with difftrain and exported as `{cls}`: "
         f"d_model {config.d_model}, {config.n_layers} layer{'s' * (config.n_layers != 1)}, {config.n_heads} heads "
         f"({config.n_kv_heads} key/value heads), head_dim {config.head_dim}, vocabulary {config.vocab_size}, "
         f"context {config.max_seq_len}.\n\n"
@@ -433,8 +429,7 @@ def _tokenizer_notes(src: Path, tok: Any) -> list[str]:
         for i in ids if isinstance(ids, list) else [ids]:
             if isinstance(i, int) and not isinstance(i, bool) and 0 <= i < tok.vocab_size:
                 declared.setdefault(i, name)
-    others = {i: where for i, where in declared.items() if i != tok.eos_id}
-    if others:
+    if others := {i: where for i, where in declared.items() if i != tok.eos_id}:
         listed = ", ".join(f"{tok.id_to_token(i)} (id {i}, {where})" for i, where in sorted(others.items()))
         notes.append(
             f"the checkpoint declares {listed} as an end of text; difftrain ends documents and generations at "
@@ -514,5 +509,4 @@ def import_hf(
     )
     atomic_write_text(dst / RECIPE, header + recipe.to_yaml())
     files = sorted((WEIGHTS, TOKENIZER, CONFIG, RECIPE))  # what this import wrote
-    n = sum(t.numel() for t in sd.values())
-    return ImportResult(dst, cls, config, files, n, exact, notes)
+    return ImportResult(dst, cls, config, files, sum(t.numel() for t in sd.values()), exact, notes)
