@@ -1,3 +1,1 @@
-"""Inference: `generate.py` (the batched, KV-cached, streaming engine), `sampling.py` (the
-next-token samplers), `device.py` (device and dtype resolution), `prompts.py` (prompts as given),
-`session.py` (a loaded run turning prompts into completions) and `chat.py` (the REPLs)."""
+"""Inference: the KV-cached generation engine, its samplers, device choice, prompts, sessions, REPLs."""

@@ -1,6 +1,5 @@
 """A generation `Session`: a loaded run, how it reads prompts (`PromptStyle`) and the generation
-settings. Every prompt × sample is a `Row` with its own seed: row k of a session (counting earlier
-turns) draws with seed + k, so a sample does not depend on its batch."""
+settings; every prompt × sample is a `Row` with its own seed, so a sample does not depend on its batch."""
 
 from __future__ import annotations
 
@@ -84,11 +83,9 @@ class Result:
 
 
 def compiled_graphs() -> int:
-    """How many graphs torch.compile has made in this process (0 where it made none)."""
-    try:
-        from torch._dynamo.utils import counters
-    except ImportError:
-        return 0
+    """How many graphs torch.compile has made in this process."""
+    from torch._dynamo.utils import counters
+
     return int(counters["stats"].get("unique_graphs", 0))
 
 

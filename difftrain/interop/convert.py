@@ -245,8 +245,7 @@ def _num(hf: dict[str, Any], key: str, where: Path, *, default: Any = None, inte
 def hf_class_of(hf: dict[str, Any], where: Path) -> str:
     """The supported transformers class a config.json describes, or an InteropError naming it."""
     archs = hf.get("architectures") or []
-    if isinstance(archs, str):
-        archs = [archs]
+    archs = [archs] if isinstance(archs, str) else archs
     if supported := [a for a in archs if a in SUPPORTED_ARCHITECTURES]:
         return supported[0]
     by_type = {t: c for c, t in MODEL_TYPES.items()}
@@ -396,9 +395,8 @@ def hf_tokenizer_files(tokenizer: Any, model_max_length: int, chat: Any = None) 
         "clean_up_tokenization_spaces": False,
         "add_bos_token": False,
         "add_eos_token": False,
+        **({"chat_template": jinja_chat_template(chat)} if chat is not None else {}),
     }
-    if chat is not None:
-        cfg["chat_template"] = jinja_chat_template(chat)
     return {
         "tokenizer_config.json": json_text(cfg),
         "special_tokens_map.json": json_text({**special, "additional_special_tokens": extra}),
