@@ -77,11 +77,6 @@ def read_python_source(path: Path) -> str:
         return data.decode("utf-8", errors="replace")
 
 
-def python_stdlib_documents(files: Sequence[Path]) -> Iterator[str]:
-    """Each stdlib source file as one document (empty files skipped)."""
-    return (text for text in map(read_python_source, files) if text.strip())
-
-
 def _function_record(
     lines: list[str], node: ast.FunctionDef | ast.AsyncFunctionDef, cls: ast.ClassDef | None
 ) -> tuple[str, str] | None:

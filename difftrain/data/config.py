@@ -266,9 +266,7 @@ class SourceSpec(BaseModel):
         path with a separator), resolved against `base_dir`; None for a hub dataset."""
         name = self.hf_parts()[0]
         p = resolve_path(name, base_dir)
-        if name.startswith((".", "/", "~")) or (os.sep in name and p.exists()):
-            return p
-        return None
+        return p if name.startswith((".", "/", "~")) or (os.sep in name and p.exists()) else None
 
     @property
     def kind(self) -> Literal["builtin", "hf", "path"]:
@@ -396,8 +394,7 @@ class DataConfig(BaseModel):
         from difftrain.io import uncreatable_reason
 
         path = self.resolved_cache_dir()
-        why = uncreatable_reason(path)
-        if why is None:
+        if (why := uncreatable_reason(path)) is None:
             return path
         if self.cache_dir:
             origin, fix = "data.cache_dir", "set data.cache_dir to a folder you can write"

@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlparse
 
 from difftrain.data.config import resolve_path
 from difftrain.errors import DataError
@@ -243,8 +244,6 @@ def _unreachable_hub() -> str | None:
         for v in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")
     ):
         return None
-    from urllib.parse import urlparse
-
     host = urlparse(os.environ.get("HF_ENDPOINT") or "https://huggingface.co").hostname or "huggingface.co"
     try:
         socket.getaddrinfo(host, 443)

@@ -9,6 +9,7 @@ Lightning from adding a sampler.
 
 from __future__ import annotations
 
+import itertools
 import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -139,10 +140,8 @@ class _Endless(IterableDataset):
 
     def __iter__(self) -> Iterator[Any]:
         worker, n_workers = _worker_slice()
-        j = worker
-        while True:
+        for j in itertools.count(worker, n_workers):
             yield self.make(self.batch_indices(j))
-            j += n_workers
 
 
 class _Fixed(IterableDataset):

@@ -142,8 +142,7 @@ def recall_documents(spec: RecallSpec) -> Iterator[str]:
 
 
 def estimated_bytes(spec: RecallSpec) -> int:
-    per_pair = 6 + 3 * spec.distractor_rate
-    return int(spec.num_documents * (spec.n_pairs * per_pair + 6 * spec.n_queries))
+    return int(spec.num_documents * (spec.n_pairs * (6 + 3 * spec.distractor_rate) + 6 * spec.n_queries))
 
 
 def record_segments(record: dict[str, object]) -> list[tuple[str, bool]]:

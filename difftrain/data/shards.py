@@ -216,8 +216,7 @@ def _training_texts(
             docs += taken
             if progress is not None and taken and docs % 64 == 0:
                 progress(PrepareProgress("tokenizer", s.spec.source, docs, used, 0, total))
-        if stats.documents == 0:
-            require_documents(s, stats)
+        require_documents(s, stats)
     if used == 0 and first is not None:
         used, docs = len(first), 1
         yield first
@@ -281,8 +280,7 @@ def prepare_tokenizer(
     if complete:
         return final / "tokenizer.json", True, time.perf_counter() - t0
     data_cfg.check_cache_dir()
-    trained = tok is None
-    if tok is None:
+    if trained := tok is None:
         sources = resolve_sources(data_cfg, base_dir) if sources is None else sources
         tok = train_tokenizer(
             _training_texts(sources, data_cfg, tok_cfg.train.max_bytes, progress), tok_cfg.train
@@ -342,7 +340,7 @@ def _build_shards(
     start = np.array([tok.document_start_id] if tok.document_start_id != tok.eos_id else [], dtype=dtype)
     train, val = _ShardWriter(out / "train.bin"), _ShardWriter(out / "val.bin")
     estimates = [s.estimated_bytes() for s in sources]
-    total_est = sum(e for e in estimates if e) if None not in estimates else None
+    total = sum(e for e in estimates if e) if None not in estimates else None
     all_stats: list[SourceStats] = []
     seen_bytes = seen_docs = seen_tokens = 0
     try:
@@ -370,9 +368,7 @@ def _build_shards(
                 seen_bytes += sum(map(len, batch))
                 if progress is not None:
                     progress(
-                        PrepareProgress(
-                            "shards", s.spec.source, seen_docs, seen_bytes, seen_tokens, total_est
-                        )
+                        PrepareProgress("shards", s.spec.source, seen_docs, seen_bytes, seen_tokens, total)
                     )
             require_documents(s, stats)
     finally:

@@ -163,9 +163,7 @@ class Source:
             local = self.spec.hf_local_dir(self.base_dir)
             if local is not None:
                 _, config, split = self.spec.hf_parts()
-                spec["source"] = (
-                    f"hf:{os.path.realpath(local)}" + (f":{config}" if config else "") + f"@{split}"
-                )
+                spec["source"] = f"hf:{os.path.realpath(local)}{f':{config}' if config else ''}@{split}"
             if spec.get("data_files"):
                 spec["data_files"] = [os.path.realpath(self._resolve(f)) for f in self.spec.data_files or []]
         return spec
@@ -275,14 +273,13 @@ class Source:
 
     def documents(self, stats: SourceStats, policy: BadRecordPolicy = "error") -> Iterator[str]:
         """The documents of this source, in a deterministic order; updates `stats`."""
-        limit = self.spec.max_documents
         for text in self._raw_documents(stats, policy):
             if not text:
                 continue
             stats.documents += 1
             stats.bytes += len(text.encode("utf-8"))
             yield text
-            if limit is not None and stats.documents >= limit:
+            if stats.documents == self.spec.max_documents:
                 return
 
     @property
@@ -400,7 +397,7 @@ class Source:
 
 
 _BUILTIN_DOCUMENTS: dict[str, Callable[[Source], Iterator[str]]] = {
-    "builtin:python-stdlib": lambda s: builtin.python_stdlib_documents(s.files),
+    "builtin:python-stdlib": lambda s: (t for t in map(builtin.read_python_source, s.files) if t.strip()),
     "builtin:python-docstrings": lambda s: (
         r["prompt"] + r["response"] for r in builtin.python_docstring_records(s.spec.docstrings, s.files)
     ),
@@ -426,6 +423,9 @@ def check_local_sources(data_cfg: DataConfig, base_dir: str | os.PathLike[str]) 
     check_distinct(sources)
 
 
+_WHAT_AND_HOW_MUCH = {"source", "weight", "data_files", "max_documents", "streaming"}
+
+
 def check_distinct(sources: list[Source]) -> None:
     """DataError where two sources read the same documents (the same file however named, or the
     same dataset) the same way: each source is split into training and validation on its own,
@@ -433,12 +433,7 @@ def check_distinct(sources: list[Source]) -> None:
     seen: dict[tuple[Any, ...], Source] = {}
     for src in sources:
         # how the source reads its documents (fields, a builtin's settings)
-        how = json.dumps(
-            src.spec.model_dump(
-                mode="json", exclude={"source", "weight", "data_files", "max_documents", "streaming"}
-            ),
-            sort_keys=True,
-        )
+        how = json.dumps(src.spec.model_dump(mode="json", exclude=_WHAT_AND_HOW_MUCH), sort_keys=True)
         keys: list[tuple[Any, ...]]
         if src.spec.kind == "path":
             keys = [("file", f.resolve(), how) for f in src.files]
