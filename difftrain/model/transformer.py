@@ -92,12 +92,10 @@ class KVCache:
         self.key_padding_mask.fill_(True)
         self.next_position.zero_()
 
-    def start_static(self) -> None:
-        """From now on each forward is one static step at slot `length` (see the class docstring)."""
+    def start_static(self) -> None:  # each forward from now on: one static step at slot `length`
         self.slot = torch.tensor(self.length, device=self.next_position.device)
 
-    def static_step_done(self) -> None:
-        """Advance past the token a static step wrote."""
+    def static_step_done(self) -> None:  # past the token a static step wrote
         assert self.slot is not None
         self.length += 1
         self.next_position += 1

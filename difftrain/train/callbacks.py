@@ -155,8 +155,7 @@ class RunCallback(L.Callback):
             "(press Ctrl-C again to quit at once)[/]"
         )
 
-    def _say(self, text: str) -> None:
-        """Print `text` on the console of rank 0."""
+    def _say(self, text: str) -> None:  # on the console of rank 0
         if self.console is not None and self._speaks:
             self.console.print(text)
 
@@ -275,8 +274,7 @@ class RunCallback(L.Callback):
         """The progress bar at the current step, with the newest val loss and its step."""
         if self._progress is None:
             return
-        val = self.state.last_val
-        parts = self._figures(trainer, pl_module)
+        parts, val = self._figures(trainer, pl_module), self.state.last_val
         if math.isfinite(val):
             parts.append(f"val {val:.4f} (step {self.state.last_val_step})")
         self._progress.update(self._task, completed=trainer.global_step, info=" · ".join(parts))
@@ -339,8 +337,7 @@ class RunCallback(L.Callback):
             return f" (no rollback: {e})"
         if ckpt is None:
             return " (no checkpoint yet to roll back to)"
-        opt = trainer.optimizers[0]
-        sched = trainer.lr_scheduler_configs[0].scheduler
+        opt, sched = trainer.optimizers[0], trainer.lr_scheduler_configs[0].scheduler
         factor = self.cfg.spike_lr_factor
         next_lrs = [g["lr"] * factor for g in opt.param_groups]
         pl_module.load_state_dict(ckpt["state_dict"], strict=pl_module.strict_loading)
@@ -390,19 +387,17 @@ class RunCallback(L.Callback):
     def on_validation_end(self, trainer: L.Trainer, pl_module: Any) -> None:
         val = trainer.callback_metrics.get("val/loss")
         if val is not None:
-            v = float(val)
-            self.state.last_val = v
+            v = self.state.last_val = float(val)
             self.state.last_val_step = trainer.global_step
             self.state.best_val = min(self.state.best_val, v)
+            metrics = {
+                "val/loss": v,
+                "val/ppl": math.exp(min(v, 50.0)),
+                "train/tokens": float(pl_module.tokens_seen),
+            }
             for logger in trainer.loggers:
                 logger.log_metrics(
-                    {
-                        "val/loss": v,
-                        "val/ppl": math.exp(min(v, 50.0)),
-                        "train/tokens": float(pl_module.tokens_seen),
-                        "train/time_s": pl_module.train_time,
-                    },
-                    step=trainer.global_step,
+                    {**metrics, "train/time_s": pl_module.train_time}, step=trainer.global_step
                 )
             self._show(trainer, pl_module)  # validation runs after the step's update of the bar
             if trainer.global_step > 0:  # not Lightning's sanity check

@@ -35,11 +35,7 @@ PREPARE_TIMEOUT = timedelta(hours=6)  # how long ranks wait for rank 0's data pr
 
 def compute_dtype(precision: str) -> torch.dtype:
     """The dtype a Lightning `precision` computes in."""
-    if precision.startswith("bf16"):
-        return torch.bfloat16
-    if precision.startswith("16"):
-        return torch.float16
-    return torch.float32
+    return {"bf": torch.bfloat16, "16": torch.float16}.get(precision[:2], torch.float32)
 
 
 def build_strategy(recipe: Any, world_size: int) -> Any:
@@ -219,11 +215,7 @@ def _launched_processes() -> int:
 def require_node_launcher(num_nodes: int) -> None:
     """DeviceError for a run over several machines that no launcher (torchrun, srun) started:
     joining would wait for the other nodes forever."""
-    if (
-        num_nodes <= 1
-        or _launched_processes() > 1
-        or ("MASTER_ADDR" in os.environ and "NODE_RANK" in os.environ)
-    ):
+    if num_nodes <= 1 or _launched_processes() > 1 or {"MASTER_ADDR", "NODE_RANK"} <= os.environ.keys():
         return
     raise DeviceError(
         f"train.num_nodes={num_nodes} runs on {num_nodes} machines, but no launcher started this one "
@@ -294,10 +286,4 @@ def start(recipe: Any, *, accelerator: str, devices: int, num_nodes: int) -> Dis
     # tear the process group down before the interpreter does: gloo's threads would otherwise
     # abort a finished run whose peer closed first (exit code 134)
     atexit.register(_destroy_process_group)
-    return DistContext(
-        rank=strategy.global_rank,
-        local_rank=strategy.local_rank,
-        world_size=strategy.world_size,
-        children=children,
-        _group=group,
-    )
+    return DistContext(strategy.global_rank, strategy.local_rank, strategy.world_size, children, group)

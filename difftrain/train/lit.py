@@ -75,21 +75,17 @@ class LitLM(L.LightningModule):
         object.__setattr__(self, "_forward", torch.compile(model) if compile else model)
         # dimensions of the parameters before any sharding (FSDP flattens them to 1-D shards)
         self._param_ndims = {n: p.ndim for n, p in model.named_parameters()}
-        self._micro = 0
-        self._loss_sum = 0.0
-        self._tokens_pending = 0
+        self._micro, self._loss_sum, self._tokens_pending = 0, 0.0, 0
         self._val_stats: torch.Tensor | None = None
         self._bad_steps = 0
         # steps whose figures are still on the device: (step, lr, grad names, figures)
         self._pending: list[tuple[int, float, list[str], torch.Tensor]] = []
-        self.micro_batches_seen = 0  # the data position for exact resume
-        self.tokens_seen = 0
-        self.skipped_steps = 0
+        # micro_batches_seen (the data position for exact resume), tokens_seen, skipped_steps and
+        # train_time (seconds spent in training steps: resumed runs add to it)
+        self.__dict__.update(RESUME_STATE)
         self.stepped = False  # True right after an optimizer step, skipped or not (read by the run callback)
-        self.last_loss = float("nan")
-        self.last_grad_norm = float("nan")
+        self.last_loss = self.last_grad_norm = float("nan")
         self.last_lr = float("nan")  # the lr of the last optimizer step (the scheduler has moved on)
-        self.train_time = 0.0  # seconds spent in training steps (resumed runs add to it)
         self._t0: float | None = None
         self.fault_hook = None  # callable(step, loss) -> loss: the reliability tests' faults
         self.resume_path = None  # the checkpoint being resumed (named in load errors)
