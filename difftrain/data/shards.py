@@ -177,7 +177,12 @@ def _building(final: Path) -> Iterator[Path]:
 
 
 def _dir_bytes(path: Path) -> int:
-    return sum(p.stat().st_size for p in path.iterdir() if p.is_file())
+    """Bytes of the files in `path`; a file another run renames or removes meanwhile counts 0."""
+    total = 0
+    for p in path.iterdir():
+        with contextlib.suppress(FileNotFoundError):
+            total += p.stat().st_size if p.is_file() else 0
+    return total
 
 
 def _training_texts(
