@@ -34,7 +34,6 @@ from difftrain.spec import resolve
 Progress = Callable[[str], None]
 
 
-# ----- memory --------------------------------------------------------------------------------------
 def _proc_status_bytes(field: str) -> int:
     """A `kB` field of /proc/self/status (VmRSS, VmHWM) in bytes."""
     with open("/proc/self/status", encoding="ascii") as f:
@@ -95,7 +94,6 @@ def cpu_tensor_peak(step: Callable[[], None], model: Any, opt: Any, *batch: torc
     return sum(t.numel() * t.element_size() for t in tensors) + optimizer_state_bytes(opt) + top
 
 
-# ----- one training step -----------------------------------------------------------------------------
 def training(cfg: Any, train: Any, optim: Any, x: torch.Tensor, y: torch.Tensor) -> tuple[Any, Any, Callable]:
     """A model of `cfg` on x's device, its optimizer, and one step as training takes it: forward,
     backward, clip, optimizer step (no loss scaling)."""
@@ -246,7 +244,6 @@ def _device(device: torch.device) -> dict[str, Any]:
     }
 
 
-# ----- the planner's check ----------------------------------------------------------------------------
 def measure_training_peak(spec: dict[str, Any]) -> dict[str, Any]:
     """The peak memory that 3 training steps of `spec` (device, config, batch, seq_len, optimizer,
     checkpointing, precision) add (`measured_peak`: call it in a fresh process) and, on a CPU,

@@ -62,7 +62,6 @@ class StopRequested(Exception):
         self.is_global_zero = is_global_zero  # (the other processes of a run say nothing)
 
 
-# ----- a pydantic ValidationError as one line -----------------------------------------------------
 # Names users bring from other tools → our key (did-you-mean when string similarity fails).
 ALIASES: dict[str, str] = dict(
     pair.split("=")

@@ -45,7 +45,6 @@ NF4_BYTES_PER_PARAM = 0.5 + 1 / 64 + 4 / (64 * 256)  # 4-bit codes, 8-bit absmax
 OPTIMIZERS = ("adamw", "adamw8bit", "paged_adamw8bit", "lion8bit")
 
 
-# ----- parameters --------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Param:
     """One parameter tensor; `matmul`: a matmul reads it (autocast makes a bf16 copy of it)."""
@@ -122,7 +121,6 @@ def optimizer_bytes(params: Iterable[Param], name: str, param_bytes: int = 4) ->
     return sum(state(p.numel) for p in params if p.trained)
 
 
-# ----- activations -------------------------------------------------------------------------------
 def _dtype_family(precision: str) -> str:
     return {"bf16-mixed": "mixed", "16-mixed": "mixed", "bf16-true": "true", "16-true": "true"}.get(
         precision, "fp32"
@@ -288,7 +286,6 @@ def activations(
     return Activations(layers, outside, copies, recompute)
 
 
-# ----- the plan -----------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Target:
     """The device a plan is for: `cuda` (GPU memory) or `cpu` (RAM)."""

@@ -87,7 +87,6 @@ def activation_table(config: ModelConfig, settings: Settings, target: Target) ->
     return rows
 
 
-# ----- making it fit -----------------------------------------------------------------------------
 @dataclass
 class Suggestion:
     """A set of recipe changes (dotted key → value) that makes the run fit, and its cost."""
@@ -178,7 +177,6 @@ def _dominates(a: dict[str, Any], b: dict[str, Any]) -> bool:
     return all(k in b and not (k in far and b[k] > v) for k, v in a.items())
 
 
-# ----- recipes -----------------------------------------------------------------------------------
 def plan_target(recipe: Any, gpu_mem: str | None = None, device: str = "auto") -> Target:
     """`detect_target`'s target where train.accelerator allows it: a recipe pinned to the CPU (or
     MPS) is planned against the RAM, one pinned to CUDA needs --gpu-mem or a GPU here."""

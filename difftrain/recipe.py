@@ -40,7 +40,6 @@ MAX_YAML_NODES = 100_000  # guards against alias "billion laughs" bombs
 MAX_RECIPE_BYTES = 1_000_000
 
 
-# ----- shipped recipes ----------------------------------------------------------------------------
 def shipped_recipes_dir() -> Path:
     """The repo's recipes/ folder, installed as difftrain.recipes."""
     repo = Path(__file__).resolve().parent.parent / "recipes"
@@ -109,7 +108,6 @@ def find_recipe(ref: str | os.PathLike[str], relative_to: Path | None = None) ->
     )
 
 
-# ----- YAML with line numbers ---------------------------------------------------------------------
 def _count_nodes(node: yaml.Node, budget: list[int], seen_depth: int = 0) -> None:
     budget[0] -= 1
     if budget[0] < 0:
@@ -258,7 +256,6 @@ def _load_tree(
     return merged, base_where
 
 
-# ----- overrides ----------------------------------------------------------------------------------
 class RecipeLoader(yaml.SafeLoader):
     """PyYAML's safe loader that also reads 1e6, 3e-4, 1_000e3 as floats (YAML 1.1 wants 1.0e+6)."""
 
@@ -391,7 +388,6 @@ def apply_overrides(data: dict[str, Any], overrides: list[str], folder: Path | N
     return out
 
 
-# ----- the loader ---------------------------------------------------------------------------------
 def _non_finite(data: Any, prefix: str = "") -> str | None:
     """The dotted key of the first NaN or infinite number in a recipe tree, or None."""
     if isinstance(data, float) and not math.isfinite(data):

@@ -307,7 +307,6 @@ def load_run_tokenizer(path: Path) -> Tokenizer:
     return load_tokenizer(path / TOKENIZER, fix=restore)
 
 
-# ----- adapter runs (LoRA fine-tunes not merged; made by difftrain.adapters) ----------------------
 FORMAT = "difftrain-lora"
 VERSION = 1
 

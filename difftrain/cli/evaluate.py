@@ -78,7 +78,6 @@ def _suite_parts(values: list[str] | None) -> list[str]:
     return [p.strip() for v in values or ["ppl"] for p in v.split(",") if p.strip()]
 
 
-# ----- rendering -------------------------------------------------------------------------------
 def _acc_cell(v: float | None) -> str:
     if v is None:
         return "—"

@@ -21,35 +21,17 @@ from difftrain.spec import Batch, Machine, resolve
 # what a run's start writes before its first step: a folder holding only these trained nothing
 STARTUP_FILES = {RECIPE, CONFIG, TOKENIZER}
 
-# keys that may change between a run and its resume (how long, how often, where to log)
-RESUMABLE_CHANGES = {
-    "train.max_steps",
-    "train.max_tokens",
-    "train.resume",
-    "train.log_every",
-    "train.val_every",
-    "train.save_every",
-    "train.keep_checkpoints",
-    "train.nan_skip_limit",
-    "train.spike_factor",
-    "train.spike_rollback",
-    "train.spike_lr_factor",
-    "train.devices",
-    "train.num_nodes",
-    # how a step's batch is split: free to change while the global batch stays (`_global_batch`)
-    "train.micro_batch_size",
-    "train.global_batch_size",
-    "train.activation_checkpointing",
-    "train.compile",  # the same step, compiled or not (its checkpoint holds no compiled state)
-    "train.strategy",
-    "train.fsdp",
-    "data.val_windows",
-    "logging",
-    "description",
-    "data.num_workers",
-    "data.pin_memory",
-    "data.cache_dir",
-}
+# Keys a resume may change: how long, how often, where to log; how a step's batch is split (free
+# while the global batch stays, `_global_batch`); compile (its checkpoint holds no compiled state).
+RESUMABLE_CHANGES = set(
+    """
+    train.max_steps train.max_tokens train.resume train.log_every train.val_every train.save_every
+    train.keep_checkpoints train.nan_skip_limit train.spike_factor train.spike_rollback
+    train.spike_lr_factor train.devices train.num_nodes train.micro_batch_size train.global_batch_size
+    train.activation_checkpointing train.compile train.strategy train.fsdp data.val_windows logging
+    description data.num_workers data.pin_memory data.cache_dir
+    """.split()
+)
 
 
 def _within(key: str, prefixes: Any) -> bool:
