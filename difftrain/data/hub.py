@@ -57,8 +57,7 @@ class HubDataset:
     are resolved and loaded once."""
 
     def __init__(self, source: Any) -> None:
-        self.source = source
-        self.spec = source.spec
+        self.source, self.spec = source, source.spec
         self._ds: Any = None
         self._files: list[Path] | None = None
 

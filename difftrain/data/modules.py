@@ -79,12 +79,8 @@ class _ResumableDataModule(L.LightningDataModule):
         super().__init__()
         if micro_batch_size < 1:
             raise DataError(f"micro_batch_size must be at least 1, got {micro_batch_size}")
-        self.micro_batch_size = micro_batch_size
-        self.seed = seed
-        self.num_workers = num_workers
-        self.pin_memory = pin_memory
-        self._rank = rank
-        self._world_size = world_size
+        self.micro_batch_size, self.seed, self.num_workers = micro_batch_size, seed, num_workers
+        self.pin_memory, self._rank, self._world_size = pin_memory, rank, world_size
         self.consumed_samples = 0
         """Global training samples consumed (all ranks); the next batch starts here."""
 
@@ -437,11 +433,8 @@ class SFTDataModule(_ResumableDataModule):
         super().__init__(micro_batch_size, seed, num_workers, pin_memory)
         if not train_records:
             raise DataError("no fine-tuning records: the training set is empty; check data.sources")
-        self.tokenizer = tokenizer
-        self.max_seq_len = max_seq_len
-        self.template = template or PromptResponseTemplate()
-        self.train_on_prompt = train_on_prompt
-        self.add_eos = add_eos
+        self.tokenizer, self.max_seq_len, self.add_eos = tokenizer, max_seq_len, add_eos
+        self.template, self.train_on_prompt = template or PromptResponseTemplate(), train_on_prompt
         self.length = max_seq_len if pad_to_max_seq_len else None
         self._records = (list(train_records), list(val_records))
         self.train_examples: list[tuple[list[int], list[int]]] = []

@@ -40,8 +40,7 @@ def render_messages(messages: Any, chat: Any) -> list[Segment]:
                 "`role` and a string `content`"
             )
         role, content = m["role"], m["content"]
-        fmt = chat.roles.get(role)
-        if fmt is None:
+        if (fmt := chat.roles.get(role)) is None:
             snippet = content[:40] + ("…" if len(content) > 40 else "")
             raise DataError(
                 f"message {i} of a `messages` record has role '{role}' ({snippet!r}), which the chat template "

@@ -243,8 +243,7 @@ def _tokenizer_key(data_cfg: DataConfig, tok_cfg: TokenizerConfig, sources: list
 
 
 def _trained_tokenizer(final: Path) -> Tokenizer | None:
-    """The tokenizer of a trained cache entry, or None where it is missing, damaged, or not the
-    one its meta.json records (edited): such an entry is trained again."""
+    """The tokenizer of a trained cache entry; None where it is missing, damaged or edited."""
     try:
         tok = load_tokenizer(final / "tokenizer.json")
         meta = json.loads((final / "meta.json").read_text(encoding="utf-8"))
@@ -466,8 +465,7 @@ def cached_index(
 
 
 def check_split_sizes(train_tokens: int, val_tokens: int, seq_len: int, val_windows: int) -> None:
-    """DataError for a split too short for one window of seq_len + 1 tokens (validation only if
-    it runs)."""
+    """DataError for a split too short for one window (validation only if `val_windows`)."""
     window = seq_len + 1
     if train_tokens < window:
         raise DataError(

@@ -123,8 +123,7 @@ class Source:
         )
 
     def _start_note(self, raw: str) -> str:
-        """For a message: where a relative path started, and for a Windows-style path, that
-        folders are separated by /."""
+        """For a message: where a relative path started; for a Windows-style path, to use /."""
         note = "" if Path(raw).expanduser().is_absolute() else f" (relative paths start at {self.base_dir})"
         if os.sep == "/" and any(c in raw for c in "\\\t\n\r"):
             note += (
@@ -221,11 +220,10 @@ class Source:
     def _texts(
         self, rows: Iterator[tuple[str, dict[str, Any]]], stats: SourceStats, policy: BadRecordPolicy
     ) -> Iterator[str]:
-        f = self.spec.text_field
-        for where, rec in rows:
-            text = self._field(where, rec, f, "text_field", stats, policy)
-            if text is not None:
-                yield text
+        texts = (
+            self._field(where, rec, self.spec.text_field, "text_field", stats, policy) for where, rec in rows
+        )
+        yield from (t for t in texts if t is not None)
 
     def record_fields(self) -> set[str] | None:
         """The field names of the source's records as its first record shows them (a dataset's

@@ -46,12 +46,10 @@ def items(seed: int, count: int, tag: str) -> list[tuple[str, int]]:
     want = [i % 2 for i in range(count)]
     random.Random(stable_seed("icl-order", tag, seed)).shuffle(want)
     facts = (
-        make_needle_example(context_chars=1, n_needles=1, seed=stable_seed("icl-fact", tag, seed, k)).needles[
-            0
-        ]
+        make_needle_example(context_chars=1, n_needles=1, seed=stable_seed("icl-fact", tag, seed, k)).needles
         for k in itertools.count()
     )
-    labelled = ((nd.sentence, int(int(nd.value) >= 5_000_000)) for nd in facts)
+    labelled = ((nd.sentence, int(int(nd.value) >= 5_000_000)) for (nd,) in facts)
     return [next(f for f in labelled if f[1] == label) for label in want]
 
 

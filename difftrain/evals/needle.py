@@ -242,14 +242,6 @@ def _too_short(tokenizer: Any, max_seq_len: int, n: int, low: int) -> str:
     )
 
 
-def dropped_note(grid: NeedleGrid, opts: EvalOptions, max_seq_len: int) -> list[str]:
-    """A note naming the default (N, R) configurations too large for the model's context."""
-    default = [] if opts.needles is not None else NEEDLES_FULL if opts.full else NEEDLES_QUICK
-    gone = [f"{n}x{r}" for n, r in default if (n, r) not in grid.needles]
-    note = f"needle configurations {', '.join(gone)} do not fit max_seq_len={max_seq_len} and were left out"
-    return [note] if gone else []
-
-
 def grid_prompts(tokenizer: Any, max_seq_len: int, grid: NeedleGrid, seed: int) -> list[NeedlePrompt]:
     """Every prompt of the grid, in cell order (length, N×R, depth, sample)."""
     return [
@@ -371,14 +363,19 @@ def grid_settings(grid: NeedleGrid, seed: int) -> dict[str, Any]:
 
 
 def run(run: Run, opts: EvalOptions, progress: Progress = _no_progress) -> SuiteOutput:
-    grid = default_grid(run.tokenizer, run.config.max_seq_len, opts)  # type: ignore[attr-defined]
+    max_len = run.config.max_seq_len  # type: ignore[attr-defined]
+    grid = default_grid(run.tokenizer, max_len, opts)
+    default = [] if opts.needles is not None else NEEDLES_FULL if opts.full else NEEDLES_QUICK
+    gone = [f"{n}x{r}" for n, r in default if (n, r) not in grid.needles]  # too large for the context
     res = evaluate_grid(
         run.model, run.tokenizer, grid, seed=opts.seed, batch_size=opts.batch_size, progress=progress
     )
     out = SuiteOutput(
         settings=grid_settings(grid, opts.seed),
         results=res,
-        notes=dropped_note(grid, opts, run.config.max_seq_len),  # type: ignore[attr-defined]
+        notes=[f"needle configurations {', '.join(gone)} do not fit max_seq_len={max_len} and were left out"]
+        if gone
+        else [],
         headline=[headline("accuracy", res["accuracy"], "higher", ".3f")]
         + [
             headline(f"acc N={b['n_needles']} R={b['n_queries']}", b["accuracy"], "higher", ".3f")

@@ -327,7 +327,6 @@ def eval_windows(
     offsets = val_window_offsets(n_tokens, window, count)
     mm = np.memmap(path, dtype=prepared.dtype, mode="r", shape=(n_tokens,))
     arr = np.stack([np.asarray(mm[o : o + window], dtype=np.int64) for o in offsets])
-    del mm
     import torch
 
     return TokenWindows(
