@@ -223,11 +223,8 @@ def spec_rows(spec: Any, padded: bool = False) -> list[tuple[str, str]]:
 def run_row(spec: Any, resuming: bool, point: Any, overwrite: bool) -> tuple[str, str]:
     """A dry run's `run` row: the folder and what the run would do with it."""
     if resuming:
-        action = f"resumes from step {point.step}"
-    elif overwrite and spec.run_dir.exists():
-        action = "replaces the run there (--overwrite)"
-    else:
-        action = "a new run"
+        return ("run", f"{spec.run_dir} (resumes from step {point.step})")
+    action = "replaces the run there (--overwrite)" if overwrite and spec.run_dir.exists() else "a new run"
     return ("run", f"{spec.run_dir} ({action})")
 
 
@@ -269,8 +266,7 @@ def check_files(r: Any) -> None:
         base_run_dir(r.finetune)
     check_record_fields(r)
     check_local_sources(r.data, r.recipe_dir)
-    tok = r.tokenizer.file(r.recipe_dir) if r.finetune is None else None  # (a fine-tune: its base's)
-    if tok is not None:
+    if r.finetune is None and (tok := r.tokenizer.file(r.recipe_dir)) is not None:  # a fine-tune: its base's
         tokenizer_file(tok)
     if r.finetune is None or resolve_data_format(r) == "text":
         try:  # the data cache must be writable unless it holds the prepared data already
@@ -327,8 +323,7 @@ def end_rows(summary: dict[str, Any], loss: Any, throughput_note: str = "") -> l
 
 def peak_memory(summary: dict[str, Any]) -> str:
     """The peak-memory cell ("—" where not measured; rank 0's of several processes)."""
-    rss = summary.get("peak_rss_mb")
-    gpu = summary.get("peak_gpu_mem_mb")
+    rss, gpu = summary.get("peak_rss_mb"), summary.get("peak_gpu_mem_mb")
     text = ("RSS —" if rss is None else f"RSS {rss:.0f} MiB") + (f" · GPU {gpu:.0f} MiB" if gpu else "")
     n = summary.get("devices") or 1
     return f"{text} (rank 0 of {n} processes)" if isinstance(n, int) and n > 1 and (rss or gpu) else text
@@ -339,9 +334,7 @@ def fmt_figure(value: float | None, fmt: str = ".4f") -> str:
     if value is None:
         return "—"
     text = format(value, fmt)
-    if text.startswith("-") and not text.strip("-0.,%"):
-        text = format(0.0, fmt)
-    return text
+    return format(0.0, fmt) if text.startswith("-") and not text.strip("-0.,%") else text
 
 
 _PEER_LOST = (
@@ -354,17 +347,14 @@ _PEER_LOST = (
 
 
 def first_line(e: BaseException, limit: int = 160) -> str:
-    """The first sentence of an exception's message, cut to `limit` characters."""
-    line = (str(e).strip().splitlines() or [type(e).__name__])[0]
-    line = re.sub(r"^\[[^\]]*\]\s*", "", line)  # gloo's "[/path/to/source.cc:123] " prefix
-    line = line.split(". ", 1)[0]  # the first sentence: the advice after it is gloo's, not ours
+    """The first sentence of an exception's message (less gloo's "[file.cc:123] " prefix and advice)."""
+    line = re.sub(r"^\[[^\]]*\]\s*", "", (str(e).strip().splitlines() or [type(e).__name__])[0])
+    line = line.split(". ", 1)[0]
     return line if len(line) <= limit else line[: limit - 1] + "…"
 
 
 def report_finished(result: Any, command: str) -> None:
     """What a resume of a finished run says: nothing was trained, what it repaired, how to train on."""
-    from rich.markup import escape
-
     for note in result.notes:
         warn(note, "repaired")
     console.print(
@@ -383,7 +373,6 @@ def run_training(command: str, train: Any, recipe: Any, on_start: Any, on_end: A
     import signal
 
     import torch
-    from rich.markup import escape
 
     from difftrain.errors import DeviceError, StopRequested, TrainingError
 

@@ -87,8 +87,7 @@ def compare_command(
     cmp = compare_runs(run_dirs, suites or None)
     written = plot_curves(cmp, plot) if plot is not None else None
     if as_json:
-        doc = cmp.as_dict()
-        doc["plot"] = str(written) if written else None
+        doc = {**cmp.as_dict(), "plot": str(written) if written else None}
         sys.stdout.write(json.dumps(doc, indent=2) + "\n")
         return
     render(cmp)

@@ -61,12 +61,11 @@ def parse_suites(values: list[str] | None) -> list[str]:
     from difftrain.evals import SUITES, check_suite
 
     parts = _suite_parts(values)
-    for part in parts:
-        if "@" in part:
-            raise ConfigError(
-                f"--suite {part} names a stored result on another source: run it with --suite "
-                f"{part.split('@')[0]} --data SOURCE, or print it with --show --suite {part}"
-            )
+    if part := next((p for p in parts if "@" in p), None):
+        raise ConfigError(
+            f"--suite {part} names a stored result on another source: run it with --suite "
+            f"{part.split('@')[0]} --data SOURCE, or print it with --show --suite {part}"
+        )
     names = [s for p in parts for s in (SUITES if p.lower() == "all" else [check_suite(p)])]
     if not names:
         raise ConfigError("--suite is empty; choose from " + ", ".join(SUITES))
@@ -86,7 +85,7 @@ def _acc_cell(v: float | None) -> str:
 
 
 def _table(heading: str | None, *columns: str, bold: tuple[int, ...] = ()) -> Table:
-    """A table of right-aligned `columns` (those at the indices `bold` in bold) after a heading."""
+    """A table of right-aligned `columns` (at the indices `bold`: in bold) after a heading."""
     if heading is not None:
         console.print(f"[bold]{heading}[/]", soft_wrap=True)
     t = Table()
@@ -260,11 +259,9 @@ def show_results(run_dir: str, values: list[str] | None, as_json: bool) -> None:
         if not as_json:
             render(doc, run)
             step = (doc.get("weights") or {}).get("step")
-            on = (
-                (f" on {doc['device']}" if doc.get("device") else "")
-                + (f" in {doc['dtype']}" if doc.get("dtype") else "")
-                + (f" · weights of step {step}" if step is not None else "")
-            )
+            on = f" on {doc['device']}" if doc.get("device") else ""
+            on += f" in {doc['dtype']}" if doc.get("dtype") else ""
+            on += f" · weights of step {step}" if step is not None else ""
             console.print(
                 f"[dim]{result_path(run, key)} · computed {doc.get('created', '?')}{on}[/]", soft_wrap=True
             )
@@ -424,8 +421,7 @@ def eval_command(
     from difftrain.io import uncreatable_reason
     from difftrain.rundir import load_run
 
-    why = uncreatable_reason(Path(run_dir) / "eval")  # before any work: results are saved there
-    if why is not None:
+    if (why := uncreatable_reason(Path(run_dir) / "eval")) is not None:  # results are saved there
         raise RunDirError(
             f"cannot save results in {Path(run_dir) / 'eval'}: {why}; make the run folder writable, or "
             "copy the run to a folder you can write and evaluate the copy"

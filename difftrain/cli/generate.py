@@ -61,8 +61,8 @@ def read_prompt_file(path: Path) -> list[Prompt]:
 
 
 def _read_prompt(marker: str = "» ") -> str:
-    """A message typed at the REPL (lines ending in \\ continue it); no `marker` on piped input.
-    EOFError at the end of input, or where the output's reader went away."""
+    """A message typed at the REPL (lines ending in \\ continue it); no `marker` on piped input;
+    EOFError at the end of input or output."""
     if console.quiet:  # (`on_broken_pipe`)
         raise EOFError
     with contextlib.suppress(ImportError):  # line editing and history (arrow keys) where there is readline
@@ -81,8 +81,7 @@ def _read_prompt(marker: str = "» ") -> str:
         except BrokenPipeError:
             raise EOFError from None
         text = "\n".join(lines).removeprefix("\ufeff")  # (a byte-order mark is no part of a message)
-        problem = utf8_problem(text)
-        if problem is None:
+        if (problem := utf8_problem(text)) is None:
             return text
         if piped:  # nobody to type it again: as --prompt-file - refuses it
             require_utf8(text, "standard input")
@@ -95,8 +94,7 @@ _REASONS = dict(eos="end of document", stop="stop string", length="--max-new-tok
 @dataclass
 class _Render:
     """Shows what a session and its REPL yield: text on stdout, the rest on stderr. Each row's
-    completion follows a rule naming it (with `rules`) and its prompt, dimmed, or `reply_label`;
-    `stop_reason`: what a footer calls a stop string."""
+    completion follows a rule (with `rules`) and its prompt, dimmed, or `reply_label`."""
 
     session: Any
     rules: bool
@@ -152,9 +150,8 @@ class _Render:
         ]
         if len(results) == 1:
             c = results[0].completion
-            parts.append(f"first token {c.first_token_s * 1000:.0f} ms")
-            reason = c.finish_reason
-            parts.append(f"stopped: {self.stop_reason if reason == 'stop' else _REASONS[reason]}")
+            reason = {**_REASONS, "stop": self.stop_reason}[c.finish_reason]
+            parts += [f"first token {c.first_token_s * 1000:.0f} ms", f"stopped: {reason}"]
         else:
             parts.insert(0, f"{len(results)} completions")
         err_console.print("[dim]" + " · ".join(parts), soft_wrap=True)
@@ -167,7 +164,7 @@ class _Render:
 
 
 def _banner(run: Any, load_s: float, seed: int, style: Any, greedy: bool = False) -> None:
-    """The run's one-line description; `greedy`: decoding draws nothing, so no seed is shown."""
+    """The run's one-line description (a seed unless `greedy`)."""
     kind = "instruction-tuned" if style.instruction else "pretrained"
     run_banner(run, f"loaded in {load_s:.1f} s", "greedy" if greedy else f"seed {seed}", kind=kind)
 
@@ -192,8 +189,7 @@ def _stdin_has_data() -> bool:
         if sys.stdin is None or sys.stdin.isatty():
             return False
         fd = sys.stdin.fileno()
-        ready, _, _ = select.select([fd], [], [], 0)
-        return bool(ready) and os.read(fd, 1) != b""
+        return bool(select.select([fd], [], [], 0)[0]) and os.read(fd, 1) != b""
     except (OSError, ValueError, AttributeError):
         return False
 

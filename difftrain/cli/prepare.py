@@ -32,10 +32,9 @@ def prepare_table(prepared: Any, tokenizer_cfg: Any) -> Any:
     """The summary table of a `PreparedData` made with the recipe's `tokenizer_cfg`."""
     s = prepared.stats
     cached = "reused from cache" if prepared.from_cache else "built now"
+    tok_note = "cached" if prepared.tokenizer_from_cache else f"trained in {s.tokenizer_seconds:.1f} s"
     if tokenizer_cfg.path is not None:
         tok_note = f"loaded from {tokenizer_cfg.path}"
-    else:
-        tok_note = "cached" if prepared.tokenizer_from_cache else f"trained in {s.tokenizer_seconds:.1f} s"
     # sources weighted other than 1 write training documents as often as their weight says
     weighted = s.train_tokens + s.val_tokens != s.tokens
     copies = " · train counts each weighted copy (data.sources[].weight)" if weighted else ""

@@ -9,6 +9,7 @@ from typing import Any
 
 import typer
 
+from difftrain.cli.common import console, warn
 from difftrain.cli.complete import override_items, recipe_refs
 from difftrain.errors import RecipeError
 
@@ -20,7 +21,6 @@ def list_recipes() -> None:
     """List the shipped recipes with a one-line description each."""
     from rich.table import Table
 
-    from difftrain.cli.common import console
     from difftrain.recipe import recipe_summary, shipped_recipes
 
     table = Table(title="shipped recipes", title_justify="left")
@@ -46,7 +46,6 @@ def show(
     the whole recipe a run would use."""
     from rich.syntax import Syntax
 
-    from difftrain.cli.common import console
     from difftrain.recipe import find_recipe, load_recipe, read_recipe_text
 
     if overrides and not resolved:
@@ -65,7 +64,6 @@ def cp(
     force: bool = typer.Option(False, "--force", help="Overwrite an existing file."),
 ) -> None:
     """Copy a shipped recipe (or any recipe file) to DEST so you can edit it (like `tune cp`)."""
-    from difftrain.cli.common import warn
     from difftrain.recipe import find_recipe
 
     if not dest.strip():
@@ -155,7 +153,6 @@ def explain(
     from rich.markup import escape
     from rich.table import Table
 
-    from difftrain.cli.common import console
     from difftrain.recipe import explain_rows, recipe_reference_markdown
 
     if markdown:

@@ -9,17 +9,10 @@ each row gets RoPE positions 0 … L_i − 1, so each row computes exactly what 
     prefill:  logits = model(ids (B, P), cache, key_padding_mask)[:, −1]   (fills the KV cache)
     decode:   v_t ~ sampler(logits);  logits = model(v_t (B, 1), cache)[:, −1]
 
-`compile=True` runs the decode steps compiled over a static KV cache (`KVCache.start_static`);
-`use_cache=False` recomputes the whole sequence every step, the reference for the cached path.
-
 A sequence stops (first match wins) at `eos` (not part of the text), `stop` (a stop string: the
-text is cut before it, and a possible start of one is held back while streaming), `length`
-(`max_new_tokens`) or `context`: the model reads at most `max_seq_len` tokens, so a prompt of L
-tokens gets at most max_seq_len − L + 1 new ones. It stops rather than slides the window, which
-would recompute it every step or keep cache entries that saw tokens no longer in it.
-
-Row i samples from its own generator seeded `seeds[i]` (default `config.seed + i`), so a sample
-does not depend on its batch.
+text is cut before it), `length` (`max_new_tokens`) or `context`: a prompt of L tokens gets at most
+max_seq_len − L + 1 new ones; the window never slides. Row i samples from its own generator seeded
+`seeds[i]` (default `config.seed + i`), so a sample does not depend on its batch.
 """
 
 from __future__ import annotations
@@ -74,11 +67,9 @@ class Finished:
 
 
 def prompt_ids(tokenizer: Any, text: str, *, document_start: bool = True) -> list[int]:
-    """Token ids of a text prompt. With `document_start`, preceded by the token a document starts
-    after (`Tokenizer.document_start_id`): <|eos|> for difftrain's tokenizers (pretraining streams
-    `doc eos doc eos …`), or an imported tokenizer's bos (Llama's <s>); an empty text gives that
-    token alone. Without it (an instruction or chat prompt), the ids start as fine-tuning examples
-    did: after the tokenizer's `record_start_id`, if any."""
+    """Token ids of a text prompt, after the token a document starts after (`document_start_id`:
+    <|eos|>, or an imported tokenizer's bos) or, without `document_start` (an instruction or chat
+    prompt), after the tokenizer's `record_start_id`, if any."""
     from difftrain.data.tokenizer import record_start_id
 
     ids = tokenizer.encode(text)
@@ -211,13 +202,11 @@ def generate(
     eos_id: int | None = None,
     seeds: Sequence[int] | None = None,
 ) -> Iterator[Token | Finished]:
-    """Generate continuations of `prompts` (token ids) as one batch, yielding events as they happen
-    (those of one step in sequence order).
+    """Generate continuations of `prompts` (token ids) as one batch, yielding events as they happen.
 
-    model: a `Transformer` in eval mode (its device and dtype are used). tokenizer: a
-    `difftrain.data.tokenizer.Tokenizer`, needed for text and stop strings; eos_id defaults to its
-    eos. seeds: one per prompt. Logit rows the tokenizer has no token for (past its vocabulary,
-    which vocab_size: auto rounds up, or its `unused_ids`) are never drawn.
+    model: a `Transformer` in eval mode. tokenizer: needed for text and stop strings; eos_id
+    defaults to its eos. seeds: one per prompt. Logit rows the tokenizer has no token for (past its
+    vocabulary, or its `unused_ids`) are never drawn.
     """
     config = config or GenerationConfig()
     mc = model.config  # type: ignore[attr-defined]

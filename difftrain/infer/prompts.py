@@ -13,6 +13,7 @@ from difftrain.errors import DataError
 from difftrain.io import json_error_reason
 
 _ESCAPES = {"n": "\n", "t": "\t", "\\": "\\"}
+_ONE_OBJECT = 'each line must be an object like {"prompt": "..."}'
 
 
 def unescape(text: str) -> str:
@@ -41,8 +42,7 @@ def utf8_problem(text: str) -> str | None:
 
 def require_utf8(text: str, where: str) -> None:
     """A DataError naming `where` when `text` is no UTF-8 text."""
-    problem = utf8_problem(text)
-    if problem is not None:
+    if (problem := utf8_problem(text)) is not None:
         raise DataError(f"{where}: {problem}; give UTF-8 text")
 
 
@@ -61,13 +61,9 @@ def parse_prompts(text: str, name: str, *, jsonl: bool) -> list[Prompt]:
         try:
             record = json.loads(line)
         except json.JSONDecodeError as e:
-            raise DataError(
-                f'{where}: invalid JSON ({json_error_reason(e)}); each line must be an object like {{"prompt": "..."}}'
-            ) from None
+            raise DataError(f"{where}: invalid JSON ({json_error_reason(e)}); {_ONE_OBJECT}") from None
         if not isinstance(record, dict) or "prompt" not in record:
-            raise DataError(
-                f'{where}: no "prompt" field; each line must be an object like {{"prompt": "..."}}'
-            )
+            raise DataError(f'{where}: no "prompt" field; {_ONE_OBJECT}')
         if not isinstance(record["prompt"], str) or not record["prompt"]:
             raise DataError(f'{where}: "prompt" must be some text, got {record["prompt"]!r}')
         prompts.append(Prompt(record["prompt"], where, record))

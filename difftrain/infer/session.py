@@ -63,7 +63,6 @@ class Result:
     def to_json(self) -> dict[str, Any]:
         """The fields of `difftrain generate --json`'s results."""
         c, row = self.completion, self.row
-        # a .jsonl prompt's other fields (an id, a reference answer) go along
         extra = {k: v for k, v in row.prompt.record.items() if k != "prompt"}
         return {
             "prompt": row.prompt.text,
