@@ -126,7 +126,7 @@ def rank_warning(model: nn.Module, spec: AdapterSpec) -> str | None:
     )
 
 
-def save_adapter(run_dir: Path, model: nn.Module, spec: AdapterSpec, step: int) -> None:
+def save_adapter(run_dir: Path, model: nn.Module, step: int, spec: AdapterSpec) -> None:
     """Write adapter.safetensors, then adapter.json (both atomically)."""
     spec.step = step
     atomic_save_safetensors(

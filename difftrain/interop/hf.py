@@ -207,8 +207,7 @@ def export_hf(
         exact = {k: t for k, t in ours.items() if k in back and not torch.equal(back[k], t)}
     if exact:
         notes.append(f"{len(exact)} exact difftrain tensors kept in {SIDECAR} for bit-identical re-import")
-    stale = _stale_shards(out)
-    if stale:
+    if stale := _stale_shards(out):
         notes.append(
             f"removed {len(stale)} files of the folder's earlier sharded weights ({HF_INDEX} and its shards), "
             "which would shadow this export's for a reader that looks for shards first"

@@ -125,9 +125,8 @@ def apply_lora(
             )
         for p in base.parameters():
             p.requires_grad_(False)
-        lora = LoRALinear(base, rank, alpha, dropout)
+        out[name] = lora = LoRALinear(base, rank, alpha, dropout)
         _set_module(model, name, lora)
-        out[name] = lora
     return out
 
 
@@ -182,21 +181,12 @@ def quantize_4bit(
         lin = model.get_submodule(name)
         if not isinstance(lin, nn.Linear) or is_4bit(lin) or lin.bias is not None:
             raise ConfigError(f"{name}: only bias-free nn.Linear layers can be stored in 4 bits")
+        nf4 = dict(compress_statistics=True, quant_type="nf4")
         q = bnb.nn.Linear4bit(
-            lin.in_features,
-            lin.out_features,
-            bias=False,
-            compute_dtype=compute_dtype,
-            compress_statistics=True,
-            quant_type="nf4",
-            device="meta",
+            lin.in_features, lin.out_features, bias=False, compute_dtype=compute_dtype, device="meta", **nf4
         )
         q.weight = bnb.nn.Params4bit(
-            lin.weight.detach().float().cpu(),
-            requires_grad=False,
-            compress_statistics=True,
-            quant_type="nf4",
-            blocksize=NF4_BLOCKSIZE,
+            lin.weight.detach().float().cpu(), requires_grad=False, blocksize=NF4_BLOCKSIZE, **nf4
         )
         q = q.to(device)  # quantises
         if hasattr(q, "support_avx512bf16_for_cpu"):

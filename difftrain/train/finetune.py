@@ -18,6 +18,7 @@ import math
 import shlex
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -405,10 +406,7 @@ def finetune(
             "used_rows": setup.base_vocab_rows,
         }
         setup.lora_targets, setup.trained_in_full = adapter.targets, adapter.trained
-
-        def export(run_dir: Path, m: torch.nn.Module, step: int, adapter: Any = adapter) -> None:
-            save_adapter(run_dir, m, adapter, step)
-
+        export = partial(save_adapter, spec=adapter)  # (run_dir, model, step)
     model.set_activation_checkpointing(t.activation_checkpointing)
     opts = FitOptions(
         counts=counts,

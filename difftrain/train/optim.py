@@ -36,10 +36,7 @@ def param_groups(
             continue
         is_embedding = "embed_tokens" in name or (name.endswith("lm_head.weight") and _is_tied(model))
         ndim = ndims.get(clean_name(name), p.ndim) if ndims is not None else p.ndim
-        if ndim >= 2 and (decay_embeddings or not is_embedding):
-            decay.append(p)
-        else:
-            no_decay.append(p)
+        (decay if ndim >= 2 and (decay_embeddings or not is_embedding) else no_decay).append(p)
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
@@ -113,9 +110,7 @@ def lr_multiplier(cfg: OptimConfig, total_steps: int) -> Callable[[int], float]:
             return floor + (1 - floor) * (1 - p)
         if cfg.schedule == "wsd":
             start = 1 - cfg.decay_fraction
-            if p <= start:
-                return 1.0
-            return floor + (1 - floor) * (1 - (p - start) / cfg.decay_fraction)
+            return 1.0 if p <= start else floor + (1 - floor) * (1 - (p - start) / cfg.decay_fraction)
         return 1.0
 
     return f
