@@ -36,13 +36,7 @@ import tokenizers
 
 from difftrain.data.builtin import stable_seed
 from difftrain.data.config import DataConfig, TokenizerConfig
-from difftrain.data.sources import (
-    Source,
-    SourceStats,
-    check_distinct,
-    require_documents,
-    resolve_sources,
-)
+from difftrain.data.sources import Source, SourceStats, check_distinct, require_documents, resolve_sources
 from difftrain.data.tokenizer import (
     Tokenizer,
     load_tokenizer,

@@ -39,12 +39,7 @@ from difftrain.interop.convert import (
     value_scale,
 )
 from difftrain.interop.paths import EXPORT_DTYPES, check_export_paths, check_import_paths
-from difftrain.io import (
-    atomic_save_safetensors,
-    atomic_write_bytes,
-    atomic_write_text,
-    json_error_reason,
-)
+from difftrain.io import atomic_save_safetensors, atomic_write_bytes, atomic_write_text, json_error_reason
 from difftrain.model.config import ModelConfig
 from difftrain.rundir import CHECKPOINTS, CONFIG, METRICS, RECIPE, TOKENIZER, WEIGHTS
 

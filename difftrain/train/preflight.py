@@ -193,7 +193,7 @@ def _clear_run_dir(run_dir: Path) -> None:
 
 def start_warnings(spec: RunSpec, point: Any, warnings: Sequence[str] = ()) -> list[str]:
     """The warnings a run gives at its start: the resume's (a damaged checkpoint skipped, a
-    changed schedule, ...), the caller's (`warnings`: the memory spec, ...), then, on a fresh
+    changed schedule, ...), the caller's (`warnings`: the memory plan, ...), then, on a fresh
     start, the warm-up against the run's length."""
     return [*point.warnings, *warnings] if point else [*warnings, *_warmup_notes(spec)]
 

@@ -109,16 +109,12 @@ def _quiet_lightning() -> None:
     """Silence Lightning's info logs and the warnings that do not apply to difftrain's runs."""
     for name in ("lightning", "lightning.pytorch", "lightning.fabric", "pytorch_lightning"):
         logging.getLogger(name).setLevel(logging.ERROR)
-    for message in (
-        "does not have many workers",
-        "TensorBoard",
-        "LeafSpec",
-        "`isinstance.*treespec",
-        "Checkpoint directory.*exists and is not empty",
-        "`IterableDataset` has `__len__` defined",
-        "defined a `validation_step` but have no `val_dataloader`",
-    ):
-        warnings.filterwarnings("ignore", message=f".*{message}.*")
+    ignored = (
+        "does not have many workers|TensorBoard|LeafSpec|`isinstance.*treespec|Checkpoint directory.*exists "
+        "and is not empty|`IterableDataset` has `__len__` defined|defined a `validation_step` but have no "
+        "`val_dataloader`"
+    )
+    warnings.filterwarnings("ignore", message=f".*({ignored})")
 
 
 def prepare_text(spec: RunSpec, dist: DistContext, progress: Any) -> Any:
