@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 
 import torch
-from common import hf_model_for
+from common import common_prefix, hf_model_for
 
 from difftrain.infer.generate import GenerationConfig, generate_all
 from difftrain.infer.sampling import SamplingConfig
@@ -52,15 +52,6 @@ def time_decode(
     seconds = time.perf_counter() - t0
     assert len(c.token_ids) == new_tokens, (len(c.token_ids), c.finish_reason)
     return seconds, c.token_ids, warmup
-
-
-def common_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 def hf_model(model: Transformer) -> torch.nn.Module | None:
