@@ -6,15 +6,13 @@ take turns, `steps` steps per repetition, so that a change of load hits both ali
 the median over repetitions, the ratio the median of per-repetition ratios.
 
 Peak memory: on CUDA, max_memory_allocated above what was allocated before the arch was built;
-on a CPU, weights, optimizer state and batch plus the profiled peak of one more step.
-`rss_growth` (Linux CPUs): the growth of the peak resident set while the arch was built and
-warmed up (allocator slack and libraries loaded on first use, carried by the arch measured first).
+on a CPU, weights, optimizer state and batch plus the profiled peak of one more step (the
+resident set adds allocator slack and libraries: `python benchmarks/memory.py` measures it).
 """
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import gc
 import itertools
 import math
@@ -34,39 +32,18 @@ from difftrain.spec import resolve
 Progress = Callable[[str], None]
 
 
-def _proc_status_bytes(field: str) -> int:
-    """A `kB` field of /proc/self/status (VmRSS, VmHWM) in bytes."""
-    with open("/proc/self/status", encoding="ascii") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    raise OSError(f"/proc/self/status has no {field}")
-
-
-def memory_mark(device: torch.device) -> int | None:
-    """Start a peak measurement: the bytes in use now (None where it cannot be measured)."""
+def cuda_mark(device: torch.device) -> int:
+    """Start a CUDA peak measurement: the bytes allocated now, with the peak statistics reset."""
     gc.collect()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        return torch.cuda.memory_allocated(device)
-    try:
-        with contextlib.suppress(OSError, AttributeError):  # glibc: hand free blocks back first
-            ctypes.CDLL("libc.so.6").malloc_trim(0)
-        before = _proc_status_bytes("VmRSS")
-        with open("/proc/self/clear_refs", "w", encoding="ascii") as f:
-            f.write("5")  # reset VmHWM to the current resident set
-        return before
-    except OSError:  # not Linux
-        return None
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    return torch.cuda.memory_allocated(device)
 
 
-def memory_peak(device: torch.device, before: int | None) -> int | None:
-    """Bytes of the peak since `memory_mark` returned `before`, above it."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        return int(torch.cuda.max_memory_allocated(device) - (before or 0))
-    return None if before is None else max(0, _proc_status_bytes("VmHWM") - before)
+def cuda_peak(device: torch.device, before: int) -> int:
+    """Bytes of the CUDA peak since `cuda_mark` returned `before`, above it."""
+    torch.cuda.synchronize(device)
+    return int(torch.cuda.max_memory_allocated(device) - before)
 
 
 def cpu_tensor_peak(step: Callable[[], None], model: Any, opt: Any, *batch: torch.Tensor) -> int:
@@ -165,17 +142,16 @@ def bench_recipe(
     rows: dict[str, dict[str, Any]] = {}
     for arch in archs:
         say(f"building {arch} and taking {warmup} warm-up steps")
-        before = memory_mark(device)
+        cuda = device.type == "cuda"
+        before = cuda_mark(device) if cuda else 0
         torch.manual_seed(r.seed)
         model, opt, fns[arch] = training(cfg.replace(arch=arch), t, r.optim, x, y)
         t0 = time.perf_counter()
         for _ in range(warmup):
             fns[arch]()
-        grown = memory_peak(device, before)  # (synchronizes a GPU)
+        peak_bytes = cuda_peak(device, before) if cuda else None  # (synchronizes the GPU)
         warmup_s = round(time.perf_counter() - t0, 2)
-        if device.type == "cuda":
-            peak_bytes, grown = grown, None
-        else:
+        if not cuda:
             peak_bytes = cpu_tensor_peak(fns[arch], model, opt, ids)
         counts = model.num_params()
         rows[arch] = {
@@ -185,7 +161,6 @@ def bench_recipe(
             ),
             "warmup_s": warmup_s,
             "peak_memory": peak_bytes,
-            "rss_growth": grown,
             "step_s_reps": [],
         }
     say(f"timing {' and '.join(archs)} in turn: {reps} × {steps} steps each")
@@ -245,9 +220,9 @@ def _device(device: torch.device) -> dict[str, Any]:
 
 
 def measure_training_peak(spec: dict[str, Any]) -> dict[str, Any]:
-    """The peak memory that 3 training steps of `spec` (device, config, batch, seq_len, optimizer,
-    checkpointing, precision) add (`measured_peak`: call it in a fresh process) and, on a CPU,
-    `tensor_peak` (`cpu_tensor_peak`)."""
+    """The peak memory of 3 training steps of `spec` (device, config, batch, seq_len, optimizer,
+    checkpointing, precision): on CUDA `measured_peak` (max_memory_allocated growth), on a CPU
+    `tensor_peak` (`cpu_tensor_peak`) and `measured_peak` None."""
     from difftrain.model import ModelConfig
     from difftrain.recipe import OptimConfig, TrainConfig
 
@@ -256,7 +231,8 @@ def measure_training_peak(spec: dict[str, Any]) -> dict[str, Any]:
     B, T = spec["batch"], spec["seq_len"]
     ids = torch.randint(0, cfg.vocab_size, (B, T + 1), generator=torch.Generator().manual_seed(0))  # type: ignore[arg-type]
     x, y = ids[:, :-1].to(device), ids[:, 1:].to(device)
-    before = memory_mark(device)
+    cuda = device.type == "cuda"
+    before = cuda_mark(device) if cuda else 0
     train = TrainConfig(
         max_steps=3,
         precision=spec["precision"],
@@ -266,7 +242,6 @@ def measure_training_peak(spec: dict[str, Any]) -> dict[str, Any]:
     model, opt, step = training(cfg, train, OptimConfig(name=spec["optimizer"], lr=1e-4), x, y)
     for _ in range(3):
         step()
-    out: dict[str, Any] = {"measured_peak": memory_peak(device, before)}
-    if device.type != "cuda":
-        out["tensor_peak"] = cpu_tensor_peak(step, model, opt, x, y)
-    return out
+    if cuda:
+        return {"measured_peak": cuda_peak(device, before)}
+    return {"measured_peak": None, "tensor_peak": cpu_tensor_peak(step, model, opt, x, y)}

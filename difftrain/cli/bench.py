@@ -69,8 +69,6 @@ def render(result: dict[str, Any]) -> None:
         a = result["archs"][arch]
         mfu = f"MFU {a['mfu']:.1%}" if a["mfu"] is not None else "MFU — (no known peak FLOP/s here)"
         mem = fmt_bytes(a["peak_memory"])
-        if a["rss_growth"] is not None:
-            mem += f" (resident set +{fmt_bytes(a['rss_growth'])})"
         speed = (
             f"{a['tokens_per_s']:,.0f} tokens/s · {mfu} · peak memory {mem} · {fmt_count(a['params'])} params"
         )
@@ -81,8 +79,7 @@ def render(result: dict[str, Any]) -> None:
     what = (
         "torch.cuda.max_memory_allocated over building the model and its warm-up steps"
         if dev["type"] == "cuda"
-        else "the tensors' peak in a step (the profiler's); the resident set's growth adds allocator "
-        "slack and the libraries loaded on first use, which the arch measured first carries"
+        else "weights, optimizer state and batch plus the tensors' peak in a step (the profiler's)"
     )
     console.print(f"[dim]peak memory: {what}[/]", soft_wrap=True)
     for note in result["notes"]:
