@@ -15,7 +15,6 @@ from __future__ import annotations
 import contextlib
 import gc
 import itertools
-import math
 import os
 import platform
 import statistics
@@ -27,6 +26,7 @@ from typing import Any
 import torch
 
 from difftrain.errors import ConfigError, RecipeError
+from difftrain.model.config import vocab_rows
 from difftrain.spec import resolve
 
 Progress = Callable[[str], None]
@@ -123,7 +123,7 @@ def bench_recipe(
     t, cfg, notes = r.train, spec.model, []
     if cfg.vocab_size == "auto":  # as training sizes it: the tokenizer's, rounded up to 64
         size = tokenizer_size(r)
-        cfg = cfg.replace(vocab_size=64 * math.ceil(size / 64))
+        cfg = cfg.replace(vocab_size=vocab_rows(size))
         notes.append(f"model.vocab_size is auto: {cfg.vocab_size} (from the tokenizer's {size} tokens)")
     if world > 1:
         notes.append(f"one device measured; the run trains on {world}")

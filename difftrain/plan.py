@@ -34,7 +34,7 @@ from difftrain.memory import (  # noqa: F401 - optimizer_bytes, saved_activation
     saved_activation_bytes,
     step_activations,
 )
-from difftrain.model.config import ModelConfig
+from difftrain.model.config import ModelConfig, vocab_rows
 from difftrain.spec import Machine, RunSpec, resolve
 
 MAX_GPU_MEMORY = 4 * 2**40  # above any one GPU: a slip of the finger (8000GB for 80GB) is refused
@@ -225,7 +225,7 @@ def _vocab_size(recipe: Any) -> int:
     """model.vocab_size, resolving 'auto' as pretrain does: the tokenizer's size rounded up to 64."""
     if isinstance(recipe.model.vocab_size, int):
         return recipe.model.vocab_size
-    return 64 * math.ceil(tokenizer_size(recipe) / 64)
+    return vocab_rows(tokenizer_size(recipe))
 
 
 def tokenizer_size(recipe: Any) -> int:

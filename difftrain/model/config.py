@@ -24,6 +24,11 @@ Arch = Literal["baseline", "diff", "diff2"]
 AttnImpl = Literal["auto", "eager", "sdpa", "flex"]
 
 
+def vocab_rows(tokens: int) -> int:
+    """Embedding rows for a tokenizer of `tokens` ids: rounded up to a multiple of 64."""
+    return 64 * math.ceil(tokens / 64)
+
+
 def lambda_init(layer_idx: int) -> float:
     """λinit = 0.8 − 0.6·exp(−0.3·l) for 0-based layer index l (Differential Transformer, eq. 2)."""
     return 0.8 - 0.6 * math.exp(-0.3 * layer_idx)

@@ -14,7 +14,6 @@ The loop itself — optimizer, precision, checkpoints, exact resume, progress, s
 
 from __future__ import annotations
 
-import math
 import shlex
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -26,6 +25,7 @@ import torch
 
 from difftrain.data.sft import SFTTemplate, add_special_tokens, render_messages
 from difftrain.errors import DataError, DeviceError, RecipeError, RunDirError
+from difftrain.model.config import vocab_rows
 from difftrain.recipe import Recipe, require_finetuning, resolve_data_format
 from difftrain.rundir import RECIPE, TOKENIZER, base_run_dir, load_config, resolve_model
 from difftrain.spec import RunSpec, resolve
@@ -295,7 +295,7 @@ def setup_finetune(
             prepared, r.data, seq_len=spec.seq_len, micro_batch_size=r.train.micro_batch_size, seed=r.seed
         )
     if tokenizer.vocab_size > int(spec.model.vocab_size):  # (rows kept while they hold every id)
-        spec = spec.with_model(spec.model.replace(vocab_size=64 * math.ceil(tokenizer.vocab_size / 64)))
+        spec = spec.with_model(spec.model.replace(vocab_size=vocab_rows(tokenizer.vocab_size)))
     base_vocab_size = int(load_config(base).vocab_size)  # (the spec's model has the grown vocabulary)
 
     resuming, point = (dist or DistContext()).on_rank_zero(  # (a dry run: one process)

@@ -21,6 +21,7 @@ import torch
 from difftrain.devicecheck import has_tensorboard
 from difftrain.errors import CheckpointError, RecipeError, StopRequested
 from difftrain.io import atomic_write_json
+from difftrain.model.config import vocab_rows
 from difftrain.recipe import Recipe
 from difftrain.rundir import METRICS, RECIPE, SUMMARY
 from difftrain.spec import RunSpec, resolve
@@ -188,7 +189,7 @@ def setup_pretrain(
     prepared = prepare_text(spec, dist, data_progress)  # data + tokenizer (a second run reuses both)
     tokenizer = load_tokenizer(prepared.tokenizer_path)
     if spec.model.vocab_size == "auto":  # (with_model keeps the recipe's folder and source)
-        spec = spec.with_model(spec.model.replace(vocab_size=64 * math.ceil(tokenizer.vocab_size / 64)))
+        spec = spec.with_model(spec.model.replace(vocab_size=vocab_rows(tokenizer.vocab_size)))
     check_vocab_fits(tokenizer, spec.model.vocab_size)
     warned = memory_warnings(spec.recipe, spec.accelerator)
     return PretrainSetup(spec, resuming, point, dist, prepared, tokenizer, warnings=warned)
