@@ -128,13 +128,11 @@ class _Text:
             out, self.text, self.emitted = self.text[self.emitted : cut], self.text[:cut], cut
             return out, True
         # held back: the longest suffix of the text that is a proper prefix of a stop string
-        stop_prefixes = (
-            k
+        longest = (
+            next((k for k in range(min(len(s) - 1, len(self.text)), 0, -1) if self.text.endswith(s[:k])), 0)
             for s in self.stops
-            for k in range(1, min(len(s), len(self.text) + 1))
-            if self.text.endswith(s[:k])
         )
-        keep = 0 if final else max(stop_prefixes, default=0)
+        keep = 0 if final else max(longest, default=0)
         end = max(self.emitted, len(self.text) - keep)
         out, self.emitted = self.text[self.emitted : end], end
         return out, False
@@ -236,10 +234,11 @@ def generate(
     if config.sampling.repetition_penalty != 1.0:
         seen = torch.zeros(B, mc.vocab_size, dtype=torch.bool, device=device)
         seen[mask.nonzero(as_tuple=True)[0], ids[mask]] = True
-    # rows of no token (untrained, so not −inf in a young model)
-    n_tokens, unused = getattr(tokenizer, "vocab_size", None), set(getattr(tokenizer, "unused_ids", ()))
-    banned = [i for i in range(mc.vocab_size) if (n_tokens is not None and i >= n_tokens) or i in unused]
-    banned_ids = torch.tensor(banned, dtype=torch.long, device=device) if banned else None
+    # rows of no token (untrained, so not −inf in a young model): past the tokenizer, and its gaps
+    n_tokens = min(getattr(tokenizer, "vocab_size", None) or mc.vocab_size, mc.vocab_size)
+    gaps = [i for i in getattr(tokenizer, "unused_ids", ()) if i < n_tokens]
+    banned = torch.cat((torch.tensor(gaps, dtype=torch.long), torch.arange(n_tokens, mc.vocab_size)))
+    banned_ids = banned.to(device) if len(banned) else None
 
     texts = [_Text(tokenizer, config.stop, p) if tokenizer is not None else None for p in prompts]
     produced: list[list[int]] = [[] for _ in range(B)]
