@@ -8,7 +8,6 @@ recomputed; `difftrain eval` fills in missing suites.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import re
 import shlex
@@ -33,7 +32,7 @@ from difftrain.evals.common import (
     split_key,
     stale,
 )
-from difftrain.io import RunLock
+from difftrain.io import RunLock, sha256_file
 from difftrain.rundir import (
     CONFIG,
     METRICS,
@@ -395,7 +394,7 @@ def _tokenizer_note(runs: Sequence[RunRecord]) -> str | None:
     for r in runs:
         f = r.path / TOKENIZER
         try:
-            held[r.label] = (hashlib.sha256(f.read_bytes()).hexdigest(), r.config.get("vocab_size"))
+            held[r.label] = (sha256_file(f), r.config.get("vocab_size"))
         except OSError:
             continue
     if len({digest for digest, _ in held.values()}) < 2:
