@@ -16,7 +16,6 @@ import contextlib
 import gc
 import itertools
 import os
-import platform
 import statistics
 import sys
 import time
@@ -179,7 +178,7 @@ def bench_recipe(
     return {
         "recipe": str(r.source or r.name),
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "device": _device(device),
+        "device": _device(spec),
         "arch": archs[0],
         "other": archs[1] if len(archs) > 1 else None,
         "setup": {
@@ -202,17 +201,14 @@ def bench_recipe(
     }
 
 
-def _device(device: torch.device) -> dict[str, Any]:
+def _device(spec: Any) -> dict[str, Any]:
+    """The machine measured, as the run's start table names it (`spec.Machine`)."""
     from difftrain import __version__
 
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor()
-    if device.type == "cpu":
-        with contextlib.suppress(OSError), open("/proc/cpuinfo", encoding="utf-8") as f:
-            name = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), name)
     return {
-        "type": device.type,
-        "name": name or platform.machine(),
-        "threads": torch.get_num_threads(),
+        "type": spec.accelerator,
+        "name": spec.machine.name,
+        "threads": spec.machine.threads,
         "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
         "torch": torch.__version__,
         "difftrain": __version__,
