@@ -13,7 +13,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from difftrain.errors import RecipeError, RunDirError, TokenizerError
+from difftrain.errors import ConfigError, RecipeError, RunDirError, TokenizerError
 from difftrain.io import LOCK_FILE, RunLock, atomic_write_text, remove_stale_temps
 from difftrain.recipe import Recipe
 from difftrain.rundir import CHECKPOINTS, CONFIG, RECIPE, TOKENIZER
@@ -122,7 +122,7 @@ def resumed_run_files(run_dir: Path, tokenizer: Any, point: Any) -> list[str]:
     restore = []
     try:
         ModelConfig.from_json(run_dir / CONFIG)
-    except Exception:  # missing, not JSON, not a model: the recipe's model is the run's
+    except ConfigError:  # missing, not JSON, not a model: the recipe's model is the run's
         restore.append(CONFIG)
     tok = run_dir / TOKENIZER
     try:
