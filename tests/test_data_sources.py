@@ -135,6 +135,19 @@ def test_parquet_reads_a_column_and_names_the_columns_when_it_is_missing(tmp_pat
         read_one({"source": "t.parquet.gz", "text_field": "content"}, tmp_path)
 
 
+def test_a_parquet_file_damaged_past_its_first_pages_is_one_data_error(tmp_path: Path) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path = tmp_path / "d.parquet"
+    pq.write_table(pa.table({"text": [f"row {i} " * 50 for i in range(5000)]}), path, row_group_size=500)
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2 : len(data) // 2 + 4000] = bytes(4000)  # the footer stays readable
+    path.write_bytes(bytes(data))
+    with pytest.raises(DataError, match=r"d\.parquet: not a readable Parquet file after row \d+"):
+        read_one("d.parquet", tmp_path)
+
+
 def test_parquet_without_pyarrow_says_how_to_install_it(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

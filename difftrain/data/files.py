@@ -205,8 +205,16 @@ def parquet_rows(
     except Exception as e:
         raise DataError(f"{path}: not a readable Parquet file ({e}); check the file") from e
     columns = columns_read(columns, pf.schema_arrow.names, chat, f"{path}: Parquet file", label)
-    row = 0
-    for batch in pf.iter_batches(columns=columns, batch_size=1024):
+    row, batches = 0, pf.iter_batches(columns=columns, batch_size=1024)
+    while True:
+        try:  # a damaged page fails where it is read
+            batch = next(batches, None)
+        except Exception as e:
+            raise DataError(
+                f"{path}: not a readable Parquet file after row {row} ({e}); check the file"
+            ) from e
+        if batch is None:
+            return
         for values in zip(*(batch.column(i).to_pylist() for i in range(len(columns))), strict=True):
             yield f"{path}, row {row}", dict(zip(columns, values, strict=True))
             row += 1
