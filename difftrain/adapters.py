@@ -17,7 +17,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +24,7 @@ from torch import nn
 
 from difftrain.errors import ConfigError, RunDirError
 from difftrain.io import (
+    atomic_dir,
     atomic_save_safetensors,
     atomic_write_json,
     atomic_write_text,
@@ -203,14 +203,6 @@ def merge_run(run_dir: Path | str, out_dir: Path | str | None = None, *, overwri
             )
     run = load_adapter_run(run_dir, merge=True)
     spec = read_adapter_spec(run_dir)
-    if out.is_dir():  # removed once the merged model is in memory (a file there was refused)
-        shutil.rmtree(out)
-    out.mkdir(parents=True, exist_ok=True)
-    run.config.to_json(out / CONFIG)  # type: ignore[attr-defined]
-    run.tokenizer.save(out / TOKENIZER)  # type: ignore[attr-defined]
-    for name in (RECIPE, METRICS):
-        if (run_dir / name).is_file():
-            atomic_write_text(out / name, (run_dir / name).read_text(encoding="utf-8"))
     summary: dict[str, Any] = {}
     with contextlib.suppress(OSError, json.JSONDecodeError):  # missing or damaged: a new one
         summary = json.loads((run_dir / SUMMARY).read_text())
@@ -220,8 +212,13 @@ def merge_run(run_dir: Path | str, out_dir: Path | str | None = None, *, overwri
         "method": spec.method,
         "step": spec.step,
     }
-    atomic_write_json(out / SUMMARY, summary)
-    save_weights(
-        out / WEIGHTS, run.model, {"step": str(spec.step), "merged_from": str(Path(run_dir).resolve())}
-    )
+    with atomic_dir(out) as new:  # an earlier merge there is replaced only once this one is whole
+        run.config.to_json(new / CONFIG)  # type: ignore[attr-defined]
+        run.tokenizer.save(new / TOKENIZER)  # type: ignore[attr-defined]
+        for name in (RECIPE, METRICS):
+            if (run_dir / name).is_file():
+                atomic_write_text(new / name, (run_dir / name).read_text(encoding="utf-8"))
+        atomic_write_json(new / SUMMARY, summary)
+        merged_from = str(Path(run_dir).resolve())
+        save_weights(new / WEIGHTS, run.model, {"step": str(spec.step), "merged_from": merged_from})
     return out

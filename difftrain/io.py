@@ -12,6 +12,7 @@ import errno
 import hashlib
 import json
 import os
+import shutil
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -66,6 +67,30 @@ def atomic_path(path: str | os.PathLike[str]) -> Iterator[Path]:
         tmp.unlink(missing_ok=True)
         raise
     fsync_dir(dest.parent)
+
+
+@contextlib.contextmanager
+def atomic_dir(path: str | os.PathLike[str]) -> Iterator[Path]:
+    """`atomic_path` for a folder: yield an empty temporary folder next to `path`; on success it
+    takes `path`'s place, and what `path` held is removed only then. On any exception the
+    temporary folder is removed and `path` is untouched."""
+    dest = Path(path)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.{os.getpid()}.", suffix=".tmp", dir=dest.parent))
+    os.chmod(tmp, 0o777 & ~_UMASK)
+    old = tmp.with_suffix(".old")
+    try:
+        yield tmp
+        if dest.exists():
+            os.replace(dest, old)
+        os.replace(tmp, dest)
+    except BaseException:
+        if old.exists() and not dest.exists():
+            os.replace(old, dest)  # (the swap failed halfway: put the old folder back)
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    fsync_dir(dest.parent)
+    shutil.rmtree(old, ignore_errors=True)
 
 
 def _pid_alive(pid: int) -> bool:

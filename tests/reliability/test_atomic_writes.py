@@ -70,3 +70,23 @@ def test_no_file_is_ever_written_in_place(workspace, tmp_path, monkeypatch, shar
     in_place = sorted(str(p.relative_to(root)) for p in written if not _is_temporary(p, root))
     assert in_place == [], f"written in place (not atomically): {in_place}"
     assert len(written) > 20, final  # the watch saw the writes (a sanity check of the test itself)
+
+
+def test_a_folder_written_with_atomic_dir_replaces_the_old_one_only_when_whole(tmp_path):
+    import pytest
+
+    from difftrain.io import atomic_dir
+
+    dest = tmp_path / "merged"
+    dest.mkdir()
+    (dest / "model.safetensors").write_text("old")
+    with pytest.raises(RuntimeError), atomic_dir(dest) as new:  # killed halfway: the old run stays
+        (new / "config.json").write_text("{}")
+        raise RuntimeError("killed")
+    assert [p.name for p in tmp_path.iterdir()] == ["merged"]
+    assert (dest / "model.safetensors").read_text() == "old"
+    with atomic_dir(dest) as new:
+        (new / "model.safetensors").write_text("new")
+    assert [p.name for p in tmp_path.iterdir()] == ["merged"]  # no temporary or old folder left
+    assert [p.name for p in dest.iterdir()] == ["model.safetensors"]
+    assert (dest / "model.safetensors").read_text() == "new"
